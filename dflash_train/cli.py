@@ -1,0 +1,52 @@
+"""The `dflash-train` command: a thin dispatcher over the stage modules.
+
+Each stage module exposes `add_arguments(parser)` and `run(args) -> int`; it is imported only when its
+command runs, so `dflash-train ingest` never pays for importing the trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dflash_train.errors import UserError
+
+# command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "ingest": ("dflash_train.ingest", "parse, dedup, scrub and split production logs into prompts"),
+    "capture": ("dflash_train.capture", "replay prompts through the target; store its responses and hidden states"),
+    "verify": ("dflash_train.store", "re-hash every shard of a capture store and check its manifest"),
+    "train": ("dflash_train.trainer", "train a drafter from a recipe (same as `accelerate launch train.py`)"),
+    "eval": ("dflash_train.evaluate", "measure acceptance length with real speculative decoding"),
+    "push": ("dflash_train.push", "write the model card and upload the drafter to the Hugging Face Hub"),
+}
+
+
+def _top_level_help() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: dflash-train COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`dflash-train COMMAND --help` describes a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_top_level_help())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"dflash-train: unknown command {command!r}\n\n{_top_level_help()}", file=sys.stderr)
+        return 2
+    module_name, help_ = COMMANDS[command]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"dflash-train {command}", description=help_)
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    try:
+        return int(module.run(args) or 0)
+    except UserError as err:
+        print(f"dflash-train {command}: error: {err}", file=sys.stderr)
+        return 2

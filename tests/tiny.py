@@ -1,0 +1,64 @@
+"""A tiny random Llama target (hidden 64, 8 layers, vocab 1024) with a real byte-level BPE tokenizer and a
+ChatML template, so that tests exercise the same code paths as the real target in milliseconds.
+
+The tokenizer has fewer entries than the embedding table, leaving reserved rows past its vocabulary (as
+Qwen3 has), and SmolLM2-like special tokens at the start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a tiny test assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<file_sep>", "<filename>"]
+CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome. Water boils at 100 degrees.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+    "Hello! How can I help you today? I am a helpful assistant and I like short answers.",
+    "Write a poem about the sea. The sea is blue and wide, the waves roll in with the tide.",
+    "Summarize the main ideas of the article in three bullet points for a marketing team.",
+    "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \" @ # $ % ^ & _ | ~ `",
+] * 20
+TOKENIZER_VOCAB = 900
+MODEL_VOCAB = 1024
+
+
+def make_tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>", pad_token="<|im_end|>")
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def make_tiny_target(out_dir: str | Path, seed: int = 0, num_layers: int = 8) -> Path:
+    """Write a random tiny Llama checkpoint with tokenizer to `out_dir` and return the folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    tokenizer = make_tiny_tokenizer()
+    config = LlamaConfig(vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():  # larger logits than the default init, so greedy decoding is not all ties
+        model.model.embed_tokens.weight.normal_(0, 1.0)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
