@@ -1,0 +1,583 @@
+"""The capture store: a few large safetensors shards plus a manifest.json, read with memory-mapped random access.
+
+Layout of a store folder:
+  manifest.json                       what the store holds (target identity, layers, dtype, decoding, shards)
+  shard-r000-00000.safetensors ...    per rank, numbered; each holds whole samples as concatenated token streams
+  journal-r000.json                   per rank: the shards it has finished (the resume point of that rank)
+  provenance.json                     what made the folder
+
+A shard holds
+  input_ids      int32  [T]           every sample's tokens, one after another
+  loss_mask      bool   [T]           True on the target's response tokens
+  hidden_states  bf16 | float8_e4m3fn [T, n*H]   tapped layers concatenated, every position
+  scales         float32 [T]          (fp8 only) one scale per token: state = fp8 * scale
+  offsets        int64  [N+1]         sample i is tokens offsets[i]:offsets[i+1]
+  weights        int64  [N]
+and the sample ids (and the ids dropped for non-finite states) as JSON in the safetensors metadata.
+
+Shards are written under a temporary name, fsynced, hashed and renamed; only then does the rank's journal list
+them. A killed writer therefore leaves finished shards (kept on rerun) and at most one temporary file (deleted
+on rerun, its samples redone): every sample ends up in the store exactly once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import errno
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from dflash_train.errors import UserError
+from dflash_train.provenance import (INCOMPLETE_MARKER, complete_output, start_output, write_json_atomic,
+                                     write_provenance)
+
+FORMAT = "dflash-train-store"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+BYTES_PER_VALUE = {"bf16": 2, "fp8": 1}
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+DEFAULT_SHARD_BYTES = 1 << 30
+
+
+def shard_name(rank: int, index: int) -> str:
+    return f"shard-r{rank:03d}-{index:05d}.safetensors"
+
+
+def journal_name(rank: int) -> str:
+    return f"journal-r{rank:03d}.json"
+
+
+def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, D] -> (float8_e4m3fn [T, D], float32 scales [T]) with one scale per token (row amax maps to 448)."""
+    x = states.float()
+    amax = x.abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x / scales[:, None]).to(torch.float8_e4m3fn), scales
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return (q.float() * scales.float()[:, None]).to(dtype)
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _is_disk_full(err: OSError) -> bool:
+    return err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _disk_full_error(path: Path) -> UserError:
+    return UserError(f"disk full while writing {path}; nothing half-written was kept. Free space and rerun the "
+                     f"same command: finished shards are kept and the capture resumes")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------- writing
+
+@dataclass
+class _Pending:
+    """Samples buffered for the next shard."""
+    ids: list[str] = field(default_factory=list)
+    weights: list[int] = field(default_factory=list)
+    input_ids: list[torch.Tensor] = field(default_factory=list)
+    loss_mask: list[torch.Tensor] = field(default_factory=list)
+    states: list[torch.Tensor] = field(default_factory=list)
+    scales: list[torch.Tensor] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    nbytes: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.input_ids)
+
+
+class StoreWriter:
+    """Appends samples to a store folder, shard by shard; resumable.
+
+        with StoreWriter(out, target=identity, target_layer_ids=[1, 3, 5], hidden_size=64) as writer:
+            writer.add(input_ids, loss_mask, hidden_states, id="p1", weight=1)
+
+    `hidden_states` is [S, len(target_layer_ids) * hidden_size]. Leaving the `with` block (or `close()`) flushes
+    the last shard and, with `finalize=True` (the default), writes manifest.json and marks the folder complete.
+    Under several processes every rank opens its own writer (rank=, world_size=), closes it with
+    `finalize=False`, and rank 0 calls `finalize_store(out)` after a barrier.
+
+    Reopening a folder that a killed writer left behind resumes it: `done_ids` holds every sample id already
+    stored (or dropped) by any rank, so the caller skips those and the store ends with each id exactly once.
+    The settings (target, layers, dtype, generation) must match the ones the folder was started with.
+    """
+
+    def __init__(self, out_dir: str | Path, *, target: dict[str, Any], target_layer_ids: list[int],
+                 hidden_size: int, storage_dtype: str = "bf16", generation: dict[str, Any] | None = None,
+                 ingest_report: dict[str, Any] | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 rank: int = 0, world_size: int = 1, extra: dict[str, Any] | None = None):
+        if storage_dtype not in STORAGE_DTYPES:
+            raise UserError(f"storage dtype {storage_dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")
+        self.out = Path(out_dir)
+        self.rank = rank
+        self.world_size = world_size
+        self.storage_dtype = storage_dtype
+        self.shard_bytes = max(1, int(shard_bytes))
+        self.width = len(target_layer_ids) * hidden_size
+        self.settings = {
+            "target": target,
+            "target_layer_ids": [int(i) for i in target_layer_ids],
+            "hidden_size": int(hidden_size),
+            "num_tapped": len(target_layer_ids),
+            "storage_dtype": storage_dtype,
+            "generation": generation or {},
+        }
+        self.ingest_report = ingest_report
+        self.extra = extra or {}
+        self._pending = _Pending()
+        self._closed = False
+        if self.out.exists() and not self.out.is_dir():
+            raise UserError(f"store folder {self.out} exists and is not a folder")
+        if rank == 0:
+            start_output(self.out)
+            if (self.out / MANIFEST).exists():  # a finished store being extended or rerun: rewritten at the end
+                (self.out / MANIFEST).unlink()
+        else:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self._check_settings_of_other_journals()
+        self._journal = self._load_own_journal()
+        self.done_ids = self._all_done_ids()
+
+    # resume ------------------------------------------------------------------------------------------
+    def _check_settings_of_other_journals(self) -> None:
+        for path in sorted(self.out.glob("journal-r*.json")):
+            journal = _read_json(path)
+            for key, value in self.settings.items():
+                if journal.get("settings", {}).get(key) != value:
+                    raise UserError(
+                        f"store {self.out} was started with a different {key!r} ({path.name} has "
+                        f"{json.dumps(journal.get('settings', {}).get(key))[:200]}, this run "
+                        f"{json.dumps(value)[:200]}): use a new --out folder or the same settings")
+
+    def _load_own_journal(self) -> dict[str, Any]:
+        path = self.out / journal_name(self.rank)
+        journal = _read_json(path) if path.exists() else {"rank": self.rank, "settings": self.settings,
+                                                            "shards": []}
+        kept = []
+        for entry in journal["shards"]:
+            shard = self.out / entry["file"]
+            if shard.exists() and shard.stat().st_size == entry["bytes"]:
+                kept.append(entry)
+            else:
+                print(f"store {self.out}: shard {entry['file']} is missing or has the wrong size; its samples "
+                      f"will be captured again", flush=True)
+        journal["shards"] = kept
+        listed = {entry["file"] for entry in kept}
+        # A shard renamed just before a kill but never journaled, and temporary files, are redone.
+        for path_ in self.out.glob(f"shard-r{self.rank:03d}-*"):
+            if path_.name not in listed:
+                path_.unlink()
+        self._next_index = 1 + max((int(e["file"].split("-")[2].split(".")[0]) for e in kept), default=-1)
+        return journal
+
+    def _all_done_ids(self) -> set[str]:
+        done: set[str] = set()
+        journals = [self._journal] + [_read_json(p) for p in self.out.glob("journal-r*.json")
+                                      if p.name != journal_name(self.rank)]
+        for journal in journals:
+            for entry in journal["shards"]:
+                done.update(entry["ids"])
+                done.update(entry["dropped_ids"])
+        return done
+
+    # appending ---------------------------------------------------------------------------------------
+    def add(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden_states: torch.Tensor, id: str,
+            weight: int = 1) -> bool:
+        """Buffer one sample; returns False (and counts it) when its states hold NaN/inf and it was dropped."""
+        if self._closed:
+            raise RuntimeError("StoreWriter is closed")
+        id = str(id)
+        if id in self.done_ids:
+            raise ValueError(f"sample id {id!r} is already in store {self.out}")
+        n = int(input_ids.shape[0])
+        if n == 0 or loss_mask.shape != (n,) or hidden_states.shape != (n, self.width):
+            raise ValueError(f"sample {id!r}: input_ids {tuple(input_ids.shape)}, loss_mask "
+                             f"{tuple(loss_mask.shape)} and hidden_states {tuple(hidden_states.shape)} do not "
+                             f"match [S], [S], [S, {self.width}] with S > 0")
+        self.done_ids.add(id)
+        if not torch.isfinite(hidden_states).all():
+            self._pending.dropped.append(id)
+            return False
+        p = self._pending
+        p.ids.append(id)
+        p.weights.append(int(weight))
+        p.input_ids.append(input_ids.detach().to("cpu", torch.int32))
+        p.loss_mask.append(loss_mask.detach().to("cpu", torch.bool))
+        states = hidden_states.detach().to("cpu")
+        if self.storage_dtype == "fp8":
+            q, scales = quantize_fp8(states)
+            p.states.append(q)
+            p.scales.append(scales)
+        else:
+            p.states.append(states.to(torch.bfloat16))
+        p.nbytes += n * (self.width * BYTES_PER_VALUE[self.storage_dtype] + 5
+                         + (4 if self.storage_dtype == "fp8" else 0))
+        if p.nbytes >= self.shard_bytes:
+            self.flush()
+        return True
+
+    def flush(self) -> None:
+        """Write the buffered samples as one shard (tmp name, fsync, sha256, rename), then journal it."""
+        p = self._pending
+        if not p.ids and not p.dropped:
+            return
+        name = shard_name(self.rank, self._next_index)
+        final, tmp = self.out / name, self.out / (name + ".tmp")
+        lengths = torch.tensor([len(t) for t in p.input_ids], dtype=torch.int64)
+        offsets = torch.zeros(len(p.ids) + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        empty_states = torch.zeros(0, self.width, dtype=STORAGE_DTYPES[self.storage_dtype])
+        tensors = {
+            "input_ids": torch.cat(p.input_ids) if p.ids else torch.zeros(0, dtype=torch.int32),
+            "loss_mask": torch.cat(p.loss_mask) if p.ids else torch.zeros(0, dtype=torch.bool),
+            "hidden_states": torch.cat(p.states) if p.ids else empty_states,
+            "offsets": offsets,
+            "weights": torch.tensor(p.weights, dtype=torch.int64),
+        }
+        if self.storage_dtype == "fp8":
+            tensors["scales"] = torch.cat(p.scales) if p.ids else torch.zeros(0, dtype=torch.float32)
+        metadata = {"format": FORMAT, "ids": json.dumps(p.ids), "dropped_ids": json.dumps(p.dropped)}
+        try:
+            _save_safetensors(tensors, metadata, tmp)
+            digest = sha256_file(tmp)
+            os.replace(tmp, final)
+            _fsync_dir(self.out)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            if _is_disk_full(err):
+                raise _disk_full_error(tmp) from None
+            raise
+        entry = {"file": name, "num_samples": len(p.ids), "num_tokens": int(offsets[-1]),
+                 "bytes": final.stat().st_size, "sha256": digest, "ids": p.ids, "dropped_ids": p.dropped}
+        self._journal["shards"].append(entry)
+        self._write_json(self.out / journal_name(self.rank), self._journal)
+        self._next_index += 1
+        self._pending = _Pending()
+
+    def _write_json(self, path: Path, obj: Any) -> None:
+        try:
+            write_json_atomic(path, obj)
+        except OSError as err:
+            path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+            if _is_disk_full(err):
+                raise _disk_full_error(path) from None
+            raise
+
+    def close(self, finalize: bool = True) -> dict[str, Any] | None:
+        """Flush the last shard; with finalize (single process, or rank 0 after a barrier) write the manifest."""
+        if self._closed:
+            return None
+        self.flush()
+        self._closed = True
+        if finalize:
+            return finalize_store(self.out, ingest_report=self.ingest_report, extra=self.extra)
+        return None
+
+    def __enter__(self) -> "StoreWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"cannot read {path}: {err}") from None
+
+
+def finalize_store(out_dir: str | Path, ingest_report: dict[str, Any] | None = None,
+                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Merge every rank's journal into manifest.json, write provenance and mark the folder complete."""
+    out = Path(out_dir)
+    journals = [_read_json(p) for p in sorted(out.glob("journal-r*.json"))]
+    if not journals:
+        raise UserError(f"store {out} has no journal-r*.json: nothing was captured into it")
+    settings = journals[0]["settings"]
+    shards = [entry for journal in journals for entry in journal["shards"]]
+    referenced = {entry["file"] for entry in shards}
+    for path in out.glob("shard-r*"):  # leftovers of a rank that was killed and not rerun with this rank
+        if path.name not in referenced:
+            path.unlink()
+    num_tokens = sum(e["num_tokens"] for e in shards)
+    floor = settings["num_tapped"] * settings["hidden_size"] * BYTES_PER_VALUE[settings["storage_dtype"]]
+    shard_bytes = sum(e["bytes"] for e in shards)
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        **settings,
+        "num_samples": sum(e["num_samples"] for e in shards),
+        "num_tokens": num_tokens,
+        "num_dropped_nonfinite": sum(len(e["dropped_ids"]) for e in shards),
+        "dropped_ids": [i for e in shards for i in e["dropped_ids"]],
+        "bytes": shard_bytes,
+        "floor_bytes_per_token": floor,
+        "bytes_per_token": shard_bytes / num_tokens if num_tokens else None,
+        "shards": [{k: e[k] for k in ("file", "num_samples", "num_tokens", "bytes", "sha256")} for e in shards],
+        "ingest_report": ingest_report,
+        **(extra or {}),
+    }
+    path = out / MANIFEST
+    try:
+        write_json_atomic(path, manifest)
+        write_provenance(out, config={k: v for k, v in manifest.items() if k not in ("shards", "dropped_ids")})
+    except OSError as err:
+        for tmp in out.glob("*.json.tmp"):
+            tmp.unlink()
+        path.unlink(missing_ok=True)
+        if _is_disk_full(err):
+            raise _disk_full_error(path) from None
+        raise
+    complete_output(out)
+    return manifest
+
+
+# --------------------------------------------------------------------------------------------------- reading
+
+@dataclass
+class _Shard:
+    path: Path
+    ids: list[str]
+    offsets: torch.Tensor  # int64 [N+1]
+    weights: torch.Tensor  # int64 [N]
+
+
+class Store(Sequence):
+    """A read-only store: `store[i]` -> {input_ids, loss_mask, hidden_states, id, weight}; memory-mapped.
+
+    Each item reads only its own token range from its shard (safetensors slices over an mmap), so random
+    access costs the sample's bytes, not the shard's. Safe to use from DataLoader workers: file handles are
+    opened lazily per process."""
+
+    def __init__(self, root: Path, manifest: dict[str, Any], shards: list[_Shard]):
+        self.root = root
+        self.manifest = manifest
+        self._shards = shards
+        self._starts = [0]
+        for shard in shards:
+            self._starts.append(self._starts[-1] + len(shard.ids))
+        self._handles: dict[int, Any] = {}
+        self._pid = os.getpid()
+        self.fp8 = manifest["storage_dtype"] == "fp8"
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_handles": {}}
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample index {index} out of range for a store of {len(self)}")
+        s = bisect.bisect_right(self._starts, index) - 1
+        return s, index - self._starts[s]
+
+    def _handle(self, s: int):
+        from safetensors import safe_open
+
+        if self._pid != os.getpid():  # forked into a worker: mmaps are not shared safely, reopen
+            self._handles, self._pid = {}, os.getpid()
+        if s not in self._handles:
+            self._handles[s] = safe_open(str(self._shards[s].path), framework="pt")
+        return self._handles[s]
+
+    def length(self, index: int) -> int:
+        """Token count of sample `index` without reading it (for length-bucketed batching)."""
+        s, j = self._locate(index)
+        offsets = self._shards[s].offsets
+        return int(offsets[j + 1] - offsets[j])
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(n) for shard in self._shards for n in (shard.offsets[1:] - shard.offsets[:-1]).tolist()]
+
+    @property
+    def ids(self) -> list[str]:
+        return [i for shard in self._shards for i in shard.ids]
+
+    def __getitem__(self, index: int) -> dict[str, Any]:  # type: ignore[override]
+        s, j = self._locate(index)
+        shard = self._shards[s]
+        a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
+        f = self._handle(s)
+        states = f.get_slice("hidden_states")[a:b]
+        if self.fp8:
+            states = dequantize_fp8(states, f.get_slice("scales")[a:b])
+        return {
+            "input_ids": f.get_slice("input_ids")[a:b].long(),
+            "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
+            "hidden_states": states,
+            "id": shard.ids[j],
+            "weight": int(shard.weights[j]),
+        }
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for i in range(len(self)):
+            yield self[i]
+
+
+REQUIRED_KEYS = ("format", "target", "target_layer_ids", "hidden_size", "num_tapped", "storage_dtype",
+                 "generation", "num_samples", "num_tokens", "shards")
+
+
+def _load_manifest(root: Path) -> dict[str, Any]:
+    if not root.is_dir():
+        raise UserError(f"store {root} does not exist (run `dflash-train capture --out {root}` first)")
+    if (root / INCOMPLETE_MARKER).exists() or not (root / MANIFEST).exists():
+        raise UserError(f"store {root} is incomplete (no manifest.json, or an {INCOMPLETE_MARKER} marker): "
+                        f"rerun the capture command that wrote it to finish it")
+    manifest = _read_json(root / MANIFEST)
+    missing = [k for k in REQUIRED_KEYS if k not in manifest]
+    if missing or manifest.get("format") != FORMAT:
+        raise UserError(f"{root / MANIFEST} is not a {FORMAT} manifest (missing keys: {', '.join(missing)})")
+    if manifest["storage_dtype"] not in STORAGE_DTYPES:
+        raise UserError(f"{root / MANIFEST}: unknown storage_dtype {manifest['storage_dtype']!r}")
+    return manifest
+
+
+def _read_shard(root: Path, entry: dict[str, Any], manifest: dict[str, Any]) -> _Shard:
+    """Open one shard's header and index, checking it against its manifest entry (size, counts, shapes)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = root / entry["file"]
+    if not path.exists():
+        raise UserError(f"store {root}: shard {entry['file']} is missing")
+    if path.stat().st_size != entry["bytes"]:
+        raise UserError(f"store {root}: shard {entry['file']} has {path.stat().st_size} bytes, the manifest says "
+                        f"{entry['bytes']} (truncated or replaced)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            ids = json.loads(meta["ids"])
+            offsets = f.get_tensor("offsets")
+            weights = f.get_tensor("weights")
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except (SafetensorError, OSError, KeyError, ValueError) as err:
+        raise UserError(f"store {root}: shard {entry['file']} is unreadable ({type(err).__name__}: {err})") from None
+    n, t = entry["num_samples"], entry["num_tokens"]
+    width = manifest["num_tapped"] * manifest["hidden_size"]
+    expected = {"input_ids": (t,), "loss_mask": (t,), "hidden_states": (t, width), "offsets": (n + 1,),
+                "weights": (n,)}
+    if manifest["storage_dtype"] == "fp8":
+        expected["scales"] = (t,)
+    problems = [f"{k} has shape {shapes.get(k)}, expected {v}" for k, v in expected.items() if shapes.get(k) != v]
+    if len(ids) != n:
+        problems.append(f"{len(ids)} ids for {n} samples")
+    if n and (int(offsets[0]) != 0 or int(offsets[-1]) != t or bool((offsets[1:] <= offsets[:-1]).any())):
+        problems.append("offsets are not increasing from 0 to the token count")
+    if problems:
+        raise UserError(f"store {root}: shard {entry['file']} does not match the manifest: {'; '.join(problems)}")
+    return _Shard(path=path, ids=ids, offsets=offsets, weights=weights)
+
+
+def open_store(path: str | Path) -> Store:
+    """Open a finished store folder for reading. Raises UserError naming the folder (and shard) if it is
+    missing, incomplete or inconsistent. Cheap: reads the manifest and each shard's header and index only;
+    `dflash-train verify` re-hashes the data."""
+    root = Path(path)
+    manifest = _load_manifest(root)
+    shards = [_read_shard(root, entry, manifest) for entry in manifest["shards"]]
+    if sum(len(s.ids) for s in shards) != manifest["num_samples"]:
+        raise UserError(f"store {root}: the shards hold {sum(len(s.ids) for s in shards)} samples, the manifest "
+                        f"says {manifest['num_samples']}")
+    return Store(root, manifest, shards)
+
+
+# --------------------------------------------------------------------------------------------------- verify
+
+def verify_store(path: str | Path) -> list[str]:
+    """Every problem found in a store (empty list = sound): re-hashes each shard and checks the manifest."""
+    root = Path(path)
+    manifest = _load_manifest(root)
+    problems: list[str] = []
+    seen: set[str] = set()
+    total_samples = total_tokens = 0
+    from tqdm import tqdm
+
+    for entry in tqdm(manifest["shards"], desc="verify", unit="shard", leave=False):
+        name = entry["file"]
+        if not (root / name).exists():
+            problems.append(f"shard {name}: missing")
+            continue
+        if (root / name).stat().st_size != entry["bytes"]:
+            problems.append(f"shard {name}: {(root / name).stat().st_size} bytes, manifest says {entry['bytes']} "
+                            f"(truncated or replaced)")
+            continue
+        digest = sha256_file(root / name)
+        if digest != entry["sha256"]:
+            problems.append(f"shard {name}: sha256 {digest[:16]}... does not match the manifest's "
+                            f"{entry['sha256'][:16]}... (corrupted)")
+            continue
+        try:
+            shard = _read_shard(root, entry, manifest)
+        except UserError as err:
+            problems.append(str(err))
+            continue
+        duplicates = seen.intersection(shard.ids)
+        if duplicates or len(set(shard.ids)) != len(shard.ids):
+            problems.append(f"shard {name}: duplicate sample ids {sorted(duplicates)[:5]}")
+        seen.update(shard.ids)
+        total_samples += entry["num_samples"]
+        total_tokens += entry["num_tokens"]
+    if not problems and (total_samples, total_tokens) != (manifest["num_samples"], manifest["num_tokens"]):
+        problems.append(f"manifest totals ({manifest['num_samples']} samples, {manifest['num_tokens']} tokens) "
+                        f"differ from the shards' ({total_samples}, {total_tokens})")
+    return problems
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("store", help="a store folder written by `dflash-train capture`")
+
+
+def run(args: argparse.Namespace) -> int:
+    problems = verify_store(args.store)
+    if problems:
+        for problem in problems:
+            print(f"FAIL {args.store}: {problem}")
+        print(f"verify {args.store}: {len(problems)} problem(s)")
+        return 1
+    m = _load_manifest(Path(args.store))
+    per_token = m["bytes"] / m["num_tokens"] if m.get("num_tokens") else 0.0
+    print(f"verify {args.store}: OK: {m['num_samples']} samples, {m['num_tokens']} tokens, {len(m['shards'])} "
+          f"shard(s), {m['bytes'] / 2**20:.1f} MiB, {per_token:.1f} bytes/token vs floor "
+          f"{m['floor_bytes_per_token']} ({100 * (per_token / m['floor_bytes_per_token'] - 1):+.2f}%), "
+          f"{m['storage_dtype']}, layers {m['target_layer_ids']}, {m.get('num_dropped_nonfinite', 0)} dropped")
+    return 0

@@ -1,0 +1,195 @@
+import errno
+import json
+import pickle
+
+import pytest
+import torch
+
+from dflash_train import store as store_mod
+from dflash_train.cli import main as cli_main
+from dflash_train.errors import UserError
+from dflash_train.store import StoreWriter, finalize_store, open_store, verify_store
+
+IDENTITY = {"name": "fake", "config_hash": "abc", "tokenizer_hash": "def", "chat_template_hash": "ghi"}
+
+
+def make_samples(n, width, seed=0, min_len=3, max_len=40):
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        s = int(torch.randint(min_len, max_len, (1,), generator=g))
+        prompt = int(torch.randint(1, s, (1,), generator=g))
+        mask = torch.zeros(s, dtype=torch.bool)
+        mask[prompt:] = True
+        samples.append({"id": f"s{i}", "weight": i % 3 + 1, "input_ids": torch.randint(0, 1000, (s,), generator=g),
+                        "loss_mask": mask, "hidden_states": torch.randn(s, width, generator=g).to(torch.bfloat16)})
+    return samples
+
+
+def write(out, samples, layers=(1, 3, 5), hidden=8, **kw):
+    with StoreWriter(out, target=IDENTITY, target_layer_ids=list(layers), hidden_size=hidden,
+                     generation={"temperature": 0.0, "template_kwargs": {}}, **kw) as writer:
+        for s in samples:
+            writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id=s["id"], weight=s["weight"])
+    return writer
+
+
+def test_round_trip_many_shards(tmp_path):
+    samples = make_samples(30, 24)
+    write(tmp_path / "st", samples, shard_bytes=2000, ingest_report={"kept": 30})
+    st = open_store(tmp_path / "st")
+    m = st.manifest
+    assert len(st) == 30 and m["num_samples"] == 30 and len(m["shards"]) > 3
+    assert m["num_tokens"] == sum(len(s["input_ids"]) for s in samples)
+    assert m["target"] == IDENTITY and m["target_layer_ids"] == [1, 3, 5] and m["hidden_size"] == 8
+    assert m["num_tapped"] == 3 and m["storage_dtype"] == "bf16" and m["ingest_report"] == {"kept": 30}
+    assert m["generation"]["template_kwargs"] == {}
+    assert all(len(e["sha256"]) == 64 and e["num_samples"] > 0 for e in m["shards"])
+    for i in [0, 7, 29, -1, 13]:  # random access across shards, negative index
+        item, ref = st[i], samples[i]
+        assert item["id"] == ref["id"] and item["weight"] == ref["weight"]
+        assert item["input_ids"].dtype == torch.long and torch.equal(item["input_ids"], ref["input_ids"])
+        assert item["loss_mask"].dtype == torch.bool and torch.equal(item["loss_mask"], ref["loss_mask"])
+        assert item["hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(item["hidden_states"], ref["hidden_states"])
+    assert st.lengths == [len(s["input_ids"]) for s in samples] and st.ids == [s["id"] for s in samples]
+    with pytest.raises(IndexError):
+        st[30]
+    assert pickle.loads(pickle.dumps(st))[3]["id"] == "s3"  # DataLoader workers get a copy
+    assert verify_store(tmp_path / "st") == []
+    assert not list((tmp_path / "st").glob("*.tmp")) and (tmp_path / "st" / "provenance.json").exists()
+
+
+def test_overhead_under_two_percent_at_real_width(tmp_path):
+    width = 5 * 576  # SmolLM2 with 5 tapped layers
+    samples = make_samples(12, width, min_len=100, max_len=300)
+    write(tmp_path / "st", samples, layers=(1, 7, 14, 20, 27), hidden=576)
+    m = open_store(tmp_path / "st").manifest
+    floor = width * 2
+    assert m["floor_bytes_per_token"] == floor
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "st").glob("shard-*.safetensors"))
+    assert on_disk == m["bytes"]
+    assert on_disk / (m["num_tokens"] * floor) - 1 < 0.02
+
+
+def test_fp8_round_trip(tmp_path):
+    width = 3 * 64
+    samples = make_samples(10, width, min_len=50, max_len=80)
+    for s in samples:  # rows with very different magnitudes: the per-token scale must handle both
+        s["hidden_states"][::2] *= 50
+    write(tmp_path / "bf16", samples, hidden=64)
+    write(tmp_path / "fp8", samples, hidden=64, storage_dtype="fp8")
+    st = open_store(tmp_path / "fp8")
+    assert st.manifest["storage_dtype"] == "fp8"
+    for item, ref in zip(st, samples):
+        assert item["hidden_states"].dtype == torch.bfloat16
+        x, y = ref["hidden_states"].float(), item["hidden_states"].float()
+        rel = (x - y).norm(dim=-1) / x.norm(dim=-1)
+        assert rel.max() < 0.05, rel.max()
+        assert torch.equal(item["input_ids"], ref["input_ids"])
+    size = lambda d: sum(p.stat().st_size for p in (tmp_path / d).glob("shard-*"))  # noqa: E731
+    assert 0.45 < size("fp8") / size("bf16") < 0.56
+    assert open_store(tmp_path / "fp8").manifest["floor_bytes_per_token"] == width
+
+
+def test_nonfinite_samples_dropped_and_counted(tmp_path):
+    samples = make_samples(6, 24)
+    samples[2]["hidden_states"][1, 3] = float("nan")
+    samples[4]["hidden_states"][0, 0] = float("inf")
+    write(tmp_path / "st", samples)
+    st = open_store(tmp_path / "st")
+    assert st.ids == ["s0", "s1", "s3", "s5"]
+    assert st.manifest["num_dropped_nonfinite"] == 2 and st.manifest["dropped_ids"] == ["s2", "s4"]
+
+
+def test_flipped_byte_fails_verify_naming_the_shard(tmp_path, capsys):
+    write(tmp_path / "st", make_samples(20, 24), shard_bytes=3000)
+    assert cli_main(["verify", str(tmp_path / "st")]) == 0
+    shard = open_store(tmp_path / "st").manifest["shards"][1]["file"]
+    path = tmp_path / "st" / shard
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01  # inside the tensor data: the header still parses, only the hash can tell
+    path.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert cli_main(["verify", str(tmp_path / "st")]) == 1
+    out = capsys.readouterr().out
+    assert shard in out and "corrupted" in out
+    assert sum(shard in line for line in out.splitlines() if line.startswith("FAIL")) == 1
+
+
+def test_truncated_shard_is_never_read(tmp_path, capsys):
+    write(tmp_path / "st", make_samples(20, 24), shard_bytes=3000)
+    shard = open_store(tmp_path / "st").manifest["shards"][0]["file"]
+    path = tmp_path / "st" / shard
+    path.write_bytes(path.read_bytes()[:-64])
+    with pytest.raises(UserError, match=shard):
+        open_store(tmp_path / "st")
+    assert cli_main(["verify", str(tmp_path / "st")]) == 1
+    assert shard in capsys.readouterr().out
+
+
+def test_missing_or_incomplete_store_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        open_store(tmp_path / "nope")
+    writer = StoreWriter(tmp_path / "st", target=IDENTITY, target_layer_ids=[1], hidden_size=8)
+    s = make_samples(1, 8)[0]
+    writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id="a")
+    writer.flush()
+    with pytest.raises(UserError, match="incomplete"):
+        open_store(tmp_path / "st")
+    assert cli_main(["verify", str(tmp_path / "st")]) == 2
+
+
+def test_resume_after_kill_keeps_finished_shards_and_redoes_the_partial_one(tmp_path):
+    samples = make_samples(20, 24)
+    out = tmp_path / "st"
+    writer = StoreWriter(out, target=IDENTITY, target_layer_ids=[1, 3, 5], hidden_size=8, shard_bytes=3000)
+    for s in samples[:13]:
+        writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id=s["id"], weight=s["weight"])
+    if not writer._pending.ids:  # make sure some samples are still buffered when the kill comes
+        writer.add(samples[13]["input_ids"], samples[13]["loss_mask"], samples[13]["hidden_states"], id="s13")
+    lost = set(writer._pending.ids)
+    journal = json.loads((out / "journal-r000.json").read_text())
+    done_before_kill = {i for shard in journal["shards"] for i in shard["ids"]}
+    (out / "shard-r000-00099.safetensors.tmp").write_bytes(b"half a shard")  # what a kill mid-write leaves
+    del writer  # killed: the buffered samples are lost
+    writer = StoreWriter(out, target=IDENTITY, target_layer_ids=[1, 3, 5], hidden_size=8, shard_bytes=3000)
+    assert writer.done_ids == done_before_kill and not lost & writer.done_ids and lost
+    assert not (out / "shard-r000-00099.safetensors.tmp").exists()
+    for s in samples:
+        if s["id"] not in writer.done_ids:
+            writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id=s["id"], weight=s["weight"])
+    writer.close()
+    st = open_store(out)
+    assert sorted(st.ids) == sorted(s["id"] for s in samples) and len(st) == 20
+    by_id = {s["id"]: s for s in samples}
+    assert all(torch.equal(item["hidden_states"], by_id[item["id"]]["hidden_states"]) for item in st)
+    with pytest.raises(UserError, match="storage_dtype"):
+        StoreWriter(out, target=IDENTITY, target_layer_ids=[1, 3, 5], hidden_size=8, storage_dtype="fp8")
+
+
+def test_disk_full_is_a_clear_error_and_leaves_no_manifest(tmp_path, monkeypatch):
+    samples = make_samples(8, 24)
+    out = tmp_path / "st"
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_save = store_mod._save_safetensors
+    monkeypatch.setattr(store_mod, "_save_safetensors", full)
+    with pytest.raises(UserError, match="disk full"):
+        write(out, samples)
+    assert not (out / "manifest.json").exists() and not list(out.glob("shard-*"))
+    monkeypatch.setattr(store_mod, "_save_safetensors", real_save)
+    writer = StoreWriter(out, target=IDENTITY, target_layer_ids=[1, 3, 5], hidden_size=8,
+                         generation={"temperature": 0.0, "template_kwargs": {}})
+    for s in samples:
+        writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id=s["id"], weight=s["weight"])
+    writer.flush()
+    monkeypatch.setattr(store_mod, "write_json_atomic", full)  # full again when the manifest is written
+    with pytest.raises(UserError, match="disk full"):
+        finalize_store(out)
+    assert not (out / "manifest.json").exists() and not list(out.glob("*.tmp"))
+    monkeypatch.undo()
+    finalize_store(out)  # space freed: the rerun finishes the same store
+    assert sorted(open_store(out).ids) == sorted(s["id"] for s in samples)
