@@ -25,7 +25,7 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -279,14 +279,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | Callable | None,
            scale: float) -> torch.Tensor:
     """Attention of q [b, h, Q, d] over k/v [b, kv_heads, K, d] -> [b, Q, h*d].
 
-    `mask`: None (all keys visible), a dense bool tensor broadcastable to [b, h, Q, K] (True = may attend), or a
-    FlexAttention BlockMask over the same keys."""
+    `mask`: None (all keys visible), a dense bool tensor broadcastable to [b, h, Q, K] (True = may attend), a
+    FlexAttention BlockMask over the same keys, or a callable `mask(q, k, v, scale=scale) -> [b, h, Q, d]` that
+    does the attention itself (the trainer's block-sparse kernel; k/v not repeated for GQA)."""
     if isinstance(mask, BlockMask):
         out = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+    elif callable(mask):
+        out = mask(q, k, v, scale=scale)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
@@ -450,7 +453,7 @@ class DFlashDrafter(nn.Module):
         return self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))
 
     def forward(self, block_embeds: torch.Tensor, context: torch.Tensor, position_ids: torch.Tensor,
-                context_position_ids: torch.Tensor, attention_mask: torch.Tensor | BlockMask | None = None,
+                context_position_ids: torch.Tensor, attention_mask: torch.Tensor | BlockMask | Callable | None = None,
                 cache: DraftCache | None = None) -> torch.Tensor:
         """block_embeds [b, Q, H] (target embeddings of the block tokens), context [b, S, n*H] (raw tapped
         states), position_ids [b, Q] (anchor + k), context_position_ids [b, S]; with `cache`, `context` holds only
