@@ -1,0 +1,387 @@
+"""The DFlash training objective: anchors, blocks, the block attention mask and the decay-weighted loss.
+
+One training row holds S context tokens (one or several packed samples) and their tapped target states. We
+pick N anchor positions a_j and build N blocks; block j is `[ids[a_j], MASK x (B-1)]` at positions
+a_j .. a_j+B-1, and slot k >= 1 predicts ids[a_j + k] (same-position labels: the drafter's output at the
+position of token t predicts t itself). All blocks of a row go through the drafter in one forward with keys
+`[context 0..S-1 | block_0 | ... | block_N-1]`; block j sees the context strictly before its anchor (and not
+before the start of its own sample when rows are packed), all of its own slots, and no other block. That is
+exactly what the drafter sees at inference: the target has verified tokens up to and including a_j, but the
+drafter's context cache holds states only for positions before it, since the anchor's own state is produced
+by the same target forward that verifies the next block.
+
+The loss is cross-entropy through the target's frozen LM head with weight exp(-(k-1)/gamma) on slot k times
+the loss mask at the label position, normalised by the sum of the weights. The LM head and CE run in chunks
+of slots and produce the gradient for the drafter's hidden states in the same pass, so neither the full
+[N*B, vocab] logits nor a recompute of them in backward ever happens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+except ImportError:  # torch without FlexAttention: the dense and blockwise paths still work
+    BlockMask = None
+    create_block_mask = None
+
+
+# --- anchors and blocks ------------------------------------------------------------------------------------
+
+
+def anchor_candidates(loss_mask: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
+    """[b, S] bool: p may be an anchor iff loss_mask[p] and loss_mask[p+1] (and both in the same sample).
+
+    The anchor is a token the target produced and the block must predict at least one more response token,
+    so a block never starts in the prompt and never has only unsupervised slots."""
+    cand = torch.zeros_like(loss_mask, dtype=torch.bool)
+    cand[:, :-1] = loss_mask[:, :-1] & loss_mask[:, 1:]
+    if doc_start is not None:
+        cand[:, :-1] &= doc_start[:, :-1] == doc_start[:, 1:]
+    return cand
+
+
+@dataclass
+class Blocks:
+    """The N blocks of each of b rows: anchors sorted ascending, padding blocks (keep False) last."""
+    anchors: torch.Tensor  # [b, N] long: position of each block's anchor in its row (0 for padding blocks)
+    keep: torch.Tensor  # [b, N] bool: False = a padding block (fewer candidates than N); it has no loss
+    ctx_start: torch.Tensor  # [b, N] long: first context position the block may see (its sample's start)
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.anchors.shape[1]
+
+
+def make_blocks(anchors: torch.Tensor, keep: torch.Tensor, block_size: int,
+                doc_start: torch.Tensor | None = None) -> Blocks:
+    anchors = torch.where(keep, anchors, torch.zeros_like(anchors))
+    if doc_start is None:
+        ctx_start = torch.zeros_like(anchors)
+    else:
+        ctx_start = doc_start.gather(1, anchors)
+    return Blocks(anchors=anchors, keep=keep, ctx_start=ctx_start, block_size=block_size)
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, block_size: int,
+                   generator: torch.Generator | None = None, doc_start: torch.Tensor | None = None) -> Blocks:
+    """Up to `num_anchors` anchors per row, uniformly without replacement among the candidates.
+
+    N = min(num_anchors, the most candidates any row has) (at least 1); rows with fewer candidates get
+    padding blocks."""
+    cand = anchor_candidates(loss_mask, doc_start)
+    b, S = cand.shape
+    counts = cand.sum(dim=1)
+    n = max(1, min(num_anchors, int(counts.max())))
+    scores = torch.rand(b, S, generator=generator, device="cpu").to(cand.device)
+    scores = torch.where(cand, scores, torch.full_like(scores, 2.0))  # non-candidates sort last
+    picked = scores.argsort(dim=1)[:, :n]
+    keep = cand.gather(1, picked)
+    # sort kept anchors ascending and padding blocks last
+    order = torch.where(keep, picked, picked + S).argsort(dim=1)
+    picked, keep = picked.gather(1, order), keep.gather(1, order)
+    return make_blocks(picked, keep, block_size, doc_start)
+
+
+def all_anchors(loss_mask: torch.Tensor, block_size: int, doc_start: torch.Tensor | None = None) -> Blocks:
+    """Every candidate position of a single row [1, S] as an anchor (for simulated acceptance)."""
+    assert loss_mask.shape[0] == 1
+    anchors = anchor_candidates(loss_mask, doc_start)[0].nonzero()[:, 0][None]
+    keep = torch.ones_like(anchors, dtype=torch.bool)
+    return make_blocks(anchors, keep, block_size, doc_start)
+
+
+def block_input_ids(input_ids: torch.Tensor, blocks: Blocks, mask_token_id: int) -> torch.Tensor:
+    """[b, N*B]: block j is [ids[a_j], MASK x (B-1)]."""
+    b, n = blocks.anchors.shape
+    ids = torch.full((b, n, blocks.block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    ids[:, :, 0] = input_ids.gather(1, blocks.anchors)
+    return ids.view(b, n * blocks.block_size)
+
+
+def block_position_ids(position_ids: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """[b, N*B]: slot k of block j sits at position(a_j) + k."""
+    b, n = blocks.anchors.shape
+    offsets = torch.arange(blocks.block_size, device=position_ids.device)
+    return (position_ids.gather(1, blocks.anchors)[:, :, None] + offsets).view(b, n * blocks.block_size)
+
+
+def slot_decay(block_size: int, gamma: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B]: 0 for slot 0 (the anchor itself, no loss), exp(-(k-1)/gamma) for slot k >= 1."""
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
+    decay = torch.exp(-(k - 1) / gamma)
+    decay[0] = 0.0
+    return decay
+
+
+def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, blocks: Blocks, gamma: float,
+                 doc_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same-position labels and loss weights, both [b, N, B].
+
+    labels[j, k] = ids[a_j + k]; weight = decay(k) x loss_mask[a_j + k] x (a_j + k inside the row and inside
+    the anchor's sample) x keep[j]. Slot 0 has weight 0."""
+    S = input_ids.shape[1]
+    B = blocks.block_size
+    idx = blocks.anchors[:, :, None] + torch.arange(B, device=input_ids.device)  # [b, N, B]
+    inside = idx < S
+    idx_c = idx.clamp(max=S - 1)
+    flat = idx_c.flatten(1)
+    labels = input_ids.gather(1, flat).view_as(idx)
+    ok = loss_mask.gather(1, flat).view_as(idx) & inside & blocks.keep[:, :, None]
+    if doc_start is not None:
+        ok &= doc_start.gather(1, flat).view_as(idx) == blocks.ctx_start[:, :, None]
+    weights = ok.float() * slot_decay(B, gamma, input_ids.device)
+    return labels, weights
+
+
+# --- the block attention mask: three equivalent forms ---------------------------------------------------------
+
+
+def dense_block_mask(blocks: Blocks, seq_len: int) -> torch.Tensor:
+    """[b, 1, N*B, S + N*B] bool, True = may attend (for SDPA)."""
+    b, n = blocks.anchors.shape
+    B = blocks.block_size
+    dev = blocks.anchors.device
+    q_block = torch.arange(n * B, device=dev) // B  # [Q]
+    ctx = torch.arange(seq_len, device=dev)
+    lo = blocks.ctx_start.repeat_interleave(B, dim=1)[:, :, None]  # [b, Q, 1]
+    hi = blocks.anchors.repeat_interleave(B, dim=1)[:, :, None]
+    sees_ctx = (ctx >= lo) & (ctx < hi)  # [b, Q, S]
+    kv_block = torch.arange(n * B, device=dev) // B
+    sees_blk = (q_block[:, None] == kv_block[None, :]).expand(b, -1, -1)  # [b, Q, Q]
+    return torch.cat([sees_ctx, sees_blk], dim=2)[:, None]
+
+
+def block_mask_mod(blocks: Blocks, seq_len: int):
+    """The same rule as a FlexAttention mask_mod over keys [context | blocks]."""
+    anchors, ctx_start, B, S = blocks.anchors, blocks.ctx_start, blocks.block_size, seq_len
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j = q_idx // B
+        ctx_ok = (kv_idx < S) & (kv_idx >= ctx_start[b, j]) & (kv_idx < anchors[b, j])
+        blk_ok = (kv_idx >= S) & ((kv_idx - S) // B == j)
+        return ctx_ok | blk_ok
+
+    return mask_mod
+
+
+def flex_block_mask(blocks: Blocks, seq_len: int):
+    """A FlexAttention BlockMask (CUDA training path); tiles that no query can see are skipped entirely."""
+    if create_block_mask is None:
+        raise RuntimeError("this torch has no FlexAttention; use attention: sdpa")
+    b, n = blocks.anchors.shape
+    q_len = n * blocks.block_size
+    return create_block_mask(block_mask_mod(blocks, seq_len), B=b, H=None, Q_LEN=q_len, KV_LEN=seq_len + q_len,
+                             device=blocks.anchors.device)
+
+
+class BlockwiseAttention:
+    """Attention for all blocks without a dense [N*B, S+N*B] mask: each block attends to the context up to the
+    furthest anchor plus its own B slots, as one batched SDPA call over b*N blocks.
+
+    The drafter calls it in place of SDPA (`attention_mask=BlockwiseAttention(...)`), with q [b, h, Q, d] and
+    k, v [b, kv_heads, S+Q, d] (after k_norm and RoPE). It computes the same function as the dense mask while
+    touching N*B*(L+B) scores instead of N*B*(S+N*B), where L is the furthest anchor."""
+
+    def __init__(self, blocks: Blocks, seq_len: int):
+        self.blocks = blocks
+        self.seq_len = seq_len
+        self.ctx_len = max(1, int(blocks.anchors.max()))  # no block sees a position at or past its anchor
+        b, n = blocks.anchors.shape
+        ctx = torch.arange(self.ctx_len, device=blocks.anchors.device)
+        sees_ctx = (ctx >= blocks.ctx_start[:, :, None]) & (ctx < blocks.anchors[:, :, None])  # [b, N, L]
+        sees_blk = torch.ones(b, n, blocks.block_size, dtype=torch.bool, device=ctx.device)
+        self.mask = torch.cat([sees_ctx, sees_blk], dim=2).view(b * n, 1, 1, -1)  # [b*N, 1, 1, L+B]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        b, h, q_len, d = q.shape
+        n, B, S, L = self.blocks.num_blocks, self.blocks.block_size, self.seq_len, self.ctx_len
+        hkv = k.shape[1]
+
+        def per_block(x: torch.Tensor) -> torch.Tensor:  # [b, hkv, S+Q, d] -> [b*N, hkv, L+B, d]
+            ctx = x[:, :, None, :L].expand(b, hkv, n, L, d)
+            blk = x[:, :, S:].reshape(b, hkv, n, B, d)
+            return torch.cat([ctx, blk], dim=3).transpose(1, 2).reshape(b * n, hkv, L + B, d)
+
+        qb = q.reshape(b, h, n, B, d).transpose(1, 2).reshape(b * n, h, B, d)
+        mask = self.mask if q.device == self.mask.device else self.mask.to(q.device)
+        out = F.scaled_dot_product_attention(qb, per_block(k), per_block(v), attn_mask=mask, scale=scale,
+                                             enable_gqa=hkv != h)
+        return out.reshape(b, n, h, B, d).transpose(1, 2).reshape(b, h, q_len, d)
+
+
+def attention_for(blocks: Blocks, seq_len: int, kind: str):
+    """The attention_mask argument for the drafter: 'flex' (BlockMask), 'sdpa' (dense bool), 'blockwise'."""
+    if kind == "flex":
+        return flex_block_mask(blocks, seq_len)
+    if kind == "sdpa":
+        return dense_block_mask(blocks, seq_len)
+    if kind == "blockwise":
+        return BlockwiseAttention(blocks, seq_len)
+    raise ValueError(f"unknown attention kind {kind!r}")
+
+
+def resolve_attention(kind: str, device: torch.device | str) -> str:
+    if kind != "auto":
+        return kind
+    return "flex" if torch.device(device).type == "cuda" and create_block_mask is not None else "blockwise"
+
+
+# --- LM head + cross-entropy, chunked and fused ---------------------------------------------------------------
+
+
+class _ChunkedHeadCE(torch.autograd.Function):
+    """sum_t weight_t * CE(hidden_t @ head^T, label_t), processed `chunk` rows at a time.
+
+    The gradient w.r.t. hidden is computed in the same chunk loop as the loss (softmax - onehot, times the
+    weight, times the head), so backward just scales a stored tensor: no logits are ever recomputed and at
+    most [chunk, vocab] of them exist at once. The head is frozen: it gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, head, labels, weights, chunk):
+        need_grad = ctx.needs_input_grad[0]
+        grad_hidden = torch.empty_like(hidden) if need_grad else None
+        preds = torch.empty_like(labels)
+        acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # CE in fp32 (fp64 in tests)
+        total = torch.zeros((), dtype=acc_dtype, device=hidden.device)
+        for s in range(0, hidden.shape[0], chunk):
+            e = min(s + chunk, hidden.shape[0])
+            logits = (hidden[s:e] @ head.t()).to(acc_dtype)  # [c, V]
+            lse = torch.logsumexp(logits, dim=-1)
+            lab = labels[s:e]
+            w = weights[s:e].to(acc_dtype)
+            target = logits.gather(1, lab[:, None])[:, 0]
+            total += ((lse - target) * w).sum()
+            preds[s:e] = logits.argmax(dim=-1)
+            if need_grad:
+                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                probs[torch.arange(e - s, device=probs.device), lab] -= 1.0
+                probs.mul_(w[:, None])
+                grad_hidden[s:e] = probs.to(head.dtype) @ head
+        if need_grad:
+            ctx.save_for_backward(grad_hidden)
+        ctx.mark_non_differentiable(preds)
+        return total, preds
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_preds):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None
+
+
+def chunked_head_ce(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                    chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of weight x CE as an fp32 scalar, argmax predictions) for hidden [T, H], head [V, H]."""
+    return _ChunkedHeadCE.apply(hidden, head, labels, weights, chunk)
+
+
+def reference_head_ce(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor,
+                      weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain version (full logits, autograd through them); used to test the chunked one."""
+    logits = (hidden @ head.t()).to(torch.promote_types(hidden.dtype, torch.float32))
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    return (ce * weights.to(logits.dtype)).sum(), logits.argmax(dim=-1)
+
+
+# --- the loss ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # weighted mean CE (scalar, differentiable)
+    weight_sum: torch.Tensor  # sum of the weights (the normaliser)
+    correct: torch.Tensor  # [B] correct greedy predictions per slot (supervised slots only)
+    counted: torch.Tensor  # [B] supervised slots per position
+    num_blocks: int
+
+
+def draft_hidden(drafter, embed: torch.Tensor, batch: dict[str, torch.Tensor], blocks: Blocks,
+                 mask_token_id: int, attention: str) -> torch.Tensor:
+    """The drafter's final hidden states for every block slot, [b, N*B, H]."""
+    input_ids = batch["input_ids"]
+    S = input_ids.shape[1]
+    ids = block_input_ids(input_ids, blocks, mask_token_id)
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(S, device=input_ids.device).expand(input_ids.shape[0], -1)
+    block_embeds = F.embedding(ids, embed)
+    dtype = next(drafter.parameters()).dtype
+    return drafter(block_embeds.to(dtype), batch["hidden_states"].to(dtype),
+                   position_ids=block_position_ids(position_ids, blocks), context_position_ids=position_ids,
+                   attention_mask=attention_for(blocks, S, attention))
+
+
+def dflash_loss(drafter, embed: torch.Tensor, lm_head: torch.Tensor, batch: dict[str, torch.Tensor],
+                blocks: Blocks, *, mask_token_id: int, gamma: float, attention: str = "sdpa",
+                head_chunk_tokens: int = 2048) -> LossOutput:
+    """The decay-weighted block CE for one micro batch (see the module docstring)."""
+    doc_start = batch.get("doc_start")
+    labels, weights = block_labels(batch["input_ids"], batch["loss_mask"], blocks, gamma, doc_start)
+    hidden = draft_hidden(drafter, embed, batch, blocks, mask_token_id, attention)
+    B = blocks.block_size
+    flat_w = weights.reshape(-1)
+    rows = flat_w.nonzero()[:, 0]  # only supervised slots go through the head
+    weight_sum = flat_w.sum()
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+    total, preds = chunked_head_ce(h, lm_head, labels.reshape(-1)[rows], flat_w[rows] / weight_sum.clamp(min=1e-9),
+                                   head_chunk_tokens)
+    slot = rows % B
+    correct = torch.zeros(B, device=h.device).index_add_(0, slot, (preds == labels.reshape(-1)[rows]).float())
+    counted = torch.zeros(B, device=h.device).index_add_(0, slot, torch.ones_like(slot, dtype=torch.float32))
+    return LossOutput(loss=total, weight_sum=weight_sum, correct=correct, counted=counted,
+                      num_blocks=int(blocks.keep.sum()))
+
+
+# --- simulated acceptance --------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def simulated_acceptance(drafter, embed: torch.Tensor, lm_head: torch.Tensor, sample: dict[str, Any],
+                         block_size: int | None = None, mask_token_id: int | None = None,
+                         max_blocks: int = 256, attention: str = "blockwise") -> torch.Tensor:
+    """Acceptance length at every anchor of one captured sample, [num_anchors] long in 1..B.
+
+    A block starts at every position a where loss_mask[a] and loss_mask[a+1]; it sees the captured context
+    before a; its greedy drafts for slots 1..B-1 are checked against the target's own tokens. Accepted length
+    = 1 (the token the target always contributes) + the number of leading correct drafts, so at most B. A
+    draft slot past the end of the captured response cannot be verified and ends the run."""
+    cfg = drafter.config
+    B = block_size or cfg.block_size
+    mask_id = cfg.mask_token_id if mask_token_id is None else mask_token_id
+    device = next(drafter.parameters()).device
+    ids = sample["input_ids"].to(device)[None]
+    loss_mask = sample["loss_mask"].to(device)[None]
+    states = sample["hidden_states"].to(device)[None]
+    S = ids.shape[1]
+    every = all_anchors(loss_mask, B)
+    accepted = []
+    for s in range(0, every.num_blocks, max_blocks):
+        blocks = make_blocks(every.anchors[:, s:s + max_blocks], every.keep[:, s:s + max_blocks], B)
+        batch = {"input_ids": ids, "loss_mask": loss_mask, "hidden_states": states}
+        hidden = draft_hidden(drafter, embed, batch, blocks, mask_id, attention)  # [1, n*B, H]
+        n = blocks.num_blocks
+        preds = torch.empty(n * B, dtype=torch.long, device=device)
+        for c in range(0, n * B, 2048):
+            preds[c:c + 2048] = (hidden[0, c:c + 2048] @ lm_head.to(hidden.dtype).t()).argmax(dim=-1)
+        idx = blocks.anchors[0][:, None] + torch.arange(B, device=device)  # [n, B]
+        inside = idx < S
+        idx_c = idx.clamp(max=S - 1)
+        ok = (preds.view(n, B) == ids[0, idx_c]) & inside & loss_mask[0, idx_c]
+        ok = ok[:, 1:]
+        accepted.append(1 + ok.long().cumprod(dim=1).sum(dim=1))
+    if not accepted:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat(accepted).cpu()
+
+
+def mean_acceptance(lengths: list[torch.Tensor]) -> float:
+    total = sum(int(x.sum()) for x in lengths)
+    count = sum(x.numel() for x in lengths)
+    return total / count if count else math.nan

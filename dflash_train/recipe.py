@@ -1,0 +1,281 @@
+"""Training recipes: one YAML file per run, typed and validated when it is loaded.
+
+A recipe is a tree of dataclasses. Every key in the file must name a field, and every value must have the
+field's type; anything else is a `UserError` naming the dotted key and the file. `key=value` overrides on the
+command line (`objective.num_anchors=64`, `train.max_steps=10`) are parsed as YAML scalars and validated the
+same way. Relative paths in a recipe are relative to the directory the command runs from (the repo root).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from dflash_train.errors import UserError
+
+
+@dataclass
+class DataConfig:
+    stores: list[str] = field(default_factory=list)  # capture store folders, concatenated
+    eval_store: str | None = None  # a held-out store; if None, `eval_fraction` of the training store is held out
+    eval_fraction: float = 0.0  # by a hash of the sample id, so the split never changes between runs
+    eval_samples: int = 32  # held-out samples used at each eval (the first N of the held-out set)
+    max_length: int = 3072  # longer samples are truncated to their first max_length tokens
+    batching: Literal["padding", "packing"] = "padding"  # packing: whole samples back to back up to max_length
+
+
+@dataclass
+class DrafterConfig:
+    target: str | None = None  # embedding + LM head source; None = the store manifest's target name
+    num_layers: int = 5
+    block_size: int = 16
+    mask_token_id: int | None = None  # None = the drafter's rule (a reserved row or an unused special token)
+    target_layer_ids: list[int] | None = None  # None = the store's; if set it must equal the store's
+
+
+@dataclass
+class ObjectiveConfig:
+    num_anchors: int = 512  # blocks per sequence, sampled anew every step
+    decay_gamma: float | None = None  # slot weight exp(-(k-1)/gamma); None = 7 for block 16 (scaled with B)
+    attention: Literal["auto", "sdpa", "flex"] = "auto"  # auto: FlexAttention on CUDA, dense mask + SDPA else
+    head_chunk_tokens: int = 2048  # block slots per LM-head + CE chunk: full logits never exist at once
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_ratio: float = 0.04
+    schedule: Literal["cosine", "constant"] = "cosine"  # after linear warmup
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    epochs: float = 6.0
+    max_steps: int | None = None  # optimizer steps; overrides epochs when set
+    micro_batch_size: int = 1  # sequences (padding) or packed rows (packing) per process per micro step
+    grad_accum_steps: int = 1
+    precision: Literal["bf16", "fp32"] = "bf16"
+    gradient_checkpointing: bool = False
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    deepspeed: str | None = "recipes/deepspeed/zero2.json"  # None = plain DDP
+    max_bad_steps: int = 5  # this many non-finite losses in a row abort the run
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 500  # optimizer steps; a checkpoint is also written at the end
+    keep_last: int = 2
+    resume: str = "auto"  # auto (newest checkpoint in the run, if any) | never | a checkpoint folder
+
+
+@dataclass
+class EvalConfig:
+    every: int = 250  # optimizer steps; 0 = only at the end
+    at_end: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    wandb_project: str = "dflash-train"
+    wandb_mode: Literal["online", "offline", "disabled"] = "disabled"  # the WANDB_MODE environment variable wins
+    wandb_run_name: str | None = None
+    log_every: int = 1  # optimizer steps between metrics.jsonl rows
+    progress_bar: bool = True
+
+
+@dataclass
+class Recipe:
+    name: str = "run"
+    output_dir: str = "runs/run"
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def decay_gamma(self) -> float:
+        if self.objective.decay_gamma is not None:
+            return self.objective.decay_gamma
+        return 7.0 * self.drafter.block_size / 16
+
+
+# --- loading and validation ----------------------------------------------------------------------------
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"recipe {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise UserError(f"recipe {path} is not valid YAML: {err}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"recipe {path}: the top level must be a mapping of keys, got {type(raw).__name__}")
+    for item in overrides:
+        apply_override(raw, item, path)
+    recipe = from_dict(Recipe, raw, source=str(path))
+    check_recipe(recipe, str(path))
+    return recipe
+
+
+def apply_override(raw: dict[str, Any], item: str, source: str | Path) -> None:
+    """Apply one `dotted.key=value` override to the raw mapping (value parsed as a YAML scalar or list)."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise UserError(f"override {item!r} for recipe {source} is not of the form key=value")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as err:
+        raise UserError(f"override {item!r} for recipe {source}: the value is not valid YAML: {err}") from None
+    node = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise UserError(f"override {item!r} for recipe {source}: {'.'.join(parts[:i + 1])!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def from_dict(cls: type, raw: Any, source: str, prefix: str = "") -> Any:
+    where = prefix.rstrip(".") or "the top level"
+    if not isinstance(raw, dict):
+        raise UserError(f"recipe {source}: {where!r} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            raise UserError(f"recipe {source}: unknown key {prefix + str(key)!r} "
+                            f"(known in {where}: {', '.join(sorted(names))})")
+    kwargs = {}
+    for key, value in raw.items():
+        kwargs[key] = _convert(hints[key], value, source, prefix + key)
+    return cls(**kwargs)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
+    def bad() -> UserError:
+        return UserError(f"recipe {source}: key {key!r} must be {_type_name(tp)}, got {value!r}")
+
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, {} if value is None else value, source, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise bad()
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, source, key)
+            except UserError:
+                continue
+        raise bad()
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise bad()
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad()
+        (item_type,) = typing.get_args(tp)
+        return [_convert(item_type, v, source, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad()
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad()
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise bad()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad()
+    raise TypeError(f"recipe field {key} has an unsupported type {tp}")
+
+
+def check_recipe(recipe: Recipe, source: str) -> None:
+    """Value checks that types alone cannot express."""
+
+    def need(ok: bool, key: str, rule: str) -> None:
+        if not ok:
+            value = recipe
+            for part in key.split("."):
+                value = getattr(value, part)
+            raise UserError(f"recipe {source}: key {key!r} {rule}, got {value!r}")
+
+    need(len(recipe.data.stores) > 0, "data.stores", "must list at least one capture store folder")
+    need(0.0 <= recipe.data.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")
+    need(recipe.data.eval_samples >= 1, "data.eval_samples", "must be >= 1")
+    need(recipe.data.max_length >= 2, "data.max_length", "must be >= 2")
+    need(recipe.drafter.num_layers >= 1, "drafter.num_layers", "must be >= 1")
+    need(recipe.drafter.block_size >= 2, "drafter.block_size", "must be >= 2")
+    need(recipe.objective.num_anchors >= 1, "objective.num_anchors", "must be >= 1")
+    need(recipe.objective.decay_gamma is None or recipe.objective.decay_gamma > 0, "objective.decay_gamma",
+         "must be > 0")
+    need(recipe.objective.head_chunk_tokens >= 1, "objective.head_chunk_tokens", "must be >= 1")
+    need(recipe.optimizer.lr > 0, "optimizer.lr", "must be > 0")
+    need(recipe.optimizer.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
+    need(len(recipe.optimizer.betas) == 2 and all(0 <= b < 1 for b in recipe.optimizer.betas),
+         "optimizer.betas", "must be two numbers in [0, 1)")
+    need(0.0 <= recipe.optimizer.warmup_ratio < 1.0, "optimizer.warmup_ratio", "must be in [0, 1)")
+    need(0.0 <= recipe.optimizer.min_lr_ratio <= 1.0, "optimizer.min_lr_ratio", "must be in [0, 1]")
+    need(recipe.optimizer.grad_clip >= 0, "optimizer.grad_clip", "must be >= 0 (0 = no clipping)")
+    need(recipe.train.epochs > 0, "train.epochs", "must be > 0")
+    need(recipe.train.max_steps is None or recipe.train.max_steps >= 1, "train.max_steps", "must be >= 1")
+    need(recipe.train.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
+    need(recipe.train.grad_accum_steps >= 1, "train.grad_accum_steps", "must be >= 1")
+    need(recipe.train.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
+    need(recipe.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
+    need(recipe.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+    need(recipe.eval.every >= 0, "eval.every", "must be >= 0")
+    need(recipe.logging.log_every >= 1, "logging.log_every", "must be >= 1")
+    if recipe.train.deepspeed is not None and not Path(recipe.train.deepspeed).is_file():
+        raise UserError(f"recipe {source}: key 'train.deepspeed' names {recipe.train.deepspeed}, which does not "
+                        f"exist (paths are relative to the directory you run from)")

@@ -1,0 +1,350 @@
+"""The DFlash objective: anchors, labels, weights, the block mask in its three forms, the chunked LM head + CE,
+and (with the real drafter) the batched loss against a per-block loop and the overfit gate."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_train import objective as obj
+
+B = 4
+
+
+def _row(loss_mask: list[int]) -> torch.Tensor:
+    return torch.tensor(loss_mask, dtype=torch.bool)[None]
+
+
+# --- anchors ---------------------------------------------------------------------------------------------
+
+
+def test_anchor_candidates_need_loss_mask_at_p_and_p_plus_1():
+    lm = _row([0, 0, 1, 1, 1, 0, 1, 1, 0, 1])
+    cand = obj.anchor_candidates(lm)[0].tolist()
+    assert cand == [False, False, True, True, False, False, True, False, False, False]
+
+
+def test_anchor_candidates_stay_inside_a_packed_sample():
+    lm = _row([1, 1, 1, 1, 1, 1])
+    doc = torch.tensor([[0, 0, 0, 3, 3, 3]])
+    assert obj.anchor_candidates(lm, doc)[0].tolist() == [True, True, False, True, True, False]
+
+
+def test_sampled_anchors_are_distinct_allowed_sorted_and_padded():
+    torch.manual_seed(0)
+    lm = torch.rand(3, 200) < 0.7
+    lm[2] = False
+    lm[2, 50:54] = True  # row 2 has exactly 3 candidates: 50, 51, 52
+    cand = obj.anchor_candidates(lm)
+    seen = set()
+    for step in range(20):
+        g = torch.Generator().manual_seed(step)
+        blocks = obj.sample_anchors(lm, 16, B, generator=g)
+        assert blocks.num_blocks == 16
+        for r in range(3):
+            kept = blocks.anchors[r][blocks.keep[r]]
+            assert cand[r, kept].all()
+            assert kept.unique().numel() == kept.numel()
+            assert torch.equal(kept, kept.sort().values)
+            assert blocks.keep[r].tolist() == sorted(blocks.keep[r].tolist(), reverse=True)  # padding last
+        assert blocks.anchors[2][blocks.keep[2]].tolist() == [50, 51, 52]
+        assert (blocks.anchors[~blocks.keep] == 0).all()
+        seen.update(blocks.anchors[0][blocks.keep[0]].tolist())
+    # resampled each step, uniformly: across 20 draws most candidates of row 0 show up
+    assert len(seen) > 0.8 * int(cand[0].sum())
+
+
+def test_number_of_blocks_is_capped_by_the_candidates():
+    lm = _row([0, 1, 1, 1, 0])
+    blocks = obj.sample_anchors(lm, 512, B)
+    assert blocks.num_blocks == 2 and blocks.keep.all()
+    empty = obj.sample_anchors(_row([0, 0, 1, 0]), 8, B)
+    assert empty.num_blocks == 1 and not empty.keep.any()
+
+
+def test_anchor_sampling_is_uniform():
+    lm = _row([1] * 11)  # candidates 0..9
+    counts = torch.zeros(11)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2000):
+        blocks = obj.sample_anchors(lm, 3, B, generator=g)
+        counts[blocks.anchors[0]] += 1
+    assert counts[10] == 0
+    freq = counts[:10] / 2000
+    assert torch.allclose(freq, torch.full((10,), 0.3), atol=0.04)
+
+
+# --- blocks, labels, weights --------------------------------------------------------------------------------
+
+
+def test_block_construction_and_same_position_labels():
+    ids = torch.arange(100, 112)[None]  # token at position p is 100 + p
+    lm = _row([0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0])
+    blocks = obj.make_blocks(torch.tensor([[2, 8]]), torch.tensor([[True, True]]), B)
+    MASK = 7
+    assert obj.block_input_ids(ids, blocks, MASK).tolist() == [[102, 7, 7, 7, 108, 7, 7, 7]]
+    pos = torch.arange(12)[None]
+    assert obj.block_position_ids(pos, blocks).tolist() == [[2, 3, 4, 5, 8, 9, 10, 11]]
+    labels, weights = obj.block_labels(ids, lm, blocks, gamma=7.0)
+    # slot k predicts the token AT anchor + k (not anchor + k + 1)
+    assert labels[0, 0].tolist() == [102, 103, 104, 105]
+    decay = [0.0, 1.0, math.exp(-1 / 7), math.exp(-2 / 7)]
+    assert torch.allclose(weights[0, 0], torch.tensor(decay))
+    # block 1: slot 3 is position 11, outside the loss mask -> no weight
+    assert labels[0, 1].tolist() == [108, 109, 110, 111]
+    assert torch.allclose(weights[0, 1], torch.tensor(decay[:3] + [0.0]))
+
+
+def test_labels_past_the_row_end_or_in_another_sample_get_no_weight():
+    ids = torch.arange(10)[None]
+    lm = _row([1] * 10)
+    doc = torch.tensor([[0] * 6 + [6] * 4])
+    blocks = obj.make_blocks(torch.tensor([[4, 8]]), torch.tensor([[True, True]]), B, doc)
+    assert blocks.ctx_start.tolist() == [[0, 6]]
+    _, w = obj.block_labels(ids, lm, blocks, gamma=7.0, doc_start=doc)
+    assert (w[0, 0] > 0).tolist() == [False, True, False, False]  # 6 and 7 belong to the next sample
+    assert (w[0, 1] > 0).tolist() == [False, True, False, False]  # 10, 11 are past the end
+    pad = obj.make_blocks(torch.tensor([[4]]), torch.tensor([[False]]), B)
+    assert obj.block_labels(ids, lm, pad, gamma=7.0)[1].sum() == 0
+
+
+def test_slot_decay():
+    d = obj.slot_decay(16, 7.0)
+    assert d[0] == 0 and d[1] == 1
+    assert torch.allclose(d[1:], torch.exp(-torch.arange(15.0) / 7))
+
+
+# --- the mask ---------------------------------------------------------------------------------------------
+
+
+def _blocks_case():
+    # two rows; row 1 is packed (samples start at 0 and 9) and has a padding block
+    anchors = torch.tensor([[2, 5, 9], [3, 11, 0]])
+    keep = torch.tensor([[True, True, True], [True, True, False]])
+    doc = torch.tensor([[0] * 14, [0] * 9 + [9] * 5])
+    return obj.make_blocks(anchors, keep, B, doc), 14
+
+
+def test_dense_mask_by_brute_force():
+    blocks, S = _blocks_case()
+    mask = obj.dense_block_mask(blocks, S)
+    b, n = blocks.anchors.shape
+    assert mask.shape == (b, 1, n * B, S + n * B)
+    for r in range(b):
+        for q in range(n * B):
+            j = q // B
+            a, lo = int(blocks.anchors[r, j]), int(blocks.ctx_start[r, j])
+            for kv in range(S + n * B):
+                expect = (lo <= kv < a) if kv < S else ((kv - S) // B == j)
+                assert bool(mask[r, 0, q, kv]) == expect, (r, q, kv)
+    # the anchor's own position is never visible as context ('<=' is the known leak)
+    for r in range(b):
+        for j in range(n):
+            a = int(blocks.anchors[r, j])
+            assert not mask[r, 0, j * B:(j + 1) * B, a].any()
+
+
+def test_mask_mod_equals_dense_mask():
+    blocks, S = _blocks_case()
+    dense = obj.dense_block_mask(blocks, S)
+    mod = obj.block_mask_mod(blocks, S)
+    b, n = blocks.anchors.shape
+    q = torch.arange(n * B)[:, None]
+    kv = torch.arange(S + n * B)[None, :]
+    for r in range(b):
+        assert torch.equal(mod(torch.tensor(r), torch.tensor(0), q, kv), dense[r, 0])
+
+
+def _attend_per_block(q, k, v, blocks, S):
+    """Reference: every block separately over [its context window | its own slots]."""
+    b, h, _, d = q.shape
+    rep = h // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    out = torch.zeros_like(q)
+    for r in range(b):
+        for j in range(blocks.num_blocks):
+            a, lo = int(blocks.anchors[r, j]), int(blocks.ctx_start[r, j])
+            keys = torch.cat([k[r, :, lo:a], k[r, :, S + j * B:S + (j + 1) * B]], dim=1)
+            vals = torch.cat([v[r, :, lo:a], v[r, :, S + j * B:S + (j + 1) * B]], dim=1)
+            qj = q[r, :, j * B:(j + 1) * B]
+            out[r, :, j * B:(j + 1) * B] = torch.softmax(qj @ keys.transpose(-1, -2) / math.sqrt(d), -1) @ vals
+    return out
+
+
+def _qkv(blocks, S, h=4, hkv=2, d=8, dtype=torch.float64):
+    g = torch.Generator().manual_seed(1)
+    b, n = blocks.anchors.shape
+    q = torch.randn(b, h, n * B, d, generator=g, dtype=dtype)
+    k = torch.randn(b, hkv, S + n * B, d, generator=g, dtype=dtype)
+    v = torch.randn(b, hkv, S + n * B, d, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def test_dense_and_blockwise_attention_equal_a_per_block_loop():
+    blocks, S = _blocks_case()
+    q, k, v = _qkv(blocks, S)
+    ref = _attend_per_block(q, k, v, blocks, S)
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=obj.dense_block_mask(blocks, S), enable_gqa=True)
+    blockwise = obj.BlockwiseAttention(blocks, S)(q, k, v)
+    assert torch.allclose(dense, ref, atol=1e-10)
+    assert torch.allclose(blockwise, ref, atol=1e-10)
+    # and the gradients agree
+    for fn in (lambda q, k, v: obj.BlockwiseAttention(blocks, S)(q, k, v),
+               lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=obj.dense_block_mask(blocks, S),
+                                                              enable_gqa=True)):
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+        (fn(qs, ks, vs) * torch.linspace(-1, 1, q.numel(), dtype=q.dtype).view_as(q)).sum().backward()
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        (_attend_per_block(qr, kr, vr, blocks, S) * torch.linspace(-1, 1, q.numel(), dtype=q.dtype).view_as(q)
+         ).sum().backward()
+        for a_, b_ in ((qs, qr), (ks, kr), (vs, vr)):
+            assert torch.allclose(a_.grad, b_.grad, atol=1e-10)
+
+
+def test_flex_attention_block_mask_agrees_with_the_dense_mask():
+    """FlexAttention runs forward-only on CPU (torch 2.13): enough to prove that the BlockMask and the dense
+    mask describe the same attention."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from torch.nn.attention.flex_attention import flex_attention
+
+    blocks, S = _blocks_case()
+    q, k, v = _qkv(blocks, S, dtype=torch.float32)
+    block_mask = obj.flex_block_mask(blocks, S)
+    try:
+        flex = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    except (NotImplementedError, RuntimeError) as err:  # pragma: no cover - depends on the torch build
+        pytest.skip(f"flex_attention does not run here: {err}")
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=obj.dense_block_mask(blocks, S), enable_gqa=True)
+    assert torch.allclose(flex, dense, atol=1e-5)
+
+
+# --- chunked LM head + CE -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_chunked_head_ce_equals_full_logits(dtype):
+    g = torch.Generator().manual_seed(0)
+    T, H, V = 37, 16, 101
+    hidden = torch.randn(T, H, generator=g).to(dtype)
+    head = (torch.randn(V, H, generator=g) * 0.5).to(dtype)
+    labels = torch.randint(0, V, (T,), generator=g)
+    weights = torch.rand(T, generator=g)
+    weights[::5] = 0
+    h1 = hidden.clone().requires_grad_()
+    h2 = hidden.clone().requires_grad_()
+    loss1, pred1 = obj.chunked_head_ce(h1, head, labels, weights, chunk=8)
+    loss2, pred2 = obj.reference_head_ce(h2, head, labels, weights)
+    (loss1 * 0.5).backward()
+    (loss2 * 0.5).backward()
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
+    assert torch.allclose(loss1, loss2, **tol)
+    assert torch.equal(pred1, pred2)
+    assert torch.allclose(h1.grad.double(), h2.grad.double(), **tol)
+    assert not head.requires_grad
+
+
+def test_chunked_head_ce_without_grad_and_empty():
+    head = torch.randn(11, 4)
+    loss, preds = obj.chunked_head_ce(torch.randn(5, 4), head, torch.zeros(5, dtype=torch.long), torch.ones(5))
+    assert loss.ndim == 0 and preds.shape == (5,)
+    loss, preds = obj.chunked_head_ce(torch.zeros(0, 4, requires_grad=True), head,
+                                      torch.zeros(0, dtype=torch.long), torch.zeros(0))
+    assert float(loss.detach()) == 0.0 and preds.numel() == 0
+
+
+# --- with the real drafter -------------------------------------------------------------------------------------
+
+
+def _tiny_drafter(tiny_target, num_layers=2, block_size=B, seed=0):
+    from dflash_train.drafter import DFlashDrafter
+
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter.from_target(tiny_target.config, num_layers=num_layers, block_size=block_size,
+                                        target_layer_ids=[1, 3, 5], tokenizer=tiny_target.tokenizer)
+    embed = tiny_target.model.get_input_embeddings().weight.detach().float()
+    head = tiny_target.model.get_output_embeddings().weight.detach().float()
+    return drafter.float(), embed, head
+
+
+def _synthetic_batch(S=24, V=1024, width=3 * 64, seed=0, packed=False):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, V, (2, S), generator=g)
+    loss_mask = torch.ones(2, S, dtype=torch.bool)
+    loss_mask[:, :5] = False
+    loss_mask[1, 9:] = False  # row 1 is a short sample, padded: 3 anchor candidates
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "hidden_states": torch.randn(2, S, width, generator=g),
+             "position_ids": torch.arange(S).expand(2, -1).clone()}
+    if packed:  # row 0 holds two samples: 0..13 and 14..S-1
+        batch["doc_start"] = torch.zeros(2, S, dtype=torch.long)
+        batch["doc_start"][0, 14:] = 14
+        batch["position_ids"][0, 14:] = torch.arange(S - 14)
+        batch["loss_mask"][0, 14:17] = False
+    return batch
+
+
+def _per_block_loss(drafter, embed, head, batch, blocks, gamma, mask_id):
+    """Reference: run every block on its own through the drafter, with only the context it may see and no mask."""
+    labels, weights = obj.block_labels(batch["input_ids"], batch["loss_mask"], blocks, gamma, batch.get("doc_start"))
+    total = torch.zeros(())
+    for r in range(blocks.anchors.shape[0]):
+        for j in range(blocks.num_blocks):
+            if not blocks.keep[r, j]:
+                continue
+            a, lo = int(blocks.anchors[r, j]), int(blocks.ctx_start[r, j])
+            pos = batch["position_ids"][r]
+            block = torch.full((1, B), mask_id)
+            block[0, 0] = batch["input_ids"][r, a]
+            out = drafter(F.embedding(block, embed), batch["hidden_states"][r:r + 1, lo:a],
+                          position_ids=(pos[a] + torch.arange(B))[None], context_position_ids=pos[lo:a][None])
+            ce = F.cross_entropy(out[0] @ head.t(), labels[r, j], reduction="none")
+            total = total + (ce * weights[r, j]).sum()
+    return total / weights.sum()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_batched_loss_equals_a_per_block_loop(tiny_target, packed):
+    drafter, embed, head = _tiny_drafter(tiny_target)
+    mask_id = drafter.config.mask_token_id
+    batch = _synthetic_batch(packed=packed)
+    blocks = obj.sample_anchors(batch["loss_mask"], 6, B, torch.Generator().manual_seed(3), batch.get("doc_start"))
+    assert not blocks.keep.all()  # the case includes padding blocks
+    ref = _per_block_loss(drafter, embed, head, batch, blocks, 7.0, mask_id)
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    for attention in ("sdpa", "blockwise"):
+        drafter.zero_grad()
+        out = obj.dflash_loss(drafter, embed, head, batch, blocks, mask_token_id=mask_id, gamma=7.0,
+                              attention=attention, head_chunk_tokens=7)
+        out.loss.backward()
+        assert torch.allclose(out.loss, ref, rtol=1e-5, atol=1e-6), (attention, out.loss, ref)
+        for n, p in drafter.named_parameters():
+            assert torch.allclose(p.grad, ref_grads[n], rtol=1e-4, atol=1e-6), (attention, n)
+    assert out.counted[0] == 0 and out.counted[1:].sum() == (obj.block_labels(
+        batch["input_ids"], batch["loss_mask"], blocks, 7.0, batch.get("doc_start"))[1] > 0).sum()
+
+
+def test_the_per_block_reference_catches_a_leaky_mask(tiny_target):
+    """Letting blocks see the context state at their own anchor ('<=' instead of '<', the known leak) changes
+    the loss, so the equality above is a real check."""
+    drafter, embed, head = _tiny_drafter(tiny_target)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.ndim == 2:
+                p.mul_(20)  # a random drafter at init attends almost uniformly; make attention matter
+    mask_id = drafter.config.mask_token_id
+    batch = _synthetic_batch()
+    blocks = obj.sample_anchors(batch["loss_mask"], 6, B, torch.Generator().manual_seed(3))
+    leaky = obj.make_blocks(blocks.anchors + 1, blocks.keep, B)
+    with torch.no_grad():
+        ref = _per_block_loss(drafter, embed, head, batch, blocks, 7.0, mask_id)
+        good = obj.dflash_loss(drafter, embed, head, batch, blocks, mask_token_id=mask_id, gamma=7.0).loss
+        hidden = drafter(F.embedding(obj.block_input_ids(batch["input_ids"], blocks, mask_id), embed),
+                         batch["hidden_states"], position_ids=obj.block_position_ids(batch["position_ids"], blocks),
+                         context_position_ids=batch["position_ids"],
+                         attention_mask=obj.dense_block_mask(leaky, batch["input_ids"].shape[1]))
+        labels, weights = obj.block_labels(batch["input_ids"], batch["loss_mask"], blocks, 7.0)
+        leak = (F.cross_entropy((hidden @ head.t()).flatten(0, 1), labels.flatten(), reduction="none")
+                * weights.flatten()).sum() / weights.sum()
+    assert torch.allclose(good, ref, rtol=1e-5)
+    assert abs(float(leak - ref)) > 100 * abs(float(good - ref)) + 1e-4, (leak, ref, good)
