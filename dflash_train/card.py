@@ -1,0 +1,389 @@
+"""The model card (README.md) of a pushed drafter.
+
+A drafter is only useful with the exact target, layers, block size and mask token it was trained for, served
+with the same chat template; the card states all of them, how to serve the drafter with SGLang and vLLM, what
+the eval measured, what data it was trained on (counts only, never prompt text) and how it was made.
+
+Serving flags, as checked against the engines' DFlash support (see the push helper's report for sources):
+  SGLang: --speculative-algorithm DFLASH --speculative-draft-model-path REPO, and
+          --speculative-num-draft-tokens = the verify block size B (SGLang infers it from the draft config,
+          else 16; we pass it explicitly).
+  vLLM:   --speculative-config '{"method": "dflash", "model": REPO, "num_speculative_tokens": B - 1}': vLLM
+          counts the drafted tokens, the block's first slot is the already-known bonus token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+DEFAULT_LICENSE = "apache-2.0"
+CARD_TAGS = ["speculative-decoding", "dflash", "block-diffusion", "draft-model", "dflash-train"]
+# Keys whose values may carry user text; a data summary never shows them, whatever their type.
+TEXT_KEYS = {"prompt", "prompts", "text", "texts", "messages", "message", "content", "contents", "example",
+             "examples", "response", "responses", "completion", "completions", "conversation", "conversations",
+             "sample_text", "samples_text", "preview", "first", "input", "output", "instruction"}
+
+
+@dataclass
+class Gate:
+    """The release gate's verdict on an eval report."""
+
+    passed: bool
+    forced: bool
+    min_tau: float
+    min_tau_source: str  # where the threshold came from, for the card and the refusal message
+    reasons: list[str] = field(default_factory=list)  # why it failed; empty when passed
+
+
+@dataclass
+class CardInputs:
+    repo_id: str
+    revision: str | None
+    run_name: str
+    drafter_config: dict[str, Any]
+    num_parameters: int
+    weights_dtype: str
+    target: dict[str, Any]  # target identity (target.json)
+    license: str
+    license_from_recipe: bool
+    gate: Gate
+    recipe: dict[str, Any] | None = None
+    data: dict[str, Any] | None = None  # training data summary
+    generation: dict[str, Any] | None = None  # decoding settings and template options the data was captured with
+    report: dict[str, Any] | None = None  # eval report.json
+    training_provenance: dict[str, Any] | None = None
+    push_provenance: dict[str, Any] | None = None
+    plots: list[str] = field(default_factory=list)  # eval plot paths inside the pushed folder
+
+
+# ---- small formatting helpers -------------------------------------------------------------------------------
+
+
+def fmt(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value).lower() if isinstance(value, bool) else "—"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e6):
+            return f"{value:.3g}"
+        return f"{value:.3f}".rstrip("0").rstrip(".") if abs(value) < 100 else f"{value:,.1f}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(fmt(v) for v in value) if value else "[]"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def table(rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(fmt(c) if not isinstance(c, str) else c for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """Dotted (key, scalar) pairs of a nested dict; short scalar lists stay whole."""
+    if isinstance(obj, dict):
+        rows: list[tuple[str, Any]] = []
+        for key, value in obj.items():
+            rows += flatten(value, f"{prefix}.{key}" if prefix else str(key))
+        return rows
+    if isinstance(obj, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in obj):
+        rows = []
+        for i, value in enumerate(obj):
+            rows += flatten(value, f"{prefix}[{i}]")
+        return rows
+    return [(prefix, obj)]
+
+
+def safe_summary_rows(summary: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Rows of a data summary that cannot carry user text: numbers, booleans, and short one-line strings
+    (source names, file names, split names) under keys that do not name text fields."""
+    rows = []
+    for key, value in flatten(summary):
+        parts = {p.split("[")[0].lower() for p in key.split(".")}
+        if parts & TEXT_KEYS:
+            continue
+        if isinstance(value, (list, tuple)):
+            if len(value) > 12 or not all(_is_safe_scalar(v) for v in value):
+                continue
+        elif not _is_safe_scalar(value):
+            continue
+        rows.append((key, value))
+    return rows
+
+
+def _is_safe_scalar(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float)):
+        return True
+    return isinstance(value, str) and len(value) <= 80 and "\n" not in value
+
+
+# ---- card sections ------------------------------------------------------------------------------------------
+
+
+def metadata(inp: CardInputs) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "base_model": inp.target.get("base_model"),
+        "library_name": "transformers",
+        "license": inp.license,
+        "pipeline_tag": "text-generation",
+        "tags": list(CARD_TAGS),
+    }
+    if inp.report and isinstance(inp.report.get("tau"), (int, float)):
+        meta["model-index"] = [{
+            "name": inp.repo_id.split("/")[-1],
+            "results": [{
+                "task": {"type": "text-generation", "name": "speculative decoding"},
+                "dataset": {"type": "held-out", "name": f"held-out prompts ({inp.run_name})"},
+                "metrics": [{"type": "acceptance_length", "name": "acceptance length (tau)",
+                             "value": round(float(inp.report["tau"]), 4)}],
+            }],
+        }]
+    return meta
+
+
+def serve_commands(target_hub_id: str, repo_id: str, block_size: int, revision: str | None) -> tuple[str, str]:
+    sglang = [
+        "python -m sglang.launch_server \\",
+        f"    --model-path {target_hub_id} \\",
+        "    --speculative-algorithm DFLASH \\",
+        f"    --speculative-draft-model-path {repo_id} \\",
+    ]
+    if revision:
+        sglang.append(f"    --speculative-draft-model-revision {revision} \\")
+    sglang += [f"    --speculative-num-draft-tokens {block_size} \\", "    --trust-remote-code"]
+    spec: dict[str, Any] = {"method": "dflash", "model": repo_id, "num_speculative_tokens": block_size - 1}
+    if revision:
+        spec["revision"] = revision
+    vllm = [f"vllm serve {target_hub_id} \\", f"    --speculative-config '{json.dumps(spec)}'"]
+    return "\n".join(sglang), "\n".join(vllm)
+
+
+def _what_it_is(inp: CardInputs) -> str:
+    cfg, target = inp.drafter_config, inp.target
+    dflash = cfg.get("dflash_config") or {}
+    block = cfg.get("block_size")
+    rows = [
+        ("Target", f"[{target.get('base_model')}](https://huggingface.co/{target.get('base_model')})"),
+        ("Target architecture", f"{target.get('model_type')}, {fmt(target.get('num_hidden_layers'))} layers, "
+                                f"hidden {fmt(target.get('hidden_size'))}, vocab {fmt(target.get('vocab_size'))}"),
+        ("Block size B", fmt(block)),
+        ("Tapped target layers", fmt(dflash.get("target_layer_ids"))),
+        ("Mask token id", fmt(dflash.get("mask_token_id")) + (f" (`{dflash['mask_token']}`)"
+                                                                if dflash.get("mask_token") else "")),
+        ("Drafter layers", fmt(cfg.get("num_hidden_layers"))),
+        ("Drafter hidden size / heads / KV heads",
+         f"{fmt(cfg.get('hidden_size'))} / {fmt(cfg.get('num_attention_heads'))} / "
+         f"{fmt(cfg.get('num_key_value_heads'))}"),
+        ("Drafter parameters", f"{inp.num_parameters:,} ({inp.num_parameters / 1e6:.1f} M, {inp.weights_dtype}); "
+                               "embedding and LM head not included"),
+        ("Architecture", f"{fmt(cfg.get('architectures'))} (config `model_type` {cfg.get('model_type')})"),
+    ]
+    return "\n".join([
+        "## What it is",
+        "",
+        f"A [DFlash](https://arxiv.org/abs/2602.06036) block-diffusion drafter for "
+        f"`{target.get('base_model')}`. Each step it drafts a block of {fmt(block)} tokens in one parallel "
+        f"forward pass, reading the target's hidden states at the tapped layers; the target verifies the "
+        f"whole block in one forward and keeps the longest correct prefix. The drafter has no embedding and "
+        f"no LM head of its own: it uses the target's, frozen, so it only works with this exact target "
+        f"(check the hashes under [Provenance](#provenance)).",
+        "",
+        table(rows, ("", "")),
+    ])
+
+
+def _how_to_serve(inp: CardInputs) -> str:
+    target = inp.target.get("base_model")
+    block = int(inp.drafter_config.get("block_size") or 16)
+    sglang, vllm = serve_commands(target, inp.repo_id, block, inp.revision)
+    lines = [
+        "## How to serve",
+        "",
+        "SGLang (`--speculative-num-draft-tokens` is the verify block size B):",
+        "",
+        "```bash",
+        sglang,
+        "```",
+        "",
+        f"vLLM (`num_speculative_tokens` counts drafted tokens: B - 1 = {block - 1}):",
+        "",
+        "```bash",
+        vllm,
+        "```",
+        "",
+        "Both engines' DFlash support is recent: use a release that lists `DFLASH` / `dflash` among its "
+        "speculative methods. The drafter also loads with Transformers for inspection:",
+        "",
+        "```python",
+        "from transformers import AutoModel",
+        "",
+        f'drafter = AutoModel.from_pretrained("{inp.repo_id}", trust_remote_code=True'
+        + (f', revision="{inp.revision}"' if inp.revision else "") + ")",
+        "```",
+    ]
+    gen = inp.generation or {}
+    template_kwargs = gen.get("template_kwargs")
+    settings = {k: v for k, v in gen.items() if k != "template_kwargs" and _is_safe_scalar(v)}
+    if gen:
+        lines += [
+            "",
+            "Serve the target the way the training data was generated: a drafter trained in one thinking mode "
+            "or chat template drafts poorly in another.",
+            "",
+            f"- chat template options: `{json.dumps(template_kwargs or {})}`",
+        ]
+        if settings:
+            lines.append("- decoding settings of the captured responses: "
+                         + ", ".join(f"`{k}={fmt(v)}`" for k, v in settings.items()))
+    return "\n".join(lines)
+
+
+def _acceptance(report: dict[str, Any]) -> list[float]:
+    per_position = report.get("per_position_acceptance") or []
+    if isinstance(per_position, dict):  # {"1": 0.9, ...}
+        per_position = [per_position[k] for k in sorted(per_position, key=lambda k: int(k))]
+    return [float(v) for v in per_position]
+
+
+def lossless_mismatches(report: dict[str, Any]) -> int | None:
+    value = report.get("lossless_mismatches")
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    return int(value) if isinstance(value, (int, float)) else None
+
+
+def _evaluation(inp: CardInputs) -> str:
+    report = inp.report
+    lines = ["## Evaluation", ""]
+    if not report:
+        return "\n".join(lines + ["No eval report was attached to this push (the release gate was overridden)."])
+    settings = report.get("settings") or {}
+    block = inp.drafter_config.get("block_size")
+    mismatches = lossless_mismatches(report)
+    lossless = ("not recorded" if mismatches is None else
+                "passed: every output is token-for-token the target's own" if mismatches == 0 else
+                f"FAILED: {mismatches} outputs differ from the target's own decoding")
+    speed = "—"
+    if report.get("tokens_per_s") is not None:
+        speed = f"{fmt(report.get('tokens_per_s'))} vs {fmt(report.get('tokens_per_s_baseline'))} target alone"
+    rows = [
+        ("Acceptance length τ, online (real speculative decoding)", fmt(report.get("tau"))),
+        ("Acceptance length τ, offline (teacher-forced on held-out data)", fmt(report.get("tau_offline"))),
+        ("Lossless check", lossless),
+        ("Tokens/s with the drafter", speed),
+        ("Speedup (tokens/s ratio)", f"{fmt(report.get('speedup'))}×" if report.get("speedup") is not None
+         else "—"),
+    ]
+    lines += [
+        f"τ = tokens committed per target verification, bonus token included (1 ≤ τ ≤ B = {fmt(block)}).",
+        "",
+        table(rows, ("Metric", "Value")),
+    ]
+    acceptance = _acceptance(report)
+    if acceptance:
+        lines += [
+            "",
+            "Per-position acceptance (fraction of verifications whose draft was accepted up to position k):",
+            "",
+            table([tuple([fmt(a) for a in acceptance])], tuple(f"k={i + 1}" for i in range(len(acceptance)))),
+        ]
+    setting_rows = [(k, v) for k, v in flatten(settings) if _is_safe_scalar(v) or isinstance(v, (list, tuple))]
+    setting_rows = [(k, v) for k, v in setting_rows
+                    if not ({p.split("[")[0].lower() for p in k.split(".")} & TEXT_KEYS)]
+    if setting_rows:
+        lines += ["", "<details><summary>Eval settings</summary>", "", table(setting_rows, ("Setting", "Value")),
+                  "", "</details>"]
+    for plot in inp.plots:
+        lines += ["", f"![{plot}]({plot})"]
+    lines += ["", "Speed numbers depend on the hardware and batch size they were measured on (see the settings); "
+                  "acceptance length carries over to other engines, tokens/s does not."]
+    return "\n".join(lines)
+
+
+def _gate(inp: CardInputs) -> str:
+    gate = inp.gate
+    if gate.forced and not gate.passed:
+        reasons = "; ".join(gate.reasons)
+        return "\n".join([
+            "> [!WARNING]",
+            f"> **The release gate was overridden** (`dflash-train push --force`): {reasons}. "
+            "Measure this drafter yourself before serving it.",
+        ])
+    tau = (inp.report or {}).get("tau")
+    return (f"Release gate: passed (online τ {fmt(tau)} ≥ {fmt(gate.min_tau)}, minimum from "
+            f"{gate.min_tau_source}; lossless check passed).")
+
+
+def _training_data(inp: CardInputs) -> str:
+    lines = ["## Training data", ""]
+    rows = safe_summary_rows(inp.data or {})
+    if not rows:
+        return "\n".join(lines + ["The training run did not record a data summary."])
+    lines += [
+        "Responses were generated by the target itself on prompts from the service's own traffic, and its "
+        "hidden states recorded in the same pass. Counts only: no prompt or response text is published.",
+        "",
+        table(rows, ("", "")),
+    ]
+    return "\n".join(lines)
+
+
+def _hyperparameters(inp: CardInputs) -> str:
+    lines = ["## Training hyperparameters", ""]
+    if not inp.recipe:
+        return "\n".join(lines + ["The training run did not record its recipe."])
+    rows = [(f"`{k}`", v) for k, v in flatten(inp.recipe) if _is_safe_scalar(v) or isinstance(v, (list, tuple))]
+    return "\n".join(lines + ["The resolved training recipe:", "", table(rows, ("Key", "Value"))])
+
+
+def _provenance(inp: CardInputs) -> str:
+    target = inp.target
+    rows: list[tuple[Any, ...]] = [
+        ("Target name", target.get("name")),
+        ("Target config sha256", f"`{target.get('config_hash')}`"),
+        ("Target tokenizer sha256", f"`{target.get('tokenizer_hash')}`"),
+        ("Target chat template sha256", f"`{target.get('chat_template_hash')}`"),
+        ("Training run", inp.run_name),
+    ]
+    for label, prov in (("Trained with dflash-train", inp.training_provenance),
+                        ("Pushed with dflash-train", inp.push_provenance)):
+        if not prov:
+            continue
+        git = prov.get("git") or {}
+        commit = git.get("commit")
+        state = " (uncommitted changes)" if git.get("dirty") else ""
+        rows.append((label, f"commit `{commit[:12]}`{state}, {prov.get('created')}" if commit
+                     else f"unknown commit, {prov.get('created')}"))
+    packages = (inp.training_provenance or inp.push_provenance or {}).get("packages") or {}
+    if packages:
+        rows.append(("Package versions", ", ".join(f"{k} {v}" for k, v in packages.items() if v)))
+    if inp.report and inp.report.get("created"):
+        rows.append(("Eval report created", inp.report["created"]))
+    license_note = ("from the training recipe" if inp.license_from_recipe else
+                    f"the recipe set no license; `{DEFAULT_LICENSE}` is dflash-train's default")
+    rows.append(("License", f"`{inp.license}` ({license_note})"))
+    return "\n".join(["## Provenance", "", table(rows, ("", ""))])
+
+
+def render_card(inp: CardInputs) -> str:
+    front = yaml.safe_dump(metadata(inp), sort_keys=False, allow_unicode=True).strip()
+    title = inp.repo_id.split("/")[-1]
+    sections = [
+        f"---\n{front}\n---",
+        f"# {title}",
+        _gate(inp),
+        _what_it_is(inp),
+        _how_to_serve(inp),
+        _evaluation(inp),
+        _training_data(inp),
+        _hyperparameters(inp),
+        _provenance(inp),
+        "Made with dflash-train from the target's own responses to the service's traffic.",
+    ]
+    return "\n\n".join(sections) + "\n"

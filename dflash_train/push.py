@@ -1,0 +1,432 @@
+"""`dflash-train push`: write the model card and upload a trained drafter to the Hugging Face Hub.
+
+    dflash-train push runs/NAME/drafter --repo ORG/NAME --eval-report eval/NAME [--private] [--revision BRANCH]
+                      [--min-tau X] [--dry-run] [--force] [--out DIR]
+
+1. Gate: refuse (exit 2) without an eval report, when its lossless check failed, or when its online tau is below
+   the minimum (--min-tau, else the recipe's push.min_tau, else DEFAULT_MIN_TAU). --force pushes anyway and the
+   card says so.
+2. Assemble the folder to upload (default push/<repo name>): the drafter's files, README.md (the card), the eval
+   summary and plots (aggregates only: per-prompt records stay local). provenance.json stays local too.
+3. Upload it with huggingface_hub: create_repo(exist_ok=True), upload_folder as one commit, each step retried
+   with backoff on transient errors. --dry-run stops after step 2 and never touches the network.
+
+The token comes from HF_TOKEN or the cached login (`hf auth login`) and is never printed: every message that
+leaves this module goes through `redact`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import struct
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from dflash_train.card import DEFAULT_LICENSE, TEXT_KEYS, CardInputs, Gate, lossless_mismatches, render_card
+from dflash_train.errors import UserError
+from dflash_train.provenance import (PROVENANCE_FILE, complete_output, provenance, start_output,
+                                     write_json_atomic, write_provenance)
+
+# A drafter that commits fewer than 1.5 tokens per verification accepts a draft token at most every other step:
+# not worth a release. Recipes set their own bar with push.min_tau; --min-tau overrides both.
+DEFAULT_MIN_TAU = 1.5
+LOCAL_ONLY = [PROVENANCE_FILE, "INCOMPLETE", "*.tmp"]  # written next to the upload, never uploaded
+TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+TRANSIENT_ERRORS = {"TransportError", "TimeoutException", "NetworkError", "ConnectError", "ReadError",
+                    "WriteError", "RemoteProtocolError", "ConnectionError", "Timeout", "ReadTimeout"}
+REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("drafter", metavar="DRAFTER_DIR", help="a trained drafter folder (runs/NAME/drafter)")
+    parser.add_argument("--repo", required=True, metavar="ORG/NAME", help="Hub model repo to push to")
+    parser.add_argument("--private", action="store_true", help="create the repo private (if it does not exist)")
+    parser.add_argument("--revision", metavar="BRANCH", help="push to this branch (created from main if needed)")
+    parser.add_argument("--eval-report", metavar="DIR", help="the eval folder (or its report.json) for this drafter")
+    parser.add_argument("--min-tau", type=float, metavar="X",
+                        help=f"minimum online acceptance length to push (default: the recipe's push.min_tau, "
+                             f"else {DEFAULT_MIN_TAU})")
+    parser.add_argument("--dry-run", action="store_true", help="write the folder and list its files; no network")
+    parser.add_argument("--force", action="store_true", help="push even if the gate refuses; the card says so")
+    parser.add_argument("--out", metavar="DIR", help="where the folder to upload is assembled "
+                                                      "(default: push/<repo name>)")
+    parser.add_argument("--retries", type=int, default=4, help="attempts per Hub call on transient errors")
+    parser.add_argument("--retry-wait", type=float, default=2.0, metavar="S",
+                        help="first backoff wait in seconds, doubled after each failed attempt")
+
+
+# ---- reading the inputs -------------------------------------------------------------------------------------
+
+
+def read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing ({what})") from None
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON ({what}): {err}") from None
+
+
+def safetensors_summary(path: Path) -> tuple[int, str]:
+    """Parameter count and dtype(s) from a safetensors header, without loading the weights."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    count, dtypes = 0, set()
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        n = 1
+        for dim in info["shape"]:
+            n *= dim
+        count += n
+        dtypes.add(info["dtype"].lower())
+    return count, "/".join(sorted(dtypes))
+
+
+def weight_files(drafter_dir: Path) -> list[Path]:
+    index = drafter_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(read_json(index, "sharded weights index")["weight_map"].values()))
+        return [drafter_dir / n for n in names]
+    return [drafter_dir / "model.safetensors"]
+
+
+def load_drafter_folder(drafter_dir: Path) -> dict[str, Any]:
+    if not drafter_dir.is_dir():
+        raise UserError(f"drafter folder {drafter_dir} does not exist")
+    config = read_json(drafter_dir / "config.json", "the drafter config written by save_pretrained")
+    if "DFlashDraftModel" not in (config.get("architectures") or []):
+        raise UserError(f"{drafter_dir / 'config.json'}: architectures is {config.get('architectures')}, "
+                        f"not a DFlash drafter (DFlashDraftModel)")
+    for key in ("block_size", "dflash_config", "num_hidden_layers", "hidden_size"):
+        if key not in config:
+            raise UserError(f"{drafter_dir / 'config.json'} has no {key!r}: not a complete DFlash drafter config")
+    for key in ("mask_token_id", "target_layer_ids"):
+        if key not in config["dflash_config"]:
+            raise UserError(f"{drafter_dir / 'config.json'}: dflash_config has no {key!r}")
+    for module in {str(v).split(".")[0] for v in (config.get("auto_map") or {}).values()}:
+        if not (drafter_dir / f"{module}.py").exists():
+            raise UserError(f"{drafter_dir / (module + '.py')} is missing: config.json's auto_map needs it "
+                            f"for trust_remote_code loading")
+    files = weight_files(drafter_dir)
+    for f in files:
+        if not f.exists():
+            raise UserError(f"{f} is missing: the drafter folder has no weights")
+    summaries = [safetensors_summary(f) for f in files]
+    num_parameters = sum(n for n, _ in summaries)
+    dtypes = "/".join(sorted({d for _, d in summaries}))
+
+    training_args = None
+    if (drafter_dir / "training_args.json").exists():
+        training_args = read_json(drafter_dir / "training_args.json", "the trainer's resolved recipe")
+    target = None
+    if (drafter_dir / "target.json").exists():
+        target = read_json(drafter_dir / "target.json", "the target identity")
+    training_prov = None
+    for candidate in (drafter_dir / PROVENANCE_FILE, drafter_dir.parent / PROVENANCE_FILE):
+        if candidate.exists():
+            training_prov = read_json(candidate, "what made the drafter")
+            break
+    return {"dir": drafter_dir, "config": config, "num_parameters": num_parameters, "dtype": dtypes,
+            "training_args": training_args, "target": target, "provenance": training_prov}
+
+
+def load_report(path: str | None) -> tuple[dict[str, Any] | None, Path | None]:
+    if path is None:
+        return None, None
+    p = Path(path)
+    report_file = p / "report.json" if p.is_dir() else p
+    if not report_file.exists():
+        raise UserError(f"eval report {report_file} does not exist (run `dflash-train eval` first)")
+    report = read_json(report_file, "the eval report")
+    if not isinstance(report, dict):
+        raise UserError(f"{report_file}: expected a JSON object")
+    return report, report_file
+
+
+def recipe_of(training_args: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not training_args:
+        return None
+    recipe = training_args.get("recipe", training_args)
+    return recipe if isinstance(recipe, dict) else None
+
+
+def recipe_min_tau(recipe: dict[str, Any] | None) -> float | None:
+    if not recipe:
+        return None
+    push = recipe.get("push")
+    value = push.get("min_tau") if isinstance(push, dict) else None
+    if value is None:
+        value = recipe.get("min_tau")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def data_summary(training_args: dict[str, Any] | None, recipe: dict[str, Any] | None
+                 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The training data summary and the decoding settings the data was captured with.
+
+    Read from what the trainer recorded, and from the manifests of the stores named there (if they are still on
+    this machine); only counts and names ever reach the card (card.safe_summary_rows filters the rest)."""
+    summary: dict[str, Any] = {}
+    generation = None
+    if training_args and "recipe" in training_args:
+        for key in ("data_summary", "data"):
+            if isinstance(training_args.get(key), dict):
+                summary.update(training_args[key])
+                break
+    stores = []
+    if recipe and isinstance(recipe.get("data"), dict):
+        stores = list(recipe["data"].get("stores") or [])
+    for i, store in enumerate(stores):
+        manifest_path = Path(store) / "manifest.json"
+        if not manifest_path.exists():
+            continue
+        manifest = read_json(manifest_path, "a capture store manifest")
+        prefix = "store" if len(stores) == 1 else f"store[{i}]"
+        summary[prefix] = {k: manifest.get(k) for k in ("num_samples", "num_tokens", "storage_dtype")
+                           if k in manifest}
+        if isinstance(manifest.get("ingest_report"), dict):
+            summary[f"{prefix}.ingest"] = manifest["ingest_report"]
+        if generation is None and isinstance(manifest.get("generation"), dict):
+            generation = manifest["generation"]
+    if generation is None and isinstance(summary.get("generation"), dict):
+        generation = summary.pop("generation")
+    return summary or None, generation
+
+
+# ---- the gate -----------------------------------------------------------------------------------------------
+
+
+def check_gate(report: dict[str, Any] | None, report_file: Path | None, target: dict[str, Any],
+               min_tau: float, min_tau_source: str, force: bool) -> Gate:
+    reasons = []
+    if report is None:
+        reasons.append("no eval report (pass --eval-report DIR; run `dflash-train eval` first)")
+    else:
+        mismatches = lossless_mismatches(report)
+        if mismatches is None:
+            reasons.append(f"{report_file} has no lossless_mismatches count: the lossless check did not run")
+        elif mismatches > 0:
+            reasons.append(f"the lossless check failed: {mismatches} outputs in {report_file} differ from the "
+                           f"target's own decoding")
+        tau = report.get("tau")
+        if not isinstance(tau, (int, float)) or isinstance(tau, bool):
+            reasons.append(f"{report_file} has no online tau")
+        elif tau < min_tau:
+            reasons.append(f"online tau {tau:.3f} is below the minimum {min_tau:g} ({min_tau_source})")
+        report_target = report.get("target")
+        if isinstance(report_target, dict) and report_target.get("config_hash") and target.get("config_hash") \
+                and report_target["config_hash"] != target["config_hash"]:
+            reasons.append(f"{report_file} measured another target ({report_target.get('name')}) than the one "
+                           f"this drafter was trained for ({target.get('name')})")
+    return Gate(passed=not reasons, forced=force, min_tau=min_tau, min_tau_source=min_tau_source, reasons=reasons)
+
+
+# ---- assembling the folder ----------------------------------------------------------------------------------
+
+
+def eval_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """The report without per-prompt records (lists of objects) or any text field."""
+    out = {}
+    for key, value in report.items():
+        if key.lower() in TEXT_KEYS:
+            continue
+        if isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+            continue
+        out[key] = value
+    return out
+
+
+def default_out(repo_id: str) -> Path:
+    return Path("push") / repo_id.split("/")[-1]
+
+
+def prepare_out(out: Path) -> None:
+    """Reuse `out` only if it is empty or a folder this command made: never wipe someone else's files."""
+    if out.exists() and any(out.iterdir()):
+        prov = out / PROVENANCE_FILE
+        ours = False
+        if prov.exists():
+            try:
+                ours = json.loads(prov.read_text()).get("stage") == "push"
+            except json.JSONDecodeError:
+                ours = False
+        if not ours:
+            raise UserError(f"--out {out} exists and was not written by `dflash-train push`; choose another "
+                            f"folder (nothing was changed)")
+        shutil.rmtree(out)
+    start_output(out)
+
+
+def assemble(out: Path, drafter: dict[str, Any], report: dict[str, Any] | None, report_file: Path | None,
+             card: CardInputs) -> list[Path]:
+    prepare_out(out)
+    for src in sorted(drafter["dir"].iterdir()):
+        if src.is_file() and src.name not in (PROVENANCE_FILE, "INCOMPLETE", "README.md") \
+                and not src.name.endswith(".tmp"):
+            shutil.copy2(src, out / src.name)
+    if report is not None and report_file is not None:
+        (out / "eval").mkdir()
+        write_json_atomic(out / "eval" / "summary.json", eval_summary(report))
+        for plot in sorted(report_file.parent.glob("*.png")):
+            shutil.copy2(plot, out / "eval" / plot.name)
+            card.plots.append(f"eval/{plot.name}")
+    (out / "README.md").write_text(render_card(card))
+    return upload_files(out)
+
+
+def upload_files(out: Path) -> list[Path]:
+    import fnmatch
+
+    return sorted(p for p in out.rglob("*") if p.is_file()
+                  and not any(fnmatch.fnmatch(p.name, pat) for pat in LOCAL_ONLY))
+
+
+# ---- the upload ---------------------------------------------------------------------------------------------
+
+
+def redact(text: str, token: str | None) -> str:
+    text = re.sub(r"(Bearer\s+)[A-Za-z0-9_.~+/=-]+", r"\1***", text)
+    if token:
+        text = text.replace(token, "***")
+    return re.sub(r"\bhf_[A-Za-z0-9]{8,}", "hf_***", text)
+
+
+def is_transient(err: BaseException) -> bool:
+    """5xx / 429 / timeouts / dropped connections, anywhere in the exception's cause chain."""
+    seen: BaseException | None = err
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if getattr(response, "status_code", None) in TRANSIENT_STATUS:
+            return True
+        if any(cls.__name__ in TRANSIENT_ERRORS for cls in type(seen).__mro__):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def describe(err: BaseException, token: str | None) -> str:
+    """One line: the error type and message, with the server's explanation, the token redacted."""
+    message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    if len(message) > 400:
+        message = message[:400] + " ..."
+    return redact(f"{type(err).__name__}: {message}", token)
+
+
+def with_retries(what: str, fn: Callable[[], Any], attempts: int, wait: float, token: str | None) -> Any:
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except Exception as err:
+            if attempt == attempts or not is_transient(err):
+                raise
+            delay = wait * 2 ** (attempt - 1)
+            print(f"{what} failed ({describe(err, token)}); retry {attempt}/{attempts - 1} in {delay:g} s",
+                  file=sys.stderr, flush=True)
+            time.sleep(delay)
+
+
+def rerun_command(args: argparse.Namespace, out: Path) -> str:
+    cmd = ["dflash-train", "push", str(args.drafter), "--repo", args.repo, "--out", str(out)]
+    if args.eval_report:
+        cmd += ["--eval-report", str(args.eval_report)]
+    if args.revision:
+        cmd += ["--revision", args.revision]
+    if args.min_tau is not None:
+        cmd += ["--min-tau", f"{args.min_tau:g}"]
+    cmd += [flag for flag, on in (("--private", args.private), ("--force", args.force)) if on]
+    return shlex.join(cmd)
+
+
+def upload(out: Path, args: argparse.Namespace, run_name: str, gate: Gate) -> str:
+    from huggingface_hub import HfApi, constants, get_token
+
+    if constants.HF_HUB_OFFLINE:
+        raise UserError("HF_HUB_OFFLINE is set, so huggingface_hub will not reach the Hub: unset it to push "
+                        f"(the folder {out} is ready; --dry-run only writes it)")
+    token = get_token()
+    if not token:
+        raise UserError("no Hugging Face token: set HF_TOKEN or run `hf auth login` "
+                        f"(the folder {out} is ready to upload)")
+    api = HfApi(token=token)
+    message = f"Upload DFlash drafter from run {run_name}"
+    description = "Pushed with `dflash-train push`" + (" --force: the release gate was overridden"
+                                                     if gate.forced and not gate.passed else "") + "."
+    attempts, wait = max(1, args.retries), args.retry_wait
+    try:
+        with_retries("create_repo", lambda: api.create_repo(args.repo, private=args.private, exist_ok=True,
+                                                            repo_type="model"), attempts, wait, token)
+        if args.revision and args.revision != "main":
+            with_retries("create_branch", lambda: api.create_branch(args.repo, branch=args.revision,
+                                                                    exist_ok=True), attempts, wait, token)
+        commit = with_retries("upload", lambda: api.upload_folder(
+            repo_id=args.repo, folder_path=str(out), revision=args.revision, commit_message=message,
+            commit_description=description, ignore_patterns=list(LOCAL_ONLY)), attempts, wait, token)
+    except Exception as err:
+        if isinstance(err, UserError):
+            raise
+        raise UserError(f"upload to {args.repo} failed: {describe(err, token)}. The folder {out} is complete "
+                        f"and unchanged; rerun: {rerun_command(args, out)}") from None
+    return getattr(commit, "commit_url", None) or str(commit)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not REPO_ID_RE.match(args.repo):
+        raise UserError(f"--repo {args.repo!r} is not a Hub repo id of the form ORG/NAME")
+    drafter = load_drafter_folder(Path(args.drafter))
+    report, report_file = load_report(args.eval_report)
+    target = drafter["target"] or (report or {}).get("target")
+    if not isinstance(target, dict) or not target.get("base_model"):
+        raise UserError(f"{Path(args.drafter) / 'target.json'} is missing or has no base_model: the card must "
+                        f"name the target this drafter was trained for")
+    recipe = recipe_of(drafter["training_args"])
+    if args.min_tau is not None:
+        min_tau, source = args.min_tau, "--min-tau"
+    elif (value := recipe_min_tau(recipe)) is not None:
+        min_tau, source = value, "the training recipe's push.min_tau"
+    else:
+        min_tau, source = DEFAULT_MIN_TAU, "dflash-train's default"
+    gate = check_gate(report, report_file, target, min_tau, source, args.force)
+    if not gate.passed and not args.force:
+        raise UserError("refusing to push: " + "; ".join(gate.reasons)
+                        + ". Pass --force to push anyway (the card will say the gate was overridden)")
+    if not gate.passed:
+        print("gate overridden with --force: " + "; ".join(gate.reasons), file=sys.stderr)
+
+    run_name = (recipe or {}).get("name") or (drafter["dir"].parent.name if drafter["dir"].name == "drafter"
+                                              else drafter["dir"].name)
+    license_ = (recipe or {}).get("license")
+    summary, generation = data_summary(drafter["training_args"], recipe)
+    push_prov = provenance()
+    card = CardInputs(
+        repo_id=args.repo, revision=args.revision, run_name=str(run_name), drafter_config=drafter["config"],
+        num_parameters=drafter["num_parameters"], weights_dtype=drafter["dtype"], target=target,
+        license=str(license_ or DEFAULT_LICENSE), license_from_recipe=bool(license_), gate=gate, recipe=recipe,
+        data=summary, generation=generation, report=report, training_provenance=drafter["provenance"],
+        push_provenance=push_prov)
+    out = Path(args.out) if args.out else default_out(args.repo)
+    files = assemble(out, drafter, report, report_file, card)
+    config = {k: v for k, v in vars(args).items()}
+    write_provenance(out, config=config, stage="push", drafter=str(drafter["dir"]),
+                     eval_report=str(report_file) if report_file else None,
+                     gate={"passed": gate.passed, "forced": gate.forced, "min_tau": gate.min_tau,
+                           "reasons": gate.reasons})
+    complete_output(out)
+
+    print(f"{out}/ ({'dry run: nothing uploaded' if args.dry_run else 'to upload to ' + args.repo}):")
+    for f in files:
+        print(f"  {f.relative_to(out)}  {f.stat().st_size:,} bytes")
+    print(f"  ({PROVENANCE_FILE} stays local)")
+    if args.dry_run:
+        return 0
+    url = upload(out, args, str(run_name), gate)
+    print(f"pushed to {args.repo}" + (f"@{args.revision}" if args.revision else "") + f": {url}")
+    return 0

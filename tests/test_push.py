@@ -1,0 +1,287 @@
+"""push: the model card, the release gate, and real uploads to a loopback Hugging Face Hub (tests/hub_server.py).
+
+Every command that may talk to a Hub runs in a subprocess whose environment points HF_ENDPOINT at the loopback
+server before huggingface_hub is imported (this process may already have imported it through transformers)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hub_server import LoopbackHub
+
+from dflash_train.card import safe_summary_rows, serve_commands
+from dflash_train.cli import main
+
+TOKEN = "hf_LoopbackToken0123456789abcdefXYZ"
+REPO = "tiny-org/tiny-dflash"
+SECRET = "my confidential prompt about project nightingale"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory, tiny_target):
+    """A tiny drafter folder as the trainer leaves it: save_pretrained + target.json + training_args.json, with
+    a real capture store (whose ingest report holds prompt text the card must never show)."""
+    import torch
+
+    from dflash_train.drafter import DFlashDrafter
+    from dflash_train.store import StoreWriter
+
+    root = tmp_path_factory.mktemp("push_run")
+    identity = dict(tiny_target.identity(), base_model="tiny-org/tiny-target")
+    store = root / "store"
+    ingest_report = {"counts": {"records_read": 120, "kept": 40, "duplicates_removed": 75, "invalid": 5},
+                     "sources": [{"file": "logs/a.jsonl", "format": "sharegpt", "records": 120}],
+                     "pii_scrubbed": {"email": 3, "phone": 1}, "examples": [SECRET],
+                     "first_prompt": {"text": SECRET}}
+    with StoreWriter(store, target=identity, target_layer_ids=[1, 5], hidden_size=64,
+                     generation={"temperature": 0.0, "max_new_tokens": 32,
+                                 "template_kwargs": {"enable_thinking": False}},
+                     ingest_report=ingest_report) as writer:
+        for i in range(2):
+            writer.add(torch.arange(10) + 20, torch.arange(10) >= 4, torch.randn(10, 128), id=f"p{i}", weight=1)
+    drafter = DFlashDrafter.from_target(tiny_target.config, num_layers=2, block_size=8,
+                                        tokenizer=tiny_target.tokenizer, target_identity=identity)
+    out = root / "run" / "drafter"
+    drafter.save_pretrained(out)
+    (out / "target.json").write_text(json.dumps(identity))
+    recipe = {"name": "tiny-run", "license": "mit", "push": {"min_tau": 1.2}, "seed": 0,
+              "data": {"stores": [str(store)], "max_length": 512}, "optimizer": {"lr": 6e-4},
+              "train": {"epochs": 2.0, "micro_batch_size": 4}}
+    (out / "training_args.json").write_text(json.dumps({"recipe": recipe}))
+    return out
+
+
+def write_report(folder: Path, **overrides) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    report = {"tau": 2.4, "tau_offline": 2.6, "lossless_mismatches": 0,
+              "per_position_acceptance": [0.8, 0.5, 0.3, 0.1, 0.05, 0.01, 0.0],
+              "tokens_per_s": 30.0, "tokens_per_s_baseline": 20.0, "speedup": 1.5,
+              "settings": {"max_new_tokens": 64, "temperature": 0.0, "num_prompts": 2},
+              "prompts": [{"id": "p0", "tau": 2.5, "prompt": SECRET}, {"id": "p1", "tau": 2.3, "prompt": SECRET}]}
+    report.update(overrides)
+    (folder / "report.json").write_text(json.dumps(report))
+    (folder / "acceptance.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
+    return folder
+
+
+def hub_env(hub_url: str, tmp_path: Path, token: str = TOKEN) -> dict[str, str]:
+    env = dict(os.environ, HF_ENDPOINT=hub_url, HF_HUB_DISABLE_XET="1", HF_TOKEN=token, HF_HUB_OFFLINE="0",
+               HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DISABLE_PROGRESS_BARS="1")
+    env.pop("HF_HUB_CACHE", None)
+    return env
+
+
+def push(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_train", "push", *args], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def all_text(folder: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file())
+
+
+def test_dry_run_writes_the_card_and_never_touches_the_network(drafter_dir, tmp_path):
+    report = write_report(tmp_path / "eval")
+    listener = socket.socket()  # HF_ENDPOINT points here: any connection attempt would be accepted and seen
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    out = tmp_path / "out"
+    code = ("import sys; from dflash_train.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'huggingface_hub' not in sys.modules, 'dry run imported huggingface_hub'; sys.exit(rc)")
+    env = hub_env(f"http://127.0.0.1:{listener.getsockname()[1]}", tmp_path)
+    result = subprocess.run([sys.executable, "-c", code, "push", str(drafter_dir), "--repo", REPO, "--eval-report",
+                             str(report), "--dry-run", "--out", str(out)], env=env, cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    with pytest.raises(BlockingIOError):
+        listener.accept()
+    listener.close()
+
+    uploaded = {"README.md", "config.json", "model.safetensors", "dflash.py", "target.json", "training_args.json",
+                "eval/summary.json", "eval/acceptance.png"}
+    for name in uploaded:
+        assert (out / name).is_file() and f"  {name}  " in result.stdout, name
+    assert (out / "provenance.json").is_file() and "provenance.json stays local" in result.stdout
+    assert not (out / "INCOMPLETE").exists()
+    assert (out / "model.safetensors").read_bytes() == (drafter_dir / "model.safetensors").read_bytes()
+    assert SECRET.encode() not in all_text(out)
+    assert TOKEN.encode() not in all_text(out)
+    summary = json.loads((out / "eval" / "summary.json").read_text())
+    assert summary["tau"] == 2.4 and "prompts" not in summary
+
+    card = (out / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---\n")[1])
+    assert meta["base_model"] == "tiny-org/tiny-target" and meta["license"] == "mit"
+    assert {"speculative-decoding", "dflash"} <= set(meta["tags"]) and meta["library_name"] == "transformers"
+    assert meta["model-index"][0]["results"][0]["metrics"][0]["value"] == 2.4
+    sglang, vllm = serve_commands("tiny-org/tiny-target", REPO, 8, None)
+    assert sglang in card and vllm in card
+    assert '"num_speculative_tokens": 7' in vllm and "--speculative-num-draft-tokens 8" in sglang
+    assert "| Tapped target layers | 1, 5 |" in card and "| Block size B | 8 |" in card
+    assert "| Acceptance length τ, online (real speculative decoding) | 2.4 |" in card
+    assert "| 0.8 | 0.5 | 0.3 | 0.1 | 0.05 | 0.01 | 0 |" in card
+    assert "![eval/acceptance.png](eval/acceptance.png)" in card
+    assert "| store.num_samples | 2 |" in card and "| store.ingest.pii_scrubbed.email | 3 |" in card
+    assert "| store.ingest.sources[0].file | logs/a.jsonl |" in card
+    assert '`{"enable_thinking": false}`' in card
+    assert "| `optimizer.lr` | 0.0006 |" in card
+    assert "minimum from the training recipe's push.min_tau" in card and "overridden" not in card
+    assert "`mit` (from the training recipe)" in card
+
+
+def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir, tmp_path, capsys):
+    def run(*extra: str) -> tuple[int, str]:
+        out = tmp_path / "out"
+        rc = main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(out), *extra])
+        return rc, capsys.readouterr().err
+
+    rc, err = run()
+    assert rc == 2 and "refusing to push: no eval report" in err and "--force" in err
+    assert not (tmp_path / "out").exists()
+    rc, err = run("--eval-report", str(write_report(tmp_path / "bad", lossless_mismatches=3)))
+    assert rc == 2 and "lossless check failed: 3 outputs" in err
+    rc, err = run("--eval-report", str(write_report(tmp_path / "no_check", lossless_mismatches=None)))
+    assert rc == 2 and "lossless check did not run" in err
+    low = write_report(tmp_path / "low", tau=1.1)
+    rc, err = run("--eval-report", str(low))
+    assert rc == 2 and "online tau 1.100 is below the minimum 1.2 (the training recipe's push.min_tau)" in err
+    rc, err = run("--eval-report", str(low), "--min-tau", "1.05")
+    assert rc == 0, err
+    assert not (tmp_path / "out" / "INCOMPLETE").exists()
+
+    rc, err = run("--eval-report", str(write_report(tmp_path / "bad2", lossless_mismatches=2)), "--force")
+    assert rc == 0 and "gate overridden with --force" in err
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "The release gate was overridden" in card and "lossless check failed: 2 outputs" in card
+
+    no_recipe = tmp_path / "drafter_no_recipe"
+    no_recipe.mkdir()
+    for f in drafter_dir.iterdir():
+        if f.name != "training_args.json":
+            (no_recipe / f.name).write_bytes(f.read_bytes())
+    rc = main(["push", str(no_recipe), "--repo", REPO, "--dry-run", "--out", str(tmp_path / "out2"),
+               "--eval-report", str(write_report(tmp_path / "meh", tau=1.4))])
+    assert rc == 2 and "below the minimum 1.5 (dflash-train's default)" in capsys.readouterr().err
+    rc = main(["push", str(no_recipe), "--repo", REPO, "--dry-run", "--out", str(tmp_path / "out2"),
+               "--eval-report", str(write_report(tmp_path / "ok", tau=1.6))])
+    card = (tmp_path / "out2" / "README.md").read_text()
+    assert rc == 0 and "license: apache-2.0" in card and "the recipe set no license" in card
+
+
+def test_out_folder_of_someone_else_is_never_wiped(drafter_dir, tmp_path, capsys):
+    foreign = tmp_path / "precious"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("do not delete")
+    rc = main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(foreign),
+               "--eval-report", str(write_report(tmp_path / "eval"))])
+    assert rc == 2 and "was not written by `dflash-train push`" in capsys.readouterr().err
+    assert [p.name for p in foreign.iterdir()] == ["thesis.tex"]
+
+
+def test_push_round_trip_through_loopback_hub(drafter_dir, tmp_path):
+    report = write_report(tmp_path / "eval")
+    out = tmp_path / "out"
+    with LoopbackHub(tokens={TOKEN}) as hub:
+        env = hub_env(hub.url, tmp_path)
+        result = push([str(drafter_dir), "--repo", REPO, "--eval-report", str(report), "--out", str(out)], env)
+        assert result.returncode == 0, result.stderr
+        assert f"pushed to {REPO}" in result.stdout
+        head = hub.head(REPO)
+        assert hub.commit_count(REPO) == 2  # the repo's initial commit + exactly one upload commit
+        assert head.title == "Upload DFlash drafter from run tiny-run"
+        assert set(head.files) == {".gitattributes", "README.md", "config.json", "model.safetensors", "dflash.py",
+                                   "target.json", "training_args.json", "eval/summary.json", "eval/acceptance.png"}
+        weights = (drafter_dir / "model.safetensors").read_bytes()
+        assert head.files["model.safetensors"].lfs_sha256 is not None  # went through LFS batch + PUT
+        assert any(r["method"] == "PUT" and r["path"] == f"/_lfs/upload/{head.files['model.safetensors'].lfs_sha256}"
+                   for r in hub.requests)
+        assert hub.file_content(REPO, "model.safetensors") == weights
+        assert hub.file_content(REPO, "README.md") == (out / "README.md").read_bytes()
+        assert all(r["authorized"] for r in hub.requests if r["path"].startswith("/api/repos/create")
+                   or "/commit/" in r["path"])
+
+        # a second push to a branch: only the card changes (it names the revision), main stays as it was
+        result = push([str(drafter_dir), "--repo", REPO, "--eval-report", str(report), "--out", str(out),
+                       "--revision", "dev"], env)
+        assert result.returncode == 0, result.stderr
+        assert hub.head(REPO, "main").oid == head.oid
+        assert "--speculative-draft-model-revision dev" in hub.file_content(REPO, "README.md", "dev").decode()
+
+        local = tmp_path / "download"
+        code = f"""
+import torch
+from huggingface_hub import snapshot_download
+from safetensors.torch import load_file
+from transformers import AutoModel
+path = snapshot_download({REPO!r}, revision="dev", local_dir={str(local)!r})
+model = AutoModel.from_pretrained(path, trust_remote_code=True)
+ref = load_file({str(drafter_dir / "model.safetensors")!r})
+state = model.state_dict()
+assert set(ref) == set(state), sorted(set(ref) ^ set(state))
+assert all(torch.equal(ref[k], state[k]) for k in ref)
+print("loaded", type(model).__name__, sum(p.numel() for p in model.parameters()))
+"""
+        loaded = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+        assert loaded.returncode == 0, loaded.stderr[-3000:]
+        assert "loaded DFlashDraftModel" in loaded.stdout
+        assert (local / "README.md").read_bytes() == hub.file_content(REPO, "README.md", "dev")
+
+
+def test_transient_commit_error_is_retried_and_the_token_never_shows(drafter_dir, tmp_path):
+    report = write_report(tmp_path / "eval")
+    with LoopbackHub(tokens={TOKEN}) as hub:
+        hub.fail("POST", r"/commit/", status=500, times=1, echo_auth=True)  # the error message echoes the token
+        result = push([str(drafter_dir), "--repo", REPO, "--eval-report", str(report), "--out",
+                       str(tmp_path / "out"), "--retry-wait", "0.05"], hub_env(hub.url, tmp_path))
+        assert result.returncode == 0, result.stderr
+        assert "upload failed (HfHubHTTPError: Server error '500" in result.stderr and "retry 1/3" in result.stderr
+        assert "Authorization: Bearer ***" in result.stderr
+        assert TOKEN not in result.stdout + result.stderr
+        assert hub.commit_count(REPO) == 2
+        assert all(TOKEN.encode() not in hub.file_content(REPO, name) for name in hub.head(REPO).files)
+
+
+def test_failed_upload_keeps_the_folder_and_says_what_to_rerun(drafter_dir, tmp_path):
+    report = write_report(tmp_path / "eval")
+    out = tmp_path / "out"
+    with LoopbackHub(tokens={TOKEN}) as hub:
+        hub.fail("POST", r"/commit/", status=503, times=100, echo_auth=True)
+        result = push([str(drafter_dir), "--repo", REPO, "--eval-report", str(report), "--out", str(out),
+                       "--retries", "3", "--retry-wait", "0.01"], hub_env(hub.url, tmp_path))
+        assert result.returncode == 2
+        assert f"upload to {REPO} failed" in result.stderr and "is complete and unchanged" in result.stderr
+        assert f"rerun: dflash-train push {drafter_dir} --repo {REPO} --out {out}" in result.stderr
+        assert TOKEN not in result.stdout + result.stderr
+        assert sum("/commit/" in r["path"] for r in hub.requests) == 3
+        assert hub.commit_count(REPO) == 1  # only the repo's initial commit
+        assert (out / "model.safetensors").read_bytes() == (drafter_dir / "model.safetensors").read_bytes()
+        assert (out / "README.md").is_file() and not (out / "INCOMPLETE").exists()
+
+        # a bad token is not transient: one attempt, a clear error, and the wrong token is not printed either
+        wrong = "hf_WrongToken9876543210zyxwvutsrq"
+        result = push([str(drafter_dir), "--repo", REPO, "--eval-report", str(report), "--out", str(out),
+                       "--retry-wait", "0.01"], hub_env(hub.url, tmp_path, token=wrong))
+        assert result.returncode == 2 and "401" in result.stderr
+        assert wrong not in result.stdout + result.stderr
+        assert sum(r["path"] == "/api/repos/create" and not r["authorized"] for r in hub.requests) == 1
+
+
+def test_data_summary_rows_drop_anything_that_could_be_text():
+    summary = {"num_samples": 10, "sources": [{"name": "a.jsonl", "count": 3}], "prompts": [SECRET],
+               "examples": [{"text": SECRET}], "note": "x" * 200, "first": {"prompt": SECRET},
+               "dedup": {"removed": 4}, "splits": ["train", "eval"]}
+    rows = dict(safe_summary_rows(summary))
+    assert rows == {"num_samples": 10, "sources[0].name": "a.jsonl", "sources[0].count": 3, "dedup.removed": 4,
+                    "splits": ["train", "eval"]}
+    sglang, vllm = serve_commands("org/target", "org/drafter", 16, "v2")
+    assert "--speculative-draft-model-revision v2" in sglang
+    assert vllm == ("vllm serve org/target \\\n    --speculative-config '{\"method\": \"dflash\", \"model\": "
+                    "\"org/drafter\", \"num_speculative_tokens\": 15, \"revision\": \"v2\"}'")
