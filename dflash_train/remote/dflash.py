@@ -48,6 +48,14 @@ def sample(logits: torch.Tensor, temperature: float = 0.0) -> torch.Tensor:
     return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).view(probs.shape[:-1])
 
 
+def crop_cache(cache, length: int) -> None:
+    """Keep the first `length` positions of a transformers Cache (crop's positive form is gone in v5; its
+    negative form removes that many positions in both v4 and v5)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -134,7 +142,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         """position_ids [b, S+Q] cover the new context (target_hidden [b, S, n*H]) then the block
         (noise_embedding [b, Q, H]). attention_mask: None (all visible) or broadcastable to [b, heads, Q, keys].
         With past_key_values (a transformers Cache), the context and block K/V are appended; crop the cache to
-        the committed length afterwards. Returns the block's hidden states [b, Q, H] after the final norm."""
+        the committed length afterwards (crop_cache). Returns the block's hidden states [b, Q, H] after the final norm."""
         hidden_states = noise_embedding.to(self.fc.weight.dtype)
         target_hidden = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
@@ -174,7 +182,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             positions = torch.arange(draft_cache.get_seq_length(), start + B, device=device)[None]
             hidden = self(position_ids=positions, noise_embedding=embed(block), target_hidden=context,
                           past_key_values=draft_cache, use_cache=True)
-            draft_cache.crop(start)
+            crop_cache(draft_cache, start)
             block[:, 1:] = sample(head(hidden[:, 1:]), temperature)
 
             out = target(block, position_ids=torch.arange(start, start + B, device=device)[None],
@@ -187,11 +195,11 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
                     new = new[:i + 1]
                     break
             tokens += new
-            target_cache.crop(start + accepted + 1)
+            crop_cache(target_cache, start + accepted + 1)
             context = extract_context_feature(out.hidden_states, self.target_layer_ids)[:, :accepted + 1]
             if acceptance_lengths is not None:
                 acceptance_lengths.append(len(new))
         return torch.tensor([tokens[:n_prompt + max_new_tokens]], device=device)
 
 
-__all__ = ["DFlashDraftModel", "build_target_layer_ids", "extract_context_feature", "sample"]
+__all__ = ["DFlashDraftModel", "build_target_layer_ids", "crop_cache", "extract_context_feature", "sample"]
