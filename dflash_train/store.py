@@ -13,7 +13,8 @@ A shard holds
   scales         float32 [T]          (fp8 only) one scale per token: state = fp8 * scale
   offsets        int64  [N+1]         sample i is tokens offsets[i]:offsets[i+1]
   weights        int64  [N]
-and the sample ids (and the ids dropped for non-finite states) as JSON in the safetensors metadata.
+and the sample ids (and the ids left out, with the reason: non-finite states, prompt too long, ...) as JSON in
+the safetensors metadata.
 
 Shards are written under a temporary name, fsynced, hashed and renamed; only then does the rank's journal list
 them. A killed writer therefore leaves finished shards (kept on rerun) and at most one temporary file (deleted
@@ -104,7 +105,7 @@ class _Pending:
     loss_mask: list[torch.Tensor] = field(default_factory=list)
     states: list[torch.Tensor] = field(default_factory=list)
     scales: list[torch.Tensor] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)
+    dropped: list[tuple[str, str]] = field(default_factory=list)  # (id, reason)
     nbytes: int = 0
 
     @property
@@ -203,7 +204,7 @@ class StoreWriter:
         for journal in journals:
             for entry in journal["shards"]:
                 done.update(entry["ids"])
-                done.update(entry["dropped_ids"])
+                done.update(i for i, _ in entry["dropped"])
         return done
 
     # appending ---------------------------------------------------------------------------------------
@@ -220,10 +221,10 @@ class StoreWriter:
             raise ValueError(f"sample {id!r}: input_ids {tuple(input_ids.shape)}, loss_mask "
                              f"{tuple(loss_mask.shape)} and hidden_states {tuple(hidden_states.shape)} do not "
                              f"match [S], [S], [S, {self.width}] with S > 0")
-        self.done_ids.add(id)
         if not torch.isfinite(hidden_states).all():
-            self._pending.dropped.append(id)
+            self.skip(id, "nonfinite")
             return False
+        self.done_ids.add(id)
         p = self._pending
         p.ids.append(id)
         p.weights.append(int(weight))
@@ -241,6 +242,14 @@ class StoreWriter:
         if p.nbytes >= self.shard_bytes:
             self.flush()
         return True
+
+    def skip(self, id: str, reason: str) -> None:
+        """Record that sample `id` is left out (and why): counted in the manifest, and not redone on resume."""
+        id = str(id)
+        if id in self.done_ids:
+            raise ValueError(f"sample id {id!r} is already in store {self.out}")
+        self.done_ids.add(id)
+        self._pending.dropped.append((id, reason))
 
     def flush(self) -> None:
         """Write the buffered samples as one shard (tmp name, fsync, sha256, rename), then journal it."""
@@ -262,7 +271,7 @@ class StoreWriter:
         }
         if self.storage_dtype == "fp8":
             tensors["scales"] = torch.cat(p.scales) if p.ids else torch.zeros(0, dtype=torch.float32)
-        metadata = {"format": FORMAT, "ids": json.dumps(p.ids), "dropped_ids": json.dumps(p.dropped)}
+        metadata = {"format": FORMAT, "ids": json.dumps(p.ids), "dropped": json.dumps(p.dropped)}
         try:
             _save_safetensors(tensors, metadata, tmp)
             digest = sha256_file(tmp)
@@ -274,7 +283,7 @@ class StoreWriter:
                 raise _disk_full_error(tmp) from None
             raise
         entry = {"file": name, "num_samples": len(p.ids), "num_tokens": int(offsets[-1]),
-                 "bytes": final.stat().st_size, "sha256": digest, "ids": p.ids, "dropped_ids": p.dropped}
+                 "bytes": final.stat().st_size, "sha256": digest, "ids": p.ids, "dropped": p.dropped}
         self._journal["shards"].append(entry)
         self._write_json(self.out / journal_name(self.rank), self._journal)
         self._next_index += 1
@@ -336,6 +345,11 @@ def finalize_store(out_dir: str | Path, ingest_report: dict[str, Any] | None = N
         if path.name not in referenced:
             path.unlink()
     num_tokens = sum(e["num_tokens"] for e in shards)
+    dropped_ids: dict[str, list[str]] = {}
+    for entry in shards:
+        for id_, reason in entry["dropped"]:
+            dropped_ids.setdefault(reason, []).append(id_)
+    dropped = {reason: len(ids) for reason, ids in dropped_ids.items()}
     floor = settings["num_tapped"] * settings["hidden_size"] * BYTES_PER_VALUE[settings["storage_dtype"]]
     shard_bytes = sum(e["bytes"] for e in shards)
     manifest = {
@@ -344,8 +358,9 @@ def finalize_store(out_dir: str | Path, ingest_report: dict[str, Any] | None = N
         **settings,
         "num_samples": sum(e["num_samples"] for e in shards),
         "num_tokens": num_tokens,
-        "num_dropped_nonfinite": sum(len(e["dropped_ids"]) for e in shards),
-        "dropped_ids": [i for e in shards for i in e["dropped_ids"]],
+        "dropped": dropped,
+        "dropped_ids": dropped_ids,
+        "num_dropped_nonfinite": dropped.get("nonfinite", 0),
         "bytes": shard_bytes,
         "floor_bytes_per_token": floor,
         "bytes_per_token": shard_bytes / num_tokens if num_tokens else None,
@@ -579,5 +594,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"verify {args.store}: OK: {m['num_samples']} samples, {m['num_tokens']} tokens, {len(m['shards'])} "
           f"shard(s), {m['bytes'] / 2**20:.1f} MiB, {per_token:.1f} bytes/token vs floor "
           f"{m['floor_bytes_per_token']} ({100 * (per_token / m['floor_bytes_per_token'] - 1):+.2f}%), "
-          f"{m['storage_dtype']}, layers {m['target_layer_ids']}, {m.get('num_dropped_nonfinite', 0)} dropped")
+          f"{m['storage_dtype']}, layers {m['target_layer_ids']}, dropped {m.get('dropped') or 'none'}")
     return 0

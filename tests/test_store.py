@@ -99,7 +99,8 @@ def test_nonfinite_samples_dropped_and_counted(tmp_path):
     write(tmp_path / "st", samples)
     st = open_store(tmp_path / "st")
     assert st.ids == ["s0", "s1", "s3", "s5"]
-    assert st.manifest["num_dropped_nonfinite"] == 2 and st.manifest["dropped_ids"] == ["s2", "s4"]
+    assert st.manifest["num_dropped_nonfinite"] == 2 and st.manifest["dropped_ids"] == {"nonfinite": ["s2", "s4"]}
+    assert st.manifest["dropped"] == {"nonfinite": 2}
 
 
 def test_flipped_byte_fails_verify_naming_the_shard(tmp_path, capsys):

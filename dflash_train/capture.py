@@ -1,0 +1,487 @@
+"""Capture: replay prompts through the target and store its own responses with the tapped layers' hidden states.
+
+    dflash-train capture --prompts data/prompts/sharegpt --target smollm2-135m-instruct --out data/store/x
+
+Each prompt is rendered with the target's chat template exactly as served, the target generates its response
+(greedy by default; temperature/top-p from the command or from the logged request), and the hidden states of
+the tapped decoder layers are recorded in the same pass: the prefill gives the prompt's states, every decode
+step the states of the token it feeds. The last generated token is fed once more so that it has states too, so
+no second prefill over the whole sequence is ever run. `--responses logged` instead takes the response from the
+log (for logs that came from this very target) and runs a single prefill.
+
+Several processes (`accelerate launch --multi_gpu --num_processes N -m dflash_train capture ...`, or torchrun;
+on CPU the process group uses gloo) split the prompts by index (rank r takes prompts r, r+N, ...), each writes
+its own shards, and rank 0 merges the manifest after a barrier. A target too large for one GPU can be loaded with
+`--device-map auto` (single process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import hashlib
+import inspect
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from dflash_train.errors import UserError
+from dflash_train.store import DEFAULT_SHARD_BYTES, STORAGE_DTYPES, StoreWriter, finalize_store
+from dflash_train.target import DEFAULT_TARGET, Target, default_layer_ids, load_target
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class CaptureConfig:
+    prompts: str
+    out: str
+    target: str = DEFAULT_TARGET
+    split: str = "train"
+    layers: list[int] | None = None  # None: default_layer_ids(L, num_layers)
+    num_layers: int = 5
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 4096  # longer prompts are skipped and counted, never truncated
+    batch_size: int = 8
+    temperature: float | None = None  # None: the logged request's, else greedy
+    top_p: float | None = None
+    seed: int = 0
+    limit: int | None = None
+    storage: str = "bf16"
+    responses: str = "generate"  # generate | logged
+    shard_size_mb: float = DEFAULT_SHARD_BYTES / 2**20
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "bf16"  # the target's compute dtype
+    device: str | None = None  # None: cuda:LOCAL_RANK if available, else cpu
+    device_map: str | None = None
+
+
+@dataclass
+class PromptRecord:
+    id: str
+    messages: list[dict[str, str]]
+    weight: int = 1
+    sampling: dict[str, Any] | None = None
+    response: str | None = None
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+
+
+@dataclass
+class Captured:
+    input_ids: list[int]
+    num_prompt_tokens: int
+    hidden_states: torch.Tensor  # [S, n*H]
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+
+def load_prompts(path: str | Path, split: str = "train", limit: int | None = None
+                 ) -> tuple[list[PromptRecord], dict[str, Any] | None]:
+    """Records of an ingest output folder (its `split`) or of a raw log file, and the ingest report."""
+    path = Path(path)
+    if path.is_dir():
+        rows, report = _rows_from_ingest_folder(path, split)
+    elif path.exists():
+        rows, report = _rows_from_log(path), None
+    else:
+        raise UserError(f"prompts {path} do not exist (run `dflash-train ingest` first, or pass a log file)")
+    records: list[PromptRecord] = []
+    seen: set[str] = set()
+    for row in rows:
+        if limit is not None and len(records) >= limit:
+            break
+        record = _to_record(row, path)
+        if record.id in seen:
+            raise UserError(f"{path}: duplicate record id {record.id!r}")
+        seen.add(record.id)
+        records.append(record)
+    return records, report
+
+
+def _rows_from_ingest_folder(path: Path, split: str) -> tuple[Iterable[dict[str, Any]], dict[str, Any] | None]:
+    import datasets
+
+    try:
+        data = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as err:
+        raise UserError(f"{path} is not an ingest output folder (datasets.load_from_disk failed: {err})") from None
+    if isinstance(data, datasets.DatasetDict):
+        if split not in data:
+            raise UserError(f"{path} has no split {split!r} (it has {', '.join(data)})")
+        data = data[split]
+    report_path = path / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    return data, report
+
+
+def _rows_from_log(path: Path) -> Iterable[dict[str, Any]]:
+    try:
+        from dflash_train import ingest
+    except ImportError:
+        raise UserError(f"{path}: reading a raw log needs dflash_train.ingest; run `dflash-train ingest` and "
+                        f"pass its output folder") from None
+    return ingest.iter_records(path)
+
+
+def _to_record(row: dict[str, Any], path: Path) -> PromptRecord:
+    rid = row.get("id")
+    if not isinstance(rid, str) or not rid:
+        raise UserError(f"{path}: a record has no string 'id' (keys: {', '.join(row)})")
+    messages = row.get("messages")
+    if (not isinstance(messages, list) or not messages
+            or not all(isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str)
+                       for m in messages)):
+        raise UserError(f"{path}: record {rid!r} has no list of {{role, content}} 'messages'")
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    weight = row.get("weight")
+    return PromptRecord(id=rid, messages=messages, weight=int(weight) if weight is not None else 1,
+                        sampling=row.get("sampling") or None, response=row.get("response"))
+
+
+def sampling_for(record: PromptRecord, temperature: float | None, top_p: float | None) -> Sampling:
+    """The command's settings win; otherwise the logged request's; otherwise greedy."""
+    logged = record.sampling or {}
+    t = temperature if temperature is not None else logged.get("temperature")
+    p = top_p if top_p is not None else logged.get("top_p")
+    return Sampling(temperature=float(t) if t is not None else 0.0, top_p=float(p) if p is not None else 1.0)
+
+
+def sample_seed(seed: int, record_id: str) -> int:
+    """A per-prompt seed: a sampled response does not depend on batching, ranks or resumes."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{record_id}".encode()).digest()[:8], "little") >> 1
+
+
+# ------------------------------------------------------------------------------------------------ model
+
+def resolve_layer_ids(num_layers: int, layers: list[int] | None, n: int) -> list[int]:
+    ids = default_layer_ids(num_layers, n) if layers is None else list(layers)
+    for i in ids:
+        # HF hidden_states[L] is the last layer *after* the final norm, not a raw layer output.
+        if not 0 <= i <= num_layers - 2:
+            raise UserError(f"layer id {i} is out of range: a {num_layers}-layer target can tap layers "
+                            f"0..{num_layers - 2}")
+    if len(set(ids)) != len(ids):
+        raise UserError(f"layer ids {ids} repeat a layer")
+    return ids
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    """The KV cache keyword: `cache` in transformers 5.x, `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def _forward(model, input_ids, attention_mask, position_ids, cache=None, use_cache=True):
+    """One forward returning the last position's logits, all hidden states and the cache."""
+    cache_key = _cache_keyword(type(model))
+    kwargs = {cache_key: cache} if cache is not None else {}
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=use_cache, output_hidden_states=True, logits_to_keep=1, **kwargs)
+    new_cache = getattr(out, "cache", None) if cache_key == "cache" else out.past_key_values
+    return out.logits[:, -1], out.hidden_states, new_cache
+
+
+def _tap(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    """Outputs of the decoder layers `layer_ids` (HF hidden_states[i + 1]) concatenated: [b, T, n*H]."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def _left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for r, s in enumerate(sequences):
+        ids[r, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[r, width - len(s):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each sequence counts from 0 at its first real token
+    return ids.to(device), mask.to(device), positions.to(device)
+
+
+def sample_next(logits: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator]) -> torch.Tensor:
+    """Next token per row: argmax for greedy rows, else temperature + nucleus (top-p) sampling."""
+    out = logits.argmax(dim=-1)
+    for r, (s, g) in enumerate(zip(samplings, generators)):
+        if s.temperature <= 0:
+            continue
+        probs = torch.softmax(logits[r].float() / s.temperature, dim=-1)
+        if s.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            keep = sorted_probs.cumsum(0) - sorted_probs < s.top_p  # smallest prefix reaching top_p
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs * keep)
+        out[r] = torch.multinomial(probs, 1, generator=g)[0]
+    return out
+
+
+@torch.no_grad()
+def generate_and_capture(model, prompts: list[list[int]], layer_ids: list[int], max_new_tokens: int,
+                         stop_ids: list[int], pad_id: int, samplings: list[Sampling] | None = None,
+                         seeds: list[int] | None = None) -> list[Captured]:
+    """Batched decoding with a KV cache that records the tapped states of every position in the same pass.
+
+    Left padding; the attention mask and position ids come from it, so each row sees exactly what a
+    single-sample forward would. Decode step k feeds generated token k and records its states; a row stops
+    after its stop token (kept, with states) or after max_new_tokens tokens."""
+    device = next(model.parameters()).device
+    b = len(prompts)
+    samplings = samplings or [Sampling()] * b
+    generators = [torch.Generator(device=device).manual_seed(s) for s in (seeds or [0] * b)]
+    ids, mask, positions = _left_pad(prompts, pad_id, device)
+    logits, hidden, cache = _forward(model, ids, mask, positions)
+    tapped = _tap(hidden, layer_ids).cpu()
+    chunks = [[tapped[r, ids.shape[1] - len(p):]] for r, p in enumerate(prompts)]
+    tokens: list[list[int]] = [[] for _ in range(b)]
+    next_pos = positions[:, -1] + 1
+    finished = torch.zeros(b, dtype=torch.bool, device=device)
+    stop = torch.tensor(stop_ids, device=device)
+    nxt = sample_next(logits, samplings, generators)
+    for step in range(max_new_tokens):
+        active = ~finished
+        for r in active.nonzero().flatten().tolist():
+            tokens[r].append(int(nxt[r]))
+        finished = finished | torch.isin(nxt, stop)
+        if step == max_new_tokens - 1:
+            finished[:] = True
+        feed = torch.where(active, nxt, torch.full_like(nxt, pad_id))
+        mask = torch.cat([mask, active[:, None].long()], dim=1)  # rows already done only add masked keys
+        logits, hidden, cache = _forward(model, feed[:, None], mask, next_pos[:, None], cache)
+        tapped = _tap(hidden, layer_ids)[:, 0].cpu()
+        for r in active.nonzero().flatten().tolist():
+            chunks[r].append(tapped[r:r + 1])
+        next_pos = next_pos + 1
+        if bool(finished.all()):
+            break
+        nxt = sample_next(logits, samplings, generators)
+    return [Captured(input_ids=list(p) + tokens[r], num_prompt_tokens=len(p), hidden_states=torch.cat(chunks[r]))
+            for r, p in enumerate(prompts)]
+
+
+@torch.no_grad()
+def prefill_capture(model, sequences: list[list[int]], num_prompt_tokens: list[int], layer_ids: list[int],
+                    pad_id: int) -> list[Captured]:
+    """One batched prefill over complete sequences (the `--responses logged` path)."""
+    device = next(model.parameters()).device
+    ids, mask, positions = _left_pad(sequences, pad_id, device)
+    _, hidden, _ = _forward(model, ids, mask, positions, use_cache=False)
+    tapped = _tap(hidden, layer_ids).cpu()
+    width = ids.shape[1]
+    return [Captured(input_ids=list(s), num_prompt_tokens=n, hidden_states=tapped[r, width - len(s):])
+            for r, (s, n) in enumerate(zip(sequences, num_prompt_tokens))]
+
+
+def logged_response_ids(target: Target, record: PromptRecord, prompt_ids: list[int],
+                        template_kwargs: dict[str, Any]) -> tuple[list[int], bool]:
+    """The logged response as the target would have emitted it after `prompt_ids`, ending with its stop token.
+
+    Rendered with the chat template over the whole conversation; when the template frames the response so that
+    the prompt ids are not a prefix (e.g. it rewrites earlier turns), fall back to the response text's own tokens
+    plus the first stop token. Returns (ids, used_template)."""
+    tok = target.tokenizer
+    stop_ids = target.stop_token_ids()
+    conversation = record.messages + [{"role": "assistant", "content": record.response}]
+    text = tok.apply_chat_template(conversation, tokenize=False, **template_kwargs)
+    full = tok(text, add_special_tokens=False)["input_ids"]
+    if full[:len(prompt_ids)] == prompt_ids:
+        response = full[len(prompt_ids):]
+        for k, token in enumerate(response):  # cut after the stop token: the template's trailing newline
+            if token in stop_ids:            # is not something the target emits
+                return response[:k + 1], True
+        return response, True
+    return tok(record.response, add_special_tokens=False)["input_ids"] + stop_ids[:1], False
+
+
+# ------------------------------------------------------------------------------------------------ the stage
+
+def init_distributed(device_type: str) -> tuple[int, int]:
+    """(rank, world_size). Several processes need a launcher that sets WORLD_SIZE/RANK (accelerate launch
+    --multi_gpu, torchrun); on CPU the process group backend must be gloo."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        # A long timeout: ranks finish their prompts at different times and wait at the final barrier.
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(hours=24))
+    if dist.get_world_size() != world:
+        raise RuntimeError(f"the launcher started {world} processes but torch.distributed sees "
+                           f"{dist.get_world_size()}")
+    return dist.get_rank(), world
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
+    """Run the capture stage; returns the manifest on rank 0 (None on other ranks)."""
+    from tqdm import tqdm
+
+    if cfg.storage not in STORAGE_DTYPES:
+        raise UserError(f"--storage must be one of {', '.join(STORAGE_DTYPES)}, got {cfg.storage!r}")
+    if cfg.responses not in ("generate", "logged"):
+        raise UserError(f"--responses must be generate or logged, got {cfg.responses!r}")
+    if cfg.dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    if cfg.max_new_tokens < 1 or cfg.batch_size < 1:
+        raise UserError("--max-new-tokens and --batch-size must be >= 1")
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world = init_distributed(torch.device(device).type)
+    if device == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    started = time.time()
+    records, ingest_report = load_prompts(cfg.prompts, cfg.split, cfg.limit)
+    model_kwargs = {"device_map": cfg.device_map} if cfg.device_map else {}
+    target = load_target(cfg.target, dtype=DTYPES[cfg.dtype], device=device, **model_kwargs)
+    layer_ids = resolve_layer_ids(target.num_layers, cfg.layers, cfg.num_layers)
+    stop_ids = target.stop_token_ids()
+    pad_id = target.tokenizer.pad_token_id
+    generation = {
+        "responses": cfg.responses,
+        "max_new_tokens": cfg.max_new_tokens,
+        "max_prompt_tokens": cfg.max_prompt_tokens,
+        "temperature": cfg.temperature,  # None: per logged request, greedy where the log has none
+        "top_p": cfg.top_p,
+        "seed": cfg.seed,
+        "template_kwargs": cfg.template_kwargs,
+        "add_generation_prompt": True,
+        "stop_token_ids": stop_ids,
+        "compute_dtype": cfg.dtype,
+    }
+    writer = StoreWriter(cfg.out, target=target.identity(), target_layer_ids=layer_ids,
+                         hidden_size=target.config.hidden_size, storage_dtype=cfg.storage, generation=generation,
+                         ingest_report=ingest_report, shard_bytes=int(cfg.shard_size_mb * 2**20), rank=rank,
+                         world_size=world, extra={"capture": {**asdict(cfg), "world_size": world,
+                                                              "prompts": str(cfg.prompts)}})
+    mine = [r for i, r in enumerate(records) if i % world == rank and r.id not in writer.done_ids]
+    if len(mine) < sum(1 for i in range(len(records)) if i % world == rank):
+        print(f"rank {rank}: resuming {cfg.out}: {len(mine)} prompt(s) left", flush=True)
+
+    rendered = []
+    for record in mine:
+        ids = target.render(record.messages, **cfg.template_kwargs)
+        if len(ids) > cfg.max_prompt_tokens:
+            writer.skip(record.id, "prompt_too_long")
+        elif cfg.responses == "logged" and not record.response:
+            writer.skip(record.id, "no_logged_response")
+        else:
+            rendered.append((record, ids))
+    rendered.sort(key=lambda item: -len(item[1]))  # similar lengths batch together: less padding
+
+    tokens_done = 0
+    bar = tqdm(total=len(rendered), desc=f"capture r{rank}" if world > 1 else "capture", unit="prompt",
+               position=rank, dynamic_ncols=True)
+    loop_start = time.time()
+    for start in range(0, len(rendered), cfg.batch_size):
+        batch = rendered[start:start + cfg.batch_size]
+        if cfg.responses == "generate":
+            captured = generate_and_capture(
+                target.model, [ids for _, ids in batch], layer_ids, cfg.max_new_tokens, stop_ids, pad_id,
+                samplings=[sampling_for(r, cfg.temperature, cfg.top_p) for r, _ in batch],
+                seeds=[sample_seed(cfg.seed, r.id) for r, _ in batch])
+        else:
+            responses = [logged_response_ids(target, r, ids, cfg.template_kwargs)[0][:cfg.max_new_tokens]
+                         for r, ids in batch]
+            captured = prefill_capture(target.model, [ids + resp for (_, ids), resp in zip(batch, responses)],
+                                       [len(ids) for _, ids in batch], layer_ids, pad_id)
+        for (record, _), sample in zip(batch, captured):
+            n = len(sample.input_ids)
+            loss_mask = torch.zeros(n, dtype=torch.bool)
+            loss_mask[sample.num_prompt_tokens:] = True
+            writer.add(torch.tensor(sample.input_ids), loss_mask, sample.hidden_states, id=record.id,
+                       weight=record.weight)
+            tokens_done += n
+        bar.update(len(batch))
+        bar.set_postfix(tok_s=f"{tokens_done / max(time.time() - loop_start, 1e-9):.0f}")
+    bar.close()
+    writer.close(finalize=False)
+    _barrier(world)
+    manifest = None
+    if rank == 0:
+        manifest = finalize_store(cfg.out, ingest_report=ingest_report, extra=writer.extra)
+        _print_summary(manifest, time.time() - started, cfg.out)
+    _barrier(world)
+    return manifest
+
+
+def _print_summary(m: dict[str, Any], seconds: float, out: str) -> None:
+    per_token = m["bytes"] / m["num_tokens"] if m["num_tokens"] else 0.0
+    over = 100 * (per_token / m["floor_bytes_per_token"] - 1) if m["num_tokens"] else 0.0
+    dropped = ", ".join(f"{k} {v}" for k, v in m["dropped"].items()) or "none"
+    print(f"capture {out}: {m['num_samples']} prompts, {m['num_tokens']} tokens, {m['bytes'] / 2**20:.1f} MiB in "
+          f"{len(m['shards'])} shard(s), {per_token:.1f} bytes/token vs floor {m['floor_bytes_per_token']} "
+          f"({over:+.2f}%), dropped: {dropped}, {seconds:.1f} s", flush=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    p = parser
+    p.add_argument("--prompts", required=True, help="an ingest output folder, or a raw log file")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="embedded target name, checkpoint folder or hub id")
+    p.add_argument("--out", required=True, help="store folder to write (rerun the same command to resume)")
+    p.add_argument("--split", default="train", help="split of the ingest folder (default train)")
+    layers = p.add_mutually_exclusive_group()
+    layers.add_argument("--layers", type=_int_list, help="tapped decoder layer ids, e.g. 1,9,17")
+    layers.add_argument("--num-layers", type=int, default=5,
+                        help="tap n layers evenly spaced from 1 to L-3 (default 5)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=4096,
+                   help="skip (and count) prompts longer than this; they are never truncated")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature for every prompt (default: the logged request's, else greedy)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: the logged request's)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: seed + id)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts of the split")
+    p.add_argument("--storage", choices=sorted(STORAGE_DTYPES), default="bf16")
+    p.add_argument("--responses", choices=["generate", "logged"], default="generate")
+    p.add_argument("--shard-size-mb", type=float, default=DEFAULT_SHARD_BYTES / 2**20)
+    p.add_argument("--template-kwargs", type=_json_object, default={},
+                   help='chat template options as JSON, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="the target's compute dtype")
+    p.add_argument("--device", default=None, help="default: cuda (this rank's GPU) if available, else cpu")
+    p.add_argument("--device-map", default=None, help="e.g. auto: spread a large target over the GPUs")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def config_from_args(args: argparse.Namespace) -> CaptureConfig:
+    return CaptureConfig(
+        prompts=args.prompts, out=args.out, target=args.target, split=args.split, layers=args.layers,
+        num_layers=args.num_layers, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+        batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        limit=args.limit, storage=args.storage, responses=args.responses, shard_size_mb=args.shard_size_mb,
+        template_kwargs=args.template_kwargs, dtype=args.dtype, device=args.device, device_map=args.device_map)
+
+
+def run(args: argparse.Namespace) -> int:
+    capture(config_from_args(args))
+    return 0

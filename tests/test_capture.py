@@ -1,0 +1,225 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dflash_train.capture import (CaptureConfig, PromptRecord, Sampling, capture, generate_and_capture,
+                                  logged_response_ids, resolve_layer_ids, sample_next, sampling_for)
+from dflash_train.errors import UserError
+from dflash_train.store import open_store, verify_store
+
+from conftest import REPO_ROOT
+
+TEXTS = ["Hello!", "Write a poem about the sea.", "def add(a, b):",
+         "What is the capital of France? Answer in one word please, and then explain why in two sentences.",
+         "Summarize", "0123456789 + - * /"]
+LAYERS = [1, 3, 5]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # The tiny model is latency-bound: one thread is faster than two contended ones on a shared box.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_rows(n):
+    rows = []
+    for i in range(n):
+        messages = [{"role": "user", "content": TEXTS[i % len(TEXTS)] * (1 + i % 3)}]
+        if i % 4 == 3:  # multi-turn with a system prompt
+            messages = [{"role": "system", "content": "Be brief."}, messages[0],
+                        {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "And more?"}]
+        rows.append({"id": f"p{i:03d}", "messages": messages, "sampling": None,
+                     "response": ["Paris.", "The sea is blue and wide.", "return a + b"][i % 3],
+                     "source": "test", "weight": 1 + i % 2})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def prompts_dir(tmp_path_factory):
+    import datasets
+
+    out = tmp_path_factory.mktemp("prompts") / "ingested"
+    rows = make_rows(24)
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                          "eval": datasets.Dataset.from_list(make_rows(2))}).save_to_disk(str(out))
+    (out / "report.json").write_text(json.dumps({"records_in": 26, "kept": 26}))
+    return out
+
+
+def config(prompts_dir, target_dir, out, **kw):
+    settings = dict(prompts=str(prompts_dir), target=str(target_dir), out=str(out), layers=LAYERS,
+                    max_new_tokens=12, batch_size=5, dtype="fp32", shard_size_mb=0.01)
+    settings.update(kw)
+    return CaptureConfig(**settings)
+
+
+@pytest.fixture(scope="module")
+def one_process_store(prompts_dir, tiny_target_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("store") / "one"
+    capture(config(prompts_dir, tiny_target_dir, out))
+    return out
+
+
+def cli_env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def teacher_forced(model, ids):
+    out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    return torch.cat([out.hidden_states[i + 1][0] for i in LAYERS], dim=-1)
+
+
+def test_default_layer_rule():
+    assert resolve_layer_ids(36, None, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
+    assert resolve_layer_ids(8, None, 3) == [1, 3, 5]
+    assert resolve_layer_ids(8, [0, 2, 6], 5) == [0, 2, 6]
+    with pytest.raises(UserError, match="layer id 7"):  # hidden_states[8] is after the final norm
+        resolve_layer_ids(8, [1, 7], 5)
+    with pytest.raises(UserError, match="repeat"):
+        resolve_layer_ids(8, [1, 1], 5)
+
+
+def test_batched_decode_equals_single_sample_forward_and_generate(tiny_target):
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    prompts = [tiny_target.render(r["messages"]) for r in make_rows(4)]
+    assert len({len(p) for p in prompts}) == 4  # mixed lengths: real left padding
+    free = generate_and_capture(model, prompts, LAYERS, 10, tiny_target.stop_token_ids(), tok.pad_token_id)
+    # Make row 1 stop at its 4th token: a stop token ends the row, and is stored with its states.
+    stop = free[1].input_ids[len(prompts[1]) + 3]
+    stops_after = free[1].input_ids[len(prompts[1]):].index(stop) + 1  # <= 4 of 10
+    got = generate_and_capture(model, prompts, LAYERS, 10, [stop], tok.pad_token_id)
+    for p, g in zip(prompts, got):
+        response = g.input_ids[len(p):]
+        assert g.input_ids[:len(p)] == p and g.num_prompt_tokens == len(p)
+        assert (stop in response and response.index(stop) == len(response) - 1) or len(response) == 10
+        ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=10, do_sample=False, eos_token_id=stop, pad_token_id=stop)
+        assert g.input_ids == ref[0].tolist()[:len(g.input_ids)]
+        assert g.hidden_states.shape == (len(g.input_ids), 3 * 64)
+        torch.testing.assert_close(g.hidden_states, teacher_forced(model, g.input_ids), rtol=1e-4, atol=1e-4)
+    assert len(got[1].input_ids) == len(prompts[1]) + stops_after and got[1].input_ids[-1] == stop
+
+
+def test_store_holds_teacher_forced_states_and_response_mask(one_process_store, tiny_target, prompts_dir):
+    st = open_store(one_process_store)
+    rows = {r["id"]: r for r in make_rows(24)}
+    assert len(st) == 24 and sorted(st.ids) == sorted(rows)
+    m = st.manifest
+    assert m["target_layer_ids"] == LAYERS and m["hidden_size"] == 64 and m["num_tapped"] == 3
+    assert m["target"] == tiny_target.identity() and m["ingest_report"] == {"records_in": 26, "kept": 26}
+    assert m["generation"]["max_new_tokens"] == 12 and m["generation"]["template_kwargs"] == {}
+    assert len(m["shards"]) > 1 and verify_store(one_process_store) == []
+    for item in st:
+        row = rows[item["id"]]
+        prompt = tiny_target.render(row["messages"])
+        n = len(prompt)
+        assert item["input_ids"][:n].tolist() == prompt and item["weight"] == row["weight"]
+        assert not item["loss_mask"][:n].any() and item["loss_mask"][n:].all() and len(item["input_ids"]) > n
+        ref = teacher_forced(tiny_target.model, item["input_ids"].tolist())
+        torch.testing.assert_close(item["hidden_states"].float(), ref, rtol=1.6e-2, atol=1e-2)  # bf16 storage
+
+
+def test_logged_responses_path(prompts_dir, tiny_target_dir, tiny_target, tmp_path):
+    out = tmp_path / "logged"
+    capture(config(prompts_dir, tiny_target_dir, out, responses="logged", limit=6))
+    st = open_store(out)
+    rows = {r["id"]: r for r in make_rows(6)}
+    eos = tiny_target.tokenizer.eos_token_id
+    assert len(st) == 6 and st.manifest["generation"]["responses"] == "logged"
+    for item in st:
+        row = rows[item["id"]]
+        prompt = tiny_target.render(row["messages"])
+        response = tiny_target.tokenizer(row["response"], add_special_tokens=False)["input_ids"] + [eos]
+        assert item["input_ids"].tolist() == prompt + response
+        assert item["loss_mask"].tolist() == [False] * len(prompt) + [True] * len(response)
+        ref = teacher_forced(tiny_target.model, item["input_ids"].tolist())
+        torch.testing.assert_close(item["hidden_states"].float(), ref, rtol=1.6e-2, atol=1e-2)
+    record = PromptRecord(id="x", messages=rows["p000"]["messages"], response="Paris.")
+    ids, framed = logged_response_ids(tiny_target, record, tiny_target.render(record.messages), {})
+    assert framed and ids[-1] == eos  # the chat template frames it; its trailing newline is cut
+
+
+def test_sampling_settings_and_seeded_sampling():
+    logged = PromptRecord(id="a", messages=[], sampling={"temperature": 0.7, "top_p": 0.9})
+    assert sampling_for(logged, None, None) == Sampling(0.7, 0.9)
+    assert sampling_for(logged, 0.0, None) == Sampling(0.0, 0.9)
+    assert sampling_for(PromptRecord(id="b", messages=[]), None, None) == Sampling(0.0, 1.0)
+    logits = torch.randn(3, 50)
+    rows = [Sampling(0.0), Sampling(1.0, 1e-6), Sampling(5.0)]
+    gens = lambda: [torch.Generator().manual_seed(s) for s in (1, 2, 3)]  # noqa: E731
+    a, b = sample_next(logits, rows, gens()), sample_next(logits, rows, gens())
+    assert torch.equal(a, b)  # reproducible per seed
+    assert a[0] == logits[0].argmax() and a[1] == logits[1].argmax()  # greedy; top-p keeps only the top token
+    draws = {int(sample_next(logits, rows, [torch.Generator().manual_seed(s)] * 3)[2]) for s in range(20)}
+    assert len(draws) > 3  # a hot temperature really samples
+
+
+def test_kill_and_resume_gives_every_prompt_exactly_once(prompts_dir, tiny_target_dir, one_process_store, tmp_path):
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "dflash_train", "capture", "--prompts", str(prompts_dir), "--target",
+           str(tiny_target_dir), "--out", str(out), "--layers", "1,3,5", "--max-new-tokens", "12",
+           "--batch-size", "2", "--dtype", "fp32", "--shard-size-mb", "0.005"]
+    proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    journal = out / "journal-r000.json"
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        if journal.exists() and len(json.loads(journal.read_text())["shards"]) >= 2:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists(), "the capture finished before it could be killed"
+    stored_before = {i for s in json.loads(journal.read_text())["shards"] for i in s["ids"]}
+    assert 0 < len(stored_before) < 24
+    with pytest.raises(UserError, match="incomplete"):
+        open_store(out)
+    rerun = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "resuming" in rerun.stdout and "24 prompts" in rerun.stdout
+    st = open_store(out)
+    assert len(st) == 24 and sorted(st.ids) == sorted(r["id"] for r in make_rows(24))
+    assert verify_store(out) == []
+    reference = {item["id"]: item for item in open_store(one_process_store)}
+    for item in st:
+        assert torch.equal(item["input_ids"], reference[item["id"]]["input_ids"])
+
+
+def test_two_processes_under_accelerate_equal_one_process(prompts_dir, tiny_target_dir, one_process_store,
+                                                           tmp_path):
+    out = tmp_path / "two"
+    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), "-m", "dflash_train", "capture",
+           "--prompts", str(prompts_dir), "--target", str(tiny_target_dir), "--out", str(out),
+           "--layers", "1,3,5", "--max-new-tokens", "12", "--batch-size", "5", "--dtype", "fp32",
+           "--shard-size-mb", "0.01"]
+    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    two, one = open_store(out), open_store(one_process_store)
+    assert two.manifest["capture"]["world_size"] == 2
+    assert {s["file"][:10] for s in two.manifest["shards"]} == {"shard-r000", "shard-r001"}
+    assert len(two) == len(one) == 24 and sorted(two.ids) == sorted(one.ids)
+    reference = {item["id"]: item for item in one}
+    for item in two:
+        ref = reference[item["id"]]
+        assert torch.equal(item["input_ids"], ref["input_ids"]) and torch.equal(item["loss_mask"], ref["loss_mask"])
+        assert item["weight"] == ref["weight"]
+        torch.testing.assert_close(item["hidden_states"], ref["hidden_states"], rtol=1.6e-2, atol=1e-2)
