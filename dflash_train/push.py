@@ -173,32 +173,34 @@ def data_summary(training_args: dict[str, Any] | None, recipe: dict[str, Any] | 
                  ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """The training data summary and the decoding settings the data was captured with.
 
-    Read from what the trainer recorded, and from the manifests of the stores named there (if they are still on
-    this machine); only counts and names ever reach the card (card.safe_summary_rows filters the rest)."""
+    `stores`: per capture store named by the recipe whose manifest is still on this machine, its sample and token
+    counts and the ingest report it carries; `recorded`: whatever data summary the trainer wrote into
+    training_args.json. The card shows counts and names only (card.py filters everything else)."""
     summary: dict[str, Any] = {}
     generation = None
     if training_args and "recipe" in training_args:
         for key in ("data_summary", "data"):
             if isinstance(training_args.get(key), dict):
-                summary.update(training_args[key])
+                summary["recorded"] = training_args[key]
                 break
-    stores = []
+    store_paths = []
     if recipe and isinstance(recipe.get("data"), dict):
-        stores = list(recipe["data"].get("stores") or [])
-    for i, store in enumerate(stores):
-        manifest_path = Path(store) / "manifest.json"
+        store_paths = list(recipe["data"].get("stores") or [])
+    stores = []
+    for path in store_paths:
+        manifest_path = Path(path) / "manifest.json"
         if not manifest_path.exists():
             continue
         manifest = read_json(manifest_path, "a capture store manifest")
-        prefix = "store" if len(stores) == 1 else f"store[{i}]"
-        summary[prefix] = {k: manifest.get(k) for k in ("num_samples", "num_tokens", "storage_dtype")
-                           if k in manifest}
-        if isinstance(manifest.get("ingest_report"), dict):
-            summary[f"{prefix}.ingest"] = manifest["ingest_report"]
+        stores.append({"name": Path(path).name, **{k: manifest.get(k) for k in
+                                                   ("num_samples", "num_tokens", "storage_dtype", "ingest_report")}})
         if generation is None and isinstance(manifest.get("generation"), dict):
             generation = manifest["generation"]
-    if generation is None and isinstance(summary.get("generation"), dict):
-        generation = summary.pop("generation")
+    if stores:
+        summary["stores"] = stores
+    recorded = summary.get("recorded") or {}
+    if generation is None and isinstance(recorded.get("generation"), dict):
+        generation = recorded["generation"]
     return summary or None, generation
 
 

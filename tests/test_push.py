@@ -36,10 +36,13 @@ def drafter_dir(tmp_path_factory, tiny_target):
     root = tmp_path_factory.mktemp("push_run")
     identity = dict(tiny_target.identity(), base_model="tiny-org/tiny-target")
     store = root / "store"
-    ingest_report = {"counts": {"records_read": 120, "kept": 40, "duplicates_removed": 75, "invalid": 5},
-                     "sources": [{"file": "logs/a.jsonl", "format": "sharegpt", "records": 120}],
-                     "pii_scrubbed": {"email": 3, "phone": 1}, "examples": [SECRET],
-                     "first_prompt": {"text": SECRET}}
+    ingest_report = {  # the shape dflash_train.ingest writes, with text where the card must not look
+        "read": 120, "kept": 40, "duplicates": 75, "malformed": 3, "non_utf8": 0, "empty": 2, "too_long": 0,
+        "blank_lines": 1, "truncated_at_cut": 0, "pii": {"email": 3, "phone": 1, "ipv4": 0},
+        "formats": {"sharegpt": 100, "prompt": 20}, "train": 38, "eval": 2, "total_weight": 115, "max_weight": 9,
+        "sources": [{"name": "a.jsonl", "path": "logs/a.jsonl", "read": 120, "kept": 40, "duplicates": 75,
+                     "formats": {"sharegpt": 100, "prompt": 20}, "examples": [f"line 3: malformed ({SECRET})"]}],
+        "config": {"eval_fraction": 0.02, "scrub": True}, "unread_files": []}
     with StoreWriter(store, target=identity, target_layer_ids=[1, 5], hidden_size=64,
                      generation={"temperature": 0.0, "max_new_tokens": 32,
                                  "template_kwargs": {"enable_thinking": False}},
@@ -122,6 +125,10 @@ def test_dry_run_writes_the_card_and_never_touches_the_network(drafter_dir, tmp_
     assert meta["base_model"] == "tiny-org/tiny-target" and meta["license"] == "mit"
     assert {"speculative-decoding", "dflash"} <= set(meta["tags"]) and meta["library_name"] == "transformers"
     assert meta["model-index"][0]["results"][0]["metrics"][0]["value"] == 2.4
+    from huggingface_hub import ModelCard  # parses the metadata as the Hub does; raises on a malformed model-index
+
+    parsed = ModelCard(card)
+    assert parsed.data.eval_results[0].metric_value == 2.4 and parsed.data.base_model == "tiny-org/tiny-target"
     sglang, vllm = serve_commands("tiny-org/tiny-target", REPO, 8, None)
     assert sglang in card and vllm in card
     assert '"num_speculative_tokens": 7' in vllm and "--speculative-num-draft-tokens 8" in sglang
@@ -129,8 +136,12 @@ def test_dry_run_writes_the_card_and_never_touches_the_network(drafter_dir, tmp_
     assert "| Acceptance length τ, online (real speculative decoding) | 2.4 |" in card
     assert "| 0.8 | 0.5 | 0.3 | 0.1 | 0.05 | 0.01 | 0 |" in card
     assert "![eval/acceptance.png](eval/acceptance.png)" in card
-    assert "| store.num_samples | 2 |" in card and "| store.ingest.pii_scrubbed.email | 3 |" in card
-    assert "| store.ingest.sources[0].file | logs/a.jsonl |" in card
+    assert "| Training samples (prompt + target response) | 2 |" in card
+    assert "| Log records read | 120 from 1 file(s) (sharegpt 100, prompt 20) |" in card
+    assert "| Unique prompts kept | 40: 38 train, 2 held out for eval (split by hash) |" in card
+    assert "| Records skipped | malformed 3, empty 2 |" in card
+    assert "| PII scrubbed (replaced by placeholders) | email 3, phone 1 |" in card
+    assert "| a.jsonl | sharegpt 100, prompt 20 | 120 | 40 | 75 |" in card
     assert '`{"enable_thinking": false}`' in card
     assert "| `optimizer.lr` | 0.0006 |" in card
     assert "minimum from the training recipe's push.min_tau" in card and "overridden" not in card
