@@ -88,12 +88,18 @@ class Captured:
 
 def load_prompts(path: str | Path, split: str = "train", limit: int | None = None
                  ) -> tuple[list[PromptRecord], dict[str, Any] | None]:
-    """Records of an ingest output folder (its `split`) or of a raw log file, and the ingest report."""
+    """Records of a finished ingest output folder (its `split`) or of one raw log file, and the ingest report.
+
+    A raw log is parsed and scrubbed by the ingest module and deduplicated here (weight = count); it has no
+    held-out split, so prefer an ingest folder for anything that is evaluated later."""
+    from dflash_train import ingest
+
     path = Path(path)
     if path.is_dir():
-        rows, report = _rows_from_ingest_folder(path, split)
+        rows, report_path = ingest.load_prompts(path, split), path / "report.json"
+        report = json.loads(report_path.read_text()) if report_path.exists() else None
     elif path.exists():
-        rows, report = _rows_from_log(path), None
+        rows, report = _dedup(ingest.iter_records(path)), None
     else:
         raise UserError(f"prompts {path} do not exist (run `dflash-train ingest` first, or pass a log file)")
     records: list[PromptRecord] = []
@@ -109,29 +115,14 @@ def load_prompts(path: str | Path, split: str = "train", limit: int | None = Non
     return records, report
 
 
-def _rows_from_ingest_folder(path: Path, split: str) -> tuple[Iterable[dict[str, Any]], dict[str, Any] | None]:
-    import datasets
-
-    try:
-        data = datasets.load_from_disk(str(path))
-    except (FileNotFoundError, ValueError) as err:
-        raise UserError(f"{path} is not an ingest output folder (datasets.load_from_disk failed: {err})") from None
-    if isinstance(data, datasets.DatasetDict):
-        if split not in data:
-            raise UserError(f"{path} has no split {split!r} (it has {', '.join(data)})")
-        data = data[split]
-    report_path = path / "report.json"
-    report = json.loads(report_path.read_text()) if report_path.exists() else None
-    return data, report
-
-
-def _rows_from_log(path: Path) -> Iterable[dict[str, Any]]:
-    try:
-        from dflash_train import ingest
-    except ImportError:
-        raise UserError(f"{path}: reading a raw log needs dflash_train.ingest; run `dflash-train ingest` and "
-                        f"pass its output folder") from None
-    return ingest.iter_records(path)
+def _dedup(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_id: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if row["id"] in by_id:
+            by_id[row["id"]]["weight"] += row.get("weight") or 1
+        else:
+            by_id[row["id"]] = dict(row)
+    return list(by_id.values())
 
 
 def _to_record(row: dict[str, Any], path: Path) -> PromptRecord:

@@ -11,6 +11,7 @@ import torch
 from dflash_train.capture import (CaptureConfig, PromptRecord, Sampling, capture, generate_and_capture,
                                   logged_response_ids, resolve_layer_ids, sample_next, sampling_for)
 from dflash_train.errors import UserError
+from dflash_train.provenance import write_provenance
 from dflash_train.store import open_store, verify_store
 
 from conftest import REPO_ROOT
@@ -52,6 +53,7 @@ def prompts_dir(tmp_path_factory):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
                           "eval": datasets.Dataset.from_list(make_rows(2))}).save_to_disk(str(out))
     (out / "report.json").write_text(json.dumps({"records_in": 26, "kept": 26}))
+    write_provenance(out)  # marks the folder as a finished ingest output
     return out
 
 
@@ -223,3 +225,18 @@ def test_two_processes_under_accelerate_equal_one_process(prompts_dir, tiny_targ
         assert torch.equal(item["input_ids"], ref["input_ids"]) and torch.equal(item["loss_mask"], ref["loss_mask"])
         assert item["weight"] == ref["weight"]
         torch.testing.assert_close(item["hidden_states"], ref["hidden_states"], rtol=1.6e-2, atol=1e-2)
+
+
+def test_raw_log_prompts_and_logged_sampling(tiny_target_dir, tmp_path):
+    from dflash_train.ingest import iter_records
+
+    log = tmp_path / "log.jsonl"
+    lines = (REPO_ROOT / "data" / "examples" / "messages.jsonl").read_text().splitlines()
+    log.write_text("\n".join(lines + lines[:1]) + "\n")  # a repeated request: one sample, weight 2
+    capture(config(log, tiny_target_dir, tmp_path / "st", max_new_tokens=4))
+    st = open_store(tmp_path / "st")
+    records = {r["id"]: r for r in iter_records(log)}
+    assert sorted(st.ids) == sorted(records) and len(st) == len(lines)
+    first = next(iter_records(log))
+    assert first["sampling"]["temperature"] == 0.8  # sampled at the logged temperature, seeded per prompt
+    assert {item["id"]: item["weight"] for item in st}[first["id"]] == 2
