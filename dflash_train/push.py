@@ -366,6 +366,10 @@ def upload(out: Path, args: argparse.Namespace, run_name: str, gate: Gate) -> st
     try:
         with_retries("create_repo", lambda: api.create_repo(args.repo, private=args.private, exist_ok=True,
                                                             repo_type="model"), attempts, wait, token)
+        if args.private and not with_retries("repo_info", lambda: api.repo_info(args.repo), attempts, wait,
+                                             token).private:
+            print(f"warning: {args.repo} already exists and is public; --private does not change an existing "
+                  f"repo (change its visibility in its settings)", file=sys.stderr)
         if args.revision and args.revision != "main":
             with_retries("create_branch", lambda: api.create_branch(args.repo, branch=args.revision,
                                                                     exist_ok=True), attempts, wait, token)
@@ -373,8 +377,6 @@ def upload(out: Path, args: argparse.Namespace, run_name: str, gate: Gate) -> st
             repo_id=args.repo, folder_path=str(out), revision=args.revision, commit_message=message,
             commit_description=description, ignore_patterns=list(LOCAL_ONLY)), attempts, wait, token)
     except Exception as err:
-        if isinstance(err, UserError):
-            raise
         raise UserError(f"upload to {args.repo} failed: {describe(err, token)}. The folder {out} is complete "
                         f"and unchanged; rerun: {rerun_command(args, out)}") from None
     return getattr(commit, "commit_url", None) or str(commit)
@@ -385,7 +387,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--repo {args.repo!r} is not a Hub repo id of the form ORG/NAME")
     drafter = load_drafter_folder(Path(args.drafter))
     report, report_file = load_report(args.eval_report)
-    target = drafter["target"] or (report or {}).get("target")
+    target = (drafter["target"] or (drafter["config"].get("dflash_train") or {}).get("target")
+              or (report or {}).get("target"))
     if not isinstance(target, dict) or not target.get("base_model"):
         raise UserError(f"{Path(args.drafter) / 'target.json'} is missing or has no base_model: the card must "
                         f"name the target this drafter was trained for")
@@ -416,8 +419,7 @@ def run(args: argparse.Namespace) -> int:
         push_provenance=push_prov)
     out = Path(args.out) if args.out else default_out(args.repo)
     files = assemble(out, drafter, report, report_file, card)
-    config = {k: v for k, v in vars(args).items()}
-    write_provenance(out, config=config, stage="push", drafter=str(drafter["dir"]),
+    write_provenance(out, config=vars(args), stage="push", drafter=str(drafter["dir"]),
                      eval_report=str(report_file) if report_file else None,
                      gate={"passed": gate.passed, "forced": gate.forced, "min_tau": gate.min_tau,
                            "reasons": gate.reasons})

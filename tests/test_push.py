@@ -202,9 +202,10 @@ def test_push_round_trip_through_loopback_hub(drafter_dir, tmp_path):
     out = tmp_path / "out"
     with LoopbackHub(tokens={TOKEN}) as hub:
         env = hub_env(hub.url, tmp_path)
-        result = push([str(drafter_dir), "--repo", REPO, "--eval-report", str(report), "--out", str(out)], env)
+        result = push([str(drafter_dir), "--repo", REPO, "--eval-report", str(report), "--out", str(out),
+                       "--private"], env)
         assert result.returncode == 0, result.stderr
-        assert f"pushed to {REPO}" in result.stdout
+        assert f"pushed to {REPO}" in result.stdout and hub.repos[("model", REPO)].private
         head = hub.head(REPO)
         assert hub.commit_count(REPO) == 2  # the repo's initial commit + exactly one upload commit
         assert head.title == "Upload DFlash drafter from run tiny-run"
