@@ -239,6 +239,37 @@ def test_rope_uses_absolute_positions(tiny_parts):
         assert not torch.allclose(base, moved, atol=1e-4)
 
 
+def test_every_parameter_gets_a_gradient(tiny_parts):
+    """Training reaches fc, hidden_norm, k_norm, ... through the packed-block mask (nothing is dead)."""
+    drafter = make_drafter(tiny_parts).train()
+    embeds, context, pos, cpos, mask, _ = blocks_input(drafter, 16, [3, 9])
+    drafter(embeds, context, pos, cpos, mask).pow(2).mean().backward()
+    dead = [name for name, p in drafter.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert dead == []
+
+
+def test_remote_module_matches_with_scaled_rope(tiny_parts, tmp_path):
+    """Same outputs from the remote module for a target with non-default RoPE (llama3 scaling)."""
+    from transformers import AutoModel
+
+    config, tok = tiny_parts
+    scaled = config.__class__.from_dict({**config.to_dict(), "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}})
+    drafter = make_drafter((scaled, tok))
+    assert drafter.config.rope_parameters["rope_type"] == "llama3"
+    folder = drafter.save_pretrained(tmp_path / "scaled_rope_drafter")
+    remote = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+    embeds, context, pos, cpos, mask, _ = blocks_input(drafter, 100, [40, 90])  # past original_max_position
+    with torch.no_grad():
+        ours = drafter(embeds, context, pos, cpos, mask)
+        theirs = remote(position_ids=torch.cat([cpos, pos], 1), attention_mask=mask, noise_embedding=embeds,
+                        target_hidden=context)
+        torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+        plain = make_drafter(tiny_parts)  # same seed, default rope: must differ at these positions
+        assert not torch.allclose(plain(embeds, context, pos, cpos, mask), ours, atol=1e-4)
+
+
 # -- mask token ------------------------------------------------------------------------------------------------------
 
 def test_mask_token_rules(tiny_parts):

@@ -14,6 +14,7 @@ shared with the target. The drafter has no embedding and no LM head: the target'
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
@@ -54,6 +55,12 @@ def crop_cache(cache, length: int) -> None:
     remove = cache.get_seq_length() - length
     if remove > 0:
         cache.crop(-remove)
+
+
+def _cache_kwargs(model: nn.Module, cache) -> dict:
+    """transformers renamed `past_key_values` to `cache` (5.x); pass the cache under the name `model` takes."""
+    return {"cache": cache} if "cache" in inspect.signature(model.forward).parameters else {
+        "past_key_values": cache}
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -141,8 +148,10 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
                 past_key_values=None, use_cache: bool = False, **kwargs) -> torch.Tensor:
         """position_ids [b, S+Q] cover the new context (target_hidden [b, S, n*H]) then the block
         (noise_embedding [b, Q, H]). attention_mask: None (all visible) or broadcastable to [b, heads, Q, keys].
-        With past_key_values (a transformers Cache), the context and block K/V are appended; crop the cache to
-        the committed length afterwards (crop_cache). Returns the block's hidden states [b, Q, H] after the final norm."""
+        With past_key_values (a transformers Cache; `cache=` also works), the context and block K/V are appended:
+        crop it to the committed length afterwards (crop_cache). Returns the block's hidden states [b, Q, H]
+        after the final norm."""
+        past_key_values = past_key_values if past_key_values is not None else kwargs.get("cache")
         hidden_states = noise_embedding.to(self.fc.weight.dtype)
         target_hidden = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
@@ -173,7 +182,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         target_cache, draft_cache = DynamicCache(), DynamicCache()
         n_prompt = input_ids.shape[1]
 
-        out = target(input_ids, past_key_values=target_cache, use_cache=True, output_hidden_states=True)
+        out = target(input_ids, use_cache=True, output_hidden_states=True, **_cache_kwargs(target, target_cache))
         context = extract_context_feature(out.hidden_states, self.target_layer_ids)
         tokens = input_ids[0].tolist() + [int(sample(out.logits[:, -1], temperature)[0])]
         while len(tokens) - n_prompt < max_new_tokens and tokens[-1] not in stops:
@@ -185,8 +194,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             crop_cache(draft_cache, start)
             block[:, 1:] = sample(head(hidden[:, 1:]), temperature)
 
-            out = target(block, position_ids=torch.arange(start, start + B, device=device)[None],
-                         past_key_values=target_cache, use_cache=True, output_hidden_states=True)
+            out = target(block, position_ids=torch.arange(start, start + B, device=device)[None], use_cache=True,
+                         output_hidden_states=True, **_cache_kwargs(target, target_cache))
             choice = sample(out.logits, temperature)[0]
             accepted = int((block[0, 1:] == choice[:-1]).long().cumprod(0).sum())
             new = block[0, 1:accepted + 1].tolist() + [int(choice[accepted])]
