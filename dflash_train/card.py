@@ -55,6 +55,7 @@ class CardInputs:
     data: dict[str, Any] | None = None  # training data summary
     generation: dict[str, Any] | None = None  # decoding settings and template options the data was captured with
     report: dict[str, Any] | None = None  # eval report.json
+    run: dict[str, Any] | None = None  # the trainer's run summary (steps, final losses, wall time, device)
     training_provenance: dict[str, Any] | None = None
     push_provenance: dict[str, Any] | None = None
     plots: list[str] = field(default_factory=list)  # eval plot paths inside the pushed folder
@@ -113,6 +114,15 @@ def safe_summary_rows(summary: dict[str, Any]) -> list[tuple[str, Any]]:
             continue
         rows.append((key, value))
     return rows
+
+
+def without_text(obj: Any) -> Any:
+    """`obj` with every key that may hold user text (TEXT_KEYS) removed, at any depth."""
+    if isinstance(obj, dict):
+        return {k: without_text(v) for k, v in obj.items() if str(k).lower() not in TEXT_KEYS}
+    if isinstance(obj, list):
+        return [without_text(v) for v in obj]
+    return obj
 
 
 def _is_safe_scalar(value: Any) -> bool:
@@ -388,11 +398,15 @@ def _training_data(inp: CardInputs) -> str:
 
 
 def _hyperparameters(inp: CardInputs) -> str:
-    lines = ["## Training hyperparameters", ""]
+    lines = ["## Training", ""]
+    run_rows = [(f"`{k}`", v) for k, v in flatten(inp.run or {}) if _is_safe_scalar(v)]
+    if run_rows:
+        lines += ["The run:", "", table(run_rows, ("", "")), ""]
     if not inp.recipe:
         return "\n".join(lines + ["The training run did not record its recipe."])
     rows = [(f"`{k}`", v) for k, v in flatten(inp.recipe) if _is_safe_scalar(v) or isinstance(v, (list, tuple))]
-    return "\n".join(lines + ["The resolved training recipe:", "", table(rows, ("Key", "Value"))])
+    return "\n".join(lines + ["The resolved training recipe (hyperparameters):", "",
+                              table(rows, ("Key", "Value"))])
 
 
 def _provenance(inp: CardInputs) -> str:

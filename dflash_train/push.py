@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from dflash_train.card import DEFAULT_LICENSE, TEXT_KEYS, CardInputs, Gate, lossless_mismatches, render_card
+from dflash_train.card import (DEFAULT_LICENSE, CardInputs, Gate, lossless_mismatches, render_card,
+                               without_text)
 from dflash_train.errors import UserError
 from dflash_train.provenance import (PROVENANCE_FILE, complete_output, provenance, start_output,
                                      write_json_atomic, write_provenance)
@@ -173,34 +174,27 @@ def data_summary(training_args: dict[str, Any] | None, recipe: dict[str, Any] | 
                  ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """The training data summary and the decoding settings the data was captured with.
 
-    `stores`: per capture store named by the recipe whose manifest is still on this machine, its sample and token
-    counts and the ingest report it carries; `recorded`: whatever data summary the trainer wrote into
-    training_args.json. The card shows counts and names only (card.py filters everything else)."""
+    The trainer records each capture store's counts, decoding settings and ingest report in training_args.json
+    (`data.stores`); for a training_args.json without them, the manifests of the recipe's stores are read if
+    they are still on this machine. The card shows counts and names only (card.py filters everything else)."""
+    recorded = (training_args or {}).get("data") if training_args and "recipe" in training_args else None
+    recorded = recorded if isinstance(recorded, dict) else {}
+    stores = [s for s in recorded.get("stores") or [] if isinstance(s, dict)]
+    if not stores and recipe and isinstance(recipe.get("data"), dict):
+        for path in recipe["data"].get("stores") or []:
+            manifest = Path(path) / "manifest.json"
+            if manifest.exists():
+                stores.append({"path": str(path), **read_json(manifest, "a capture store manifest")})
     summary: dict[str, Any] = {}
-    generation = None
-    if training_args and "recipe" in training_args:
-        for key in ("data_summary", "data"):
-            if isinstance(training_args.get(key), dict):
-                summary["recorded"] = training_args[key]
-                break
-    store_paths = []
-    if recipe and isinstance(recipe.get("data"), dict):
-        store_paths = list(recipe["data"].get("stores") or [])
-    stores = []
-    for path in store_paths:
-        manifest_path = Path(path) / "manifest.json"
-        if not manifest_path.exists():
-            continue
-        manifest = read_json(manifest_path, "a capture store manifest")
-        stores.append({"name": Path(path).name, **{k: manifest.get(k) for k in
-                                                   ("num_samples", "num_tokens", "storage_dtype", "ingest_report")}})
-        if generation is None and isinstance(manifest.get("generation"), dict):
-            generation = manifest["generation"]
     if stores:
-        summary["stores"] = stores
-    recorded = summary.get("recorded") or {}
-    if generation is None and isinstance(recorded.get("generation"), dict):
-        generation = recorded["generation"]
+        summary["stores"] = [{"name": Path(str(s.get("path", "store"))).name,
+                              **{k: s.get(k) for k in ("num_samples", "num_tokens", "storage_dtype",
+                                                       "ingest_report")}}
+                             for s in stores]
+    totals = {k: v for k, v in recorded.items() if k != "stores"}
+    if totals and len(stores) != 1:
+        summary["recorded"] = totals
+    generation = next((s["generation"] for s in stores if isinstance(s.get("generation"), dict)), None)
     return summary or None, generation
 
 
@@ -237,14 +231,8 @@ def check_gate(report: dict[str, Any] | None, report_file: Path | None, target: 
 
 def eval_summary(report: dict[str, Any]) -> dict[str, Any]:
     """The report without per-prompt records (lists of objects) or any text field."""
-    out = {}
-    for key, value in report.items():
-        if key.lower() in TEXT_KEYS:
-            continue
-        if isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
-            continue
-        out[key] = value
-    return out
+    return without_text({k: v for k, v in report.items()
+                         if not (isinstance(v, list) and any(isinstance(x, (dict, list)) for x in v))})
 
 
 def default_out(repo_id: str) -> Path:
@@ -272,8 +260,11 @@ def assemble(out: Path, drafter: dict[str, Any], report: dict[str, Any] | None, 
              card: CardInputs) -> list[Path]:
     prepare_out(out)
     for src in sorted(drafter["dir"].iterdir()):
-        if src.is_file() and src.name not in (PROVENANCE_FILE, "INCOMPLETE", "README.md") \
-                and not src.name.endswith(".tmp"):
+        if not src.is_file() or src.name in (PROVENANCE_FILE, "INCOMPLETE", "README.md") or src.name.endswith(".tmp"):
+            continue
+        if src.name == "training_args.json":  # the ingest report quotes skipped log records: keep the counts only
+            write_json_atomic(out / src.name, without_text(drafter["training_args"]))
+        else:
             shutil.copy2(src, out / src.name)
     if report is not None and report_file is not None:
         (out / "eval").mkdir()
@@ -415,7 +406,8 @@ def run(args: argparse.Namespace) -> int:
         repo_id=args.repo, revision=args.revision, run_name=str(run_name), drafter_config=drafter["config"],
         num_parameters=drafter["num_parameters"], weights_dtype=drafter["dtype"], target=target,
         license=str(license_ or DEFAULT_LICENSE), license_from_recipe=bool(license_), gate=gate, recipe=recipe,
-        data=summary, generation=generation, report=report, training_provenance=drafter["provenance"],
+        data=summary, generation=generation, report=report, run=(drafter["training_args"] or {}).get("run"),
+        training_provenance=drafter["provenance"],
         push_provenance=push_prov)
     out = Path(args.out) if args.out else default_out(args.repo)
     files = assemble(out, drafter, report, report_file, card)

@@ -57,7 +57,12 @@ def drafter_dir(tmp_path_factory, tiny_target):
     recipe = {"name": "tiny-run", "license": "mit", "push": {"min_tau": 1.2}, "seed": 0,
               "data": {"stores": [str(store)], "max_length": 512}, "optimizer": {"lr": 6e-4},
               "train": {"epochs": 2.0, "micro_batch_size": 4}}
-    (out / "training_args.json").write_text(json.dumps({"recipe": recipe}))
+    manifest = json.loads((store / "manifest.json").read_text())
+    data = {"stores": [{"path": str(store), **{k: manifest[k] for k in ("num_samples", "num_tokens", "generation",
+                                                                          "storage_dtype", "ingest_report")}}],
+            "num_samples": 2, "num_tokens": manifest["num_tokens"]}
+    run = {"steps": 10, "final_train_loss": 4.2, "final_eval_tau": 1.9, "wall_time_s": 3.5, "device": "cpu"}
+    (out / "training_args.json").write_text(json.dumps({"recipe": recipe, "data": data, "run": run}))
     return out
 
 
@@ -143,7 +148,7 @@ def test_dry_run_writes_the_card_and_never_touches_the_network(drafter_dir, tmp_
     assert "| PII scrubbed (replaced by placeholders) | email 3, phone 1 |" in card
     assert "| a.jsonl | sharegpt 100, prompt 20 | 120 | 40 | 75 |" in card
     assert '`{"enable_thinking": false}`' in card
-    assert "| `optimizer.lr` | 0.0006 |" in card
+    assert "| `optimizer.lr` | 0.0006 |" in card and "| `final_train_loss` | 4.2 |" in card
     assert "minimum from the training recipe's push.min_tau" in card and "overridden" not in card
     assert "`mit` (from the training recipe)" in card
 
@@ -185,6 +190,15 @@ def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir
                "--eval-report", str(write_report(tmp_path / "ok", tau=1.6))])
     card = (tmp_path / "out2" / "README.md").read_text()
     assert rc == 0 and "license: apache-2.0" in card and "the recipe set no license" in card
+    assert "did not record a data summary" in card and "did not record its recipe" in card
+
+    # a training_args.json without the data summary: the counts come from the store manifest the recipe names
+    recipe_only = json.loads((drafter_dir / "training_args.json").read_text())["recipe"]
+    (no_recipe / "training_args.json").write_text(json.dumps({"recipe": recipe_only}))
+    rc = main(["push", str(no_recipe), "--repo", REPO, "--dry-run", "--out", str(tmp_path / "out2"),
+               "--eval-report", str(tmp_path / "ok")])
+    card = (tmp_path / "out2" / "README.md").read_text()
+    assert rc == 0 and "| Unique prompts kept | 40: 38 train, 2 held out for eval (split by hash) |" in card
 
 
 def test_out_folder_of_someone_else_is_never_wiped(drafter_dir, tmp_path, capsys):
