@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.utils.checkpoint import checkpoint
 
 from dflash_train.errors import UserError
 from dflash_train.provenance import write_json_atomic
@@ -43,6 +44,13 @@ FORMAT_VERSION = 1
 UNUSED_SPECIAL_TOKENS = ("<repo_name>", "<reponame>", "<gh_stars>", "<file_sep>", "<filename>", "<|MASK|>",
                          "<mask>", "[MASK]")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq does not depend on the sequence length
+
+
+def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
+    """transformers 4.x spelling of the rope settings: None for plain RoPE, else everything but the theta."""
+    if rope.get("rope_type", "default") == "default":
+        return None
+    return {k: v for k, v in rope.items() if k != "rope_theta"}
 
 
 @dataclass
@@ -77,20 +85,20 @@ class DrafterConfig:
         """The equivalent transformers Qwen3Config (used for RoPE, so rope types behave as in transformers)."""
         from transformers import Qwen3Config
 
+        rope = dict(self.rope_parameters)
+        legacy = {"rope_theta": rope["rope_theta"], "rope_scaling": _rope_scaling(rope)}  # transformers 4.x
         return Qwen3Config(
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
-            rope_parameters=dict(self.rope_parameters), max_position_embeddings=self.max_position_embeddings,
-            vocab_size=self.vocab_size)
+            rope_parameters=rope, max_position_embeddings=self.max_position_embeddings,
+            vocab_size=self.vocab_size, **legacy)
 
     def to_config_json(self, dtype: torch.dtype) -> dict[str, Any]:
         """config.json exactly as the public DFlash checkpoints write it, plus our `dflash_train` section."""
         import transformers
 
         rope = dict(self.rope_parameters)
-        rope_scaling = None if rope.get("rope_type", "default") == "default" else {
-            k: v for k, v in rope.items() if k != "rope_theta"}
         dflash_config: dict[str, Any] = {"mask_token_id": self.mask_token_id,
                                          "target_layer_ids": list(self.target_layer_ids)}
         if self.mask_token is not None:
@@ -115,7 +123,7 @@ class DrafterConfig:
             "rms_norm_eps": self.rms_norm_eps,
             # both spellings: transformers >= 5 reads rope_parameters, 4.x (and engines pinned to it) rope_theta
             "rope_theta": rope["rope_theta"],
-            "rope_scaling": rope_scaling,
+            "rope_scaling": _rope_scaling(rope),
             "rope_parameters": rope,
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size,
@@ -248,15 +256,16 @@ class Rotary:
 
     def __init__(self, config: DrafterConfig):
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
         rope_type = config.rope_parameters.get("rope_type", "default")
         if rope_type not in STATIC_ROPE_TYPES:
             raise UserError(f"rope_type {rope_type!r} is not supported by the drafter (supported: "
                             f"{', '.join(STATIC_ROPE_TYPES)})")
-        init = Qwen3RotaryEmbedding.compute_default_rope_parameters if rope_type == "default" else \
-            ROPE_INIT_FUNCTIONS[rope_type]
-        inv_freq, self.scaling = init(config.hf_config())
+        if rope_type == "default":
+            d, theta = config.head_dim, config.rope_parameters["rope_theta"]
+            inv_freq, self.scaling = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0
+        else:
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config.hf_config(), None)
         self.inv_freq = inv_freq.float()
 
     def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -393,6 +402,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(config.num_target_features * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
         self.rotary = Rotary(config)
+        self.gradient_checkpointing = False  # recompute each layer in backward (training only) to save memory
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -446,6 +456,11 @@ class DFlashDrafter(nn.Module):
             pad_token_id=getattr(cfg, "pad_token_id", None), target=target_identity)
         return cls(config)
 
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None,
+                        device: str | torch.device = "cpu") -> "DFlashDrafter":
+        return load_drafter(path, dtype=dtype, device=device)
+
     # -- forward ------------------------------------------------------------------------------------------------
 
     def fuse_context(self, context: torch.Tensor) -> torch.Tensor:
@@ -468,7 +483,10 @@ class DFlashDrafter(nn.Module):
         rope_block = self.rotary(position_ids, x.dtype)
         rope_context = self.rotary(context_position_ids, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, rope_block, rope_context, attention_mask, cache, i)
+            if self.gradient_checkpointing and self.training and cache is None:
+                x = checkpoint(layer, x, ctx, rope_block, rope_context, attention_mask, None, i, use_reentrant=False)
+            else:
+                x = layer(x, ctx, rope_block, rope_context, attention_mask, cache, i)
         return self.norm(x)
 
     def new_cache(self) -> DraftCache:

@@ -246,6 +246,12 @@ def test_every_parameter_gets_a_gradient(tiny_parts):
     drafter(embeds, context, pos, cpos, mask).pow(2).mean().backward()
     dead = [name for name, p in drafter.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert dead == []
+    grads = [p.grad.clone() for p in drafter.parameters()]
+    drafter.zero_grad()
+    drafter.gradient_checkpointing = True  # same gradients when layers are recomputed in backward
+    drafter(embeds, context, pos, cpos, mask).pow(2).mean().backward()
+    for g, p in zip(grads, drafter.parameters()):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
 
 
 def test_remote_module_matches_with_scaled_rope(tiny_parts, tmp_path):
