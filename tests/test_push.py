@@ -300,6 +300,19 @@ def test_failed_upload_keeps_the_folder_and_says_what_to_rerun(drafter_dir, tmp_
         assert sum(r["path"] == "/api/repos/create" and not r["authorized"] for r in hub.requests) == 1
 
 
+def test_unreachable_hub_is_retried_then_reported(drafter_dir, tmp_path):
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens here: every connection is refused
+    result = push([str(drafter_dir), "--repo", REPO, "--eval-report", str(write_report(tmp_path / "eval")),
+                   "--out", str(tmp_path / "out"), "--retries", "2", "--retry-wait", "0.01"],
+                  hub_env(f"http://127.0.0.1:{port}", tmp_path))
+    assert result.returncode == 2
+    assert "create_repo failed (ConnectError" in result.stderr and "retry 1/1" in result.stderr
+    assert "rerun: dflash-train push" in result.stderr and (tmp_path / "out" / "model.safetensors").is_file()
+
+
 def test_data_summary_rows_drop_anything_that_could_be_text():
     summary = {"num_samples": 10, "sources": [{"name": "a.jsonl", "count": 3}], "prompts": [SECRET],
                "examples": [{"text": SECRET}], "note": "x" * 200, "first": {"prompt": SECRET},
