@@ -220,6 +220,12 @@ def test_incremental_cache_equals_full_recompute(tiny_parts):
             torch.testing.assert_close(step, full, rtol=0, atol=1e-5)
             assert cache.seq_len == anchor  # context kept, block dropped
             committed = anchor
+        # a second draft at the same anchor brings no new context (an empty [1, 0, n*H] context)
+        embeds = torch.randn(1, B, H, generator=g)
+        step = drafter(embeds, states[:, 25:25], pos, torch.arange(25, 25)[None], cache=cache)
+        full = drafter(embeds, states[:, :25], pos, torch.arange(25)[None])
+        torch.testing.assert_close(step, full, rtol=0, atol=1e-5)
+        assert cache.seq_len == 25
         cache.crop(20)  # rejecting committed context (e.g. a rollback) and redrafting from there
         embeds = torch.randn(1, B, H, generator=g)
         pos = torch.arange(22, 22 + B)[None]
