@@ -162,7 +162,7 @@ def _json_lines(stream, raw, stats: SourceStats, progress) -> Iterator[tuple[str
             try:
                 yield f"line {lineno}", json.loads(text)
             except json.JSONDecodeError as err:
-                yield f"line {lineno}", Bad("malformed", f"{err.msg} at column {err.colno}")
+                yield f"line {lineno}", Bad("malformed", f"{err.msg.removesuffix(' at')} at column {err.colno}")
             except (ValueError, RecursionError) as err:
                 yield f"line {lineno}", Bad("malformed", f"{type(err).__name__}: {err}"[:120])
     except (EOFError, OSError, zlib.error) as err:  # a gzip stream cut off or corrupt: keep what was read
@@ -220,7 +220,7 @@ class _TextChunks:
                 cut = (err.msg.startswith("Unterminated string") or _CUT_TAIL.fullmatch(tail) is not None
                        or (err.msg.startswith("Invalid \\uXXXX") and len(tail) < 6))
                 if not cut:
-                    return Bad("malformed", f"{err.msg} at character {self.offset + err.pos}")
+                    return Bad("malformed", f"{err.msg.removesuffix(' at')} at character {self.offset + err.pos}")
                 if len(self.buf) - self.pos > MAX_RECORD_CHARS:
                     return Bad("malformed", f"a value longer than {MAX_RECORD_CHARS} characters "
                                             f"at character {self.offset + self.pos}")
@@ -483,9 +483,11 @@ class _Pii:
 _NUM_END = r"(?![\w-]|[.,]\d)"  # not followed by more of a number or word
 # Order matters: key blocks and secrets first (their bodies contain digits and dots), phones last.
 PII_PATTERNS = (
+    # the body (base64 and Proc-Type/DEK-Info headers) never contains "-----", so a BEGIN without an END
+    # stops scanning at the next dashes instead of at the end of the text; without an END, the base64 lines go
     _Pii("private_key", re.compile(
-        r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----(?:.*?-----END [A-Z0-9 ]*PRIVATE KEY-----"
-        r"|(?:\s*[A-Za-z0-9+/=]{16,})*)", re.S), needle="PRIVATE KEY-----"),
+        r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----(?:(?:[A-Za-z0-9+/=\s:,]|-(?!----))*?-----END [A-Z0-9 ]*PRIVATE KEY-----"
+        r"|(?:\s*[A-Za-z0-9+/=]{16,})*)"), needle="PRIVATE KEY-----"),
     _Pii("api_key", re.compile(r"(?<![\w-])sk-[A-Za-z0-9_-]{20,}"), needle="sk-"),
     _Pii("hf_token", re.compile(r"(?<![\w-])hf_[A-Za-z0-9]{30,}"), needle="hf_"),
     _Pii("aws_key", re.compile(r"(?<![A-Za-z0-9])(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Za-z0-9])")),

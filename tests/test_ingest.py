@@ -1,6 +1,7 @@
 import gzip
 import json
 import random
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -173,6 +174,14 @@ def test_pii_near_misses_survive(text):
     counts = Counter()
     assert scrub_text(text, counts) == text
     assert not counts
+
+
+def test_scrub_is_linear_on_adversarial_text():
+    start = time.perf_counter()
+    for text in ("-----BEGIN PRIVATE KEY-----\n" * 5000, "a" * 200_000 + "@", "1 " * 100_000, "1." * 100_000,
+                 "+1 " * 50_000, "123-" * 50_000):
+        scrub_text(text)
+    assert time.perf_counter() - start < 5.0
 
 
 def test_scrub_covers_prompt_and_response_and_reports_counts(tmp_path):
