@@ -1,0 +1,240 @@
+"""Speculative decoding reproduces plain decoding token for token, whatever the proposer drafts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash_train.spec_decode import (DFlashProposer, NoDraft, TokenChooser, plain_generate,
+                                      speculative_generate)
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny model is all per-op overhead: one thread is ~10x faster than two on a busy 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+PROMPTS = ["Hello! How can I help", "def add(a, b):", "Write a poem about the sea.", "0123456789 + - *"]
+
+
+@pytest.fixture(scope="session")
+def varied_target_dir(tmp_path_factory):
+    """The tiny target with its decoder layers re-initialised with a larger spread. The stock tiny target
+    repeats one token forever, which would let a broken decoding loop pass every comparison."""
+    from tiny import make_tiny_target
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_target(tmp_path_factory.mktemp("varied_target"))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.model.layers.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.25)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def varied_target(varied_target_dir):
+    from dflash_train.target import load_target
+
+    return load_target(str(varied_target_dir), dtype=torch.float32)
+
+
+def prompt_ids(target, text: str) -> list[int]:
+    return target.render([{"role": "user", "content": text}])
+
+
+class Oracle:
+    """Drafts the target's own continuation. `reference` is prompt + what the target decodes with the same
+    chooser and no stop token, long enough for every block; slots past `horizon` get a token that is certainly
+    wrong (the right one + 1), so every step accepts exactly `horizon` drafts. With `noise`, each slot is
+    instead wrong with that probability (seeded), for varied acceptance lengths."""
+    layer_ids: list[int] = []
+
+    def __init__(self, reference: list[int], block_size: int, vocab: int, horizon: int | None = None,
+                 noise: float = 0.0, seed: int = 0, strict: bool = True):
+        self.strict = strict  # assert that decoding follows `reference`
+        self.reference, self.block_size, self.vocab = reference, block_size, vocab
+        self.horizon = block_size - 1 if horizon is None else horizon
+        self.noise, self.rng = noise, random.Random(seed)
+        self.drafted: list[tuple[int, list[int]]] = []  # (anchor position, drafts) of every online step
+
+    def drafts_at(self, seq: list[int], anchor: int) -> list[int]:
+        right = seq[anchor + 1: anchor + self.block_size]
+        assert len(right) == self.block_size - 1, "reference too short for this block"
+        wrong = [k >= self.horizon or self.rng.random() < self.noise for k in range(len(right))]
+        return [(t + 1) % self.vocab if w else t for t, w in zip(right, wrong)]
+
+    def begin(self, prompt_ids, tapped):
+        assert prompt_ids.tolist() == self.reference[:len(prompt_ids)]
+
+    def propose(self, ids):
+        if self.strict:
+            assert ids.tolist() == self.reference[:len(ids)], "decoding left the target's own continuation"
+        drafts = self.drafts_at(self.reference, len(ids) - 1)
+        self.drafted.append((len(ids) - 1, drafts))
+        return drafts
+
+    def advance(self, tapped):
+        assert tapped is None
+
+    def propose_offline(self, input_ids, hidden_states, anchors):
+        ids = input_ids.tolist()
+        return torch.tensor([self.drafts_at(ids, a) for a in anchors], dtype=torch.long).view(-1, self.block_size - 1)
+
+
+def reference(target, ids: list[int], n: int, chooser: TokenChooser | None = None) -> list[int]:
+    return ids + plain_generate(target.model, ids, n, stop_ids=[], chooser=chooser).tokens
+
+
+def test_plain_generate_equals_transformers_generate(varied_target):
+    model = varied_target.model
+    for text in PROMPTS[:2]:
+        ids = prompt_ids(varied_target, text)
+        ours = plain_generate(model, ids, 24, varied_target.stop_token_ids()).tokens
+        theirs = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                eos_token_id=varied_target.stop_token_ids(), pad_token_id=2)[0, len(ids):].tolist()
+        assert ours == theirs
+        assert len(set(ours)) > 3, "the test target should not be degenerate"
+
+
+def test_block_size_one_is_plain_decoding(varied_target):
+    ids = prompt_ids(varied_target, PROMPTS[1])
+    plain = plain_generate(varied_target.model, ids, 20, [2])
+    spec = speculative_generate(varied_target.model, ids, NoDraft(), 20, [2])
+    assert spec.tokens == plain.tokens
+    assert [(s.accepted, s.committed) for s in spec.steps] == [(0, 1)] * (len(plain.tokens) - 1)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 7])
+def test_oracle_accepts_whole_blocks(varied_target, block_size):
+    model, vocab = varied_target.model, varied_target.config.vocab_size
+    for text in PROMPTS:
+        ids = prompt_ids(varied_target, text)
+        n = 23
+        oracle = Oracle(reference(varied_target, ids, n + block_size), block_size, vocab)
+        plain = plain_generate(model, ids, n, [])
+        spec = speculative_generate(model, ids, oracle, n, [])
+        assert spec.tokens == plain.tokens
+        assert all(s.accepted == block_size - 1 for s in spec.steps)
+        assert all(s.committed == block_size for s in spec.steps[:-1])  # every full step: tau == B
+        assert sum(s.committed for s in spec.steps) == n - 1  # the first token comes from the prefill
+        assert len(spec.steps) == -(-(n - 1) // block_size)
+
+
+def test_stop_token_and_length_cut_inside_accepted_blocks(varied_target):
+    model, vocab, B = varied_target.model, varied_target.config.vocab_size, 4
+    ids = prompt_ids(varied_target, PROMPTS[2])
+    ref = reference(varied_target, ids, 40 + B)
+    continuation = ref[len(ids):]
+    cuts = 0
+    for stop_index in range(2, 14):  # a stop token at every slot of a few blocks
+        stop = [continuation[stop_index]]
+        for noise in (0.0, 0.3):
+            oracle = Oracle(ref, B, vocab, noise=noise, seed=stop_index)
+            plain = plain_generate(model, ids, 40, stop)
+            spec = speculative_generate(model, ids, oracle, 40, stop)
+            assert spec.tokens == plain.tokens and spec.stopped and plain.stopped
+            assert spec.tokens[-1] == stop[0] and stop[0] not in spec.tokens[:-1]
+            cuts += spec.steps[-1].committed < spec.steps[-1].accepted + 1
+    assert cuts > 0, "no stop token fell inside an accepted block"
+    for max_new in range(1, 12):  # the length limit at every slot
+        plain = plain_generate(model, ids, max_new, [])
+        spec = speculative_generate(model, ids, Oracle(ref, B, vocab), max_new, [])
+        assert spec.tokens == plain.tokens and len(spec.tokens) == max_new
+
+
+def test_horizon_oracle_and_noisy_oracle_are_lossless(varied_target):
+    model, vocab, B = varied_target.model, varied_target.config.vocab_size, 5
+    for text in PROMPTS:
+        ids = prompt_ids(varied_target, text)
+        ref = reference(varied_target, ids, 30 + B)
+        plain = plain_generate(model, ids, 30, [2]).tokens
+        for horizon in range(B):
+            spec = speculative_generate(model, ids, Oracle(ref, B, vocab, horizon=horizon), 30, [2])
+            assert spec.tokens == plain
+            assert all(s.accepted == horizon for s in spec.steps)
+        spec = speculative_generate(model, ids, Oracle(ref, B, vocab, noise=0.25, seed=1), 30, [2])
+        assert spec.tokens == plain
+        assert len({s.accepted for s in spec.steps}) > 1
+
+
+def test_sampling_accepts_only_drafts_equal_to_the_targets_sample(varied_target):
+    model, vocab, B = varied_target.model, varied_target.config.vocab_size, 4
+    ids = prompt_ids(varied_target, PROMPTS[0])
+    greedy = plain_generate(model, ids, 30, []).tokens
+    outputs = []
+    for seed in (1, 2):
+        chooser = TokenChooser(temperature=1.0, seed=seed)
+        plain = plain_generate(model, ids, 30, [], chooser=chooser).tokens
+        assert plain == plain_generate(model, ids, 30, [], chooser=chooser).tokens  # seeded: reproducible
+        ref = reference(varied_target, ids, 30 + B, chooser)
+        oracle = Oracle(ref, B, vocab, noise=0.3, seed=seed)
+        spec = speculative_generate(model, ids, oracle, 30, [], chooser=chooser)
+        assert spec.tokens == plain
+        for (anchor, drafts), step in zip(oracle.drafted, spec.steps):  # ref: the target's samples
+            assert drafts[:step.accepted] == ref[anchor + 1: anchor + 1 + step.accepted]
+            if step.accepted < B - 1:
+                assert drafts[step.accepted] != ref[anchor + 1 + step.accepted]  # the rejected draft
+        assert any(s.accepted > 0 for s in spec.steps) and any(s.accepted < B - 1 for s in spec.steps)
+        # a proposer that drafts the greedy continuation is rejected where the sample differs from it
+        wrong = speculative_generate(model, ids, Oracle(ids + greedy + [0] * B, B, vocab, strict=False), 30, [], chooser=chooser)
+        assert wrong.tokens == plain
+        outputs.append(plain)
+    assert outputs[0] != outputs[1] and greedy not in outputs
+
+
+def tiny_drafter(target, block_size: int = 4, num_layers: int = 1, seed: int = 0):
+    from dflash_train.drafter import DFlashDrafter
+
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter.from_target(target.config, num_layers=num_layers, block_size=block_size,
+                                        target_layer_ids=[1, 4, 6], tokenizer=target.tokenizer)
+    return drafter.float().eval()
+
+
+class Recorder:
+    """Wraps a proposer and keeps the anchor position and drafts of every step."""
+
+    def __init__(self, inner):
+        self.inner, self.block_size, self.layer_ids = inner, inner.block_size, inner.layer_ids
+        self.drafted: list[tuple[int, list[int]]] = []
+
+    def begin(self, prompt_ids, tapped):
+        self.inner.begin(prompt_ids, tapped)
+
+    def propose(self, ids):
+        drafts = self.inner.propose(ids)
+        self.drafted.append((len(ids) - 1, drafts))
+        return drafts
+
+    def advance(self, tapped):
+        self.inner.advance(tapped)
+
+
+def test_untrained_dflash_drafter_is_lossless_and_drafts_like_offline(varied_target):
+    model = varied_target.model
+    drafter = tiny_drafter(varied_target)
+    proposer = Recorder(DFlashProposer(drafter, model.get_input_embeddings(), model.lm_head))
+    layers = [i + 1 for i in drafter.config.target_layer_ids]
+    for text in PROMPTS[:3]:
+        ids = prompt_ids(varied_target, text)
+        proposer.drafted.clear()
+        plain = plain_generate(model, ids, 24, [2])
+        spec = speculative_generate(model, ids, proposer, 24, [2])
+        assert spec.tokens == plain.tokens
+        # the same drafts from a teacher-forced forward over the final sequence, all anchors in one pass
+        full = torch.tensor(ids + spec.tokens)
+        with torch.no_grad():
+            states = model(full[None], output_hidden_states=True).hidden_states
+        tapped = torch.cat([states[i][0] for i in layers], dim=-1)
+        anchors = [a for a, _ in proposer.drafted]
+        offline = proposer.inner.propose_offline(full, tapped, anchors)
+        assert offline.tolist() == [d for _, d in proposer.drafted]
