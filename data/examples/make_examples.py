@@ -24,8 +24,8 @@ def completion(text: str) -> dict:
 
 # OpenAI chat-completions request logs: request + logged response
 OPENAI_REQUESTS = [
-    {"request": {"model": "shop-assistant", "messages": [chat("system", SYSTEM),
-                                                         chat("user", "Which tyre pressure should I use for a 28 mm road tyre?")],
+    {"request": {"model": "shop-assistant", "messages": [
+        chat("system", SYSTEM), chat("user", "Which tyre pressure should I use for a 28 mm road tyre?")],
                  "temperature": 0.7, "top_p": 0.9, "max_tokens": 256},
      "response": completion("Around 5.5 to 6.5 bar, depending on your weight.")},
     {"request": {"model": "shop-assistant", "messages": [
@@ -43,12 +43,13 @@ OPENAI_REQUESTS = [
         chat("user", "Our checkout server 203.0.113.42 runs app version 1.2.3 and firmware v10.0.1.5. Is it safe?")]},
      "response": None},
     {"request": {"model": "shop-assistant", "messages": [
-        chat("user", [{"type": "text", "text": "Translate to French:"}, {"type": "text", "text": "Where is the shop?"}])],
+        chat("user", [{"type": "text", "text": "Translate to French:"},
+                      {"type": "text", "text": "Where is the shop?"}])],
         "temperature": 1.0, "top_p": 0.95, "max_completion_tokens": 64},
      "response": completion("Où est le magasin ?")},
     # the same prompt as the first one, differing only in case and whitespace: a duplicate
-    {"request": {"model": "shop-assistant", "messages": [chat("system", SYSTEM),
-                                                         chat("user", "which tyre pressure  should I use for a 28 mm ROAD tyre?")],
+    {"request": {"model": "shop-assistant", "messages": [
+        chat("system", SYSTEM), chat("user", "which tyre pressure  should I use for a 28 mm ROAD tyre?")],
                  "temperature": 0.7, "top_p": 0.9, "max_tokens": 256},
      "response": completion("About 6 bar.")},
 ]
@@ -72,7 +73,8 @@ MESSAGES = [
 
 # ShareGPT conversations: human/gpt/system; the prompt ends at the last human turn
 SHAREGPT = [
-    {"id": "a1", "conversations": [{"from": "human", "value": "What is the difference between a cassette and a freewheel?"},
+    {"id": "a1", "conversations": [{"from": "human",
+                                    "value": "What is the difference between a cassette and a freewheel?"},
                                    {"from": "gpt", "value": "A cassette slides onto a freehub body; a freewheel "
                                                             "screws onto the hub and contains the ratchet."}]},
     {"id": "a2", "conversations": [{"from": "system", "value": "You are a bike mechanic."},
