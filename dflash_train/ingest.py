@@ -16,8 +16,13 @@ including the last user turn with text), `sampling` (logged temperature/top_p/ma
 prompt occurred). The output is a `datasets.DatasetDict` {train, eval} saved with `save_to_disk`, plus
 report.json and provenance.json.
 
+Dedup is exact on the normalized prompt (whitespace collapsed, case folded) after PII scrubbing, so ids from a
+--no-scrub run differ where a prompt held PII; the first occurrence is kept, with weight = occurrences.
+
 The split is decided by the id alone: a record is in eval iff sha256(id) / 2**256 < eval_fraction (with a
-seed, sha256(f"{seed}:{id}")), so it never changes when logs are reordered, appended or re-ingested.
+seed, sha256(f"{seed}:{id}")), so it never changes when logs are reordered, appended or re-ingested. The one
+exception: when no record falls under the fraction (tiny inputs), the record with the smallest hash becomes
+the single eval record, and the report names it (`eval_fallback`).
 """
 
 from __future__ import annotations
