@@ -32,6 +32,13 @@ class Step:
     accepted: int  # leading drafts equal to the target's own choices, 0 .. B-1
     committed: int  # tokens appended to the output: accepted + 1, fewer only where a stop token or the length cut
 
+    @property
+    def tau(self) -> int:
+        """Acceptance length: 1 + the accepted drafts that are part of the output, at most B. Accepted drafts
+        past the end of the output (after the stop token or the length limit) are not counted, just as offline
+        a draft past the end of the captured response cannot be checked (objective.simulated_acceptance)."""
+        return 1 + min(self.accepted, self.committed)
+
 
 @dataclass
 class Generation:
@@ -248,29 +255,3 @@ class DFlashProposer:
 
     def advance(self, tapped: torch.Tensor | None) -> None:
         self.pending = torch.cat([self.pending, tapped.to(self.pending.dtype)])
-
-    @torch.inference_mode()
-    def propose_offline(self, input_ids: torch.Tensor, hidden_states: torch.Tensor, anchors: list[int],
-                        chunk: int = 64) -> torch.Tensor:
-        """Drafts [N, B-1] at every anchor of a stored sample (token ids [S], tapped states [S, n*H]) without
-        the target: blocks in one drafter forward per chunk, block j seeing the context strictly before its
-        anchor and its own slots only, exactly what `propose` sees online at that anchor."""
-        from dflash_train.drafter import block_visibility
-
-        device, dtype = self.embedding.weight.device, self.embedding.weight.dtype
-        B, S = self.block_size, input_ids.shape[0]
-        context = hidden_states.to(device=device, dtype=dtype)[None]
-        context_positions = torch.arange(S, device=device).view(1, -1)
-        out = []
-        for i in range(0, len(anchors), chunk):
-            a = torch.tensor(anchors[i:i + chunk], dtype=torch.long, device=device)
-            n = a.shape[0]
-            block = torch.full((n, B), self.mask_token_id, dtype=torch.long, device=device)
-            block[:, 0] = input_ids.to(device)[a]
-            positions = (a[:, None] + torch.arange(B, device=device)).view(1, -1)
-            mask = block_visibility(context_positions, a[None], B)
-            hidden = self.drafter(self.embedding(block.view(1, -1)), context, position_ids=positions,
-                                  context_position_ids=context_positions, attention_mask=mask)
-            logits = self.lm_head(hidden[0].view(n, B, -1)[:, 1:])
-            out.append(logits.argmax(dim=-1))
-        return torch.cat(out) if out else torch.zeros(0, B - 1, dtype=torch.long)

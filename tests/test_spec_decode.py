@@ -85,10 +85,6 @@ class Oracle:
     def advance(self, tapped):
         assert tapped is None
 
-    def propose_offline(self, input_ids, hidden_states, anchors):
-        ids = input_ids.tolist()
-        return torch.tensor([self.drafts_at(ids, a) for a in anchors], dtype=torch.long).view(-1, self.block_size - 1)
-
 
 def reference(target, ids: list[int], n: int, chooser: TokenChooser | None = None) -> list[int]:
     return ids + plain_generate(target.model, ids, n, stop_ids=[], chooser=chooser).tokens
@@ -219,7 +215,9 @@ class Recorder:
         self.inner.advance(tapped)
 
 
-def test_untrained_dflash_drafter_is_lossless_and_drafts_like_offline(varied_target):
+def test_untrained_dflash_drafter_is_lossless_and_drafts_like_training(varied_target):
+    from dflash_train.objective import draft_hidden, make_blocks
+
     model = varied_target.model
     drafter = tiny_drafter(varied_target)
     proposer = Recorder(DFlashProposer(drafter, model.get_input_embeddings(), model.lm_head))
@@ -230,11 +228,16 @@ def test_untrained_dflash_drafter_is_lossless_and_drafts_like_offline(varied_tar
         plain = plain_generate(model, ids, 24, [2])
         spec = speculative_generate(model, ids, proposer, 24, [2])
         assert spec.tokens == plain.tokens
-        # the same drafts from a teacher-forced forward over the final sequence, all anchors in one pass
-        full = torch.tensor(ids + spec.tokens)
+        # the same drafts from the training path: a teacher-forced target forward over the final sequence,
+        # then all the online anchors' blocks in one drafter forward with the block mask
+        full = torch.tensor([ids + spec.tokens])
         with torch.no_grad():
-            states = model(full[None], output_hidden_states=True).hidden_states
-        tapped = torch.cat([states[i][0] for i in layers], dim=-1)
-        anchors = [a for a, _ in proposer.drafted]
-        offline = proposer.inner.propose_offline(full, tapped, anchors)
-        assert offline.tolist() == [d for _, d in proposer.drafted]
+            states = model(full, output_hidden_states=True).hidden_states
+            batch = {"input_ids": full, "hidden_states": torch.cat([states[i] for i in layers], dim=-1)}
+            anchors = torch.tensor([[a for a, _ in proposer.drafted]])
+            blocks = make_blocks(anchors, torch.ones_like(anchors, dtype=torch.bool), drafter.config.block_size)
+            hidden = draft_hidden(drafter, model.get_input_embeddings().weight, batch, blocks,
+                                  drafter.config.mask_token_id, "sdpa")
+            B = drafter.config.block_size
+            drafts = model.lm_head(hidden[0]).view(-1, B, model.config.vocab_size)[:, 1:].argmax(dim=-1)
+        assert drafts.tolist() == [d for _, d in proposer.drafted]

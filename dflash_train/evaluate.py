@@ -1,0 +1,525 @@
+"""The eval stage: real speculative decoding with the target on held-out prompts.
+
+    dflash-train eval --drafter runs/x/drafter --target smollm2-135m-instruct --prompts data/prompts/sharegpt \\
+        --split eval --out eval/x [--store data/store/heldout] [--baseline-drafter DIR ...]
+
+For every prompt, in one run: plain target decoding (the reference and the tokens/s baseline), then the
+speculative loop with the drafter, with each baseline drafter and with block size 1 (no speculation). Every
+speculative output is compared with the plain one token by token (the lossless check). Acceptance length
+(tau) of a verification step = 1 + the accepted drafts that are part of the output, at most B; a prompt's tau
+is the mean over its steps, the reported tau the mean over prompts (and, beside it, over all steps). With
+`--store`, the offline estimate runs the trainer's simulated acceptance on captured held-out samples (every
+anchor, no target forward) with the same definition, and is reported beside the online tau.
+
+Writes OUT/report.json, OUT/report.md, OUT/acceptance_by_position.png, OUT/tau_histogram.png and
+OUT/provenance.json; the folder stays marked incomplete until all of them are written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_train.errors import UserError
+from dflash_train.provenance import complete_output, start_output, write_json_atomic, write_provenance
+from dflash_train.spec_decode import (DFlashProposer, Generation, NoDraft, Step, TokenChooser, plain_generate,
+                                      speculative_generate)
+from dflash_train.target import DEFAULT_TARGET, Target, load_target
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PLAIN = "plain (target only)"
+NO_SPECULATION = "block size 1"
+
+
+@dataclass
+class EvalConfig:
+    drafter: str
+    prompts: str
+    out: str
+    target: str = DEFAULT_TARGET
+    split: str = "eval"
+    limit: int | None = None
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    block_size: int | None = None  # None: the drafter's own
+    baseline_drafters: list[str] = field(default_factory=list)
+    store: str | None = None
+    template_kwargs: dict[str, Any] | None = None  # None: the store's (as captured), else none
+    dtype: str = "bf16"
+    device: str | None = None
+    threads: int | None = None
+    warmup: bool = True
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+def acceptance_stats(step_logs: list[list[Step]], block_size: int) -> dict[str, Any]:
+    """tau and per-position acceptance of one method from its per-prompt step logs.
+
+    tau: mean over prompts of the mean step tau within each prompt (prompts that ended on the prefill token
+    have no step and do not count); tau_steps: mean over all steps pooled. per_position_acceptance[k-1]: share
+    of all steps whose tau - 1 (accepted drafts) is >= k, k = 1..B-1; so tau_steps = 1 + sum of it."""
+    per_prompt = [sum(s.tau for s in steps) / len(steps) for steps in step_logs if steps]
+    taus = [s.tau for steps in step_logs for s in steps]
+    return _stats(per_prompt, taus, block_size)
+
+
+def _stats(per_unit: list[float], taus: list[int], block_size: int) -> dict[str, Any]:
+    n = len(taus)
+    return {
+        "tau": sum(per_unit) / len(per_unit) if per_unit else math.nan,
+        "tau_steps": sum(taus) / n if n else math.nan,
+        "per_position_acceptance": [sum(t - 1 >= k for t in taus) / n if n else math.nan
+                                    for k in range(1, block_size)],
+        "tau_histogram": {str(v): sum(t == v for t in taus) for v in range(1, block_size + 1)},
+        "num_steps": n,
+    }
+
+
+def offline_estimate(samples, drafter, embed: torch.Tensor, lm_head: torch.Tensor, block_size: int) -> dict[str, Any]:
+    """Simulated tau from stored samples (the trainer's `simulated_acceptance`: a block at every anchor, greedy
+    drafts checked against the target's own stored tokens), same definition as online: per sample the mean over
+    its anchors, then the mean over samples."""
+    from tqdm import tqdm
+
+    from dflash_train.objective import simulated_acceptance
+
+    per_sample, taus, ids = [], [], []
+    for sample in tqdm(samples, desc="offline tau", unit="sample", leave=False):
+        lengths = simulated_acceptance(drafter, embed, lm_head, sample, block_size=block_size).tolist()
+        if lengths:
+            per_sample.append(sum(lengths) / len(lengths))
+            ids.append(sample["id"])
+            taus += lengths
+    stats = _stats(per_sample, taus, block_size)
+    stats["num_samples"] = len(per_sample)
+    stats["num_anchors"] = stats.pop("num_steps")
+    stats["per_sample"] = [{"id": i, "tau": t} for i, t in zip(ids, per_sample)]
+    return stats
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+def check_drafter_fits(drafter, target: Target, where: str, block_size: int | None = None) -> None:
+    """A drafter whose tapped layers, hidden size or vocabulary do not fit the target: one clear error,
+    before any decoding."""
+    cfg = drafter.config
+    tcfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    L, H = target.num_layers, tcfg.hidden_size
+    rows = target.model.get_input_embeddings().weight.shape[0]
+    problems = []
+    if cfg.hidden_size != H:
+        problems.append(f"hidden size {cfg.hidden_size} != the target's {H}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= int(i) < L]
+    if bad:
+        problems.append(f"target_layer_ids {list(cfg.target_layer_ids)} include {bad}, "
+                        f"not layers of the {L}-layer target")
+    if cfg.num_target_layers != L:
+        problems.append(f"it was made for a {cfg.num_target_layers}-layer target, this one has {L} layers")
+    if drafter.fc.in_features != len(cfg.target_layer_ids) * H:
+        problems.append(f"fc takes {drafter.fc.in_features} features, the target gives "
+                        f"{len(cfg.target_layer_ids)} x {H}")
+    if cfg.vocab_size != rows:
+        problems.append(f"vocab size {cfg.vocab_size} != the target's embedding rows {rows}")
+    if not 0 <= cfg.mask_token_id < rows:
+        problems.append(f"mask_token_id {cfg.mask_token_id} is not a row of the target's embedding table")
+    elif cfg.mask_token_id in target.stop_token_ids():
+        problems.append(f"mask_token_id {cfg.mask_token_id} is the target's stop token")
+    if block_size is not None and block_size < 2:
+        problems.append(f"block size {block_size} < 2 (block size 1 is always in the table)")
+    made_for = cfg.target or {}
+    if made_for:
+        mine = target.identity()
+        for key in ("config_hash", "tokenizer_hash", "chat_template_hash"):
+            if made_for.get(key) and made_for[key] != mine[key]:
+                problems.append(f"{key.replace('_hash', '').replace('_', ' ')} differs from the one it was "
+                                f"trained for ({made_for.get('name')})")
+    if problems:
+        raise UserError(f"drafter {where} does not fit target {target.name}: " + "; ".join(problems))
+
+
+def check_store_fits(manifest: dict[str, Any], drafter, target: Target, where: str) -> None:
+    problems = []
+    if list(manifest.get("target_layer_ids", [])) != list(drafter.config.target_layer_ids):
+        problems.append(f"its target_layer_ids {manifest.get('target_layer_ids')} != the drafter's "
+                        f"{list(drafter.config.target_layer_ids)}")
+    if manifest.get("hidden_size") != drafter.config.hidden_size:
+        problems.append(f"its hidden_size {manifest.get('hidden_size')} != {drafter.config.hidden_size}")
+    captured = manifest.get("target") or {}
+    mine = target.identity()
+    for key in ("config_hash", "tokenizer_hash", "chat_template_hash"):
+        if captured.get(key) and captured[key] != mine[key]:
+            problems.append(f"it was captured from another target ({key} differs)")
+    if problems:
+        raise UserError(f"store {where} does not fit: " + "; ".join(problems))
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+@dataclass
+class Method:
+    name: str
+    proposer: Any  # None = plain decoding
+    drafter_path: str | None = None
+    block_size: int = 1
+    generations: list[Generation] = field(default_factory=list)
+
+
+def _prompt_seed(seed: int, record_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{record_id}".encode()).digest()[:8], "little") >> 1
+
+
+def _load_proposer(path: str, target: Target, block_size: int | None, dtype: torch.dtype) -> DFlashProposer:
+    from dflash_train.drafter import load_drafter
+
+    drafter = load_drafter(path, dtype=dtype, device=target.model.device).eval().requires_grad_(False)
+    check_drafter_fits(drafter, target, path, block_size)
+    head = target.model.lm_head if hasattr(target.model, "lm_head") else target.model.get_output_embeddings()
+    return DFlashProposer(drafter, target.model.get_input_embeddings(), head, block_size)
+
+
+def _run_one(method: Method, target: Target, ids: list[int], max_new_tokens: int, chooser: TokenChooser) -> Generation:
+    stop = target.stop_token_ids()
+    if method.proposer is None:
+        return plain_generate(target.model, ids, max_new_tokens, stop, chooser)
+    return speculative_generate(target.model, ids, method.proposer, max_new_tokens, stop, chooser)
+
+
+@torch.inference_mode()
+def diagnose_mismatch(target: Target, ids: list[int], plain: list[int], spec: list[int]) -> dict[str, Any]:
+    """Where a speculative output left the plain one: the position, both tokens, the plain step's top-2 logit
+    margin there, and whether a teacher-forced forward over the plain prefix (the way a verification computes
+    it) picks a different token than plain decoding did, i.e. plain decoding itself is not batch-invariant at
+    that position in this dtype (a near-tie broken by rounding, not a decoding bug)."""
+    i = next((k for k, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
+    info: dict[str, Any] = {"index": i, "plain_token": plain[i] if i < len(plain) else None,
+                            "spec_token": spec[i] if i < len(spec) else None}
+    if i < len(plain) and i < len(spec):
+        full = torch.tensor([ids + plain[:i]], device=target.model.device)
+        logits = target.model(input_ids=full).logits[0, -1].float()
+        top = logits.topk(2)
+        info["top2_margin"] = float(top.values[0] - top.values[1])
+        info["teacher_forced_token"] = int(top.indices[0])
+        info["plain_decoding_disagrees_with_itself"] = int(top.indices[0]) != plain[i]
+    return info
+
+
+def evaluate(cfg: EvalConfig) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from dflash_train.capture import load_prompts
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.dtype not in DTYPES:
+        raise UserError(f"--dtype {cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    if cfg.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {cfg.temperature}")
+    for path in [cfg.drafter, *cfg.baseline_drafters]:
+        if not Path(path).is_dir():
+            raise UserError(f"drafter folder {path} does not exist (train one with `make train`)")
+    records, _ = load_prompts(cfg.prompts, cfg.split, cfg.limit)
+    if not records:
+        raise UserError(f"no prompts in {cfg.prompts} (split {cfg.split!r}): nothing to evaluate")
+    dtype = DTYPES[cfg.dtype]
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target(cfg.target, dtype=dtype, device=device)
+
+    main = _load_proposer(cfg.drafter, target, cfg.block_size, dtype)
+    B = main.block_size
+    methods = [Method(PLAIN, None), Method(f"drafter {_label(cfg.drafter)}", main, cfg.drafter, B)]
+    for path in cfg.baseline_drafters:
+        p = _load_proposer(path, target, cfg.block_size, dtype)
+        methods.append(Method(f"baseline {_label(path)}", p, path, p.block_size))
+    methods.append(Method(NO_SPECULATION, NoDraft()))
+
+    store, manifest = None, None
+    template_kwargs = cfg.template_kwargs
+    if cfg.store:
+        from dflash_train.store import open_store
+
+        store = open_store(cfg.store)
+        manifest = store.manifest
+        check_store_fits(manifest, main.drafter, target, cfg.store)
+        if template_kwargs is None:
+            template_kwargs = (manifest.get("generation") or {}).get("template_kwargs") or {}
+    template_kwargs = template_kwargs or {}
+
+    prompts = [(r.id, target.render(r.messages, **template_kwargs)) for r in records]
+    if cfg.warmup:  # first calls pay one-off costs (allocator, kernels): keep them out of the timings
+        for m in methods:
+            _run_one(m, target, prompts[0][1], min(8, cfg.max_new_tokens), TokenChooser(cfg.temperature, cfg.seed))
+
+    per_prompt, mismatch_details = [], []
+    bar = tqdm(prompts, desc="eval", unit="prompt")
+    for rid, ids in bar:
+        chooser = TokenChooser(cfg.temperature, _prompt_seed(cfg.seed, rid))
+        outputs = {m.name: _run_one(m, target, ids, cfg.max_new_tokens, chooser) for m in methods}
+        for m in methods:
+            m.generations.append(outputs[m.name])
+        plain = outputs[PLAIN].tokens
+        row = {"id": rid, "prompt_tokens": len(ids), "new_tokens": len(plain), "tau": {}, "mismatch": []}
+        for m in methods[1:]:
+            steps = outputs[m.name].steps
+            row["tau"][m.name] = sum(s.tau for s in steps) / len(steps) if steps else None
+            if outputs[m.name].tokens != plain:
+                row["mismatch"].append(m.name)
+                mismatch_details.append({"id": rid, "method": m.name,
+                                         **diagnose_mismatch(target, ids, plain, outputs[m.name].tokens)})
+        per_prompt.append(row)
+        done = [r["tau"][methods[1].name] for r in per_prompt if r["tau"][methods[1].name] is not None]
+        bar.set_postfix(tau=f"{sum(done) / len(done):.2f}" if done else "-")
+
+    plain_tps = _tokens_per_s(methods[0].generations)
+    table = []
+    for m in methods:
+        row = {"method": m.name, "drafter": m.drafter_path, "block_size": m.block_size}
+        if m.proposer is not None:
+            row.update(acceptance_stats([g.steps for g in m.generations], m.block_size))
+            row["lossless_mismatches"] = sum(m.name in r["mismatch"] for r in per_prompt)
+        tokens = sum(g.decode_tokens for g in m.generations)
+        forwards = sum(len(g.steps) if m.proposer is not None else g.decode_tokens for g in m.generations)
+        row["tokens_per_target_forward"] = tokens / forwards if forwards else math.nan
+        row["decode_tokens"] = tokens
+        row["decode_s"] = sum(g.decode_s for g in m.generations)
+        row["tokens_per_s"] = _tokens_per_s(m.generations)
+        row["speedup"] = row["tokens_per_s"] / plain_tps if plain_tps else math.nan
+        table.append(row)
+
+    mine = table[1]
+    report: dict[str, Any] = {
+        "tau": mine["tau"],
+        "tau_steps": mine["tau_steps"],
+        "tau_offline": None,
+        "tau_gap": None,
+        "lossless_mismatches": mine["lossless_mismatches"],
+        "lossless_checked": len(per_prompt),
+        "per_position_acceptance": mine["per_position_acceptance"],
+        "tau_histogram": mine["tau_histogram"],
+        "tokens_per_s": mine["tokens_per_s"],
+        "tokens_per_s_baseline": plain_tps,
+        "speedup": mine["speedup"],
+        "block_size": B,
+        "methods": table,
+        "mismatches": mismatch_details,
+        "offline": None,
+        "per_prompt": per_prompt,
+        "settings": {**asdict(cfg), "template_kwargs": template_kwargs, "device": str(device),
+                     "block_size": B, "num_prompts": len(prompts), "threads": torch.get_num_threads(),
+                     "sampling": "greedy" if cfg.temperature == 0 else
+                     f"temperature {cfg.temperature}, Gumbel-max noise keyed on (seed, prompt id, position)"},
+        "drafter": _drafter_summary(cfg.drafter, main),
+        "baseline_drafters": [_drafter_summary(m.drafter_path, m.proposer) for m in methods[2:-1]],
+        "target": target.identity(),
+    }
+    if store is not None:
+        n = len(store) if cfg.limit is None else min(cfg.limit, len(store))
+        head = target.model.lm_head.weight if hasattr(target.model, "lm_head") else \
+            target.model.get_output_embeddings().weight
+        offline = offline_estimate([store[i] for i in range(n)], main.drafter,
+                                   target.model.get_input_embeddings().weight, head, B)
+        offline["store"] = str(cfg.store)
+        report["offline"] = offline
+        report["tau_offline"] = offline["tau"]
+        report["tau_gap"] = report["tau"] - offline["tau"]
+    return report
+
+
+def _label(path: str) -> str:
+    """runs/smollm2-demo/drafter -> smollm2-demo/drafter: short, and tells drafters of different runs apart."""
+    parts = Path(path).resolve().parts
+    return "/".join(parts[-2:])
+
+
+def _tokens_per_s(generations: list[Generation]) -> float:
+    seconds = sum(g.decode_s for g in generations)
+    return sum(g.decode_tokens for g in generations) / seconds if seconds > 0 else math.nan
+
+
+def _drafter_summary(path: str, proposer: DFlashProposer) -> dict[str, Any]:
+    cfg = proposer.drafter.config
+    return {"path": str(path), "block_size": cfg.block_size, "num_hidden_layers": cfg.num_hidden_layers,
+            "target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id,
+            "num_parameters": sum(p.numel() for p in proposer.drafter.parameters()),
+            "made_for_target": (cfg.target or {}).get("name")}
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+def _fmt(x: Any, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    lines = [f"# Eval: drafter {_label(s['drafter'])} on target {report['target']['name']}", "",
+             f"{s['num_prompts']} prompts from `{s['prompts']}` (split {s['split']}), up to {s['max_new_tokens']} "
+             f"new tokens, {s['sampling']}, {s['dtype']} on {s['device']} ({s['threads']} threads), "
+             f"block size {report['block_size']}.", "",
+             "| method | block | tau (mean over prompts) | tau (all steps) | tokens/target forward | tokens/s | "
+             "speedup | lossless mismatches |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in report["methods"]:
+        lines.append(f"| {row['method']} | {row['block_size']} | {_fmt(row.get('tau'))} | "
+                     f"{_fmt(row.get('tau_steps'))} | {_fmt(row['tokens_per_target_forward'])} | "
+                     f"{_fmt(row['tokens_per_s'], 1)} | {_fmt(row['speedup'])}x | "
+                     f"{row.get('lossless_mismatches', '-')} |")
+    lines.append("")
+    if report["offline"]:
+        o = report["offline"]
+        lines += [f"Offline estimate (`{o['store']}`, {o['num_samples']} samples, {o['num_anchors']} anchors, no "
+                  f"target forward): tau {_fmt(o['tau'])} (all anchors {_fmt(o['tau_steps'])}); online - offline = "
+                  f"{_fmt(report['tau_gap'])}.", ""]
+    mismatches = report["lossless_mismatches"]
+    lines.append(f"Lossless check: {mismatches} of {report['lossless_checked']} prompts differ from plain decoding "
+                 f"for the drafter.")
+    for d in report["mismatches"]:
+        lines.append(f"- {d['id']} ({d['method']}): token {d['index']}: plain {d['plain_token']}, speculative "
+                     f"{d['spec_token']}, plain top-2 margin {_fmt(d.get('top2_margin'), 4)}, plain decoding "
+                     f"disagrees with a teacher-forced forward: {d.get('plain_decoding_disagrees_with_itself')}")
+    drafters = [r for r in report["methods"] if r["block_size"] > 1]
+    lines += ["", "Acceptance by block position (share of steps accepting at least k drafts):", "",
+              "| k | " + " | ".join(r["method"] for r in drafters) + (" | offline |" if report["offline"] else " |"),
+              "|---" * (1 + len(drafters) + bool(report["offline"])) + "|"]
+    for k in range(1, max(r["block_size"] for r in drafters)):
+        cells = [_fmt(_at(r["per_position_acceptance"], k - 1), 3) for r in drafters]
+        if report["offline"]:
+            cells.append(_fmt(_at(report["offline"]["per_position_acceptance"], k - 1), 3))
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    lines += ["", "tau = 1 + accepted drafts that are part of the output (at most B), per verification step; "
+              "tokens/s counts decoded tokens after the first (prefill excluded); speedup = tokens/s over plain "
+              "decoding's on the same prompts in the same run.", ""]
+    return "\n".join(lines)
+
+
+def _at(values: list[float], i: int) -> float | None:
+    return values[i] if i < len(values) else None
+
+
+def plot(report: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["methods"] if r.get("tau") is not None and r["block_size"] > 1]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in rows:
+        ks = list(range(1, r["block_size"]))
+        ax.plot(ks, r["per_position_acceptance"], marker="o", label=f"{r['method']} (tau {_fmt(r['tau'])})")
+    if report["offline"]:
+        o = report["offline"]
+        ax.plot(range(1, report["block_size"]), o["per_position_acceptance"], linestyle="--", marker="x",
+                label=f"offline estimate (tau {_fmt(o['tau'])})")
+    ax.set(xlabel="block position k", ylabel="share of steps accepting >= k drafts", ylim=(0, 1.02),
+           title="Acceptance by block position")
+    ax.set_xticks(range(1, report["block_size"]))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    position_png = out / "acceptance_by_position.png"
+    fig.savefig(position_png, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    B = report["block_size"]
+    width = 0.8 / max(1, len(rows) + bool(report["offline"]))
+    series = [(r["method"], r["tau_histogram"]) for r in rows]
+    if report["offline"]:
+        series.append(("offline estimate", report["offline"]["tau_histogram"]))
+    for i, (name, hist) in enumerate(series):
+        total = sum(hist.values()) or 1
+        xs = [v + (i - (len(series) - 1) / 2) * width for v in range(1, B + 1)]
+        ax.bar(xs, [hist.get(str(v), 0) / total for v in range(1, B + 1)], width=width, label=name)
+    ax.set(xlabel="tau (tokens committed per verification)", ylabel="share of steps", title="tau histogram")
+    ax.set_xticks(range(1, B + 1))
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    hist_png = out / "tau_histogram.png"
+    fig.savefig(hist_png, dpi=120)
+    plt.close(fig)
+    return [position_png, hist_png]
+
+
+def _finite(x: Any) -> Any:
+    """NaN (a metric over nothing, e.g. no steps) -> None: report.json stays strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    write_json_atomic(out / "report.json", _finite(report))
+    (out / "report.md").write_text(markdown(report))
+    plot(report, out)
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    p = parser
+    p.add_argument("--drafter", required=True, help="drafter folder (save_pretrained format), e.g. runs/x/drafter")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="embedded target name, checkpoint folder or hub id")
+    p.add_argument("--prompts", required=True, help="an ingest output folder, or a raw log file")
+    p.add_argument("--split", default="eval", help="split of the ingest folder (default eval: held out)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts (and store samples)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    p.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    p.add_argument("--baseline-drafter", action="append", default=[], metavar="DIR",
+                   help="another drafter folder to put in the same table (repeatable)")
+    p.add_argument("--store", default=None, help="a capture store of held-out samples for the offline estimate")
+    p.add_argument("--template-kwargs", type=_json_object, default=None,
+                   help='chat template options as JSON (default: the store\'s, else none)')
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="target and drafter compute dtype")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up run")
+    p.add_argument("--out", required=True, help="output folder for the report")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = EvalConfig(drafter=args.drafter, prompts=args.prompts, out=args.out, target=args.target,
+                     split=args.split, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                     temperature=args.temperature, seed=args.seed, block_size=args.block_size,
+                     baseline_drafters=list(args.baseline_drafter), store=args.store,
+                     template_kwargs=args.template_kwargs, dtype=args.dtype, device=args.device,
+                     threads=args.threads, warmup=args.warmup)
+    out = Path(cfg.out)
+    report = evaluate(cfg)  # all checks and decoding first: a bad input leaves no half-written folder
+    start_output(out)
+    write_report(report, out)
+    write_provenance(out, config=asdict(cfg), drafter=report["drafter"], target=report["target"])
+    complete_output(out)
+    print(markdown(report))
+    print(f"eval report: {out / 'report.json'}, {out / 'report.md'}, {out / 'acceptance_by_position.png'}, "
+          f"{out / 'tau_histogram.png'}")
+    return 0

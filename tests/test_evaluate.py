@@ -1,0 +1,233 @@
+"""The eval stage: metric definitions, offline vs online acceptance, the report, and refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash_train.evaluate import acceptance_stats, offline_estimate
+from dflash_train.spec_decode import DFlashProposer, Step, speculative_generate
+from test_spec_decode import PROMPTS, one_thread, prompt_ids, reference, varied_target, varied_target_dir  # noqa: F401
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_tau_and_per_position_on_hand_made_step_logs():
+    logs = [
+        [Step(accepted=3, committed=4), Step(accepted=0, committed=1), Step(accepted=1, committed=2)],  # 4, 1, 2
+        [Step(accepted=3, committed=2)],  # a stop token after 2 tokens: 1 + min(3, 2) = 3
+        [],  # ended on the prefill token: no step, not counted
+    ]
+    stats = acceptance_stats(logs, block_size=4)
+    assert stats["tau"] == pytest.approx(((4 + 1 + 2) / 3 + 3) / 2)
+    assert stats["tau_steps"] == pytest.approx((4 + 1 + 2 + 3) / 4)
+    assert stats["per_position_acceptance"] == pytest.approx([3 / 4, 2 / 4, 1 / 4])
+    assert stats["tau_histogram"] == {"1": 1, "2": 1, "3": 1, "4": 1}
+    assert stats["num_steps"] == 4
+    assert stats["tau_steps"] == pytest.approx(1 + sum(stats["per_position_acceptance"]))
+    assert math.isnan(acceptance_stats([[]], 4)["tau"])
+
+
+class OracleDrafter(torch.nn.Module):
+    """A drafter-shaped stub that knows the answer: its hidden state for the block slot at absolute position q
+    is the one-hot of the target's own token there (`references[current]`, the prompt being decoded), so
+    through an identity LM head it drafts the target's continuation; slots after `horizon` are made wrong, so
+    it accepts exactly `horizon` drafts wherever labels exist. It ignores the context, hence online
+    (DFlashProposer with its cache) and offline (the trainer's simulated_acceptance, all anchors in one
+    forward) query one and the same proposer, and any gap comes from the definitions alone."""
+
+    def __init__(self, references: list[list[int]], vocab: int, block_size: int, horizon: int):
+        super().__init__()
+        self.references = [torch.tensor(r) for r in references]
+        self.current = 0
+        self.vocab, self.horizon = vocab, horizon
+        self.scale = torch.nn.Parameter(torch.ones(1))  # gives the callers a device and dtype
+        self.config = SimpleNamespace(block_size=block_size, mask_token_id=5, target_layer_ids=[1])
+
+    def new_cache(self):
+        return None
+
+    def forward(self, block_embeds, context, position_ids, context_position_ids, attention_mask=None, cache=None):
+        ref = self.references[self.current]
+        positions = position_ids[0]
+        tokens = ref[positions.clamp(max=len(ref) - 1)]
+        slot = torch.arange(positions.shape[0]) % self.config.block_size
+        tokens = torch.where(slot > self.horizon, (tokens + 1) % self.vocab, tokens)
+        return torch.nn.functional.one_hot(tokens, self.vocab).float()[None] * self.scale
+
+
+def test_offline_estimate_equals_online_tau_for_the_oracle(varied_target):
+    """At every anchor the decoding visited, offline acceptance equals the online step's; for an oracle whose
+    acceptance does not depend on the anchor (horizon <= 1), the offline estimate over all anchors equals the
+    online tau."""
+    from dflash_train.objective import simulated_acceptance
+
+    model, V, B, n = varied_target.model, varied_target.config.vocab_size, 4, 21
+    embed = model.get_input_embeddings()
+    prompts = [prompt_ids(varied_target, text) for text in PROMPTS]
+    references = [reference(varied_target, ids, n + B) for ids in prompts]
+    for horizon in range(B):
+        oracle = OracleDrafter(references, V, B, horizon)
+        online_logs, samples = [], []
+        for i, ids in enumerate(prompts):
+            oracle.current = i
+            gen = speculative_generate(model, ids, DFlashProposer(oracle, embed, torch.nn.Identity()), n, [])
+            online_logs.append(gen.steps)
+            S = len(ids) + len(gen.tokens)
+            sample = {"input_ids": torch.tensor(ids + gen.tokens), "hidden_states": torch.zeros(S, 64),
+                      "loss_mask": torch.arange(S) >= len(ids), "id": str(i), "weight": 1}
+            samples.append(sample)
+            per_anchor = simulated_acceptance(oracle, embed.weight, torch.eye(V), sample, block_size=B).tolist()
+            assert len(per_anchor) == len(gen.tokens) - 1  # every response token with a next one is an anchor
+            pos = len(ids)
+            for step in gen.steps:  # the online anchors, in order
+                assert per_anchor[pos - len(ids)] == step.tau == 1 + min(horizon, S - 1 - pos)
+                pos += step.committed
+        online = acceptance_stats(online_logs, B)
+        offline = offline_estimate(_selecting(samples, oracle), oracle, embed.weight, torch.eye(V), B)
+        assert offline["num_samples"] == len(prompts)
+        if horizon <= 1:
+            assert offline["tau"] == pytest.approx(online["tau"]) == pytest.approx(1 + horizon)
+            assert offline["per_position_acceptance"] == pytest.approx(online["per_position_acceptance"])
+        else:  # only the tails differ: offline averages every anchor, decoding visits one in tau
+            assert offline["tau"] < online["tau"] <= 1 + horizon
+
+
+def _selecting(samples, oracle):
+    for i, sample in enumerate(samples):
+        oracle.current = i
+        yield sample
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+LAYERS = [1, 4, 6]
+
+
+@pytest.fixture(scope="module")
+def drafters(varied_target, tmp_path_factory):
+    """Two untrained tiny drafters saved as they ship (block 4; the baseline with 2 layers and block 3)."""
+    from test_spec_decode import tiny_drafter
+
+    root = tmp_path_factory.mktemp("drafters")
+    paths = []
+    for name, block, layers, seed in (("main", 4, 1, 0), ("other", 3, 2, 1)):
+        d = tiny_drafter(varied_target, block_size=block, num_layers=layers, seed=seed)
+        d.config.target = varied_target.identity()
+        paths.append(d.save_pretrained(root / name))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def prompts_dir(tmp_path_factory):
+    from dflash_train.ingest import IngestConfig, ingest
+
+    out = tmp_path_factory.mktemp("prompts") / "p"
+    ingest([REPO / "data/examples/prompts.jsonl", REPO / "data/examples/messages.jsonl"], out,
+           IngestConfig(eval_fraction=0.5, max_prompt_tokens=0, progress=False))
+    return out
+
+
+@pytest.fixture(scope="module")
+def store_dir(varied_target, prompts_dir, tmp_path_factory):
+    """Held-out samples as capture writes them: the target's greedy response and the tapped states."""
+    from dflash_train.capture import load_prompts
+    from dflash_train.spec_decode import plain_generate
+    from dflash_train.store import StoreWriter
+
+    out = tmp_path_factory.mktemp("store") / "s"
+    model = varied_target.model
+    records, _ = load_prompts(prompts_dir, "eval")
+    with StoreWriter(out, target=varied_target.identity(), target_layer_ids=LAYERS, hidden_size=64,
+                     generation={"template_kwargs": {}}) as writer:
+        for r in records:
+            ids = varied_target.render(r.messages)
+            new = plain_generate(model, ids, 12, varied_target.stop_token_ids()).tokens
+            full = torch.tensor([ids + new])
+            with torch.no_grad():
+                states = model(full, output_hidden_states=True).hidden_states
+            writer.add(full[0], torch.arange(full.shape[1]) >= len(ids),
+                       torch.cat([states[i + 1][0] for i in LAYERS], dim=-1), id=r.id)
+    return out
+
+
+def eval_cli(*args: str) -> int:
+    from dflash_train.cli import main
+
+    return main(["eval", "--dtype", "fp32", "--threads", "1", "--max-new-tokens", "12", *map(str, args)])
+
+
+def test_eval_command_writes_the_report(varied_target, varied_target_dir, drafters, prompts_dir, store_dir, tmp_path, capsys):
+    from dflash_train.provenance import is_complete
+
+    out = tmp_path / "eval"
+    rc = eval_cli("--drafter", drafters[0], "--baseline-drafter", drafters[1], "--target", varied_target_dir,
+                  "--prompts", prompts_dir, "--split", "eval", "--store", store_dir, "--out", out)
+    assert rc == 0
+    assert is_complete(out)
+    report = json.loads((out / "report.json").read_text())
+    for key in ("tau", "tau_offline", "lossless_mismatches", "per_position_acceptance", "tokens_per_s",
+                "tokens_per_s_baseline", "speedup", "per_prompt", "settings", "drafter", "target"):
+        assert key in report, key
+    n = report["settings"]["num_prompts"]
+    assert n >= 1 and len(report["per_prompt"]) == n == report["lossless_checked"]
+    assert report["lossless_mismatches"] == 0 and report["mismatches"] == []
+    assert 1 <= report["tau"] <= 4 and len(report["per_position_acceptance"]) == 3
+    assert 1 <= report["tau_offline"] <= 4 and report["offline"]["num_samples"] == n
+    assert report["tau_gap"] == pytest.approx(report["tau"] - report["tau_offline"])
+    assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["tokens_per_s_baseline"])
+    assert report["target"]["config_hash"] == varied_target.identity()["config_hash"]
+    methods = [m["method"] for m in report["methods"]]
+    assert methods[0].startswith("plain") and methods[-1] == "block size 1" and len(methods) == 4
+    blocks = [m["block_size"] for m in report["methods"]]
+    assert blocks == [1, 4, 3, 1]
+    no_spec = report["methods"][-1]
+    assert no_spec["tau"] == 1 and no_spec["lossless_mismatches"] == 0
+    assert sum(sum(m["tau_histogram"].values()) for m in report["methods"][1:2]) == report["methods"][1]["num_steps"]
+    md = (out / "report.md").read_text()
+    assert "| method |" in md and "Offline estimate" in md and "0 of" in md
+    for png in ("acceptance_by_position.png", "tau_histogram.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["config"]["drafter"] == str(drafters[0]) and prov["target"]["name"] == str(varied_target_dir)
+    assert "| method |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"dflash_config": {"target_layer_ids": [1, 4, 8]}}, "include [8]"),
+    ({"vocab_size": 2048}, "vocab size 2048"),
+    ({"num_target_layers": 30}, "30-layer target"),
+    ({"dflash_train": {"target": {"name": "other", "tokenizer_hash": "0" * 64}}}, "tokenizer differs"),
+])
+def test_mismatched_drafter_is_refused_before_decoding(varied_target_dir, drafters, prompts_dir, tmp_path, capsys,
+                                                       edit, message):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(drafters[0], bad)
+    config = json.loads((bad / "config.json").read_text())
+    for key, value in edit.items():
+        if isinstance(value, dict):
+            config[key].update(value)
+        else:
+            config[key] = value
+    (bad / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "eval"
+    rc = eval_cli("--drafter", bad, "--target", varied_target_dir, "--prompts", prompts_dir, "--out", out)
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and str(bad) in err, err
+    assert not out.exists()
+
+
+def test_empty_prompt_set_is_refused(varied_target_dir, drafters, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    rc = eval_cli("--drafter", drafters[0], "--target", varied_target_dir, "--prompts", empty,
+                  "--out", tmp_path / "eval")
+    err = capsys.readouterr().err
+    assert rc == 2 and "no prompts" in err and str(empty) in err, err
