@@ -60,6 +60,7 @@ class CaptureConfig:
     dtype: str = "bf16"  # the target's compute dtype
     device: str | None = None  # None: cuda:LOCAL_RANK if available, else cpu
     device_map: str | None = None
+    threads: int | None = None  # torch CPU threads (None: torch's default)
 
 
 @dataclass
@@ -330,6 +331,8 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
     if cfg.max_new_tokens < 1 or cfg.batch_size < 1:
         raise UserError("--max-new-tokens and --batch-size must be >= 1")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rank, world = init_distributed(torch.device(device).type)
     if device == "cuda":
@@ -373,7 +376,7 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
             rendered.append((record, ids))
     rendered.sort(key=lambda item: -len(item[1]))  # similar lengths batch together: less padding
 
-    tokens_done = 0
+    tokens_done = generated = 0
     bar = tqdm(total=len(rendered), desc=f"capture r{rank}" if world > 1 else "capture", unit="prompt",
                position=rank, dynamic_ncols=True)
     loop_start = time.time()
@@ -396,8 +399,10 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
             writer.add(torch.tensor(sample.input_ids), loss_mask, sample.hidden_states, id=record.id,
                        weight=record.weight)
             tokens_done += n
+            generated += n - sample.num_prompt_tokens
         bar.update(len(batch))
-        bar.set_postfix(tok_s=f"{tokens_done / max(time.time() - loop_start, 1e-9):.0f}")
+        elapsed = max(time.time() - loop_start, 1e-9)
+        bar.set_postfix(tok_s=f"{tokens_done / elapsed:.0f}", new_tok_s=f"{generated / elapsed:.1f}")
     bar.close()
     writer.close(finalize=False)
     _barrier(world)
@@ -405,7 +410,11 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
     if rank == 0:
         manifest = finalize_store(cfg.out, ingest_report=ingest_report, extra=writer.extra)
         _print_summary(manifest, time.time() - started, cfg.out)
-    _barrier(world)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
     return manifest
 
 
@@ -445,6 +454,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="the target's compute dtype")
     p.add_argument("--device", default=None, help="default: cuda (this rank's GPU) if available, else cpu")
     p.add_argument("--device-map", default=None, help="e.g. auto: spread a large target over the GPUs")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
 
 
 def _int_list(text: str) -> list[int]:
@@ -470,7 +480,8 @@ def config_from_args(args: argparse.Namespace) -> CaptureConfig:
         num_layers=args.num_layers, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
         batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
         limit=args.limit, storage=args.storage, responses=args.responses, shard_size_mb=args.shard_size_mb,
-        template_kwargs=args.template_kwargs, dtype=args.dtype, device=args.device, device_map=args.device_map)
+        template_kwargs=args.template_kwargs, dtype=args.dtype, device=args.device, device_map=args.device_map,
+        threads=args.threads)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from dflash_train.errors import UserError
@@ -65,8 +67,18 @@ def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scales[:, None]).to(torch.float8_e4m3fn), scales
 
 
+@functools.lru_cache(maxsize=1)
+def _fp8_values() -> np.ndarray:
+    """float32 value of each of the 256 float8_e4m3fn bit patterns."""
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+
+
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    return (q.float() * scales.float()[:, None]).to(dtype)
+    if q.device.type == "cpu":  # a table lookup is ~2x faster than torch's fp8 -> float cast on CPU
+        x = torch.from_numpy(np.take(_fp8_values(), q.contiguous().view(torch.uint8).numpy()))
+    else:
+        x = q.float()
+    return x.mul_(scales.float()[:, None]).to(dtype)
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:
@@ -155,13 +167,14 @@ class StoreWriter:
         self._closed = False
         if self.out.exists() and not self.out.is_dir():
             raise UserError(f"store folder {self.out} exists and is not a folder")
+        if self.out.is_dir():  # before touching anything: a rerun with other settings must not harm the store
+            self._check_settings_of_other_journals()
         if rank == 0:
             start_output(self.out)
             if (self.out / MANIFEST).exists():  # a finished store being extended or rerun: rewritten at the end
                 (self.out / MANIFEST).unlink()
         else:
             self.out.mkdir(parents=True, exist_ok=True)
-        self._check_settings_of_other_journals()
         self._journal = self._load_own_journal()
         self.done_ids = self._all_done_ids()
 

