@@ -57,6 +57,7 @@ class CardInputs:
     report: dict[str, Any] | None = None  # eval report.json
     run: dict[str, Any] | None = None  # the trainer's run summary (steps, final losses, wall time, device)
     training_provenance: dict[str, Any] | None = None
+    eval_provenance: dict[str, Any] | None = None
     push_provenance: dict[str, Any] | None = None
     plots: list[str] = field(default_factory=list)  # eval plot paths inside the pushed folder
 
@@ -276,30 +277,42 @@ def _evaluation(inp: CardInputs) -> str:
     settings = report.get("settings") or {}
     block = inp.drafter_config.get("block_size")
     mismatches = lossless_mismatches(report)
+    checked = report.get("lossless_checked")
+    of = f" of {fmt(checked)} prompts" if isinstance(checked, int) else ""
     lossless = ("not recorded" if mismatches is None else
-                "passed: every output is token-for-token the target's own" if mismatches == 0 else
-                f"FAILED: {mismatches} outputs differ from the target's own decoding")
-    speed = "—"
-    if report.get("tokens_per_s") is not None:
-        speed = f"{fmt(report.get('tokens_per_s'))} vs {fmt(report.get('tokens_per_s_baseline'))} target alone"
+                f"passed: 0{of} differ, every output is token-for-token the target's own" if mismatches == 0 else
+                f"FAILED: {mismatches}{of} differ from the target's own decoding")
+    offline = report.get("tau_offline")
     rows = [
-        ("Acceptance length τ, online (real speculative decoding)", fmt(report.get("tau"))),
-        ("Acceptance length τ, offline (teacher-forced on held-out data)", fmt(report.get("tau_offline"))),
+        ("Acceptance length τ, online (real speculative decoding with the target)", fmt(report.get("tau"))),
+        ("Acceptance length τ, offline (every anchor of held-out captured samples)",
+         fmt(offline) if offline is not None else "not measured"),
         ("Lossless check", lossless),
-        ("Tokens/s with the drafter", speed),
+        ("Tokens/s, with the drafter vs the target alone",
+         f"{fmt(report.get('tokens_per_s'))} vs {fmt(report.get('tokens_per_s_baseline'))}"),
         ("Speedup (tokens/s ratio)", f"{fmt(report.get('speedup'))}×" if report.get("speedup") is not None
          else "—"),
     ]
     lines += [
-        f"τ = tokens committed per target verification, bonus token included (1 ≤ τ ≤ B = {fmt(block)}).",
+        f"τ = tokens committed per target verification, bonus token included (1 ≤ τ ≤ B = {fmt(block)}); "
+        f"online τ is the mean over held-out prompts of each prompt's mean over its verification steps.",
         "",
         table(rows, ("Metric", "Value")),
     ]
+    methods = [m for m in report.get("methods") or [] if isinstance(m, dict)]
+    if len(methods) > 1:
+        method_rows = [(fmt(m.get("method")), fmt(m.get("block_size")), fmt(m.get("tau")),
+                        fmt(m.get("tokens_per_target_forward")), fmt(m.get("tokens_per_s")),
+                        f"{fmt(m.get('speedup'))}×", fmt(m.get("lossless_mismatches"))) for m in methods]
+        lines += ["", "All methods in the same run, on the same prompts:", "",
+                  table(method_rows, ("Method", "B", "τ", "Tokens / target forward", "Tokens/s", "Speedup",
+                                      "Lossless mismatches"))]
     acceptance = _acceptance(report)
     if acceptance:
         lines += [
             "",
-            "Per-position acceptance (fraction of verifications whose draft was accepted up to position k):",
+            "Per-position acceptance: the share of verification steps that accepted at least k drafted tokens "
+            "(τ = 1 + their sum):",
             "",
             table([tuple([fmt(a) for a in acceptance])], tuple(f"k={i + 1}" for i in range(len(acceptance)))),
         ]
@@ -311,8 +324,8 @@ def _evaluation(inp: CardInputs) -> str:
                   "", "</details>"]
     for plot in inp.plots:
         lines += ["", f"![{plot}]({plot})"]
-    lines += ["", "Speed numbers depend on the hardware and batch size they were measured on (see the settings); "
-                  "acceptance length carries over to other engines, tokens/s does not."]
+    lines += ["", "Tokens/s depend on the hardware, dtype and batch size they were measured with (see the "
+                  "settings); acceptance length carries over to other engines, tokens/s does not."]
     return "\n".join(lines)
 
 
@@ -419,6 +432,7 @@ def _provenance(inp: CardInputs) -> str:
         ("Training run", inp.run_name),
     ]
     for label, prov in (("Trained with dflash-train", inp.training_provenance),
+                        ("Evaluated with dflash-train", inp.eval_provenance),
                         ("Pushed with dflash-train", inp.push_provenance)):
         if not prov:
             continue
@@ -430,8 +444,6 @@ def _provenance(inp: CardInputs) -> str:
     packages = (inp.training_provenance or inp.push_provenance or {}).get("packages") or {}
     if packages:
         rows.append(("Package versions", ", ".join(f"{k} {v}" for k, v in packages.items() if v)))
-    if inp.report and inp.report.get("created"):
-        rows.append(("Eval report created", inp.report["created"]))
     license_note = ("from the training recipe" if inp.license_from_recipe else
                     f"the recipe set no license; `{DEFAULT_LICENSE}` is dflash-train's default")
     rows.append(("License", f"`{inp.license}` ({license_note})"))

@@ -201,8 +201,21 @@ def data_summary(training_args: dict[str, Any] | None, recipe: dict[str, Any] | 
 # ---- the gate -----------------------------------------------------------------------------------------------
 
 
+def drafter_differences(report: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """Where the drafter the report measured (its `drafter` summary, its block size) differs from this one."""
+    measured = report.get("drafter") if isinstance(report.get("drafter"), dict) else {}
+    mine = {"block_size": config.get("block_size"), "num_hidden_layers": config.get("num_hidden_layers"),
+            "target_layer_ids": config["dflash_config"].get("target_layer_ids"),
+            "mask_token_id": config["dflash_config"].get("mask_token_id")}
+    differences = [f"{key} {measured[key]} vs {value}" for key, value in mine.items()
+                   if measured.get(key) is not None and measured[key] != value]
+    if report.get("block_size") not in (None, config.get("block_size")):
+        differences.append(f"eval block size {report['block_size']} vs the drafter's {config.get('block_size')}")
+    return differences
+
+
 def check_gate(report: dict[str, Any] | None, report_file: Path | None, target: dict[str, Any],
-               min_tau: float, min_tau_source: str, force: bool) -> Gate:
+               config: dict[str, Any], min_tau: float, min_tau_source: str, force: bool) -> Gate:
     reasons = []
     if report is None:
         reasons.append("no eval report (pass --eval-report DIR; run `dflash-train eval` first)")
@@ -218,6 +231,8 @@ def check_gate(report: dict[str, Any] | None, report_file: Path | None, target: 
             reasons.append(f"{report_file} has no online tau")
         elif tau < min_tau:
             reasons.append(f"online tau {tau:.3f} is below the minimum {min_tau:g} ({min_tau_source})")
+        if differences := drafter_differences(report, config):
+            reasons.append(f"{report_file} measured a different drafter or block size ({'; '.join(differences)})")
         report_target = report.get("target")
         if isinstance(report_target, dict) and report_target.get("config_hash") and target.get("config_hash") \
                 and report_target["config_hash"] != target["config_hash"]:
@@ -229,10 +244,19 @@ def check_gate(report: dict[str, Any] | None, report_file: Path | None, target: 
 # ---- assembling the folder ----------------------------------------------------------------------------------
 
 
+def without_records(obj: Any) -> Any:
+    """`obj` without per-prompt / per-sample records (lists of objects with an "id"), at any depth."""
+    if isinstance(obj, dict):
+        return {k: without_records(v) for k, v in obj.items()
+                if not (isinstance(v, list) and v and all(isinstance(x, dict) and "id" in x for x in v))}
+    if isinstance(obj, list):
+        return [without_records(v) for v in obj]
+    return obj
+
+
 def eval_summary(report: dict[str, Any]) -> dict[str, Any]:
-    """The report without per-prompt records (lists of objects) or any text field."""
-    return without_text({k: v for k, v in report.items()
-                         if not (isinstance(v, list) and any(isinstance(x, (dict, list)) for x in v))})
+    """What of the eval report is published: aggregates and settings, no per-prompt records, no text."""
+    return without_text(without_records(report))
 
 
 def default_out(repo_id: str) -> Path:
@@ -390,7 +414,7 @@ def run(args: argparse.Namespace) -> int:
         min_tau, source = value, "the training recipe's push.min_tau"
     else:
         min_tau, source = DEFAULT_MIN_TAU, "dflash-train's default"
-    gate = check_gate(report, report_file, target, min_tau, source, args.force)
+    gate = check_gate(report, report_file, target, drafter["config"], min_tau, source, args.force)
     if not gate.passed and not args.force:
         raise UserError("refusing to push: " + "; ".join(gate.reasons)
                         + ". Pass --force to push anyway (the card will say the gate was overridden)")
@@ -401,13 +425,16 @@ def run(args: argparse.Namespace) -> int:
                                               else drafter["dir"].name)
     license_ = (recipe or {}).get("license")
     summary, generation = data_summary(drafter["training_args"], recipe)
+    eval_prov = None
+    if report_file is not None and (report_file.parent / PROVENANCE_FILE).exists():
+        eval_prov = read_json(report_file.parent / PROVENANCE_FILE, "what made the eval report")
     push_prov = provenance()
     card = CardInputs(
         repo_id=args.repo, revision=args.revision, run_name=str(run_name), drafter_config=drafter["config"],
         num_parameters=drafter["num_parameters"], weights_dtype=drafter["dtype"], target=target,
         license=str(license_ or DEFAULT_LICENSE), license_from_recipe=bool(license_), gate=gate, recipe=recipe,
         data=summary, generation=generation, report=report, run=(drafter["training_args"] or {}).get("run"),
-        training_provenance=drafter["provenance"],
+        training_provenance=drafter["provenance"], eval_provenance=eval_prov,
         push_provenance=push_prov)
     out = Path(args.out) if args.out else default_out(args.repo)
     files = assemble(out, drafter, report, report_file, card)

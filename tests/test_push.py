@@ -67,15 +67,33 @@ def drafter_dir(tmp_path_factory, tiny_target):
 
 
 def write_report(folder: Path, **overrides) -> Path:
+    """An eval folder in dflash_train.evaluate's format (report.json, plots, provenance.json)."""
     folder.mkdir(parents=True, exist_ok=True)
-    report = {"tau": 2.4, "tau_offline": 2.6, "lossless_mismatches": 0,
-              "per_position_acceptance": [0.8, 0.5, 0.3, 0.1, 0.05, 0.01, 0.0],
-              "tokens_per_s": 30.0, "tokens_per_s_baseline": 20.0, "speedup": 1.5,
-              "settings": {"max_new_tokens": 64, "temperature": 0.0, "num_prompts": 2},
-              "prompts": [{"id": "p0", "tau": 2.5, "prompt": SECRET}, {"id": "p1", "tau": 2.3, "prompt": SECRET}]}
+    acceptance = [0.8, 0.5, 0.3, 0.1, 0.05, 0.01, 0.0]
+    drafter = {"path": "runs/tiny/drafter", "block_size": 8, "num_hidden_layers": 2, "target_layer_ids": [1, 5],
+               "mask_token_id": 484, "num_parameters": 82368}
+    methods = [{"method": "plain (target only)", "drafter": None, "block_size": 1, "tokens_per_target_forward": 1.0,
+                "tokens_per_s": 20.0, "speedup": 1.0},
+               {"method": "tiny/drafter", "drafter": "runs/tiny/drafter", "block_size": 8, "tau": 2.4,
+                "per_position_acceptance": acceptance, "lossless_mismatches": 0, "tokens_per_target_forward": 2.4,
+                "tokens_per_s": 30.0, "speedup": 1.5},
+               {"method": "block size 1", "drafter": "runs/tiny/drafter", "block_size": 1, "tau": 1.0,
+                "lossless_mismatches": 0, "tokens_per_target_forward": 1.0, "tokens_per_s": 18.0, "speedup": 0.9}]
+    report = {"tau": 2.4, "tau_steps": 2.35, "tau_offline": 2.6, "tau_gap": -0.2, "lossless_mismatches": 0,
+              "lossless_checked": 2, "per_position_acceptance": acceptance, "tau_histogram": {"1": 3, "2": 4},
+              "tokens_per_s": 30.0, "tokens_per_s_baseline": 20.0, "speedup": 1.5, "block_size": 8,
+              "methods": methods, "mismatches": [],
+              "offline": {"tau": 2.6, "per_sample": [{"id": "s0", "tau": 2.6}], "num_samples": 1},
+              "per_prompt": [{"id": "p0", "prompt_tokens": 9, "tau": {"tiny/drafter": 2.5}, "prompt": SECRET}],
+              "settings": {"max_new_tokens": 64, "temperature": 0.0, "num_prompts": 2, "prompts": "data/prompts",
+                           "device": "cpu", "dtype": "bf16"},
+              "drafter": drafter, "target": None}
     report.update(overrides)
     (folder / "report.json").write_text(json.dumps(report))
-    (folder / "acceptance.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
+    for name in ("acceptance_by_position.png", "tau_histogram.png"):
+        (folder / name).write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
+    (folder / "provenance.json").write_text(json.dumps({"created": "2026-11-29T12:00:00+0000",
+                                                        "git": {"commit": "abcdef1234567890", "dirty": False}}))
     return folder
 
 
@@ -114,7 +132,7 @@ def test_dry_run_writes_the_card_and_never_touches_the_network(drafter_dir, tmp_
     listener.close()
 
     uploaded = {"README.md", "config.json", "model.safetensors", "dflash.py", "target.json", "training_args.json",
-                "eval/summary.json", "eval/acceptance.png"}
+                "eval/summary.json", "eval/acceptance_by_position.png", "eval/tau_histogram.png"}
     for name in uploaded:
         assert (out / name).is_file() and f"  {name}  " in result.stdout, name
     assert (out / "provenance.json").is_file() and "provenance.json stays local" in result.stdout
@@ -123,7 +141,9 @@ def test_dry_run_writes_the_card_and_never_touches_the_network(drafter_dir, tmp_
     assert SECRET.encode() not in all_text(out)
     assert TOKEN.encode() not in all_text(out)
     summary = json.loads((out / "eval" / "summary.json").read_text())
-    assert summary["tau"] == 2.4 and "prompts" not in summary
+    assert summary["tau"] == 2.4 and summary["methods"][1]["tau"] == 2.4 and summary["offline"]["tau"] == 2.6
+    assert "per_prompt" not in summary and "per_sample" not in summary["offline"]
+    assert "prompts" not in summary["settings"]
 
     card = (out / "README.md").read_text()
     meta = yaml.safe_load(card.split("---\n")[1])
@@ -138,9 +158,13 @@ def test_dry_run_writes_the_card_and_never_touches_the_network(drafter_dir, tmp_
     assert sglang in card and vllm in card
     assert '"num_speculative_tokens": 7' in vllm and "--speculative-num-draft-tokens 8" in sglang
     assert "| Tapped target layers | 1, 5 |" in card and "| Block size B | 8 |" in card
-    assert "| Acceptance length τ, online (real speculative decoding) | 2.4 |" in card
+    assert "| Acceptance length τ, online (real speculative decoding with the target) | 2.4 |" in card
     assert "| 0.8 | 0.5 | 0.3 | 0.1 | 0.05 | 0.01 | 0 |" in card
-    assert "![eval/acceptance.png](eval/acceptance.png)" in card
+    assert "![eval/acceptance_by_position.png](eval/acceptance_by_position.png)" in card
+    assert "| Lossless check | passed: 0 of 2 prompts differ, every output is token-for-token the target's own |" \
+        in card
+    assert "| block size 1 | 1 | 1 | 1 | 18 | 0.9× | 0 |" in card
+    assert "| Evaluated with dflash-train | commit `abcdef123456`, 2026-11-29T12:00:00+0000 |" in card
     assert "| Training samples (prompt + target response) | 2 |" in card
     assert "| Log records read | 120 from 1 file(s) (sharegpt 100, prompt 20) |" in card
     assert "| Unique prompts kept | 40: 38 train, 2 held out for eval (split by hash) |" in card
@@ -171,6 +195,11 @@ def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir
     assert rc == 2 and "online tau 1.100 is below the minimum 1.2 (the training recipe's push.min_tau)" in err
     rc, err = run("--eval-report", str(low), "--min-tau", "1.05")
     assert rc == 0, err
+    rc, err = run("--eval-report", str(write_report(tmp_path / "other", block_size=4)))
+    assert rc == 2 and "measured a different drafter or block size (eval block size 4 vs the drafter's 8)" in err
+    other_target = write_report(tmp_path / "other_target", target={"name": "x", "config_hash": "0" * 64})
+    rc, err = run("--eval-report", str(other_target))
+    assert rc == 2 and "measured another target (x)" in err
     assert not (tmp_path / "out" / "INCOMPLETE").exists()
 
     rc, err = run("--eval-report", str(write_report(tmp_path / "bad2", lossless_mismatches=2)), "--force")
@@ -224,7 +253,8 @@ def test_push_round_trip_through_loopback_hub(drafter_dir, tmp_path):
         assert hub.commit_count(REPO) == 2  # the repo's initial commit + exactly one upload commit
         assert head.title == "Upload DFlash drafter from run tiny-run"
         assert set(head.files) == {".gitattributes", "README.md", "config.json", "model.safetensors", "dflash.py",
-                                   "target.json", "training_args.json", "eval/summary.json", "eval/acceptance.png"}
+                                   "target.json", "training_args.json", "eval/summary.json",
+                                   "eval/acceptance_by_position.png", "eval/tau_histogram.png"}
         weights = (drafter_dir / "model.safetensors").read_bytes()
         assert head.files["model.safetensors"].lfs_sha256 is not None  # went through LFS batch + PUT
         assert any(r["method"] == "PUT" and r["path"] == f"/_lfs/upload/{head.files['model.safetensors'].lfs_sha256}"
