@@ -18,6 +18,7 @@ leaves this module goes through `redact`.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -201,7 +202,15 @@ def data_summary(training_args: dict[str, Any] | None, recipe: dict[str, Any] | 
 # ---- the gate -----------------------------------------------------------------------------------------------
 
 
-def drafter_differences(report: dict[str, Any], config: dict[str, Any]) -> list[str]:
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def drafter_differences(report: dict[str, Any], config: dict[str, Any], drafter_dir: Path) -> list[str]:
     """Where the drafter the report measured (its `drafter` summary, its block size) differs from this one."""
     measured = report.get("drafter") if isinstance(report.get("drafter"), dict) else {}
     mine = {"block_size": config.get("block_size"), "num_hidden_layers": config.get("num_hidden_layers"),
@@ -209,13 +218,18 @@ def drafter_differences(report: dict[str, Any], config: dict[str, Any]) -> list[
             "mask_token_id": config["dflash_config"].get("mask_token_id")}
     differences = [f"{key} {measured[key]} vs {value}" for key, value in mine.items()
                    if measured.get(key) is not None and measured[key] != value]
+    if measured.get("weights_sha256"):
+        weights = drafter_dir / "model.safetensors.index.json"
+        weights = weights if weights.exists() else drafter_dir / "model.safetensors"
+        if file_sha256(weights) != measured["weights_sha256"]:
+            differences.append(f"the weights in {weights} are not the ones evaluated (sha256 differs)")
     if report.get("block_size") not in (None, config.get("block_size")):
         differences.append(f"eval block size {report['block_size']} vs the drafter's {config.get('block_size')}")
     return differences
 
 
 def check_gate(report: dict[str, Any] | None, report_file: Path | None, target: dict[str, Any],
-               config: dict[str, Any], min_tau: float, min_tau_source: str, force: bool) -> Gate:
+               drafter: dict[str, Any], min_tau: float, min_tau_source: str, force: bool) -> Gate:
     reasons = []
     if report is None:
         reasons.append("no eval report (pass --eval-report DIR; run `dflash-train eval` first)")
@@ -231,7 +245,7 @@ def check_gate(report: dict[str, Any] | None, report_file: Path | None, target: 
             reasons.append(f"{report_file} has no online tau")
         elif tau < min_tau:
             reasons.append(f"online tau {tau:.3f} is below the minimum {min_tau:g} ({min_tau_source})")
-        if differences := drafter_differences(report, config):
+        if differences := drafter_differences(report, drafter["config"], drafter["dir"]):
             reasons.append(f"{report_file} measured a different drafter or block size ({'; '.join(differences)})")
         report_target = report.get("target")
         if isinstance(report_target, dict) and report_target.get("config_hash") and target.get("config_hash") \
@@ -414,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
         min_tau, source = value, "the training recipe's push.min_tau"
     else:
         min_tau, source = DEFAULT_MIN_TAU, "dflash-train's default"
-    gate = check_gate(report, report_file, target, drafter["config"], min_tau, source, args.force)
+    gate = check_gate(report, report_file, target, drafter, min_tau, source, args.force)
     if not gate.passed and not args.force:
         raise UserError("refusing to push: " + "; ".join(gate.reasons)
                         + ". Pass --force to push anyway (the card will say the gate was overridden)")

@@ -3,6 +3,7 @@
 Every command that may talk to a Hub runs in a subprocess whose environment points HF_ENDPOINT at the loopback
 server before huggingface_hub is imported (this process may already have imported it through transformers)."""
 
+import hashlib
 import json
 import os
 import socket
@@ -197,6 +198,12 @@ def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir
     assert rc == 0, err
     rc, err = run("--eval-report", str(write_report(tmp_path / "other", block_size=4)))
     assert rc == 2 and "measured a different drafter or block size (eval block size 4 vs the drafter's 8)" in err
+    stale = write_report(tmp_path / "stale", drafter={"block_size": 8, "weights_sha256": "0" * 64})
+    rc, err = run("--eval-report", str(stale))
+    assert rc == 2 and "model.safetensors are not the ones evaluated (sha256 differs)" in err
+    sha = hashlib.sha256((drafter_dir / "model.safetensors").read_bytes()).hexdigest()
+    rc, err = run("--eval-report", str(write_report(tmp_path / "fresh", drafter={"weights_sha256": sha})))
+    assert rc == 0, err
     other_target = write_report(tmp_path / "other_target", target={"name": "x", "config_hash": "0" * 64})
     rc, err = run("--eval-report", str(other_target))
     assert rc == 2 and "measured another target (x)" in err
