@@ -33,13 +33,13 @@ from typing import Any, Callable
 from dflash_train.card import (DEFAULT_LICENSE, CardInputs, Gate, lossless_mismatches, render_card,
                                without_text)
 from dflash_train.errors import UserError
-from dflash_train.provenance import (PROVENANCE_FILE, complete_output, provenance, start_output,
-                                     write_json_atomic, write_provenance)
+from dflash_train.provenance import (INCOMPLETE_MARKER, PROVENANCE_FILE, complete_output, provenance,
+                                     start_output, write_json_atomic, write_provenance)
 
 # A drafter that commits fewer than 1.5 tokens per verification accepts a draft token at most every other step:
 # not worth a release. Recipes set their own bar with push.min_tau; --min-tau overrides both.
 DEFAULT_MIN_TAU = 1.5
-LOCAL_ONLY = [PROVENANCE_FILE, "INCOMPLETE", "*.tmp"]  # written next to the upload, never uploaded
+LOCAL_ONLY = [PROVENANCE_FILE, INCOMPLETE_MARKER, "*.tmp"]  # written next to the upload, never uploaded
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 TRANSIENT_ERRORS = {"TransportError", "TimeoutException", "NetworkError", "ConnectError", "ReadError",
                     "WriteError", "RemoteProtocolError", "ConnectionError", "Timeout", "ReadTimeout"}
@@ -104,6 +104,9 @@ def weight_files(drafter_dir: Path) -> list[Path]:
 def load_drafter_folder(drafter_dir: Path) -> dict[str, Any]:
     if not drafter_dir.is_dir():
         raise UserError(f"drafter folder {drafter_dir} does not exist")
+    if (drafter_dir / INCOMPLETE_MARKER).exists():
+        raise UserError(f"drafter folder {drafter_dir} is marked incomplete: its training run did not finish "
+                        f"writing it (rerun the training command to finish it)")
     config = read_json(drafter_dir / "config.json", "the drafter config written by save_pretrained")
     if "DFlashDraftModel" not in (config.get("architectures") or []):
         raise UserError(f"{drafter_dir / 'config.json'}: architectures is {config.get('architectures')}, "
@@ -148,6 +151,9 @@ def load_report(path: str | None) -> tuple[dict[str, Any] | None, Path | None]:
     report_file = p / "report.json" if p.is_dir() else p
     if not report_file.exists():
         raise UserError(f"eval report {report_file} does not exist (run `dflash-train eval` first)")
+    if (report_file.parent / INCOMPLETE_MARKER).exists():
+        raise UserError(f"eval folder {report_file.parent} is marked incomplete: the eval did not finish "
+                        f"(rerun it)")
     report = read_json(report_file, "the eval report")
     if not isinstance(report, dict):
         raise UserError(f"{report_file}: expected a JSON object")
@@ -298,7 +304,8 @@ def assemble(out: Path, drafter: dict[str, Any], report: dict[str, Any] | None, 
              card: CardInputs) -> list[Path]:
     prepare_out(out)
     for src in sorted(drafter["dir"].iterdir()):
-        if not src.is_file() or src.name in (PROVENANCE_FILE, "INCOMPLETE", "README.md") or src.name.endswith(".tmp"):
+        if not src.is_file() or src.name in (PROVENANCE_FILE, INCOMPLETE_MARKER, "README.md") \
+                or src.name.endswith(".tmp"):
             continue
         if src.name == "training_args.json":  # the ingest report quotes skipped log records: keep the counts only
             write_json_atomic(out / src.name, without_text(drafter["training_args"]))

@@ -219,6 +219,11 @@ def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir
     for f in drafter_dir.iterdir():
         if f.name != "training_args.json":
             (no_recipe / f.name).write_bytes(f.read_bytes())
+    (no_recipe / "INCOMPLETE").write_text("")
+    rc = main(["push", str(no_recipe), "--repo", REPO, "--dry-run", "--out", str(tmp_path / "out2"),
+               "--eval-report", str(write_report(tmp_path / "meh", tau=1.4))])
+    assert rc == 2 and "is marked incomplete: its training run did not finish" in capsys.readouterr().err
+    (no_recipe / "INCOMPLETE").unlink()
     rc = main(["push", str(no_recipe), "--repo", REPO, "--dry-run", "--out", str(tmp_path / "out2"),
                "--eval-report", str(write_report(tmp_path / "meh", tau=1.4))])
     assert rc == 2 and "below the minimum 1.5 (dflash-train's default)" in capsys.readouterr().err
