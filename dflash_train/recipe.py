@@ -70,6 +70,7 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     deepspeed: str | None = "recipes/deepspeed/zero2.json"  # None = plain DDP
     max_bad_steps: int = 5  # this many non-finite losses in a row abort the run
+    cpu_threads: int | None = None  # CPU only: threads per process; None = the machine's cores / local processes
 
 
 @dataclass
@@ -232,6 +233,11 @@ def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # PyYAML reads 6e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise bad()
     if tp is str:
         if isinstance(value, str):
@@ -272,6 +278,7 @@ def check_recipe(recipe: Recipe, source: str) -> None:
     need(recipe.train.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
     need(recipe.train.grad_accum_steps >= 1, "train.grad_accum_steps", "must be >= 1")
     need(recipe.train.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
+    need(recipe.train.cpu_threads is None or recipe.train.cpu_threads >= 1, "train.cpu_threads", "must be >= 1")
     need(recipe.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
     need(recipe.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     need(recipe.eval.every >= 0, "eval.every", "must be >= 0")
