@@ -53,7 +53,7 @@ class EvalConfig:
     baseline_drafters: list[str] = field(default_factory=list)
     store: str | None = None
     template_kwargs: dict[str, Any] | None = None  # None: the store's (as captured), else none
-    dtype: str = "bf16"
+    dtype: str = "auto"  # auto: fp32 on CPU (exact lossless check, about as fast there), bf16 on CUDA
     device: str | None = None
     threads: int | None = None
     warmup: bool = True
@@ -195,21 +195,39 @@ def _run_one(method: Method, target: Target, ids: list[int], max_new_tokens: int
 
 @torch.inference_mode()
 def diagnose_mismatch(target: Target, ids: list[int], plain: list[int], spec: list[int]) -> dict[str, Any]:
-    """Where a speculative output left the plain one: the position, both tokens, the plain step's top-2 logit
-    margin there, and whether a teacher-forced forward over the plain prefix (the way a verification computes
-    it) picks a different token than plain decoding did, i.e. plain decoding itself is not batch-invariant at
-    that position in this dtype (a near-tie broken by rounding, not a decoding bug)."""
+    """Where a speculative output left the plain one: the position, both tokens, and the target's top-2 logit
+    margin there (from a forward over the prompt and the common prefix): a margin of a rounding step means a
+    near-tie that the block verification and the one-token decode round differently."""
     i = next((k for k, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
     info: dict[str, Any] = {"index": i, "plain_token": plain[i] if i < len(plain) else None,
                             "spec_token": spec[i] if i < len(spec) else None}
     if i < len(plain) and i < len(spec):
         full = torch.tensor([ids + plain[:i]], device=target.model.device)
-        logits = target.model(input_ids=full).logits[0, -1].float()
-        top = logits.topk(2)
+        top = target.model(input_ids=full).logits[0, -1].float().topk(2)
         info["top2_margin"] = float(top.values[0] - top.values[1])
-        info["teacher_forced_token"] = int(top.indices[0])
-        info["plain_decoding_disagrees_with_itself"] = int(top.indices[0]) != plain[i]
     return info
+
+
+def recheck_in_fp32(cfg: EvalConfig, device: str, methods: list["Method"], mismatches: list[dict[str, Any]],
+                    prompts: dict[str, list[int]], plain_outputs: dict[str, list[int]]) -> None:
+    """Rerun every mismatching prompt in fp32, plain and speculative. Records whether they agree there (the
+    loop is exact; the low-precision mismatch was rounding) and whether low-precision plain decoding itself
+    departs from fp32 plain decoding (it is rounding-dependent too, without any speculation)."""
+    target = load_target(cfg.target, dtype=torch.float32, device=device)
+    by_name = {m.name: m for m in methods}
+    proposers: dict[str, Any] = {}
+    for d in mismatches:
+        m = by_name[d["method"]]
+        if d["method"] not in proposers:
+            proposers[d["method"]] = NoDraft() if m.drafter_path is None else \
+                _load_proposer(m.drafter_path, target, cfg.block_size, torch.float32)
+        ids, stop = prompts[d["id"]], target.stop_token_ids()
+        chooser = TokenChooser(cfg.temperature, _prompt_seed(cfg.seed, d["id"]))
+        plain = plain_generate(target.model, ids, cfg.max_new_tokens, stop, chooser).tokens
+        spec = speculative_generate(target.model, ids, proposers[d["method"]], cfg.max_new_tokens, stop,
+                                    chooser).tokens
+        d["fp32_spec_equals_plain"] = spec == plain
+        d["plain_equals_fp32_plain"] = plain_outputs[d["id"]] == plain
 
 
 def evaluate(cfg: EvalConfig) -> dict[str, Any]:
@@ -219,8 +237,8 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if cfg.dtype not in DTYPES:
-        raise UserError(f"--dtype {cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    if cfg.dtype not in (*DTYPES, "auto"):
+        raise UserError(f"--dtype {cfg.dtype!r} is not one of auto, {', '.join(DTYPES)}")
     if cfg.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.temperature < 0:
@@ -231,8 +249,9 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     records, _ = load_prompts(cfg.prompts, cfg.split, cfg.limit)
     if not records:
         raise UserError(f"no prompts in {cfg.prompts} (split {cfg.split!r}): nothing to evaluate")
-    dtype = DTYPES[cfg.dtype]
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_name = cfg.dtype if cfg.dtype != "auto" else ("fp32" if torch.device(device).type == "cpu" else "bf16")
+    dtype = DTYPES[dtype_name]
     target = load_target(cfg.target, dtype=dtype, device=device)
 
     main = _load_proposer(cfg.drafter, target, cfg.block_size, dtype)
@@ -260,7 +279,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         for m in methods:
             _run_one(m, target, prompts[0][1], min(8, cfg.max_new_tokens), TokenChooser(cfg.temperature, cfg.seed))
 
-    per_prompt, mismatch_details = [], []
+    per_prompt, mismatch_details, plain_of_mismatching = [], [], {}
     bar = tqdm(prompts, desc="eval", unit="prompt")
     for rid, ids in bar:
         chooser = TokenChooser(cfg.temperature, _prompt_seed(cfg.seed, rid))
@@ -276,10 +295,16 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
                 row["mismatch"].append(m.name)
                 mismatch_details.append({"id": rid, "method": m.name,
                                          **diagnose_mismatch(target, ids, plain, outputs[m.name].tokens)})
+                plain_of_mismatching[rid] = plain
         per_prompt.append(row)
         done = [r["tau"][methods[1].name] for r in per_prompt if r["tau"][methods[1].name] is not None]
         bar.set_postfix(tau=f"{sum(done) / len(done):.2f}" if done else "-")
 
+    fp32_mismatches = None
+    if mismatch_details and dtype != torch.float32:
+        recheck_in_fp32(cfg, device, methods, mismatch_details, dict(prompts), plain_of_mismatching)
+        fp32_mismatches = sum(not d["fp32_spec_equals_plain"] for d in mismatch_details
+                              if d["method"] == methods[1].name)
     plain_tps = _tokens_per_s(methods[0].generations)
     table = []
     for m in methods:
@@ -292,6 +317,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         row["tokens_per_target_forward"] = tokens / forwards if forwards else math.nan
         row["decode_tokens"] = tokens
         row["decode_s"] = sum(g.decode_s for g in m.generations)
+        row["draft_s"] = sum(g.draft_s for g in m.generations)
         row["tokens_per_s"] = _tokens_per_s(m.generations)
         row["speedup"] = row["tokens_per_s"] / plain_tps if plain_tps else math.nan
         table.append(row)
@@ -304,6 +330,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         "tau_gap": None,
         "lossless_mismatches": mine["lossless_mismatches"],
         "lossless_checked": len(per_prompt),
+        "lossless_mismatches_fp32": fp32_mismatches,  # of those, still different when rerun in fp32
         "per_position_acceptance": mine["per_position_acceptance"],
         "tau_histogram": mine["tau_histogram"],
         "tokens_per_s": mine["tokens_per_s"],
@@ -314,7 +341,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         "mismatches": mismatch_details,
         "offline": None,
         "per_prompt": per_prompt,
-        "settings": {**asdict(cfg), "template_kwargs": template_kwargs, "device": str(device),
+        "settings": {**asdict(cfg), "template_kwargs": template_kwargs, "device": str(device), "dtype": dtype_name,
                      "block_size": B, "num_prompts": len(prompts), "threads": torch.get_num_threads(),
                      "sampling": "greedy" if cfg.temperature == 0 else
                      f"temperature {cfg.temperature}, Gumbel-max noise keyed on (seed, prompt id, position)"},
@@ -335,6 +362,14 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     return report
 
 
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _label(path: str) -> str:
     """runs/smollm2-demo/drafter -> smollm2-demo/drafter: short, and tells drafters of different runs apart."""
     parts = Path(path).resolve().parts
@@ -351,6 +386,7 @@ def _drafter_summary(path: str, proposer: DFlashProposer) -> dict[str, Any]:
     return {"path": str(path), "block_size": cfg.block_size, "num_hidden_layers": cfg.num_hidden_layers,
             "target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id,
             "num_parameters": sum(p.numel() for p in proposer.drafter.parameters()),
+            "weights_sha256": _sha256_file(Path(path) / "model.safetensors"),
             "made_for_target": (cfg.target or {}).get("name")}
 
 
@@ -369,12 +405,13 @@ def markdown(report: dict[str, Any]) -> str:
              f"new tokens, {s['sampling']}, {s['dtype']} on {s['device']} ({s['threads']} threads), "
              f"block size {report['block_size']}.", "",
              "| method | block | tau (mean over prompts) | tau (all steps) | tokens/target forward | tokens/s | "
-             "speedup | lossless mismatches |",
-             "|---|---|---|---|---|---|---|---|"]
+             "speedup | drafting share of decode time | lossless mismatches |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in report["methods"]:
         lines.append(f"| {row['method']} | {row['block_size']} | {_fmt(row.get('tau'))} | "
                      f"{_fmt(row.get('tau_steps'))} | {_fmt(row['tokens_per_target_forward'])} | "
                      f"{_fmt(row['tokens_per_s'], 1)} | {_fmt(row['speedup'])}x | "
+                     f"{_fmt(row['draft_s'] / row['decode_s'] if row['decode_s'] and row['draft_s'] else None)} | "
                      f"{row.get('lossless_mismatches', '-')} |")
     lines.append("")
     if report["offline"]:
@@ -386,9 +423,19 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append(f"Lossless check: {mismatches} of {report['lossless_checked']} prompts differ from plain decoding "
                  f"for the drafter.")
     for d in report["mismatches"]:
-        lines.append(f"- {d['id']} ({d['method']}): token {d['index']}: plain {d['plain_token']}, speculative "
-                     f"{d['spec_token']}, plain top-2 margin {_fmt(d.get('top2_margin'), 4)}, plain decoding "
-                     f"disagrees with a teacher-forced forward: {d.get('plain_decoding_disagrees_with_itself')}")
+        line = (f"- {d['id']} ({d['method']}): first difference at new token {d['index']}: plain "
+                f"{d['plain_token']}, speculative {d['spec_token']}, top-2 logit margin {_fmt(d.get('top2_margin'), 4)}")
+        if "fp32_spec_equals_plain" in d:
+            line += (f"; rerun in fp32: speculative {'equals' if d['fp32_spec_equals_plain'] else 'differs from'} "
+                     f"plain; {s['dtype']} plain decoding {'equals' if d['plain_equals_fp32_plain'] else 'differs from'}"
+                     f" fp32 plain decoding")
+        lines.append(line)
+    if report.get("lossless_mismatches_fp32") == 0:
+        lines.append(f"Rerun in fp32, all of these prompts match: the {s['dtype']} differences are near-ties that "
+                     f"the block verification and the one-token decode round differently, not a decoding error.")
+    elif report.get("lossless_mismatches_fp32"):
+        lines.append(f"Rerun in fp32, {report['lossless_mismatches_fp32']} of these prompts still differ: "
+                     f"a decoding error, not rounding.")
     drafters = [r for r in report["methods"] if r["block_size"] > 1]
     lines += ["", "Acceptance by block position (share of steps accepting at least k drafts):", "",
               "| k | " + " | ".join(r["method"] for r in drafters) + (" | offline |" if report["offline"] else " |"),
@@ -489,7 +536,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default=None, help="a capture store of held-out samples for the offline estimate")
     p.add_argument("--template-kwargs", type=_json_object, default=None,
                    help='chat template options as JSON (default: the store\'s, else none)')
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="target and drafter compute dtype")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="target and drafter compute dtype (auto: fp32 on CPU, bf16 on CUDA); in bf16, prompts that "
+                        "differ from plain decoding are rerun in fp32 to tell rounding from errors")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up run")

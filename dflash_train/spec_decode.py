@@ -46,6 +46,7 @@ class Generation:
     steps: list[Step] = field(default_factory=list)  # empty for plain decoding
     prefill_s: float = 0.0  # prompt forward, including the first token
     decode_s: float = 0.0  # everything after the first token: drafting, verification, bookkeeping
+    draft_s: float = 0.0  # the part of decode_s spent in the proposer
     stopped: bool = False  # ended on a stop token (else on the length limit)
 
     @property
@@ -191,10 +192,13 @@ def speculative_generate(model, prompt_ids: list[int], proposer: Proposer, max_n
     proposer.begin(ids, tapped)
     t1 = _clock(device)
     steps: list[Step] = []
+    draft_s = 0.0
     ids = torch.cat([ids, torch.tensor(tokens, dtype=torch.long, device=device)])
     while tokens[-1] not in stop and len(tokens) < max_new_tokens:
         anchor = len(ids) - 1  # position of the last committed token, not yet in the target's cache
+        started = _clock(device)
         drafts = [int(t) for t in proposer.propose(ids)]
+        draft_s += _clock(device) - started
         if len(drafts) != block_size - 1:
             raise RuntimeError(f"proposer returned {len(drafts)} drafts for block size {block_size}")
         logits, tapped = target_forward(model, [int(ids[-1])] + drafts, cache, anchor, layers)
@@ -213,7 +217,7 @@ def speculative_generate(model, prompt_ids: list[int], proposer: Proposer, max_n
         crop_cache(cache, anchor + accepted + 1)
         proposer.advance(None if tapped is None else tapped[: accepted + 1])
     return Generation(tokens=tokens, steps=steps, prefill_s=t1 - t0, decode_s=_clock(device) - t1,
-                      stopped=tokens[-1] in stop)
+                      draft_s=draft_s, stopped=tokens[-1] in stop)
 
 
 class DFlashProposer:

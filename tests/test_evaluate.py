@@ -231,3 +231,24 @@ def test_empty_prompt_set_is_refused(varied_target_dir, drafters, tmp_path, caps
                   "--out", tmp_path / "eval")
     err = capsys.readouterr().err
     assert rc == 2 and "no prompts" in err and str(empty) in err, err
+
+
+def test_mismatch_diagnosis_and_fp32_recheck(varied_target, varied_target_dir, drafters):
+    """The path a bf16 tie takes: where the outputs part, the margin there, and the fp32 rerun of both."""
+    from dflash_train.evaluate import (NO_SPECULATION, PLAIN, EvalConfig, Method, _load_proposer,
+                                       diagnose_mismatch, recheck_in_fp32)
+    from dflash_train.spec_decode import NoDraft, plain_generate
+
+    ids = prompt_ids(varied_target, PROMPTS[0])
+    plain = plain_generate(varied_target.model, ids, 12, []).tokens
+    broken = plain[:5] + [(plain[5] + 1) % 1024] + plain[6:]
+    info = diagnose_mismatch(varied_target, ids, plain, broken)
+    assert info["index"] == 5 and info["plain_token"] == plain[5] and info["spec_token"] == broken[5]
+    assert info["top2_margin"] > 0
+    cfg = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", target=str(varied_target_dir), max_new_tokens=12)
+    methods = [Method(PLAIN, None), Method("drafter", _load_proposer(cfg.drafter, varied_target, None, torch.float32),
+                                          cfg.drafter, 4), Method(NO_SPECULATION, NoDraft())]
+    details = [{"id": "p", "method": "drafter", **info}, {"id": "p", "method": NO_SPECULATION, **info}]
+    recheck_in_fp32(cfg, "cpu", methods, details, {"p": ids}, {"p": broken})
+    for d in details:
+        assert d["fp32_spec_equals_plain"] is True and d["plain_equals_fp32_plain"] is False
