@@ -96,10 +96,16 @@ class LoggingConfig:
 
 
 @dataclass
+class PushConfig:
+    min_tau: float | None = None  # `dflash-train push` refuses an eval report below this acceptance length
+
+
+@dataclass
 class Recipe:
     name: str = "run"
     output_dir: str = "runs/run"
     seed: int = 0
+    license: str | None = None  # Hub license id for the model card (apache-2.0, mit, other, ...)
     data: DataConfig = field(default_factory=DataConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
@@ -108,6 +114,7 @@ class Recipe:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    push: PushConfig = field(default_factory=PushConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
