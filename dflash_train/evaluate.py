@@ -230,9 +230,68 @@ def recheck_in_fp32(cfg: EvalConfig, device: str, methods: list["Method"], misma
         d["plain_equals_fp32_plain"] = plain_outputs[d["id"]] == plain
 
 
-def evaluate(cfg: EvalConfig) -> dict[str, Any]:
+def load_methods(cfg: EvalConfig, target: Target, dtype: torch.dtype) -> list[Method]:
+    """The rows of the table, in order: plain decoding, the drafter, the baseline drafters, block size 1."""
+    main = _load_proposer(cfg.drafter, target, cfg.block_size, dtype)
+    methods = [Method(PLAIN, None), Method(f"drafter {_label(cfg.drafter)}", main, cfg.drafter, main.block_size)]
+    for path in cfg.baseline_drafters:
+        p = _load_proposer(path, target, cfg.block_size, dtype)
+        methods.append(Method(f"baseline {_label(path)}", p, path, p.block_size))
+    methods.append(Method(NO_SPECULATION, NoDraft()))
+    return methods
+
+
+def decode_all(methods: list[Method], target: Target, prompts: dict[str, list[int]], cfg: EvalConfig):
+    """Every method on every prompt, prompt by prompt (so that load changes on the machine hit all methods
+    alike), each speculative output compared with the plain one. Returns the per-prompt rows, the mismatch
+    details and the plain outputs of the mismatching prompts."""
     from tqdm import tqdm
 
+    if cfg.warmup:  # first calls pay one-off costs (allocator, kernels): keep them out of the timings
+        first = next(iter(prompts.values()))
+        for m in methods:
+            _run_one(m, target, first, min(8, cfg.max_new_tokens), TokenChooser(cfg.temperature, cfg.seed))
+    per_prompt, mismatches, plain_of_mismatching = [], [], {}
+    mine = methods[1].name
+    bar = tqdm(prompts.items(), desc="eval", unit="prompt")
+    for rid, ids in bar:
+        chooser = TokenChooser(cfg.temperature, _prompt_seed(cfg.seed, rid))
+        outputs = {m.name: _run_one(m, target, ids, cfg.max_new_tokens, chooser) for m in methods}
+        for m in methods:
+            m.generations.append(outputs[m.name])
+        plain = outputs[PLAIN].tokens
+        row = {"id": rid, "prompt_tokens": len(ids), "new_tokens": len(plain), "tau": {}, "mismatch": []}
+        for m in methods[1:]:
+            steps = outputs[m.name].steps
+            row["tau"][m.name] = sum(s.tau for s in steps) / len(steps) if steps else None
+            if outputs[m.name].tokens != plain:
+                row["mismatch"].append(m.name)
+                mismatches.append({"id": rid, "method": m.name,
+                                   **diagnose_mismatch(target, ids, plain, outputs[m.name].tokens)})
+                plain_of_mismatching[rid] = plain
+        per_prompt.append(row)
+        done = [r["tau"][mine] for r in per_prompt if r["tau"][mine] is not None]
+        bar.set_postfix(tau=f"{sum(done) / len(done):.2f}" if done else "-")
+    return per_prompt, mismatches, plain_of_mismatching
+
+
+def method_row(m: Method, per_prompt: list[dict[str, Any]], plain_tps: float) -> dict[str, Any]:
+    row: dict[str, Any] = {"method": m.name, "drafter": m.drafter_path, "block_size": m.block_size}
+    if m.proposer is not None:
+        row.update(acceptance_stats([g.steps for g in m.generations], m.block_size))
+        row["lossless_mismatches"] = sum(m.name in r["mismatch"] for r in per_prompt)
+    tokens = sum(g.decode_tokens for g in m.generations)
+    forwards = sum(len(g.steps) if m.proposer is not None else g.decode_tokens for g in m.generations)
+    row["tokens_per_target_forward"] = tokens / forwards if forwards else math.nan
+    row["decode_tokens"] = tokens
+    row["decode_s"] = sum(g.decode_s for g in m.generations)
+    row["draft_s"] = sum(g.draft_s for g in m.generations)
+    row["tokens_per_s"] = _tokens_per_s(m.generations)
+    row["speedup"] = row["tokens_per_s"] / plain_tps if plain_tps else math.nan
+    return row
+
+
+def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     from dflash_train.capture import load_prompts
 
     if cfg.threads:
@@ -253,74 +312,28 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     dtype_name = cfg.dtype if cfg.dtype != "auto" else ("fp32" if torch.device(device).type == "cpu" else "bf16")
     dtype = DTYPES[dtype_name]
     target = load_target(cfg.target, dtype=dtype, device=device)
+    methods = load_methods(cfg, target, dtype)
+    main, B = methods[1].proposer, methods[1].block_size
 
-    main = _load_proposer(cfg.drafter, target, cfg.block_size, dtype)
-    B = main.block_size
-    methods = [Method(PLAIN, None), Method(f"drafter {_label(cfg.drafter)}", main, cfg.drafter, B)]
-    for path in cfg.baseline_drafters:
-        p = _load_proposer(path, target, cfg.block_size, dtype)
-        methods.append(Method(f"baseline {_label(path)}", p, path, p.block_size))
-    methods.append(Method(NO_SPECULATION, NoDraft()))
-
-    store, manifest = None, None
-    template_kwargs = cfg.template_kwargs
+    store, template_kwargs = None, cfg.template_kwargs
     if cfg.store:
         from dflash_train.store import open_store
 
         store = open_store(cfg.store)
-        manifest = store.manifest
-        check_store_fits(manifest, main.drafter, target, cfg.store)
+        check_store_fits(store.manifest, main.drafter, target, cfg.store)
         if template_kwargs is None:
-            template_kwargs = (manifest.get("generation") or {}).get("template_kwargs") or {}
+            template_kwargs = (store.manifest.get("generation") or {}).get("template_kwargs") or {}
     template_kwargs = template_kwargs or {}
 
-    prompts = [(r.id, target.render(r.messages, **template_kwargs)) for r in records]
-    if cfg.warmup:  # first calls pay one-off costs (allocator, kernels): keep them out of the timings
-        for m in methods:
-            _run_one(m, target, prompts[0][1], min(8, cfg.max_new_tokens), TokenChooser(cfg.temperature, cfg.seed))
-
-    per_prompt, mismatch_details, plain_of_mismatching = [], [], {}
-    bar = tqdm(prompts, desc="eval", unit="prompt")
-    for rid, ids in bar:
-        chooser = TokenChooser(cfg.temperature, _prompt_seed(cfg.seed, rid))
-        outputs = {m.name: _run_one(m, target, ids, cfg.max_new_tokens, chooser) for m in methods}
-        for m in methods:
-            m.generations.append(outputs[m.name])
-        plain = outputs[PLAIN].tokens
-        row = {"id": rid, "prompt_tokens": len(ids), "new_tokens": len(plain), "tau": {}, "mismatch": []}
-        for m in methods[1:]:
-            steps = outputs[m.name].steps
-            row["tau"][m.name] = sum(s.tau for s in steps) / len(steps) if steps else None
-            if outputs[m.name].tokens != plain:
-                row["mismatch"].append(m.name)
-                mismatch_details.append({"id": rid, "method": m.name,
-                                         **diagnose_mismatch(target, ids, plain, outputs[m.name].tokens)})
-                plain_of_mismatching[rid] = plain
-        per_prompt.append(row)
-        done = [r["tau"][methods[1].name] for r in per_prompt if r["tau"][methods[1].name] is not None]
-        bar.set_postfix(tau=f"{sum(done) / len(done):.2f}" if done else "-")
-
+    prompts = {r.id: target.render(r.messages, **template_kwargs) for r in records}
+    per_prompt, mismatch_details, plain_of_mismatching = decode_all(methods, target, prompts, cfg)
     fp32_mismatches = None
     if mismatch_details and dtype != torch.float32:
-        recheck_in_fp32(cfg, device, methods, mismatch_details, dict(prompts), plain_of_mismatching)
+        recheck_in_fp32(cfg, device, methods, mismatch_details, prompts, plain_of_mismatching)
         fp32_mismatches = sum(not d["fp32_spec_equals_plain"] for d in mismatch_details
                               if d["method"] == methods[1].name)
     plain_tps = _tokens_per_s(methods[0].generations)
-    table = []
-    for m in methods:
-        row = {"method": m.name, "drafter": m.drafter_path, "block_size": m.block_size}
-        if m.proposer is not None:
-            row.update(acceptance_stats([g.steps for g in m.generations], m.block_size))
-            row["lossless_mismatches"] = sum(m.name in r["mismatch"] for r in per_prompt)
-        tokens = sum(g.decode_tokens for g in m.generations)
-        forwards = sum(len(g.steps) if m.proposer is not None else g.decode_tokens for g in m.generations)
-        row["tokens_per_target_forward"] = tokens / forwards if forwards else math.nan
-        row["decode_tokens"] = tokens
-        row["decode_s"] = sum(g.decode_s for g in m.generations)
-        row["draft_s"] = sum(g.draft_s for g in m.generations)
-        row["tokens_per_s"] = _tokens_per_s(m.generations)
-        row["speedup"] = row["tokens_per_s"] / plain_tps if plain_tps else math.nan
-        table.append(row)
+    table = [method_row(m, per_prompt, plain_tps) for m in methods]
 
     mine = table[1]
     report: dict[str, Any] = {
@@ -341,8 +354,9 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         "mismatches": mismatch_details,
         "offline": None,
         "per_prompt": per_prompt,
-        "settings": {**asdict(cfg), "template_kwargs": template_kwargs, "device": str(device), "dtype": dtype_name,
-                     "block_size": B, "num_prompts": len(prompts), "threads": torch.get_num_threads(),
+        "settings": {**asdict(cfg), "template_kwargs": template_kwargs, "device": str(device),
+                     "dtype": dtype_name, "block_size": B, "num_prompts": len(prompts),
+                     "threads": torch.get_num_threads(),
                      "sampling": "greedy" if cfg.temperature == 0 else
                      f"temperature {cfg.temperature}, Gumbel-max noise keyed on (seed, prompt id, position)"},
         "drafter": _drafter_summary(cfg.drafter, main),
@@ -353,9 +367,10 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         n = len(store) if cfg.limit is None else min(cfg.limit, len(store))
         head = target.model.lm_head.weight if hasattr(target.model, "lm_head") else \
             target.model.get_output_embeddings().weight
-        offline = offline_estimate([store[i] for i in range(n)], main.drafter,
+        offline = offline_estimate((store[i] for i in range(n)), main.drafter,
                                    target.model.get_input_embeddings().weight, head, B)
         offline["store"] = str(cfg.store)
+        offline["samples_of_eval_prompts"] = sum(r["id"] in prompts for r in offline["per_sample"])
         report["offline"] = offline
         report["tau_offline"] = offline["tau"]
         report["tau_gap"] = report["tau"] - offline["tau"]
@@ -416,8 +431,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append("")
     if report["offline"]:
         o = report["offline"]
-        lines += [f"Offline estimate (`{o['store']}`, {o['num_samples']} samples, {o['num_anchors']} anchors, no "
-                  f"target forward): tau {_fmt(o['tau'])} (all anchors {_fmt(o['tau_steps'])}); online - offline = "
+        lines += [f"Offline estimate (`{o['store']}`, {o['num_samples']} samples, {o['samples_of_eval_prompts']} "
+                  f"of them of the prompts above; {o['num_anchors']} anchors, no target forward): tau "
+                  f"{_fmt(o['tau'])} (all anchors {_fmt(o['tau_steps'])}); online - offline = "
                   f"{_fmt(report['tau_gap'])}.", ""]
     mismatches = report["lossless_mismatches"]
     lines.append(f"Lossless check: {mismatches} of {report['lossless_checked']} prompts differ from plain decoding "

@@ -179,6 +179,7 @@ def test_eval_command_writes_the_report(varied_target, varied_target_dir, drafte
     assert report["lossless_mismatches"] == 0 and report["mismatches"] == []
     assert 1 <= report["tau"] <= 4 and len(report["per_position_acceptance"]) == 3
     assert 1 <= report["tau_offline"] <= 4 and report["offline"]["num_samples"] == n
+    assert report["offline"]["samples_of_eval_prompts"] == n  # the store holds the same held-out prompts
     assert report["tau_gap"] == pytest.approx(report["tau"] - report["tau_offline"])
     assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["tokens_per_s_baseline"])
     assert report["target"]["config_hash"] == varied_target.identity()["config_hash"]
