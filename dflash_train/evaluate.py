@@ -203,7 +203,7 @@ def diagnose_mismatch(target: Target, ids: list[int], plain: list[int], spec: li
                             "spec_token": spec[i] if i < len(spec) else None}
     if i < len(plain) and i < len(spec):
         full = torch.tensor([ids + plain[:i]], device=target.model.device)
-        top = target.model(input_ids=full).logits[0, -1].float().topk(2)
+        top = target.model(input_ids=full, logits_to_keep=1).logits[0, -1].float().topk(2)
         info["top2_margin"] = float(top.values[0] - top.values[1])
     return info
 

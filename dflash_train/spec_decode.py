@@ -133,15 +133,16 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-def target_forward(model, ids: list[int] | torch.Tensor, cache, start: int,
-                   layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the target on `ids` at positions start.. with its KV cache. Returns logits [n, V] and the tapped
+def target_forward(model, ids: list[int] | torch.Tensor, cache, start: int, layer_ids: list[int],
+                   last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the target on `ids` at positions start.. with its KV cache. Returns logits [n, V] (or [1, V] for
+    the last position only: a prefill needs no more, and a long prompt's full logits are large) and the tapped
     states [n, len(layer_ids) * H] (outputs of those decoder layers, HF hidden_states[i + 1]) or None."""
     device = model.device
     ids = torch.as_tensor(ids, dtype=torch.long, device=device).view(1, -1)
     positions = torch.arange(start, start + ids.shape[1], device=device).view(1, -1)
     out = model(input_ids=ids, position_ids=positions, use_cache=True, output_hidden_states=bool(layer_ids),
-                **{_cache_kwarg(type(model)): cache})
+                logits_to_keep=1 if last_logits_only else 0, **{_cache_kwarg(type(model)): cache})
     tapped = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1) if layer_ids else None
     return out.logits[0], tapped
 
@@ -166,8 +167,8 @@ def plain_generate(model, prompt_ids: list[int], max_new_tokens: int, stop_ids: 
     stop = set(stop_ids)
     cache, n = new_cache(model), len(prompt_ids)
     t0 = _clock(model.device)
-    logits, _ = target_forward(model, prompt_ids, cache, 0, [])
-    tokens = chooser(logits[-1:], [n])
+    logits, _ = target_forward(model, prompt_ids, cache, 0, [], last_logits_only=True)
+    tokens = chooser(logits, [n])
     t1 = _clock(model.device)
     while tokens[-1] not in stop and len(tokens) < max_new_tokens:
         logits, _ = target_forward(model, tokens[-1:], cache, n + len(tokens) - 1, [])
@@ -187,8 +188,8 @@ def speculative_generate(model, prompt_ids: list[int], proposer: Proposer, max_n
     cache, n = new_cache(model), len(prompt_ids)
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     t0 = _clock(device)
-    logits, tapped = target_forward(model, ids, cache, 0, layers)
-    tokens = chooser(logits[-1:], [n])
+    logits, tapped = target_forward(model, ids, cache, 0, layers, last_logits_only=True)
+    tokens = chooser(logits, [n])
     proposer.begin(ids, tapped)
     t1 = _clock(device)
     steps: list[Step] = []
