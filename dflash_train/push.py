@@ -244,8 +244,9 @@ def check_gate(report: dict[str, Any] | None, report_file: Path | None, target: 
         if mismatches is None:
             reasons.append(f"{report_file} has no lossless_mismatches count: the lossless check did not run")
         elif mismatches > 0:
+            fp32 = " (still, when rerun in fp32)" if report.get("lossless_mismatches_fp32") else ""
             reasons.append(f"the lossless check failed: {mismatches} outputs in {report_file} differ from the "
-                           f"target's own decoding")
+                           f"target's own decoding{fp32}")
         tau = report.get("tau")
         if not isinstance(tau, (int, float)) or isinstance(tau, bool):
             reasons.append(f"{report_file} has no online tau")

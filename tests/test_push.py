@@ -189,6 +189,13 @@ def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir
     assert not (tmp_path / "out").exists()
     rc, err = run("--eval-report", str(write_report(tmp_path / "bad", lossless_mismatches=3)))
     assert rc == 2 and "lossless check failed: 3 outputs" in err
+    rc, err = run("--eval-report", str(write_report(tmp_path / "bf16_still", lossless_mismatches=2,
+                                                    lossless_mismatches_fp32=1)))
+    assert rc == 2 and "lossless check failed: 1 outputs" in err and "(still, when rerun in fp32)" in err
+    rc, err = run("--eval-report", str(write_report(tmp_path / "bf16_ties", lossless_mismatches=2,
+                                                    lossless_mismatches_fp32=0)))
+    assert rc == 0, err
+    assert "2 of 2 prompts differed in bf16 by rounding near-ties" in (tmp_path / "out" / "README.md").read_text()
     rc, err = run("--eval-report", str(write_report(tmp_path / "no_check", lossless_mismatches=None)))
     assert rc == 2 and "lossless check did not run" in err
     low = write_report(tmp_path / "low", tau=1.1)
