@@ -183,12 +183,13 @@ def flex_block_mask(blocks: Blocks, seq_len: int):
 
 
 class BlockwiseAttention:
-    """Attention for all blocks without a dense [N*B, S+N*B] mask: each block attends to the context up to the
-    furthest anchor plus its own B slots, as one batched SDPA call over b*N blocks.
+    """Attention for all blocks without a dense [N*B, S+N*B] mask (the CPU path).
 
-    The drafter calls it in place of SDPA (`attention_mask=BlockwiseAttention(...)`), with q [b, h, Q, d] and
-    k, v [b, kv_heads, S+Q, d] (after k_norm and RoPE). It computes the same function as the dense mask while
-    touching N*B*(L+B) scores instead of N*B*(S+N*B), where L is the furthest anchor."""
+    Each query sees two key sets: the context up to the furthest anchor L (masked to its own window
+    [ctx_start_j, a_j)) and its own block's B slots. Their scores go into one softmax (the same as combining two
+    attentions by log-sum-exp), so it touches N*B*(L+B) scores instead of N*B*(S+N*B), with plain matmuls whose
+    backward is cheaper on CPU than SDPA's. Query heads are grouped by their key/value head (GQA) instead of
+    repeating K and V. The drafter calls it in place of SDPA: q [b, h, Q, d], k, v [b, kv_heads, S+Q, d]."""
 
     def __init__(self, blocks: Blocks, seq_len: int):
         self.blocks = blocks
@@ -198,29 +199,52 @@ class BlockwiseAttention:
         ctx = torch.arange(self.ctx_len, device=blocks.anchors.device)
         sees_ctx = (ctx >= blocks.ctx_start[:, :, None]) & (ctx < blocks.anchors[:, :, None])  # [b, N, L]
         sees_blk = torch.ones(b, n, blocks.block_size, dtype=torch.bool, device=ctx.device)
-        self.mask = torch.cat([sees_ctx, sees_blk], dim=2).view(b * n, 1, 1, -1)  # [b*N, 1, 1, L+B]
+        self.visible = torch.cat([sees_ctx, sees_blk], dim=2)[:, None, None, :, None, :]  # [b, 1, 1, N, 1, L+B]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         b, h, q_len, d = q.shape
-        n, B, S, L = self.blocks.num_blocks, self.blocks.block_size, self.seq_len, self.ctx_len
         hkv = k.shape[1]
+        rep = h // hkv
+        n, B, S, L = self.blocks.num_blocks, self.blocks.block_size, self.seq_len, self.ctx_len
+        scale = d ** -0.5 if scale is None else scale
+        q = q.reshape(b, hkv, rep * q_len, d)  # head i uses kv head i // rep
+        k_ctx, v_ctx = k[:, :, :L], v[:, :, :L]
+        k_blk = k[:, :, S:].reshape(b, hkv, 1, n, B, d)
+        v_blk = v[:, :, S:].reshape(b, hkv, 1, n, B, d)
+        s_ctx = (q @ k_ctx.transpose(-1, -2)).view(b, hkv, rep, n, B, L)
+        s_blk = q.view(b, hkv, rep, n, B, d) @ k_blk.transpose(-1, -2)  # [b, hkv, rep, N, B, B]
+        scores = torch.cat([s_ctx, s_blk], dim=-1).to(torch.promote_types(q.dtype, torch.float32)) * scale
+        visible = self.visible if self.visible.device == q.device else self.visible.to(q.device)
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).to(q.dtype)
+        out = (probs[..., :L].reshape(b, hkv, rep * q_len, L) @ v_ctx).view(b, hkv, rep, n, B, d)
+        out = out + probs[..., L:] @ v_blk
+        return out.reshape(b, h, q_len, d)
 
-        def per_block(x: torch.Tensor) -> torch.Tensor:  # [b, hkv, S+Q, d] -> [b*N, hkv, L+B, d]
-            ctx = x[:, :, None, :L].expand(b, hkv, n, L, d)
-            blk = x[:, :, S:].reshape(b, hkv, n, B, d)
-            return torch.cat([ctx, blk], dim=3).transpose(1, 2).reshape(b * n, hkv, L + B, d)
 
-        qb = q.reshape(b, h, n, B, d).transpose(1, 2).reshape(b * n, h, B, d)
-        mask = self.mask if q.device == self.mask.device else self.mask.to(q.device)
-        out = F.scaled_dot_product_attention(qb, per_block(k), per_block(v), attn_mask=mask, scale=scale,
-                                             enable_gqa=hkv != h)
-        return out.reshape(b, n, h, B, d).transpose(1, 2).reshape(b, h, q_len, d)
+_compiled_flex = None
+
+
+class FlexBlockAttention:
+    """FlexAttention with the block mask, through a compiled kernel (eager FlexAttention materialises every
+    score, which defeats its purpose). Passed to the drafter as its attention callable."""
+
+    def __init__(self, blocks: Blocks, seq_len: int):
+        self.block_mask = flex_block_mask(blocks, seq_len)
+
+    def __call__(self, q, k, v, scale=None):
+        global _compiled_flex
+        if _compiled_flex is None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            _compiled_flex = torch.compile(flex_attention)
+        return _compiled_flex(q, k, v, block_mask=self.block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def attention_for(blocks: Blocks, seq_len: int, kind: str):
-    """The attention_mask argument for the drafter: 'flex' (BlockMask), 'sdpa' (dense bool), 'blockwise'."""
+    """The attention_mask argument for the drafter: 'flex' (compiled FlexAttention with a BlockMask), 'sdpa'
+    (dense bool mask), 'blockwise' (block-sparse batched SDPA)."""
     if kind == "flex":
-        return flex_block_mask(blocks, seq_len)
+        return FlexBlockAttention(blocks, seq_len)
     if kind == "sdpa":
         return dense_block_mask(blocks, seq_len)
     if kind == "blockwise":
@@ -242,43 +266,51 @@ class _ChunkedHeadCE(torch.autograd.Function):
 
     The gradient w.r.t. hidden is computed in the same chunk loop as the loss (softmax - onehot, times the
     weight, times the head), so backward just scales a stored tensor: no logits are ever recomputed and at
-    most [chunk, vocab] of them exist at once. The head is frozen: it gets no gradient."""
+    most [chunk, vocab] of them exist at once. The head is frozen: it gets no gradient.
+
+    The logits stay in the head's dtype (bf16 in training): log_softmax computes in fp32 internally and its
+    output is what the gradient matmul consumes anyway, which saves several full passes over [chunk, vocab] in
+    fp32. The label's entry, softmax - 1, comes from expm1(log p) in fp32 so that it stays exact as p -> 1;
+    the reported CE carries bf16's relative rounding (2^-9) per token."""
 
     @staticmethod
     def forward(ctx, hidden, head, labels, weights, chunk):
         need_grad = ctx.needs_input_grad[0]
         grad_hidden = torch.empty_like(hidden) if need_grad else None
-        preds = torch.empty_like(labels)
-        acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # CE in fp32 (fp64 in tests)
+        correct = torch.empty_like(labels, dtype=torch.bool)
+        acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
         total = torch.zeros((), dtype=acc_dtype, device=hidden.device)
         for s in range(0, hidden.shape[0], chunk):
             e = min(s + chunk, hidden.shape[0])
-            logits = (hidden[s:e] @ head.t()).to(acc_dtype)  # [c, V]
-            lse = torch.logsumexp(logits, dim=-1)
-            lab = labels[s:e]
-            w = weights[s:e].to(acc_dtype)
-            target = logits.gather(1, lab[:, None])[:, 0]
-            total += ((lse - target) * w).sum()
-            preds[s:e] = logits.argmax(dim=-1)
+            rows = torch.arange(e - s, device=hidden.device)
+            lab, w = labels[s:e], weights[s:e].to(acc_dtype)
+            logits = hidden[s:e] @ head.t()  # [c, V]
+            logp = torch.log_softmax(logits, dim=-1)
+            del logits
+            # greedy prediction is right iff the label's logit is the largest (amax is vectorised, argmax is not)
+            correct[s:e] = logp[rows, lab] >= logp.amax(dim=-1)
+            logp_label = logp[rows, lab].to(acc_dtype)
+            total += (-logp_label * w).sum()
             if need_grad:
-                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-                probs[torch.arange(e - s, device=probs.device), lab] -= 1.0
-                probs.mul_(w[:, None])
-                grad_hidden[s:e] = probs.to(head.dtype) @ head
+                probs = logp.exp_()  # in place: softmax
+                probs.mul_(w[:, None].to(probs.dtype))
+                probs[rows, lab] = (w * torch.expm1(logp_label)).to(probs.dtype)
+                grad_hidden[s:e] = probs @ head
         if need_grad:
             ctx.save_for_backward(grad_hidden)
-        ctx.mark_non_differentiable(preds)
-        return total, preds
+        ctx.mark_non_differentiable(correct)
+        return total, correct
 
     @staticmethod
-    def backward(ctx, grad_total, grad_preds):
+    def backward(ctx, grad_total, grad_correct):
         (grad_hidden,) = ctx.saved_tensors
         return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None
 
 
 def chunked_head_ce(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                    chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of weight x CE as an fp32 scalar, argmax predictions) for hidden [T, H], head [V, H]."""
+                    chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of weight x CE as an fp32 scalar, whether the greedy prediction is the label) for hidden [T, H],
+    head [V, H]."""
     return _ChunkedHeadCE.apply(hidden, head, labels, weights, chunk)
 
 
@@ -287,7 +319,7 @@ def reference_head_ce(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Te
     """The plain version (full logits, autograd through them); used to test the chunked one."""
     logits = (hidden @ head.t()).to(torch.promote_types(hidden.dtype, torch.float32))
     ce = F.cross_entropy(logits, labels, reduction="none")
-    return (ce * weights.to(logits.dtype)).sum(), logits.argmax(dim=-1)
+    return (ce * weights.to(logits.dtype)).sum(), logits.argmax(dim=-1) == labels
 
 
 # --- the loss ---------------------------------------------------------------------------------------------------
@@ -320,7 +352,7 @@ def draft_hidden(drafter, embed: torch.Tensor, batch: dict[str, torch.Tensor], b
 
 def dflash_loss(drafter, embed: torch.Tensor, lm_head: torch.Tensor, batch: dict[str, torch.Tensor],
                 blocks: Blocks, *, mask_token_id: int, gamma: float, attention: str = "sdpa",
-                head_chunk_tokens: int = 2048) -> LossOutput:
+                head_chunk_tokens: int = 512) -> LossOutput:
     """The decay-weighted block CE for one micro batch (see the module docstring)."""
     doc_start = batch.get("doc_start")
     labels, weights = block_labels(batch["input_ids"], batch["loss_mask"], blocks, gamma, doc_start)
@@ -330,10 +362,10 @@ def dflash_loss(drafter, embed: torch.Tensor, lm_head: torch.Tensor, batch: dict
     rows = flat_w.nonzero()[:, 0]  # only supervised slots go through the head
     weight_sum = flat_w.sum()
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
-    total, preds = chunked_head_ce(h, lm_head, labels.reshape(-1)[rows], flat_w[rows] / weight_sum.clamp(min=1e-9),
-                                   head_chunk_tokens)
+    total, hit = chunked_head_ce(h, lm_head, labels.reshape(-1)[rows], flat_w[rows] / weight_sum.clamp(min=1e-9),
+                                 head_chunk_tokens)
     slot = rows % B
-    correct = torch.zeros(B, device=h.device).index_add_(0, slot, (preds == labels.reshape(-1)[rows]).float())
+    correct = torch.zeros(B, device=h.device).index_add_(0, slot, hit.float())
     counted = torch.zeros(B, device=h.device).index_add_(0, slot, torch.ones_like(slot, dtype=torch.float32))
     return LossOutput(loss=total, weight_sum=weight_sum, correct=correct, counted=counted,
                       num_blocks=int(blocks.keep.sum()))

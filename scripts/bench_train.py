@@ -1,0 +1,179 @@
+"""Training-step speed of the DFlash objective: random drafter weights, random target parts and random data.
+
+    python scripts/bench_train.py --hidden 576 --layers 2 --target-layers 5 --vocab 49152 --seq 512 \
+        --anchors 64 --block 16 --batch 1 --dtype bf16
+
+A step is what the trainer does per micro batch: sample anchors, drafter forward over all blocks, LM head + CE,
+backward, AdamW step (no DeepSpeed, one process). Reported: median step time over --steps after --warmup steps,
+tokens/s (sequence tokens: batch x seq per step), peak memory, and on CUDA the model FLOPs utilisation.
+
+--attention picks the block attention (blockwise: batched SDPA per block, the CPU default; sdpa: one SDPA call
+with a dense [N*B, S+N*B] mask; flex: compiled FlexAttention, the CUDA default); --head picks the LM head + CE
+(fused: chunked, gradient computed in the same pass; checkpointed: full logits, recomputed in backward as the
+public trainers do). `--baseline` = --attention sdpa --head checkpointed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from dflash_train import objective as obj
+from dflash_train.drafter import DFlashDrafter, DrafterConfig
+
+H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s (H100/H200 SXM)
+
+
+def shape_for(hidden: int) -> tuple[int, int, int, int]:
+    """(heads, kv_heads, head_dim, intermediate) like the targets of that width (SmolLM2-135M, Qwen3-8B)."""
+    known = {576: (9, 3, 64, 1536), 4096: (32, 8, 128, 12288), 2048: (16, 8, 128, 6144), 64: (4, 2, 16, 128)}
+    if hidden in known:
+        return known[hidden]
+    head_dim = 64 if hidden < 1024 else 128
+    heads = max(1, hidden // head_dim)
+    return heads, max(1, heads // 4), head_dim, 3 * hidden
+
+
+def make_drafter(args, device, dtype) -> DFlashDrafter:
+    heads, kv, head_dim, inter = shape_for(args.hidden)
+    num_target_layers = max(args.target_layers * 4, 8)
+    config = DrafterConfig(
+        hidden_size=args.hidden, intermediate_size=inter, num_hidden_layers=args.layers, num_attention_heads=heads,
+        num_key_value_heads=kv, head_dim=head_dim, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, max_position_embeddings=max(32768, args.seq * 2),
+        vocab_size=args.vocab, num_target_layers=num_target_layers,
+        target_layer_ids=list(range(1, 1 + 2 * args.target_layers, 2)), mask_token_id=args.vocab - 1,
+        block_size=args.block)
+    torch.manual_seed(0)
+    return DFlashDrafter(config).to(device=device, dtype=dtype)
+
+
+def checkpointed_head_ce(hidden, head, labels, weights):
+    """The public trainers' LM head + CE: full logits for every slot, checkpointed and recomputed in backward."""
+    def f(h):
+        logits = (h @ head.t()).float()
+        return (F.cross_entropy(logits, labels, reduction="none") * weights).sum()
+
+    return torch.utils.checkpoint.checkpoint(f, hidden, use_reentrant=False)
+
+
+def step_fn(args, drafter, embed, head, batch, optimizer, step: int):
+    blocks = obj.sample_anchors(batch["loss_mask"], args.anchors, args.block, torch.Generator().manual_seed(step))
+    if args.head == "fused":
+        out = obj.dflash_loss(drafter, embed, head, batch, blocks, mask_token_id=drafter.config.mask_token_id,
+                              gamma=7.0, attention=args.attention, head_chunk_tokens=args.head_chunk)
+        loss = out.loss
+    else:
+        labels, weights = obj.block_labels(batch["input_ids"], batch["loss_mask"], blocks, 7.0)
+        hidden = obj.draft_hidden(drafter, embed, batch, blocks, drafter.config.mask_token_id, args.attention)
+        w = weights.reshape(-1)
+        loss = checkpointed_head_ce(hidden.reshape(-1, hidden.shape[-1]), head, labels.reshape(-1), w / w.sum())
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+    optimizer.step()
+    return blocks
+
+
+def model_flops(args, drafter, blocks) -> float:
+    """Useful FLOPs of one training step: 3x forward for the drafter (weights get gradients), 2x for the frozen
+    head (forward + input gradient); attention counts only the keys a block may see."""
+    c = drafter.config
+    H, I, h, kv, d = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    b, S = args.batch, args.seq
+    q_tokens = int(blocks.keep.sum()) * args.block
+    per_block_token = 2 * (H * h * d * 2 + H * kv * d * 2 + 3 * H * I)  # q, o, k, v, MLP
+    per_ctx_token = 2 * (H * kv * d * 2)  # k, v of the context
+    visible = float((blocks.anchors.float()[blocks.keep]).sum()) * args.block + q_tokens * args.block
+    attn = 2 * 2 * h * d * visible
+    fwd = c.num_hidden_layers * (q_tokens * per_block_token + b * S * per_ctx_token + attn) + b * S * 2 * (
+        len(c.target_layer_ids) * H * H)
+    supervised = int(blocks.keep.sum()) * (args.block - 1)
+    return 3 * fwd + 2 * (2 * supervised * H * args.vocab)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=576)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--target-layers", type=int, default=5)
+    p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--anchors", type=int, default=64)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--attention", choices=["blockwise", "sdpa", "flex"], default=None)
+    p.add_argument("--head", choices=["fused", "checkpointed"], default="fused")
+    p.add_argument("--head-chunk", type=int, default=512)
+    p.add_argument("--baseline", action="store_true", help="--attention sdpa --head checkpointed")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    args = p.parse_args(argv)
+    if args.baseline:
+        args.attention, args.head = "sdpa", "checkpointed"
+    device = torch.device(args.device)
+    args.attention = args.attention or ("flex" if device.type == "cuda" else "blockwise")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+
+    drafter = make_drafter(args, device, dtype)
+    g = torch.Generator().manual_seed(1)
+    embed = (torch.randn(args.vocab, args.hidden, generator=g) * 0.02).to(device=device, dtype=dtype)
+    head = embed  # tied, as in SmolLM2; frozen either way
+    batch = {
+        "input_ids": torch.randint(0, args.vocab - 1, (args.batch, args.seq), generator=g).to(device),
+        "loss_mask": torch.ones(args.batch, args.seq, dtype=torch.bool, device=device),
+        "hidden_states": torch.randn(args.batch, args.seq, args.target_layers * args.hidden, generator=g).to(
+            device=device, dtype=dtype),
+        "position_ids": torch.arange(args.seq, device=device).expand(args.batch, -1),
+    }
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4, weight_decay=0.0)
+    times, blocks = [], None
+    for step in range(args.warmup + args.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        blocks = step_fn(args, drafter, embed, head, batch, optimizer, step)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    median = statistics.median(times)
+    result = {
+        "device": device.type if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "config": {k: getattr(args, k) for k in ("hidden", "layers", "target_layers", "vocab", "seq", "anchors",
+                                                  "block", "batch", "dtype", "attention", "head")},
+        "drafter_params": sum(p.numel() for p in drafter.parameters()),
+        "step_s_median": round(median, 4),
+        "step_s_min": round(min(times), 4),
+        "tokens_per_s": round(args.batch * args.seq / median, 1),
+    }
+    if device.type == "cuda":
+        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
+        result["mfu"] = round(model_flops(args, drafter, blocks) / median / H200_BF16_PEAK, 4)
+    else:
+        result["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2)
+    result["model_tflops_per_step"] = round(model_flops(args, drafter, blocks) / 1e12, 4)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:>22}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
