@@ -199,6 +199,40 @@ class DataPlan:
         return [self.rows[order[base + i]] for i in range(self.micro_batch)]
 
 
+@dataclass
+class TrainData:
+    stores: StoreSet
+    train_indices: list[int]
+    plan: DataPlan
+    eval_samples: list[dict[str, Any]]
+
+
+def prepare_data(recipe: Recipe, world: int) -> TrainData:
+    """Open the stores, hold out the eval samples, and lay out the rows every step trains on."""
+    stores = StoreSet(recipe.data.stores)
+    if recipe.data.eval_store:
+        eval_set = StoreSet([recipe.data.eval_store])
+        if _target_key(eval_set.manifest["target"]) != _target_key(stores.manifest["target"]) or \
+                eval_set.manifest["target_layer_ids"] != stores.manifest["target_layer_ids"]:
+            raise UserError(f"eval store {recipe.data.eval_store} does not match the training stores' target/layers")
+        train_idx = list(range(len(stores)))
+        eval_samples = [eval_set[i] for i in range(min(len(eval_set), recipe.data.eval_samples))]
+    else:
+        train_idx, held = split_eval(stores.ids(), recipe.data.eval_fraction)
+        eval_samples = [stores[i] for i in held[:recipe.data.eval_samples]]
+    if not train_idx:
+        raise UserError(f"no training samples left in {', '.join(stores.folders)} after holding out the eval split")
+    lengths = [stores.length(i) for i in range(len(stores))]
+    rows = make_rows(train_idx, lengths, recipe.data.max_length, recipe.data.batching == "packing", recipe.seed)
+    plan = DataPlan(rows=rows, world=world, micro_batch=recipe.train.micro_batch_size,
+                    grad_accum=recipe.train.grad_accum_steps, seed=recipe.seed)
+    if plan.steps_per_epoch < 1:
+        raise UserError(f"{len(rows)} training rows are fewer than one optimizer step needs ({plan.rows_per_step} = "
+                        f"{world} processes x micro_batch_size {plan.micro_batch} x grad_accum_steps "
+                        f"{plan.grad_accum})")
+    return TrainData(stores=stores, train_indices=train_idx, plan=plan, eval_samples=eval_samples)
+
+
 def anchor_generator(seed: int, step: int, micro: int, rank: int) -> torch.Generator:
     key = hashlib.sha256(f"anchors:{seed}:{step}:{micro}:{rank}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(key[:8], "big") & (2 ** 63 - 1))
@@ -502,7 +536,7 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
     from dflash_train.target import load_embedding_and_head
 
     started = time.time()
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*")  # DeepSpeed internals, not ours
+    warnings.filterwarnings("ignore", message=r".*`torch.distributed.\w+` is deprecated")  # DeepSpeed internals
     accelerator = make_accelerator(recipe)
     rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     device = accelerator.device
@@ -514,29 +548,8 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
                          world_size=world)
     accelerator.wait_for_everyone()
 
-    # data
-    stores = StoreSet(recipe.data.stores)
-    ids = stores.ids()
-    if recipe.data.eval_store:
-        eval_set = StoreSet([recipe.data.eval_store])
-        if _target_key(eval_set.manifest["target"]) != _target_key(stores.manifest["target"]) or \
-                eval_set.manifest["target_layer_ids"] != stores.manifest["target_layer_ids"]:
-            raise UserError(f"eval store {recipe.data.eval_store} does not match the training stores' target/layers")
-        train_idx = list(range(len(stores)))
-        eval_samples = [eval_set[i] for i in range(min(len(eval_set), recipe.data.eval_samples))]
-    else:
-        train_idx, held = split_eval(ids, recipe.data.eval_fraction)
-        eval_samples = [stores[i] for i in held[:recipe.data.eval_samples]]
-    if not train_idx:
-        raise UserError(f"no training samples left in {', '.join(stores.folders)} after holding out the eval split")
-    lengths = [stores.length(i) for i in range(len(stores))]
-    rows = make_rows(train_idx, lengths, recipe.data.max_length, recipe.data.batching == "packing", recipe.seed)
-    plan = DataPlan(rows=rows, world=world, micro_batch=recipe.train.micro_batch_size,
-                    grad_accum=recipe.train.grad_accum_steps, seed=recipe.seed)
-    if plan.steps_per_epoch < 1:
-        raise UserError(f"{len(rows)} training rows are fewer than one optimizer step needs ({plan.rows_per_step} = "
-                        f"{world} processes x micro_batch_size {plan.micro_batch} x grad_accum_steps "
-                        f"{plan.grad_accum})")
+    data = prepare_data(recipe, world)
+    stores, plan = data.stores, data.plan
     total_steps = recipe.train.max_steps or max(1, int(recipe.train.epochs * plan.steps_per_epoch))
 
     # model, frozen target parts, optimizer
@@ -547,7 +560,9 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
         enable_gradient_checkpointing(drafter)
     dtype = torch.bfloat16 if recipe.train.precision == "bf16" else torch.float32
     embed, head = load_embedding_and_head(target_name, dtype=dtype)
-    embed, head = embed.to(device), (head if head is not embed else embed).to(device)
+    tied = head is embed
+    embed = embed.to(device)
+    head = embed if tied else head.to(device)
     if head.shape[1] != drafter.config.hidden_size or embed.shape[0] <= drafter.config.mask_token_id:
         raise UserError(f"target {target_name!r}: embedding/LM head shapes {tuple(embed.shape)}/{tuple(head.shape)} "
                         f"do not fit the drafter (hidden {drafter.config.hidden_size})")
@@ -585,7 +600,8 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
 
     if main:
         n_params = sum(p.numel() for p in core.parameters())
-        print(f"training {n_params / 1e6:.2f}M drafter parameters on {len(train_idx)} samples ({len(rows)} rows, "
+        print(f"training {n_params / 1e6:.2f}M drafter parameters on {len(data.train_indices)} samples "
+              f"({len(plan.rows)} rows, "
               f"{plan.steps_per_epoch} steps/epoch), {total_steps} steps, {world} process(es) on {device.type}, "
               f"attention={attention}, deepspeed={recipe.train.deepspeed}", flush=True)
     bar = tqdm(total=total_steps, initial=start_step, disable=not (main and recipe.logging.progress_bar),
@@ -594,10 +610,11 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
     mask_id = core.config.mask_token_id
     last_eval: dict[str, Any] = {}
     last_loss = math.nan
-    checkpoint_state = lambda step: {  # noqa: E731
-        "step": step, "total_steps": total_steps, "epoch": step / plan.steps_per_epoch,
-        "bad_in_a_row": bad_in_a_row, "bad_total": bad_total, "world_size": world,
-        "data_position": {"epoch": step // plan.steps_per_epoch, "step_in_epoch": step % plan.steps_per_epoch}}
+
+    def checkpoint_state(step: int) -> dict[str, Any]:
+        return {"step": step, "total_steps": total_steps, "epoch": step / plan.steps_per_epoch,
+                "bad_in_a_row": bad_in_a_row, "bad_total": bad_total, "world_size": world,
+                "data_position": {"epoch": step // plan.steps_per_epoch, "step_in_epoch": step % plan.steps_per_epoch}}
 
     step = start_step
     last_checkpoint_step = start_step if resume_from is not None else None
@@ -668,8 +685,8 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
                             f"training diverged and was stopped. Newest checkpoint: {where}. Lower optimizer.lr, "
                             f"check the store for bad samples, or raise train.max_bad_steps")
         want_eval = (recipe.eval.every and step % recipe.eval.every == 0) or (recipe.eval.at_end and step == total_steps)
-        if want_eval and eval_samples:
-            result = evaluate(core, embed, head, eval_samples, recipe, attention, device)
+        if want_eval and data.eval_samples:
+            result = evaluate(core, embed, head, data.eval_samples, recipe, attention, device)
             last_eval = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
             metrics.log({"kind": "eval", "step": step, **last_eval, "time": round(time.time() - started, 2)})
             bar.set_postfix(loss=f"{last_loss:.3f}", tau=last_eval["eval_tau"])
