@@ -315,3 +315,34 @@ def test_layer_ids_must_match_the_store(chain_store, tiny_target_dir):
     recipe.drafter.target_layer_ids = [1, 2, 3]
     with pytest.raises(UserError, match=r"target_layer_ids \[1, 2, 3\] differ .*\[1, 3, 5\]"):
         tr.build_drafter(recipe, tr.StoreSet([str(chain_store)]), str(tiny_target_dir))
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(tiny_target):
+    from test_objective import _synthetic_batch, _tiny_drafter
+
+    from dflash_train import objective as obj
+
+    batch = _synthetic_batch()
+    blocks = obj.sample_anchors(batch["loss_mask"], 6, 4, torch.Generator().manual_seed(0))
+    results = []
+    for checkpointing in (False, True):
+        drafter, embed, head = _tiny_drafter(tiny_target, block_size=4)
+        if checkpointing:
+            tr.enable_gradient_checkpointing(drafter)
+        out = obj.dflash_loss(drafter, embed, head, batch, blocks, mask_token_id=drafter.config.mask_token_id,
+                              gamma=7.0, attention="blockwise")
+        out.loss.backward()
+        results.append((out.loss.detach(), [p.grad.clone() for p in drafter.parameters()]))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(results[0][1], results[1][1]))
+
+
+def test_a_launch_that_started_fewer_processes_than_asked_is_an_error(monkeypatch):
+    from dflash_train.recipe import Recipe
+
+    recipe = Recipe()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # what `accelerate launch --num_processes 2` sets, on CPU,
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "False")  # before starting a single process
+    with pytest.raises(UserError, match="started a single process"):
+        tr.make_accelerator(recipe)
