@@ -27,7 +27,7 @@ ingest:
 	$(PYTHON) -m dflash_train ingest --out $(PROMPTS)
 
 capture:
-	$(PYTHON) -m dflash_train capture --prompts $(PROMPTS) --target $(TARGET) --out $(STORE) --limit 300 --max-new-tokens 128
+	$(PYTHON) -m dflash_train capture --prompts $(PROMPTS) --target $(TARGET) --out $(STORE) --limit 600 --max-prompt-tokens 384 --max-new-tokens 128 --batch-size 16
 
 verify:
 	$(PYTHON) -m dflash_train verify $(STORE)
