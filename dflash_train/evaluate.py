@@ -47,6 +47,7 @@ class EvalConfig:
     split: str = "eval"
     limit: int | None = None
     max_new_tokens: int = 256
+    max_prompt_tokens: int | None = None  # longer prompts are skipped and counted (as capture does)
     temperature: float = 0.0
     seed: int = 0
     block_size: int | None = None  # None: the drafter's own
@@ -326,6 +327,12 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     template_kwargs = template_kwargs or {}
 
     prompts = {r.id: target.render(r.messages, **template_kwargs) for r in records}
+    too_long = [rid for rid, ids in prompts.items() if cfg.max_prompt_tokens and len(ids) > cfg.max_prompt_tokens]
+    for rid in too_long:
+        del prompts[rid]
+    if not prompts:
+        raise UserError(f"all {len(too_long)} prompts of {cfg.prompts} (split {cfg.split!r}) are longer than "
+                        f"--max-prompt-tokens {cfg.max_prompt_tokens}: nothing to evaluate")
     per_prompt, mismatch_details, plain_of_mismatching = decode_all(methods, target, prompts, cfg)
     fp32_mismatches = None
     if mismatch_details and dtype != torch.float32:
@@ -356,6 +363,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         "per_prompt": per_prompt,
         "settings": {**asdict(cfg), "template_kwargs": template_kwargs, "device": str(device),
                      "dtype": dtype_name, "block_size": B, "num_prompts": len(prompts),
+                     "skipped_long_prompts": len(too_long),
                      "threads": torch.get_num_threads(),
                      "sampling": "greedy" if cfg.temperature == 0 else
                      f"temperature {cfg.temperature}, Gumbel-max noise keyed on (seed, prompt id, position)"},
@@ -415,10 +423,12 @@ def _fmt(x: Any, digits: int = 2) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
+    skipped = f" ({s['skipped_long_prompts']} longer than {s['max_prompt_tokens']} tokens skipped)" \
+        if s.get("skipped_long_prompts") else ""
     lines = [f"# Eval: drafter {_label(s['drafter'])} on target {report['target']['name']}", "",
-             f"{s['num_prompts']} prompts from `{s['prompts']}` (split {s['split']}), up to {s['max_new_tokens']} "
-             f"new tokens, {s['sampling']}, {s['dtype']} on {s['device']} ({s['threads']} threads), "
-             f"block size {report['block_size']}.", "",
+             f"{s['num_prompts']} prompts from `{s['prompts']}` (split {s['split']}){skipped}, up to "
+             f"{s['max_new_tokens']} new tokens, {s['sampling']}, {s['dtype']} on {s['device']} "
+             f"({s['threads']} threads), block size {report['block_size']}.", "",
              "| method | block | tau (mean over prompts) | tau (all steps) | tokens/target forward | tokens/s | "
              "speedup | drafting share of decode time | lossless mismatches |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -440,11 +450,12 @@ def markdown(report: dict[str, Any]) -> str:
                  f"for the drafter.")
     for d in report["mismatches"]:
         line = (f"- {d['id']} ({d['method']}): first difference at new token {d['index']}: plain "
-                f"{d['plain_token']}, speculative {d['spec_token']}, top-2 logit margin {_fmt(d.get('top2_margin'), 4)}")
+                f"{d['plain_token']}, speculative {d['spec_token']}, top-2 logit margin "
+                f"{_fmt(d.get('top2_margin'), 4)}")
         if "fp32_spec_equals_plain" in d:
-            line += (f"; rerun in fp32: speculative {'equals' if d['fp32_spec_equals_plain'] else 'differs from'} "
-                     f"plain; {s['dtype']} plain decoding {'equals' if d['plain_equals_fp32_plain'] else 'differs from'}"
-                     f" fp32 plain decoding")
+            same = {True: "equals", False: "differs from"}
+            line += (f"; rerun in fp32: speculative {same[d['fp32_spec_equals_plain']]} plain; {s['dtype']} plain "
+                     f"decoding {same[d['plain_equals_fp32_plain']]} fp32 plain decoding")
         lines.append(line)
     if report.get("lossless_mismatches_fp32") == 0:
         lines.append(f"Rerun in fp32, all of these prompts match: the {s['dtype']} differences are near-ties that "
@@ -544,6 +555,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default="eval", help="split of the ingest folder (default eval: held out)")
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts (and store samples)")
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="skip (and count) longer prompts, e.g. the limit the training data was captured with")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     p.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
@@ -574,6 +587,7 @@ def _json_object(text: str) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     cfg = EvalConfig(drafter=args.drafter, prompts=args.prompts, out=args.out, target=args.target,
                      split=args.split, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                     max_prompt_tokens=args.max_prompt_tokens,
                      temperature=args.temperature, seed=args.seed, block_size=args.block_size,
                      baseline_drafters=list(args.baseline_drafter), store=args.store,
                      template_kwargs=args.template_kwargs, dtype=args.dtype, device=args.device,

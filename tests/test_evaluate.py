@@ -162,7 +162,8 @@ def eval_cli(*args: str) -> int:
     return main(["eval", "--dtype", "fp32", "--threads", "1", "--max-new-tokens", "12", *map(str, args)])
 
 
-def test_eval_command_writes_the_report(varied_target, varied_target_dir, drafters, prompts_dir, store_dir, tmp_path, capsys):
+def test_eval_command_writes_the_report(varied_target, varied_target_dir, drafters, prompts_dir, store_dir, tmp_path,
+                                        capsys):
     from dflash_train.provenance import is_complete
 
     out = tmp_path / "eval"
@@ -253,3 +254,10 @@ def test_mismatch_diagnosis_and_fp32_recheck(varied_target, varied_target_dir, d
     recheck_in_fp32(cfg, "cpu", methods, details, {"p": ids}, {"p": broken})
     for d in details:
         assert d["fp32_spec_equals_plain"] is True and d["plain_equals_fp32_plain"] is False
+
+
+def test_prompts_all_too_long_are_refused(varied_target_dir, drafters, prompts_dir, tmp_path, capsys):
+    rc = eval_cli("--drafter", drafters[0], "--target", varied_target_dir, "--prompts", prompts_dir,
+                  "--max-prompt-tokens", "5", "--out", tmp_path / "eval")
+    err = capsys.readouterr().err
+    assert rc == 2 and "longer than --max-prompt-tokens 5" in err, err

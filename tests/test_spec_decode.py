@@ -181,7 +181,8 @@ def test_sampling_accepts_only_drafts_equal_to_the_targets_sample(varied_target)
                 assert drafts[step.accepted] != ref[anchor + 1 + step.accepted]  # the rejected draft
         assert any(s.accepted > 0 for s in spec.steps) and any(s.accepted < B - 1 for s in spec.steps)
         # a proposer that drafts the greedy continuation is rejected where the sample differs from it
-        wrong = speculative_generate(model, ids, Oracle(ids + greedy + [0] * B, B, vocab, strict=False), 30, [], chooser=chooser)
+        greedy_oracle = Oracle(ids + greedy + [0] * B, B, vocab, strict=False)
+        wrong = speculative_generate(model, ids, greedy_oracle, 30, [], chooser=chooser)
         assert wrong.tokens == plain
         outputs.append(plain)
     assert outputs[0] != outputs[1] and greedy not in outputs
