@@ -227,7 +227,8 @@ def _how_to_serve(inp: CardInputs) -> str:
         "```",
         "",
         "Both engines' DFlash support is recent: use a release that lists `DFLASH` / `dflash` among its "
-        "speculative methods. The drafter also loads with Transformers for inspection:",
+        f"speculative methods and can tap hidden states of a `{inp.target.get('model_type')}` target. The "
+        "drafter also loads with Transformers for inspection:",
         "",
         "```python",
         "from transformers import AutoModel",
