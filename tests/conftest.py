@@ -10,6 +10,11 @@ os.environ.setdefault("HF_HUB_DISABLE_XET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).parent))
 
+import torch  # noqa: E402
+
+# Tiny models run faster on one thread, and the suite shares 2 cores with whatever else runs.
+torch.set_num_threads(1)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 

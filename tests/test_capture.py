@@ -128,10 +128,17 @@ def test_bf16_compute_batched_states_within_bf16_tolerance(tiny_target_dir):
     prompts = [target.render(r["messages"]) for r in make_rows(6)]
     got = generate_and_capture(target.model, prompts, LAYERS, 12, target.stop_token_ids(),
                                target.tokenizer.pad_token_id)
+    exact = load_target(str(tiny_target_dir), dtype=torch.float32).model
     for g in got:
-        ref = teacher_forced(target.model, g.input_ids).float()
-        rel = (g.hidden_states.float() - ref).norm(dim=-1) / ref.norm(dim=-1)
-        assert rel.max() < 1e-2, rel.max()  # bf16 rounding differences between padded and unpadded shapes
+        # bf16 rounding makes padded and unpadded shapes differ a little: the batched states must be as close to
+        # the fp32 truth as a single-sample bf16 forward is (broken padding gives errors of order 1).
+        truth = teacher_forced(exact, g.input_ids)
+        single = teacher_forced(target.model, g.input_ids).float()
+
+        def rel(x):
+            return ((x - truth).norm(dim=-1) / truth.norm(dim=-1)).max()
+
+        assert rel(g.hidden_states.float()) < max(2 * rel(single), 1e-2), (rel(g.hidden_states.float()), rel(single))
 
 
 def test_store_holds_teacher_forced_states_and_response_mask(one_process_store, tiny_target, prompts_dir):

@@ -57,8 +57,13 @@ def make_tiny_target(out_dir: str | Path, seed: int = 0, num_layers: int = 8) ->
                          pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():  # larger logits than the default init, so greedy decoding is not all ties
+    with torch.no_grad():
+        # The default init (std 0.02) makes every layer near-identity: greedy decoding then repeats the prompt's
+        # last token forever and equality tests pass trivially. Larger weights give varied continuations.
         model.model.embed_tokens.weight.normal_(0, 1.0)
+        for name, param in model.model.layers.named_parameters():
+            if name.endswith("proj.weight"):
+                param.normal_(0, 0.2)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
