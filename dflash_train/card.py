@@ -239,7 +239,11 @@ def _how_to_serve(inp: CardInputs) -> str:
     ]
     gen = inp.generation or {}
     template_kwargs = gen.get("template_kwargs")
-    settings = {k: v for k, v in gen.items() if k != "template_kwargs" and _is_safe_scalar(v)}
+    settings = {k: v for k, v in gen.items() if k != "template_kwargs" and _is_safe_scalar(v) and v is not None}
+    # capture's convention: no temperature / top_p = each logged request's own, greedy where the log has none
+    per_request = [k for k in ("temperature", "top_p") if k in gen and gen[k] is None]
+    if per_request:
+        settings["sampling"] = "per logged request (greedy where unset)"
     if gen:
         lines += [
             "",
