@@ -185,40 +185,52 @@ def flex_block_mask(blocks: Blocks, seq_len: int):
 class BlockwiseAttention:
     """Attention for all blocks without a dense [N*B, S+N*B] mask (the CPU path).
 
-    Each query sees two key sets: the context up to the furthest anchor L (masked to its own window
-    [ctx_start_j, a_j)) and its own block's B slots. Their scores go into one softmax (the same as combining two
-    attentions by log-sum-exp), so it touches N*B*(L+B) scores instead of N*B*(S+N*B), with plain matmuls whose
-    backward is cheaper on CPU than SDPA's. Query heads are grouped by their key/value head (GQA) instead of
-    repeating K and V. The drafter calls it in place of SDPA: q [b, h, Q, d], k, v [b, kv_heads, S+Q, d]."""
+    A query of block j sees two key sets: the context (masked to the window [ctx_start_j, a_j)) and its own
+    block's B slots; their scores go into one softmax, which equals combining the two attentions by log-sum-exp.
+    Blocks come sorted by anchor, so consecutive groups of `group` blocks only need the context up to the
+    group's furthest anchor: about N*B*(S/2 + B) scores in all instead of N*B*(S + N*B) for the dense mask.
+    Plain matmuls, whose backward is cheaper on CPU than SDPA's; query heads are grouped by their key/value head
+    (GQA) instead of repeating K and V. Called by the drafter in place of SDPA: q [b, h, Q, d], k, v
+    [b, kv_heads, S+Q, d] -> [b, h, Q, d]."""
 
-    def __init__(self, blocks: Blocks, seq_len: int):
+    def __init__(self, blocks: Blocks, seq_len: int, group: int = 16):
         self.blocks = blocks
         self.seq_len = seq_len
-        self.ctx_len = max(1, int(blocks.anchors.max()))  # no block sees a position at or past its anchor
         b, n = blocks.anchors.shape
-        ctx = torch.arange(self.ctx_len, device=blocks.anchors.device)
-        sees_ctx = (ctx >= blocks.ctx_start[:, :, None]) & (ctx < blocks.anchors[:, :, None])  # [b, N, L]
-        sees_blk = torch.ones(b, n, blocks.block_size, dtype=torch.bool, device=ctx.device)
-        self.visible = torch.cat([sees_ctx, sees_blk], dim=2)[:, None, None, :, None, :]  # [b, 1, 1, N, 1, L+B]
+        B, dev = blocks.block_size, blocks.anchors.device
+        self.groups = []  # (first block, end block, context length, visibility [b, 1, 1, g, 1, L+B])
+        for first in range(0, n, group):
+            end = min(n, first + group)
+            anchors, starts = blocks.anchors[:, first:end], blocks.ctx_start[:, first:end]
+            L = max(1, int(anchors.max()))  # no block sees a position at or past its anchor
+            ctx = torch.arange(L, device=dev)
+            sees_ctx = (ctx >= starts[:, :, None]) & (ctx < anchors[:, :, None])  # [b, g, L]
+            sees_blk = torch.ones(b, end - first, B, dtype=torch.bool, device=dev)
+            visible = torch.cat([sees_ctx, sees_blk], dim=2)[:, None, None, :, None, :]
+            self.groups.append((first, end, L, visible))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         b, h, q_len, d = q.shape
         hkv = k.shape[1]
-        rep = h // hkv
-        n, B, S, L = self.blocks.num_blocks, self.blocks.block_size, self.seq_len, self.ctx_len
+        rep = h // hkv  # query head i uses kv head i // rep
+        n, B, S = self.blocks.num_blocks, self.blocks.block_size, self.seq_len
         scale = d ** -0.5 if scale is None else scale
-        q = q.reshape(b, hkv, rep * q_len, d)  # head i uses kv head i // rep
-        k_ctx, v_ctx = k[:, :, :L], v[:, :, :L]
+        score_dtype = torch.promote_types(q.dtype, torch.float32)
+        q = q.reshape(b, hkv, rep, n, B, d)
         k_blk = k[:, :, S:].reshape(b, hkv, 1, n, B, d)
         v_blk = v[:, :, S:].reshape(b, hkv, 1, n, B, d)
-        s_ctx = (q @ k_ctx.transpose(-1, -2)).view(b, hkv, rep, n, B, L)
-        s_blk = q.view(b, hkv, rep, n, B, d) @ k_blk.transpose(-1, -2)  # [b, hkv, rep, N, B, B]
-        scores = torch.cat([s_ctx, s_blk], dim=-1).to(torch.promote_types(q.dtype, torch.float32)) * scale
-        visible = self.visible if self.visible.device == q.device else self.visible.to(q.device)
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).to(q.dtype)
-        out = (probs[..., :L].reshape(b, hkv, rep * q_len, L) @ v_ctx).view(b, hkv, rep, n, B, d)
-        out = out + probs[..., L:] @ v_blk
-        return out.reshape(b, h, q_len, d)
+        outs = []
+        for first, end, L, visible in self.groups:
+            g = end - first
+            qg = q[:, :, :, first:end]  # [b, hkv, rep, g, B, d]
+            s_ctx = (qg.reshape(b, hkv, rep * g * B, d) @ k[:, :, :L].transpose(-1, -2)).view(b, hkv, rep, g, B, L)
+            s_blk = qg @ k_blk[:, :, :, first:end].transpose(-1, -2)  # [b, hkv, rep, g, B, B]
+            scores = torch.cat([s_ctx, s_blk], dim=-1).to(score_dtype) * scale
+            visible = visible if visible.device == q.device else visible.to(q.device)
+            probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).to(q.dtype)
+            out = (probs[..., :L].reshape(b, hkv, rep * g * B, L) @ v[:, :, :L]).view(b, hkv, rep, g, B, d)
+            outs.append(out + probs[..., L:] @ v_blk[:, :, :, first:end])
+        return torch.cat(outs, dim=3).reshape(b, h, q_len, d)
 
 
 _compiled_flex = None

@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as train.py: before torch loads OpenMP
 
-from dflash_train import objective as obj
-from dflash_train.drafter import DFlashDrafter, DrafterConfig
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from dflash_train import objective as obj  # noqa: E402
+from dflash_train.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s (H100/H200 SXM)
 

@@ -190,16 +190,17 @@ def _qkv(blocks, S, h=4, hkv=2, d=8, dtype=torch.float64):
     return q, k, v
 
 
-def test_dense_and_blockwise_attention_equal_a_per_block_loop():
+@pytest.mark.parametrize("group", [1, 2, 16])
+def test_dense_and_blockwise_attention_equal_a_per_block_loop(group):
     blocks, S = _blocks_case()
     q, k, v = _qkv(blocks, S)
     ref = _attend_per_block(q, k, v, blocks, S)
     dense = F.scaled_dot_product_attention(q, k, v, attn_mask=obj.dense_block_mask(blocks, S), enable_gqa=True)
-    blockwise = obj.BlockwiseAttention(blocks, S)(q, k, v)
+    blockwise = obj.BlockwiseAttention(blocks, S, group=group)(q, k, v)
     assert torch.allclose(dense, ref, atol=1e-10)
     assert torch.allclose(blockwise, ref, atol=1e-10)
     # and the gradients agree
-    for fn in (lambda q, k, v: obj.BlockwiseAttention(blocks, S)(q, k, v),
+    for fn in (lambda q, k, v: obj.BlockwiseAttention(blocks, S, group=group)(q, k, v),
                lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=obj.dense_block_mask(blocks, S),
                                                               enable_gqa=True)):
         qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
