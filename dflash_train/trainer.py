@@ -567,8 +567,9 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
         raise UserError(f"target {target_name!r}: embedding/LM head shapes {tuple(embed.shape)}/{tuple(head.shape)} "
                         f"do not fit the drafter (hidden {drafter.config.hidden_size})")
     opt = recipe.optimizer
+    # fused: one kernel per step instead of a dozen passes per tensor (4x faster on CPU; CUDA has it too)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-                                  weight_decay=opt.weight_decay)
+                                  weight_decay=opt.weight_decay, fused=True)
     model, optimizer = accelerator.prepare(drafter, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
         lr_factor, total_steps=total_steps, warmup_ratio=opt.warmup_ratio, schedule=opt.schedule,

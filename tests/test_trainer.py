@@ -93,7 +93,7 @@ def write_recipe(path: Path, store: Path, out: Path, **sections) -> Path:
         "objective": {"num_anchors": 64},
         "optimizer": {"lr": 1.0e-2},
         # one thread per process: on a shared 2-core machine, OpenMP threads waiting on each other cost 10x
-        "train": {"max_steps": 100, "micro_batch_size": 4, "device": "cpu", "cpu_threads": 1,
+        "train": {"max_steps": 150, "micro_batch_size": 4, "device": "cpu", "cpu_threads": 1,
                   "deepspeed": str(REPO / "recipes/deepspeed/zero2.json")},
         "checkpoint": {"every": 1000},
         "eval": {"every": 0},
@@ -144,13 +144,13 @@ def test_one_process_zero2_overfit_gate(chain_store, tiny_target, tmp_path):
     proc = launch(write_recipe(tmp_path / "r.yaml", chain_store, run))
     assert proc.returncode == 0, proc.stderr[-3000:]
     train_rows = read_metrics(run)
-    assert len(train_rows) == 100
+    assert len(train_rows) == 150
     first, last = train_rows[0], train_rows[-1]
     for key in ("loss", "acc", "lr", "grad_norm", "tokens_per_s"):
         assert first[key] is not None and last[key] is not None, key
     assert len(first["acc"]) == 15
     assert last["loss"] < 0.2 * first["loss"]
-    assert first["lr"] < last["lr"] or train_rows[50]["lr"] > last["lr"]  # warmup then cosine decay
+    assert first["lr"] < train_rows[10]["lr"] > last["lr"]  # warmup, then cosine decay
     (final_eval,) = read_metrics(run, "eval")
     assert final_eval["eval_tau"] >= 0.9 * 16, final_eval
 
