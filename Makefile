@@ -11,7 +11,7 @@ PUSH_DIR ?= push/smollm2-demo
 REPO ?= your-org/smollm2-135m-instruct-dflash
 export WANDB_MODE ?= disabled
 
-.PHONY: install test ingest capture verify train eval push
+.PHONY: install test demo ingest capture verify train eval push
 
 # torch first, and only where none is installed: GPU users keep their CUDA build, and a CPU box
 # takes the CPU wheel instead of the multi-GB CUDA build a bare `torch` requirement would pull.
@@ -22,6 +22,11 @@ install:
 
 test:
 	$(PYTHON) -m pytest -q
+
+# The whole pipeline on the embedded target: ingest -> capture -> train -> eval -> push --dry-run.
+# Stages whose output is complete and valid are skipped on a rerun.
+demo:
+	$(PYTHON) scripts/demo.py
 
 ingest:
 	$(PYTHON) -m dflash_train ingest --out $(PROMPTS)
@@ -35,8 +40,14 @@ verify:
 train:
 	accelerate launch --num_processes 1 train.py $(RECIPE)
 
+# eval: first capture the held-out prompts (the offline estimate's store; a rerun finds it complete), then decode
+# the same prompts with the target, plain and speculative. 40 eval prompts keep about 9 under the 384-token limit
+# the training data was captured with.
+EVAL_STORE ?= data/store/smollm2-demo-eval
+EVAL_ARGS ?= --limit 40 --max-prompt-tokens 384 --max-new-tokens 128
 eval:
-	$(PYTHON) -m dflash_train eval --drafter $(RUN)/drafter --target $(TARGET) --prompts $(PROMPTS) --split eval --out $(EVAL)
+	$(PYTHON) -m dflash_train capture --prompts $(PROMPTS) --split eval --target $(TARGET) --out $(EVAL_STORE) $(EVAL_ARGS) --batch-size 8
+	$(PYTHON) -m dflash_train eval --drafter $(RUN)/drafter --target $(TARGET) --prompts $(PROMPTS) --split eval $(EVAL_ARGS) --store $(EVAL_STORE) --out $(EVAL)
 
 push:
 	$(PYTHON) -m dflash_train push $(RUN)/drafter --repo $(REPO) --eval-report $(EVAL) $(PUSH_ARGS)
