@@ -286,7 +286,7 @@ def _evaluation(inp: CardInputs) -> str:
     report = inp.report
     lines = ["## Evaluation", ""]
     if not report:
-        return "\n".join(lines + ["No eval report was attached to this push (the release gate was overridden)."])
+        return "\n".join(lines + ["No eval report was attached to this push: its acceptance was not measured."])
     settings = report.get("settings") or {}
     block = inp.drafter_config.get("block_size")
     mismatches = lossless_mismatches(report)
@@ -352,12 +352,18 @@ def _evaluation(inp: CardInputs) -> str:
 
 def _gate(inp: CardInputs) -> str:
     gate = inp.gate
+    reasons = "; ".join(gate.reasons)
     if gate.forced and not gate.passed:
-        reasons = "; ".join(gate.reasons)
         return "\n".join([
             "> [!WARNING]",
             f"> **The release gate was overridden** (`dflash-train push --force`): {reasons}. "
             "Measure this drafter yourself before serving it.",
+        ])
+    if not gate.passed:  # only a dry run gets this far without --force
+        return "\n".join([
+            "> [!CAUTION]",
+            f"> **This drafter fails the release gate**: {reasons}. `dflash-train push` refuses to upload it "
+            "(this card is a dry-run preview); `--force` would upload it with a warning.",
         ])
     tau = (inp.report or {}).get("tau")
     return (f"Release gate: passed (online τ {fmt(tau)} ≥ {fmt(gate.min_tau)}, minimum from "

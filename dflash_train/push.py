@@ -437,11 +437,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         min_tau, source = DEFAULT_MIN_TAU, "dflash-train's default"
     gate = check_gate(report, report_file, target, drafter, min_tau, source, args.force)
-    if not gate.passed and not args.force:
-        raise UserError("refusing to push: " + "; ".join(gate.reasons)
-                        + ". Pass --force to push anyway (the card will say the gate was overridden)")
-    if not gate.passed:
-        print("gate overridden with --force: " + "; ".join(gate.reasons), file=sys.stderr)
+    verdict = "; ".join(gate.reasons)
+    if not gate.passed and not args.force and not args.dry_run:
+        raise UserError(f"refusing to push: {verdict}. Pass --force to push anyway (the card will say the gate "
+                        f"was overridden)")
+    if not gate.passed and args.force:
+        print(f"gate overridden with --force: {verdict}", file=sys.stderr)
 
     run_name = (recipe or {}).get("name") or (drafter["dir"].parent.name if drafter["dir"].name == "drafter"
                                               else drafter["dir"].name)
@@ -471,6 +472,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {f.relative_to(out)}  {f.stat().st_size:,} bytes")
     print(f"  ({PROVENANCE_FILE} stays local)")
     if args.dry_run:
+        if not gate.passed and not args.force:  # a preview: show the folder, say plainly what a push would do
+            print(f"gate: a real push would be REFUSED: {verdict} (pass --force to override)")
         return 0
     url = upload(out, args, str(run_name), gate)
     print(f"pushed to {args.repo}" + (f"@{args.revision}" if args.revision else "") + f": {url}")

@@ -180,8 +180,9 @@ def test_dry_run_writes_the_card_and_never_touches_the_network(drafter_dir, tmp_
 
 def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir, tmp_path, capsys):
     def run(*extra: str) -> tuple[int, str]:
+        """A real push where the gate should refuse (refusal comes before any network), a dry run otherwise."""
         out = tmp_path / "out"
-        rc = main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(out), *extra])
+        rc = main(["push", str(drafter_dir), "--repo", REPO, "--out", str(out), *extra])
         return rc, capsys.readouterr().err
 
     rc, err = run()
@@ -193,7 +194,7 @@ def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir
                                                     lossless_mismatches_fp32=1)))
     assert rc == 2 and "lossless check failed: 1 outputs" in err and "(still, when rerun in fp32)" in err
     rc, err = run("--eval-report", str(write_report(tmp_path / "bf16_ties", lossless_mismatches=2,
-                                                    lossless_mismatches_fp32=0)))
+                                                    lossless_mismatches_fp32=0)), "--dry-run")
     assert rc == 0, err
     assert "2 of 2 prompts differed in bf16 by rounding near-ties" in (tmp_path / "out" / "README.md").read_text()
     rc, err = run("--eval-report", str(write_report(tmp_path / "no_check", lossless_mismatches=None)))
@@ -201,7 +202,7 @@ def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir
     low = write_report(tmp_path / "low", tau=1.1)
     rc, err = run("--eval-report", str(low))
     assert rc == 2 and "online tau 1.100 is below the minimum 1.2 (the training recipe's push.min_tau)" in err
-    rc, err = run("--eval-report", str(low), "--min-tau", "1.05")
+    rc, err = run("--eval-report", str(low), "--min-tau", "1.05", "--dry-run")
     assert rc == 0, err
     rc, err = run("--eval-report", str(write_report(tmp_path / "other", block_size=4)))
     assert rc == 2 and "measured a different drafter or block size (eval block size 4 vs the drafter's 8)" in err
@@ -209,14 +210,15 @@ def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir
     rc, err = run("--eval-report", str(stale))
     assert rc == 2 and "model.safetensors are not the ones evaluated (sha256 differs)" in err
     sha = hashlib.sha256((drafter_dir / "model.safetensors").read_bytes()).hexdigest()
-    rc, err = run("--eval-report", str(write_report(tmp_path / "fresh", drafter={"weights_sha256": sha})))
+    rc, err = run("--eval-report", str(write_report(tmp_path / "fresh", drafter={"weights_sha256": sha})), "--dry-run")
     assert rc == 0, err
     other_target = write_report(tmp_path / "other_target", target={"name": "x", "config_hash": "0" * 64})
     rc, err = run("--eval-report", str(other_target))
     assert rc == 2 and "measured another target (x)" in err
     assert not (tmp_path / "out" / "INCOMPLETE").exists()
 
-    rc, err = run("--eval-report", str(write_report(tmp_path / "bad2", lossless_mismatches=2)), "--force")
+    rc, err = run("--eval-report", str(write_report(tmp_path / "bad2", lossless_mismatches=2)), "--force",
+                  "--dry-run")
     assert rc == 0 and "gate overridden with --force" in err
     card = (tmp_path / "out" / "README.md").read_text()
     assert "The release gate was overridden" in card and "lossless check failed: 2 outputs" in card
@@ -231,7 +233,7 @@ def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir
                "--eval-report", str(write_report(tmp_path / "meh", tau=1.4))])
     assert rc == 2 and "is marked incomplete: its training run did not finish" in capsys.readouterr().err
     (no_recipe / "INCOMPLETE").unlink()
-    rc = main(["push", str(no_recipe), "--repo", REPO, "--dry-run", "--out", str(tmp_path / "out2"),
+    rc = main(["push", str(no_recipe), "--repo", REPO, "--out", str(tmp_path / "out2"),
                "--eval-report", str(write_report(tmp_path / "meh", tau=1.4))])
     assert rc == 2 and "below the minimum 1.5 (dflash-train's default)" in capsys.readouterr().err
     rc = main(["push", str(no_recipe), "--repo", REPO, "--dry-run", "--out", str(tmp_path / "out2"),
@@ -247,6 +249,24 @@ def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir
                "--eval-report", str(tmp_path / "ok")])
     card = (tmp_path / "out2" / "README.md").read_text()
     assert rc == 0 and "| Unique prompts kept | 40: 38 train, 2 held out for eval (split by hash) |" in card
+
+
+def test_dry_run_with_a_failing_gate_writes_a_preview_and_says_a_push_would_be_refused(drafter_dir, tmp_path,
+                                                                                        capsys):
+    out = tmp_path / "out"
+    rc = main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(out),
+               "--eval-report", str(write_report(tmp_path / "low", tau=1.07))])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    assert ("gate: a real push would be REFUSED: online tau 1.070 is below the minimum 1.2 (the training recipe's "
+            "push.min_tau) (pass --force to override)") in printed
+    card = (out / "README.md").read_text()
+    assert "**This drafter fails the release gate**: online tau 1.070 is below the minimum 1.2" in card
+    assert "overridden" not in card and "Release gate: passed" not in card
+    assert (out / "model.safetensors").is_file() and not (out / "INCOMPLETE").exists()
+    rc = main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(out)])
+    assert rc == 0 and "a real push would be REFUSED: no eval report" in capsys.readouterr().out
+    assert "No eval report was attached" in (out / "README.md").read_text()
 
 
 def test_out_folder_of_someone_else_is_never_wiped(drafter_dir, tmp_path, capsys):
