@@ -243,8 +243,8 @@ def load_methods(cfg: EvalConfig, target: Target, dtype: torch.dtype) -> list[Me
 
 
 def decode_all(methods: list[Method], target: Target, prompts: dict[str, list[int]], cfg: EvalConfig):
-    """Every method on every prompt, prompt by prompt (so that load changes on the machine hit all methods
-    alike), each speculative output compared with the plain one. Returns the per-prompt rows, the mismatch
+    """Every method on every prompt, prompt by prompt and in a rotating order (so that load changes on the
+    machine hit all methods alike), each speculative output compared with the plain one. Returns the per-prompt rows, the mismatch
     details and the plain outputs of the mismatching prompts."""
     from tqdm import tqdm
 
@@ -255,9 +255,10 @@ def decode_all(methods: list[Method], target: Target, prompts: dict[str, list[in
     per_prompt, mismatches, plain_of_mismatching = [], [], {}
     mine = methods[1].name
     bar = tqdm(prompts.items(), desc="eval", unit="prompt")
-    for rid, ids in bar:
+    for i, (rid, ids) in enumerate(bar):
         chooser = TokenChooser(cfg.temperature, _prompt_seed(cfg.seed, rid))
-        outputs = {m.name: _run_one(m, target, ids, cfg.max_new_tokens, chooser) for m in methods}
+        order = methods[i % len(methods):] + methods[:i % len(methods)]  # no method always runs first
+        outputs = {m.name: _run_one(m, target, ids, cfg.max_new_tokens, chooser) for m in order}
         for m in methods:
             m.generations.append(outputs[m.name])
         plain = outputs[PLAIN].tokens
@@ -517,7 +518,7 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
         total = sum(hist.values()) or 1
         xs = [v + (i - (len(series) - 1) / 2) * width for v in range(1, B + 1)]
         ax.bar(xs, [hist.get(str(v), 0) / total for v in range(1, B + 1)], width=width, label=name)
-    ax.set(xlabel="tau (tokens committed per verification)", ylabel="share of steps", title="tau histogram")
+    ax.set(xlabel="tau (acceptance length of a verification step)", ylabel="share of steps", title="tau histogram")
     ax.set_xticks(range(1, B + 1))
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
