@@ -261,3 +261,14 @@ def test_prompts_all_too_long_are_refused(varied_target_dir, drafters, prompts_d
                   "--max-prompt-tokens", "5", "--out", tmp_path / "eval")
     err = capsys.readouterr().err
     assert rc == 2 and "longer than --max-prompt-tokens 5" in err, err
+
+
+def test_eval_command_with_sampling_is_lossless_too(varied_target_dir, drafters, prompts_dir, tmp_path):
+    """At temperature > 0 the target's samples are keyed on (seed, prompt, position), so plain and speculative
+    sampling must still give the same tokens."""
+    out = tmp_path / "eval"
+    rc = eval_cli("--drafter", drafters[0], "--target", varied_target_dir, "--prompts", prompts_dir,
+                  "--temperature", "1.0", "--seed", "3", "--limit", "2", "--no-warmup", "--out", out)
+    report = json.loads((out / "report.json").read_text())
+    assert rc == 0 and report["lossless_mismatches"] == 0 and report["lossless_checked"] >= 1
+    assert report["settings"]["sampling"].startswith("temperature 1.0")
