@@ -50,4 +50,4 @@ eval:
 	$(PYTHON) -m dflash_train eval --drafter $(RUN)/drafter --target $(TARGET) --prompts $(PROMPTS) --split eval $(EVAL_ARGS) --store $(EVAL_STORE) --out $(EVAL)
 
 push:
-	$(PYTHON) -m dflash_train push $(RUN)/drafter --repo $(REPO) --eval-report $(EVAL) $(PUSH_ARGS)
+	$(PYTHON) -m dflash_train push $(RUN)/drafter --repo $(REPO) --eval-report $(EVAL) --out $(PUSH_DIR) $(PUSH_ARGS)
