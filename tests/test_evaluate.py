@@ -12,7 +12,7 @@ import torch
 
 from dflash_train.evaluate import acceptance_stats, offline_estimate
 from dflash_train.spec_decode import DFlashProposer, Step, speculative_generate
-from test_spec_decode import PROMPTS, one_thread, prompt_ids, reference, varied_target, varied_target_dir  # noqa: F401
+from test_spec_decode import PROMPTS, prompt_ids, reference
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -61,16 +61,16 @@ class OracleDrafter(torch.nn.Module):
         return torch.nn.functional.one_hot(tokens, self.vocab).float()[None] * self.scale
 
 
-def test_offline_estimate_equals_online_tau_for_the_oracle(varied_target):
+def test_offline_estimate_equals_online_tau_for_the_oracle(tiny_target):
     """At every anchor the decoding visited, offline acceptance equals the online step's; for an oracle whose
     acceptance does not depend on the anchor (horizon <= 1), the offline estimate over all anchors equals the
     online tau."""
     from dflash_train.objective import simulated_acceptance
 
-    model, V, B, n = varied_target.model, varied_target.config.vocab_size, 4, 21
+    model, V, B, n = tiny_target.model, tiny_target.config.vocab_size, 4, 21
     embed = model.get_input_embeddings()
-    prompts = [prompt_ids(varied_target, text) for text in PROMPTS]
-    references = [reference(varied_target, ids, n + B) for ids in prompts]
+    prompts = [prompt_ids(tiny_target, text) for text in PROMPTS]
+    references = [reference(tiny_target, ids, n + B) for ids in prompts]
     for horizon in range(B):
         oracle = OracleDrafter(references, V, B, horizon)
         online_logs, samples = [], []
@@ -110,15 +110,15 @@ LAYERS = [1, 4, 6]
 
 
 @pytest.fixture(scope="module")
-def drafters(varied_target, tmp_path_factory):
+def drafters(tiny_target, tmp_path_factory):
     """Two untrained tiny drafters saved as they ship (block 4; the baseline with 2 layers and block 3)."""
     from test_spec_decode import tiny_drafter
 
     root = tmp_path_factory.mktemp("drafters")
     paths = []
     for name, block, layers, seed in (("main", 4, 1, 0), ("other", 3, 2, 1)):
-        d = tiny_drafter(varied_target, block_size=block, num_layers=layers, seed=seed)
-        d.config.target = varied_target.identity()
+        d = tiny_drafter(tiny_target, block_size=block, num_layers=layers, seed=seed)
+        d.config.target = tiny_target.identity()
         paths.append(d.save_pretrained(root / name))
     return paths
 
@@ -134,20 +134,20 @@ def prompts_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def store_dir(varied_target, prompts_dir, tmp_path_factory):
+def store_dir(tiny_target, prompts_dir, tmp_path_factory):
     """Held-out samples as capture writes them: the target's greedy response and the tapped states."""
     from dflash_train.capture import load_prompts
     from dflash_train.spec_decode import plain_generate
     from dflash_train.store import StoreWriter
 
     out = tmp_path_factory.mktemp("store") / "s"
-    model = varied_target.model
+    model = tiny_target.model
     records, _ = load_prompts(prompts_dir, "eval")
-    with StoreWriter(out, target=varied_target.identity(), target_layer_ids=LAYERS, hidden_size=64,
+    with StoreWriter(out, target=tiny_target.identity(), target_layer_ids=LAYERS, hidden_size=64,
                      generation={"template_kwargs": {}}) as writer:
         for r in records:
-            ids = varied_target.render(r.messages)
-            new = plain_generate(model, ids, 12, varied_target.stop_token_ids()).tokens
+            ids = tiny_target.render(r.messages)
+            new = plain_generate(model, ids, 12, tiny_target.stop_token_ids()).tokens
             full = torch.tensor([ids + new])
             with torch.no_grad():
                 states = model(full, output_hidden_states=True).hidden_states
@@ -162,12 +162,12 @@ def eval_cli(*args: str) -> int:
     return main(["eval", "--dtype", "fp32", "--threads", "1", "--max-new-tokens", "12", *map(str, args)])
 
 
-def test_eval_command_writes_the_report(varied_target, varied_target_dir, drafters, prompts_dir, store_dir, tmp_path,
+def test_eval_command_writes_the_report(tiny_target, tiny_target_dir, drafters, prompts_dir, store_dir, tmp_path,
                                         capsys):
     from dflash_train.provenance import is_complete
 
     out = tmp_path / "eval"
-    rc = eval_cli("--drafter", drafters[0], "--baseline-drafter", drafters[1], "--target", varied_target_dir,
+    rc = eval_cli("--drafter", drafters[0], "--baseline-drafter", drafters[1], "--target", tiny_target_dir,
                   "--prompts", prompts_dir, "--split", "eval", "--store", store_dir, "--out", out)
     assert rc == 0
     assert is_complete(out)
@@ -183,7 +183,7 @@ def test_eval_command_writes_the_report(varied_target, varied_target_dir, drafte
     assert report["offline"]["samples_of_eval_prompts"] == n  # the store holds the same held-out prompts
     assert report["tau_gap"] == pytest.approx(report["tau"] - report["tau_offline"])
     assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["tokens_per_s_baseline"])
-    assert report["target"]["config_hash"] == varied_target.identity()["config_hash"]
+    assert report["target"]["config_hash"] == tiny_target.identity()["config_hash"]
     methods = [m["method"] for m in report["methods"]]
     assert methods[0].startswith("plain") and methods[-1] == "block size 1" and len(methods) == 4
     blocks = [m["block_size"] for m in report["methods"]]
@@ -196,7 +196,7 @@ def test_eval_command_writes_the_report(varied_target, varied_target_dir, drafte
     for png in ("acceptance_by_position.png", "tau_histogram.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     prov = json.loads((out / "provenance.json").read_text())
-    assert prov["config"]["drafter"] == str(drafters[0]) and prov["target"]["name"] == str(varied_target_dir)
+    assert prov["config"]["drafter"] == str(drafters[0]) and prov["target"]["name"] == str(tiny_target_dir)
     assert "| method |" in capsys.readouterr().out
 
 
@@ -206,7 +206,7 @@ def test_eval_command_writes_the_report(varied_target, varied_target_dir, drafte
     ({"num_target_layers": 30}, "30-layer target"),
     ({"dflash_train": {"target": {"name": "other", "tokenizer_hash": "0" * 64}}}, "tokenizer differs"),
 ])
-def test_mismatched_drafter_is_refused_before_decoding(varied_target_dir, drafters, prompts_dir, tmp_path, capsys,
+def test_mismatched_drafter_is_refused_before_decoding(tiny_target_dir, drafters, prompts_dir, tmp_path, capsys,
                                                        edit, message):
     import shutil
 
@@ -220,35 +220,35 @@ def test_mismatched_drafter_is_refused_before_decoding(varied_target_dir, drafte
             config[key] = value
     (bad / "config.json").write_text(json.dumps(config))
     out = tmp_path / "eval"
-    rc = eval_cli("--drafter", bad, "--target", varied_target_dir, "--prompts", prompts_dir, "--out", out)
+    rc = eval_cli("--drafter", bad, "--target", tiny_target_dir, "--prompts", prompts_dir, "--out", out)
     err = capsys.readouterr().err
     assert rc == 2 and message in err and str(bad) in err, err
     assert not out.exists()
 
 
-def test_empty_prompt_set_is_refused(varied_target_dir, drafters, tmp_path, capsys):
+def test_empty_prompt_set_is_refused(tiny_target_dir, drafters, tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    rc = eval_cli("--drafter", drafters[0], "--target", varied_target_dir, "--prompts", empty,
+    rc = eval_cli("--drafter", drafters[0], "--target", tiny_target_dir, "--prompts", empty,
                   "--out", tmp_path / "eval")
     err = capsys.readouterr().err
     assert rc == 2 and "no prompts" in err and str(empty) in err, err
 
 
-def test_mismatch_diagnosis_and_fp32_recheck(varied_target, varied_target_dir, drafters):
+def test_mismatch_diagnosis_and_fp32_recheck(tiny_target, tiny_target_dir, drafters):
     """The path a bf16 tie takes: where the outputs part, the margin there, and the fp32 rerun of both."""
     from dflash_train.evaluate import (NO_SPECULATION, PLAIN, EvalConfig, Method, _load_proposer,
                                        diagnose_mismatch, recheck_in_fp32)
     from dflash_train.spec_decode import NoDraft, plain_generate
 
-    ids = prompt_ids(varied_target, PROMPTS[0])
-    plain = plain_generate(varied_target.model, ids, 12, []).tokens
+    ids = prompt_ids(tiny_target, PROMPTS[0])
+    plain = plain_generate(tiny_target.model, ids, 12, []).tokens
     broken = plain[:5] + [(plain[5] + 1) % 1024] + plain[6:]
-    info = diagnose_mismatch(varied_target, ids, plain, broken)
+    info = diagnose_mismatch(tiny_target, ids, plain, broken)
     assert info["index"] == 5 and info["plain_token"] == plain[5] and info["spec_token"] == broken[5]
     assert info["top2_margin"] > 0
-    cfg = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", target=str(varied_target_dir), max_new_tokens=12)
-    methods = [Method(PLAIN, None), Method("drafter", _load_proposer(cfg.drafter, varied_target, None, torch.float32),
+    cfg = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", target=str(tiny_target_dir), max_new_tokens=12)
+    methods = [Method(PLAIN, None), Method("drafter", _load_proposer(cfg.drafter, tiny_target, None, torch.float32),
                                           cfg.drafter, 4), Method(NO_SPECULATION, NoDraft())]
     details = [{"id": "p", "method": "drafter", **info}, {"id": "p", "method": NO_SPECULATION, **info}]
     recheck_in_fp32(cfg, "cpu", methods, details, {"p": ids}, {"p": broken})
@@ -256,18 +256,18 @@ def test_mismatch_diagnosis_and_fp32_recheck(varied_target, varied_target_dir, d
         assert d["fp32_spec_equals_plain"] is True and d["plain_equals_fp32_plain"] is False
 
 
-def test_prompts_all_too_long_are_refused(varied_target_dir, drafters, prompts_dir, tmp_path, capsys):
-    rc = eval_cli("--drafter", drafters[0], "--target", varied_target_dir, "--prompts", prompts_dir,
+def test_prompts_all_too_long_are_refused(tiny_target_dir, drafters, prompts_dir, tmp_path, capsys):
+    rc = eval_cli("--drafter", drafters[0], "--target", tiny_target_dir, "--prompts", prompts_dir,
                   "--max-prompt-tokens", "5", "--out", tmp_path / "eval")
     err = capsys.readouterr().err
     assert rc == 2 and "longer than --max-prompt-tokens 5" in err, err
 
 
-def test_eval_command_with_sampling_is_lossless_too(varied_target_dir, drafters, prompts_dir, tmp_path):
+def test_eval_command_with_sampling_is_lossless_too(tiny_target_dir, drafters, prompts_dir, tmp_path):
     """At temperature > 0 the target's samples are keyed on (seed, prompt, position), so plain and speculative
     sampling must still give the same tokens."""
     out = tmp_path / "eval"
-    rc = eval_cli("--drafter", drafters[0], "--target", varied_target_dir, "--prompts", prompts_dir,
+    rc = eval_cli("--drafter", drafters[0], "--target", tiny_target_dir, "--prompts", prompts_dir,
                   "--temperature", "1.0", "--seed", "3", "--limit", "2", "--no-warmup", "--out", out)
     report = json.loads((out / "report.json").read_text())
     assert rc == 0 and report["lossless_mismatches"] == 0 and report["lossless_checked"] >= 1

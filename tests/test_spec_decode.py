@@ -10,41 +10,7 @@ import torch
 from dflash_train.spec_decode import (DFlashProposer, NoDraft, TokenChooser, plain_generate,
                                       speculative_generate)
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model is all per-op overhead: one thread is ~10x faster than two on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 PROMPTS = ["Hello! How can I help", "def add(a, b):", "Write a poem about the sea.", "0123456789 + - *"]
-
-
-@pytest.fixture(scope="session")
-def varied_target_dir(tmp_path_factory):
-    """The tiny target with its decoder layers re-initialised with a larger spread. The stock tiny target
-    repeats one token forever, which would let a broken decoding loop pass every comparison."""
-    from tiny import make_tiny_target
-    from transformers import AutoModelForCausalLM
-
-    path = make_tiny_target(tmp_path_factory.mktemp("varied_target"))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.model.layers.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.25)
-    model.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="session")
-def varied_target(varied_target_dir):
-    from dflash_train.target import load_target
-
-    return load_target(str(varied_target_dir), dtype=torch.float32)
 
 
 def prompt_ids(target, text: str) -> list[int]:
@@ -90,32 +56,32 @@ def reference(target, ids: list[int], n: int, chooser: TokenChooser | None = Non
     return ids + plain_generate(target.model, ids, n, stop_ids=[], chooser=chooser).tokens
 
 
-def test_plain_generate_equals_transformers_generate(varied_target):
-    model = varied_target.model
+def test_plain_generate_equals_transformers_generate(tiny_target):
+    model = tiny_target.model
     for text in PROMPTS[:2]:
-        ids = prompt_ids(varied_target, text)
-        ours = plain_generate(model, ids, 24, varied_target.stop_token_ids()).tokens
+        ids = prompt_ids(tiny_target, text)
+        ours = plain_generate(model, ids, 24, tiny_target.stop_token_ids()).tokens
         theirs = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
-                                eos_token_id=varied_target.stop_token_ids(), pad_token_id=2)[0, len(ids):].tolist()
+                                eos_token_id=tiny_target.stop_token_ids(), pad_token_id=2)[0, len(ids):].tolist()
         assert ours == theirs
         assert len(set(ours)) > 3, "the test target should not be degenerate"
 
 
-def test_block_size_one_is_plain_decoding(varied_target):
-    ids = prompt_ids(varied_target, PROMPTS[1])
-    plain = plain_generate(varied_target.model, ids, 20, [2])
-    spec = speculative_generate(varied_target.model, ids, NoDraft(), 20, [2])
+def test_block_size_one_is_plain_decoding(tiny_target):
+    ids = prompt_ids(tiny_target, PROMPTS[1])
+    plain = plain_generate(tiny_target.model, ids, 20, [2])
+    spec = speculative_generate(tiny_target.model, ids, NoDraft(), 20, [2])
     assert spec.tokens == plain.tokens
     assert [(s.accepted, s.committed) for s in spec.steps] == [(0, 1)] * (len(plain.tokens) - 1)
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 7])
-def test_oracle_accepts_whole_blocks(varied_target, block_size):
-    model, vocab = varied_target.model, varied_target.config.vocab_size
+def test_oracle_accepts_whole_blocks(tiny_target, block_size):
+    model, vocab = tiny_target.model, tiny_target.config.vocab_size
     for text in PROMPTS:
-        ids = prompt_ids(varied_target, text)
+        ids = prompt_ids(tiny_target, text)
         n = 23
-        oracle = Oracle(reference(varied_target, ids, n + block_size), block_size, vocab)
+        oracle = Oracle(reference(tiny_target, ids, n + block_size), block_size, vocab)
         plain = plain_generate(model, ids, n, [])
         spec = speculative_generate(model, ids, oracle, n, [])
         assert spec.tokens == plain.tokens
@@ -125,10 +91,10 @@ def test_oracle_accepts_whole_blocks(varied_target, block_size):
         assert len(spec.steps) == -(-(n - 1) // block_size)
 
 
-def test_stop_token_and_length_cut_inside_accepted_blocks(varied_target):
-    model, vocab, B = varied_target.model, varied_target.config.vocab_size, 4
-    ids = prompt_ids(varied_target, PROMPTS[2])
-    ref = reference(varied_target, ids, 40 + B)
+def test_stop_token_and_length_cut_inside_accepted_blocks(tiny_target):
+    model, vocab, B = tiny_target.model, tiny_target.config.vocab_size, 4
+    ids = prompt_ids(tiny_target, PROMPTS[2])
+    ref = reference(tiny_target, ids, 40 + B)
     continuation = ref[len(ids):]
     cuts = 0
     for stop_index in range(2, 14):  # a stop token at every slot of a few blocks
@@ -147,11 +113,11 @@ def test_stop_token_and_length_cut_inside_accepted_blocks(varied_target):
         assert spec.tokens == plain.tokens and len(spec.tokens) == max_new
 
 
-def test_horizon_oracle_and_noisy_oracle_are_lossless(varied_target):
-    model, vocab, B = varied_target.model, varied_target.config.vocab_size, 5
+def test_horizon_oracle_and_noisy_oracle_are_lossless(tiny_target):
+    model, vocab, B = tiny_target.model, tiny_target.config.vocab_size, 5
     for text in PROMPTS:
-        ids = prompt_ids(varied_target, text)
-        ref = reference(varied_target, ids, 30 + B)
+        ids = prompt_ids(tiny_target, text)
+        ref = reference(tiny_target, ids, 30 + B)
         plain = plain_generate(model, ids, 30, [2]).tokens
         for horizon in range(B):
             spec = speculative_generate(model, ids, Oracle(ref, B, vocab, horizon=horizon), 30, [2])
@@ -162,16 +128,16 @@ def test_horizon_oracle_and_noisy_oracle_are_lossless(varied_target):
         assert len({s.accepted for s in spec.steps}) > 1
 
 
-def test_sampling_accepts_only_drafts_equal_to_the_targets_sample(varied_target):
-    model, vocab, B = varied_target.model, varied_target.config.vocab_size, 4
-    ids = prompt_ids(varied_target, PROMPTS[0])
+def test_sampling_accepts_only_drafts_equal_to_the_targets_sample(tiny_target):
+    model, vocab, B = tiny_target.model, tiny_target.config.vocab_size, 4
+    ids = prompt_ids(tiny_target, PROMPTS[0])
     greedy = plain_generate(model, ids, 30, []).tokens
     outputs = []
     for seed in (1, 2):
         chooser = TokenChooser(temperature=1.0, seed=seed)
         plain = plain_generate(model, ids, 30, [], chooser=chooser).tokens
         assert plain == plain_generate(model, ids, 30, [], chooser=chooser).tokens  # seeded: reproducible
-        ref = reference(varied_target, ids, 30 + B, chooser)
+        ref = reference(tiny_target, ids, 30 + B, chooser)
         oracle = Oracle(ref, B, vocab, noise=0.3, seed=seed)
         spec = speculative_generate(model, ids, oracle, 30, [], chooser=chooser)
         assert spec.tokens == plain
@@ -216,15 +182,15 @@ class Recorder:
         self.inner.advance(tapped)
 
 
-def test_untrained_dflash_drafter_is_lossless_and_drafts_like_training(varied_target):
+def test_untrained_dflash_drafter_is_lossless_and_drafts_like_training(tiny_target):
     from dflash_train.objective import draft_hidden, make_blocks
 
-    model = varied_target.model
-    drafter = tiny_drafter(varied_target)
+    model = tiny_target.model
+    drafter = tiny_drafter(tiny_target)
     proposer = Recorder(DFlashProposer(drafter, model.get_input_embeddings(), model.lm_head))
     layers = [i + 1 for i in drafter.config.target_layer_ids]
     for text in PROMPTS[:3]:
-        ids = prompt_ids(varied_target, text)
+        ids = prompt_ids(tiny_target, text)
         proposer.drafted.clear()
         plain = plain_generate(model, ids, 24, [2])
         spec = speculative_generate(model, ids, proposer, 24, [2])
