@@ -320,7 +320,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
 
 
 def chunked_head_ce(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                    chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+                    chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of weight x CE as an fp32 scalar, whether the greedy prediction is the label) for hidden [T, H],
     head [V, H]."""
     return _ChunkedHeadCE.apply(hidden, head, labels, weights, chunk)
@@ -364,7 +364,7 @@ def draft_hidden(drafter, embed: torch.Tensor, batch: dict[str, torch.Tensor], b
 
 def dflash_loss(drafter, embed: torch.Tensor, lm_head: torch.Tensor, batch: dict[str, torch.Tensor],
                 blocks: Blocks, *, mask_token_id: int, gamma: float, attention: str = "sdpa",
-                head_chunk_tokens: int = 512) -> LossOutput:
+                head_chunk_tokens: int = 256) -> LossOutput:
     """The decay-weighted block CE for one micro batch (see the module docstring)."""
     doc_start = batch.get("doc_start")
     labels, weights = block_labels(batch["input_ids"], batch["loss_mask"], blocks, gamma, doc_start)

@@ -44,7 +44,7 @@ class ObjectiveConfig:
     num_anchors: int = 512  # blocks per sequence, sampled anew every step
     decay_gamma: float | None = None  # slot weight exp(-(k-1)/gamma); None = 7 for block 16 (scaled with B)
     attention: Literal["auto", "sdpa", "flex"] = "auto"  # auto: FlexAttention on CUDA, dense mask + SDPA else
-    head_chunk_tokens: int = 512  # block slots per LM-head + CE chunk: full logits never exist at once
+    head_chunk_tokens: int = 256  # block slots per LM-head + CE chunk: full logits never exist at once
 
 
 @dataclass

@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--attention", choices=["blockwise", "sdpa", "flex"], default=None)
     p.add_argument("--head", choices=["fused", "checkpointed"], default="fused")
-    p.add_argument("--head-chunk", type=int, default=512)
+    p.add_argument("--head-chunk", type=int, default=256)
     p.add_argument("--baseline", action="store_true", help="--attention sdpa --head checkpointed")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None)
