@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import hashlib
 import inspect
 import json
 import os
@@ -33,7 +32,8 @@ import torch
 
 from dflash_train.errors import UserError
 from dflash_train.store import DEFAULT_SHARD_BYTES, STORAGE_DTYPES, StoreWriter, finalize_store
-from dflash_train.target import DEFAULT_TARGET, Target, default_layer_ids, load_target
+from dflash_train.target import (DEFAULT_TARGET, Target, default_layer_ids, load_target, prompt_seed,
+                                 template_kwargs_arg)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -147,11 +147,6 @@ def sampling_for(record: PromptRecord, temperature: float | None, top_p: float |
     t = temperature if temperature is not None else logged.get("temperature")
     p = top_p if top_p is not None else logged.get("top_p")
     return Sampling(temperature=float(t) if t is not None else 0.0, top_p=float(p) if p is not None else 1.0)
-
-
-def sample_seed(seed: int, record_id: str) -> int:
-    """A per-prompt seed: a sampled response does not depend on batching, ranks or resumes."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{record_id}".encode()).digest()[:8], "little") >> 1
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -386,7 +381,7 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
             captured = generate_and_capture(
                 target.model, [ids for _, ids in batch], layer_ids, cfg.max_new_tokens, stop_ids, pad_id,
                 samplings=[sampling_for(r, cfg.temperature, cfg.top_p) for r, _ in batch],
-                seeds=[sample_seed(cfg.seed, r.id) for r, _ in batch])
+                seeds=[prompt_seed(cfg.seed, r.id) for r, _ in batch])
         else:
             responses = [logged_response_ids(target, r, ids, cfg.template_kwargs)[0][:cfg.max_new_tokens]
                          for r, ids in batch]
@@ -449,7 +444,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", choices=sorted(STORAGE_DTYPES), default="bf16")
     p.add_argument("--responses", choices=["generate", "logged"], default="generate")
     p.add_argument("--shard-size-mb", type=float, default=DEFAULT_SHARD_BYTES / 2**20)
-    p.add_argument("--template-kwargs", type=_json_object, default={},
+    p.add_argument("--template-kwargs", type=template_kwargs_arg, default={},
                    help='chat template options as JSON, e.g. \'{"enable_thinking": false}\'')
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="the target's compute dtype")
     p.add_argument("--device", default=None, help="default: cuda (this rank's GPU) if available, else cpu")
@@ -462,16 +457,6 @@ def _int_list(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return value
 
 
 def config_from_args(args: argparse.Namespace) -> CaptureConfig:

@@ -18,8 +18,6 @@ OUT/provenance.json; the folder stays marked incomplete until all of them are wr
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,10 +26,11 @@ from typing import Any
 import torch
 
 from dflash_train.errors import UserError
-from dflash_train.provenance import complete_output, start_output, write_json_atomic, write_provenance
+from dflash_train.provenance import (complete_output, sha256_file, start_output, write_json_atomic,
+                                     write_provenance)
 from dflash_train.spec_decode import (DFlashProposer, Generation, NoDraft, Step, TokenChooser, plain_generate,
                                       speculative_generate)
-from dflash_train.target import DEFAULT_TARGET, Target, load_target
+from dflash_train.target import DEFAULT_TARGET, Target, load_target, prompt_seed, template_kwargs_arg
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PLAIN = "plain (target only)"
@@ -174,10 +173,6 @@ class Method:
     generations: list[Generation] = field(default_factory=list)
 
 
-def _prompt_seed(seed: int, record_id: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{record_id}".encode()).digest()[:8], "little") >> 1
-
-
 def _load_proposer(path: str, target: Target, block_size: int | None, dtype: torch.dtype) -> DFlashProposer:
     from dflash_train.drafter import load_drafter
 
@@ -223,7 +218,7 @@ def recheck_in_fp32(cfg: EvalConfig, device: str, methods: list["Method"], misma
             proposers[d["method"]] = NoDraft() if m.drafter_path is None else \
                 _load_proposer(m.drafter_path, target, cfg.block_size, torch.float32)
         ids, stop = prompts[d["id"]], target.stop_token_ids()
-        chooser = TokenChooser(cfg.temperature, _prompt_seed(cfg.seed, d["id"]))
+        chooser = TokenChooser(cfg.temperature, prompt_seed(cfg.seed, d["id"]))
         plain = plain_generate(target.model, ids, cfg.max_new_tokens, stop, chooser).tokens
         spec = speculative_generate(target.model, ids, proposers[d["method"]], cfg.max_new_tokens, stop,
                                     chooser).tokens
@@ -256,7 +251,7 @@ def decode_all(methods: list[Method], target: Target, prompts: dict[str, list[in
     mine = methods[1].name
     bar = tqdm(prompts.items(), desc="eval", unit="prompt")
     for i, (rid, ids) in enumerate(bar):
-        chooser = TokenChooser(cfg.temperature, _prompt_seed(cfg.seed, rid))
+        chooser = TokenChooser(cfg.temperature, prompt_seed(cfg.seed, rid))
         order = methods[i % len(methods):] + methods[:i % len(methods)]  # no method always runs first
         outputs = {m.name: _run_one(m, target, ids, cfg.max_new_tokens, chooser) for m in order}
         for m in methods:
@@ -386,14 +381,6 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     return report
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _label(path: str) -> str:
     """runs/smollm2-demo/drafter -> smollm2-demo/drafter: short, and tells drafters of different runs apart."""
     parts = Path(path).resolve().parts
@@ -410,7 +397,7 @@ def _drafter_summary(path: str, proposer: DFlashProposer) -> dict[str, Any]:
     return {"path": str(path), "block_size": cfg.block_size, "num_hidden_layers": cfg.num_hidden_layers,
             "target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id,
             "num_parameters": sum(p.numel() for p in proposer.drafter.parameters()),
-            "weights_sha256": _sha256_file(Path(path) / "model.safetensors"),
+            "weights_sha256": sha256_file(Path(path) / "model.safetensors"),
             "made_for_target": (cfg.target or {}).get("name")}
 
 
@@ -564,7 +551,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline-drafter", action="append", default=[], metavar="DIR",
                    help="another drafter folder to put in the same table (repeatable)")
     p.add_argument("--store", default=None, help="a capture store of held-out samples for the offline estimate")
-    p.add_argument("--template-kwargs", type=_json_object, default=None,
+    p.add_argument("--template-kwargs", type=template_kwargs_arg, default=None,
                    help='chat template options as JSON (default: the store\'s, else none)')
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="target and drafter compute dtype (auto: fp32 on CPU, bf16 on CUDA); in bf16, prompts that "
@@ -573,16 +560,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up run")
     p.add_argument("--out", required=True, help="output folder for the report")
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ completed; a rerun sees the marker and finishes or redoes the work instead of tr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -33,6 +34,14 @@ def git_commit(repo_dir: str | Path | None = None) -> dict[str, Any]:
         return {"commit": commit, "dirty": dirty}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def package_versions() -> dict[str, str | None]:

@@ -18,9 +18,7 @@ leaves this module goes through `redact`.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
 import re
 import shlex
 import shutil
@@ -34,7 +32,7 @@ from dflash_train.card import (DEFAULT_LICENSE, CardInputs, Gate, lossless_misma
                                without_text)
 from dflash_train.errors import UserError
 from dflash_train.provenance import (INCOMPLETE_MARKER, PROVENANCE_FILE, complete_output, provenance,
-                                     start_output, write_json_atomic, write_provenance)
+                                     sha256_file, start_output, write_json_atomic, write_provenance)
 
 # A drafter that commits fewer than 1.5 tokens per verification accepts a draft token at most every other step:
 # not worth a release. Recipes set their own bar with push.min_tau; --min-tau overrides both.
@@ -208,14 +206,6 @@ def data_summary(training_args: dict[str, Any] | None, recipe: dict[str, Any] | 
 # ---- the gate -----------------------------------------------------------------------------------------------
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def drafter_differences(report: dict[str, Any], config: dict[str, Any], drafter_dir: Path) -> list[str]:
     """Where the drafter the report measured (its `drafter` summary, its block size) differs from this one."""
     measured = report.get("drafter") if isinstance(report.get("drafter"), dict) else {}
@@ -227,7 +217,7 @@ def drafter_differences(report: dict[str, Any], config: dict[str, Any], drafter_
     if measured.get("weights_sha256"):
         weights = drafter_dir / "model.safetensors.index.json"
         weights = weights if weights.exists() else drafter_dir / "model.safetensors"
-        if file_sha256(weights) != measured["weights_sha256"]:
+        if sha256_file(weights) != measured["weights_sha256"]:
             differences.append(f"the weights in {weights} are not the ones evaluated (sha256 differs)")
     if report.get("block_size") not in (None, config.get("block_size")):
         differences.append(f"eval block size {report['block_size']} vs the drafter's {config.get('block_size')}")

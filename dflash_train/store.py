@@ -27,7 +27,6 @@ import argparse
 import bisect
 import errno
 import functools
-import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -39,8 +38,8 @@ import numpy as np
 import torch
 
 from dflash_train.errors import UserError
-from dflash_train.provenance import (INCOMPLETE_MARKER, complete_output, start_output, write_json_atomic,
-                                     write_provenance)
+from dflash_train.provenance import (INCOMPLETE_MARKER, complete_output, sha256_file, start_output,
+                                     write_json_atomic, write_provenance)
 
 FORMAT = "dflash-train-store"
 FORMAT_VERSION = 1
@@ -79,14 +78,6 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
     else:
         x = q.float()
     return x.mul_(scales.float()[:, None]).to(dtype)
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _is_disk_full(err: OSError) -> bool:

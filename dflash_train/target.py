@@ -184,6 +184,24 @@ def render_prompt(tokenizer, messages: list[dict[str, str]], **template_kwargs: 
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def template_kwargs_arg(text: str) -> dict[str, Any]:
+    """argparse type for `--template-kwargs '{"enable_thinking": false}'`: a JSON object."""
+    import argparse
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def prompt_seed(seed: int, record_id: str) -> int:
+    """A per-prompt sampling seed: a sampled response depends on neither batching, ranks, resumes nor order."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{record_id}".encode()).digest()[:8], "little") >> 1
+
+
 def stop_token_ids(model, tokenizer) -> list[int]:
     """EOS ids from the generation config (they may be several, e.g. Qwen3), else the tokenizer's."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
