@@ -22,15 +22,6 @@ TEXTS = ["Hello!", "Write a poem about the sea.", "def add(a, b):",
 LAYERS = [1, 3, 5]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # The tiny model is latency-bound: one thread is faster than two contended ones on a shared box.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_rows(n):
     rows = []
     for i in range(n):

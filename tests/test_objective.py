@@ -12,15 +12,6 @@ from dflash_train import objective as obj
 B = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread is faster, and much faster when other jobs share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _row(loss_mask: list[int]) -> torch.Tensor:
     return torch.tensor(loss_mask, dtype=torch.bool)[None]
 
