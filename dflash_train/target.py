@@ -17,7 +17,7 @@ import importlib.util
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -144,6 +144,7 @@ class Target:
     path: Path
     model: Any  # transformers PreTrainedModel (causal LM)
     tokenizer: Any
+    _identity: dict[str, Any] | None = field(default=None, init=False, repr=False)
 
     @property
     def config(self):
@@ -154,7 +155,10 @@ class Target:
         return self.model.config.num_hidden_layers
 
     def identity(self) -> dict[str, Any]:
-        return target_identity(self.path, self.name)
+        """Computed once: it re-reads the tokenizer from disk, and eval checks every drafter and store against it."""
+        if self._identity is None:
+            self._identity = target_identity(self.path, self.name)
+        return dict(self._identity)
 
     def render(self, messages: list[dict[str, str]], **template_kwargs: Any) -> list[int]:
         return render_prompt(self.tokenizer, messages, **template_kwargs)
