@@ -30,7 +30,8 @@ from dflash_train.provenance import (complete_output, sha256_file, start_output,
                                      write_provenance)
 from dflash_train.spec_decode import (DFlashProposer, Generation, NoDraft, Step, TokenChooser, plain_generate,
                                       speculative_generate)
-from dflash_train.target import DEFAULT_TARGET, Target, load_target, prompt_seed, template_kwargs_arg
+from dflash_train.target import (DEFAULT_TARGET, IDENTITY_HASHES, Target, load_target, prompt_seed,
+                                 template_kwargs_arg)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PLAIN = "plain (target only)"
@@ -138,7 +139,7 @@ def check_drafter_fits(drafter, target: Target, where: str, block_size: int | No
     made_for = cfg.target or {}
     if made_for:
         mine = target.identity()
-        for key in ("config_hash", "tokenizer_hash", "chat_template_hash"):
+        for key in IDENTITY_HASHES:
             if made_for.get(key) and made_for[key] != mine[key]:
                 problems.append(f"{key.replace('_hash', '').replace('_', ' ')} differs from the one it was "
                                 f"trained for ({made_for.get('name')})")
@@ -155,7 +156,7 @@ def check_store_fits(manifest: dict[str, Any], drafter, target: Target, where: s
         problems.append(f"its hidden_size {manifest.get('hidden_size')} != {drafter.config.hidden_size}")
     captured = manifest.get("target") or {}
     mine = target.identity()
-    for key in ("config_hash", "tokenizer_hash", "chat_template_hash"):
+    for key in IDENTITY_HASHES:
         if captured.get(key) and captured[key] != mine[key]:
             problems.append(f"it was captured from another target ({key} differs)")
     if problems:

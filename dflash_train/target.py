@@ -26,6 +26,8 @@ import torch
 from dflash_train.errors import UserError
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
+# The fields of `target_identity` that say two targets are the same model, as served
+IDENTITY_HASHES = ("config_hash", "tokenizer_hash", "chat_template_hash")
 
 
 @dataclass(frozen=True)

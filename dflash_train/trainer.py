@@ -40,6 +40,7 @@ from dflash_train import objective as obj
 from dflash_train.errors import UserError
 from dflash_train.provenance import complete_output, start_output, write_json_atomic, write_provenance
 from dflash_train.recipe import Recipe, load_recipe
+from dflash_train.target import IDENTITY_HASHES
 
 CHECKPOINT_PREFIX = "step-"
 STATE_FILE = "trainer_state.json"
@@ -94,7 +95,7 @@ class StoreSet:
 
 
 def _target_key(identity: dict[str, Any]) -> tuple:
-    return tuple(identity.get(k) for k in ("config_hash", "tokenizer_hash", "chat_template_hash"))
+    return tuple(identity.get(k) for k in IDENTITY_HASHES)
 
 
 def _hash_fraction(text: str) -> float:
@@ -333,7 +334,7 @@ def check_store_against_target(stores: StoreSet, target_name: str) -> dict[str, 
 
     identity = target_identity(resolve_target(target_name), target_name)
     captured = stores.manifest["target"]
-    for key in ("config_hash", "tokenizer_hash", "chat_template_hash"):
+    for key in IDENTITY_HASHES:
         if identity.get(key) != captured.get(key):
             raise UserError(f"store {stores.folders[0]} was captured from target {captured.get('name')!r}, but the "
                             f"target {target_name!r} differs ({key} {identity.get(key, '')[:12]} != "
