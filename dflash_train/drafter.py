@@ -403,6 +403,9 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
         self.rotary = Rotary(config)
         self.gradient_checkpointing = False  # recompute each layer in backward (training only) to save memory
+        # Optional per-channel divisor of the tapped states (training only, `set_context_scale`); not part of the
+        # checkpoint format: save_pretrained folds it into fc, so exported weights compute the same function.
+        self.register_buffer("context_scale", None, persistent=False)
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -461,11 +464,57 @@ class DFlashDrafter(nn.Module):
                         device: str | torch.device = "cpu") -> "DFlashDrafter":
         return load_drafter(path, dtype=dtype, device=device)
 
+    def set_context_scale(self, scale: torch.Tensor | None) -> None:
+        """Divide the tapped states by `scale` [n*H] (> 0) before fc. The target's tapped states carry a few huge,
+        nearly constant channels; dividing every channel by its RMS over real data lets fc start from inputs of
+        unit scale. Exact to fold into fc (fc(x / s) = (W / s) x), which save_pretrained does."""
+        if scale is not None:
+            scale = scale.detach().float().reshape(-1)
+            if scale.numel() != self.fc.in_features or not bool((scale > 0).all()) or not bool(scale.isfinite().all()):
+                raise ValueError(f"context scale must be {self.fc.in_features} positive finite values")
+            scale = scale.to(self.fc.weight.device)
+        self.context_scale = scale
+
+    def init_from_target(self, layers: list[dict[str, torch.Tensor]], final_norm: torch.Tensor) -> list[str]:
+        """Start from the target instead of random weights: drafter layer i takes the weights of `layers[i]` (the
+        target's top decoder layers, keys as in the target's layer: self_attn.q_proj.weight, ...), `norm` the
+        target's final norm, `hidden_norm` the first copied layer's input norm, and fc passes the deepest tapped
+        layer through unchanged (fused context = that layer's output, which is the first copied layer's input).
+        q_norm/k_norm start at 1 where the target has none. Returns the names of the tensors set."""
+        if len(layers) != len(self.layers):
+            raise ValueError(f"{len(layers)} target layers for a {len(self.layers)}-layer drafter")
+        set_names = []
+        with torch.no_grad():
+            for i, (layer, weights) in enumerate(zip(self.layers, layers)):
+                own = dict(layer.named_parameters())
+                for name, param in own.items():
+                    if name in weights:
+                        if tuple(weights[name].shape) != tuple(param.shape):
+                            raise UserError(f"target layer tensor {name} has shape {tuple(weights[name].shape)}, "
+                                            f"the drafter's is {tuple(param.shape)}")
+                        param.copy_(weights[name])
+                    elif name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+                        param.fill_(1.0)
+                    else:
+                        raise UserError(f"the target's layer has no {name}: cannot initialise the drafter from it")
+                    set_names.append(f"layers.{i}.{name}")
+            self.norm.weight.copy_(final_norm)
+            self.hidden_norm.weight.copy_(layers[0]["input_layernorm.weight"])
+            H = self.config.hidden_size
+            deepest = max(range(self.config.num_target_features), key=lambda j: self.config.target_layer_ids[j])
+            scale = torch.ones(H) if self.context_scale is None else self.context_scale[deepest * H:(deepest + 1) * H]
+            self.fc.weight.zero_()
+            self.fc.weight[:, deepest * H:(deepest + 1) * H] = torch.diag(scale.to(self.fc.weight.device))
+        return set_names + ["norm.weight", "hidden_norm.weight", "fc.weight"]
+
     # -- forward ------------------------------------------------------------------------------------------------
 
     def fuse_context(self, context: torch.Tensor) -> torch.Tensor:
         """Tapped target states [b, S, n*H] -> context vectors [b, S, H]."""
-        return self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))
+        context = context.to(self.fc.weight.dtype)
+        if self.context_scale is not None:
+            context = context / self.context_scale.to(context.dtype)
+        return self.hidden_norm(self.fc(context))
 
     def forward(self, block_embeds: torch.Tensor, context: torch.Tensor, position_ids: torch.Tensor,
                 context_position_ids: torch.Tensor, attention_mask: torch.Tensor | BlockMask | Callable | None = None,
@@ -505,6 +554,9 @@ class DFlashDrafter(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         dtype = self.fc.weight.dtype
         tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
+        if self.context_scale is not None:  # fold x / s into fc: the public format has no place for s
+            folded = self.fc.weight.detach().float().cpu() / self.context_scale.cpu()[None, :]
+            tensors["fc.weight"] = folded.to(dtype).contiguous()
         tmp = out / "model.safetensors.tmp"
         save_file(tensors, str(tmp), metadata={"format": "pt"})
         tmp.replace(out / "model.safetensors")

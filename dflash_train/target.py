@@ -264,30 +264,62 @@ def target_identity(path: str | Path, name: str | None = None) -> dict[str, Any]
     }
 
 
+class _TargetTensors:
+    """Reads single tensors from a target's safetensors files by key suffix, without building the model."""
+
+    def __init__(self, name_or_path: str):
+        from safetensors import safe_open
+
+        self.path = resolve_target(name_or_path)
+        index = self.path / "model.safetensors.index.json"
+        if index.exists():
+            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        else:
+            with safe_open(self.path / "model.safetensors", framework="pt") as f:
+                self.weight_map = {key: "model.safetensors" for key in f.keys()}
+
+    def read(self, suffix: str, dtype: torch.dtype) -> torch.Tensor | None:
+        from safetensors import safe_open
+
+        keys = [k for k in self.weight_map if k == suffix.lstrip(".") or k.endswith(suffix)]
+        if not keys:
+            return None
+        key = min(keys, key=len)  # the language model's own, not a vision tower's
+        with safe_open(self.path / self.weight_map[key], framework="pt") as f:
+            return f.get_tensor(key).to(dtype)
+
+
 def load_embedding_and_head(name_or_path: str = DEFAULT_TARGET,
                             dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """Only the target's input embedding and LM head weights ([vocab, hidden] each), read straight from its
     safetensors files without building the model. Tied models (SmolLM2) return the same tensor twice."""
-    from safetensors import safe_open
-
-    path = resolve_target(name_or_path)
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    else:
-        with safe_open(path / "model.safetensors", framework="pt") as f:
-            weight_map = {key: "model.safetensors" for key in f.keys()}
-
-    def read(suffix: str) -> torch.Tensor | None:
-        keys = [k for k in weight_map if k.endswith(suffix)]
-        if not keys:
-            return None
-        key = min(keys, key=len)  # the language model's own, not a vision tower's
-        with safe_open(path / weight_map[key], framework="pt") as f:
-            return f.get_tensor(key).to(dtype)
-
-    embed = read("embed_tokens.weight")
+    tensors = _TargetTensors(name_or_path)
+    embed = tensors.read("embed_tokens.weight", dtype)
     if embed is None:
-        raise UserError(f"no embed_tokens.weight in the safetensors files of {path}")
-    head = read("lm_head.weight")
+        raise UserError(f"no embed_tokens.weight in the safetensors files of {tensors.path}")
+    head = tensors.read("lm_head.weight", dtype)
     return embed, (embed if head is None else head)
+
+
+LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+                 "post_attention_layernorm.weight")
+
+
+def load_decoder_layers(name_or_path: str, layer_ids: list[int],
+                        dtype: torch.dtype = torch.float32) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+    """The weights of the target's decoder layers `layer_ids` (keys relative to the layer, e.g.
+    self_attn.q_proj.weight; q_norm/k_norm only where the target has them) and its final norm."""
+    tensors = _TargetTensors(name_or_path)
+    layers = []
+    for i in layer_ids:
+        found = {name: tensors.read(f".layers.{i}.{name}", dtype) for name in LAYER_TENSORS}
+        layer = {name: t for name, t in found.items() if t is not None}
+        if "self_attn.q_proj.weight" not in layer:
+            raise UserError(f"target {name_or_path}: no decoder layer {i} in the safetensors files of {tensors.path}")
+        layers.append(layer)
+    norm = tensors.read(".norm.weight", dtype)
+    if norm is None:
+        raise UserError(f"target {name_or_path}: no final norm (norm.weight) in {tensors.path}")
+    return layers, norm

@@ -460,3 +460,80 @@ def test_config_dataclass_roundtrip(tiny_parts):
     drafter = make_drafter(tiny_parts)
     raw = json.loads(json.dumps(drafter.config.to_config_json(torch.float32)))
     assert DrafterConfig.from_config_json(raw) == drafter.config
+
+
+# -- sample-efficiency switches: start from the target, context scale ---------------------------------------------
+
+
+def test_init_from_target_copies_the_top_layers_and_passes_the_deepest_tap(tiny_parts, tiny_target_dir, tiny_target):
+    from dflash_train.target import load_decoder_layers
+
+    drafter = make_drafter(tiny_parts, num_layers=2)
+    L = drafter.config.num_target_layers
+    layers, final_norm = load_decoder_layers(str(tiny_target_dir), [L - 2, L - 1])
+    names = drafter.init_from_target(layers, final_norm)
+    target = tiny_target.model.model
+    for i, t in enumerate((L - 2, L - 1)):
+        mine, theirs = drafter.layers[i], target.layers[t]
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            assert torch.equal(getattr(mine.self_attn, name).weight, getattr(theirs.self_attn, name).weight), name
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            assert torch.equal(getattr(mine.mlp, name).weight, getattr(theirs.mlp, name).weight), name
+        assert torch.equal(mine.input_layernorm.weight, theirs.input_layernorm.weight)
+        assert torch.equal(mine.post_attention_layernorm.weight, theirs.post_attention_layernorm.weight)
+        # Llama has no q/k norm: they start as the identity
+        assert torch.equal(mine.self_attn.q_norm.weight, torch.ones_like(mine.self_attn.q_norm.weight))
+        assert torch.equal(mine.self_attn.k_norm.weight, torch.ones_like(mine.self_attn.k_norm.weight))
+    assert torch.equal(drafter.norm.weight, target.norm.weight)
+    assert torch.equal(drafter.hidden_norm.weight, target.layers[L - 2].input_layernorm.weight)
+    assert len(names) == len(set(names)) == len(expected_tensor_names(2))
+    assert set(names) == set(expected_tensor_names(2))
+
+    # the fused context is the deepest tapped layer's state, normed as the first copied layer norms its input
+    ids = torch.randint(0, 500, (1, 12))
+    hidden = tiny_target.model(ids, output_hidden_states=True).hidden_states
+    layer_ids = drafter.config.target_layer_ids
+    tapped = torch.cat([hidden[i + 1] for i in layer_ids], dim=-1)
+    deepest = hidden[max(layer_ids) + 1]
+    expected = target.layers[L - 2].input_layernorm(deepest)
+    assert torch.allclose(drafter.fuse_context(tapped), expected, atol=1e-5)
+
+
+def test_context_scale_is_folded_into_fc_at_export(tiny_parts, tmp_path):
+    drafter = make_drafter(tiny_parts)
+    n_in = drafter.fc.in_features
+    scale = torch.rand(n_in) * 50 + 0.1
+    drafter.set_context_scale(scale)
+    embeds, context, pos, ctx_pos, mask, _ = blocks_input(drafter, S=10, anchors=[3, 6])
+    context = context * scale  # raw states with large channels; the drafter divides them back
+    out = drafter(embeds, context, pos, ctx_pos, mask)
+    drafter.save_pretrained(tmp_path / "d")
+    loaded = load_drafter(tmp_path / "d")
+    assert loaded.context_scale is None  # the public format computes the same function without it
+    assert torch.allclose(loaded(embeds, context, pos, ctx_pos, mask), out, atol=1e-5)
+    with safe_open(str(tmp_path / "d" / "model.safetensors"), "pt") as f:
+        assert "context_scale" not in f.keys()
+    with pytest.raises(ValueError):
+        drafter.set_context_scale(torch.zeros(n_in))
+
+
+def test_init_from_target_with_context_scale_still_passes_the_deepest_tap(tiny_parts, tiny_target_dir):
+    from dflash_train.target import load_decoder_layers
+
+    drafter = make_drafter(tiny_parts, num_layers=1)
+    L, H = drafter.config.num_target_layers, drafter.config.hidden_size
+    scale = torch.rand(drafter.fc.in_features) * 10 + 0.5
+    drafter.set_context_scale(scale)
+    layers, norm = load_decoder_layers(str(tiny_target_dir), [L - 1])
+    drafter.init_from_target(layers, norm)
+    states = torch.randn(1, 5, drafter.fc.in_features) * 30
+    k = max(range(drafter.config.num_target_features), key=lambda j: drafter.config.target_layer_ids[j])
+    expected = drafter.hidden_norm(states[..., k * H:(k + 1) * H])
+    assert torch.allclose(drafter.fuse_context(states), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_load_decoder_layers_names_a_missing_layer(tiny_target_dir):
+    from dflash_train.target import load_decoder_layers
+
+    with pytest.raises(UserError, match="no decoder layer 99"):
+        load_decoder_layers(str(tiny_target_dir), [99])
