@@ -9,6 +9,12 @@ step the states of the token it feeds. The last generated token is fed once more
 no second prefill over the whole sequence is ever run. `--responses logged` instead takes the response from the
 log (for logs that came from this very target) and runs a single prefill.
 
+`--store-topk K` also stores, for every position t, the target's K most likely tokens and their log-probabilities
+(fp32 log-softmax of the full vocabulary, temperature 1, not renormalised) for the distribution that predicts
+token t, i.e. from the logits at t-1 (soft labels for training; position 0 has none: ids 0, log-probs -inf). The
+prompt's come from the final hidden states of the same prefill through the LM head, a bounded number of rows at
+a time; each generated token's from the very logits it was decoded from. Costs 6 bytes per token per k.
+
 Several processes (`accelerate launch --multi_gpu --num_processes N -m dflash_train capture ...`, or torchrun;
 on CPU the process group uses gloo) split the prompts by index (rank r takes prompts r, r+N, ...), each writes
 its own shards, and rank 0 merges the manifest after a barrier. A target too large for one GPU can be loaded with
@@ -61,6 +67,7 @@ class CaptureConfig:
     device: str | None = None  # None: cuda:LOCAL_RANK if available, else cpu
     device_map: str | None = None
     threads: int | None = None  # torch CPU threads (None: torch's default)
+    store_topk: int = 0  # store the target's top-k log-probs per token (soft labels); 0 = off
 
 
 @dataclass
@@ -83,6 +90,8 @@ class Captured:
     input_ids: list[int]
     num_prompt_tokens: int
     hidden_states: torch.Tensor  # [S, n*H]
+    topk_ids: torch.Tensor | None = None  # [S, K] int32: the target's top-k tokens for position t (from t-1)
+    topk_logprobs: torch.Tensor | None = None  # [S, K] float32: their log-probs; row 0: ids 0, -inf
 
 
 # ------------------------------------------------------------------------------------------------ prompts
@@ -195,6 +204,48 @@ def _left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Te
     return ids.to(device), mask.to(device), positions.to(device)
 
 
+TOPK_CHUNK_ELEMENTS = 1 << 25  # logits per chunk when the top-k of many positions is taken (128 MiB in fp32)
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., V] logits -> (int32 ids, float32 log-probs), both [..., k]: top-k of the fp32 log-softmax."""
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return ids.to(torch.int32), values
+
+
+def _head_topk(model, final_hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k log-probs of every position of final_hidden [b, T, H] (the last layer after the final norm) through
+    the model's LM head, a bounded number of rows at a time; on the CPU, [b, T, k] each."""
+    head = model.get_output_embeddings()
+    rows = final_hidden.reshape(-1, final_hidden.shape[-1])
+    step = max(1, TOPK_CHUNK_ELEMENTS // head.weight.shape[0])
+    ids = [torch.zeros(0, k, dtype=torch.int32)]
+    values = [torch.zeros(0, k)]
+    for s in range(0, rows.shape[0], step):
+        i, v = topk_logprobs(head(rows[s:s + step]), k)
+        ids.append(i.cpu())
+        values.append(v.cpu())
+    shape = (*final_hidden.shape[:2], k)
+    return torch.cat(ids).view(shape), torch.cat(values).view(shape)
+
+
+def _check_head(model, final_hidden: torch.Tensor, logits: torch.Tensor) -> None:
+    """The prompt's top-k come from LM head(final hidden state); refuse a model whose logits are more than that
+    (soft-capping, scaling), checked on the last position, where the model's own logits are at hand."""
+    mine = model.get_output_embeddings()(final_hidden).float()
+    theirs = logits.float()
+    tol = 1e-2 * (1.0 + float(theirs.abs().max()))
+    if float((mine - theirs).abs().max()) > tol:
+        raise UserError(f"--store-topk: the logits of {type(model).__name__} are not its LM head applied to the "
+                        f"final hidden state (max difference {float((mine - theirs).abs().max()):.3g}); top-k "
+                        f"capture does not support this model")
+
+
+def _no_prediction(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k row of position 0, which nothing predicts."""
+    return torch.zeros(1, k, dtype=torch.int32), torch.full((1, k), float("-inf"))
+
+
 def sample_next(logits: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator]) -> torch.Tensor:
     """Next token per row: argmax for greedy rows, else temperature + nucleus (top-p) sampling."""
     out = logits.argmax(dim=-1)
@@ -213,12 +264,13 @@ def sample_next(logits: torch.Tensor, samplings: list[Sampling], generators: lis
 @torch.no_grad()
 def generate_and_capture(model, prompts: list[list[int]], layer_ids: list[int], max_new_tokens: int,
                          stop_ids: list[int], pad_id: int, samplings: list[Sampling] | None = None,
-                         seeds: list[int] | None = None) -> list[Captured]:
+                         seeds: list[int] | None = None, topk: int = 0) -> list[Captured]:
     """Batched decoding with a KV cache that records the tapped states of every position in the same pass.
 
     Left padding; the attention mask and position ids come from it, so each row sees exactly what a
     single-sample forward would. Decode step k feeds generated token k and records its states; a row stops
-    after its stop token (kept, with states) or after max_new_tokens tokens."""
+    after its stop token (kept, with states) or after max_new_tokens tokens. With topk > 0 every position also
+    gets the target's top-k log-probs of the distribution that predicts it (see the module docstring)."""
     device = next(model.parameters()).device
     b = len(prompts)
     samplings = samplings or [Sampling()] * b
@@ -226,7 +278,14 @@ def generate_and_capture(model, prompts: list[list[int]], layer_ids: list[int], 
     ids, mask, positions = _left_pad(prompts, pad_id, device)
     logits, hidden, cache = _forward(model, ids, mask, positions)
     tapped = _tap(hidden, layer_ids).cpu()
-    chunks = [[tapped[r, ids.shape[1] - len(p):]] for r, p in enumerate(prompts)]
+    width = ids.shape[1]
+    chunks = [[tapped[r, width - len(p):]] for r, p in enumerate(prompts)]
+    top_chunks: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(b)]
+    if topk:
+        _check_head(model, hidden[-1][:, -1], logits)
+        ids_k, logp_k = _head_topk(model, hidden[-1][:, :-1], topk)  # predicts positions 1 .. width-1
+        for r, p in enumerate(prompts):
+            top_chunks[r] += [_no_prediction(topk), (ids_k[r, width - len(p):], logp_k[r, width - len(p):])]
     tokens: list[list[int]] = [[] for _ in range(b)]
     next_pos = positions[:, -1] + 1
     finished = torch.zeros(b, dtype=torch.bool, device=device)
@@ -234,8 +293,11 @@ def generate_and_capture(model, prompts: list[list[int]], layer_ids: list[int], 
     nxt = sample_next(logits, samplings, generators)
     for step in range(max_new_tokens):
         active = ~finished
+        step_top = topk_logprobs(logits, topk) if topk else None  # of the logits nxt was decoded from
         for r in active.nonzero().flatten().tolist():
             tokens[r].append(int(nxt[r]))
+            if step_top is not None:
+                top_chunks[r].append((step_top[0][r:r + 1].cpu(), step_top[1][r:r + 1].cpu()))
         finished = finished | torch.isin(nxt, stop)
         if step == max_new_tokens - 1:
             finished[:] = True
@@ -249,20 +311,34 @@ def generate_and_capture(model, prompts: list[list[int]], layer_ids: list[int], 
         if bool(finished.all()):
             break
         nxt = sample_next(logits, samplings, generators)
-    return [Captured(input_ids=list(p) + tokens[r], num_prompt_tokens=len(p), hidden_states=torch.cat(chunks[r]))
+    return [Captured(input_ids=list(p) + tokens[r], num_prompt_tokens=len(p), hidden_states=torch.cat(chunks[r]),
+                     **_joined_topk(top_chunks[r]))
             for r, p in enumerate(prompts)]
+
+
+def _joined_topk(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    if not parts:
+        return {}
+    return {"topk_ids": torch.cat([i for i, _ in parts]), "topk_logprobs": torch.cat([v for _, v in parts])}
 
 
 @torch.no_grad()
 def prefill_capture(model, sequences: list[list[int]], num_prompt_tokens: list[int], layer_ids: list[int],
-                    pad_id: int) -> list[Captured]:
-    """One batched prefill over complete sequences (the `--responses logged` path)."""
+                    pad_id: int, topk: int = 0) -> list[Captured]:
+    """One batched prefill over complete sequences (the `--responses logged` path); with topk > 0 also the
+    target's top-k log-probs predicting each position (from the previous position's logits)."""
     device = next(model.parameters()).device
     ids, mask, positions = _left_pad(sequences, pad_id, device)
-    _, hidden, _ = _forward(model, ids, mask, positions, use_cache=False)
+    logits, hidden, _ = _forward(model, ids, mask, positions, use_cache=False)
     tapped = _tap(hidden, layer_ids).cpu()
     width = ids.shape[1]
-    return [Captured(input_ids=list(s), num_prompt_tokens=n, hidden_states=tapped[r, width - len(s):])
+    tops: list[dict[str, torch.Tensor]] = [{} for _ in sequences]
+    if topk:
+        _check_head(model, hidden[-1][:, -1], logits)
+        ids_k, logp_k = _head_topk(model, hidden[-1][:, :-1], topk)
+        tops = [_joined_topk([_no_prediction(topk), (ids_k[r, width - len(s):], logp_k[r, width - len(s):])])
+                for r, s in enumerate(sequences)]
+    return [Captured(input_ids=list(s), num_prompt_tokens=n, hidden_states=tapped[r, width - len(s):], **tops[r])
             for r, (s, n) in enumerate(zip(sequences, num_prompt_tokens))]
 
 
@@ -326,6 +402,8 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
     if cfg.max_new_tokens < 1 or cfg.batch_size < 1:
         raise UserError("--max-new-tokens and --batch-size must be >= 1")
+    if cfg.store_topk < 0:
+        raise UserError(f"--store-topk must be >= 0 (0 = off), got {cfg.store_topk}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -337,6 +415,9 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
     model_kwargs = {"device_map": cfg.device_map} if cfg.device_map else {}
     target = load_target(cfg.target, dtype=DTYPES[cfg.dtype], device=device, **model_kwargs)
     layer_ids = resolve_layer_ids(target.num_layers, cfg.layers, cfg.num_layers)
+    vocab = target.model.get_output_embeddings().weight.shape[0]
+    if cfg.store_topk > vocab:
+        raise UserError(f"--store-topk {cfg.store_topk} exceeds the target's vocabulary ({vocab})")
     stop_ids = target.stop_token_ids()
     pad_id = target.tokenizer.pad_token_id
     generation = {
@@ -355,7 +436,8 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
                          hidden_size=target.config.hidden_size, storage_dtype=cfg.storage, generation=generation,
                          ingest_report=ingest_report, shard_bytes=int(cfg.shard_size_mb * 2**20), rank=rank,
                          world_size=world, extra={"capture": {**asdict(cfg), "world_size": world,
-                                                              "prompts": str(cfg.prompts)}})
+                                                              "prompts": str(cfg.prompts)}},
+                         topk=cfg.store_topk)
     mine = [r for i, r in enumerate(records) if i % world == rank and r.id not in writer.done_ids]
     if len(mine) < sum(1 for i in range(len(records)) if i % world == rank):
         print(f"rank {rank}: resuming {cfg.out}: {len(mine)} prompt(s) left", flush=True)
@@ -381,18 +463,18 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
             captured = generate_and_capture(
                 target.model, [ids for _, ids in batch], layer_ids, cfg.max_new_tokens, stop_ids, pad_id,
                 samplings=[sampling_for(r, cfg.temperature, cfg.top_p) for r, _ in batch],
-                seeds=[prompt_seed(cfg.seed, r.id) for r, _ in batch])
+                seeds=[prompt_seed(cfg.seed, r.id) for r, _ in batch], topk=cfg.store_topk)
         else:
             responses = [logged_response_ids(target, r, ids, cfg.template_kwargs)[0][:cfg.max_new_tokens]
                          for r, ids in batch]
             captured = prefill_capture(target.model, [ids + resp for (_, ids), resp in zip(batch, responses)],
-                                       [len(ids) for _, ids in batch], layer_ids, pad_id)
+                                       [len(ids) for _, ids in batch], layer_ids, pad_id, topk=cfg.store_topk)
         for (record, _), sample in zip(batch, captured):
             n = len(sample.input_ids)
             loss_mask = torch.zeros(n, dtype=torch.bool)
             loss_mask[sample.num_prompt_tokens:] = True
             writer.add(torch.tensor(sample.input_ids), loss_mask, sample.hidden_states, id=record.id,
-                       weight=record.weight)
+                       weight=record.weight, topk_ids=sample.topk_ids, topk_logprobs=sample.topk_logprobs)
             tokens_done += n
             generated += n - sample.num_prompt_tokens
         bar.update(len(batch))
@@ -450,6 +532,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="default: cuda (this rank's GPU) if available, else cpu")
     p.add_argument("--device-map", default=None, help="e.g. auto: spread a large target over the GPUs")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
+    p.add_argument("--store-topk", type=int, default=0, metavar="K",
+                   help="also store the target's top-K token log-probs per position, soft labels for "
+                        "objective.soft_label_weight (6*K bytes per token; default 0 = off)")
 
 
 def _int_list(text: str) -> list[int]:
@@ -466,7 +551,7 @@ def config_from_args(args: argparse.Namespace) -> CaptureConfig:
         batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
         limit=args.limit, storage=args.storage, responses=args.responses, shard_size_mb=args.shard_size_mb,
         template_kwargs=args.template_kwargs, dtype=args.dtype, device=args.device, device_map=args.device_map,
-        threads=args.threads)
+        threads=args.threads, store_topk=args.store_topk)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,6 +14,13 @@ The loss is cross-entropy through the target's frozen LM head with weight exp(-(
 the loss mask at the label position, normalised by the sum of the weights. The LM head and CE run in chunks
 of slots and produce the gradient for the drafter's hidden states in the same pass, so neither the full
 [N*B, vocab] logits nor a recompute of them in backward ever happens.
+
+Soft labels (objective.soft_label_weight = a > 0, a store captured with --store-topk K): each slot's loss
+becomes (1 - a) CE(hard label) + a KL, where KL compares the target's distribution predicting the label
+position with the drafter's over K+1 buckets: the target's top-K tokens and one "everything else" bucket,
+KL = sum_K p_i (log p_i - log q_i) + p_tail (log p_tail - log q_tail), p_tail = 1 - sum_K p_i, q_tail = 1 - sum_K q_i.
+It is 0 iff the drafter puts the target's probability on each top-K token and the rest on the others, and its
+gradient w.r.t. the logits z is q_j - p_j (j in K) and q_j (1 - p_tail / q_tail) (j not in K).
 """
 
 from __future__ import annotations
@@ -139,6 +146,18 @@ def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, blocks: Block
         ok &= doc_start.gather(1, flat).view_as(idx) == blocks.ctx_start[:, :, None]
     weights = ok.float() * slot_decay(B, gamma, input_ids.device)
     return labels, weights
+
+
+def block_topk(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, blocks: Blocks
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored top-k ids and log-probs [b, S, K] at each block's label positions a_j + k: [b, N, B, K] each,
+    gathered exactly like `block_labels` (positions past the row end repeat the last one; they have weight 0)."""
+    b, S, K = topk_ids.shape
+    B = blocks.block_size
+    idx = (blocks.anchors[:, :, None] + torch.arange(B, device=topk_ids.device)).clamp(max=S - 1)  # [b, N, B]
+    flat = idx.flatten(1)[:, :, None].expand(-1, -1, K)
+    shape = (*idx.shape, K)
+    return topk_ids.gather(1, flat).view(shape), topk_logprobs.gather(1, flat).view(shape)
 
 
 # --- the block attention mask: three equivalent forms ---------------------------------------------------------
@@ -283,10 +302,17 @@ class _ChunkedHeadCE(torch.autograd.Function):
     The logits stay in the head's dtype (bf16 in training): log_softmax computes in fp32 internally and its
     output is what the gradient matmul consumes anyway, which saves several full passes over [chunk, vocab] in
     fp32. The label's entry, softmax - 1, comes from expm1(log p) in fp32 so that it stays exact as p -> 1;
-    the reported CE carries bf16's relative rounding (2^-9) per token."""
+    the reported CE carries bf16's relative rounding (2^-9) per token.
+
+    With soft labels (topk_ids, topk_logprobs [T, K] and a = soft_weight > 0) the per-row loss is
+    weight * ((1 - a) CE + a KL) (the K+1-bucket KL of the module docstring), its gradient is built in the same
+    loop, and the outputs also carry the weighted sums of CE and KL. q_tail is summed over the non-top-k
+    probabilities themselves (no 1 - sum cancellation) and both tails are clamped away from 0 in the logs."""
 
     @staticmethod
-    def forward(ctx, hidden, head, labels, weights, chunk):
+    def forward(ctx, hidden, head, labels, weights, chunk, topk_ids=None, topk_logprobs=None, soft_weight=0.0):
+        if topk_ids is not None and soft_weight > 0:
+            return _soft_forward(ctx, hidden, head, labels, weights, chunk, topk_ids, topk_logprobs, soft_weight)
         need_grad = ctx.needs_input_grad[0]
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         correct = torch.empty_like(labels, dtype=torch.bool)
@@ -310,20 +336,90 @@ class _ChunkedHeadCE(torch.autograd.Function):
                 grad_hidden[s:e] = probs @ head
         if need_grad:
             ctx.save_for_backward(grad_hidden)
-        ctx.mark_non_differentiable(correct)
-        return total, correct
+        ce_total = total.detach().clone()
+        ctx.mark_non_differentiable(correct, ce_total)
+        return total, correct, ce_total, None
 
     @staticmethod
-    def backward(ctx, grad_total, grad_correct):
+    def backward(ctx, grad_total, grad_correct, grad_ce, grad_kl):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None
+        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None, None, None
+
+
+TAIL_FLOOR = 1e-30  # smallest tail probability taken into a log (fp32 keeps it; its log is -69)
+
+
+def _target_buckets(topk_logprobs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p_K [c, K], p_tail [c]) in `dtype` (fp32 or wider) from stored log-probs; -inf entries are probability 0.
+    Rounding in storage can make sum p_K exceed 1 slightly: then p_K is scaled back to sum 1 and p_tail is 0."""
+    p = topk_logprobs.to(dtype).exp()
+    p = p / p.sum(dim=-1, keepdim=True).clamp(min=1.0)
+    return p, (1.0 - p.sum(dim=-1)).clamp(min=0.0)
+
+
+def bucket_kl(p: torch.Tensor, p_tail: torch.Tensor, log_q: torch.Tensor, q_tail: torch.Tensor) -> torch.Tensor:
+    """[c]: sum_K p (log p - log q) + p_tail (log p_tail - log q_tail), with 0 log 0 = 0."""
+    log_q_tail = q_tail.clamp(min=TAIL_FLOOR).log()
+    head_part = torch.xlogy(p, p) - torch.where(p > 0, p * log_q, torch.zeros_like(p))
+    return head_part.sum(dim=-1) + torch.xlogy(p_tail, p_tail) - p_tail * log_q_tail
+
+
+def _soft_forward(ctx, hidden, head, labels, weights, chunk, topk_ids, topk_logprobs, a):
+    """The soft-label branch of _ChunkedHeadCE.forward (see its docstring)."""
+    need_grad = ctx.needs_input_grad[0]
+    grad_hidden = torch.empty_like(hidden) if need_grad else None
+    correct = torch.empty_like(labels, dtype=torch.bool)
+    acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+    ce_total = torch.zeros((), dtype=acc_dtype, device=hidden.device)
+    kl_total = torch.zeros((), dtype=acc_dtype, device=hidden.device)
+    for s in range(0, hidden.shape[0], chunk):
+        e = min(s + chunk, hidden.shape[0])
+        rows = torch.arange(e - s, device=hidden.device)
+        lab, w, ids = labels[s:e], weights[s:e].to(acc_dtype), topk_ids[s:e].long()
+        logp = torch.log_softmax(hidden[s:e] @ head.t(), dim=-1)  # [c, V]
+        correct[s:e] = logp[rows, lab] >= logp.amax(dim=-1)
+        logp_label = logp[rows, lab].to(acc_dtype)
+        log_q = logp.gather(1, ids).to(acc_dtype)  # [c, K]
+        probs = logp.exp_()  # in place: softmax
+        del logp
+        probs.scatter_(1, ids, 0.0)  # the non-top-k entries only
+        q_tail = probs.sum(dim=-1, dtype=acc_dtype)
+        p, p_tail = _target_buckets(topk_logprobs[s:e], acc_dtype)
+        kl = bucket_kl(p, p_tail, log_q, q_tail)
+        ce_total += (-logp_label * w).sum()
+        kl_total += (kl * w).sum()
+        if need_grad:
+            tail_ratio = p_tail / q_tail.clamp(min=TAIL_FLOOR)
+            # j not in K: w q_j (1 - a p_tail / q_tail); j in K: w (q_j - a p_j); label: w (q - 1 + a (1 - m))
+            probs.mul_((w * (1.0 - a * tail_ratio))[:, None].to(probs.dtype))
+            probs.scatter_(1, ids, (w[:, None] * (log_q.exp() - a * p)).to(probs.dtype))
+            in_topk = ids == lab[:, None]
+            p_label = (p * in_topk).sum(dim=-1)
+            m = torch.where(in_topk.any(dim=-1), p_label, logp_label.exp() * tail_ratio)
+            probs[rows, lab] = (w * (torch.expm1(logp_label) + a * (1.0 - m))).to(probs.dtype)
+            grad_hidden[s:e] = probs @ head
+    if need_grad:
+        ctx.save_for_backward(grad_hidden)
+    total = (1.0 - a) * ce_total + a * kl_total
+    ctx.mark_non_differentiable(correct, ce_total, kl_total)
+    return total, correct, ce_total, kl_total
 
 
 def chunked_head_ce(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                     chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of weight x CE as an fp32 scalar, whether the greedy prediction is the label) for hidden [T, H],
     head [V, H]."""
-    return _ChunkedHeadCE.apply(hidden, head, labels, weights, chunk)
+    total, correct, _, _ = _ChunkedHeadCE.apply(hidden, head, labels, weights, chunk)
+    return total, correct
+
+
+def chunked_head_soft_ce(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                         topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, soft_weight: float,
+                         chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(sum of weight x ((1 - a) CE + a KL), greedy-correct [T], sum of weight x CE, sum of weight x KL) with
+    a = soft_weight, the target's top-k ids and log-probs [T, K] per row; the last two carry no gradient.
+    a = 0 runs the plain CE path (KL is then None)."""
+    return _ChunkedHeadCE.apply(hidden, head, labels, weights, chunk, topk_ids, topk_logprobs, float(soft_weight))
 
 
 def reference_head_ce(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor,
@@ -332,6 +428,20 @@ def reference_head_ce(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Te
     logits = (hidden @ head.t()).to(torch.promote_types(hidden.dtype, torch.float32))
     ce = F.cross_entropy(logits, labels, reduction="none")
     return (ce * weights.to(logits.dtype)).sum(), logits.argmax(dim=-1) == labels
+
+
+def reference_head_soft_ce(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                           topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, soft_weight: float
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain soft-label loss (full logits, q_tail = 1 - sum q_K, autograd): (sum weight x ((1-a) CE + a KL),
+    sum weight x KL); used to test the chunked one."""
+    logits = (hidden @ head.t()).to(torch.promote_types(hidden.dtype, torch.float32))
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    log_q = torch.log_softmax(logits, dim=-1).gather(1, topk_ids)
+    p, p_tail = _target_buckets(topk_logprobs, logits.dtype)
+    kl = bucket_kl(p, p_tail, log_q, 1.0 - log_q.exp().sum(dim=-1))
+    w = weights.to(logits.dtype)
+    return ((1.0 - soft_weight) * ce * w + soft_weight * kl * w).sum(), (kl * w).sum()
 
 
 # --- the loss ---------------------------------------------------------------------------------------------------
@@ -344,6 +454,8 @@ class LossOutput:
     correct: torch.Tensor  # [B] correct greedy predictions per slot (supervised slots only)
     counted: torch.Tensor  # [B] supervised slots per position
     num_blocks: int
+    ce: torch.Tensor | None = None  # weighted mean hard-label CE (detached)
+    kl: torch.Tensor | None = None  # weighted mean K+1-bucket KL to the target (detached); None without soft labels
 
 
 def draft_hidden(drafter, embed: torch.Tensor, batch: dict[str, torch.Tensor], blocks: Blocks,
@@ -364,8 +476,12 @@ def draft_hidden(drafter, embed: torch.Tensor, batch: dict[str, torch.Tensor], b
 
 def dflash_loss(drafter, embed: torch.Tensor, lm_head: torch.Tensor, batch: dict[str, torch.Tensor],
                 blocks: Blocks, *, mask_token_id: int, gamma: float, attention: str = "sdpa",
-                head_chunk_tokens: int = 256) -> LossOutput:
-    """The decay-weighted block CE for one micro batch (see the module docstring)."""
+                head_chunk_tokens: int = 256, soft_label_weight: float = 0.0) -> LossOutput:
+    """The decay-weighted block loss for one micro batch (see the module docstring): CE, or with
+    soft_label_weight a > 0 the (1 - a) CE + a KL mix against batch["topk_ids"] / batch["topk_logprobs"]."""
+    if soft_label_weight > 0 and "topk_ids" not in batch:
+        raise ValueError("soft_label_weight > 0 needs batch['topk_ids'] and batch['topk_logprobs'] (a store "
+                         "captured with --store-topk)")
     doc_start = batch.get("doc_start")
     labels, weights = block_labels(batch["input_ids"], batch["loss_mask"], blocks, gamma, doc_start)
     hidden = draft_hidden(drafter, embed, batch, blocks, mask_token_id, attention)
@@ -374,13 +490,20 @@ def dflash_loss(drafter, embed: torch.Tensor, lm_head: torch.Tensor, batch: dict
     rows = flat_w.nonzero()[:, 0]  # only supervised slots go through the head
     weight_sum = flat_w.sum()
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
-    total, hit = chunked_head_ce(h, lm_head, labels.reshape(-1)[rows], flat_w[rows] / weight_sum.clamp(min=1e-9),
-                                 head_chunk_tokens)
+    row_w = flat_w[rows] / weight_sum.clamp(min=1e-9)
+    if soft_label_weight > 0:
+        top_ids, top_logp = block_topk(batch["topk_ids"], batch["topk_logprobs"], blocks)
+        K = top_ids.shape[-1]
+        total, hit, ce, kl = chunked_head_soft_ce(
+            h, lm_head, labels.reshape(-1)[rows], row_w, top_ids.reshape(-1, K)[rows],
+            top_logp.reshape(-1, K)[rows], soft_label_weight, head_chunk_tokens)
+    else:
+        total, hit, ce, kl = _ChunkedHeadCE.apply(h, lm_head, labels.reshape(-1)[rows], row_w, head_chunk_tokens)
     slot = rows % B
     correct = torch.zeros(B, device=h.device).index_add_(0, slot, hit.float())
     counted = torch.zeros(B, device=h.device).index_add_(0, slot, torch.ones_like(slot, dtype=torch.float32))
     return LossOutput(loss=total, weight_sum=weight_sum, correct=correct, counted=counted,
-                      num_blocks=int(blocks.keep.sum()))
+                      num_blocks=int(blocks.keep.sum()), ce=ce, kl=kl)
 
 
 # --- simulated acceptance --------------------------------------------------------------------------------------

@@ -11,6 +11,10 @@ A shard holds
   loss_mask      bool   [T]           True on the target's response tokens
   hidden_states  bf16 | float8_e4m3fn [T, n*H]   tapped layers concatenated, every position
   scales         float32 [T]          (fp8 only) one scale per token: state = fp8 * scale
+  topk_ids       int32  [T, K]        (capture --store-topk K) the target's K most likely tokens for position t,
+  topk_logprobs  float16 [T, K]       and their log-probabilities under the full softmax (not renormalised), from
+                                      the logits at t-1 (same-position convention: they predict token t itself);
+                                      position 0 of a sample has no prediction: ids 0, log-probs -inf
   offsets        int64  [N+1]         sample i is tokens offsets[i]:offsets[i+1]
   weights        int64  [N]
 and the sample ids (and the ids left out, with the reason: non-finite states, prompt too long, ...) as JSON in
@@ -48,6 +52,13 @@ STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 BYTES_PER_VALUE = {"bf16": 2, "fp8": 1}
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 DEFAULT_SHARD_BYTES = 1 << 30
+# float16 log-probs: values lie in about [-40, 0], where float16 keeps 11 significant bits (an error of at most
+# 0.0005 nats for log-probs above -1, the tokens that carry the soft label); bfloat16 would be 8x coarser for the
+# same 2 bytes, float32 twice the bytes for no measurable gain. -inf (no prediction) is representable.
+TOPK_LOGPROB_DTYPE = torch.float16
+BYTES_PER_TOPK = 4 + 2  # int32 id + float16 log-prob
+# writer settings added after the first stores were written, with the value those stores implicitly have
+SETTING_DEFAULTS = {"topk": 0}
 
 
 def shard_name(rank: int, index: int) -> str:
@@ -108,6 +119,8 @@ class _Pending:
     loss_mask: list[torch.Tensor] = field(default_factory=list)
     states: list[torch.Tensor] = field(default_factory=list)
     scales: list[torch.Tensor] = field(default_factory=list)
+    topk_ids: list[torch.Tensor] = field(default_factory=list)
+    topk_logprobs: list[torch.Tensor] = field(default_factory=list)
     dropped: list[tuple[str, str]] = field(default_factory=list)  # (id, reason)
     nbytes: int = 0
 
@@ -127,6 +140,9 @@ class StoreWriter:
     Under several processes every rank opens its own writer (rank=, world_size=), closes it with
     `finalize=False`, and rank 0 calls `finalize_store(out)` after a barrier.
 
+    With `topk=K > 0` every sample also carries the target's top-K ids and log-probabilities per position
+    (`add(..., topk_ids=[S, K], topk_logprobs=[S, K])`).
+
     Reopening a folder that a killed writer left behind resumes it: `done_ids` holds every sample id already
     stored (or dropped) by any rank, so the caller skips those and the store ends with each id exactly once.
     The settings (target, layers, dtype, generation) must match the ones the folder was started with.
@@ -135,9 +151,12 @@ class StoreWriter:
     def __init__(self, out_dir: str | Path, *, target: dict[str, Any], target_layer_ids: list[int],
                  hidden_size: int, storage_dtype: str = "bf16", generation: dict[str, Any] | None = None,
                  ingest_report: dict[str, Any] | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 rank: int = 0, world_size: int = 1, extra: dict[str, Any] | None = None):
+                 rank: int = 0, world_size: int = 1, extra: dict[str, Any] | None = None, topk: int = 0):
         if storage_dtype not in STORAGE_DTYPES:
             raise UserError(f"storage dtype {storage_dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")
+        if topk < 0:
+            raise UserError(f"top-k {topk} must be >= 0 (0 = no soft labels stored)")
+        self.topk = int(topk)
         self.out = Path(out_dir)
         self.rank = rank
         self.world_size = world_size
@@ -151,6 +170,7 @@ class StoreWriter:
             "num_tapped": len(target_layer_ids),
             "storage_dtype": storage_dtype,
             "generation": generation or {},
+            "topk": self.topk,
         }
         self.ingest_report = ingest_report
         self.extra = extra or {}
@@ -173,11 +193,12 @@ class StoreWriter:
     def _check_settings_of_other_journals(self) -> None:
         for path in sorted(self.out.glob("journal-r*.json")):
             journal = _read_json(path)
+            started = journal.get("settings", {})
             for key, value in self.settings.items():
-                if journal.get("settings", {}).get(key) != value:
+                if started.get(key, SETTING_DEFAULTS.get(key)) != value:
                     raise UserError(
                         f"store {self.out} was started with a different {key!r} ({path.name} has "
-                        f"{json.dumps(journal.get('settings', {}).get(key))[:200]}, this run "
+                        f"{json.dumps(started.get(key, SETTING_DEFAULTS.get(key)))[:200]}, this run "
                         f"{json.dumps(value)[:200]}): use a new --out folder or the same settings")
 
     def _load_own_journal(self) -> dict[str, Any]:
@@ -213,8 +234,10 @@ class StoreWriter:
 
     # appending ---------------------------------------------------------------------------------------
     def add(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden_states: torch.Tensor, id: str,
-            weight: int = 1) -> bool:
-        """Buffer one sample; returns False (and counts it) when its states hold NaN/inf and it was dropped."""
+            weight: int = 1, topk_ids: torch.Tensor | None = None,
+            topk_logprobs: torch.Tensor | None = None) -> bool:
+        """Buffer one sample; returns False (and counts it) when its states hold NaN/inf (or its top-k log-probs
+        NaN/+inf) and it was dropped. `topk_ids`/`topk_logprobs` [S, K] are required iff the writer has topk=K."""
         if self._closed:
             raise RuntimeError("StoreWriter is closed")
         id = str(id)
@@ -225,7 +248,9 @@ class StoreWriter:
             raise ValueError(f"sample {id!r}: input_ids {tuple(input_ids.shape)}, loss_mask "
                              f"{tuple(loss_mask.shape)} and hidden_states {tuple(hidden_states.shape)} do not "
                              f"match [S], [S], [S, {self.width}] with S > 0")
-        if not torch.isfinite(hidden_states).all():
+        self._check_topk(id, n, topk_ids, topk_logprobs)
+        if not torch.isfinite(hidden_states).all() or (
+                self.topk and bool((topk_logprobs.isnan() | (topk_logprobs == float("inf"))).any())):
             self.skip(id, "nonfinite")
             return False
         self.done_ids.add(id)
@@ -241,11 +266,26 @@ class StoreWriter:
             p.scales.append(scales)
         else:
             p.states.append(states.to(torch.bfloat16))
+        if self.topk:
+            p.topk_ids.append(topk_ids.detach().to("cpu", torch.int32))
+            p.topk_logprobs.append(topk_logprobs.detach().to("cpu", TOPK_LOGPROB_DTYPE))
         p.nbytes += n * (self.width * BYTES_PER_VALUE[self.storage_dtype] + 5
-                         + (4 if self.storage_dtype == "fp8" else 0))
+                         + (4 if self.storage_dtype == "fp8" else 0) + self.topk * BYTES_PER_TOPK)
         if p.nbytes >= self.shard_bytes:
             self.flush()
         return True
+
+    def _check_topk(self, id: str, n: int, topk_ids: torch.Tensor | None,
+                    topk_logprobs: torch.Tensor | None) -> None:
+        if not self.topk:
+            if topk_ids is not None or topk_logprobs is not None:
+                raise ValueError(f"sample {id!r}: top-k given to a store writer opened with topk=0")
+            return
+        shape = (n, self.topk)
+        if topk_ids is None or topk_logprobs is None or topk_ids.shape != shape or topk_logprobs.shape != shape:
+            raise ValueError(f"sample {id!r}: topk_ids {None if topk_ids is None else tuple(topk_ids.shape)} and "
+                             f"topk_logprobs {None if topk_logprobs is None else tuple(topk_logprobs.shape)} do "
+                             f"not match [S, K] = {list(shape)}")
 
     def skip(self, id: str, reason: str) -> None:
         """Record that sample `id` is left out (and why): counted in the manifest, and not redone on resume."""
@@ -275,6 +315,11 @@ class StoreWriter:
         }
         if self.storage_dtype == "fp8":
             tensors["scales"] = torch.cat(p.scales) if p.ids else torch.zeros(0, dtype=torch.float32)
+        if self.topk:
+            tensors["topk_ids"] = (torch.cat(p.topk_ids) if p.ids
+                                   else torch.zeros(0, self.topk, dtype=torch.int32))
+            tensors["topk_logprobs"] = (torch.cat(p.topk_logprobs) if p.ids
+                                        else torch.zeros(0, self.topk, dtype=TOPK_LOGPROB_DTYPE))
         metadata = {"format": FORMAT, "ids": json.dumps(p.ids), "dropped": json.dumps(p.dropped)}
         try:
             _save_safetensors(tensors, metadata, tmp)
@@ -354,7 +399,9 @@ def finalize_store(out_dir: str | Path, ingest_report: dict[str, Any] | None = N
         for id_, reason in entry["dropped"]:
             dropped_ids.setdefault(reason, []).append(id_)
     dropped = {reason: len(ids) for reason, ids in dropped_ids.items()}
-    floor = settings["num_tapped"] * settings["hidden_size"] * BYTES_PER_VALUE[settings["storage_dtype"]]
+    settings = {**SETTING_DEFAULTS, **settings}
+    floor = (settings["num_tapped"] * settings["hidden_size"] * BYTES_PER_VALUE[settings["storage_dtype"]]
+             + settings["topk"] * BYTES_PER_TOPK)
     shard_bytes = sum(e["bytes"] for e in shards)
     manifest = {
         "format": FORMAT,
@@ -398,7 +445,8 @@ class _Shard:
 
 
 class Store(Sequence):
-    """A read-only store: `store[i]` -> {input_ids, loss_mask, hidden_states, id, weight}; memory-mapped.
+    """A read-only store: `store[i]` -> {input_ids, loss_mask, hidden_states, id, weight}, plus topk_ids (int64
+    [S, K]) and topk_logprobs (float32 [S, K]) when the store was captured with --store-topk K; memory-mapped.
 
     Each item reads only its own token range from its shard (safetensors slices over an mmap), so random
     access costs the sample's bytes, not the shard's. Safe to use from DataLoader workers: file handles are
@@ -414,6 +462,7 @@ class Store(Sequence):
         self._handles: dict[int, Any] = {}
         self._pid = os.getpid()
         self.fp8 = manifest["storage_dtype"] == "fp8"
+        self.topk = int(manifest.get("topk", 0))
 
     def __len__(self) -> int:
         return self._starts[-1]
@@ -460,13 +509,17 @@ class Store(Sequence):
         states = f.get_slice("hidden_states")[a:b]
         if self.fp8:
             states = dequantize_fp8(states, f.get_slice("scales")[a:b])
-        return {
+        item = {
             "input_ids": f.get_slice("input_ids")[a:b].long(),
             "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
             "hidden_states": states,
             "id": shard.ids[j],
             "weight": int(shard.weights[j]),
         }
+        if self.topk:
+            item["topk_ids"] = f.get_slice("topk_ids")[a:b].long()
+            item["topk_logprobs"] = f.get_slice("topk_logprobs")[a:b].float()
+        return item
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for i in range(len(self)):
@@ -489,6 +542,9 @@ def _load_manifest(root: Path) -> dict[str, Any]:
         raise UserError(f"{root / MANIFEST} is not a {FORMAT} manifest (missing keys: {', '.join(missing)})")
     if manifest["storage_dtype"] not in STORAGE_DTYPES:
         raise UserError(f"{root / MANIFEST}: unknown storage_dtype {manifest['storage_dtype']!r}")
+    topk = manifest.get("topk", 0)
+    if not isinstance(topk, int) or isinstance(topk, bool) or topk < 0:
+        raise UserError(f"{root / MANIFEST}: 'topk' must be an integer >= 0, got {topk!r}")
     return manifest
 
 
@@ -517,6 +573,8 @@ def _read_shard(root: Path, entry: dict[str, Any], manifest: dict[str, Any]) -> 
                 "weights": (n,)}
     if manifest["storage_dtype"] == "fp8":
         expected["scales"] = (t,)
+    if manifest.get("topk", 0):
+        expected["topk_ids"] = expected["topk_logprobs"] = (t, manifest["topk"])
     problems = [f"{k} has shape {shapes.get(k)}, expected {v}" for k, v in expected.items() if shapes.get(k) != v]
     if len(ids) != n:
         problems.append(f"{len(ids)} ids for {n} samples")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_train.capture import (CaptureConfig, PromptRecord, Sampling, capture, generate_and_capture,
-                                  logged_response_ids, resolve_layer_ids, sample_next, sampling_for)
+                                  logged_response_ids, prefill_capture, resolve_layer_ids, sample_next, sampling_for)
 from dflash_train.errors import UserError
 from dflash_train.provenance import write_provenance
 from dflash_train.store import open_store, verify_store
@@ -251,3 +251,64 @@ def test_raw_log_prompts_and_logged_sampling(tiny_target_dir, tmp_path):
     first = next(iter_records(log))
     assert first["sampling"]["temperature"] == 0.8  # sampled at the logged temperature, seeded per prompt
     assert {item["id"]: item["weight"] for item in st}[first["id"]] == 2
+
+
+# --- top-k soft labels ------------------------------------------------------------------------------------------
+
+
+def full_forward_topk(model, ids, k):
+    """Reference: top-k of the log-softmax of one plain forward; row t predicts token t (from the logits at t-1)."""
+    logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+    values, top = logp[:-1].topk(k, dim=-1)
+    return top, values
+
+
+def assert_topk_matches(got, model, k, atol=1e-4):
+    ids, values = full_forward_topk(model, got.input_ids, k)
+    assert got.topk_ids.shape == (len(got.input_ids), k) and got.topk_ids.dtype == torch.int32
+    assert got.topk_ids[0].tolist() == [0] * k and (got.topk_logprobs[0] == float("-inf")).all()
+    torch.testing.assert_close(got.topk_logprobs[1:], values, rtol=0, atol=atol)
+    assert torch.equal(got.topk_ids[1:].long(), ids)
+
+
+def test_topk_capture_equals_a_full_forward_on_both_paths(tiny_target):
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    prompts = [tiny_target.render(r["messages"]) for r in make_rows(4)]
+    batched = generate_and_capture(model, prompts, LAYERS, 8, tiny_target.stop_token_ids(), tok.pad_token_id, topk=5)
+    for p, g in zip(prompts, batched):
+        assert len(g.input_ids) > len(p)  # the decode steps' top-k are covered, not only the prompt's
+        assert_topk_matches(g, model, 5)
+        single = generate_and_capture(model, [p], LAYERS, 8, tiny_target.stop_token_ids(), tok.pad_token_id,
+                                      topk=5)[0]  # the padded batch row equals the sample alone
+        assert single.input_ids == g.input_ids and torch.equal(single.topk_ids, g.topk_ids)
+        torch.testing.assert_close(single.topk_logprobs, g.topk_logprobs, rtol=0, atol=1e-4)
+    sequences = [g.input_ids for g in batched]
+    logged = prefill_capture(model, sequences, [len(p) for p in prompts], LAYERS, tok.pad_token_id, topk=3)
+    for g in logged:
+        assert_topk_matches(g, model, 3)
+    plain = generate_and_capture(model, prompts[:1], LAYERS, 8, tiny_target.stop_token_ids(), tok.pad_token_id)
+    assert plain[0].topk_ids is None and plain[0].topk_logprobs is None  # off by default
+
+
+def test_store_topk_through_the_command_and_resume_with_another_k_refused(prompts_dir, tiny_target_dir,
+                                                                       tiny_target, tmp_path):
+    from dflash_train.cli import main as cli_main
+
+    out = tmp_path / "topk"
+    args = ["capture", "--prompts", str(prompts_dir), "--target", str(tiny_target_dir), "--out", str(out),
+            "--layers", "1,3,5", "--max-new-tokens", "6", "--dtype", "fp32", "--limit", "4",
+            "--responses", "logged"]
+    assert cli_main(args + ["--store-topk", "4"]) == 0
+    st = open_store(out)
+    assert st.manifest["topk"] == 4 and verify_store(out) == []
+    assert st.manifest["floor_bytes_per_token"] == 3 * 64 * 2 + 4 * 6
+    for item in st:
+        ids, values = full_forward_topk(tiny_target.model, item["input_ids"].tolist(), 4)
+        assert torch.equal(item["topk_ids"][1:], ids) and (item["topk_logprobs"][0] == float("-inf")).all()
+        torch.testing.assert_close(item["topk_logprobs"][1:], values, rtol=1e-3, atol=1e-3)  # float16 storage
+    with pytest.raises(UserError, match="'topk'"):
+        capture(config(prompts_dir, tiny_target_dir, out, max_new_tokens=6, limit=4, responses="logged",
+                       store_topk=2))
+    assert len(open_store(out)) == 4  # the refused rerun left the store intact
+    with pytest.raises(UserError, match="store-topk"):
+        capture(config(prompts_dir, tiny_target_dir, tmp_path / "bad", store_topk=-1))

@@ -351,3 +351,169 @@ def test_the_per_block_reference_catches_a_leaky_mask(tiny_target):
                 * weights.flatten()).sum() / weights.sum()
     assert torch.allclose(good, ref, rtol=1e-5)
     assert abs(float(leak - ref)) > 100 * abs(float(good - ref)) + 1e-4, (leak, ref, good)
+
+
+# --- soft labels: the K+1-bucket KL against the target's top-k -----------------------------------------------------
+
+
+def _soft_case(dtype, T=37, H=16, V=101, K=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, H, generator=g).to(dtype)
+    head = (torch.randn(V, H, generator=g) * 0.5).to(dtype)
+    target = torch.log_softmax(torch.randn(T, V, generator=g).double() * 2, dim=-1)
+    logp, ids = target.topk(K, dim=-1)
+    labels = torch.randint(0, V, (T,), generator=g)
+    labels[:20] = ids[:20, 0]  # most labels are the target's argmax, some are outside its top-k
+    weights = torch.rand(T, generator=g)
+    weights[::6] = 0
+    return hidden, head, labels, weights, ids, logp.half()  # float16, as stored
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("a", [0.0, 0.5, 1.0])
+def test_chunked_soft_loss_and_gradient_equal_a_full_logits_reference(dtype, a):
+    hidden, head, labels, weights, ids, logp = _soft_case(dtype)
+    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    loss1, hit, ce, kl = obj.chunked_head_soft_ce(h1, head, labels, weights, ids, logp, a, chunk=8)
+    loss2, kl2 = obj.reference_head_soft_ce(h2, head, labels, weights, ids, logp, a)
+    (loss1 * 0.7).backward()
+    (loss2 * 0.7).backward()
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
+    assert torch.allclose(loss1.detach().double(), loss2.detach().double(), **tol)
+    assert torch.allclose(h1.grad.double(), h2.grad.double(), **tol)
+    assert torch.equal(hit, obj.reference_head_ce(hidden, head, labels, weights)[1])
+    assert torch.allclose(ce.double(), obj.reference_head_ce(hidden, head, labels, weights)[0].double(), **tol)
+    if a > 0:
+        assert torch.allclose(kl.double(), kl2.detach().double(), **tol) and float(kl) > 0
+    else:
+        assert kl is None
+
+
+def test_soft_weight_0_is_the_plain_path_bit_for_bit():
+    hidden, head, labels, weights, ids, logp = _soft_case(torch.bfloat16)
+    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    loss1, hit1, _, _ = obj.chunked_head_soft_ce(h1, head, labels, weights, ids, logp, 0.0, chunk=8)
+    loss2, hit2 = obj.chunked_head_ce(h2, head, labels, weights, chunk=8)
+    loss1.backward()
+    loss2.backward()
+    assert torch.equal(loss1, loss2) and torch.equal(hit1, hit2) and torch.equal(h1.grad, h2.grad)
+
+
+@pytest.mark.parametrize("stored", [torch.float64, torch.float16])
+def test_kl_is_zero_when_the_drafter_equals_the_target_and_positive_otherwise(stored):
+    g = torch.Generator().manual_seed(1)
+    T, V, K = 12, 64, 6
+    logits = torch.randn(T, V, generator=g, dtype=torch.float64) * 3  # the target's, and the drafter's
+    logp, ids = torch.log_softmax(logits, dim=-1).topk(K, dim=-1)  # the "stored" soft labels
+    logp = logp.to(stored)
+    head = torch.eye(V, dtype=torch.float64)  # hidden @ head.T = the logits themselves
+    weights = torch.ones(T, dtype=torch.float64)
+    same = logits.clone().requires_grad_()
+    total, _, _, kl = obj.chunked_head_soft_ce(same, head, ids[:, 0], weights, ids, logp, 1.0, chunk=5)
+    total.backward()  # the gradient vanishes too: the target's distribution is the minimum
+    tol = 1e-12 if stored == torch.float64 else 1e-5  # float16 storage rounds p a little
+    assert abs(float(kl)) < tol * T and same.grad.abs().max() < (1e-12 if stored == torch.float64 else 1e-3)
+    for scale in (1.1, 0.5):  # sharper or flatter than the target: KL > 0
+        _, _, _, kl = obj.chunked_head_soft_ce(logits * scale, head, ids[:, 0], weights, ids, logp, 1.0)
+        assert float(kl) > 1e-3 * T
+    for seed in range(10, 15):  # random drafters (not seed 1, the target itself): KL > 0 row by row
+        other = torch.randn(T, V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
+        for t in range(T):
+            _, _, _, kl = obj.chunked_head_soft_ce(other[t:t + 1], head, ids[t:t + 1, 0], weights[:1],
+                                                   ids[t:t + 1], logp[t:t + 1], 1.0)
+            assert float(kl) > 0
+
+
+def test_soft_loss_survives_a_drafter_that_puts_everything_on_the_top_k():
+    V, K = 40, 3
+    logits = torch.full((2, V), -1e4, dtype=torch.float32)
+    logits[:, :K] = torch.tensor([3.0, 2.0, 1.0])  # q_tail underflows to 0
+    ids = torch.arange(K).expand(2, -1).clone()
+    logp = torch.log(torch.tensor([[0.5, 0.2, 0.1], [0.5, 0.3, 0.2]]))  # p_tail 0.2 and 0 (sum rounds to 1)
+    h = logits.clone().requires_grad_()
+    total, _, _, kl = obj.chunked_head_soft_ce(h, torch.eye(V), ids[:, 0], torch.ones(2), ids, logp, 0.5)
+    total.backward()
+    assert torch.isfinite(total) and torch.isfinite(kl) and torch.isfinite(h.grad).all()
+    assert float(kl) > 0.2 * 60  # p_tail 0.2 against q_tail at the 1e-30 floor
+
+
+def test_block_topk_gathers_like_block_labels():
+    S, K = 12, 3
+    ids = torch.arange(100, 100 + S)[None]
+    lm = _row([0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0])
+    topk_ids = ids[:, :, None] * 10 + torch.arange(K)  # position p holds 10 * (100 + p) + j
+    topk_logp = -torch.arange(S, dtype=torch.float32)[None, :, None].expand(-1, -1, K)
+    blocks = obj.make_blocks(torch.tensor([[2, 8]]), torch.tensor([[True, True]]), B)
+    labels, weights = obj.block_labels(ids, lm, blocks, gamma=7.0)
+    got_ids, got_logp = obj.block_topk(topk_ids, topk_logp, blocks)
+    assert got_ids.shape == (1, 2, B, K) and torch.equal(got_ids // 10, labels[..., None].expand(-1, -1, -1, K))
+    assert got_logp[0, 0, :, 0].tolist() == [-2, -3, -4, -5]
+    assert got_logp[0, 1, :, 0].tolist() == [-8, -9, -10, -11]
+
+
+def _with_topk(batch, V=1024, K=4, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    b, S = batch["input_ids"].shape
+    logp, ids = torch.log_softmax(torch.randn(b, S, V, generator=g) * 3, dim=-1).topk(K, dim=-1)
+    return {**batch, "topk_ids": ids, "topk_logprobs": logp.half().float()}
+
+
+def test_dflash_loss_with_soft_labels_equals_the_full_logits_reference(tiny_target):
+    drafter, embed, head = _tiny_drafter(tiny_target)
+    mask_id = drafter.config.mask_token_id
+    batch = _with_topk(_synthetic_batch(packed=True))
+    blocks = obj.sample_anchors(batch["loss_mask"], 6, B, torch.Generator().manual_seed(3), batch["doc_start"])
+    labels, weights = obj.block_labels(batch["input_ids"], batch["loss_mask"], blocks, 7.0, batch["doc_start"])
+    top_ids, top_logp = obj.block_topk(batch["topk_ids"], batch["topk_logprobs"], blocks)
+    hidden = obj.draft_hidden(drafter, embed, batch, blocks, mask_id, "sdpa").flatten(0, 1)
+    w = weights.flatten() / weights.sum()
+    ref, ref_kl = obj.reference_head_soft_ce(hidden, head, labels.flatten(), w, top_ids.flatten(0, 2),
+                                             top_logp.flatten(0, 2), 0.5)
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    drafter.zero_grad()
+    out = obj.dflash_loss(drafter, embed, head, batch, blocks, mask_token_id=mask_id, gamma=7.0,
+                          head_chunk_tokens=7, soft_label_weight=0.5)
+    out.loss.backward()
+    assert torch.allclose(out.loss, ref, rtol=1e-5) and torch.allclose(out.kl, ref_kl.detach(), rtol=1e-5)
+    assert torch.allclose(0.5 * out.ce + 0.5 * out.kl, out.loss.detach(), rtol=1e-6)
+    for n, p in drafter.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[n], rtol=1e-4, atol=1e-6), n
+    with torch.no_grad():  # a = 0 ignores the top-k and is the plain CE exactly
+        plain = obj.dflash_loss(drafter, embed, head, _synthetic_batch(packed=True), blocks, mask_token_id=mask_id,
+                                gamma=7.0)
+        zero = obj.dflash_loss(drafter, embed, head, batch, blocks, mask_token_id=mask_id, gamma=7.0)
+    assert torch.equal(plain.loss, zero.loss) and zero.kl is None and torch.equal(plain.loss, zero.ce)
+    with pytest.raises(ValueError, match="topk"):
+        obj.dflash_loss(drafter, embed, head, _synthetic_batch(), blocks, mask_token_id=mask_id, gamma=7.0,
+                        soft_label_weight=0.5)
+
+
+def test_collate_carries_topk_and_the_trainer_names_a_store_without_it(tmp_path):
+    from dflash_train.errors import UserError
+    from dflash_train.recipe import Recipe
+    from dflash_train.store import StoreWriter
+    from dflash_train.trainer import StoreSet, collate, soft_label_weight
+
+    def sample(n, k):
+        s = {"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.bool),
+             "hidden_states": torch.randn(n, 8)}
+        if k:
+            s["topk_ids"] = torch.arange(n * k).view(n, k)
+            s["topk_logprobs"] = -torch.arange(n * k, dtype=torch.float32).view(n, k)
+        return s
+
+    batch = collate([[sample(3, 4), sample(2, 5)], [sample(4, 4)]], max_length=16)
+    assert batch["topk_ids"].shape == (2, 5, 4) and batch["topk_logprobs"].shape == (2, 5, 4)
+    assert torch.equal(batch["topk_ids"][0, 3:], sample(2, 5)["topk_ids"][:, :4])  # packed, cut to the common K
+    assert (batch["topk_logprobs"][1, 4] == float("-inf")).all() and (batch["topk_ids"][1, 4] == 0).all()
+    assert "topk_ids" not in collate([[sample(3, 4)], [sample(3, 0)]], max_length=16)
+    with StoreWriter(tmp_path / "st", target={"name": "x"}, target_layer_ids=[1], hidden_size=8) as writer:
+        s = sample(4, 0)
+        writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id="a")
+    recipe = Recipe()
+    recipe.objective.soft_label_weight = 0.3
+    stores = StoreSet([str(tmp_path / "st")])
+    with pytest.raises(UserError, match=rf"{tmp_path / 'st'}.*--store-topk"):
+        soft_label_weight(recipe, stores, collate([[stores[0]]], 16))
+    assert soft_label_weight(recipe, stores, batch) == 0.3

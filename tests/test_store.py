@@ -198,3 +198,97 @@ def test_disk_full_is_a_clear_error_and_leaves_no_manifest(tmp_path, monkeypatch
     monkeypatch.undo()
     finalize_store(out)  # space freed: the rerun finishes the same store
     assert sorted(open_store(out).ids) == sorted(s["id"] for s in samples)
+
+
+# --- top-k soft labels ------------------------------------------------------------------------------------------
+
+
+def add_topk(samples, k, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for s in samples:
+        n = len(s["input_ids"])
+        logp = torch.log_softmax(torch.randn(n, 50, generator=g) * 3, dim=-1)
+        s["topk_logprobs"], ids = logp.topk(k, dim=-1)
+        s["topk_ids"] = ids.to(torch.int32)
+        s["topk_ids"][0], s["topk_logprobs"][0] = 0, float("-inf")  # position 0: nothing predicts it
+    return samples
+
+
+def write_topk(out, samples, k, **kw):
+    with StoreWriter(out, target=IDENTITY, target_layer_ids=[1, 3, 5], hidden_size=8, topk=k, **kw) as writer:
+        for s in samples:
+            writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id=s["id"], weight=s["weight"],
+                       topk_ids=s["topk_ids"], topk_logprobs=s["topk_logprobs"])
+
+
+def test_topk_round_trip(tmp_path):
+    samples = add_topk(make_samples(12, 24), k=3)
+    write_topk(tmp_path / "st", samples, 3, shard_bytes=2000)
+    st = open_store(tmp_path / "st")
+    m = st.manifest
+    assert m["topk"] == 3 and len(m["shards"]) > 1 and m["floor_bytes_per_token"] == 24 * 2 + 3 * 6
+    for item, ref in zip(st, samples):
+        assert item["topk_ids"].dtype == torch.long and torch.equal(item["topk_ids"], ref["topk_ids"].long())
+        assert item["topk_logprobs"].dtype == torch.float32
+        assert torch.equal(item["topk_logprobs"], ref["topk_logprobs"].half().float())  # float16 on disk
+        assert (item["topk_logprobs"][0] == float("-inf")).all()
+    assert verify_store(tmp_path / "st") == []
+    write(tmp_path / "plain", make_samples(3, 24))
+    plain = open_store(tmp_path / "plain")
+    assert plain.manifest["topk"] == 0 and "topk_ids" not in plain[0]
+
+
+def test_topk_shapes_are_checked(tmp_path):
+    s = add_topk(make_samples(1, 24), k=3)[0]
+    writer = StoreWriter(tmp_path / "w", target=IDENTITY, target_layer_ids=[1, 3, 5], hidden_size=8, topk=3)
+    with pytest.raises(ValueError, match="topk_ids"):
+        writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id="a")  # top-k missing
+    with pytest.raises(ValueError, match="topk_ids"):
+        writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id="a", topk_ids=s["topk_ids"][:, :2],
+                   topk_logprobs=s["topk_logprobs"][:, :2])
+    nan = s["topk_logprobs"].clone()
+    nan[2, 1] = float("nan")
+    assert not writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id="b", topk_ids=s["topk_ids"],
+                          topk_logprobs=nan)  # dropped as non-finite; -inf at position 0 is fine
+    assert writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id="c", topk_ids=s["topk_ids"],
+                      topk_logprobs=s["topk_logprobs"])
+    # a manifest claiming top-k that its shards do not hold is caught on open, naming the shard
+    write(tmp_path / "st", make_samples(4, 24))
+    manifest = json.loads((tmp_path / "st" / "manifest.json").read_text())
+    (tmp_path / "st" / "manifest.json").write_text(json.dumps({**manifest, "topk": 2}))
+    with pytest.raises(UserError, match=r"shard-r000-00000.*topk_ids"):
+        open_store(tmp_path / "st")
+
+
+def test_resume_with_a_different_topk_is_refused(tmp_path):
+    samples = add_topk(make_samples(10, 24), k=4)
+    out = tmp_path / "st"
+    writer = StoreWriter(out, target=IDENTITY, target_layer_ids=[1, 3, 5], hidden_size=8, topk=4, shard_bytes=1500)
+    for s in samples[:6]:
+        writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id=s["id"], topk_ids=s["topk_ids"],
+                   topk_logprobs=s["topk_logprobs"])
+    writer.flush()
+    del writer  # killed
+    for k in (0, 2):
+        with pytest.raises(UserError, match="'topk'"):
+            StoreWriter(out, target=IDENTITY, target_layer_ids=[1, 3, 5], hidden_size=8, topk=k)
+    write_topk(out, [s for s in samples if s["id"] not in {f"s{i}" for i in range(6)}], 4)  # same K resumes
+    assert sorted(open_store(out).ids) == sorted(s["id"] for s in samples)
+
+
+def test_journal_from_before_topk_resumes_as_topk_0(tmp_path):
+    out = tmp_path / "st"
+    samples = make_samples(4, 24)
+    writer = StoreWriter(out, target=IDENTITY, target_layer_ids=[1, 3, 5], hidden_size=8)
+    writer.add(samples[0]["input_ids"], samples[0]["loss_mask"], samples[0]["hidden_states"], id="s0")
+    writer.flush()
+    del writer
+    journal = json.loads((out / "journal-r000.json").read_text())
+    del journal["settings"]["topk"]  # as written by the code before top-k existed
+    (out / "journal-r000.json").write_text(json.dumps(journal))
+    with pytest.raises(UserError, match="'topk'"):
+        StoreWriter(out, target=IDENTITY, target_layer_ids=[1, 3, 5], hidden_size=8, topk=2)
+    with StoreWriter(out, target=IDENTITY, target_layer_ids=[1, 3, 5], hidden_size=8) as writer:
+        for s in samples[1:]:
+            writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id=s["id"])
+    assert len(open_store(out)) == 4 and open_store(out).manifest["topk"] == 0
