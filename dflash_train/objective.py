@@ -489,7 +489,8 @@ def dflash_loss(drafter, embed: torch.Tensor, lm_head: torch.Tensor, batch: dict
     flat_w = weights.reshape(-1)
     rows = flat_w.nonzero()[:, 0]  # only supervised slots go through the head
     weight_sum = flat_w.sum()
-    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+    # the head's dtype (a no-op when they match; an fp32 drafter under bf16 mixed precision meets a bf16 head)
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows).to(lm_head.dtype)
     row_w = flat_w[rows] / weight_sum.clamp(min=1e-9)
     if soft_label_weight > 0:
         top_ids, top_logp = block_topk(batch["topk_ids"], batch["topk_logprobs"], blocks)
