@@ -28,6 +28,7 @@ class DataConfig:
     eval_samples: int = 32  # held-out samples used at each eval (the first N of the held-out set)
     max_length: int = 3072  # longer samples are truncated to their first max_length tokens
     batching: Literal["padding", "packing"] = "padding"  # packing: whole samples back to back up to max_length
+    max_samples: int | None = None  # train on the first N training samples only (data-size curves); None = all
 
 
 @dataclass
@@ -37,6 +38,11 @@ class DrafterConfig:
     block_size: int = 16
     mask_token_id: int | None = None  # None = the drafter's rule (a reserved row or an unused special token)
     target_layer_ids: list[int] | None = None  # None = the store's; if set it must equal the store's
+    # random: the public recipe. target: the target's top num_layers decoder layers, its final norm, and an fc that
+    # passes the deepest tapped layer through (see DFlashDrafter.init_from_target)
+    init: Literal["random", "target"] = "random"
+    init_from: str | None = None  # a drafter folder to start from (fine-tuning); wins over `init`
+    context_norm: bool = False  # divide each tapped channel by its RMS on the store before fc (folded at export)
 
 
 @dataclass
@@ -45,6 +51,7 @@ class ObjectiveConfig:
     decay_gamma: float | None = None  # slot weight exp(-(k-1)/gamma); None = 7 for block 16 (scaled with B)
     attention: Literal["auto", "sdpa", "flex"] = "auto"  # auto: FlexAttention on CUDA, dense mask + SDPA else
     head_chunk_tokens: int = 256  # block slots per LM-head + CE chunk: full logits never exist at once
+    soft_label_weight: float = 0.0  # loss = (1-a) CE + a KL to the target's top-k (needs capture --store-topk K)
 
 
 @dataclass
@@ -54,8 +61,11 @@ class OptimizerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     warmup_ratio: float = 0.04
-    schedule: Literal["cosine", "constant"] = "cosine"  # after linear warmup
-    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    # after linear warmup: cosine to lr * min_lr_ratio, constant, or wsd (warmup-stable-decay: constant, then a
+    # linear decay to lr * min_lr_ratio over the last decay_ratio of the run)
+    schedule: Literal["cosine", "constant", "wsd"] = "cosine"
+    min_lr_ratio: float = 0.0
+    decay_ratio: float = 0.2
     grad_clip: float = 1.0
 
 
@@ -63,6 +73,10 @@ class OptimizerConfig:
 class TrainConfig:
     epochs: float = 6.0
     max_steps: int | None = None  # optimizer steps; overrides epochs when set
+    # stop after this many seconds of training (evals and checkpoints not counted); the learning-rate schedule then
+    # runs on the fraction of the budget used, so runs of different speeds get whole schedules. Not reproducible
+    # step for step across machines (use max_steps for that).
+    time_budget_s: float | None = None
     micro_batch_size: int = 1  # sequences (padding) or packed rows (packing) per process per micro step
     grad_accum_steps: int = 1
     precision: Literal["bf16", "fp32"] = "bf16"
@@ -267,12 +281,16 @@ def check_recipe(recipe: Recipe, source: str) -> None:
     need(0.0 <= recipe.data.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")
     need(recipe.data.eval_samples >= 1, "data.eval_samples", "must be >= 1")
     need(recipe.data.max_length >= 2, "data.max_length", "must be >= 2")
+    need(recipe.data.max_samples is None or recipe.data.max_samples >= 1, "data.max_samples", "must be >= 1")
+    need(recipe.train.time_budget_s is None or recipe.train.time_budget_s > 0, "train.time_budget_s", "must be > 0")
+    need(0.0 < recipe.optimizer.decay_ratio <= 1.0, "optimizer.decay_ratio", "must be in (0, 1]")
     need(recipe.drafter.num_layers >= 1, "drafter.num_layers", "must be >= 1")
     need(recipe.drafter.block_size >= 2, "drafter.block_size", "must be >= 2")
     need(recipe.objective.num_anchors >= 1, "objective.num_anchors", "must be >= 1")
     need(recipe.objective.decay_gamma is None or recipe.objective.decay_gamma > 0, "objective.decay_gamma",
          "must be > 0")
     need(recipe.objective.head_chunk_tokens >= 1, "objective.head_chunk_tokens", "must be >= 1")
+    need(0.0 <= recipe.objective.soft_label_weight <= 1.0, "objective.soft_label_weight", "must be in [0, 1]")
     need(recipe.optimizer.lr > 0, "optimizer.lr", "must be > 0")
     need(recipe.optimizer.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
     need(len(recipe.optimizer.betas) == 2 and all(0 <= b < 1 for b in recipe.optimizer.betas),
@@ -290,6 +308,9 @@ def check_recipe(recipe: Recipe, source: str) -> None:
     need(recipe.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     need(recipe.eval.every >= 0, "eval.every", "must be >= 0")
     need(recipe.logging.log_every >= 1, "logging.log_every", "must be >= 1")
+    if recipe.drafter.init_from is not None and not (Path(recipe.drafter.init_from) / "config.json").is_file():
+        raise UserError(f"recipe {source}: key 'drafter.init_from' names {recipe.drafter.init_from}, which is not a "
+                        f"drafter folder (no config.json)")
     if recipe.train.deepspeed is not None and not Path(recipe.train.deepspeed).is_file():
         raise UserError(f"recipe {source}: key 'train.deepspeed' names {recipe.train.deepspeed}, which does not "
                         f"exist (paths are relative to the directory you run from)")

@@ -129,14 +129,25 @@ def make_rows(indices: list[int], lengths: list[int], max_length: int, packing: 
     return rows
 
 
+TOPK_KEYS = ("topk_ids", "topk_logprobs")
+
+
+def _common_topk(samples: list[list[dict[str, Any]]]) -> int:
+    """The top-k width all samples carry (the smallest: each top-k row is sorted), 0 if any sample has none."""
+    return min(s["topk_ids"].shape[-1] if "topk_ids" in s else 0 for row in samples for s in row)
+
+
 def collate(samples: list[list[dict[str, Any]]], max_length: int) -> dict[str, torch.Tensor]:
-    """Rows of samples -> a padded batch with input_ids, loss_mask, hidden_states, position_ids, doc_start.
+    """Rows of samples -> a padded batch with input_ids, loss_mask, hidden_states, position_ids, doc_start, and
+    topk_ids / topk_logprobs [b, S, K] when every sample has them (padding: ids 0, log-probs -inf).
 
     Samples in one row are packed back to back; positions restart at each sample and doc_start marks where
     each token's sample begins, so blocks never see another sample's context. Padding has loss_mask False."""
+    topk = _common_topk(samples)
+    keys = ("input_ids", "loss_mask", "hidden_states") + (TOPK_KEYS if topk else ())
     rows = []
     for row in samples:
-        parts = [{k: s[k][:max_length] for k in ("input_ids", "loss_mask", "hidden_states")} for s in row]
+        parts = [{k: s[k][:max_length, :topk] if k in TOPK_KEYS else s[k][:max_length] for k in keys} for s in row]
         budget, kept = max_length, []
         for p in parts:
             if budget <= 0:
@@ -154,6 +165,9 @@ def collate(samples: list[list[dict[str, Any]]], max_length: int) -> dict[str, t
         "position_ids": torch.zeros(b, S, dtype=torch.long),
         "doc_start": torch.zeros(b, S, dtype=torch.long),
     }
+    if topk:
+        batch["topk_ids"] = torch.zeros(b, S, topk, dtype=torch.long)
+        batch["topk_logprobs"] = torch.full((b, S, topk), float("-inf"))
     num_tokens = 0
     for r, row in enumerate(rows):
         at = 0
@@ -162,6 +176,8 @@ def collate(samples: list[list[dict[str, Any]]], max_length: int) -> dict[str, t
             batch["input_ids"][r, at:at + n] = p["input_ids"]
             batch["loss_mask"][r, at:at + n] = p["loss_mask"]
             batch["hidden_states"][r, at:at + n] = p["hidden_states"]
+            for k in TOPK_KEYS if topk else ():
+                batch[k][r, at:at + n] = p[k]
             batch["position_ids"][r, at:at + n] = torch.arange(n)
             batch["doc_start"][r, at:at + n] = at
             at += n
@@ -170,6 +186,17 @@ def collate(samples: list[list[dict[str, Any]]], max_length: int) -> dict[str, t
         num_tokens += at
     batch["num_tokens"] = torch.tensor(num_tokens)
     return batch
+
+
+def soft_label_weight(recipe: Recipe, stores: StoreSet, batch: dict[str, torch.Tensor]) -> float:
+    """objective.soft_label_weight, once the batch is known to carry the stores' top-k soft labels."""
+    weight = recipe.objective.soft_label_weight
+    if weight > 0 and "topk_ids" not in batch:
+        missing = [f for f, s in zip(stores.folders, stores.stores) if not s.manifest.get("topk")]
+        raise UserError(f"recipe key objective.soft_label_weight is {weight}, but store(s) {', '.join(missing)} "
+                        f"hold no top-k soft labels: recapture with `dflash-train capture ... --store-topk K` "
+                        f"(e.g. 8) or set objective.soft_label_weight: 0")
+    return weight
 
 
 @dataclass
@@ -221,6 +248,8 @@ def prepare_data(recipe: Recipe, world: int) -> TrainData:
     else:
         train_idx, held = split_eval(stores.ids(), recipe.data.eval_fraction)
         eval_samples = [stores[i] for i in held[:recipe.data.eval_samples]]
+    if recipe.data.max_samples is not None:
+        train_idx = train_idx[:recipe.data.max_samples]
     if not train_idx:
         raise UserError(f"no training samples left in {', '.join(stores.folders)} after holding out the eval split")
     lengths = [stores.length(i) for i in range(len(stores))]
@@ -242,15 +271,59 @@ def anchor_generator(seed: int, step: int, micro: int, rank: int) -> torch.Gener
 # --- schedule -------------------------------------------------------------------------------------------------
 
 
-def lr_factor(step: int, total_steps: int, warmup_ratio: float, schedule: str, min_ratio: float) -> float:
-    """Linear warmup over warmup_ratio x total steps, then cosine to min_ratio (or constant)."""
-    warmup = int(math.ceil(warmup_ratio * total_steps))
-    if step < warmup:
-        return (step + 1) / warmup
+def lr_factor(step: int, total_steps: int, warmup_ratio: float, schedule: str, min_ratio: float,
+              decay_ratio: float = 0.2, progress: float | None = None) -> float:
+    """Linear warmup over warmup_ratio of the run, then cosine to min_ratio, constant, or wsd (constant, then a
+    linear decay to min_ratio over the last decay_ratio of the run). The run's position is step / total_steps, or
+    `progress` (the fraction of a time budget used) when given."""
+    if progress is None:
+        warmup = int(math.ceil(warmup_ratio * total_steps))
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = step / max(1, total_steps)
+        after = (step - warmup) / max(1, total_steps - warmup)
+    else:
+        progress = min(1.0, max(0.0, progress))
+        if progress < warmup_ratio:
+            return max(progress / warmup_ratio, 1.0 / max(1, total_steps))
+        after = (progress - warmup_ratio) / max(1e-9, 1 - warmup_ratio)
     if schedule == "constant":
         return 1.0
-    progress = (step - warmup) / max(1, total_steps - warmup)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    if schedule == "wsd":
+        start = 1.0 - decay_ratio
+        if progress <= start:
+            return 1.0
+        return min_ratio + (1 - min_ratio) * max(0.0, 1 - (progress - start) / decay_ratio)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, after)))
+
+
+class TrainClock:
+    """Training time (evals and checkpoints excluded) against an optional budget; survives resume."""
+
+    def __init__(self, budget_s: float | None, already_s: float = 0.0):
+        self.budget_s = budget_s
+        self.spent_s = already_s
+        self._since: float | None = None
+
+    def start(self) -> None:
+        self._since = time.time()
+
+    def pause(self) -> None:
+        if self._since is not None:
+            self.spent_s += time.time() - self._since
+            self._since = None
+
+    @property
+    def elapsed(self) -> float:
+        return self.spent_s + (time.time() - self._since if self._since is not None else 0.0)
+
+    @property
+    def progress(self) -> float | None:
+        return None if self.budget_s is None else self.elapsed / self.budget_s
+
+    @property
+    def expired(self) -> bool:
+        return self.budget_s is not None and self.elapsed >= self.budget_s
 
 
 # --- setup ------------------------------------------------------------------------------------------------------
@@ -345,7 +418,7 @@ def check_store_against_target(stores: StoreSet, target_name: str) -> dict[str, 
     return identity
 
 
-def build_drafter(recipe: Recipe, stores: StoreSet, target_name: str):
+def build_drafter(recipe: Recipe, stores: StoreSet, target_name: str, train_indices: list[int] | None = None):
     from transformers import AutoConfig
 
     from dflash_train.drafter import DFlashDrafter
@@ -366,7 +439,50 @@ def build_drafter(recipe: Recipe, stores: StoreSet, target_name: str):
     if drafter.config.hidden_size != stores.manifest["hidden_size"]:
         raise UserError(f"drafter hidden size {drafter.config.hidden_size} != store hidden_size "
                         f"{stores.manifest['hidden_size']}")
+    if recipe.drafter.context_norm:
+        drafter.set_context_scale(context_scale(stores, train_indices or list(range(len(stores)))))
+    if recipe.drafter.init_from is not None:
+        start_from_drafter(drafter, recipe.drafter.init_from)
+    elif recipe.drafter.init == "target":
+        from dflash_train.target import load_decoder_layers
+
+        n = drafter.config.num_target_layers
+        layers, final_norm = load_decoder_layers(target_name, list(range(n - recipe.drafter.num_layers, n)))
+        drafter.init_from_target(layers, final_norm)
     return drafter
+
+
+def context_scale(stores: StoreSet, indices: list[int], max_samples: int = 64) -> torch.Tensor:
+    """Per-channel RMS of the tapped states over (up to) the first `max_samples` training samples, [n*H].
+
+    Position 0 is left out: its states (the attention sink) are hundreds of times larger than any other
+    position's and would set the scale of the channels they touch."""
+    total, count = None, 0
+    for i in indices[:max_samples]:
+        states = stores[i]["hidden_states"][1:].float()
+        sq = states.pow(2).sum(dim=0)
+        total = sq if total is None else total + sq
+        count += states.shape[0]
+    if not count:
+        raise UserError("drafter.context_norm needs training samples of at least 2 tokens")
+    return (total / count).sqrt().clamp(min=1e-3)
+
+
+def start_from_drafter(drafter, folder: str) -> None:
+    """Load a trained drafter's weights (fine-tuning): it must have this drafter's shape and tapped layers."""
+    from dflash_train.drafter import load_drafter
+
+    source = load_drafter(folder, dtype=torch.float32)
+    mine, theirs = drafter.config, source.config
+    for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "target_layer_ids", "mask_token_id",
+                "num_attention_heads", "num_key_value_heads"):
+        if getattr(mine, key) != getattr(theirs, key):
+            raise UserError(f"drafter.init_from {folder}: its {key} is {getattr(theirs, key)}, this recipe's drafter "
+                            f"has {getattr(mine, key)}")
+    state = source.state_dict()
+    if drafter.context_scale is not None:  # exported weights act on raw states: unfold for the scaled inputs
+        state["fc.weight"] = state["fc.weight"] * drafter.context_scale[None, :]
+    drafter.load_state_dict(state, strict=True)
 
 
 def enable_gradient_checkpointing(drafter) -> None:
@@ -556,7 +672,7 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
     # model, frozen target parts, optimizer
     target_name = recipe.drafter.target or stores.manifest["target"]["name"]
     check_store_against_target(stores, target_name)
-    drafter = build_drafter(recipe, stores, target_name)
+    drafter = build_drafter(recipe, stores, target_name, data.train_indices)
     if recipe.train.gradient_checkpointing:
         enable_gradient_checkpointing(drafter)
     dtype = torch.bfloat16 if recipe.train.precision == "bf16" else torch.float32
@@ -572,9 +688,10 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
                                   weight_decay=opt.weight_decay, fused=True)
     model, optimizer = accelerator.prepare(drafter, optimizer)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
-        lr_factor, total_steps=total_steps, warmup_ratio=opt.warmup_ratio, schedule=opt.schedule,
-        min_ratio=opt.min_lr_ratio))
+    clock = TrainClock(recipe.train.time_budget_s)
+    schedule = functools.partial(lr_factor, total_steps=total_steps, warmup_ratio=opt.warmup_ratio,
+                                 schedule=opt.schedule, min_ratio=opt.min_lr_ratio, decay_ratio=opt.decay_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s, progress=clock.progress))
     accelerator.register_for_checkpointing(scheduler)
     core = accelerator.unwrap_model(model)  # the plain DFlashDrafter (for eval and for its config)
     attention = obj.resolve_attention(recipe.objective.attention, device)
@@ -589,6 +706,7 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
         accelerator.load_state(str(resume_from))
         state = json.loads((resume_from / STATE_FILE).read_text())
         start_step, bad_in_a_row, bad_total = state["step"], state["bad_in_a_row"], state["bad_total"]
+        clock.spent_s = float(state.get("train_time_s", 0.0))
         if state.get("total_steps") != total_steps and main:
             print(f"note: the checkpoint was written for {state.get('total_steps')} total steps, this run has "
                   f"{total_steps}; the learning-rate schedule follows this run", flush=True)
@@ -604,7 +722,9 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
         n_params = sum(p.numel() for p in core.parameters())
         print(f"training {n_params / 1e6:.2f}M drafter parameters on {len(data.train_indices)} samples "
               f"({len(plan.rows)} rows, "
-              f"{plan.steps_per_epoch} steps/epoch), {total_steps} steps, {world} process(es) on {device.type}, "
+              f"{plan.steps_per_epoch} steps/epoch), {total_steps} steps"
+              + (f" or {recipe.train.time_budget_s:g} s of training" if recipe.train.time_budget_s else "")
+              + f", {world} process(es) on {device.type}, "
               f"attention={attention}, deepspeed={recipe.train.deepspeed}", flush=True)
     bar = tqdm(total=total_steps, initial=start_step, disable=not (main and recipe.logging.progress_bar),
                desc="train", dynamic_ncols=True)
@@ -616,12 +736,14 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
     def checkpoint_state(step: int) -> dict[str, Any]:
         return {"step": step, "total_steps": total_steps, "epoch": step / plan.steps_per_epoch,
                 "bad_in_a_row": bad_in_a_row, "bad_total": bad_total, "world_size": world,
+                "train_time_s": clock.elapsed,
                 "data_position": {"epoch": step // plan.steps_per_epoch, "step_in_epoch": step % plan.steps_per_epoch}}
 
     step = start_step
     last_checkpoint_step = start_step if resume_from is not None else None
     model.train()
-    while step < total_steps:
+    clock.start()
+    while step < total_steps and not clock.expired:
         t0 = time.time()
         lr_now = optimizer.param_groups[0]["lr"]
         sums = torch.zeros(3 + 2 * B, dtype=torch.float64)  # loss*n, n (micro steps), tokens, correct[B], counted[B]
@@ -637,7 +759,8 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
             with accelerator.accumulate(model):
                 out = obj.dflash_loss(model, embed, head, batch, blocks, mask_token_id=mask_id,
                                       gamma=recipe.decay_gamma, attention=attention,
-                                      head_chunk_tokens=recipe.objective.head_chunk_tokens)
+                                      head_chunk_tokens=recipe.objective.head_chunk_tokens,
+                                      soft_label_weight=soft_label_weight(recipe, stores, batch))
                 finite = torch.tensor(float(torch.isfinite(out.loss.detach())), device=device)
                 finite = accelerator.reduce(finite, reduction="sum") if world > 1 else finite
                 loss = out.loss
@@ -674,9 +797,10 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
             gn = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
             row = {"kind": "train", "step": step, "epoch": round(step / plan.steps_per_epoch, 4),
                    "loss": None if bad else last_loss, "acc": acc, "acc_1": acc[0], "lr": lr_now,
+                   "kl": None if out.kl is None else float(out.kl),  # the last micro batch's, this rank's
                    "grad_norm": None if gn is None or (isinstance(gn, float) and not math.isfinite(gn)) else gn,
                    "tokens_per_s": float(sums[2]) / elapsed, "skipped": bad, "bad_steps": bad_total,
-                   "time": round(time.time() - started, 2)}
+                   "time": round(time.time() - started, 2), "train_time": round(clock.elapsed, 2)}
             metrics.log(row)
             bar.set_postfix(loss=f"{last_loss:.3f}", acc1=acc[0], tau=last_eval.get("eval_tau"))
         if bad_in_a_row >= recipe.train.max_bad_steps:
@@ -686,22 +810,28 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
             raise UserError(f"{bad_in_a_row} optimizer steps in a row (up to step {step}) had a non-finite loss: "
                             f"training diverged and was stopped. Newest checkpoint: {where}. Lower optimizer.lr, "
                             f"check the store for bad samples, or raise train.max_bad_steps")
-        want_eval = (recipe.eval.every and step % recipe.eval.every == 0) or (recipe.eval.at_end and step == total_steps)
+        done = step >= total_steps or clock.expired
+        want_eval = (recipe.eval.every and step % recipe.eval.every == 0) or (recipe.eval.at_end and done)
+        clock.pause()  # evals and checkpoints do not count against the training time budget
         if want_eval and data.eval_samples:
             result = evaluate(core, embed, head, data.eval_samples, recipe, attention, device)
             last_eval = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
-            metrics.log({"kind": "eval", "step": step, **last_eval, "time": round(time.time() - started, 2)})
+            metrics.log({"kind": "eval", "step": step, **last_eval, "time": round(time.time() - started, 2),
+                         "train_time": round(clock.elapsed, 2)})
             bar.set_postfix(loss=f"{last_loss:.3f}", tau=last_eval["eval_tau"])
-        if step % recipe.checkpoint.every == 0 or step == total_steps:
+        if step % recipe.checkpoint.every == 0 or done:
             digests = check_replicas(accelerator, model, step, zero_stage)
             save_checkpoint(accelerator, run_dir, step, {**checkpoint_state(step), "rank_parameter_digests": digests},
                             recipe.checkpoint.keep_last)
             last_checkpoint_step = step
+        clock.start()
+    clock.pause()
     bar.close()
 
     # final drafter (all ranks take part in gathering the weights under ZeRO-3)
     state_dict = accelerator.get_state_dict(model)
-    summary = {"steps": total_steps, "final_train_loss": last_loss, **{f"final_{k}": v for k, v in last_eval.items()},
+    summary = {"steps": step, "final_train_loss": last_loss, "train_time_s": round(clock.elapsed, 1),
+               **{f"final_{k}": v for k, v in last_eval.items()},
                "bad_steps": bad_total, "wall_time_s": round(time.time() - started, 1), "world_size": world,
                "device": device.type, "resumed_from": str(resume_from) if resume_from else None,
                "last_checkpoint_step": last_checkpoint_step}
@@ -710,7 +840,7 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
         if wandb_run is not None:
             wandb_run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
             wandb_run.finish()
-        print(f"done: {total_steps} steps in {summary['wall_time_s']} s; final loss {last_loss:.4f}"
+        print(f"done: {step} steps in {summary['wall_time_s']} s; final loss {last_loss:.4f}"
               + (f", eval tau {last_eval.get('eval_tau')}" if last_eval else "")
               + f"; drafter in {run_dir / 'drafter'}", flush=True)
     accelerator.wait_for_everyone()
@@ -726,6 +856,7 @@ def save_final_drafter(out_dir: Path, core, state_dict: dict[str, torch.Tensor],
     dtype = torch.bfloat16 if recipe.train.precision == "bf16" else torch.float32
     final = DFlashDrafter(core.config)
     final.load_state_dict({k: v.detach().cpu() for k, v in state_dict.items()}, strict=True)
+    final.set_context_scale(core.context_scale)  # save_pretrained folds it into fc
     final.to(dtype).save_pretrained(out)
     write_json_atomic(out / "training_args.json", {"recipe": recipe.to_dict(), "data": stores.summary(),
                                                    "run": summary})

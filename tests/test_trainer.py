@@ -285,6 +285,51 @@ def test_lr_schedule_warmup_then_cosine():
     assert tr.lr_factor(99, 100, 0.0, "cosine", 0.1) >= 0.1
 
 
+def test_lr_schedule_wsd_and_time_budget_progress():
+    f = [tr.lr_factor(s, 100, 0.1, "wsd", 0.0, decay_ratio=0.2) for s in range(100)]
+    assert f[9] == 1.0 and all(x == 1.0 for x in f[10:80])  # warmup, then stable
+    assert all(a > b for a, b in zip(f[80:], f[81:])) and f[-1] < 0.1  # linear decay over the last 20%
+    # with a time budget the same shape runs on the fraction of the budget used, whatever the step
+    assert tr.lr_factor(3, 10_000, 0.1, "wsd", 0.0, decay_ratio=0.2, progress=0.05) == pytest.approx(0.5)
+    assert tr.lr_factor(3, 10_000, 0.1, "wsd", 0.0, decay_ratio=0.2, progress=0.5) == 1.0
+    assert tr.lr_factor(3, 10_000, 0.1, "wsd", 0.1, decay_ratio=0.2, progress=0.9) == pytest.approx(0.55)
+    assert tr.lr_factor(3, 10_000, 0.0, "cosine", 0.0, progress=1.0) == pytest.approx(0.0)
+    clock = tr.TrainClock(budget_s=10.0, already_s=4.0)
+    assert clock.progress == pytest.approx(0.4) and not clock.expired
+    clock.spent_s = 10.0
+    assert clock.expired and tr.TrainClock(None).progress is None
+
+
+@pytest.mark.slow
+def test_time_budget_target_init_context_norm_then_fine_tune_from_it(chain_store, tmp_path):
+    """The sample-efficiency switches in a real launch: a run that stops on its time budget, on the first 2
+    samples, starting from the target with scaled context; then a run that starts from its exported drafter."""
+    from dflash_train.drafter import load_drafter
+
+    run = tmp_path / "a"
+    recipe = write_recipe(tmp_path / "a.yaml", chain_store, run, train={"max_steps": 100_000, "time_budget_s": 4.0,
+                                                                        "micro_batch_size": 2},
+                          drafter={"init": "target", "context_norm": True}, data={"max_samples": 2})
+    proc = launch(recipe)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "drafter" / "training_args.json").read_text())["run"]
+    assert 1 <= summary["steps"] < 100_000 and 4.0 <= summary["train_time_s"] < 30, summary
+    assert "2 samples" in proc.stdout and "or 4 s of training" in proc.stdout
+    rows = read_metrics(run)
+    assert rows[-1]["lr"] < rows[len(rows) // 2]["lr"]  # the schedule ran on the budget: it decayed
+
+    # fine-tune from it: with a negligible learning rate the weights stay those of the exported drafter
+    run_b = tmp_path / "b"
+    recipe_b = write_recipe(tmp_path / "b.yaml", chain_store, run_b, train={"max_steps": 1},
+                            drafter={"init_from": str(run / "drafter"), "context_norm": True},
+                            optimizer={"lr": 1.0e-12}, eval={"at_end": False})
+    proc = launch(recipe_b)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = load_drafter(run / "drafter"), load_drafter(run_b / "drafter")
+    for (name, x), (_, y) in zip(sorted(a.state_dict().items()), sorted(b.state_dict().items())):
+        assert torch.allclose(x.float(), y.float(), rtol=2e-2, atol=1e-3), name
+
+
 def test_deepspeed_config_takes_batch_clip_and_precision_from_the_recipe(monkeypatch):
     from dflash_train.recipe import Recipe
 
