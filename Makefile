@@ -11,7 +11,7 @@ PUSH_DIR ?= push/smollm2-demo
 REPO ?= your-org/smollm2-135m-instruct-dflash
 export WANDB_MODE ?= disabled
 
-.PHONY: install test demo ingest capture verify train eval push
+.PHONY: install test demo experiment ablate ingest capture verify train eval push
 
 # torch first, and only where none is installed: GPU users keep their CUDA build, and a CPU box
 # takes the CPU wheel instead of the multi-GB CUDA build a bare `torch` requirement would pull.
@@ -27,6 +27,15 @@ test:
 # Stages whose output is complete and valid are skipped on a rerun.
 demo:
 	$(PYTHON) scripts/demo.py
+
+# Own outputs vs logged responses (+ the adapted drafter and the data-size curve); ablation of the training levers
+# on one wall-clock budget. Results (md, png, json) go to results/ (tracked); stores and runs to data/store, runs/.
+# Options: EXPERIMENT_ARGS / ABLATE_ARGS, e.g. ABLATE_ARGS="--time-budget 300 --only baseline,init" or "--quick".
+experiment:
+	$(PYTHON) scripts/experiment_own_outputs.py $(EXPERIMENT_ARGS)
+
+ablate:
+	$(PYTHON) scripts/ablate_sample_efficiency.py $(ABLATE_ARGS)
 
 ingest:
 	$(PYTHON) -m dflash_train ingest --out $(PROMPTS)

@@ -1,0 +1,230 @@
+"""The pure parts of the experiment scripts: override/variant parsing, metrics and report parsing into table rows,
+the skip-if-complete decision. Synthetic files only; no model runs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import ablate_sample_efficiency as ablate  # noqa: E402
+import experiment_own_outputs as experiment  # noqa: E402
+import runlib as rl  # noqa: E402
+
+from dflash_train.errors import UserError  # noqa: E402
+from dflash_train.provenance import INCOMPLETE_MARKER, PROVENANCE_FILE  # noqa: E402
+
+
+# --- parsing ------------------------------------------------------------------------------------------------------
+
+
+def test_split_overrides_keeps_commas_inside_brackets():
+    assert rl.split_overrides("a.b=1, data.stores=[x,y] ,c={p: 1, q: 2}") == [
+        "a.b=1", "data.stores=[x,y]", "c={p: 1, q: 2}"]
+    assert rl.split_overrides("") == []
+
+
+@pytest.mark.parametrize("text", ["a.b=1,oops", "a=[1,2", "a=1]", "=3", "a b=1"])
+def test_split_overrides_rejects_malformed(text):
+    with pytest.raises(UserError, match="key=value|unbalanced"):
+        rl.split_overrides(text)
+
+
+def test_parse_variant():
+    assert rl.parse_variant("fast:optimizer.lr=1e-3,optimizer.schedule=wsd") == (
+        "fast", ["optimizer.lr=1e-3", "optimizer.schedule=wsd"])
+    assert rl.parse_variant("plain") == ("plain", [])
+    with pytest.raises(UserError, match="name"):
+        rl.parse_variant("bad name:a=1")
+    with pytest.raises(UserError, match="--variant x"):
+        rl.parse_variant("x:a=1,b")
+
+
+def test_parse_sizes():
+    assert rl.parse_sizes("32, 96,all") == [32, 96, None]
+    for bad in ["0", "12,x", "5,5", ""]:
+        with pytest.raises(UserError):
+            rl.parse_sizes(bad)
+
+
+def test_select_variants_defaults_replace_add_and_only():
+    v = ablate.select_variants(None, [], None)
+    assert list(v) == ["baseline", "init", "soft", "dense", "norm", "optim", "combo"]
+    assert v["baseline"] == [] and v["init"] == ["drafter.init=target"]
+    assert set(v["combo"]) == {o for name in ablate.LEVERS for o in rl.split_overrides(ablate.LEVERS[name])}
+    v = ablate.select_variants("drafter.init=target,objective.num_anchors=512",
+                               ["init:drafter.init=target,optimizer.lr=1e-3", "mine:objective.num_anchors=128"],
+                               "mine,init,combo")
+    assert list(v) == ["mine", "init", "combo"]
+    assert v["init"] == ["drafter.init=target", "optimizer.lr=1e-3"]
+    assert v["combo"] == ["drafter.init=target", "objective.num_anchors=512"]
+    with pytest.raises(UserError, match="nope"):
+        ablate.select_variants(None, [], "baseline,nope")
+
+
+def test_budget_overrides():
+    assert rl.budget_overrides(100, None, 25) == ["eval.every=25", "eval.at_end=true", "train.max_steps=100"]
+    assert rl.budget_overrides(None, 60.0, 5)[2:] == ["train.time_budget_s=60.0", "train.max_steps=1000000"]
+
+
+def test_experiment_quick_defaults_and_scaled_budget():
+    args = experiment.parse_args(["--quick"])
+    assert (args.steps, args.limit, args.name, args.out) == (6, 40, "exp-quick", "results/experiment_own_outputs-quick")
+    assert experiment.scaled_budget(args, 0.25) == ["eval.every=2", "eval.at_end=true", "train.max_steps=2"]
+    args = experiment.parse_args(["--time-budget", "100"])
+    assert args.steps is None and args.limit == 600
+    assert experiment.scaled_budget(args, 0.5)[2] == "train.time_budget_s=50.0"
+
+
+def test_compare_ids():
+    ids = experiment.compare_ids(["a", "b", "c"], ["a", "c", "d"])
+    assert ids == {"own": 3, "logged": 3, "common": 2, "only_own": 1, "only_logged": 1, "same_order": True}
+    assert experiment.compare_ids(["a", "b"], ["b", "a"])["same_order"] is False
+
+
+# --- metrics and reports ------------------------------------------------------------------------------------------
+
+
+def write_metrics(path: Path) -> Path:
+    rows = [{"kind": "train", "step": 1, "loss": 9.0, "time": 1.5},
+            {"kind": "eval", "step": 1, "eval_tau": 1.01, "eval_acc": [0.01, 0.0], "time": 2.0},
+            {"kind": "train", "step": 2, "loss": 8.0, "time": 3.0},
+            {"kind": "eval", "step": 2, "eval_tau": 1.25, "eval_acc": [0.2, 0.05], "time": 4.25}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    return path
+
+
+def test_eval_curve_and_run_summary(tmp_path):
+    metrics = write_metrics(tmp_path / "metrics.jsonl")
+    assert rl.eval_curve(metrics) == [(1.0, 1.01), (2.0, 1.25)]
+    assert rl.run_summary(metrics) == {"steps": 2, "train_s": 4.25, "final_sim_tau": 1.25,
+                                       "final_sim_acc": [0.2, 0.05]}
+    assert rl.eval_curve(metrics, "time") == [(2.0, 1.01), (4.25, 1.25)]
+    assert rl.eval_curve(metrics, rl.TRAIN_TIME) == [(2.0, 1.01), (4.25, 1.25)]  # no train_time: wall time
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    for row in rows:
+        row["train_time"] = row["time"] - 1
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert rl.eval_curve(metrics, rl.TRAIN_TIME) == [(1.0, 1.01), (3.25, 1.25)]
+    assert rl.run_summary(metrics)["train_s"] == 3.25
+    with pytest.raises(UserError, match="none of wall"):
+        rl.eval_curve(metrics, ("wall",))
+
+
+
+def test_bad_metrics_name_the_file_and_line(tmp_path):
+    bad = tmp_path / "metrics.jsonl"
+    bad.write_text('{"kind": "train", "step": 1}\n{not json\n')
+    with pytest.raises(UserError, match=r"metrics.jsonl line 2"):
+        rl.run_summary(bad)
+    with pytest.raises(UserError, match="does not exist"):
+        rl.eval_curve(tmp_path / "missing.jsonl")
+
+
+def write_report(folder: Path, drafters: list[Path]) -> Path:
+    methods = [{"method": "plain (target only)", "drafter": None, "block_size": 1, "tokens_per_s": 20.0}]
+    for i, d in enumerate(drafters):
+        methods.append({"method": f"drafter {d.name}", "drafter": str(d), "block_size": 16, "tau": 2.0 + i,
+                        "per_position_acceptance": [0.9, 0.5 - 0.1 * i, 0.25, 0.1], "tokens_per_s": 10.0 * (i + 1),
+                        "lossless_mismatches": 0})
+    methods.append({"method": "block size 1", "drafter": None, "block_size": 1, "tokens_per_s": 21.0})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "report.json").write_text(json.dumps({"methods": methods, "settings": {"num_prompts": 3}}))
+    return folder
+
+
+def test_online_rows_match_drafters_by_folder(tmp_path, monkeypatch):
+    a, b = tmp_path / "runs" / "own" / "drafter", tmp_path / "runs" / "logged" / "drafter"
+    report = rl.read_report(write_report(tmp_path / "eval", [a, b]))
+    monkeypatch.chdir(tmp_path)
+    row = rl.online_row(report, Path("runs/logged/drafter"))  # relative path, same folder
+    assert row["online_tau"] == 3.0 and row["acceptance_first"] == [0.9, 0.4, 0.25]
+    assert row["tokens_per_s_plain"] == 20.0 and row["tokens_per_s_ratio"] == pytest.approx(1.0)
+    assert rl.online_row(report, a)["tokens_per_s_ratio"] == pytest.approx(0.5)
+    with pytest.raises(UserError, match="no method for drafter"):
+        rl.online_row(report, tmp_path / "other")
+
+
+def test_read_report_errors(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        rl.read_report(tmp_path)
+    (tmp_path / "report.json").write_text("{}")
+    with pytest.raises(UserError, match="'methods'"):
+        rl.read_report(tmp_path)
+
+
+def test_variant_rows_and_markdown_table(tmp_path):
+    plan = {}
+    for name in ["baseline", "init"]:
+        run = tmp_path / "runs" / name
+        run.mkdir(parents=True)
+        write_metrics(run / "metrics.jsonl")
+        plan[name] = (run, [] if name == "baseline" else ["drafter.init=target"])
+    report = rl.read_report(write_report(tmp_path / "eval", [p[0] / "drafter" for p in plan.values()]))
+    rows = rl.run_rows(plan, report)
+    assert rows["init"]["online_tau"] == 3.0 and rows["init"]["steps"] == 2
+    assert rows["baseline"]["final_sim_tau"] == 1.25 and rows["baseline"]["overrides"] == []
+    table = rl.markdown_table(["variant", "tau", "acc"], [["init", rows["init"]["online_tau"],
+                                                           rows["init"]["acceptance_first"]], ["x", None, 7]])
+    assert table.splitlines() == ["| variant | tau | acc |", "|---|---|---|",
+                                  "| init | 3.000 | 0.900 / 0.400 / 0.250 |", "| x | - | 7 |"]
+
+
+def test_cpu_model():
+    assert rl.cpu_model("processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags: x\n") == "AMD EPYC 9654"
+
+
+# --- skipping complete stages -------------------------------------------------------------------------------------
+
+
+def make_folder(path: Path, complete: bool) -> Path:
+    path.mkdir(parents=True)
+    (path / PROVENANCE_FILE).write_text("{}")
+    if not complete:
+        (path / INCOMPLETE_MARKER).write_text("")
+    return path
+
+
+def test_stage_decision(tmp_path):
+    command = ["python", "-m", "dflash_train", "capture", "--out", "x"]
+    assert rl.stage_decision(tmp_path / "missing", command) == "run"
+    assert rl.stage_decision(make_folder(tmp_path / "half", complete=False), command) == "run"
+    done = make_folder(tmp_path / "done", complete=True)
+    assert rl.stage_decision(done, command) == "skip"  # made before records existed: trusted
+    rl.record_path(done).write_text(json.dumps({"command": command, "seconds": 12.5}))
+    assert rl.stage_decision(done, command) == "skip"
+    with pytest.raises(UserError, match="made by another command"):
+        rl.stage_decision(done, [*command, "--limit", "5"])
+
+
+def test_run_stage_skips_a_complete_folder_without_running(tmp_path):
+    done = make_folder(tmp_path / "done", complete=True)
+    log = rl.Log()
+    rl.run_stage("capture", done, ["false"], log)  # `false` would fail if it ran
+    assert log.stages == [{"stage": "capture", "command": "false", "seconds": None, "skipped": True}]
+    assert "capture (time not recorded, in an earlier run):\n  `false`" in rl.commands_section(log)
+
+
+def test_run_stage_records_the_command_and_its_time(tmp_path, monkeypatch):
+    folder = tmp_path / "out"
+    script = f"from dflash_train.provenance import write_provenance; write_provenance({str(folder)!r})"
+    command = [rl.PY, "-c", script]
+    monkeypatch.setenv("PYTHONPATH", str(rl.REPO))
+    log = rl.Log()
+    rl.run_stage("make", folder, command, log)
+    assert log.stages[0]["skipped"] is False and log.stages[0]["command"].startswith("python -c ")
+    rl.run_stage("make", folder, command, log)  # now complete: skipped, with the first run's time
+    assert log.stages[1]["skipped"] is True and log.stages[1]["seconds"] == log.stages[0]["seconds"]
+    with pytest.raises(UserError, match="made by another command"):
+        rl.run_stage("make", folder, [*command, "x"], log)
+
+
+def test_run_stage_failure_stops_with_the_exit_status(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        rl.run_stage("boom", tmp_path / "never", [rl.PY, "-c", "raise SystemExit(3)"], rl.Log())
+    assert stop.value.code == 3
+    assert "stage 'boom' failed (exit 3)" in capsys.readouterr().err
