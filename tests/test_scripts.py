@@ -228,3 +228,16 @@ def test_run_stage_failure_stops_with_the_exit_status(tmp_path, capsys):
         rl.run_stage("boom", tmp_path / "never", [rl.PY, "-c", "raise SystemExit(3)"], rl.Log())
     assert stop.value.code == 3
     assert "stage 'boom' failed (exit 3)" in capsys.readouterr().err
+
+
+def test_default_variants_are_valid_overrides_of_the_demo_recipe(monkeypatch):
+    from dflash_train.recipe import load_recipe
+
+    monkeypatch.chdir(rl.REPO)  # the recipe's paths are relative to the repo root
+    base = rl.split_overrides(ablate.PUBLIC)
+    for name, overrides in ablate.select_variants(None, [], None).items():
+        recipe = load_recipe("recipes/smollm2-135m-demo.yaml",
+                             [*base, *overrides, *rl.budget_overrides(None, 60.0, 5)])
+        assert recipe.train.time_budget_s == 60.0
+        assert (recipe.drafter.init == "target") == (name in ("init", "combo"))
+        assert (recipe.objective.num_anchors == 512) == (name in ("dense", "combo"))
