@@ -19,6 +19,7 @@ Run folder (`output_dir`):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import hashlib
 import json
@@ -295,6 +296,12 @@ def lr_factor(step: int, total_steps: int, warmup_ratio: float, schedule: str, m
             return 1.0
         return min_ratio + (1 - min_ratio) * max(0.0, 1 - (progress - start) / decay_ratio)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, after)))
+
+
+def in_context_warmup(recipe: Recipe, step: int, total_steps: int, clock: "TrainClock") -> bool:
+    """Whether this step's blocks see no context (objective.context_warmup_ratio of the run)."""
+    progress = clock.progress if clock.progress is not None else step / max(1, total_steps)
+    return progress < recipe.objective.context_warmup_ratio
 
 
 class TrainClock:
@@ -756,6 +763,8 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
             batch = {k: v.to(device) for k, v in batch.items()}
             blocks = obj.sample_anchors(batch["loss_mask"], recipe.objective.num_anchors, B,
                                         anchor_generator(recipe.seed, step, micro, rank), batch["doc_start"])
+            if in_context_warmup(recipe, step, total_steps, clock):
+                blocks = dataclasses.replace(blocks, see_context=False)
             with accelerator.accumulate(model):
                 out = obj.dflash_loss(model, embed, head, batch, blocks, mask_token_id=mask_id,
                                       gamma=recipe.decay_gamma, attention=attention,

@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                  "(default 32,96,all)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="recipe override for every run, repeatable")
+    p.add_argument("--own-store", default=None,
+                   help="an existing store of the target's own responses to use as (a) instead of capturing one; "
+                        "it must have been captured with this run's --limit, --max-prompt-tokens, --max-new-tokens")
     args = p.parse_args(argv)
     timed = {"steps": None} if args.time_budget is not None else {}  # a time budget: no step count
     rl.fill_defaults(args, {**FULL, **timed}, {**QUICK, **timed}, "exp", OUT)
@@ -71,6 +74,19 @@ def compare_ids(own: list[str], logged: list[str]) -> dict[str, Any]:
             [i for i in logged if i in both]}
 
 
+def check_own_store(store: Path, args: argparse.Namespace) -> None:
+    """--own-store must hold the target's own responses to the prompts the logged capture will read."""
+    from dflash_train.store import open_store
+
+    capture = open_store(store).manifest.get("capture") or {}
+    wanted = {"responses": "generate", "split": "train", "limit": args.limit,
+              "max_prompt_tokens": args.max_prompt_tokens, "max_new_tokens": args.max_new_tokens}
+    wrong = {k: capture.get(k) for k, v in wanted.items() if capture.get(k) != v}
+    if wrong:
+        raise rl.UserError(f"--own-store {store} was captured with {wrong}, this run needs "
+                           f"{ {k: wanted[k] for k in wrong} }: pass matching options or let the script capture")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(args.workdir).resolve()
@@ -84,7 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     rl.ensure_prompts(prompts, log)
     own_store, logged_store, heldout = (stores / f"{args.name}-own", stores / f"{args.name}-logged",
                                         stores / f"{args.name}-heldout")
-    for label, store, responses in [("own", own_store, "generate"), ("logged", logged_store, "logged")]:
+    captures = [("own", own_store, "generate"), ("logged", logged_store, "logged")]
+    if args.own_store:
+        own_store = Path(args.own_store).resolve()
+        check_own_store(own_store, args)
+        log.add("capture (own responses): given with --own-store", [str(own_store)], None, skipped=True)
+        captures = captures[1:]
+    for label, store, responses in captures:
         rl.run_stage(f"capture ({label} responses)", store, rl.capture_command(
             prompts, store, "train", args.limit, *lengths, ["--responses", responses]), log)
     rl.run_stage("capture (held-out prompts, own responses)", heldout, rl.capture_command(

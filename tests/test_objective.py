@@ -203,6 +203,29 @@ def test_dense_and_blockwise_attention_equal_a_per_block_loop(group):
             assert torch.allclose(a_.grad, b_.grad, atol=1e-10)
 
 
+def test_context_warmup_blocks_see_only_their_own_slots():
+    """see_context=False (the trainer's context warm-up): every attention form hides the whole context, and the
+    labels and weights stay those of the normal blocks."""
+    import dataclasses
+
+    blocks, S = _blocks_case()
+    alone = dataclasses.replace(blocks, see_context=False)
+    mask = obj.dense_block_mask(alone, S)
+    assert not mask[..., :S].any()
+    assert torch.equal(mask[..., S:], obj.dense_block_mask(blocks, S)[..., S:])
+    mod = obj.block_mask_mod(alone, S)
+    q_idx, kv_idx = torch.arange(blocks.num_blocks * B)[:, None], torch.arange(S + blocks.num_blocks * B)[None, :]
+    assert torch.equal(mod(torch.tensor(1), torch.tensor(0), q_idx, kv_idx), mask[1, 0])
+    q, k, v = _qkv(blocks, S)
+    own_only = dataclasses.replace(blocks, anchors=blocks.ctx_start)  # the reference with an empty window
+    ref = _attend_per_block(q, k, v, own_only, S)
+    assert torch.allclose(obj.BlockwiseAttention(alone, S)(q, k, v), ref, atol=1e-10)
+    ids = torch.randint(0, 50, (2, S))
+    lm = torch.ones(2, S, dtype=torch.bool)
+    for x, y in zip(obj.block_labels(ids, lm, blocks, 7.0), obj.block_labels(ids, lm, alone, 7.0)):
+        assert torch.equal(x, y)
+
+
 def test_flex_attention_block_mask_agrees_with_the_dense_mask():
     """FlexAttention runs forward-only on CPU (torch 2.13): enough to prove that the BlockMask and the dense
     mask describe the same attention."""
