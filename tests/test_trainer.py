@@ -300,6 +300,19 @@ def test_lr_schedule_wsd_and_time_budget_progress():
     assert clock.expired and tr.TrainClock(None).progress is None
 
 
+def test_context_warmup_covers_the_first_fraction_of_steps_or_of_the_time_budget():
+    from dflash_train.recipe import Recipe
+
+    recipe = Recipe()
+    recipe.objective.context_warmup_ratio = 0.4
+    no_budget = tr.TrainClock(None)
+    assert tr.in_context_warmup(recipe, 39, 100, no_budget) and not tr.in_context_warmup(recipe, 40, 100, no_budget)
+    assert tr.in_context_warmup(recipe, 500, 10_000, tr.TrainClock(100.0, already_s=39.0))
+    assert not tr.in_context_warmup(recipe, 5, 10_000, tr.TrainClock(100.0, already_s=41.0))
+    recipe.objective.context_warmup_ratio = 0.0
+    assert not tr.in_context_warmup(recipe, 0, 100, no_budget)
+
+
 @pytest.mark.slow
 def test_time_budget_target_init_context_norm_then_fine_tune_from_it(chain_store, tmp_path):
     """The sample-efficiency switches in a real launch: a run that stops on its time budget, on the first 2
