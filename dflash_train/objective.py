@@ -61,12 +61,16 @@ class Blocks:
     keep: torch.Tensor  # [b, N] bool: False = a padding block (fewer candidates than N); it has no loss
     ctx_start: torch.Tensor  # [b, N] long: first context position the block may see (its sample's start)
     block_size: int
-    see_context: bool = True  # False: blocks see only their own slots (the context warm-up of the trainer)
+    # None: a block sees its whole context; W: only the last W positions before its anchor (0 = none). The
+    # trainer's context warm-up narrows the window; inference always sees the whole context.
+    context_window: int | None = None
 
     @property
-    def ctx_end(self) -> torch.Tensor:
-        """[b, N]: the context a block sees is [ctx_start, ctx_end): up to its anchor, or nothing."""
-        return self.anchors if self.see_context else self.ctx_start
+    def ctx_lo(self) -> torch.Tensor:
+        """[b, N]: the context a block sees is [ctx_lo, anchor)."""
+        if self.context_window is None:
+            return self.ctx_start
+        return torch.maximum(self.ctx_start, self.anchors - self.context_window)
 
     @property
     def num_blocks(self) -> int:
@@ -176,8 +180,8 @@ def dense_block_mask(blocks: Blocks, seq_len: int) -> torch.Tensor:
     dev = blocks.anchors.device
     q_block = torch.arange(n * B, device=dev) // B  # [Q]
     ctx = torch.arange(seq_len, device=dev)
-    lo = blocks.ctx_start.repeat_interleave(B, dim=1)[:, :, None]  # [b, Q, 1]
-    hi = blocks.ctx_end.repeat_interleave(B, dim=1)[:, :, None]
+    lo = blocks.ctx_lo.repeat_interleave(B, dim=1)[:, :, None]  # [b, Q, 1]
+    hi = blocks.anchors.repeat_interleave(B, dim=1)[:, :, None]
     sees_ctx = (ctx >= lo) & (ctx < hi)  # [b, Q, S]
     kv_block = torch.arange(n * B, device=dev) // B
     sees_blk = (q_block[:, None] == kv_block[None, :]).expand(b, -1, -1)  # [b, Q, Q]
@@ -186,11 +190,11 @@ def dense_block_mask(blocks: Blocks, seq_len: int) -> torch.Tensor:
 
 def block_mask_mod(blocks: Blocks, seq_len: int):
     """The same rule as a FlexAttention mask_mod over keys [context | blocks]."""
-    ends, ctx_start, B, S = blocks.ctx_end, blocks.ctx_start, blocks.block_size, seq_len
+    anchors, ctx_lo, B, S = blocks.anchors, blocks.ctx_lo, blocks.block_size, seq_len
 
     def mask_mod(b, h, q_idx, kv_idx):
         j = q_idx // B
-        ctx_ok = (kv_idx < S) & (kv_idx >= ctx_start[b, j]) & (kv_idx < ends[b, j])
+        ctx_ok = (kv_idx < S) & (kv_idx >= ctx_lo[b, j]) & (kv_idx < anchors[b, j])
         blk_ok = (kv_idx >= S) & ((kv_idx - S) // B == j)
         return ctx_ok | blk_ok
 
@@ -226,7 +230,7 @@ class BlockwiseAttention:
         self.groups = []  # (first block, end block, context length, visibility [b, 1, 1, g, 1, L+B])
         for first in range(0, n, group):
             end = min(n, first + group)
-            anchors, starts = blocks.ctx_end[:, first:end], blocks.ctx_start[:, first:end]
+            anchors, starts = blocks.anchors[:, first:end], blocks.ctx_lo[:, first:end]
             L = max(1, int(anchors.max()))  # no block sees a position at or past its anchor
             ctx = torch.arange(L, device=dev)
             sees_ctx = (ctx >= starts[:, :, None]) & (ctx < anchors[:, :, None])  # [b, g, L]

@@ -51,9 +51,11 @@ class ObjectiveConfig:
     decay_gamma: float | None = None  # slot weight exp(-(k-1)/gamma); None = 7 for block 16 (scaled with B)
     attention: Literal["auto", "sdpa", "flex"] = "auto"  # auto: FlexAttention on CUDA, dense mask + SDPA else
     head_chunk_tokens: int = 256  # block slots per LM-head + CE chunk: full logits never exist at once
-    # the first fraction of the run (of max steps, or of the time budget) trains blocks that see no context, only
-    # their own slots: the drafter then learns to read the anchor token before the context can drown it out
+    # the first fraction of the run (of max steps, or of the time budget) trains blocks that see only the last
+    # context_warmup_window context positions before their anchor (0: none) and their own slots: the drafter learns
+    # to read the anchor and the newest states before hundreds of older positions can drown them out
     context_warmup_ratio: float = 0.0
+    context_warmup_window: int = 0
     soft_label_weight: float = 0.0  # loss = (1-a) CE + a KL to the target's top-k (needs capture --store-topk K)
 
 
@@ -294,6 +296,7 @@ def check_recipe(recipe: Recipe, source: str) -> None:
          "must be > 0")
     need(recipe.objective.head_chunk_tokens >= 1, "objective.head_chunk_tokens", "must be >= 1")
     need(0.0 <= recipe.objective.context_warmup_ratio < 1.0, "objective.context_warmup_ratio", "must be in [0, 1)")
+    need(recipe.objective.context_warmup_window >= 0, "objective.context_warmup_window", "must be >= 0")
     need(0.0 <= recipe.objective.soft_label_weight <= 1.0, "objective.soft_label_weight", "must be in [0, 1]")
     need(recipe.optimizer.lr > 0, "optimizer.lr", "must be > 0")
     need(recipe.optimizer.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")

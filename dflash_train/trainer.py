@@ -764,7 +764,7 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
             blocks = obj.sample_anchors(batch["loss_mask"], recipe.objective.num_anchors, B,
                                         anchor_generator(recipe.seed, step, micro, rank), batch["doc_start"])
             if in_context_warmup(recipe, step, total_steps, clock):
-                blocks = dataclasses.replace(blocks, see_context=False)
+                blocks = dataclasses.replace(blocks, context_window=recipe.objective.context_warmup_window)
             with accelerator.accumulate(model):
                 out = obj.dflash_loss(model, embed, head, batch, blocks, mask_token_id=mask_id,
                                       gamma=recipe.decay_gamma, attention=attention,

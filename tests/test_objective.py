@@ -204,12 +204,12 @@ def test_dense_and_blockwise_attention_equal_a_per_block_loop(group):
 
 
 def test_context_warmup_blocks_see_only_their_own_slots():
-    """see_context=False (the trainer's context warm-up): every attention form hides the whole context, and the
+    """context_window=0 (the trainer's context warm-up): every attention form hides the whole context, and the
     labels and weights stay those of the normal blocks."""
     import dataclasses
 
     blocks, S = _blocks_case()
-    alone = dataclasses.replace(blocks, see_context=False)
+    alone = dataclasses.replace(blocks, context_window=0)
     mask = obj.dense_block_mask(alone, S)
     assert not mask[..., :S].any()
     assert torch.equal(mask[..., S:], obj.dense_block_mask(blocks, S)[..., S:])
@@ -224,6 +224,26 @@ def test_context_warmup_blocks_see_only_their_own_slots():
     lm = torch.ones(2, S, dtype=torch.bool)
     for x, y in zip(obj.block_labels(ids, lm, blocks, 7.0), obj.block_labels(ids, lm, alone, 7.0)):
         assert torch.equal(x, y)
+
+
+
+def test_context_window_keeps_only_the_newest_positions_before_the_anchor():
+    import dataclasses
+
+    blocks, S = _blocks_case()
+    narrow = dataclasses.replace(blocks, context_window=3)
+    mask = obj.dense_block_mask(narrow, S)
+    for r in range(blocks.anchors.shape[0]):
+        for j in range(blocks.num_blocks):
+            a, lo = int(blocks.anchors[r, j]), int(blocks.ctx_start[r, j])
+            seen = mask[r, 0, j * B, :S].nonzero()[:, 0].tolist()
+            assert seen == list(range(max(lo, a - 3), a)), (r, j)
+    q, k, v = _qkv(blocks, S)
+    ref = _attend_per_block(q, k, v, dataclasses.replace(blocks, ctx_start=narrow.ctx_lo), S)
+    assert torch.allclose(obj.BlockwiseAttention(narrow, S, group=2)(q, k, v), ref, atol=1e-10)
+    mod = obj.block_mask_mod(narrow, S)
+    q_idx, kv_idx = torch.arange(blocks.num_blocks * B)[:, None], torch.arange(S + blocks.num_blocks * B)[None, :]
+    assert torch.equal(mod(torch.tensor(0), torch.tensor(0), q_idx, kv_idx), mask[0, 0])
 
 
 def test_flex_attention_block_mask_agrees_with_the_dense_mask():
