@@ -241,3 +241,31 @@ def test_default_variants_are_valid_overrides_of_the_demo_recipe(monkeypatch):
         assert recipe.train.time_budget_s == 60.0
         assert (recipe.drafter.init == "target") == (name in ("init", "combo"))
         assert (recipe.objective.num_anchors == 512) == (name in ("dense", "combo"))
+
+
+def test_anchor_use_tells_a_drafter_that_reads_its_anchor_from_one_that_does_not(tiny_target_dir, tiny_target):
+    import anchor_use
+    import torch
+    from transformers import AutoConfig
+
+    from dflash_train.drafter import DFlashDrafter
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_target(AutoConfig.from_pretrained(tiny_target_dir), num_layers=2, block_size=8,
+                                        tokenizer=tiny_target.tokenizer).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    embed = tiny_target.model.get_input_embeddings().weight.detach()
+    g = torch.Generator().manual_seed(0)
+    H = drafter.config.hidden_size * drafter.config.num_target_features
+    samples = [{"input_ids": torch.randint(0, 500, (30,), generator=g),
+                "loss_mask": torch.arange(30) >= 6, "hidden_states": torch.randn(30, H, generator=g)}
+               for _ in range(3)]
+    reads = anchor_use.anchor_use(drafter, embed, embed, samples, anchors=8)
+    assert reads["blocks"] == 24 and reads["slot1_changed"] > 0.2
+    assert 0.0 <= reads["acc_slot1"] <= 1.0 and 0.0 <= reads["acc_slot5"] <= 1.0
+    with torch.no_grad():  # no attention output: slot 1 sees nothing but its own mask embedding
+        for layer in drafter.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    assert anchor_use.anchor_use(drafter, embed, embed, samples, anchors=8)["slot1_changed"] == 0.0
