@@ -41,7 +41,7 @@ ingest:
 	$(PYTHON) -m dflash_train ingest --out $(PROMPTS)
 
 capture:
-	$(PYTHON) -m dflash_train capture --prompts $(PROMPTS) --target $(TARGET) --out $(STORE) --limit 600 --max-prompt-tokens 384 --max-new-tokens 128 --batch-size 16
+	$(PYTHON) -m dflash_train capture --prompts $(PROMPTS) --target $(TARGET) --out $(STORE) --limit 1200 --max-prompt-tokens 384 --max-new-tokens 128 --batch-size 16 --store-topk 8
 
 verify:
 	$(PYTHON) -m dflash_train verify $(STORE)

@@ -1,12 +1,12 @@
 """`make ablate`: which training levers make the drafter learn faster, on the same data and the same wall clock.
 
-    python scripts/ablate_sample_efficiency.py [--time-budget 600] [--variant NAME:k=v,k=v ...] [--only a,b] [--quick]
+    python scripts/ablate_sample_efficiency.py [--time-budget 240] [--variant NAME:k=v,k=v ...] [--only a,b] [--quick]
 
 Every variant is a list of recipe overrides applied to the same base recipe, after the public DFlash settings
 (--base), and trains on the same store for the same wall-clock budget (train.time_budget_s), with a simulated-tau
 eval every --eval-every steps on the same held-out store, so each run's metrics.jsonl has simulated tau against
-time. Default variants: baseline (the public recipe), init, soft, dense, norm, optim (one lever each) and combo
-(all of them; --combo replaces its overrides once the winners are known). --variant NAME:k=v,... adds a variant
+time. Default variants: baseline (the public recipe), init, soft, dense, norm, optim, warmup (one lever each) and
+combo (the chosen combination, the demo recipe's: init + optim + warmup; --combo replaces it). --variant NAME:k=v,... adds a variant
 or replaces the default of that name; --only keeps the listed ones, in that order (the first is eval's --drafter).
 Then ONE online eval (the target generates) of every variant's drafter on the same held-out prompts.
 Writes OUT/results.md, OUT/results.json and OUT/sim_tau_vs_time.png. Complete stages are skipped on a rerun.
@@ -23,25 +23,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runlib as rl  # noqa: E402
 
 PUBLIC = ("drafter.init=random,drafter.context_norm=false,objective.num_anchors=64,optimizer.schedule=cosine,"
-          "objective.soft_label_weight=0")
+          "optimizer.lr=6e-4,objective.soft_label_weight=0,objective.context_warmup_ratio=0")
 LEVERS = {
     "init": "drafter.init=target",
     "soft": "objective.soft_label_weight=0.5",
     "dense": "objective.num_anchors=512",
     "norm": "drafter.context_norm=true",
-    "optim": "optimizer.schedule=wsd,optimizer.lr=1.2e-3",
+    "optim": "optimizer.schedule=wsd,optimizer.lr=2e-3",
+    "warmup": "objective.context_warmup_ratio=0.4",
 }
 OUT = "results/ablate_sample_efficiency"
 QUICK = {"limit": 40, "max_new_tokens": 32, "time_budget": 20.0, "eval_every": 5, "eval_limit": 12,
          "eval_max_new_tokens": 16}
-FULL = {"limit": 600, "max_new_tokens": 128, "time_budget": 600.0, "eval_every": 25, "eval_limit": 40,
-        "eval_max_new_tokens": 128}
+FULL = {"limit": 1200, "max_new_tokens": 128, "time_budget": 240.0, "eval_every": 25, "eval_limit": 40,
+        "eval_max_new_tokens": 64}
+
+
+CHOSEN = ",".join(LEVERS[name] for name in ("init", "optim", "warmup"))
 
 
 def default_variants(combo: str | None) -> dict[str, list[str]]:
     variants = {"baseline": []}
     variants.update({name: rl.split_overrides(text) for name, text in LEVERS.items()})
-    variants["combo"] = rl.split_overrides(combo if combo is not None else ",".join(LEVERS.values()), "--combo")
+    variants["combo"] = rl.split_overrides(combo if combo is not None else CHOSEN, "--combo")
     return variants
 
 
@@ -67,14 +71,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     rl.add_common_arguments(p, "ablate", OUT)
     p.add_argument("--store", default=None, help="an existing training store (default: capture one)")
-    p.add_argument("--store-topk", type=int, default=16, help="capture --store-topk K (soft labels); 0 = off")
-    p.add_argument("--time-budget", type=float, default=None, help="training seconds per variant (default 600)")
+    p.add_argument("--store-topk", type=int, default=8, help="capture --store-topk K (soft labels); 0 = off")
+    p.add_argument("--time-budget", type=float, default=None, help="training seconds per variant (default 240)")
     p.add_argument("--max-steps", type=int, default=None, help="a step cap on top of the time budget")
     p.add_argument("--eval-every", type=int, default=None, help="steps between simulated-tau evals (default 25)")
     p.add_argument("--base", default=PUBLIC, help=f"overrides every variant starts from (default: {PUBLIC})")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:K=V,K=V",
                    help="add a variant, or replace the default of that name; repeatable")
-    p.add_argument("--combo", default=None, help="the combo variant's overrides, k=v,k=v (default: every lever)")
+    p.add_argument("--combo", default=None, help="the combo variant's overrides, k=v,k=v (default: init + optim + warmup)")
     p.add_argument("--only", default=None, help="run only these variants, comma-separated, in this order")
     return rl.fill_defaults(p.parse_args(argv), FULL, QUICK, "ablate", OUT)
 

@@ -31,7 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--logs", nargs="*", default=[], help="production logs to ingest (default: the ShareGPT package)")
     p.add_argument("--prompts-name", default="sharegpt")
-    p.add_argument("--capture-limit", type=int, default=600, help="training prompts read for capture")
+    p.add_argument("--capture-limit", type=int, default=1200, help="training prompts read for capture")
+    p.add_argument("--store-topk", type=int, default=8,
+                   help="capture --store-topk K: the target's top-K log-probs per token (the recipe's soft labels)")
     p.add_argument("--max-prompt-tokens", type=int, default=384,
                    help="longer prompts are skipped at capture and eval (keeps the CPU demo short)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="response cap at capture and eval")
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         run_stage("capture", [py, "-m", "dflash_train", "capture", "--prompts", str(prompts), "--split", "train",
                               "--target", args.target, "--out", str(store), "--limit", str(args.capture_limit),
-                              *length_args, "--batch-size", str(args.batch_size)], timings)
+                              *length_args, "--batch-size", str(args.batch_size),
+                              "--store-topk", str(args.store_topk)], timings)
 
     if is_complete(drafter):
         skip("train", drafter, timings)

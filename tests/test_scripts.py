@@ -53,9 +53,9 @@ def test_parse_sizes():
 
 def test_select_variants_defaults_replace_add_and_only():
     v = ablate.select_variants(None, [], None)
-    assert list(v) == ["baseline", "init", "soft", "dense", "norm", "optim", "combo"]
+    assert list(v) == ["baseline", "init", "soft", "dense", "norm", "optim", "warmup", "combo"]
     assert v["baseline"] == [] and v["init"] == ["drafter.init=target"]
-    assert set(v["combo"]) == {o for name in ablate.LEVERS for o in rl.split_overrides(ablate.LEVERS[name])}
+    assert set(v["combo"]) == {o for name in ("init", "optim", "warmup") for o in rl.split_overrides(ablate.LEVERS[name])}
     v = ablate.select_variants("drafter.init=target,objective.num_anchors=512",
                                ["init:drafter.init=target,optimizer.lr=1e-3", "mine:objective.num_anchors=128"],
                                "mine,init,combo")
@@ -240,7 +240,10 @@ def test_default_variants_are_valid_overrides_of_the_demo_recipe(monkeypatch):
                              [*base, *overrides, *rl.budget_overrides(None, 60.0, 5)])
         assert recipe.train.time_budget_s == 60.0
         assert (recipe.drafter.init == "target") == (name in ("init", "combo"))
-        assert (recipe.objective.num_anchors == 512) == (name in ("dense", "combo"))
+        assert (recipe.objective.num_anchors == 512) == (name == "dense")
+        assert (recipe.objective.context_warmup_ratio > 0) == (name in ("warmup", "combo"))
+        assert (recipe.optimizer.lr, recipe.optimizer.schedule) == (
+            (2e-3, "wsd") if name in ("optim", "combo") else (6e-4, "cosine"))
 
 
 def test_anchor_use_tells_a_drafter_that_reads_its_anchor_from_one_that_does_not(tiny_target_dir, tiny_target):
