@@ -55,7 +55,8 @@ def test_select_variants_defaults_replace_add_and_only():
     v = ablate.select_variants(None, [], None)
     assert list(v) == ["baseline", "init", "soft", "dense", "norm", "optim", "warmup", "combo"]
     assert v["baseline"] == [] and v["init"] == ["drafter.init=target"]
-    assert set(v["combo"]) == {o for name in ("init", "optim", "warmup") for o in rl.split_overrides(ablate.LEVERS[name])}
+    chosen = ("init", "optim", "warmup")
+    assert set(v["combo"]) == {o for name in chosen for o in rl.split_overrides(ablate.LEVERS[name])}
     v = ablate.select_variants("drafter.init=target,objective.num_anchors=512",
                                ["init:drafter.init=target,optimizer.lr=1e-3", "mine:objective.num_anchors=128"],
                                "mine,init,combo")
