@@ -299,7 +299,8 @@ def lr_factor(step: int, total_steps: int, warmup_ratio: float, schedule: str, m
 
 
 def in_context_warmup(recipe: Recipe, step: int, total_steps: int, clock: "TrainClock") -> bool:
-    """Whether this step's blocks see no context (objective.context_warmup_ratio of the run)."""
+    """Whether this step's blocks see only the last context_warmup_window context positions (the first
+    objective.context_warmup_ratio of the run)."""
     progress = clock.progress if clock.progress is not None else step / max(1, total_steps)
     return progress < recipe.objective.context_warmup_ratio
 
