@@ -189,15 +189,14 @@ def collate(samples: list[list[dict[str, Any]]], max_length: int) -> dict[str, t
     return batch
 
 
-def soft_label_weight(recipe: Recipe, stores: StoreSet, batch: dict[str, torch.Tensor]) -> float:
-    """objective.soft_label_weight, once the batch is known to carry the stores' top-k soft labels."""
+def check_soft_labels(recipe: Recipe, stores: StoreSet) -> None:
+    """objective.soft_label_weight > 0 needs every training store to carry the target's top-k soft labels."""
     weight = recipe.objective.soft_label_weight
-    if weight > 0 and "topk_ids" not in batch:
-        missing = [f for f, s in zip(stores.folders, stores.stores) if not s.manifest.get("topk")]
+    missing = [f for f, s in zip(stores.folders, stores.stores) if not s.manifest.get("topk")]
+    if weight > 0 and missing:
         raise UserError(f"recipe key objective.soft_label_weight is {weight}, but store(s) {', '.join(missing)} "
                         f"hold no top-k soft labels: recapture with `dflash-train capture ... --store-topk K` "
                         f"(e.g. 8) or set objective.soft_label_weight: 0")
-    return weight
 
 
 @dataclass
@@ -239,6 +238,7 @@ class TrainData:
 def prepare_data(recipe: Recipe, world: int) -> TrainData:
     """Open the stores, hold out the eval samples, and lay out the rows every step trains on."""
     stores = StoreSet(recipe.data.stores)
+    check_soft_labels(recipe, stores)
     if recipe.data.eval_store:
         eval_set = StoreSet([recipe.data.eval_store])
         if _target_key(eval_set.manifest["target"]) != _target_key(stores.manifest["target"]) or \
@@ -770,7 +770,7 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
                 out = obj.dflash_loss(model, embed, head, batch, blocks, mask_token_id=mask_id,
                                       gamma=recipe.decay_gamma, attention=attention,
                                       head_chunk_tokens=recipe.objective.head_chunk_tokens,
-                                      soft_label_weight=soft_label_weight(recipe, stores, batch))
+                                      soft_label_weight=recipe.objective.soft_label_weight)
                 finite = torch.tensor(float(torch.isfinite(out.loss.detach())), device=device)
                 finite = accelerator.reduce(finite, reduction="sum") if world > 1 else finite
                 loss = out.loss

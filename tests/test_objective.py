@@ -536,7 +536,7 @@ def test_collate_carries_topk_and_the_trainer_names_a_store_without_it(tmp_path)
     from dflash_train.errors import UserError
     from dflash_train.recipe import Recipe
     from dflash_train.store import StoreWriter
-    from dflash_train.trainer import StoreSet, collate, soft_label_weight
+    from dflash_train.trainer import StoreSet, check_soft_labels, collate
 
     def sample(n, k):
         s = {"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.bool),
@@ -558,5 +558,6 @@ def test_collate_carries_topk_and_the_trainer_names_a_store_without_it(tmp_path)
     recipe.objective.soft_label_weight = 0.3
     stores = StoreSet([str(tmp_path / "st")])
     with pytest.raises(UserError, match=rf"{tmp_path / 'st'}.*--store-topk"):
-        soft_label_weight(recipe, stores, collate([[stores[0]]], 16))
-    assert soft_label_weight(recipe, stores, batch) == 0.3
+        check_soft_labels(recipe, stores)
+    recipe.objective.soft_label_weight = 0.0
+    check_soft_labels(recipe, stores)  # hard labels only: no top-k needed

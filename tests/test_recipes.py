@@ -29,7 +29,7 @@ def test_every_recipe_loads_and_starts_with_its_command(path):
     first = path.read_text().splitlines()[0]
     assert first.startswith("# ") and "train.py" in first and f"recipes/{path.name}" in first
     assert Path(recipe.train.deepspeed).is_file()
-    assert recipe.drafter.block_size == 16 and recipe.decay_gamma == 7.0
+    assert recipe.drafter.block_size == 16
     assert recipe.optimizer.weight_decay == 0.0
     assert recipe.optimizer.warmup_ratio == 0.04 and recipe.optimizer.grad_clip == 1.0
 
@@ -47,6 +47,7 @@ def test_the_demo_recipe_uses_the_combination_the_ablation_chose():
                           [*rl.split_overrides(ablate.PUBLIC), *rl.split_overrides(ablate.CHOSEN)])
     assert demo.to_dict() == rebuilt.to_dict()
     assert demo.drafter.init == "target" and demo.objective.context_warmup_ratio > 0
+    assert demo.decay_gamma == 3.0 and (demo.train.micro_batch_size, demo.objective.num_anchors) == (2, 32)
 
 
 @pytest.mark.parametrize("name", ["qwen3-8b-b200x8.yaml", "qwen3.5-122b-a10b-b200x8.yaml"])
@@ -54,6 +55,7 @@ def test_production_recipes_follow_the_dflash_literature(name):
     r = load_recipe(REPO / "recipes" / name)
     assert (r.drafter.num_layers, r.objective.num_anchors, r.train.epochs, r.data.max_length) == (5, 512, 6, 3072)
     assert r.optimizer.lr == 6e-4 and r.optimizer.schedule == "cosine" and r.drafter.init == "random"
+    assert r.decay_gamma == 7.0
     assert r.train.precision == "bf16" and r.train.deepspeed.endswith("zero2.json")
 
 

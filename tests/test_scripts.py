@@ -53,9 +53,9 @@ def test_parse_sizes():
 
 def test_select_variants_defaults_replace_add_and_only():
     v = ablate.select_variants(None, [], None)
-    assert list(v) == ["baseline", "init", "soft", "dense", "norm", "optim", "warmup", "combo"]
+    assert list(v) == ["baseline", "init", "soft", "dense", "norm", "optim", "warmup", "focus", "batch", "combo"]
     assert v["baseline"] == [] and v["init"] == ["drafter.init=target"]
-    chosen = ("init", "optim", "warmup")
+    chosen = ("init", "optim", "warmup", "focus", "batch")
     assert set(v["combo"]) == {o for name in chosen for o in rl.split_overrides(ablate.LEVERS[name])}
     v = ablate.select_variants("drafter.init=target,objective.num_anchors=512",
                                ["init:drafter.init=target,optimizer.lr=1e-3", "mine:objective.num_anchors=128"],
@@ -245,6 +245,9 @@ def test_default_variants_are_valid_overrides_of_the_demo_recipe(monkeypatch):
         assert (recipe.objective.context_warmup_ratio > 0) == (name in ("warmup", "combo"))
         assert (recipe.optimizer.lr, recipe.optimizer.schedule) == (
             (2e-3, "wsd") if name in ("optim", "combo") else (6e-4, "cosine"))
+        assert recipe.decay_gamma == (3.0 if name in ("focus", "combo") else 7.0)
+        assert (recipe.train.micro_batch_size, recipe.objective.num_anchors) == (
+            (2, 32) if name in ("batch", "combo") else (1, 512 if name == "dense" else 64))
 
 
 def test_anchor_use_tells_a_drafter_that_reads_its_anchor_from_one_that_does_not(tiny_target_dir, tiny_target):
