@@ -276,3 +276,27 @@ def test_anchor_use_tells_a_drafter_that_reads_its_anchor_from_one_that_does_not
         for layer in drafter.layers:
             layer.self_attn.o_proj.weight.zero_()
     assert anchor_use.anchor_use(drafter, embed, embed, samples, anchors=8)["slot1_changed"] == 0.0
+
+
+def test_ngram_baseline_scores_bigram_and_trigram_tables(tmp_path, capsys):
+    import ngram_baseline as ng
+    import torch
+
+    from dflash_train.store import StoreWriter
+
+    # "a b c" and "d b e": after b the bigram table can only guess, the trigram table knows
+    prompt_then_response = [False, True, True, True]
+    seqs = [([9, 1, 2, 3], prompt_then_response), ([9, 4, 2, 5], prompt_then_response)]
+    bigram, trigram = ng.build_tables(seqs)
+    assert bigram[2] == {3: 1, 5: 1} and trigram[(4, 2)] == {5: 1}
+    assert ng.slot1_accuracy(bigram, trigram, seqs) == {"anchors": 4, "bigram": 0.75, "trigram": 1.0}
+    unseen = ng.slot1_accuracy(bigram, trigram, [([7, 8, 6], [False, True, True])])
+    assert unseen == {"anchors": 1, "bigram": 0.0, "trigram": 0.0}
+
+    with StoreWriter(tmp_path / "st", target={"name": "x"}, target_layer_ids=[1], hidden_size=8) as writer:
+        for i in range(12):
+            ids, mask = seqs[i % 2]
+            writer.add(torch.tensor(ids), torch.tensor(mask), torch.randn(4, 8), id=f"s{i}")
+    assert ng.main([str(tmp_path / "st"), "--eval-fraction", "0.5", "--eval-store", str(tmp_path / "st")]) == 0
+    out = capsys.readouterr().out
+    assert "| training split (" in out and f"| {tmp_path / 'st'} (12 samples) | 24 | 0.750 | 1.000 |" in out
