@@ -7,8 +7,8 @@ Every variant is a list of recipe overrides applied to the same base recipe, aft
 eval every --eval-every steps on the same held-out store, so each run's metrics.jsonl has simulated tau against
 time. Default variants: baseline (the public recipe), init, soft, dense, norm, optim, warmup, focus, batch (one
 lever each) and combo (the chosen combination, the demo recipe's: init + optim + warmup + focus + batch; --combo
-replaces it). --variant NAME:k=v,... adds a variant
-or replaces the default of that name; --only keeps the listed ones, in that order (the first is eval's --drafter).
+replaces it). --variant NAME:k=v,... adds a variant or replaces the default of that name; --only keeps the listed
+ones, in that order (the first is eval's --drafter).
 Then ONE online eval (the target generates) of every variant's drafter on the same held-out prompts.
 Writes OUT/results.md, OUT/results.json and OUT/sim_tau_vs_time.png. Complete stages are skipped on a rerun.
 """
@@ -84,7 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--base", default=PUBLIC, help=f"overrides every variant starts from (default: {PUBLIC})")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:K=V,K=V",
                    help="add a variant, or replace the default of that name; repeatable")
-    p.add_argument("--combo", default=None, help="the combo variant's overrides, k=v,k=v (default: init + optim + warmup + focus + batch)")
+    p.add_argument("--combo", default=None,
+                   help="the combo variant's overrides, k=v,k=v (default: init + optim + warmup + focus + batch)")
     p.add_argument("--only", default=None, help="run only these variants, comma-separated, in this order")
     return rl.fill_defaults(p.parse_args(argv), FULL, QUICK, "ablate", OUT)
 

@@ -24,9 +24,9 @@ from dflash_train.trainer import StoreSet, split_eval  # noqa: E402
 Sequence = tuple[list[int], list[bool]]  # token ids, loss mask (True on response tokens)
 
 
-def anchors(mask: list[bool]) -> range:
-    """Positions t whose block has a slot 1 to score: t and t + 1 are both response tokens."""
-    return range(1, len(mask) - 1)
+def anchors(mask: list[bool]) -> list[int]:
+    """Positions t whose block has a slot 1 to score: t and t + 1 are both response tokens (t >= 1 for the trigram)."""
+    return [t for t in range(1, len(mask) - 1) if mask[t] and mask[t + 1]]
 
 
 def build_tables(sequences: list[Sequence]) -> tuple[dict[int, Counter], dict[tuple[int, int], Counter]]:
@@ -34,9 +34,8 @@ def build_tables(sequences: list[Sequence]) -> tuple[dict[int, Counter], dict[tu
     trigram: dict[tuple[int, int], Counter] = defaultdict(Counter)
     for ids, mask in sequences:
         for t in anchors(mask):
-            if mask[t] and mask[t + 1]:
-                bigram[ids[t]][ids[t + 1]] += 1
-                trigram[(ids[t - 1], ids[t])][ids[t + 1]] += 1
+            bigram[ids[t]][ids[t + 1]] += 1
+            trigram[(ids[t - 1], ids[t])][ids[t + 1]] += 1
     return bigram, trigram
 
 
@@ -47,8 +46,6 @@ def slot1_accuracy(bigram: dict[int, Counter], trigram: dict[tuple[int, int], Co
     n = 0
     for ids, mask in sequences:
         for t in anchors(mask):
-            if not (mask[t] and mask[t + 1]):
-                continue
             n += 1
             big = bigram.get(ids[t])
             tri = trigram.get((ids[t - 1], ids[t])) or big
