@@ -19,14 +19,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch  # noqa: E402
+
+from dflash_train.objective import anchor_candidates  # noqa: E402
 from dflash_train.trainer import StoreSet, split_eval  # noqa: E402
 
 Sequence = tuple[list[int], list[bool]]  # token ids, loss mask (True on response tokens)
 
 
 def anchors(mask: list[bool]) -> list[int]:
-    """Positions t whose block has a slot 1 to score: t and t + 1 are both response tokens (t >= 1 for the trigram)."""
-    return [t for t in range(1, len(mask) - 1) if mask[t] and mask[t + 1]]
+    """The trainer's anchor positions (t and t + 1 both response tokens), from t = 1 on (the trigram reads t - 1)."""
+    cand = anchor_candidates(torch.tensor(mask, dtype=torch.bool)[None])[0]
+    return [t for t in cand.nonzero()[:, 0].tolist() if t >= 1]
 
 
 def build_tables(sequences: list[Sequence]) -> tuple[dict[int, Counter], dict[tuple[int, int], Counter]]:
@@ -55,7 +59,8 @@ def slot1_accuracy(bigram: dict[int, Counter], trigram: dict[tuple[int, int], Co
 
 
 def read_sequences(stores: StoreSet, indices: list[int]) -> list[Sequence]:
-    return [(stores[i]["input_ids"].tolist(), stores[i]["loss_mask"].bool().tolist()) for i in indices]
+    samples = (stores[i] for i in indices)  # one read per sample: it loads the hidden states too
+    return [(s["input_ids"].tolist(), s["loss_mask"].bool().tolist()) for s in samples]
 
 
 def main(argv: list[str] | None = None) -> int:
