@@ -54,10 +54,11 @@ class EvalConfig:
     baseline_drafters: list[str] = field(default_factory=list)
     store: str | None = None
     template_kwargs: dict[str, Any] | None = None  # None: the store's (as captured), else none
-    dtype: str = "auto"  # auto: fp32 on CPU (exact lossless check, about as fast there), bf16 on CUDA
+    dtype: str = "auto"  # auto: bf16 where the device runs it natively, else fp32 (dflash_train.device)
     device: str | None = None
     threads: int | None = None
     warmup: bool = True
+    engine: str = "both"  # own: the project's decoding loop | vllm: the vLLM engine | both, side by side
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -289,13 +290,141 @@ def method_row(m: Method, per_prompt: list[dict[str, Any]], plain_tps: float) ->
     return row
 
 
-def evaluate(cfg: EvalConfig) -> dict[str, Any]:
+def own_loop_eval(cfg: EvalConfig, device: str, methods: list[Method], target: Target,
+                  prompts: dict[str, list[int]], dtype: torch.dtype) -> dict[str, Any]:
+    """Every method through the project's own decoding loop; the headline fields of the report."""
+    per_prompt, mismatch_details, plain_of_mismatching = decode_all(methods, target, prompts, cfg)
+    fp32_mismatches = None
+    if mismatch_details and dtype != torch.float32:
+        recheck_in_fp32(cfg, device, methods, mismatch_details, prompts, plain_of_mismatching)
+        fp32_mismatches = sum(not d["fp32_spec_equals_plain"] for d in mismatch_details
+                              if d["method"] == methods[1].name)
+    plain_tps = _tokens_per_s(methods[0].generations)
+    table = [method_row(m, per_prompt, plain_tps) for m in methods]
+    mine = table[1]
+    return {
+        "tau": mine["tau"],
+        "tau_steps": mine["tau_steps"],
+        "lossless_mismatches": mine["lossless_mismatches"],
+        "lossless_checked": len(per_prompt),
+        "lossless_mismatches_fp32": fp32_mismatches,  # of those, still different when rerun in fp32
+        "per_position_acceptance": mine["per_position_acceptance"],
+        "tau_histogram": mine["tau_histogram"],
+        "tokens_per_s": mine["tokens_per_s"],
+        "tokens_per_s_baseline": plain_tps,
+        "speedup": mine["speedup"],
+        "methods": table,
+        "mismatches": mismatch_details,
+        "per_prompt": per_prompt,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+
+VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+ENGINES = ("own", "vllm", "both")
+
+
+def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], block_size: int, dtype_name: str,
+                device: str, workdir: Path) -> dict[str, Any]:
+    """The same prompts decoded by vLLM without speculation and with the drafter folder as its `dflash`
+    speculator (batch 1, one request at a time), with the statistics the project's loop reports: tau over
+    prompts and steps, acceptance by position, tokens/s, speedup and the lossless check (greedy: speculative
+    token ids equal plain token ids, prompt by prompt). Mismatches in a low-precision dtype are rerun in fp32
+    through the engine, as the project's loop does."""
+    from dflash_train import engine
+
+    stop = target.stop_token_ids()
+    max_len = max(len(ids) for ids in prompts.values()) + cfg.max_new_tokens + block_size
+
+    def run(ids: dict[str, list[int]], drafter: str | None, dtype: str, tag: str) -> engine.EngineResult:
+        requests = [engine.EngineRequest(id=rid, prompt_token_ids=p, max_tokens=cfg.max_new_tokens,
+                                         temperature=cfg.temperature, seed=prompt_seed(cfg.seed, rid))
+                    for rid, p in ids.items()]
+        job = engine.EngineJob(target=str(target.path), requests=requests, stop_token_ids=stop,
+                               dtype=VLLM_DTYPES[dtype], drafter=drafter, num_speculative_tokens=block_size - 1,
+                               max_model_len=max_len, seed=cfg.seed, device=torch.device(device).type)
+        what = f"vLLM with drafter {drafter}" if drafter else f"vLLM plain decoding of target {cfg.target}"
+        print(f"engine: {what} ({len(requests)} prompts, {dtype})", flush=True)
+        return engine.run_engine(job, workdir / tag, what)
+
+    plain = run(prompts, None, dtype_name, "plain")
+    spec = run(prompts, cfg.drafter, dtype_name, "speculative")
+    plain_out, spec_out = plain.by_id(), spec.by_id()
+    greedy = cfg.temperature == 0
+    step_logs, per_prompt, mismatches, unaccounted = [], [], [], 0
+    for rid, ids in prompts.items():
+        steps, left = engine.engine_steps(spec_out[rid])
+        unaccounted += left
+        step_logs.append(steps)
+        same = spec_out[rid].token_ids == plain_out[rid].token_ids
+        per_prompt.append({"id": rid, "tau": sum(s.tau for s in steps) / len(steps) if steps else None,
+                           "new_tokens": len(spec_out[rid].token_ids), "mismatch": greedy and not same})
+        if greedy and not same:
+            mismatches.append({"id": rid, **diagnose_mismatch(target, ids, plain_out[rid].token_ids,
+                                                               spec_out[rid].token_ids)})
+    if mismatches and dtype_name != "fp32":
+        again = {d["id"]: prompts[d["id"]] for d in mismatches}
+        plain32 = run(again, None, "fp32", "plain-fp32").by_id()
+        spec32 = run(again, cfg.drafter, "fp32", "speculative-fp32").by_id()
+        for d in mismatches:
+            d["fp32_spec_equals_plain"] = spec32[d["id"]].token_ids == plain32[d["id"]].token_ids
+    stats = acceptance_stats(step_logs, block_size)
+    plain_tps = _engine_tokens_per_s(plain.outputs)
+    spec_tps = _engine_tokens_per_s(spec.outputs)
+    weights = Path(cfg.drafter) / "model.safetensors"
+    return {
+        "engine": "vllm",
+        "version": spec.version,
+        **stats,
+        "tokens_per_s": spec_tps,
+        "tokens_per_s_baseline": plain_tps,
+        "speedup": spec_tps / plain_tps if plain_tps else math.nan,
+        "lossless_checked": len(prompts) if greedy else 0,
+        "lossless_mismatches": len(mismatches) if greedy else None,
+        "lossless_mismatches_fp32": (sum(not d["fp32_spec_equals_plain"] for d in mismatches)
+                                     if mismatches and dtype_name != "fp32" else None),
+        "lossless_note": None if greedy else "not checked: at temperature > 0 vLLM's rejection sampler keeps the "
+                                             "target's distribution, not its tokens",
+        "mismatches": mismatches,
+        "tokens_unaccounted_by_steps": unaccounted,
+        "drafter_weights_sha256": sha256_file(weights),
+        "dtype": dtype_name,
+        "engine_args": spec.llm_kwargs,
+        "engine_args_plain": plain.llm_kwargs,
+        "serve_command": engine.serve_command(spec.llm_kwargs),
+        "load_s": {"plain": plain.load_s, "speculative": spec.load_s},
+        "environment": spec.environment,
+        "per_prompt": per_prompt,
+    }
+
+
+def _engine_tokens_per_s(outputs) -> float:
+    """Decoded tokens after the first over engine-core time from the first to the last token (as the project's
+    loop counts: prefill excluded)."""
+    seconds = sum(o.decode_s for o in outputs if math.isfinite(o.decode_s))
+    return sum(max(len(o.token_ids) - 1, 0) for o in outputs) / seconds if seconds > 0 else math.nan
+
+
+def own_engine_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """The project's loop in the shape of an engine entry, for the side-by-side table."""
+    keys = ("tau", "tau_steps", "per_position_acceptance", "tau_histogram", "num_steps", "tokens_per_s",
+            "tokens_per_s_baseline", "speedup", "lossless_checked", "lossless_mismatches", "lossless_mismatches_fp32")
+    mine = report["methods"][1]
+    return {"engine": "own", **{k: report.get(k, mine.get(k)) for k in keys}, "num_steps": mine.get("num_steps")}
+
+
+def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
+    """Run the eval; `workdir` holds the engine runs (jobs and logs) when the engine takes part."""
     from dflash_train.capture import load_prompts
+    from dflash_train.device import default_device, resolve_precision
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.dtype not in (*DTYPES, "auto"):
         raise UserError(f"--dtype {cfg.dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    if cfg.engine not in ENGINES:
+        raise UserError(f"--engine {cfg.engine!r} is not one of {', '.join(ENGINES)}")
     if cfg.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.temperature < 0:
@@ -303,12 +432,18 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     for path in [cfg.drafter, *cfg.baseline_drafters]:
         if not Path(path).is_dir():
             raise UserError(f"drafter folder {path} does not exist (train one with `make train`)")
+    own, in_engine = cfg.engine in ("own", "both"), cfg.engine in ("vllm", "both")
+    if in_engine:
+        from dflash_train.engine import check_vllm
+
+        check_vllm()  # before anything is loaded: a missing engine is one line, not a late failure
     records, _ = load_prompts(cfg.prompts, cfg.split, cfg.limit)
     if not records:
         raise UserError(f"no prompts in {cfg.prompts} (split {cfg.split!r}): nothing to evaluate")
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_name = cfg.dtype if cfg.dtype != "auto" else ("fp32" if torch.device(device).type == "cpu" else "bf16")
-    dtype = DTYPES[dtype_name]
+    device = cfg.device or default_device()
+    precision = resolve_precision(cfg.dtype, device)
+    print(f"eval: compute dtype {precision.describe()}", flush=True)
+    dtype_name, dtype = precision.name, precision.dtype
     target = load_target(cfg.target, dtype=dtype, device=device)
     methods = load_methods(cfg, target, dtype)
     main, B = methods[1].proposer, methods[1].block_size
@@ -330,37 +465,14 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     if not prompts:
         raise UserError(f"all {len(too_long)} prompts of {cfg.prompts} (split {cfg.split!r}) are longer than "
                         f"--max-prompt-tokens {cfg.max_prompt_tokens}: nothing to evaluate")
-    per_prompt, mismatch_details, plain_of_mismatching = decode_all(methods, target, prompts, cfg)
-    fp32_mismatches = None
-    if mismatch_details and dtype != torch.float32:
-        recheck_in_fp32(cfg, device, methods, mismatch_details, prompts, plain_of_mismatching)
-        fp32_mismatches = sum(not d["fp32_spec_equals_plain"] for d in mismatch_details
-                              if d["method"] == methods[1].name)
-    plain_tps = _tokens_per_s(methods[0].generations)
-    table = [method_row(m, per_prompt, plain_tps) for m in methods]
-
-    mine = table[1]
     report: dict[str, Any] = {
-        "tau": mine["tau"],
-        "tau_steps": mine["tau_steps"],
-        "tau_offline": None,
-        "tau_gap": None,
-        "lossless_mismatches": mine["lossless_mismatches"],
-        "lossless_checked": len(per_prompt),
-        "lossless_mismatches_fp32": fp32_mismatches,  # of those, still different when rerun in fp32
-        "per_position_acceptance": mine["per_position_acceptance"],
-        "tau_histogram": mine["tau_histogram"],
-        "tokens_per_s": mine["tokens_per_s"],
-        "tokens_per_s_baseline": plain_tps,
-        "speedup": mine["speedup"],
-        "block_size": B,
-        "methods": table,
-        "mismatches": mismatch_details,
-        "offline": None,
-        "per_prompt": per_prompt,
+        "tau": None, "tau_steps": None, "tau_offline": None, "tau_gap": None, "lossless_mismatches": None,
+        "lossless_checked": 0, "lossless_mismatches_fp32": None, "per_position_acceptance": None,
+        "tau_histogram": None, "tokens_per_s": None, "tokens_per_s_baseline": None, "speedup": None,
+        "block_size": B, "methods": [], "mismatches": [], "offline": None, "per_prompt": [], "engines": {},
         "settings": {**asdict(cfg), "template_kwargs": template_kwargs, "device": str(device),
-                     "dtype": dtype_name, "block_size": B, "num_prompts": len(prompts),
-                     "skipped_long_prompts": len(too_long),
+                     "dtype": dtype_name, "dtype_reason": precision.reason, "block_size": B,
+                     "num_prompts": len(prompts), "skipped_long_prompts": len(too_long),
                      "threads": torch.get_num_threads(),
                      "sampling": "greedy" if cfg.temperature == 0 else
                      f"temperature {cfg.temperature}, Gumbel-max noise keyed on (seed, prompt id, position)"},
@@ -368,6 +480,13 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         "baseline_drafters": [_drafter_summary(m.drafter_path, m.proposer) for m in methods[2:-1]],
         "target": target.identity(),
     }
+    if own:
+        report.update(own_loop_eval(cfg, device, methods, target, prompts, dtype))
+        report["engines"]["own"] = own_engine_summary(report)
+    if in_engine:
+        if workdir is None:
+            raise ValueError("evaluate(..., workdir) is needed when the engine takes part")
+        report["engines"]["vllm"] = engine_eval(cfg, target, prompts, B, dtype_name, device, Path(workdir))
     if store is not None:
         n = len(store) if cfg.limit is None else min(cfg.limit, len(store))
         head = target.model.lm_head.weight if hasattr(target.model, "lm_head") else \
@@ -378,7 +497,8 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         offline["samples_of_eval_prompts"] = sum(r["id"] in prompts for r in offline["per_sample"])
         report["offline"] = offline
         report["tau_offline"] = offline["tau"]
-        report["tau_gap"] = report["tau"] - offline["tau"]
+        online = report["tau"] if report["tau"] is not None else report["engines"]["vllm"]["tau"]
+        report["tau_gap"] = online - offline["tau"] if online is not None and offline["tau"] is not None else None
     return report
 
 
@@ -417,7 +537,74 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"# Eval: drafter {_label(s['drafter'])} on target {report['target']['name']}", "",
              f"{s['num_prompts']} prompts from `{s['prompts']}` (split {s['split']}){skipped}, up to "
              f"{s['max_new_tokens']} new tokens, {s['sampling']}, {s['dtype']} on {s['device']} "
-             f"({s['threads']} threads), block size {report['block_size']}.", "",
+             f"({s['threads']} threads), block size {report['block_size']}.", ""]
+    lines += _engines_markdown(report)
+    if report["methods"]:
+        lines += _own_loop_markdown(report)
+    if report["offline"]:
+        o = report["offline"]
+        lines += [f"Offline estimate (`{o['store']}`, {o['num_samples']} samples, {o['samples_of_eval_prompts']} "
+                  f"of them of the prompts above; {o['num_anchors']} anchors, no target forward): tau "
+                  f"{_fmt(o['tau'])} (all anchors {_fmt(o['tau_steps'])}); online - offline = "
+                  f"{_fmt(report['tau_gap'])}.", ""]
+    lines += _acceptance_markdown(report)
+    lines += ["", "tau = 1 + accepted drafts that are part of the output (at most B), per verification step; "
+              "tokens/s counts decoded tokens after the first (prefill excluded); speedup = tokens/s over plain "
+              "decoding's on the same prompts in the same run.", ""]
+    return "\n".join(lines)
+
+
+ENGINE_ROWS = (("tau (mean over prompts)", "tau", 2), ("tau (all steps)", "tau_steps", 2),
+               ("verification steps", "num_steps", 0), ("tokens/s, plain decoding", "tokens_per_s_baseline", 1),
+               ("tokens/s, speculative", "tokens_per_s", 1), ("speedup", "speedup", 2),
+               ("lossless mismatches", "lossless_mismatches", 0))
+
+
+def _engines_markdown(report: dict[str, Any]) -> list[str]:
+    """The engine and the project's loop side by side, and what each counts."""
+    engines = report.get("engines") or {}
+    if not engines.get("vllm"):
+        return []
+    names = {"own": "project's loop (transformers)", "vllm": f"vLLM {engines['vllm'].get('version')}"}
+    cols = [k for k in ("own", "vllm") if engines.get(k)]
+    lines = ["## The drafter in the engine and in the project's loop", "",
+             "| | " + " | ".join(names[c] for c in cols) + " |", "|---" * (1 + len(cols)) + "|"]
+    for label, key, digits in ENGINE_ROWS:
+        cells = []
+        for c in cols:
+            value = engines[c].get(key)
+            if key == "lossless_mismatches" and value is not None:
+                cells.append(f"{value} of {engines[c].get('lossless_checked')}")
+            else:
+                cells.append(_fmt(float(value) if isinstance(value, int) and digits else value, digits))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    for k in range(1, min(4, report["block_size"])):
+        cells = [_fmt(_at(engines[c].get("per_position_acceptance") or [], k - 1), 3) for c in cols]
+        lines.append(f"| acceptance at position {k} | " + " | ".join(cells) + " |")
+    v = engines["vllm"]
+    lines += ["", "Both decode the same token ids (the project renders the chat template once), greedy, batch 1. "
+              "The project's loop: transformers target + the drafter module, tau from its own verification steps. "
+              "vLLM: its own DFlash implementation loading the drafter folder as shipped, tau from its per-request "
+              "speculative-decoding metrics (accepted drafts per verification step) with the same definition; "
+              "tokens/s from the engine core's token timestamps.", "",
+              f"vLLM command: `{v.get('serve_command')}`", ""]
+    if v.get("lossless_note"):
+        lines += [f"vLLM lossless check {v['lossless_note']}.", ""]
+    for d in v.get("mismatches") or []:
+        line = (f"- vLLM, {d['id']}: first difference at new token {d['index']}: plain {d['plain_token']}, "
+                f"speculative {d['spec_token']}, top-2 logit margin {_fmt(d.get('top2_margin'), 4)}")
+        if "fp32_spec_equals_plain" in d:
+            line += f"; rerun in fp32: speculative {'equals' if d['fp32_spec_equals_plain'] else 'differs from'} plain"
+        lines.append(line)
+    if v.get("tokens_unaccounted_by_steps"):
+        lines.append(f"Warning: {v['tokens_unaccounted_by_steps']} output tokens are not accounted for by vLLM's "
+                     f"verification steps (decode steps without drafts).")
+    return lines + [""]
+
+
+def _own_loop_markdown(report: dict[str, Any]) -> list[str]:
+    s = report["settings"]
+    lines = ["## The project's decoding loop", "",
              "| method | block | tau (mean over prompts) | tau (all steps) | tokens/target forward | tokens/s | "
              "speedup | drafting share of decode time | lossless mismatches |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -428,12 +615,6 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{_fmt(row['draft_s'] / row['decode_s'] if row['decode_s'] and row['draft_s'] else None)} | "
                      f"{row.get('lossless_mismatches', '-')} |")
     lines.append("")
-    if report["offline"]:
-        o = report["offline"]
-        lines += [f"Offline estimate (`{o['store']}`, {o['num_samples']} samples, {o['samples_of_eval_prompts']} "
-                  f"of them of the prompts above; {o['num_anchors']} anchors, no target forward): tau "
-                  f"{_fmt(o['tau'])} (all anchors {_fmt(o['tau_steps'])}); online - offline = "
-                  f"{_fmt(report['tau_gap'])}.", ""]
     mismatches = report["lossless_mismatches"]
     lines.append(f"Lossless check: {mismatches} of {report['lossless_checked']} prompts differ from plain decoding "
                  f"for the drafter.")
@@ -452,19 +633,22 @@ def markdown(report: dict[str, Any]) -> str:
     elif report.get("lossless_mismatches_fp32"):
         lines.append(f"Rerun in fp32, {report['lossless_mismatches_fp32']} of these prompts still differ: "
                      f"a decoding error, not rounding.")
-    drafters = [r for r in report["methods"] if r["block_size"] > 1]
-    lines += ["", "Acceptance by block position (share of steps accepting at least k drafts):", "",
-              "| k | " + " | ".join(r["method"] for r in drafters) + (" | offline |" if report["offline"] else " |"),
-              "|---" * (1 + len(drafters) + bool(report["offline"])) + "|"]
-    for k in range(1, max(r["block_size"] for r in drafters)):
-        cells = [_fmt(_at(r["per_position_acceptance"], k - 1), 3) for r in drafters]
-        if report["offline"]:
-            cells.append(_fmt(_at(report["offline"]["per_position_acceptance"], k - 1), 3))
-        lines.append(f"| {k} | " + " | ".join(cells) + " |")
-    lines += ["", "tau = 1 + accepted drafts that are part of the output (at most B), per verification step; "
-              "tokens/s counts decoded tokens after the first (prefill excluded); speedup = tokens/s over plain "
-              "decoding's on the same prompts in the same run.", ""]
-    return "\n".join(lines)
+    return lines + [""]
+
+
+def _acceptance_markdown(report: dict[str, Any]) -> list[str]:
+    """Acceptance by block position: every drafter of the project's loop, vLLM, and the offline estimate."""
+    columns = [(r["method"], r["per_position_acceptance"]) for r in report["methods"] if r["block_size"] > 1]
+    if (report.get("engines") or {}).get("vllm"):
+        columns.append((f"vLLM: {report['methods'][1]['method'] if report['methods'] else 'drafter'}",
+                        report["engines"]["vllm"]["per_position_acceptance"]))
+    if report["offline"]:
+        columns.append(("offline", report["offline"]["per_position_acceptance"]))
+    lines = ["Acceptance by block position (share of steps accepting at least k drafts):", "",
+             "| k | " + " | ".join(name for name, _ in columns) + " |", "|---" * (1 + len(columns)) + "|"]
+    for k in range(1, report["block_size"]):
+        lines.append(f"| {k} | " + " | ".join(_fmt(_at(values or [], k - 1), 3) for _, values in columns) + " |")
+    return lines
 
 
 def _at(values: list[float], i: int) -> float | None:
@@ -478,6 +662,11 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     rows = [r for r in report["methods"] if r.get("tau") is not None and r["block_size"] > 1]
+    engine = (report.get("engines") or {}).get("vllm")
+    if engine and engine.get("tau") is not None:
+        rows.append({"method": f"vLLM {engine['version']}", "tau": engine["tau"], "block_size": report["block_size"],
+                     "per_position_acceptance": engine["per_position_acceptance"],
+                     "tau_histogram": engine["tau_histogram"]})
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in rows:
         ks = list(range(1, r["block_size"]))
@@ -555,26 +744,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--template-kwargs", type=template_kwargs_arg, default=None,
                    help='chat template options as JSON (default: the store\'s, else none)')
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
-                   help="target and drafter compute dtype (auto: fp32 on CPU, bf16 on CUDA); in bf16, prompts that "
-                        "differ from plain decoding are rerun in fp32 to tell rounding from errors")
+                   help="target and drafter compute dtype (auto: bf16 where the device runs it natively, else "
+                        "fp32); in bf16, prompts that differ from plain decoding are rerun in fp32 to tell "
+                        "rounding from errors")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up run")
+    p.add_argument("--engine", choices=ENGINES, default="both",
+                   help="own: the project's decoding loop; vllm: the vLLM engine (plain and with the drafter as its "
+                        "dflash speculator); both (default): side by side on the same prompts")
     p.add_argument("--out", required=True, help="output folder for the report")
 
 
 def run(args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+
     cfg = EvalConfig(drafter=args.drafter, prompts=args.prompts, out=args.out, target=args.target,
                      split=args.split, limit=args.limit, max_new_tokens=args.max_new_tokens,
                      max_prompt_tokens=args.max_prompt_tokens,
                      temperature=args.temperature, seed=args.seed, block_size=args.block_size,
                      baseline_drafters=list(args.baseline_drafter), store=args.store,
                      template_kwargs=args.template_kwargs, dtype=args.dtype, device=args.device,
-                     threads=args.threads, warmup=args.warmup)
+                     threads=args.threads, warmup=args.warmup, engine=args.engine)
     out = Path(cfg.out)
-    report = evaluate(cfg)  # all checks and decoding first: a bad input leaves no half-written folder
+    # engine runs (jobs, logs) go to a scratch folder: a failed eval leaves its logs there and no report behind
+    workdir = Path(tempfile.mkdtemp(prefix="dflash-eval-engine-"))
+    report = evaluate(cfg, workdir)  # all checks and decoding first: a bad input leaves no half-written folder
     start_output(out)
     write_report(report, out)
+    if report["engines"].get("vllm"):
+        logs = out / "engine"
+        logs.mkdir(exist_ok=True)
+        for log in sorted(workdir.glob("*/engine.log")):
+            shutil.copyfile(log, logs / f"{log.parent.name}.log")
+    shutil.rmtree(workdir, ignore_errors=True)
     write_provenance(out, config=asdict(cfg), drafter=report["drafter"], target=report["target"])
     complete_output(out)
     print(markdown(report))

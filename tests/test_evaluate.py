@@ -159,7 +159,8 @@ def store_dir(tiny_target, prompts_dir, tmp_path_factory):
 def eval_cli(*args: str) -> int:
     from dflash_train.cli import main
 
-    return main(["eval", "--dtype", "fp32", "--threads", "1", "--max-new-tokens", "12", *map(str, args)])
+    return main(["eval", "--engine", "own", "--dtype", "fp32", "--threads", "1", "--max-new-tokens", "12",
+                 *map(str, args)])
 
 
 def test_eval_command_writes_the_report(tiny_target, tiny_target_dir, drafters, prompts_dir, store_dir, tmp_path,

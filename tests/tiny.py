@@ -43,15 +43,18 @@ def make_tiny_tokenizer():
     return fast
 
 
-def make_tiny_target(out_dir: str | Path, seed: int = 0, num_layers: int = 8) -> Path:
-    """Write a random tiny Llama checkpoint with tokenizer to `out_dir` and return the folder."""
+def make_tiny_target(out_dir: str | Path, seed: int = 0, num_layers: int = 8, num_heads: int = 4,
+                     num_kv_heads: int = 2) -> Path:
+    """Write a random tiny Llama checkpoint with tokenizer to `out_dir` and return the folder (hidden 64, head_dim
+    64 / num_heads: vLLM's CPU attention needs a head_dim of 32 or more, i.e. num_heads <= 2)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(out_dir)
     tokenizer = make_tiny_tokenizer()
     config = LlamaConfig(vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                         num_key_value_heads=num_kv_heads, head_dim=64 // num_heads,
                          max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=True,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)

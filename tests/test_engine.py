@@ -1,0 +1,233 @@
+"""The serving engine in the loop, with the real vLLM (its CPU build): our drafter folders load as its `dflash`
+speculator, decode losslessly and get drafts accepted; `capture --engine vllm` stores what the one-pass capture
+stores; a failing engine is one line. The pieces that need no engine (step accounting, the serve command, the
+error line) are tested without one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train.engine import EngineOutput, engine_error, engine_steps, serve_command, vllm_version
+from test_capture import teacher_forced
+from test_trainer import launch, read_metrics, write_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+needs_vllm = pytest.mark.skipif(vllm_version() is None, reason="vLLM is not installed (make install installs it)")
+PROMPTS = ["Tell me about the sea.", "Write a poem about Paris.", "How do I add two numbers in Python?",
+           "What is the capital of Italy?", "Hello! How can you help me today?", "Give me three points about Rome."]
+LAYERS = [1, 3, 5]
+NEW_TOKENS = 24
+
+
+# --- without an engine ------------------------------------------------------------------------------------------
+
+
+def test_engine_steps_count_only_drafts_inside_the_output():
+    """vLLM counts the drafts it accepted before the output was cut; tau counts those inside the output."""
+    out = EngineOutput(id="a", token_ids=list(range(1 + 4 + 1 + 2)), finish_reason="length", decode_s=1.0,
+                       accepted=[3, 0, 5], drafted=[7, 7, 7])
+    steps, left = engine_steps(out)
+    assert [(s.accepted, s.committed) for s in steps] == [(3, 4), (0, 1), (5, 2)] and left == 0
+    assert [s.tau for s in steps] == [4, 1, 3]
+    no_steps, left = engine_steps(EngineOutput(id="b", token_ids=[1, 2, 3], finish_reason="stop", decode_s=0.1))
+    assert no_steps == [] and left == 2  # tokens no verification step accounts for are reported, not hidden
+
+
+def test_serve_command_names_the_hub_repos_not_local_folders():
+    kwargs = {"model": "/home/me/target", "dtype": "float32", "max_model_len": 512, "seed": 0, "enforce_eager": True,
+              "speculative_config": {"method": "dflash", "model": "/home/me/run/drafter", "num_speculative_tokens": 15}}
+    command = serve_command(kwargs, model="org/target", drafter="org/drafter")
+    assert command.startswith("vllm serve org/target --dtype float32 --max-model-len 512 --seed 0 --enforce-eager")
+    assert '"model":"org/drafter"' in command and "/home/me" not in command
+
+
+def test_engine_error_is_the_root_cause_not_the_wrapper(tmp_path):
+    log = tmp_path / "engine.log"
+    log.write_text("\n".join([
+        "(Worker pid=1) ERROR [multiproc_executor.py:1063] RuntimeError: Unsupported CPU attention configuration: "
+        "head_dim=16 isa=2 kv_cache_idx=0",
+        "(EngineCore pid=2) ERROR [core.py:1512] RuntimeError: Worker failed with error 'Unsupported CPU attention "
+        "configuration: head_dim=16'",
+        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above)",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"]))
+    assert engine_error(log) == "RuntimeError: Worker failed with error 'Unsupported CPU attention configuration: " \
+                                "head_dim=16'"
+    log.write_text("pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig\n"
+                   "  Value error, bad speculative config [type=value_error, input_value=...]\n")
+    assert engine_error(log).endswith(": Value error, bad speculative config")
+
+
+# --- with vLLM ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine_target(tmp_path_factory) -> Path:
+    """The tiny random Llama with head_dim 32 (vLLM's CPU attention supports 32 and up)."""
+    from tiny import make_tiny_target
+
+    return make_tiny_target(tmp_path_factory.mktemp("engine_target"), num_heads=2, num_kv_heads=1)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS))
+    return path
+
+
+def capture_cli(*args) -> int:
+    from dflash_train.cli import main
+
+    return main(["capture", "--dtype", "fp32", "--threads", "1", "--layers", ",".join(map(str, LAYERS)),
+                 "--max-new-tokens", str(NEW_TOKENS), *map(str, args)])
+
+
+@pytest.fixture(scope="module")
+def engine_store(engine_target, prompts_file, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("stores") / "vllm"
+    assert capture_cli("--engine", "vllm", "--prompts", prompts_file, "--target", engine_target, "--out", out) == 0
+    return out
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_engine_capture_equals_the_one_pass_capture_and_a_teacher_forced_forward(engine_target, engine_store,
+                                                                                 prompts_file, tmp_path):
+    from dflash_train.store import open_store, verify_store
+    from dflash_train.target import load_target
+
+    own = tmp_path / "own"
+    assert capture_cli("--prompts", prompts_file, "--target", engine_target, "--out", own) == 0
+    engine, one_pass = open_store(engine_store), {s["id"]: s for s in open_store(own)}
+    assert len(engine) == len(one_pass) == len(PROMPTS) and verify_store(engine_store) == []
+    generation = engine.manifest["generation"]
+    assert generation["engine"] == "vllm" and generation["engine_version"] == vllm_version()
+    target = load_target(str(engine_target), dtype=torch.float32)
+    for sample in engine:
+        ref = one_pass[sample["id"]]
+        assert sample["input_ids"].tolist() == ref["input_ids"].tolist()  # greedy: the same tokens
+        assert sample["loss_mask"].tolist() == ref["loss_mask"].tolist()
+        expected = teacher_forced(target.model, sample["input_ids"].tolist())  # the same LAYERS
+        torch.testing.assert_close(sample["hidden_states"].float(), expected, rtol=1.6e-2, atol=1e-2)  # bf16 storage
+
+
+@pytest.fixture(scope="module")
+def overfit_drafter(engine_store, tmp_path_factory) -> Path:
+    """A drafter trained to overfit the engine-captured responses (the target's own greedy outputs)."""
+    work = tmp_path_factory.mktemp("overfit")
+    recipe = write_recipe(work / "r.yaml", engine_store, work / "run", drafter={"num_layers": 2, "block_size": 8},
+                          objective={"num_anchors": 32}, train={"max_steps": 300, "micro_batch_size": 6,
+                                                                "precision": "fp32"})
+    proc = launch(recipe)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (final,) = read_metrics(work / "run", "eval")
+    assert final["eval_tau"] > 3, final  # memorised: simulated acceptance far above 1 on its own samples
+    return work / "run" / "drafter"
+
+
+def eval_cli(*args) -> int:
+    from dflash_train.cli import main
+
+    return main(["eval", "--dtype", "fp32", "--threads", "1", "--max-new-tokens", str(NEW_TOKENS), "--no-warmup",
+                 *map(str, args)])
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loop(
+        overfit_drafter, engine_target, prompts_file, tmp_path):
+    out = tmp_path / "eval"
+    assert eval_cli("--engine", "both", "--drafter", overfit_drafter, "--target", engine_target,
+                    "--prompts", prompts_file, "--out", out) == 0
+    report = json.loads((out / "report.json").read_text())
+    vllm, own = report["engines"]["vllm"], report["engines"]["own"]
+    assert vllm["version"] == vllm_version()
+    assert vllm["lossless_checked"] == len(PROMPTS) and vllm["lossless_mismatches"] == 0
+    assert own["lossless_mismatches"] == 0
+    assert vllm["tau"] > 2 and vllm["per_position_acceptance"][0] > 0.5, vllm
+    assert vllm["tokens_unaccounted_by_steps"] == 0
+    # the engine and the project's loop decode the same prompts with the same drafter: the same acceptance
+    assert vllm["tau"] == pytest.approx(own["tau"], rel=0.1), (vllm["tau"], own["tau"])
+    assert vllm["drafter_weights_sha256"] == report["drafter"]["weights_sha256"]
+    assert vllm["engine_args"]["speculative_config"] == {"method": "dflash", "model": str(overfit_drafter),
+                                                          "num_speculative_tokens": 7}
+    assert vllm["serve_command"].startswith("vllm serve ")
+    md = (out / "report.md").read_text()
+    assert "The drafter in the engine and in the project's loop" in md and f"vLLM {vllm_version()}" in md
+    assert {p.name for p in (out / "engine").iterdir()} == {"plain.log", "speculative.log"}
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_drafter_the_engine_rejects_is_one_line_and_writes_nothing(overfit_drafter, engine_target, prompts_file,
+                                                                     tmp_path, capsys):
+    """Mixed sliding/full attention layers (a config our loader reads as all full attention) are refused by this
+    vLLM's model runner."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(overfit_drafter, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["layer_types"] = ["sliding_attention", "full_attention"]
+    config["sliding_window"] = 8
+    (bad / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "eval"
+    rc = eval_cli("--engine", "vllm", "--drafter", bad, "--target", engine_target, "--prompts", prompts_file,
+                  "--limit", "1", "--out", out)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert str(bad) in err[0] and "the vLLM engine exited with 1" in err[0] and "full log:" in err[0], err
+    assert not out.exists()
+
+
+def test_missing_vllm_is_one_line_naming_the_install(tmp_path, prompts_file):
+    """An interpreter where vLLM cannot be imported: eval and capture say how to get it, before loading anything."""
+    hide = ("import importlib.abc, sys\n"
+            "class Hide(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'vllm' or name.startswith('vllm.'):\n"
+            "            raise ModuleNotFoundError(name)\n"
+            "sys.meta_path.insert(0, Hide())\n"
+            "from dflash_train.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    for args in (["eval", "--drafter", str(tmp_path), "--prompts", str(prompts_file), "--out", str(tmp_path / "e")],
+                 ["capture", "--engine", "vllm", "--prompts", str(prompts_file), "--out", str(tmp_path / "s")]):
+        proc = subprocess.run([sys.executable, "-c", hide, *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and "vLLM is not installed" in lines[-1] and "make install" in lines[-1], \
+            proc.stderr[-2000:]
+        assert not (tmp_path / "e").exists() and not (tmp_path / "s").exists()
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_an_engine_that_dies_is_one_line_and_leaves_no_report(overfit_drafter, engine_target, prompts_file, tmp_path):
+    out = tmp_path / "eval"
+    command = [sys.executable, "-m", "dflash_train", "eval", "--engine", "vllm", "--dtype", "fp32", "--drafter",
+               str(overfit_drafter), "--target", str(engine_target), "--prompts", str(prompts_file), "--out",
+               str(out), "--limit", "1"]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    engine_pid = None
+    deadline = time.time() + 120
+    while engine_pid is None and time.time() < deadline:
+        found = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "dflash_train.engine"], capture_output=True,
+                               text=True).stdout.split()
+        engine_pid = int(found[0]) if found else None
+        time.sleep(0.2)
+    assert engine_pid is not None, "the engine process never started"
+    os.kill(engine_pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2 and "the vLLM engine was killed by signal 9" in lines[-1], err[-2000:]
+    assert not out.exists()
