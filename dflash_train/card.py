@@ -143,14 +143,19 @@ def metadata(inp: CardInputs) -> dict[str, Any]:
         "pipeline_tag": "text-generation",
         "tags": list(CARD_TAGS),
     }
-    if inp.report and isinstance(inp.report.get("tau"), (int, float)):
+    report = inp.report or {}
+    engine = (report.get("engines") or {}).get("vllm") or {}
+    metrics = [{"type": "acceptance_length", "name": name, "value": round(float(value), 4)}
+               for name, value in (("acceptance length (tau)", report.get("tau")),
+                                   (f"acceptance length (tau) in vLLM {engine.get('version')}", engine.get("tau")))
+               if isinstance(value, (int, float)) and not isinstance(value, bool)]
+    if metrics:
         meta["model-index"] = [{
             "name": inp.repo_id.split("/")[-1],
             "results": [{
                 "task": {"type": "text-generation", "name": "speculative decoding"},
                 "dataset": {"type": "held-out", "name": f"held-out prompts ({inp.run_name})"},
-                "metrics": [{"type": "acceptance_length", "name": "acceptance length (tau)",
-                             "value": round(float(inp.report["tau"]), 4)}],
+                "metrics": metrics,
             }],
         }]
     return meta
@@ -320,6 +325,7 @@ def _evaluation(inp: CardInputs) -> str:
         "",
         table(rows, ("Metric", "Value")),
     ]
+    lines += _engine_evaluation(inp)
     methods = [m for m in report.get("methods") or [] if isinstance(m, dict)]
     if len(methods) > 1:
         method_rows = [(fmt(m.get("method")), fmt(m.get("block_size")), fmt(m.get("tau")),
@@ -350,6 +356,40 @@ def _evaluation(inp: CardInputs) -> str:
     return "\n".join(lines)
 
 
+def _engine_evaluation(inp: CardInputs) -> list[str]:
+    """What the serving engine measured, and the exact command it ran (with the Hub repos for local folders)."""
+    from dflash_train.engine import serve_command
+
+    engine = ((inp.report or {}).get("engines") or {}).get("vllm")
+    if not isinstance(engine, dict):
+        return ["", "Not measured in a serving engine (the eval ran without `--engine vllm`)."]
+    mismatches = lossless_mismatches(engine)
+    checked = engine.get("lossless_checked")
+    lossless = ("not checked" + (f": {engine['lossless_note']}" if engine.get("lossless_note") else "")
+                if mismatches is None else
+                f"{'passed' if mismatches == 0 else 'FAILED'}: {mismatches} of {fmt(checked)} prompts differ from "
+                f"vLLM's own plain decoding")
+    acceptance = _acceptance(engine)
+    rows = [("Acceptance length τ", fmt(engine.get("tau"))),
+            ("Acceptance at positions 1, 2, 3", ", ".join(fmt(a) for a in acceptance[:3]) or "—"),
+            ("Tokens/s, with the drafter vs the target alone",
+             f"{fmt(engine.get('tokens_per_s'))} vs {fmt(engine.get('tokens_per_s_baseline'))}"),
+            ("Speedup (tokens/s ratio)", f"{fmt(engine.get('speedup'))}×" if engine.get("speedup") is not None
+             else "—"),
+            ("Lossless check", lossless)]
+    args = dict(engine.get("engine_args") or {})
+    command = None
+    if args:
+        args["model"] = inp.target.get("base_model")
+        if isinstance(args.get("speculative_config"), dict):
+            args["speculative_config"] = dict(args["speculative_config"], model=inp.repo_id)
+        command = serve_command(args)
+    return ["", f"Measured in vLLM {fmt(engine.get('version'))}, the serving engine itself (the same held-out "
+                f"prompts, greedy, one request at a time, {fmt(engine.get('dtype'))}), loading this folder as its "
+                f"`dflash` speculator:", "", table(rows, ("Metric (vLLM)", "Value"))] + (
+        ["", "The engine ran with the equivalent of:", "", "```bash", command, "```"] if command else [])
+
+
 def _gate(inp: CardInputs) -> str:
     gate = inp.gate
     reasons = "; ".join(gate.reasons)
@@ -366,8 +406,10 @@ def _gate(inp: CardInputs) -> str:
             "(this card is a dry-run preview); `--force` would upload it with a warning.",
         ])
     tau = (inp.report or {}).get("tau")
-    return (f"Release gate: passed (online τ {fmt(tau)} ≥ {fmt(gate.min_tau)}, minimum from "
-            f"{gate.min_tau_source}; lossless check passed).")
+    engine = ((inp.report or {}).get("engines") or {}).get("vllm") or {}
+    measured = f"vLLM τ {fmt(engine.get('tau'))}" + (f", online τ {fmt(tau)}" if tau is not None else "")
+    return (f"Release gate: passed ({measured} ≥ {fmt(gate.min_tau)}, minimum from {gate.min_tau_source}; "
+            f"lossless check passed; vLLM {fmt(engine.get('version'))} evaluated these very weights).")
 
 
 # top-level integers of an ingest report that are not skip counts

@@ -230,18 +230,10 @@ def check_gate(report: dict[str, Any] | None, report_file: Path | None, target: 
     if report is None:
         reasons.append("no eval report (pass --eval-report DIR; run `dflash-train eval` first)")
     else:
-        mismatches = lossless_mismatches(report)
-        if mismatches is None:
-            reasons.append(f"{report_file} has no lossless_mismatches count: the lossless check did not run")
-        elif mismatches > 0:
-            fp32 = " (still, when rerun in fp32)" if report.get("lossless_mismatches_fp32") else ""
-            reasons.append(f"the lossless check failed: {mismatches} outputs in {report_file} differ from the "
-                           f"target's own decoding{fp32}")
-        tau = report.get("tau")
-        if not isinstance(tau, (int, float)) or isinstance(tau, bool):
-            reasons.append(f"{report_file} has no online tau")
-        elif tau < min_tau:
-            reasons.append(f"online tau {tau:.3f} is below the minimum {min_tau:g} ({min_tau_source})")
+        engines = report.get("engines") if isinstance(report.get("engines"), dict) else None
+        if engines is None or engines.get("own"):  # the project's loop ran (reports before engines: always)
+            reasons += measured_reasons(report, f"{report_file}", "online tau", min_tau, min_tau_source)
+        reasons += engine_reasons(report, report_file, drafter["dir"], min_tau, min_tau_source)
         if differences := drafter_differences(report, drafter["config"], drafter["dir"]):
             reasons.append(f"{report_file} measured a different drafter or block size ({'; '.join(differences)})")
         report_target = report.get("target")
@@ -250,6 +242,60 @@ def check_gate(report: dict[str, Any] | None, report_file: Path | None, target: 
             reasons.append(f"{report_file} measured another target ({report_target.get('name')}) than the one "
                            f"this drafter was trained for ({target.get('name')})")
     return Gate(passed=not reasons, forced=force, min_tau=min_tau, min_tau_source=min_tau_source, reasons=reasons)
+
+
+def measured_reasons(measured: dict[str, Any], where: str, what: str, min_tau: float, min_tau_source: str
+                     ) -> list[str]:
+    """The lossless check and the minimum tau, for the project's loop (the report's top level) or an engine's
+    entry (same keys)."""
+    reasons = []
+    mismatches = lossless_mismatches(measured)
+    if mismatches is None:
+        reasons.append(f"{where} has no lossless_mismatches count: the lossless check did not run"
+                       + (f" ({measured['lossless_note']})" if measured.get("lossless_note") else ""))
+    elif mismatches > 0:
+        fp32 = " (still, when rerun in fp32)" if measured.get("lossless_mismatches_fp32") else ""
+        reasons.append(f"the lossless check failed: {mismatches} outputs in {where} differ from the "
+                       f"target's own decoding{fp32}")
+    tau = measured.get("tau")
+    if not isinstance(tau, (int, float)) or isinstance(tau, bool):
+        reasons.append(f"{where} has no {what}")
+    elif tau < min_tau:
+        reasons.append(f"{what} {tau:.3f} is below the minimum {min_tau:g} ({min_tau_source})")
+    return reasons
+
+
+def engine_reasons(report: dict[str, Any], report_file: Path | None, drafter_dir: Path, min_tau: float,
+                   min_tau_source: str) -> list[str]:
+    """A release needs the serving engine's own eval of this very folder: vLLM loaded these weights as its dflash
+    speculator, decoded losslessly and accepted enough drafts."""
+    engine = (report.get("engines") or {}).get("vllm") if isinstance(report.get("engines"), dict) else None
+    if not isinstance(engine, dict):
+        return [f"{report_file} has no vLLM eval of this drafter (run `dflash-train eval --engine both`: the "
+                f"engine users serve with must load it and accept its drafts)"]
+    reasons = []
+    weights = drafter_dir / "model.safetensors"
+    if engine.get("drafter_weights_sha256") != sha256_file(weights):
+        reasons.append(f"the vLLM eval in {report_file} measured other weights than {weights} (sha256 differs)")
+    return reasons + measured_reasons(engine, f"the vLLM eval in {report_file}", "vLLM tau", min_tau,
+                                      min_tau_source)
+
+
+def publishable_engine(engine: dict[str, Any], target_hub_id: str, repo_id: str) -> dict[str, Any]:
+    """An engine entry of the eval report as it may be published: the local target and drafter folders in its
+    arguments replaced by the Hub repos, the serve command rebuilt from them."""
+    from dflash_train.engine import serve_command
+
+    args = dict(engine.get("engine_args") or {})
+    if args:
+        args["model"] = target_hub_id
+        if isinstance(args.get("speculative_config"), dict):
+            args["speculative_config"] = dict(args["speculative_config"], model=repo_id)
+    plain = dict(engine.get("engine_args_plain") or {})
+    if plain:
+        plain["model"] = target_hub_id
+    return {**engine, "engine_args": args, "engine_args_plain": plain,
+            "serve_command": serve_command(args) if args else None}
 
 
 # ---- assembling the folder ----------------------------------------------------------------------------------
@@ -265,9 +311,14 @@ def without_records(obj: Any) -> Any:
     return obj
 
 
-def eval_summary(report: dict[str, Any]) -> dict[str, Any]:
-    """What of the eval report is published: aggregates and settings, no per-prompt records, no text."""
-    return without_text(without_records(report))
+def eval_summary(report: dict[str, Any], target_hub_id: str, repo_id: str) -> dict[str, Any]:
+    """What of the eval report is published: aggregates and settings, no per-prompt records, no text, no local
+    folder in the engine's arguments."""
+    summary = without_text(without_records(report))
+    engines = summary.get("engines")
+    if isinstance(engines, dict) and isinstance(engines.get("vllm"), dict):
+        summary["engines"] = {**engines, "vllm": publishable_engine(engines["vllm"], target_hub_id, repo_id)}
+    return summary
 
 
 def default_out(repo_id: str) -> Path:
@@ -304,7 +355,8 @@ def assemble(out: Path, drafter: dict[str, Any], report: dict[str, Any] | None, 
             shutil.copy2(src, out / src.name)
     if report is not None and report_file is not None:
         (out / "eval").mkdir()
-        write_json_atomic(out / "eval" / "summary.json", eval_summary(report))
+        write_json_atomic(out / "eval" / "summary.json",
+                          eval_summary(report, str(card.target.get("base_model")), card.repo_id))
         for plot in sorted(report_file.parent.glob("*.png")):
             shutil.copy2(plot, out / "eval" / plot.name)
             card.plots.append(f"eval/{plot.name}")

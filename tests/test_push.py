@@ -67,8 +67,26 @@ def drafter_dir(tmp_path_factory, tiny_target):
     return out
 
 
-def write_report(folder: Path, **overrides) -> Path:
-    """An eval folder in dflash_train.evaluate's format (report.json, plots, provenance.json)."""
+def vllm_entry(drafter_dir: Path | None, **overrides) -> dict:
+    """The `engines.vllm` entry of an eval report, measured on `drafter_dir`'s weights (None: other weights)."""
+    sha = hashlib.sha256((drafter_dir / "model.safetensors").read_bytes()).hexdigest() if drafter_dir else "0" * 64
+    entry = {"engine": "vllm", "version": "0.32.0", "tau": 2.3, "tau_steps": 2.3,
+             "per_position_acceptance": [0.75, 0.45, 0.3, 0.1, 0.05, 0.0, 0.0], "tokens_per_s": 25.0,
+             "tokens_per_s_baseline": 18.0, "speedup": 25.0 / 18.0, "lossless_checked": 2, "lossless_mismatches": 0,
+             "lossless_mismatches_fp32": None, "mismatches": [], "drafter_weights_sha256": sha, "dtype": "fp32",
+             "engine_args": {"model": "/home/me/.cache/target", "dtype": "float32", "max_model_len": 600,
+                             "seed": 0, "enforce_eager": True, "max_num_seqs": 1,
+                             "speculative_config": {"method": "dflash", "model": "/home/me/runs/tiny/drafter",
+                                                    "num_speculative_tokens": 7}},
+             "serve_command": "vllm serve /home/me/.cache/target --speculative-config ...",
+             "per_prompt": [{"id": "p0", "tau": 2.4, "new_tokens": 64, "mismatch": False}]}
+    entry.update(overrides)
+    return entry
+
+
+def write_report(folder: Path, drafter_dir: Path | None = None, **overrides) -> Path:
+    """An eval folder in dflash_train.evaluate's format (report.json, plots, provenance.json); its vLLM entry
+    measured `drafter_dir`'s weights (None: some other weights)."""
     folder.mkdir(parents=True, exist_ok=True)
     acceptance = [0.8, 0.5, 0.3, 0.1, 0.05, 0.01, 0.0]
     drafter = {"path": "runs/tiny/drafter", "block_size": 8, "num_hidden_layers": 2, "target_layer_ids": [1, 5],
@@ -88,7 +106,9 @@ def write_report(folder: Path, **overrides) -> Path:
               "per_prompt": [{"id": "p0", "prompt_tokens": 9, "tau": {"tiny/drafter": 2.5}, "prompt": SECRET}],
               "settings": {"max_new_tokens": 64, "temperature": 0.0, "num_prompts": 2, "prompts": "data/prompts",
                            "device": "cpu", "dtype": "bf16"},
-              "drafter": drafter, "target": None}
+              "drafter": drafter, "target": None,
+              "engines": {"own": {"engine": "own", "tau": 2.4, "lossless_mismatches": 0, "lossless_checked": 2},
+                          "vllm": vllm_entry(drafter_dir)}}
     report.update(overrides)
     (folder / "report.json").write_text(json.dumps(report))
     for name in ("acceptance_by_position.png", "tau_histogram.png"):
@@ -115,7 +135,7 @@ def all_text(folder: Path) -> bytes:
 
 
 def test_dry_run_writes_the_card_and_never_touches_the_network(drafter_dir, tmp_path):
-    report = write_report(tmp_path / "eval")
+    report = write_report(tmp_path / "eval", drafter_dir)
     listener = socket.socket()  # HF_ENDPOINT points here: any connection attempt would be accepted and seen
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
@@ -176,6 +196,15 @@ def test_dry_run_writes_the_card_and_never_touches_the_network(drafter_dir, tmp_
     assert "| `optimizer.lr` | 0.0006 |" in card and "| `final_train_loss` | 4.2 |" in card
     assert "minimum from the training recipe's push.min_tau" in card and "overridden" not in card
     assert "`mit` (from the training recipe)" in card
+    # the engine's own figures and the exact command it ran, with the Hub repos in place of local folders
+    assert "Measured in vLLM 0.32.0, the serving engine itself" in card and "| Acceptance length τ | 2.3 |" in card
+    assert "| Lossless check | passed: 0 of 2 prompts differ from vLLM's own plain decoding |" in card
+    assert ("vllm serve tiny-org/tiny-target --dtype float32 --max-model-len 600 --seed 0 --enforce-eager "
+            "--max-num-seqs 1 --speculative-config '{\"method\":\"dflash\",\"model\":\"tiny-org/tiny-dflash\","
+            "\"num_speculative_tokens\":7}'") in card
+    assert [m["value"] for m in meta["model-index"][0]["results"][0]["metrics"]] == [2.4, 2.3]
+    assert b"/home/me" not in all_text(out)
+    assert summary["engines"]["vllm"]["engine_args"]["speculative_config"]["model"] == REPO
 
 
 def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir, tmp_path, capsys):
@@ -251,11 +280,47 @@ def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir
     assert rc == 0 and "| Unique prompts kept | 40: 38 train, 2 held out for eval (split by hash) |" in card
 
 
+def test_gate_needs_a_passing_vllm_eval_of_these_very_weights(drafter_dir, tmp_path, capsys):
+    def refusal(report: Path) -> str:
+        rc = main(["push", str(drafter_dir), "--repo", REPO, "--out", str(tmp_path / "out"),
+                   "--eval-report", str(report)])
+        assert rc == 2
+        return capsys.readouterr().err
+
+    own_only = write_report(tmp_path / "own_only", drafter_dir)
+    report = json.loads((own_only / "report.json").read_text())
+    del report["engines"]["vllm"]
+    (own_only / "report.json").write_text(json.dumps(report))
+    assert "has no vLLM eval of this drafter (run `dflash-train eval --engine both`" in refusal(own_only)
+    err = refusal(write_report(tmp_path / "other_weights"))  # vLLM measured some other folder's weights
+    assert "the vLLM eval in" in err and "measured other weights than" in err and "model.safetensors" in err
+    err = refusal(write_report(tmp_path / "lossy", drafter_dir, engines={"vllm": vllm_entry(
+        drafter_dir, lossless_mismatches=1)}))
+    assert "the lossless check failed: 1 outputs in the vLLM eval in" in err
+    err = refusal(write_report(tmp_path / "sampled", drafter_dir, engines={"vllm": vllm_entry(
+        drafter_dir, lossless_mismatches=None, lossless_note="not checked: at temperature > 0 ...")}))
+    assert "the lossless check did not run (not checked: at temperature > 0" in err
+    err = refusal(write_report(tmp_path / "slow", drafter_dir, engines={"vllm": vllm_entry(drafter_dir, tau=1.1)}))
+    assert "vLLM tau 1.100 is below the minimum 1.2" in err
+    # an engine-only eval (no own loop) passes on the engine's figures alone
+    engine_only = write_report(tmp_path / "engine_only", drafter_dir, tau=None, lossless_mismatches=None,
+                               methods=[], engines={"vllm": vllm_entry(drafter_dir)})
+    assert main(["push", str(drafter_dir), "--repo", REPO, "--out", str(tmp_path / "out"), "--dry-run",
+                 "--eval-report", str(engine_only)]) == 0
+    assert "REFUSED" not in capsys.readouterr().out
+    # --force pushes anyway, and the card says what the gate found
+    assert main(["push", str(drafter_dir), "--repo", REPO, "--out", str(tmp_path / "out"), "--dry-run", "--force",
+                 "--eval-report", str(own_only)]) == 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "The release gate was overridden" in card and "has no vLLM eval of this drafter" in card
+    assert "Not measured in a serving engine" in card
+
+
 def test_dry_run_with_a_failing_gate_writes_a_preview_and_says_a_push_would_be_refused(drafter_dir, tmp_path,
                                                                                         capsys):
     out = tmp_path / "out"
     rc = main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(out),
-               "--eval-report", str(write_report(tmp_path / "low", tau=1.07))])
+               "--eval-report", str(write_report(tmp_path / "low", drafter_dir, tau=1.07))])
     printed = capsys.readouterr().out
     assert rc == 0
     assert ("gate: a real push would be REFUSED: online tau 1.070 is below the minimum 1.2 (the training recipe's "
@@ -280,7 +345,7 @@ def test_out_folder_of_someone_else_is_never_wiped(drafter_dir, tmp_path, capsys
 
 
 def test_push_round_trip_through_loopback_hub(drafter_dir, tmp_path):
-    report = write_report(tmp_path / "eval")
+    report = write_report(tmp_path / "eval", drafter_dir)
     out = tmp_path / "out"
     with LoopbackHub(tokens={TOKEN}) as hub:
         env = hub_env(hub.url, tmp_path)
@@ -331,7 +396,7 @@ print("loaded", type(model).__name__, sum(p.numel() for p in model.parameters())
 
 
 def test_transient_commit_error_is_retried_and_the_token_never_shows(drafter_dir, tmp_path):
-    report = write_report(tmp_path / "eval")
+    report = write_report(tmp_path / "eval", drafter_dir)
     with LoopbackHub(tokens={TOKEN}) as hub:
         hub.fail("POST", r"/commit/", status=500, times=1, echo_auth=True)  # the error message echoes the token
         result = push([str(drafter_dir), "--repo", REPO, "--eval-report", str(report), "--out",
@@ -345,7 +410,7 @@ def test_transient_commit_error_is_retried_and_the_token_never_shows(drafter_dir
 
 
 def test_failed_upload_keeps_the_folder_and_says_what_to_rerun(drafter_dir, tmp_path):
-    report = write_report(tmp_path / "eval")
+    report = write_report(tmp_path / "eval", drafter_dir)
     out = tmp_path / "out"
     with LoopbackHub(tokens={TOKEN}) as hub:
         hub.fail("POST", r"/commit/", status=503, times=100, echo_auth=True)
@@ -374,7 +439,7 @@ def test_unreachable_hub_is_retried_then_reported(drafter_dir, tmp_path):
     closed.bind(("127.0.0.1", 0))
     port = closed.getsockname()[1]
     closed.close()  # nothing listens here: every connection is refused
-    result = push([str(drafter_dir), "--repo", REPO, "--eval-report", str(write_report(tmp_path / "eval")),
+    result = push([str(drafter_dir), "--repo", REPO, "--eval-report", str(write_report(tmp_path / "eval", drafter_dir)),
                    "--out", str(tmp_path / "out"), "--retries", "2", "--retry-wait", "0.01"],
                   hub_env(f"http://127.0.0.1:{port}", tmp_path))
     assert result.returncode == 2
