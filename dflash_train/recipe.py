@@ -84,7 +84,9 @@ class TrainConfig:
     time_budget_s: float | None = None
     micro_batch_size: int = 1  # sequences (padding) or packed rows (packing) per process per micro step
     grad_accum_steps: int = 1
-    precision: Literal["bf16", "fp32"] = "bf16"
+    # auto: bf16 where the device runs it natively (CUDA, a CPU with AVX512_BF16/AMX), else fp32 (an AVX2-only CPU
+    # emulates bf16 3-10x slower than fp32); see dflash_train.device. The drafter is saved in the target's dtype.
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
     gradient_checkpointing: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     deepspeed: str | None = "recipes/deepspeed/zero2.json"  # None = plain DDP

@@ -131,6 +131,14 @@ def resolve_target(name_or_path: str) -> Path:
             f"the folder, or use the embedded target {DEFAULT_TARGET!r}") from None
 
 
+def checkpoint_dtype(name_or_path: str) -> torch.dtype | None:
+    """The dtype a target's checkpoint is stored (and served) in, from its config.json; None if it says none."""
+    config = json.loads((resolve_target(name_or_path) / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or config.get("text_config", {}).get("dtype")
+    dtype = getattr(torch, str(name), None) if name else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
 def load_tokenizer(name_or_path: str = DEFAULT_TARGET):
     from transformers import AutoTokenizer
 

@@ -337,6 +337,14 @@ class TrainClock:
 # --- setup ------------------------------------------------------------------------------------------------------
 
 
+def train_precision(recipe: Recipe):
+    """The compute precision of this run: the recipe's train.precision, `auto` resolved for the device it trains on."""
+    from dflash_train.device import resolve_precision
+
+    device = "cuda" if recipe.train.device != "cpu" and torch.cuda.is_available() else "cpu"
+    return resolve_precision(recipe.train.precision, device)
+
+
 def deepspeed_config(recipe: Recipe) -> dict[str, Any]:
     """The recipe's DeepSpeed JSON with every "auto" filled from the recipe."""
     path = Path(recipe.train.deepspeed)
@@ -349,7 +357,7 @@ def deepspeed_config(recipe: Recipe) -> dict[str, Any]:
     cfg["gradient_accumulation_steps"] = t.grad_accum_steps
     cfg.pop("train_batch_size", None)
     cfg["gradient_clipping"] = recipe.optimizer.grad_clip
-    bf16 = t.precision == "bf16"
+    bf16 = train_precision(recipe).name == "bf16"
     cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": bf16}
     if bf16:  # a non-finite gradient makes DeepSpeed skip the step (see the NaN handling in the loop)
         cfg["bf16"]["check_grad_overflow"] = True
@@ -382,7 +390,8 @@ def make_accelerator(recipe: Recipe):
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=deepspeed_config(recipe))
     # With DeepSpeed, accelerate must not be told cpu=True (it then ignores the plugin); without a GPU the
     # device is the CPU anyway. Without DeepSpeed, cpu=True selects accelerate's multi-CPU (gloo DDP) mode.
-    accelerator = Accelerator(cpu=cpu and t.deepspeed is None, mixed_precision="bf16" if t.precision == "bf16" else "no",
+    bf16 = train_precision(recipe).name == "bf16"
+    accelerator = Accelerator(cpu=cpu and t.deepspeed is None, mixed_precision="bf16" if bf16 else "no",
                               gradient_accumulation_steps=t.grad_accum_steps, **kwargs)
     if cpu and accelerator.device.type != "cpu":
         raise UserError("recipe sets train.device: cpu with DeepSpeed on a machine with GPUs: hide them with "
@@ -666,11 +675,13 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
     rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     device = accelerator.device
     run_dir = Path(recipe.output_dir)
+    precision = train_precision(recipe)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
         write_provenance(run_dir, config=recipe.to_dict(), recipe_file=recipe_path, overrides=list(overrides),
-                         world_size=world)
+                         world_size=world, precision=precision.as_dict())
+        print(f"train: compute dtype {precision.describe()}", flush=True)
     accelerator.wait_for_everyone()
 
     data = prepare_data(recipe, world)
@@ -683,8 +694,7 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
     drafter = build_drafter(recipe, stores, target_name, data.train_indices)
     if recipe.train.gradient_checkpointing:
         enable_gradient_checkpointing(drafter)
-    dtype = torch.bfloat16 if recipe.train.precision == "bf16" else torch.float32
-    embed, head = load_embedding_and_head(target_name, dtype=dtype)
+    embed, head = load_embedding_and_head(target_name, dtype=precision.dtype)
     tied = head is embed
     embed = embed.to(device)
     head = embed if tied else head.to(device)
@@ -846,7 +856,8 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
                "device": device.type, "resumed_from": str(resume_from) if resume_from else None,
                "last_checkpoint_step": last_checkpoint_step}
     if main:
-        save_final_drafter(run_dir / "drafter", core, state_dict, recipe, stores, summary)
+        save_final_drafter(run_dir / "drafter", core, state_dict, recipe, stores,
+                           {**summary, "precision": precision.as_dict()}, target_name)
         if wandb_run is not None:
             wandb_run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
             wandb_run.finish()
@@ -859,11 +870,13 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
 
 
 def save_final_drafter(out_dir: Path, core, state_dict: dict[str, torch.Tensor], recipe: Recipe, stores: StoreSet,
-                       summary: dict[str, Any]) -> None:
+                       summary: dict[str, Any], target_name: str) -> None:
+    """The drafter in the target's dtype (what engines serve the pair in, whatever precision trained it)."""
     from dflash_train.drafter import DFlashDrafter
+    from dflash_train.target import checkpoint_dtype
 
     out = start_output(out_dir)
-    dtype = torch.bfloat16 if recipe.train.precision == "bf16" else torch.float32
+    dtype = checkpoint_dtype(target_name) or train_precision(recipe).dtype
     final = DFlashDrafter(core.config)
     final.load_state_dict({k: v.detach().cpu() for k, v in state_dict.items()}, strict=True)
     final.set_context_scale(core.context_scale)  # save_pretrained folds it into fc

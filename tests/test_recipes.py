@@ -56,7 +56,7 @@ def test_production_recipes_follow_the_dflash_literature(name):
     assert (r.drafter.num_layers, r.objective.num_anchors, r.train.epochs, r.data.max_length) == (5, 512, 6, 3072)
     assert r.optimizer.lr == 6e-4 and r.optimizer.schedule == "cosine" and r.drafter.init == "random"
     assert r.decay_gamma == 7.0
-    assert r.train.precision == "bf16" and r.train.deepspeed.endswith("zero2.json")
+    assert r.train.precision == "auto" and r.train.deepspeed.endswith("zero2.json")
 
 
 def test_accelerate_and_deepspeed_configs_parse():
@@ -84,7 +84,7 @@ def _write(tmp_path, text: str) -> Path:
     ("data: {stores: [s]}\ntrain: {gradient_checkpointing: 'yes'}\n", r"'train.gradient_checkpointing' must be bool"),
     ("data: {stores: s}\n", r"key 'data.stores' must be list of str"),
     ("data: {stores: [s, 3]}\n", r"key 'data.stores\[1\]' must be str"),
-    ("data: {stores: [s]}\ntrain: {precision: fp16}\n", r"'train.precision' must be 'bf16' \| 'fp32'"),
+    ("data: {stores: [s]}\ntrain: {precision: fp16}\n", r"'train.precision' must be 'auto' \| 'bf16' \| 'fp32'"),
     ("data: {stores: [s]}\noptimizer: 3\n", r"'optimizer' must be a mapping"),
     ("data: {stores: []}\n", r"key 'data.stores' must list at least one"),
     ("data: {stores: [s]}\noptimizer: {warmup_ratio: 1.5}\n", r"'optimizer.warmup_ratio' must be in \[0, 1\)"),
@@ -127,6 +127,6 @@ def test_defaults_are_the_dflash_recipe():
     assert (r.objective.num_anchors, r.drafter.block_size, r.drafter.num_layers) == (512, 16, 5)
     assert (r.optimizer.lr, r.optimizer.weight_decay, r.optimizer.warmup_ratio, r.optimizer.grad_clip) == (
         6e-4, 0.0, 0.04, 1.0)
-    assert r.optimizer.schedule == "cosine" and r.train.precision == "bf16"
+    assert r.optimizer.schedule == "cosine" and r.train.precision == "auto"
     assert r.train.deepspeed == "recipes/deepspeed/zero2.json" and r.checkpoint.resume == "auto"
     assert r.decay_gamma == 7.0

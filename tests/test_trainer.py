@@ -350,9 +350,12 @@ def test_deepspeed_config_takes_batch_clip_and_precision_from_the_recipe(monkeyp
     recipe = Recipe()
     recipe.data.stores = ["x"]
     recipe.train.micro_batch_size, recipe.train.grad_accum_steps, recipe.optimizer.grad_clip = 3, 5, 0.5
+    recipe.train.precision = "bf16"
     cfg = tr.deepspeed_config(recipe)
     assert cfg["train_micro_batch_size_per_gpu"] == 3 and cfg["gradient_accumulation_steps"] == 5
     assert cfg["gradient_clipping"] == 0.5 and cfg["bf16"]["enabled"] is True
+    recipe.train.precision, recipe.train.device = "auto", "cpu"  # auto: what this CPU runs natively
+    assert tr.deepspeed_config(recipe)["bf16"]["enabled"] is (tr.train_precision(recipe).name == "bf16")
     assert cfg["zero_optimization"]["stage"] == 2
     assert "auto" not in json.dumps(cfg)
 
