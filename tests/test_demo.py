@@ -17,7 +17,7 @@ EXAMPLE_LOGS = ["sharegpt.json", "openai_requests.jsonl", "messages.jsonl", "pro
 def test_shrunken_demo_end_to_end_and_rerun_skips(tmp_path):
     command = [sys.executable, str(REPO_ROOT / "scripts" / "demo.py"), "--workdir", str(tmp_path),
                "--logs", *[str(REPO_ROOT / "data" / "examples" / name) for name in EXAMPLE_LOGS],
-               "--capture-limit", "12", "--max-new-tokens", "16",
+               "--capture-limit", "12", "--max-new-tokens", "16", "--no-plan",
                "--train-override", "train.max_steps=4", "--train-override", "eval.every=0",
                "--train-override", "checkpoint.every=2", "--eval-limit", "2"]
     first = subprocess.run(command, capture_output=True, text=True, timeout=600)
