@@ -168,11 +168,21 @@ def check_store_fits(manifest: dict[str, Any], drafter, target: Target, where: s
 
 @dataclass
 class Method:
+    """A row of the own-loop table; `role` names what it is, so readers never go by position."""
     name: str
+    role: str  # plain | drafter | baseline | no_speculation (ROLES)
     proposer: Any  # None = plain decoding
     drafter_path: str | None = None
     block_size: int = 1
     generations: list[Generation] = field(default_factory=list)
+
+
+ROLES = ("plain", "drafter", "baseline", "no_speculation")
+
+
+def by_role(rows: list, role: str) -> list:
+    """The rows (Methods, or report["methods"] dicts) of one role, in table order."""
+    return [r for r in rows if (r.role if isinstance(r, Method) else r.get("role")) == role]
 
 
 def _load_proposer(path: str, target: Target, block_size: int | None, dtype: torch.dtype) -> DFlashProposer:
@@ -231,11 +241,12 @@ def recheck_in_fp32(cfg: EvalConfig, device: str, methods: list["Method"], misma
 def load_methods(cfg: EvalConfig, target: Target, dtype: torch.dtype) -> list[Method]:
     """The rows of the table, in order: plain decoding, the drafter, the baseline drafters, block size 1."""
     main = _load_proposer(cfg.drafter, target, cfg.block_size, dtype)
-    methods = [Method(PLAIN, None), Method(f"drafter {_label(cfg.drafter)}", main, cfg.drafter, main.block_size)]
+    methods = [Method(PLAIN, "plain", None),
+               Method(f"drafter {_label(cfg.drafter)}", "drafter", main, cfg.drafter, main.block_size)]
     for path in cfg.baseline_drafters:
         p = _load_proposer(path, target, cfg.block_size, dtype)
-        methods.append(Method(f"baseline {_label(path)}", p, path, p.block_size))
-    methods.append(Method(NO_SPECULATION, NoDraft()))
+        methods.append(Method(f"baseline {_label(path)}", "baseline", p, path, p.block_size))
+    methods.append(Method(NO_SPECULATION, "no_speculation", NoDraft()))
     return methods
 
 
@@ -250,7 +261,7 @@ def decode_all(methods: list[Method], target: Target, prompts: dict[str, list[in
         for m in methods:
             _run_one(m, target, first, min(8, cfg.max_new_tokens), TokenChooser(cfg.temperature, cfg.seed))
     per_prompt, mismatches, plain_of_mismatching = [], [], {}
-    mine = methods[1].name
+    mine = by_role(methods, "drafter")[0].name
     bar = tqdm(prompts.items(), desc="eval", unit="prompt")
     for i, (rid, ids) in enumerate(bar):
         chooser = TokenChooser(cfg.temperature, prompt_seed(cfg.seed, rid))
@@ -260,7 +271,9 @@ def decode_all(methods: list[Method], target: Target, prompts: dict[str, list[in
             m.generations.append(outputs[m.name])
         plain = outputs[PLAIN].tokens
         row = {"id": rid, "prompt_tokens": len(ids), "new_tokens": len(plain), "tau": {}, "mismatch": []}
-        for m in methods[1:]:
+        for m in methods:
+            if m.proposer is None:
+                continue
             steps = outputs[m.name].steps
             row["tau"][m.name] = sum(s.tau for s in steps) / len(steps) if steps else None
             if outputs[m.name].tokens != plain:
@@ -275,7 +288,7 @@ def decode_all(methods: list[Method], target: Target, prompts: dict[str, list[in
 
 
 def method_row(m: Method, per_prompt: list[dict[str, Any]], plain_tps: float) -> dict[str, Any]:
-    row: dict[str, Any] = {"method": m.name, "drafter": m.drafter_path, "block_size": m.block_size}
+    row: dict[str, Any] = {"method": m.name, "role": m.role, "drafter": m.drafter_path, "block_size": m.block_size}
     if m.proposer is not None:
         row.update(acceptance_stats([g.steps for g in m.generations], m.block_size))
         row["lossless_mismatches"] = sum(m.name in r["mismatch"] for r in per_prompt)
@@ -298,10 +311,10 @@ def own_loop_eval(cfg: EvalConfig, device: str, methods: list[Method], target: T
     if mismatch_details and dtype != torch.float32:
         recheck_in_fp32(cfg, device, methods, mismatch_details, prompts, plain_of_mismatching)
         fp32_mismatches = sum(not d["fp32_spec_equals_plain"] for d in mismatch_details
-                              if d["method"] == methods[1].name)
-    plain_tps = _tokens_per_s(methods[0].generations)
+                              if d["method"] == by_role(methods, "drafter")[0].name)
+    plain_tps = _tokens_per_s(by_role(methods, "plain")[0].generations)
     table = [method_row(m, per_prompt, plain_tps) for m in methods]
-    mine = table[1]
+    mine = by_role(table, "drafter")[0]
     return {
         "tau": mine["tau"],
         "tau_steps": mine["tau_steps"],
@@ -410,7 +423,7 @@ def own_engine_summary(report: dict[str, Any]) -> dict[str, Any]:
     """The project's loop in the shape of an engine entry, for the side-by-side table."""
     keys = ("tau", "tau_steps", "per_position_acceptance", "tau_histogram", "num_steps", "tokens_per_s",
             "tokens_per_s_baseline", "speedup", "lossless_checked", "lossless_mismatches", "lossless_mismatches_fp32")
-    mine = report["methods"][1]
+    mine = by_role(report["methods"], "drafter")[0]
     return {"engine": "own", **{k: report.get(k, mine.get(k)) for k in keys}, "num_steps": mine.get("num_steps")}
 
 
@@ -446,7 +459,8 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     dtype_name, dtype = precision.name, precision.dtype
     target = load_target(cfg.target, dtype=dtype, device=device)
     methods = load_methods(cfg, target, dtype)
-    main, B = methods[1].proposer, methods[1].block_size
+    mine = by_role(methods, "drafter")[0]
+    main, B = mine.proposer, mine.block_size
 
     store, template_kwargs = None, cfg.template_kwargs
     if cfg.store:
@@ -477,7 +491,7 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
                      "sampling": "greedy" if cfg.temperature == 0 else
                      f"temperature {cfg.temperature}, Gumbel-max noise keyed on (seed, prompt id, position)"},
         "drafter": _drafter_summary(cfg.drafter, main),
-        "baseline_drafters": [_drafter_summary(m.drafter_path, m.proposer) for m in methods[2:-1]],
+        "baseline_drafters": [_drafter_summary(m.drafter_path, m.proposer) for m in by_role(methods, "baseline")],
         "target": target.identity(),
     }
     if own:
@@ -640,7 +654,8 @@ def _acceptance_markdown(report: dict[str, Any]) -> list[str]:
     """Acceptance by block position: every drafter of the project's loop, vLLM, and the offline estimate."""
     columns = [(r["method"], r["per_position_acceptance"]) for r in report["methods"] if r["block_size"] > 1]
     if (report.get("engines") or {}).get("vllm"):
-        columns.append((f"vLLM: {report['methods'][1]['method'] if report['methods'] else 'drafter'}",
+        drafter = by_role(report["methods"], "drafter")
+        columns.append((f"vLLM: {drafter[0]['method'] if drafter else 'drafter'}",
                         report["engines"]["vllm"]["per_position_acceptance"]))
     if report["offline"]:
         columns.append(("offline", report["offline"]["per_position_acceptance"]))

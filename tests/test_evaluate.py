@@ -187,6 +187,7 @@ def test_eval_command_writes_the_report(tiny_target, tiny_target_dir, drafters, 
     assert report["target"]["config_hash"] == tiny_target.identity()["config_hash"]
     methods = [m["method"] for m in report["methods"]]
     assert methods[0].startswith("plain") and methods[-1] == "block size 1" and len(methods) == 4
+    assert [m["role"] for m in report["methods"]] == ["plain", "drafter", "baseline", "no_speculation"]
     blocks = [m["block_size"] for m in report["methods"]]
     assert blocks == [1, 4, 3, 1]
     no_spec = report["methods"][-1]
@@ -249,8 +250,9 @@ def test_mismatch_diagnosis_and_fp32_recheck(tiny_target, tiny_target_dir, draft
     assert info["index"] == 5 and info["plain_token"] == plain[5] and info["spec_token"] == broken[5]
     assert info["top2_margin"] > 0
     cfg = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", target=str(tiny_target_dir), max_new_tokens=12)
-    methods = [Method(PLAIN, None), Method("drafter", _load_proposer(cfg.drafter, tiny_target, None, torch.float32),
-                                          cfg.drafter, 4), Method(NO_SPECULATION, NoDraft())]
+    methods = [Method(PLAIN, "plain", None),
+               Method("drafter", "drafter", _load_proposer(cfg.drafter, tiny_target, None, torch.float32),
+                      cfg.drafter, 4), Method(NO_SPECULATION, "no_speculation", NoDraft())]
     details = [{"id": "p", "method": "drafter", **info}, {"id": "p", "method": NO_SPECULATION, **info}]
     recheck_in_fp32(cfg, "cpu", methods, details, {"p": ids}, {"p": broken})
     for d in details:
