@@ -298,7 +298,7 @@ def _child(workdir: Path) -> None:
     kwargs = job.llm_kwargs()
     started = time.perf_counter()
     metrics = {"per_request_spec_decode_metrics": "detailed"} if job.drafter is not None else {}
-    llm = LLM(**kwargs, **metrics, disable_log_stats=False, skip_tokenizer_init=True)
+    llm = LLM(**kwargs, **metrics, disable_log_stats=False)
     load_s = time.perf_counter() - started
 
     def params(r: EngineRequest) -> SamplingParams:
