@@ -94,6 +94,7 @@ class IngestConfig:
 class Bad:
     reason: str  # one of SKIP_REASONS
     detail: str
+    count: int = 1  # records it stands for (an unreadable Parquet row group)
 
 
 class Skip(Exception):
@@ -112,6 +113,7 @@ class SourceStats:
     examples: list[str] = field(default_factory=list)  # the first skipped records: "line 3: malformed (...)"
     truncated_at_cut: int = 0  # partial records lost where the file was cut off
     stopped_at: str | None = None  # where reading a .json document or gzip stream had to stop early
+    damaged: list[str] = field(default_factory=list)  # unreadable parts that reading went on after
 
     def skip(self, where: str, reason: str, detail: str, count: int = 1) -> None:
         self.counts[reason] += count
@@ -132,7 +134,7 @@ def read_values(path: Path, stats: SourceStats,
         head = raw.read(4)
         raw.seek(0)
         if head == b"PAR1" or path.name.lower().endswith(".parquet"):
-            yield from _parquet_rows(path, raw, progress)
+            yield from _parquet_rows(path, raw, stats, progress)
             return
         stream = gzip.GzipFile(fileobj=raw, mode="rb") if head[:2] == b"\x1f\x8b" else raw
         try:
@@ -240,16 +242,92 @@ class _TextChunks:
             self.pos = end
             return obj
 
+    def skip_value(self, array: bool) -> bool:
+        """Move past a malformed value that starts at pos; False when the document ends first.
+
+        The value ends where its brackets close (strings skipped; a string never spans a raw newline, so a lost
+        quote stays local) and, in an array, at the next ',' or ']' outside brackets. A value that never closes
+        ends where a line starts with the value's own indentation and '{' (the next record of a pretty-printed
+        or line-per-record array)."""
+        while True:
+            end = _value_end(self.buf, self.pos, array, self.eof)
+            if end is not None:
+                self.pos = end
+                return True
+            if len(self.buf) - self.pos > MAX_RECORD_CHARS or not self.more():
+                self.pos = len(self.buf)
+                return False
+
 
 _CUT = object()
+
+
+_STRUCTURE = re.compile(r'["\[\]{},\n]')
+_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
+_AFTER_STRING = re.compile(r"[ \t\r\n]*")
+
+
+def _value_end(buf: str, pos: int, array: bool, eof: bool) -> int | None:
+    """Where the malformed value at buf[pos] ends (see `_TextChunks.skip_value`); None: read more first.
+
+    Strings are skipped; a quote whose string is not followed by one of : , ] } was not a closing quote (a
+    quote is missing or unescaped), so the scan pairs it with the next one instead: brackets inside the text
+    after a lost quote are not counted. A bracket where an object expects a key means an object was never
+    closed: the value ends at the comma before it."""
+    line_start = buf.rfind("\n", 0, pos) + 1
+    indent = buf[line_start:pos]
+    restart = "\n" + indent + "{" if not indent.strip() else None  # the value is the first thing on its line
+    stack: list[str] = []
+    expect_key, last_comma, i = False, None, pos
+    while True:
+        m = _STRUCTURE.search(buf, i)
+        if m is None:
+            return len(buf) if eof else None
+        ch, i = m.group(), m.end()
+        if ch == '"':
+            s = _STRING.match(buf, m.start())
+            if s is None:  # no closing quote before the line ends
+                if not eof and "\n" not in buf[i:]:
+                    return None
+                continue
+            after = _AFTER_STRING.match(buf, s.end()).end()
+            if after == len(buf) and not eof:
+                return None
+            i = s.end() if after == len(buf) or buf[after] in ":,]}" else s.end() - 1
+            expect_key = False
+        elif ch == "\n":
+            if restart and stack and buf.startswith(restart, m.start()):
+                return i
+        elif ch in "{[":
+            if stack and expect_key:  # an unclosed object: a new value begins here
+                return last_comma if array and last_comma is not None else m.start()
+            if not array and not stack and buf[pos:m.start()].strip():
+                return m.start()  # garbage between values: the next value starts here
+            stack.append(ch)
+            expect_key = ch == "{"
+        elif ch in "}]":
+            if not stack:
+                if array and ch == "]":
+                    return m.start()
+                continue
+            stack.pop()
+            expect_key = False
+            if not stack and not array:
+                return i
+        else:  # ","
+            if not stack and array:
+                return m.start()
+            last_comma, expect_key = m.start(), stack[-1:] == ["{"]
 
 
 def _json_document(stream, raw, stats: SourceStats, progress, array: bool) -> Iterator[tuple[str, Any]]:
     """Records of a .json document: the elements of a top-level array, or a sequence of top-level values.
 
     Streams with raw_decode over chunks, so memory holds one record, not the file. A document cut off at
-    the end (as the ShareGPT wheel's file is) stops cleanly and counts the partial record; a syntax error in
-    the middle is one malformed record, and the rest of the document cannot be resynchronised."""
+    the end (as the ShareGPT wheel's file is) stops cleanly and counts the partial record. A syntax error in
+    the middle is one malformed record: reading resumes after it (`_TextChunks.skip_value`), so every valid
+    record of the document is kept whatever its neighbours hold. A missing comma between two elements is
+    forgiven: the element after it is read as the next one."""
     text = _TextChunks(stream, raw, progress)
     index = 0
     if array:
@@ -271,8 +349,8 @@ def _json_document(stream, raw, stats: SourceStats, progress, array: bool) -> It
             stats.stopped_at = f"{where}: the file ends inside this record (cut off)"
             return
         yield where, value
-        if isinstance(value, Bad):
-            stats.stopped_at = f"{where}: {value.detail}; the rest of the document was not read"
+        if isinstance(value, Bad) and not text.skip_value(array):
+            stats.stopped_at = f"{where}: {value.detail}; no record starts after it"
             return
         if array:
             ch = text.next_char()
@@ -280,14 +358,11 @@ def _json_document(stream, raw, stats: SourceStats, progress, array: bool) -> It
                 text.pos += 1
             elif ch == "]":
                 return
-            elif ch != "":
-                yield f"element {index + 1}", Bad("malformed", f"expected ',' or ']' at character "
-                                                               f"{text.offset + text.pos}")
-                stats.stopped_at = f"element {index + 1}: the rest of the document was not read"
-                return
 
 
-def _parquet_rows(path: Path, raw, progress) -> Iterator[tuple[str, Any]]:
+def _parquet_rows(path: Path, raw, stats: SourceStats, progress) -> Iterator[tuple[str, Any]]:
+    """Rows of a Parquet file, one row group at a time: a row group that cannot be read (a corrupt page, a cut
+    file) is counted as that many malformed rows, and reading goes on with the next one."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -296,11 +371,22 @@ def _parquet_rows(path: Path, raw, progress) -> Iterator[tuple[str, Any]]:
     except (pa.ArrowException, OSError) as err:
         raise UserError(f"{path}: not a readable Parquet file ({err})") from None
     row = 0
-    for batch in parquet.iter_batches(batch_size=1024):
-        for value in batch.to_pylist():
-            row += 1
-            yield f"row {row}", value
-        progress(raw.tell())
+    for group in range(parquet.num_row_groups):
+        size = parquet.metadata.row_group(group).num_rows
+        done = 0
+        try:
+            for batch in parquet.iter_batches(batch_size=1024, row_groups=[group]):
+                for value in batch.to_pylist():
+                    done += 1
+                    yield f"row {row + done}", value
+                progress(raw.tell())
+        except (pa.ArrowException, OSError) as err:
+            lost = size - done
+            stats.damaged.append(f"row group {group + 1} of {parquet.num_row_groups} (rows {row + done + 1}-"
+                                 f"{row + size}) is unreadable ({err}): {lost} row(s) counted as malformed")
+            yield f"rows {row + done + 1}-{row + size}", Bad("malformed", f"unreadable row group {group + 1}: {err}",
+                                                             count=lost)
+        row += size
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -556,10 +642,11 @@ def split_hash(record_id: str, seed: int | None = None) -> float:
 def _located_records(path: Path, stats: SourceStats, scrub: bool,
                      progress: Callable[[int], None] | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
     for where, value in read_values(path, stats, progress):
-        stats.counts["read"] += 1
         if isinstance(value, Bad):
-            stats.skip(where, value.reason, value.detail)
+            stats.counts["read"] += value.count
+            stats.skip(where, value.reason, value.detail, count=value.count)
             continue
+        stats.counts["read"] += 1
         try:
             parsed = parse_record(value)
         except Skip as skip:
@@ -850,6 +937,7 @@ def _report(sources: list[SourceStats], paths: list[Path], config: IngestConfig,
         "sources": [{"name": s.name, "path": str(p), **{k: s.counts[k] for k in ("read", "kept", "duplicates")
                                                           + SKIP_REASONS + ("blank_lines",)},
                      "formats": dict(s.formats), "truncated_at_cut": s.truncated_at_cut, "stopped_at": s.stopped_at,
+                     "damaged": s.damaged,
                      "examples": s.examples} for s, p in zip(sources, paths)],
         "config": asdict(config),
         "wall_s": round(wall_s, 1),
@@ -884,6 +972,8 @@ def format_report(report: dict[str, Any], out_dir: str | Path | None = None) -> 
                      f"{s['too_long'] + s['template_error']:>8}  {formats}")
         if s["stopped_at"]:
             lines.append(f"    stopped at {s['stopped_at']}")
+        for damage in s["damaged"]:
+            lines.append(f"    damaged: {damage}")
     return "\n".join(lines)
 
 

@@ -342,12 +342,88 @@ def test_truncated_json_array_stops_cleanly_at_the_cut(tmp_path, monkeypatch, ch
     assert len(got) == 4 and stats.truncated_at_cut == 0 and "before the array is closed" in stats.stopped_at
 
 
-def test_malformed_element_in_json_array_is_counted(tmp_path):
-    path = tmp_path / "bad.json"
-    path.write_text('[{"prompt": "one"}, {"prompt": "two" "x"}, {"prompt": "three"}]')
+BROKEN_ELEMENTS = {  # one malformed record, as logs bring them
+    "missing_comma_inside": '{"prompt": "broken" "x"}',
+    "bare_word": "oops",
+    "single_quotes": "{'prompt': 'python repr'}",
+    "unclosed_brace": '{"prompt": "never closed", "meta": {"a": 1}',
+    "lost_quote": '{"prompt": "lost quote, "a": [1, {"b": 2}]}',
+    "mismatched_bracket": '{"prompt": "x"]}',
+}
+
+
+@pytest.mark.parametrize("layout", ["compact", "one_per_line", "indented"])
+@pytest.mark.parametrize("broken", sorted(BROKEN_ELEMENTS))
+def test_malformed_element_in_json_array_keeps_every_valid_record(tmp_path, monkeypatch, layout, broken):
+    """The audit's case: one bad element in a 100-record array lost the 95 records after it, with exit 0."""
+    monkeypatch.setattr(ing, "CHUNK_BYTES", 97)  # the broken element straddles chunk boundaries
+    good = [json.dumps({"conversations": [{"from": "human", "value": f"question {i}"},
+                                          {"from": "gpt", "value": f"answer {i}"}]},
+                       indent=2 if layout == "indented" else None) for i in range(100)]
+    if layout == "indented":
+        good = ["\n".join("  " + line for line in g.splitlines()) for g in good]
+    elements = good[:5] + [("  " if layout == "indented" else "") + BROKEN_ELEMENTS[broken]] + good[5:]
+    sep = ", " if layout == "compact" else ",\n"
+    path = tmp_path / "log.json"
+    path.write_text("[" + ("" if layout == "compact" else "\n") + sep.join(elements) + "\n]\n")
     got, stats = values(path)
-    assert got[0] == {"prompt": "one"} and isinstance(got[1], ing.Bad) and got[1].reason == "malformed"
-    assert len(got) == 2 and "rest of the document" in stats.stopped_at
+    kept = [v["conversations"][0]["value"] for v in got if not isinstance(v, ing.Bad)]
+    assert kept == [f"question {i}" for i in range(100)]
+    assert sum(isinstance(v, ing.Bad) for v in got) == 1 and stats.stopped_at is None
+    report = run_ingest([path], tmp_path / "out")
+    assert report["read"] == 101 and report["kept"] == 100 and report["malformed"] == 1
+    assert report["sources"][0]["examples"][0].startswith("element 6: malformed")
+
+
+def test_malformed_value_in_a_json_stream_of_objects_is_skipped(tmp_path):
+    path = tmp_path / "stream.json"
+    path.write_text('{"prompt": "one"}\n{"prompt": "two" "x"}\ngarbage\n{"prompt": "three"}\n')
+    got, stats = values(path)
+    assert [v["prompt"] for v in got if not isinstance(v, ing.Bad)] == ["one", "three"]
+    assert sum(isinstance(v, ing.Bad) for v in got) == 2 and stats.stopped_at is None
+
+
+def test_max_bad_fraction_applies_to_json_arrays(tmp_path, capsys):
+    path = tmp_path / "mostly_bad.json"
+    path.write_text("[" + ", ".join(['{"prompt": "fine"}'] + ["{bad}"] * 3) + "]")
+    with pytest.raises(UserError, match=r"mostly_bad.json: 3 of 4 records are unusable \(malformed 3"):
+        run_ingest([path], tmp_path / "out")
+    assert cli_main(["ingest", str(path), "--out", str(tmp_path / "o2"), "--max-prompt-tokens", "0"]) == 2
+    assert "mostly_bad.json" in capsys.readouterr().err
+
+
+def _parquet_with_a_corrupt_row_group(path: Path, rows: list[dict]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=100, compression="snappy",
+                   use_dictionary=False)
+    column = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    data = bytearray(path.read_bytes())
+    middle = column.data_page_offset + column.total_compressed_size // 2
+    data[middle:middle + 32] = bytes(b ^ 0x5A for b in data[middle:middle + 32])
+    path.write_bytes(data)
+    return path
+
+
+def test_corrupt_parquet_page_keeps_the_other_row_groups(tmp_path, capsys):
+    """A corrupt page raised a raw `OSError: Corrupt snappy compressed data` and kept nothing."""
+    rows = [{"prompt": f"question {i}: " + "".join(random.Random(i).choice("abcdefgh ") for _ in range(300))}
+            for i in range(300)]
+    path = _parquet_with_a_corrupt_row_group(tmp_path / "logs.parquet", rows)
+    report = run_ingest([path], tmp_path / "out", max_bad_fraction=0.5)
+    assert report["read"] == 300 and report["kept"] == 200 and report["malformed"] == 100
+    (damage,) = report["sources"][0]["damaged"]
+    assert damage.startswith("row group 2 of 3 (rows 101-200) is unreadable") and "100 row(s)" in damage
+    kept = {r["messages"][0]["content"].split(":")[0] for s in ("train", "eval") for r in load_prompts(tmp_path / "out", s)}
+    assert kept == {f"question {i}" for i in [*range(100), *range(200, 300)]}
+    printed = ing.format_report(report)
+    assert sum("damaged: row group 2 of 3" in line for line in printed.splitlines()) == 1
+    # the same file under a stricter --max-bad-fraction: one line naming it, exit 2
+    assert cli_main(["ingest", str(path), "--out", str(tmp_path / "o2"), "--max-prompt-tokens", "0",
+                     "--max-bad-fraction", "0.2"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash-train")]
+    assert len(err) == 1 and "logs.parquet: 100 of 300 records are unusable" in err[0]
 
 
 def test_cut_gzip_stream_keeps_the_lines_before_the_cut(tmp_path):
