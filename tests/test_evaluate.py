@@ -275,3 +275,15 @@ def test_eval_command_with_sampling_is_lossless_too(tiny_target_dir, drafters, p
     report = json.loads((out / "report.json").read_text())
     assert rc == 0 and report["lossless_mismatches"] == 0 and report["lossless_checked"] >= 1
     assert report["settings"]["sampling"].startswith("temperature 1.0")
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "inf", "2.5"])
+def test_eval_refuses_a_temperature_out_of_the_api_range(tmp_path, capsys, value):
+    """`eval --temperature nan` decoded and called the run lossless."""
+    from dflash_train.cli import main
+
+    assert main(["eval", "--drafter", str(tmp_path / "d"), "--prompts", str(tmp_path / "p"), "--out",
+                 str(tmp_path / "out"), "--temperature", value]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("dflash-train eval: error: --temperature: temperature must be")
+    assert not (tmp_path / "out").exists()

@@ -111,6 +111,22 @@ def test_parse_record_shapes_and_reasons():
         assert err.value.reason == reason, value
 
 
+def test_sampling_out_of_the_api_range_is_a_counted_bad_record(tmp_path):
+    rows = [{"request": {"messages": [user(f"q{i}")], **settings}} for i, settings in enumerate([
+        {"temperature": 0.7, "top_p": 0}, {"temperature": 0, "top_p": 1}, {"temperature": "0.5"},
+        {"temperature": 2.5}, {"top_p": 1.2}, {"temperature": -1}, {"temperature": "hot"}, {"max_tokens": 0},
+        {"top_p": float("nan")}])]
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))  # json.dumps writes NaN, as some loggers do
+    report = run_ingest([log], tmp_path / "out", max_bad_fraction=0.9)
+    assert report["kept"] == 3 and report["bad_sampling"] == 6
+    examples = report["sources"][0]["examples"]
+    assert examples[0] == "line 4: bad_sampling (temperature must be a finite number in [0, 2], got 2.5)"
+    kept = {r["messages"][0]["content"]: r["sampling"] for s in ("train", "eval") for r in load_prompts(tmp_path / "out", s)}
+    assert kept["q0"] == {"temperature": 0.7, "top_p": 0.0, "max_tokens": None}  # stored as logged: greedy at capture
+    assert kept["q2"]["temperature"] == 0.5
+
+
 # --- dedup ------------------------------------------------------------------------------------------------
 
 def test_dedup_keeps_counts_as_weights(tmp_path):
