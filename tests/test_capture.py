@@ -229,6 +229,44 @@ def test_capture_checks_sampling_flags_up_front(prompts_dir, tmp_path, capsys, f
     assert not out.exists()
 
 
+def test_tool_traffic_is_captured_as_served(tmp_path, tiny_target, tiny_target_dir):
+    """Ingest -> capture of tool-calling requests: the stored prompt tokens are the chat template's rendering of
+    the tool turns and the request's tool definitions (`apply_chat_template(messages, tools=...)`)."""
+    from dflash_train.capture import load_prompts
+    from dflash_train.ingest import IngestConfig, ingest
+
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    log = tmp_path / "agents.jsonl"
+    log.write_text(json.dumps({"request": {"tools": [tool], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]}}) + "\n")
+    ingest([log], tmp_path / "prompts", IngestConfig(max_prompt_tokens=0, progress=False))
+    (record,), _ = load_prompts(tmp_path / "prompts", "eval")
+    assert record.tools == [tool] and record.messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert "tool_calls" not in record.messages[0]  # null keys of the stored turns are left out
+    served = tiny_target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Weather in Paris?"},
+         {"role": "assistant", "content": "", "tool_calls": [
+             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+         {"role": "tool", "tool_call_id": "c1", "content": "18 C"}], tools=[tool], add_generation_prompt=True,
+        tokenize=False)
+    capture(config(tmp_path / "prompts", tiny_target_dir, tmp_path / "store", split="eval"))
+    sample = open_store(tmp_path / "store")[0]
+    prompt = sample["input_ids"][~sample["loss_mask"]].tolist()
+    assert tiny_target.tokenizer.decode(prompt) == served
+
+
+def test_prompt_folders_written_before_tool_support_still_load(prompts_dir):
+    """prompts_dir is written the old way: turns of {role, content} only and no `tools` column."""
+    from dflash_train.capture import load_prompts
+
+    records, _ = load_prompts(prompts_dir, "train")
+    assert len(records) == 24 and all(r.tools is None for r in records)
+    assert all(set(m) == {"role", "content"} for r in records for m in r.messages)
+
+
 def test_kill_and_resume_gives_every_prompt_exactly_once(prompts_dir, tiny_target_dir, one_process_store, tmp_path):
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "dflash_train", "capture", "--prompts", str(prompts_dir), "--target",

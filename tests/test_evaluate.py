@@ -287,3 +287,23 @@ def test_eval_refuses_a_temperature_out_of_the_api_range(tmp_path, capsys, value
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("dflash-train eval: error: --temperature: temperature must be")
     assert not (tmp_path / "out").exists()
+
+
+def test_eval_renders_tool_traffic_like_capture(tiny_target, tiny_target_dir, drafters, tmp_path):
+    """Eval renders a prompt's tool turns and definitions through the same function as capture."""
+    from dflash_train.capture import load_prompts
+
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    log = tmp_path / "agents.jsonl"
+    log.write_text(json.dumps({"request": {"tools": [tool], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]}}) + "\n")
+    (record,), _ = load_prompts(log)
+    rendered = tiny_target.render(record.messages, record.tools)
+    assert len(rendered) > len(tiny_target.render(record.messages))  # the tools block is part of the prompt
+    assert eval_cli("--drafter", drafters[0], "--target", tiny_target_dir, "--prompts", log, "--no-warmup",
+                    "--out", tmp_path / "eval") == 0
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["per_prompt"][0]["prompt_tokens"] == len(rendered)

@@ -102,7 +102,11 @@ def test_parse_record_shapes_and_reasons():
     assert parsed.format == "sharegpt" and parsed.response == "d"
     assert parsed.messages == [user("a"), {"role": "assistant", "content": "b"}, user("c")]
     for value, reason in [([1, 2], "unknown_format"), ({"text": "x"}, "unknown_format"),
-                          ({"messages": [{"role": "tool", "content": "x"}]}, "unknown_format"),
+                          ({"messages": [{"role": "narrator", "content": "x"}]}, "unknown_format"),
+                          ({"messages": [user("x"), {"role": "assistant", "content": None,
+                                                      "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+                           "unknown_format"),
+                          ({"messages": [user("x")], "tools": [{"type": "function"}]}, "unknown_format"),
                           ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "unknown_format"),
                           ({"prompt": 3}, "unknown_format"), ({"prompt": " \n"}, "empty"), ({"messages": []}, "empty"),
                           ({"conversations": [{"from": "gpt", "value": "only a reply"}]}, "empty")]:
@@ -125,6 +129,82 @@ def test_sampling_out_of_the_api_range_is_a_counted_bad_record(tmp_path):
     kept = {r["messages"][0]["content"]: r["sampling"] for s in ("train", "eval") for r in load_prompts(tmp_path / "out", s)}
     assert kept["q0"] == {"temperature": 0.7, "top_p": 0.0, "max_tokens": None}  # stored as logged: greedy at capture
     assert kept["q2"]["temperature"] == 0.5
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOL_LOG = [
+    # OpenAI request: the assistant called a tool (content null), the tool answered, the model replies
+    {"request": {"model": "m", "tools": [WEATHER_TOOL], "temperature": 0.2, "messages": [
+        {"role": "system", "content": "You are a travel assistant."},
+        {"role": "user", "content": "Weather in Paris? Mail it to ana@example.com"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"cc\": \"ana@example.com\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]},
+     "response": {"choices": [{"message": {"role": "assistant", "content": "It is 18 C and sunny in Paris."}}]}},
+    # a request whose response is itself a tool call: the prompt ends at the user turn, no text response
+    {"request": {"tools": [WEATHER_TOOL], "messages": [{"role": "user", "content": "And in Rome?"}]},
+     "response": {"choices": [{"message": {"role": "assistant", "content": None, "tool_calls": [
+         {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Rome\"}"}}]}}]}},
+    # the legacy function-calling API: `functions`, `function_call` and a `function` turn
+    {"messages": [{"role": "user", "content": "Weather in Oslo?"},
+                  {"role": "assistant", "content": None,
+                   "function_call": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}},
+                  {"role": "function", "name": "get_weather", "content": "-3 C, snow"}],
+     "functions": [WEATHER_TOOL["function"]]},
+    # LLaMA-Factory's ShareGPT: function_call / observation turns and `tools` as a JSON string
+    {"conversations": [{"from": "human", "value": "Weather in Lima?"},
+                       {"from": "function_call", "value": "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Lima\"}}"},
+                       {"from": "observation", "value": "22 C"}, {"from": "gpt", "value": "22 C in Lima."}],
+     "tools": json.dumps([WEATHER_TOOL["function"]])},
+]
+
+
+def test_tool_calling_traffic_is_kept_with_its_tool_turns_and_definitions(tmp_path):
+    """Tool turns and `content: null` were unknown_format, `tools` were dropped: a mostly-agentic log failed."""
+    log = write_jsonl(tmp_path / "agents.jsonl", TOOL_LOG)
+    recs = list(iter_records(log))
+    assert len(recs) == 4
+    first = recs[0]
+    assert [m["role"] for m in first["messages"]] == ["system", "user", "assistant", "tool"]
+    call = first["messages"][2]
+    assert call["content"] == "" and call["tool_calls"][0]["id"] == "call_1"
+    assert call["tool_calls"][0]["function"]["name"] == "get_weather"
+    # PII inside tool arguments is scrubbed and the arguments stay JSON
+    assert json.loads(call["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "cc": "<EMAIL>"}
+    assert first["messages"][3] == {"role": "tool", "content": "18 C, sunny", "tool_call_id": "call_1"}
+    assert first["response"] == "It is 18 C and sunny in Paris." and json.loads(first["tools"]) == [WEATHER_TOOL]
+    assert recs[1]["messages"] == [user("And in Rome?")] and recs[1]["response"] is None
+    legacy = recs[2]["messages"]
+    assert legacy[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert legacy[2] == {"role": "tool", "content": "-3 C, snow", "name": "get_weather"}
+    assert json.loads(recs[2]["tools"]) == [WEATHER_TOOL]
+    factory = recs[3]
+    assert [m["role"] for m in factory["messages"]] == ["user", "assistant", "tool"]
+    assert json.loads(factory["messages"][1]["tool_calls"][0]["function"]["arguments"]) == {"city": "Lima"}
+    assert factory["response"] == "22 C in Lima." and json.loads(factory["tools"]) == [WEATHER_TOOL]
+    # the same prompt with other tool definitions is another prompt; plain prompts keep their old ids
+    assert prompt_id(first["messages"], first["tools"]) != prompt_id(first["messages"])
+    assert prompt_id([user("hi")]) == "3528d3941b139a95438b2dd8abd02af9"
+
+    report = run_ingest([log], tmp_path / "out")  # the default --max-bad-fraction: every record is usable
+    assert report["kept"] == 4 and report["unknown_format"] == 0 and report["with_tools"] == 4
+    rows = {r["id"]: r for s in ("train", "eval") for r in load_prompts(tmp_path / "out", s)}
+    stored = rows[first["id"]]
+    assert stored["tools"] == first["tools"] and stored["messages"][2]["tool_calls"] == call["tool_calls"]
+    assert stored["messages"][1]["tool_calls"] is None  # Arrow stores absent keys as null
+
+
+def test_token_limit_renders_tools_with_the_template(tmp_path, tiny_target_dir):
+    """The token limit measures the prompt as served: tool definitions included."""
+    big_tool = {"type": "function", "function": {"name": "lookup", "description": "the sea " * 200,
+                                                 "parameters": {"type": "object"}}}
+    log = write_jsonl(tmp_path / "t.jsonl", [{"messages": [user("short question")], "tools": [big_tool]},
+                                             {"messages": [user("short question two")]}])
+    report = run_ingest([log], tmp_path / "out", max_prompt_tokens=256, target=str(tiny_target_dir))
+    assert report["too_long"] == 1 and report["kept"] == 1
 
 
 # --- dedup ------------------------------------------------------------------------------------------------
@@ -484,7 +564,7 @@ def test_cli_end_to_end_on_the_examples(tmp_path, tiny_target_dir, capsys):
                              "email": 1, "credit_card": 1, "ipv4": 1, "phone": 2}
     train, eval_ = load_prompts(out, "train"), load_prompts(out, "eval")
     assert len(train) == report["train"] and len(eval_) == report["eval"] >= 1
-    assert set(train.column_names) == {"id", "messages", "sampling", "response", "source", "weight"}
+    assert set(train.column_names) == {"id", "messages", "sampling", "response", "source", "weight", "tools"}
     assert sum(train["weight"]) + sum(eval_["weight"]) == report["kept"] + report["duplicates"]
     provenance = json.loads((out / "provenance.json").read_text())
     assert provenance["config"]["eval_fraction"] == 0.2 and len(provenance["inputs"]) == len(EXAMPLE_FILES)

@@ -66,3 +66,41 @@ def test_embedded_target_loads_offline_and_answers(smollm2):
     assert identity["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     embed, head = load_embedding_and_head("smollm2-135m-instruct")
     assert embed.shape == (49152, 576) and head is embed  # tied embeddings
+
+
+TOOL_TURNS = [{"role": "user", "content": "Weather in Paris?"},
+              {"role": "assistant", "content": None, "tool_calls": [
+                  {"id": "call_1", "type": "function",
+                   "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def test_chat_text_renders_tool_traffic_as_an_openai_server_does(tiny_target):
+    """What vLLM hands the template: content "" for a null, tool-call arguments as an object, `tools=`."""
+    from dflash_train.target import chat_text
+
+    served = tiny_target.tokenizer.apply_chat_template(
+        [TOOL_TURNS[0], {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+         TOOL_TURNS[2]], tools=WEATHER, add_generation_prompt=True, tokenize=False)
+    assert chat_text(tiny_target.tokenizer, TOOL_TURNS, WEATHER) == served
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in served
+    assert '"name": "get_weather", "parameters"' in served  # the tools block
+    assert tiny_target.render(TOOL_TURNS, WEATHER) == tiny_target.tokenizer(served, add_special_tokens=False)[
+        "input_ids"]
+    # arguments that are not a JSON object become {} (vLLM does the same), null keys are left out
+    broken = [TOOL_TURNS[0], {"role": "assistant", "content": None, "tool_call_id": None, "tool_calls": [
+        {"id": None, "type": "function", "function": {"name": "get_weather", "arguments": "not json"}}]}]
+    assert '"arguments": {}' in chat_text(tiny_target.tokenizer, broken)
+
+
+@pytest.mark.real_model
+def test_smollm2_renders_tool_turns_and_ignores_tool_definitions(smollm2):
+    """SmolLM2's ChatML template has no tool support: it renders tool results as `tool` turns, the tool-calling
+    assistant turn as an empty one, and drops `tools`, as a server running it would. A null content made its
+    template raise TypeError before it was rendered as ""."""
+    text = smollm2.tokenizer.decode(smollm2.render(TOOL_TURNS, WEATHER))
+    assert "<|im_start|>tool\n18 C, sunny<|im_end|>" in text and "<|im_start|>assistant\n<|im_end|>" in text
+    assert "get_weather" not in text
+    assert smollm2.render(TOOL_TURNS, WEATHER) == smollm2.render(TOOL_TURNS)

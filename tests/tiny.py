@@ -8,10 +8,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# ChatML, plus tool definitions, tool calls and tool results rendered the way Qwen2.5's template does (a tools
+# block in the system turn, <tool_call> JSON after the assistant's text): what a tool-calling target serves.
 CHATML_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>tools\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a tiny test assistant.<|im_end|>\n' }}{% endif %}"
-    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content']}}"
+    "{% if message.tool_calls is defined %}{% for call in message.tool_calls %}"
+    "{{ '<tool_call>' + (call.function | tojson) + '</tool_call>' }}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<file_sep>", "<filename>"]
