@@ -45,6 +45,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 from dflash_train import sampling
 from dflash_train.errors import UserError
+from dflash_train.pii import KINDS as PII_KINDS
+from dflash_train.pii import scrub_text
 from dflash_train.provenance import complete_output, is_complete, start_output, write_json_atomic, write_provenance
 from dflash_train.target import DEFAULT_TARGET
 
@@ -57,8 +59,6 @@ SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 # prompts the target cannot serve.
 BAD_REASONS = ("malformed", "non_utf8", "unknown_format", "empty", "bad_sampling")
 SKIP_REASONS = BAD_REASONS + ("too_long", "template_error")
-PII_KINDS = ("private_key", "api_key", "hf_token", "aws_key", "bearer_token", "email", "credit_card", "ipv4",
-             "phone")
 MAX_EXAMPLES = 5  # skipped records quoted per source in the report
 MAX_RECORD_CHARS = 64 << 20  # one JSON value larger than this in a .json document is treated as malformed
 CHUNK_BYTES = 1 << 20
@@ -575,112 +575,6 @@ def _sampling(src: dict) -> dict[str, float | int | None]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# PII scrubbing
-
-
-def _luhn(digits: str) -> bool:
-    total = 0
-    for i, ch in enumerate(reversed(digits)):
-        d = int(ch)
-        if i % 2 == 1:
-            d = d * 2 - 9 if d > 4 else d * 2
-        total += d
-    return total % 10 == 0
-
-
-def _card_ok(m: re.Match) -> bool:
-    digits = re.sub(r"\D", "", m.group(0))
-    return 13 <= len(digits) <= 19 and _luhn(digits)
-
-
-_VERSION_BEFORE = re.compile(r"(?i)\b(?:version|ver\.?|release|build|v)\s*$")
-
-
-def _ipv4_ok(m: re.Match) -> bool:
-    octets = m.group(0).split(".")
-    if any(len(o) > 1 and o[0] == "0" or int(o) > 255 for o in octets):
-        return False
-    if octets[0] in ("0", "127", "255"):  # unspecified, loopback, netmasks: they identify nobody
-        return False
-    return not _VERSION_BEFORE.search(m.string, max(0, m.start() - 12), m.start())
-
-
-def _nanp_ok(m: re.Match) -> bool:
-    digits = re.sub(r"\D", "", m.group(0))
-    digits = digits[1:] if len(digits) == 11 else digits
-    return len(digits) == 10 and digits[0] in "23456789" and digits[3] in "23456789"
-
-
-def _intl_phone_ok(m: re.Match) -> bool:
-    return 8 <= sum(ch.isdigit() for ch in m.group(0)) <= 15
-
-
-def _bearer_ok(m: re.Match) -> bool:
-    token = m.group("token")
-    return any(ch.isdigit() for ch in token) or len(token) >= 32
-
-
-@dataclass(frozen=True)
-class _Pii:
-    kind: str
-    pattern: re.Pattern
-    check: Callable[[re.Match], bool] | None = None
-    needle: str | None = None  # a cheap substring test before running the regex
-
-    @property
-    def placeholder(self) -> str:
-        return f"<{self.kind.upper()}>"
-
-
-_NUM_END = r"(?![\w-]|[.,]\d)"  # not followed by more of a number or word
-# Order matters: key blocks and secrets first (their bodies contain digits and dots), phones last.
-PII_PATTERNS = (
-    # The body (base64, Proc-Type/DEK-Info headers, newlines, or "\n" escapes when the key sits in a JSON or
-    # code string) never contains "-----": a BEGIN without an END stops scanning at the next dashes instead
-    # of at the end of the text, and then only its base64 lines are replaced.
-    _Pii("private_key", re.compile(
-        r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----(?:(?:[A-Za-z0-9+/=\s:,\\]|-(?!----))*?"
-        r"-----END [A-Z0-9 ]*PRIVATE KEY-----|(?:(?:\s|\\[nr])*[A-Za-z0-9+/=]{16,})*)"), needle="PRIVATE KEY-----"),
-    _Pii("api_key", re.compile(r"(?<![\w-])sk-[A-Za-z0-9_-]{20,}"), needle="sk-"),
-    _Pii("hf_token", re.compile(r"(?<![\w-])hf_[A-Za-z0-9]{30,}"), needle="hf_"),
-    _Pii("aws_key", re.compile(r"(?<![A-Za-z0-9])(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Za-z0-9])")),
-    _Pii("bearer_token", re.compile(r"(?i)(?<![\w-])(?P<keep>bearer\s+)(?P<token>[A-Za-z0-9._~+/-]{16,}=*)"),
-         _bearer_ok),
-    _Pii("email", re.compile(r"(?<![\w.+%-])[A-Za-z0-9][A-Za-z0-9._%+-]*@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*"
-                             r"\.[A-Za-z]{2,}(?![\w-])"), needle="@"),
-    # grouped numbers must not be part of a longer run of groups (a row of years in a table is no card)
-    _Pii("credit_card", re.compile(
-        r"(?<![\w.,-])(?<!\d{4}[ -])(?:[2-6]\d{12,18}"
-        r"|[2-6]\d{3}(?P<sep>[ -])\d{4}(?:(?P=sep)\d{4}){1,2}(?:(?P=sep)\d{3})?(?!(?P=sep)\d{4})"
-        r"|3[47]\d{2}(?P<asep>[ -])\d{6}(?P=asep)\d{5}(?!(?P=asep)\d{4}))" + _NUM_END), _card_ok),
-    _Pii("ipv4", re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w]|\.\d)"), _ipv4_ok),
-    _Pii("phone", re.compile(r"(?<![\w+.-])(?:\+?1[ .-]?)?(?:\(\d{3}\)[ .-]?|\d{3}[ .-])\d{3}[ .-]\d{4}" + _NUM_END),
-         _nanp_ok),
-    _Pii("phone", re.compile(r"(?<![\w+])\+\d{1,3}(?:[ .-]?(?:\(\d{1,4}\)|\d{1,4})){2,6}" + _NUM_END),
-         _intl_phone_ok, needle="+"),
-)
-
-
-def scrub_text(text: str, counts: Counter | None = None) -> str:
-    """Replace PII with typed placeholders (<EMAIL>, <PHONE>, <CREDIT_CARD>, <IPV4>, <API_KEY>, <HF_TOKEN>,
-    <AWS_KEY>, <BEARER_TOKEN>, <PRIVATE_KEY>), counting replacements by kind in `counts`."""
-    for pii in PII_PATTERNS:
-        if pii.needle is not None and pii.needle not in text:
-            continue
-
-        def replace(m: re.Match, pii: _Pii = pii) -> str:
-            if pii.check is not None and not pii.check(m):
-                return m.group(0)
-            if counts is not None:
-                counts[pii.kind] += 1
-            keep = m.group("keep") if "keep" in pii.pattern.groupindex else ""
-            return keep + pii.placeholder
-
-        text = pii.pattern.sub(replace, text)
-    return text
-
-
-# ----------------------------------------------------------------------------------------------------------
 # Canonical records
 
 
@@ -1083,8 +977,8 @@ def format_report(report: dict[str, Any], out_dir: str | Path | None = None) -> 
     if report["stopped_at_max_prompts"]:
         lines.append(f"  stopped at --max-prompts; not read: {', '.join(report['unread_files']) or 'the rest'}")
     pii = report["pii"]
-    lines.append("  pii replaced: " + (", ".join(f"{k} {v}" for k, v in pii.items()) if pii is not None
-                                       else "scrubbing off (--no-scrub)"))
+    lines.append("  pii replaced: " + ((", ".join(f"{k} {v}" for k, v in pii.items() if v) or "none")
+                                       if pii is not None else "scrubbing off (--no-scrub)"))
     name_w = max(6, *(len(s["name"]) for s in report["sources"]))
     header = f"  {'source':<{name_w}} {'read':>8} {'kept':>8} {'dups':>8} {'bad':>6} {'too_long':>8}  formats"
     lines.append(header)
