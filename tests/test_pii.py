@@ -115,6 +115,8 @@ LOOK_ALIKES = [  # must come out unchanged
     "fetch('/api/v1/users/42/orders?page=3&limit=50')",
     "ISBN 978-3-16-148410-0 and DOI 10.1000/182",
     "loopback 127.0.0.1, 0.0.0.0 and netmask 255.255.255.0",
+    "pin pkg==10.1.2.3 now; SSN 000-12-3456 and 666-12-3456 were never issued",
+    "-----BEGIN CERTIFICATE-----\nMIIB0zCCAX2gAwIBAgIJAO\n-----END CERTIFICATE-----",
 ]
 
 LOOK_ALIKES += [
