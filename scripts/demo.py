@@ -124,7 +124,7 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
     precision = resolve_precision(dtype, device)
     target = load_target(args.target, dtype=precision.dtype, device=device)
     records, _ = load_prompts(prompts, "train", 200)
-    rendered = [ids for ids in (target.render(r.messages) for r in records) if len(ids) <= args.max_prompt_tokens]
+    rendered = [ids for ids in (target.render(r.messages, r.tools) for r in records) if len(ids) <= args.max_prompt_tokens]
     batch = rendered[:args.batch_size]
     stop, pad = target.stop_token_ids(), target.tokenizer.pad_token_id
     layers = resolve_layer_ids(target.num_layers, None, 5)  # capture's default taps
