@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
-import inspect
 import json
 import os
 import time
@@ -41,8 +39,8 @@ from dflash_train.device import DTYPES, default_device, resolve_precision
 from dflash_train.errors import UserError
 from dflash_train.sampling import Sampling
 from dflash_train.store import DEFAULT_SHARD_BYTES, STORAGE_DTYPES, StoreWriter, finalize_store
-from dflash_train.target import (DEFAULT_TARGET, Target, chat_text, default_layer_ids, load_target, prompt_seed,
-                                 template_kwargs_arg)
+from dflash_train.target import (DEFAULT_TARGET, Target, cache_keyword, chat_text, check_layer_ids,
+                                 default_layer_ids, load_target, prompt_seed, tap_layers, template_kwargs_arg)
 
 
 
@@ -169,37 +167,18 @@ def sampling_for(record: PromptRecord, temperature: float | None, top_p: float |
 
 # ------------------------------------------------------------------------------------------------ model
 
-def resolve_layer_ids(num_layers: int, layers: list[int] | None, n: int) -> list[int]:
-    ids = default_layer_ids(num_layers, n) if layers is None else list(layers)
-    for i in ids:
-        # HF hidden_states[L] is the last layer *after* the final norm, not a raw layer output.
-        if not 0 <= i <= num_layers - 2:
-            raise UserError(f"layer id {i} is out of range: a {num_layers}-layer target can tap layers "
-                            f"0..{num_layers - 2}")
-    if len(set(ids)) != len(ids):
-        raise UserError(f"layer ids {ids} repeat a layer")
-    return ids
-
-
-@functools.lru_cache(maxsize=None)
-def _cache_keyword(model_class: type) -> str:
-    """The KV cache keyword: `cache` in transformers 5.x, `past_key_values` before."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+def resolve_layer_ids(num_layers: int, layers: list[int] | None, num_taps: int) -> list[int]:
+    """--layers as given, else the default rule for `num_taps` layers; checked by the one layer-id rule."""
+    return check_layer_ids(default_layer_ids(num_layers, num_taps) if layers is None else list(layers), num_layers)
 
 
 def _forward(model, input_ids, attention_mask, position_ids, cache=None, use_cache=True):
     """One forward returning the last position's logits, all hidden states and the cache."""
-    cache_key = _cache_keyword(type(model))
+    cache_key = cache_keyword(type(model))
     kwargs = {cache_key: cache} if cache is not None else {}
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 use_cache=use_cache, output_hidden_states=True, logits_to_keep=1, **kwargs)
-    new_cache = getattr(out, "cache", None) if cache_key == "cache" else out.past_key_values
-    return out.logits[:, -1], out.hidden_states, new_cache
-
-
-def _tap(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
-    """Outputs of the decoder layers `layer_ids` (HF hidden_states[i + 1]) concatenated: [b, T, n*H]."""
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+    return out.logits[:, -1], out.hidden_states, getattr(out, cache_key, None)
 
 
 def _left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -287,7 +266,7 @@ def generate_and_capture(model, prompts: list[list[int]], layer_ids: list[int], 
     generators = [torch.Generator(device=device).manual_seed(s) for s in (seeds or [0] * b)]
     ids, mask, positions = _left_pad(prompts, pad_id, device)
     logits, hidden, cache = _forward(model, ids, mask, positions)
-    tapped = _tap(hidden, layer_ids).cpu()
+    tapped = tap_layers(hidden, layer_ids).cpu()
     width = ids.shape[1]
     chunks = [[tapped[r, width - len(p):]] for r, p in enumerate(prompts)]
     top_chunks: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(b)]
@@ -314,7 +293,7 @@ def generate_and_capture(model, prompts: list[list[int]], layer_ids: list[int], 
         feed = torch.where(active, nxt, torch.full_like(nxt, pad_id))
         mask = torch.cat([mask, active[:, None].long()], dim=1)  # rows already done only add masked keys
         logits, hidden, cache = _forward(model, feed[:, None], mask, next_pos[:, None], cache)
-        tapped = _tap(hidden, layer_ids)[:, 0].cpu()
+        tapped = tap_layers(hidden, layer_ids)[:, 0].cpu()
         for r in active.nonzero().flatten().tolist():
             chunks[r].append(tapped[r:r + 1])
         next_pos = next_pos + 1
@@ -340,7 +319,7 @@ def prefill_capture(model, sequences: list[list[int]], num_prompt_tokens: list[i
     device = next(model.parameters()).device
     ids, mask, positions = _left_pad(sequences, pad_id, device)
     logits, hidden, _ = _forward(model, ids, mask, positions, use_cache=False)
-    tapped = _tap(hidden, layer_ids).cpu()
+    tapped = tap_layers(hidden, layer_ids).cpu()
     width = ids.shape[1]
     tops: list[dict[str, torch.Tensor]] = [{} for _ in sequences]
     if topk:
@@ -510,7 +489,7 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
         from dflash_train.engine import vllm_version
 
         generation["engine_version"] = vllm_version()
-    writer = StoreWriter(cfg.out, target=target.identity(), target_layer_ids=layer_ids,
+    writer = StoreWriter(cfg.out, target=target.identity().to_dict(), target_layer_ids=layer_ids,
                          hidden_size=target.config.hidden_size, storage_dtype=cfg.storage, generation=generation,
                          ingest_report=ingest_report, shard_bytes=int(cfg.shard_size_mb * 2**20), rank=rank,
                          world_size=world, extra={"capture": {**asdict(cfg), "world_size": world,

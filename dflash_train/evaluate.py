@@ -31,8 +31,8 @@ from dflash_train.provenance import (complete_output, sha256_file, start_output,
                                      write_provenance)
 from dflash_train.spec_decode import (DFlashProposer, Generation, NoDraft, Step, TokenChooser, plain_generate,
                                       speculative_generate)
-from dflash_train.target import (DEFAULT_TARGET, IDENTITY_HASHES, Target, load_target, prompt_seed,
-                                 template_kwargs_arg)
+from dflash_train.target import (DEFAULT_TARGET, Features, Target, check_fits, layer_ids_problem, load_target,
+                                 prompt_seed, template_kwargs_arg)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PLAIN = "plain (target only)"
@@ -111,58 +111,31 @@ def offline_estimate(samples, drafter, embed: torch.Tensor, lm_head: torch.Tenso
 
 # ------------------------------------------------------------------------------------------------ checks
 
-def check_drafter_fits(drafter, target: Target, where: str, block_size: int | None = None) -> None:
-    """A drafter whose tapped layers, hidden size or vocabulary do not fit the target: one clear error,
-    before any decoding."""
-    cfg = drafter.config
-    tcfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    L, H = target.num_layers, tcfg.hidden_size
+def check_drafter_fits(config, target: Target, where: str, block_size: int | None = None) -> None:
+    """A drafter (its DFlashConfig) whose target, tapped layers, hidden size or vocabulary do not fit the target:
+    one clear error, before any decoding."""
+    L = target.num_layers
     rows = target.model.get_input_embeddings().weight.shape[0]
     problems = []
-    if cfg.hidden_size != H:
-        problems.append(f"hidden size {cfg.hidden_size} != the target's {H}")
-    bad = [i for i in cfg.target_layer_ids if not 0 <= int(i) < L]
-    if bad:
-        problems.append(f"target_layer_ids {list(cfg.target_layer_ids)} include {bad}, "
-                        f"not layers of the {L}-layer target")
-    if cfg.num_target_layers != L:
-        problems.append(f"it was made for a {cfg.num_target_layers}-layer target, this one has {L} layers")
-    if drafter.fc.in_features != len(cfg.target_layer_ids) * H:
-        problems.append(f"fc takes {drafter.fc.in_features} features, the target gives "
-                        f"{len(cfg.target_layer_ids)} x {H}")
-    if cfg.vocab_size != rows:
-        problems.append(f"vocab size {cfg.vocab_size} != the target's embedding rows {rows}")
-    if not 0 <= cfg.mask_token_id < rows:
-        problems.append(f"mask_token_id {cfg.mask_token_id} is not a row of the target's embedding table")
-    elif cfg.mask_token_id in target.stop_token_ids():
-        problems.append(f"mask_token_id {cfg.mask_token_id} is the target's stop token")
+    if problem := layer_ids_problem(list(config.target_layer_ids), L):
+        problems.append(problem)
+    if config.num_target_layers != L:
+        problems.append(f"it was made for a {config.num_target_layers}-layer target, this one has {L} layers")
+    if config.vocab_size != rows:
+        problems.append(f"vocab size {config.vocab_size} != the target's embedding rows {rows}")
+    if not 0 <= config.mask_token_id < rows:
+        problems.append(f"mask_token_id {config.mask_token_id} is not a row of the target's embedding table")
+    elif config.mask_token_id in target.stop_token_ids():
+        problems.append(f"mask_token_id {config.mask_token_id} is the target's stop token")
     if block_size is not None and block_size < 2:
         problems.append(f"block size {block_size} < 2 (block size 1 is always in the table)")
-    made_for = cfg.target or {}
-    if made_for:
-        mine = target.identity()
-        for key in IDENTITY_HASHES:
-            if made_for.get(key) and made_for[key] != mine[key]:
-                problems.append(f"{key.replace('_hash', '').replace('_', ' ')} differs from the one it was "
-                                f"trained for ({made_for.get('name')})")
-    if problems:
-        raise UserError(f"drafter {where} does not fit target {target.name}: " + "; ".join(problems))
+    check_fits(f"drafter {where}", config.features(), f"target {target.name}", target.features(), problems)
 
 
-def check_store_fits(manifest: dict[str, Any], drafter, target: Target, where: str) -> None:
-    problems = []
-    if list(manifest.get("target_layer_ids", [])) != list(drafter.config.target_layer_ids):
-        problems.append(f"its target_layer_ids {manifest.get('target_layer_ids')} != the drafter's "
-                        f"{list(drafter.config.target_layer_ids)}")
-    if manifest.get("hidden_size") != drafter.config.hidden_size:
-        problems.append(f"its hidden_size {manifest.get('hidden_size')} != {drafter.config.hidden_size}")
-    captured = manifest.get("target") or {}
-    mine = target.identity()
-    for key in IDENTITY_HASHES:
-        if captured.get(key) and captured[key] != mine[key]:
-            problems.append(f"it was captured from another target ({key} differs)")
-    if problems:
-        raise UserError(f"store {where} does not fit: " + "; ".join(problems))
+def check_store_fits(manifest: dict[str, Any], config, target: Target, where: str) -> None:
+    """A held-out store must hold what the drafter reads: this target's states of the drafter's layers."""
+    reads = Features(target.identity(), tuple(config.target_layer_ids), config.hidden_size)
+    check_fits(f"store {where}", Features.of_store(manifest), "what the drafter reads from this target", reads)
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -187,10 +160,11 @@ def by_role(rows: list, role: str) -> list:
 
 
 def _load_proposer(path: str, target: Target, block_size: int | None, dtype: torch.dtype) -> DFlashProposer:
-    from dflash_train.drafter import load_drafter
+    from dflash_train.model.checkpoint import load_drafter
 
-    drafter = load_drafter(path, dtype=dtype, device=target.model.device).eval().requires_grad_(False)
-    check_drafter_fits(drafter, target, path, block_size)
+    drafter, config = load_drafter(path, dtype=dtype, device=target.model.device)
+    drafter = drafter.eval().requires_grad_(False)
+    check_drafter_fits(config, target, path, block_size)
     head = target.model.lm_head if hasattr(target.model, "lm_head") else target.model.get_output_embeddings()
     return DFlashProposer(drafter, target.model.get_input_embeddings(), head, block_size)
 
@@ -432,6 +406,7 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     """Run the eval; `workdir` holds the engine runs (jobs and logs) when the engine takes part."""
     from dflash_train.capture import load_prompts
     from dflash_train.device import default_device, resolve_precision
+    from dflash_train.model.checkpoint import read_config
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -470,7 +445,7 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
         from dflash_train.store import open_store
 
         store = open_store(cfg.store)
-        check_store_fits(store.manifest, main.drafter, target, cfg.store)
+        check_store_fits(store.manifest, read_config(cfg.drafter), target, cfg.store)
         if template_kwargs is None:
             template_kwargs = (store.manifest.get("generation") or {}).get("template_kwargs") or {}
     template_kwargs = template_kwargs or {}
@@ -495,7 +470,7 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
                      f"temperature {cfg.temperature}, Gumbel-max noise keyed on (seed, prompt id, position)"},
         "drafter": _drafter_summary(cfg.drafter, main),
         "baseline_drafters": [_drafter_summary(m.drafter_path, m.proposer) for m in by_role(methods, "baseline")],
-        "target": target.identity(),
+        "target": target.identity().to_dict(),
     }
     if own:
         report.update(own_loop_eval(cfg, device, methods, target, prompts, dtype))
@@ -531,7 +506,9 @@ def _tokens_per_s(generations: list[Generation]) -> float:
 
 
 def _drafter_summary(path: str, proposer: DFlashProposer) -> dict[str, Any]:
-    cfg = proposer.drafter.config
+    from dflash_train.model.checkpoint import read_config
+
+    cfg = read_config(path)
     return {"path": str(path), "block_size": cfg.block_size, "num_hidden_layers": cfg.num_hidden_layers,
             "target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id,
             "num_parameters": sum(p.numel() for p in proposer.drafter.parameters()),
@@ -745,7 +722,7 @@ def write_report(report: dict[str, Any], out: Path) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser
-    p.add_argument("--drafter", required=True, help="drafter folder (save_pretrained format), e.g. runs/x/drafter")
+    p.add_argument("--drafter", required=True, help="drafter folder (as the trainer writes it), e.g. runs/x/drafter")
     p.add_argument("--target", default=DEFAULT_TARGET, help="embedded target name, checkpoint folder or hub id")
     p.add_argument("--prompts", required=True, help="an ingest output folder, or a raw log file")
     p.add_argument("--split", default="eval", help="split of the ingest folder (default eval: held out)")

@@ -3,12 +3,9 @@
 One training row holds S context tokens (one or several packed samples) and their tapped target states. We
 pick N anchor positions a_j and build N blocks; block j is `[ids[a_j], MASK x (B-1)]` at positions
 a_j .. a_j+B-1, and slot k >= 1 predicts ids[a_j + k] (same-position labels: the drafter's output at the
-position of token t predicts t itself). All blocks of a row go through the drafter in one forward with keys
-`[context 0..S-1 | block_0 | ... | block_N-1]`; block j sees the context strictly before its anchor (and not
-before the start of its own sample when rows are packed), all of its own slots, and no other block. That is
-exactly what the drafter sees at inference: the target has verified tokens up to and including a_j, but the
-drafter's context cache holds states only for positions before it, since the anchor's own state is produced
-by the same target forward that verifies the next block.
+position of token t predicts t itself). All blocks of a row go through the drafter in one forward; which keys
+each block sees (the context strictly before its anchor, its own slots, no other block) is the one rule of
+dflash_train/model/masks.py.
 
 The loss is cross-entropy through the target's frozen LM head with weight exp(-(k-1)/gamma) on slot k times
 the loss mask at the label position, normalised by the sum of the weights. The LM head and CE run in chunks
@@ -25,18 +22,13 @@ gradient w.r.t. the logits z is q_j - p_j (j in K) and q_j (1 - p_tail / q_tail)
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-try:
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
-except ImportError:  # torch without FlexAttention: the dense and blockwise paths still work
-    BlockMask = None
-    create_block_mask = None
+from dflash_train.model.masks import Blocks, attention_for, make_blocks
 
 
 # --- anchors and blocks ------------------------------------------------------------------------------------
@@ -52,39 +44,6 @@ def anchor_candidates(loss_mask: torch.Tensor, doc_start: torch.Tensor | None = 
     if doc_start is not None:
         cand[:, :-1] &= doc_start[:, :-1] == doc_start[:, 1:]
     return cand
-
-
-@dataclass
-class Blocks:
-    """The N blocks of each of b rows: anchors sorted ascending, padding blocks (keep False) last."""
-    anchors: torch.Tensor  # [b, N] long: position of each block's anchor in its row (0 for padding blocks)
-    keep: torch.Tensor  # [b, N] bool: False = a padding block (fewer candidates than N); it has no loss
-    ctx_start: torch.Tensor  # [b, N] long: first context position the block may see (its sample's start)
-    block_size: int
-    # None: a block sees its whole context; W: only the last W positions before its anchor (0 = none). The
-    # trainer's context warm-up narrows the window; inference always sees the whole context.
-    context_window: int | None = None
-
-    @property
-    def ctx_lo(self) -> torch.Tensor:
-        """[b, N]: the context a block sees is [ctx_lo, anchor)."""
-        if self.context_window is None:
-            return self.ctx_start
-        return torch.maximum(self.ctx_start, self.anchors - self.context_window)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.anchors.shape[1]
-
-
-def make_blocks(anchors: torch.Tensor, keep: torch.Tensor, block_size: int,
-                doc_start: torch.Tensor | None = None) -> Blocks:
-    anchors = torch.where(keep, anchors, torch.zeros_like(anchors))
-    if doc_start is None:
-        ctx_start = torch.zeros_like(anchors)
-    else:
-        ctx_start = doc_start.gather(1, anchors)
-    return Blocks(anchors=anchors, keep=keep, ctx_start=ctx_start, block_size=block_size)
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, block_size: int,
@@ -170,135 +129,6 @@ def block_topk(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, blocks: Bloc
     return topk_ids.gather(1, flat).view(shape), topk_logprobs.gather(1, flat).view(shape)
 
 
-# --- the block attention mask: three equivalent forms ---------------------------------------------------------
-
-
-def dense_block_mask(blocks: Blocks, seq_len: int) -> torch.Tensor:
-    """[b, 1, N*B, S + N*B] bool, True = may attend (for SDPA)."""
-    b, n = blocks.anchors.shape
-    B = blocks.block_size
-    dev = blocks.anchors.device
-    q_block = torch.arange(n * B, device=dev) // B  # [Q]
-    ctx = torch.arange(seq_len, device=dev)
-    lo = blocks.ctx_lo.repeat_interleave(B, dim=1)[:, :, None]  # [b, Q, 1]
-    hi = blocks.anchors.repeat_interleave(B, dim=1)[:, :, None]
-    sees_ctx = (ctx >= lo) & (ctx < hi)  # [b, Q, S]
-    kv_block = torch.arange(n * B, device=dev) // B
-    sees_blk = (q_block[:, None] == kv_block[None, :]).expand(b, -1, -1)  # [b, Q, Q]
-    return torch.cat([sees_ctx, sees_blk], dim=2)[:, None]
-
-
-def block_mask_mod(blocks: Blocks, seq_len: int):
-    """The same rule as a FlexAttention mask_mod over keys [context | blocks]."""
-    anchors, ctx_lo, B, S = blocks.anchors, blocks.ctx_lo, blocks.block_size, seq_len
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        j = q_idx // B
-        ctx_ok = (kv_idx < S) & (kv_idx >= ctx_lo[b, j]) & (kv_idx < anchors[b, j])
-        blk_ok = (kv_idx >= S) & ((kv_idx - S) // B == j)
-        return ctx_ok | blk_ok
-
-    return mask_mod
-
-
-def flex_block_mask(blocks: Blocks, seq_len: int):
-    """A FlexAttention BlockMask (CUDA training path); tiles that no query can see are skipped entirely."""
-    if create_block_mask is None:
-        raise RuntimeError("this torch has no FlexAttention; use attention: sdpa")
-    b, n = blocks.anchors.shape
-    q_len = n * blocks.block_size
-    return create_block_mask(block_mask_mod(blocks, seq_len), B=b, H=None, Q_LEN=q_len, KV_LEN=seq_len + q_len,
-                             device=blocks.anchors.device)
-
-
-class BlockwiseAttention:
-    """Attention for all blocks without a dense [N*B, S+N*B] mask (the CPU path).
-
-    A query of block j sees two key sets: the context (masked to the window [ctx_start_j, a_j)) and its own
-    block's B slots; their scores go into one softmax, which equals combining the two attentions by log-sum-exp.
-    Blocks come sorted by anchor, so consecutive groups of `group` blocks only need the context up to the
-    group's furthest anchor: about N*B*(S/2 + B) scores in all instead of N*B*(S + N*B) for the dense mask.
-    Plain matmuls, whose backward is cheaper on CPU than SDPA's; query heads are grouped by their key/value head
-    (GQA) instead of repeating K and V. Called by the drafter in place of SDPA: q [b, h, Q, d], k, v
-    [b, kv_heads, S+Q, d] -> [b, h, Q, d]."""
-
-    def __init__(self, blocks: Blocks, seq_len: int, group: int = 16):
-        self.blocks = blocks
-        self.seq_len = seq_len
-        b, n = blocks.anchors.shape
-        B, dev = blocks.block_size, blocks.anchors.device
-        self.groups = []  # (first block, end block, context length, visibility [b, 1, 1, g, 1, L+B])
-        for first in range(0, n, group):
-            end = min(n, first + group)
-            anchors, starts = blocks.anchors[:, first:end], blocks.ctx_lo[:, first:end]
-            L = max(1, int(anchors.max()))  # no block sees a position at or past its anchor
-            ctx = torch.arange(L, device=dev)
-            sees_ctx = (ctx >= starts[:, :, None]) & (ctx < anchors[:, :, None])  # [b, g, L]
-            sees_blk = torch.ones(b, end - first, B, dtype=torch.bool, device=dev)
-            visible = torch.cat([sees_ctx, sees_blk], dim=2)[:, None, None, :, None, :]
-            self.groups.append((first, end, L, visible))
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        b, h, q_len, d = q.shape
-        hkv = k.shape[1]
-        rep = h // hkv  # query head i uses kv head i // rep
-        n, B, S = self.blocks.num_blocks, self.blocks.block_size, self.seq_len
-        scale = d ** -0.5 if scale is None else scale
-        score_dtype = torch.promote_types(q.dtype, torch.float32)
-        q = q.reshape(b, hkv, rep, n, B, d)
-        k_blk = k[:, :, S:].reshape(b, hkv, 1, n, B, d)
-        v_blk = v[:, :, S:].reshape(b, hkv, 1, n, B, d)
-        outs = []
-        for first, end, L, visible in self.groups:
-            g = end - first
-            qg = q[:, :, :, first:end]  # [b, hkv, rep, g, B, d]
-            s_ctx = (qg.reshape(b, hkv, rep * g * B, d) @ k[:, :, :L].transpose(-1, -2)).view(b, hkv, rep, g, B, L)
-            s_blk = qg @ k_blk[:, :, :, first:end].transpose(-1, -2)  # [b, hkv, rep, g, B, B]
-            scores = torch.cat([s_ctx, s_blk], dim=-1).to(score_dtype) * scale
-            visible = visible if visible.device == q.device else visible.to(q.device)
-            probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).to(q.dtype)
-            out = (probs[..., :L].reshape(b, hkv, rep * g * B, L) @ v[:, :, :L]).view(b, hkv, rep, g, B, d)
-            outs.append(out + probs[..., L:] @ v_blk[:, :, :, first:end])
-        return torch.cat(outs, dim=3).reshape(b, h, q_len, d)
-
-
-_compiled_flex = None
-
-
-class FlexBlockAttention:
-    """FlexAttention with the block mask, through a compiled kernel (eager FlexAttention materialises every
-    score, which defeats its purpose). Passed to the drafter as its attention callable."""
-
-    def __init__(self, blocks: Blocks, seq_len: int):
-        self.block_mask = flex_block_mask(blocks, seq_len)
-
-    def __call__(self, q, k, v, scale=None):
-        global _compiled_flex
-        if _compiled_flex is None:
-            from torch.nn.attention.flex_attention import flex_attention
-
-            _compiled_flex = torch.compile(flex_attention)
-        return _compiled_flex(q, k, v, block_mask=self.block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-
-
-def attention_for(blocks: Blocks, seq_len: int, kind: str):
-    """The attention_mask argument for the drafter: 'flex' (compiled FlexAttention with a BlockMask), 'sdpa'
-    (dense bool mask), 'blockwise' (block-sparse batched SDPA)."""
-    if kind == "flex":
-        return FlexBlockAttention(blocks, seq_len)
-    if kind == "sdpa":
-        return dense_block_mask(blocks, seq_len)
-    if kind == "blockwise":
-        return BlockwiseAttention(blocks, seq_len)
-    raise ValueError(f"unknown attention kind {kind!r}")
-
-
-def resolve_attention(kind: str, device: torch.device | str) -> str:
-    if kind != "auto":
-        return kind
-    return "flex" if torch.device(device).type == "cuda" and create_block_mask is not None else "blockwise"
-
-
 # --- LM head + cross-entropy, chunked and fused ---------------------------------------------------------------
 
 
@@ -359,7 +189,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
 TAIL_FLOOR = 1e-30  # smallest tail probability taken into a log (fp32 keeps it; its log is -69)
 
 
-def _target_buckets(topk_logprobs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def target_buckets(topk_logprobs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(p_K [c, K], p_tail [c]) in `dtype` (fp32 or wider) from stored log-probs; -inf entries are probability 0.
     Rounding in storage can make sum p_K exceed 1 slightly: then p_K is scaled back to sum 1 and p_tail is 0."""
     p = topk_logprobs.to(dtype).exp()
@@ -394,7 +224,7 @@ def _soft_forward(ctx, hidden, head, labels, weights, chunk, topk_ids, topk_logp
         del logp
         probs.scatter_(1, ids, 0.0)  # the non-top-k entries only
         q_tail = probs.sum(dim=-1, dtype=acc_dtype)
-        p, p_tail = _target_buckets(topk_logprobs[s:e], acc_dtype)
+        p, p_tail = target_buckets(topk_logprobs[s:e], acc_dtype)
         kl = bucket_kl(p, p_tail, log_q, q_tail)
         ce_total += (-logp_label * w).sum()
         kl_total += (kl * w).sum()
@@ -415,43 +245,14 @@ def _soft_forward(ctx, hidden, head, labels, weights, chunk, topk_ids, topk_logp
     return total, correct, ce_total, kl_total
 
 
-def chunked_head_ce(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                    chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of weight x CE as an fp32 scalar, whether the greedy prediction is the label) for hidden [T, H],
-    head [V, H]."""
-    total, correct, _, _ = _ChunkedHeadCE.apply(hidden, head, labels, weights, chunk)
-    return total, correct
-
-
-def chunked_head_soft_ce(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                         topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, soft_weight: float,
-                         chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(sum of weight x ((1 - a) CE + a KL), greedy-correct [T], sum of weight x CE, sum of weight x KL) with
-    a = soft_weight, the target's top-k ids and log-probs [T, K] per row; the last two carry no gradient.
-    a = 0 runs the plain CE path (KL is then None)."""
+def chunked_head_loss(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                      chunk: int = 256, topk_ids: torch.Tensor | None = None,
+                      topk_logprobs: torch.Tensor | None = None, soft_weight: float = 0.0
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(sum of weight x CE, or with a = soft_weight > 0 and the target's top-k ids and log-probs [T, K] per row of
+    weight x ((1 - a) CE + a KL); greedy-correct [T]; sum of weight x CE; sum of weight x KL or None) for hidden
+    [T, H] and head [V, H]. Only the first carries a gradient (see _ChunkedHeadCE)."""
     return _ChunkedHeadCE.apply(hidden, head, labels, weights, chunk, topk_ids, topk_logprobs, float(soft_weight))
-
-
-def reference_head_ce(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor,
-                      weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain version (full logits, autograd through them); used to test the chunked one."""
-    logits = (hidden @ head.t()).to(torch.promote_types(hidden.dtype, torch.float32))
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    return (ce * weights.to(logits.dtype)).sum(), logits.argmax(dim=-1) == labels
-
-
-def reference_head_soft_ce(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                           topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, soft_weight: float
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain soft-label loss (full logits, q_tail = 1 - sum q_K, autograd): (sum weight x ((1-a) CE + a KL),
-    sum weight x KL); used to test the chunked one."""
-    logits = (hidden @ head.t()).to(torch.promote_types(hidden.dtype, torch.float32))
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    log_q = torch.log_softmax(logits, dim=-1).gather(1, topk_ids)
-    p, p_tail = _target_buckets(topk_logprobs, logits.dtype)
-    kl = bucket_kl(p, p_tail, log_q, 1.0 - log_q.exp().sum(dim=-1))
-    w = weights.to(logits.dtype)
-    return ((1.0 - soft_weight) * ce * w + soft_weight * kl * w).sum(), (kl * w).sum()
 
 
 # --- the loss ---------------------------------------------------------------------------------------------------
@@ -479,9 +280,10 @@ def draft_hidden(drafter, embed: torch.Tensor, batch: dict[str, torch.Tensor], b
         position_ids = torch.arange(S, device=input_ids.device).expand(input_ids.shape[0], -1)
     block_embeds = F.embedding(ids, embed)
     dtype = next(drafter.parameters()).dtype
-    return drafter(block_embeds.to(dtype), batch["hidden_states"].to(dtype),
-                   position_ids=block_position_ids(position_ids, blocks), context_position_ids=position_ids,
-                   attention_mask=attention_for(blocks, S, attention))
+    mask, attention_fn = attention_for(blocks, S, attention)
+    return drafter(position_ids=torch.cat([position_ids, block_position_ids(position_ids, blocks)], dim=1),
+                   noise_embedding=block_embeds.to(dtype), target_hidden=batch["hidden_states"].to(dtype),
+                   attention_mask=mask, attention_fn=attention_fn)
 
 
 def dflash_loss(drafter, embed: torch.Tensor, lm_head: torch.Tensor, batch: dict[str, torch.Tensor],
@@ -505,11 +307,11 @@ def dflash_loss(drafter, embed: torch.Tensor, lm_head: torch.Tensor, batch: dict
     if soft_label_weight > 0:
         top_ids, top_logp = block_topk(batch["topk_ids"], batch["topk_logprobs"], blocks)
         K = top_ids.shape[-1]
-        total, hit, ce, kl = chunked_head_soft_ce(
-            h, lm_head, labels.reshape(-1)[rows], row_w, top_ids.reshape(-1, K)[rows],
-            top_logp.reshape(-1, K)[rows], soft_label_weight, head_chunk_tokens)
+        total, hit, ce, kl = chunked_head_loss(h, lm_head, labels.reshape(-1)[rows], row_w, head_chunk_tokens,
+                                               top_ids.reshape(-1, K)[rows], top_logp.reshape(-1, K)[rows],
+                                               soft_label_weight)
     else:
-        total, hit, ce, kl = _ChunkedHeadCE.apply(h, lm_head, labels.reshape(-1)[rows], row_w, head_chunk_tokens)
+        total, hit, ce, kl = chunked_head_loss(h, lm_head, labels.reshape(-1)[rows], row_w, head_chunk_tokens)
     slot = rows % B
     correct = torch.zeros(B, device=h.device).index_add_(0, slot, hit.float())
     counted = torch.zeros(B, device=h.device).index_add_(0, slot, torch.ones_like(slot, dtype=torch.float32))
@@ -530,9 +332,8 @@ def simulated_acceptance(drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
     before a; its greedy drafts for slots 1..B-1 are checked against the target's own tokens. Accepted length
     = 1 (the token the target always contributes) + the number of leading correct drafts, so at most B. A
     draft slot past the end of the captured response cannot be verified and ends the run."""
-    cfg = drafter.config
-    B = block_size or cfg.block_size
-    mask_id = cfg.mask_token_id if mask_token_id is None else mask_token_id
+    B = block_size or drafter.block_size
+    mask_id = drafter.mask_token_id if mask_token_id is None else mask_token_id
     device = next(drafter.parameters()).device
     ids = sample["input_ids"].to(device)[None]
     loss_mask = sample["loss_mask"].to(device)[None]
@@ -557,9 +358,3 @@ def simulated_acceptance(drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
     if not accepted:
         return torch.zeros(0, dtype=torch.long)
     return torch.cat(accepted).cpu()
-
-
-def mean_acceptance(lengths: list[torch.Tensor]) -> float:
-    total = sum(int(x.sum()) for x in lengths)
-    count = sum(x.numel() for x in lengths)
-    return total / count if count else math.nan

@@ -77,6 +77,19 @@ def write_provenance(out_dir: str | Path, config: dict[str, Any] | None = None, 
     return path
 
 
+def read_json(path: str | Path, what: str) -> Any:
+    """A JSON file, or a UserError naming it and what it should hold."""
+    from dflash_train.errors import UserError
+
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing ({what})") from None
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON ({what}): {err}") from None
+
+
 def write_json_atomic(path: str | Path, obj: Any) -> None:
     """Write JSON to a temporary name, fsync, rename: a reader never sees half a file."""
     path = Path(path)

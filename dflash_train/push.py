@@ -22,7 +22,6 @@ import json
 import re
 import shlex
 import shutil
-import struct
 import sys
 import time
 from pathlib import Path
@@ -31,8 +30,10 @@ from typing import Any, Callable
 from dflash_train.card import (DEFAULT_LICENSE, CardInputs, Gate, lossless_mismatches, render_card,
                                without_text)
 from dflash_train.errors import UserError
-from dflash_train.provenance import (INCOMPLETE_MARKER, PROVENANCE_FILE, complete_output, provenance,
+from dflash_train.model.checkpoint import DrafterFolder, read_drafter_folder
+from dflash_train.provenance import (INCOMPLETE_MARKER, PROVENANCE_FILE, complete_output, provenance, read_json,
                                      sha256_file, start_output, write_json_atomic, write_provenance)
+from dflash_train.target import TargetIdentity
 
 # A drafter that commits fewer than 1.5 tokens per verification accepts a draft token at most every other step:
 # not worth a release. Recipes set their own bar with push.min_tau; --min-tau overrides both.
@@ -63,83 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---- reading the inputs -------------------------------------------------------------------------------------
-
-
-def read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path} is missing ({what})") from None
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path} is not valid JSON ({what}): {err}") from None
-
-
-def safetensors_summary(path: Path) -> tuple[int, str]:
-    """Parameter count and dtype(s) from a safetensors header, without loading the weights."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    count, dtypes = 0, set()
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        n = 1
-        for dim in info["shape"]:
-            n *= dim
-        count += n
-        dtypes.add(info["dtype"].lower())
-    return count, "/".join(sorted(dtypes))
-
-
-def weight_files(drafter_dir: Path) -> list[Path]:
-    index = drafter_dir / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(read_json(index, "sharded weights index")["weight_map"].values()))
-        return [drafter_dir / n for n in names]
-    return [drafter_dir / "model.safetensors"]
-
-
-def load_drafter_folder(drafter_dir: Path) -> dict[str, Any]:
-    if not drafter_dir.is_dir():
-        raise UserError(f"drafter folder {drafter_dir} does not exist")
-    if (drafter_dir / INCOMPLETE_MARKER).exists():
-        raise UserError(f"drafter folder {drafter_dir} is marked incomplete: its training run did not finish "
-                        f"writing it (rerun the training command to finish it)")
-    config = read_json(drafter_dir / "config.json", "the drafter config written by save_pretrained")
-    if "DFlashDraftModel" not in (config.get("architectures") or []):
-        raise UserError(f"{drafter_dir / 'config.json'}: architectures is {config.get('architectures')}, "
-                        f"not a DFlash drafter (DFlashDraftModel)")
-    for key in ("block_size", "dflash_config", "num_hidden_layers", "hidden_size"):
-        if key not in config:
-            raise UserError(f"{drafter_dir / 'config.json'} has no {key!r}: not a complete DFlash drafter config")
-    for key in ("mask_token_id", "target_layer_ids"):
-        if key not in config["dflash_config"]:
-            raise UserError(f"{drafter_dir / 'config.json'}: dflash_config has no {key!r}")
-    for module in {str(v).split(".")[0] for v in (config.get("auto_map") or {}).values()}:
-        if not (drafter_dir / f"{module}.py").exists():
-            raise UserError(f"{drafter_dir / (module + '.py')} is missing: config.json's auto_map needs it "
-                            f"for trust_remote_code loading")
-    files = weight_files(drafter_dir)
-    for f in files:
-        if not f.exists():
-            raise UserError(f"{f} is missing: the drafter folder has no weights")
-    summaries = [safetensors_summary(f) for f in files]
-    num_parameters = sum(n for n, _ in summaries)
-    dtypes = "/".join(sorted({d for _, d in summaries}))
-
-    training_args = None
-    if (drafter_dir / "training_args.json").exists():
-        training_args = read_json(drafter_dir / "training_args.json", "the trainer's resolved recipe")
-    target = None
-    if (drafter_dir / "target.json").exists():
-        target = read_json(drafter_dir / "target.json", "the target identity")
-    training_prov = None
-    for candidate in (drafter_dir / PROVENANCE_FILE, drafter_dir.parent / PROVENANCE_FILE):
-        if candidate.exists():
-            training_prov = read_json(candidate, "what made the drafter")
-            break
-    return {"dir": drafter_dir, "config": config, "num_parameters": num_parameters, "dtype": dtypes,
-            "training_args": training_args, "target": target, "provenance": training_prov}
 
 
 def load_report(path: str | None) -> tuple[dict[str, Any] | None, Path | None]:
@@ -225,7 +149,7 @@ def drafter_differences(report: dict[str, Any], config: dict[str, Any], drafter_
 
 
 def check_gate(report: dict[str, Any] | None, report_file: Path | None, target: dict[str, Any],
-               drafter: dict[str, Any], min_tau: float, min_tau_source: str, force: bool) -> Gate:
+               drafter: DrafterFolder, min_tau: float, min_tau_source: str, force: bool) -> Gate:
     reasons = []
     if report is None:
         reasons.append("no eval report (pass --eval-report DIR; run `dflash-train eval` first)")
@@ -233,14 +157,14 @@ def check_gate(report: dict[str, Any] | None, report_file: Path | None, target: 
         engines = report.get("engines") if isinstance(report.get("engines"), dict) else None
         if engines is None or engines.get("own"):  # the project's loop ran (reports before engines: always)
             reasons += measured_reasons(report, f"{report_file}", "online tau", min_tau, min_tau_source)
-        reasons += engine_reasons(report, report_file, drafter["dir"], min_tau, min_tau_source)
-        if differences := drafter_differences(report, drafter["config"], drafter["dir"]):
+        reasons += engine_reasons(report, report_file, drafter.dir, min_tau, min_tau_source)
+        if differences := drafter_differences(report, drafter.config_json, drafter.dir):
             reasons.append(f"{report_file} measured a different drafter or block size ({'; '.join(differences)})")
-        report_target = report.get("target")
-        if isinstance(report_target, dict) and report_target.get("config_hash") and target.get("config_hash") \
-                and report_target["config_hash"] != target["config_hash"]:
-            reasons.append(f"{report_file} measured another target ({report_target.get('name')}) than the one "
-                           f"this drafter was trained for ({target.get('name')})")
+        measured = TargetIdentity.from_dict(report.get("target") if isinstance(report.get("target"), dict) else None)
+        made_for = TargetIdentity.from_dict(target)
+        if measured is not None and made_for is not None and not measured.matches(made_for):
+            reasons.append(f"{report_file} measured another target ({measured.name}) than the one "
+                           f"this drafter was trained for ({made_for.name})")
     return Gate(passed=not reasons, forced=force, min_tau=min_tau, min_tau_source=min_tau_source, reasons=reasons)
 
 
@@ -342,15 +266,15 @@ def prepare_out(out: Path) -> None:
     start_output(out)
 
 
-def assemble(out: Path, drafter: dict[str, Any], report: dict[str, Any] | None, report_file: Path | None,
+def assemble(out: Path, drafter: DrafterFolder, report: dict[str, Any] | None, report_file: Path | None,
              card: CardInputs) -> list[Path]:
     prepare_out(out)
-    for src in sorted(drafter["dir"].iterdir()):
+    for src in sorted(drafter.dir.iterdir()):
         if not src.is_file() or src.name in (PROVENANCE_FILE, INCOMPLETE_MARKER, "README.md") \
                 or src.name.endswith(".tmp"):
             continue
         if src.name == "training_args.json":  # the ingest report quotes skipped log records: keep the counts only
-            write_json_atomic(out / src.name, without_text(drafter["training_args"]))
+            write_json_atomic(out / src.name, without_text(drafter.training_args))
         else:
             shutil.copy2(src, out / src.name)
     if report is not None and report_file is not None:
@@ -464,14 +388,13 @@ def upload(out: Path, args: argparse.Namespace, run_name: str, gate: Gate) -> st
 def run(args: argparse.Namespace) -> int:
     if not REPO_ID_RE.match(args.repo):
         raise UserError(f"--repo {args.repo!r} is not a Hub repo id of the form ORG/NAME")
-    drafter = load_drafter_folder(Path(args.drafter))
+    drafter = read_drafter_folder(args.drafter)
     report, report_file = load_report(args.eval_report)
-    target = (drafter["target"] or (drafter["config"].get("dflash_train") or {}).get("target")
-              or (report or {}).get("target"))
+    target = drafter.target or (report or {}).get("target")
     if not isinstance(target, dict) or not target.get("base_model"):
-        raise UserError(f"{Path(args.drafter) / 'target.json'} is missing or has no base_model: the card must "
-                        f"name the target this drafter was trained for")
-    recipe = recipe_of(drafter["training_args"])
+        raise UserError(f"{Path(args.drafter) / 'config.json'} names no target (dflash_train.target.base_model): the "
+                        f"card must name the target this drafter was trained for")
+    recipe = recipe_of(drafter.training_args)
     if args.min_tau is not None:
         min_tau, source = args.min_tau, "--min-tau"
     elif (value := recipe_min_tau(recipe)) is not None:
@@ -486,24 +409,24 @@ def run(args: argparse.Namespace) -> int:
     if not gate.passed and args.force:
         print(f"gate overridden with --force: {verdict}", file=sys.stderr)
 
-    run_name = (recipe or {}).get("name") or (drafter["dir"].parent.name if drafter["dir"].name == "drafter"
-                                              else drafter["dir"].name)
+    run_name = (recipe or {}).get("name") or (drafter.dir.parent.name if drafter.dir.name == "drafter"
+                                              else drafter.dir.name)
     license_ = (recipe or {}).get("license")
-    summary, generation = data_summary(drafter["training_args"], recipe)
+    summary, generation = data_summary(drafter.training_args, recipe)
     eval_prov = None
     if report_file is not None and (report_file.parent / PROVENANCE_FILE).exists():
         eval_prov = read_json(report_file.parent / PROVENANCE_FILE, "what made the eval report")
     push_prov = provenance()
     card = CardInputs(
-        repo_id=args.repo, revision=args.revision, run_name=str(run_name), drafter_config=drafter["config"],
-        num_parameters=drafter["num_parameters"], weights_dtype=drafter["dtype"], target=target,
+        repo_id=args.repo, revision=args.revision, run_name=str(run_name), drafter_config=drafter.config_json,
+        num_parameters=drafter.num_parameters, weights_dtype=drafter.dtype, target=target,
         license=str(license_ or DEFAULT_LICENSE), license_from_recipe=bool(license_), gate=gate, recipe=recipe,
-        data=summary, generation=generation, report=report, run=(drafter["training_args"] or {}).get("run"),
-        training_provenance=drafter["provenance"], eval_provenance=eval_prov,
+        data=summary, generation=generation, report=report, run=(drafter.training_args or {}).get("run"),
+        training_provenance=drafter.provenance, eval_provenance=eval_prov,
         push_provenance=push_prov)
     out = Path(args.out) if args.out else default_out(args.repo)
     files = assemble(out, drafter, report, report_file, card)
-    write_provenance(out, config=vars(args), stage="push", drafter=str(drafter["dir"]),
+    write_provenance(out, config=vars(args), stage="push", drafter=str(drafter.dir),
                      eval_report=str(report_file) if report_file else None,
                      gate={"passed": gate.passed, "forced": gate.forced, "min_tau": gate.min_tau,
                            "reasons": gate.reasons})

@@ -39,7 +39,7 @@ class DrafterConfig:
     mask_token_id: int | None = None  # None = the drafter's rule (a reserved row or an unused special token)
     target_layer_ids: list[int] | None = None  # None = the store's; if set it must equal the store's
     # random: the public recipe. target: the target's top num_layers decoder layers, its final norm, and an fc that
-    # passes the deepest tapped layer through (see DFlashDrafter.init_from_target)
+    # passes the deepest tapped layer through (see dflash_train.model.checkpoint.init_from_target)
     init: Literal["random", "target"] = "random"
     init_from: str | None = None  # a drafter folder to start from (fine-tuning); wins over `init`
     context_norm: bool = False  # divide each tapped channel by its RMS on the store before fc (folded at export)

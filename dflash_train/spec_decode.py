@@ -17,13 +17,13 @@ same loop) and the oracle stubs of the tests.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from dflash_train.target import cache_keyword, crop_cache, new_cache, tap_layers
 
 
 @dataclass
@@ -114,25 +114,6 @@ class NoDraft:
         pass
 
 
-@functools.lru_cache(maxsize=None)
-def _cache_kwarg(model_class: type) -> str:
-    # transformers 5 renamed the forward's `past_key_values` to `cache`
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
-def new_cache(model):
-    from transformers import DynamicCache
-
-    return DynamicCache(config=model.config)
-
-
-def crop_cache(cache, length: int) -> None:
-    """Keep the first `length` positions (a negative argument to `crop` removes that many, in every version)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
-
-
 def target_forward(model, ids: list[int] | torch.Tensor, cache, start: int, layer_ids: list[int],
                    last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the target on `ids` at positions start.. with its KV cache. Returns logits [n, V] (or [1, V] for
@@ -142,8 +123,8 @@ def target_forward(model, ids: list[int] | torch.Tensor, cache, start: int, laye
     ids = torch.as_tensor(ids, dtype=torch.long, device=device).view(1, -1)
     positions = torch.arange(start, start + ids.shape[1], device=device).view(1, -1)
     out = model(input_ids=ids, position_ids=positions, use_cache=True, output_hidden_states=bool(layer_ids),
-                logits_to_keep=1 if last_logits_only else 0, **{_cache_kwarg(type(model)): cache})
-    tapped = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1) if layer_ids else None
+                logits_to_keep=1 if last_logits_only else 0, **{cache_keyword(type(model)): cache})
+    tapped = tap_layers(out.hidden_states, layer_ids)[0] if layer_ids else None
     return out.logits[0], tapped
 
 
@@ -230,16 +211,17 @@ class DFlashProposer:
         self.drafter = drafter
         self.embedding = embedding
         self.lm_head = lm_head
-        config = drafter.config
-        self.block_size = int(block_size or config.block_size)
-        self.layer_ids = [int(i) for i in config.target_layer_ids]
-        self.mask_token_id = int(config.mask_token_id)
+        self.block_size = int(block_size or drafter.block_size)
+        self.layer_ids = [int(i) for i in drafter.target_layer_ids]
+        self.mask_token_id = int(drafter.mask_token_id)
         self.cache = None
         self.pending: torch.Tensor | None = None  # tapped states of final positions not yet in the cache
         self.pending_start = 0
 
     def begin(self, prompt_ids: torch.Tensor, tapped: torch.Tensor | None) -> None:
-        self.cache = self.drafter.new_cache()
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()  # the drafter keeps only context K/V in it (see modeling_dflash)
         self.pending, self.pending_start = tapped, 0
 
     def propose(self, ids: torch.Tensor) -> list[int]:
@@ -253,8 +235,9 @@ class DFlashProposer:
                                f"but the anchor is at {anchor}")
         context = self.pending.to(device=device, dtype=self.embedding.weight.dtype)[None]
         context_positions = torch.arange(self.pending_start, anchor, device=device).view(1, -1)
-        hidden = self.drafter(self.embedding(block), context, position_ids=positions,
-                              context_position_ids=context_positions, cache=self.cache)
+        hidden = self.drafter(position_ids=torch.cat([context_positions, positions], dim=1),
+                              noise_embedding=self.embedding(block), target_hidden=context,
+                              past_key_values=self.cache)
         self.pending, self.pending_start = context[0, :0], anchor
         return self.lm_head(hidden[0, 1:]).argmax(dim=-1).tolist()
 

@@ -17,7 +17,7 @@ import importlib.util
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -26,8 +26,6 @@ import torch
 from dflash_train.errors import UserError
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
-# The fields of `target_identity` that say two targets are the same model, as served
-IDENTITY_HASHES = ("config_hash", "tokenizer_hash", "chat_template_hash")
 
 
 @dataclass(frozen=True)
@@ -154,7 +152,7 @@ class Target:
     path: Path
     model: Any  # transformers PreTrainedModel (causal LM)
     tokenizer: Any
-    _identity: dict[str, Any] | None = field(default=None, init=False, repr=False)
+    _identity: "TargetIdentity | None" = field(default=None, init=False, repr=False)
 
     @property
     def config(self):
@@ -164,11 +162,16 @@ class Target:
     def num_layers(self) -> int:
         return self.model.config.num_hidden_layers
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> "TargetIdentity":
         """Computed once: it re-reads the tokenizer from disk, and eval checks every drafter and store against it."""
         if self._identity is None:
             self._identity = target_identity(self.path, self.name)
-        return dict(self._identity)
+        return self._identity
+
+    def features(self) -> "Features":
+        """What it offers a drafter: its own states, of any layer (check_layer_ids says which), hidden_size wide."""
+        cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        return Features(self.identity(), None, cfg.hidden_size)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                **template_kwargs: Any) -> list[int]:
@@ -263,28 +266,112 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     return [int(i) for i in ids if i is not None]
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Tapped layers and the KV cache. The tap itself (HF hidden_states[i + 1]), the cache keyword, cache cropping and the
+# reference's default taps are defined once, in the drafter's module: it ships as remote code and needs them without
+# dflash_train. This module re-exports them (`from dflash_train.target import tap_layers`), importing that module on
+# first use so that reading identities (push --dry-run) does not load transformers.
+MODEL_SIDE = ("build_target_layer_ids", "cache_keyword", "crop_cache", "tap_layers")
+
+
+def __getattr__(name: str) -> Any:
+    if name in MODEL_SIDE:
+        from dflash_train.model import modeling_dflash
+
+        return getattr(modeling_dflash, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
-    """n decoder layers evenly spaced from layer 1 to L-3: round(1 + i*(L-4)/(n-1)) (Qwen3-8B: 1,9,17,25,33)."""
+    """The reference's default taps (`build_target_layer_ids`): one layer at L // 2, else n layers evenly spaced
+    from layer 1 to L-3, round(1 + i*(L-4)/(n-1)) (Qwen3-8B: 1,9,17,25,33)."""
     if n < 1:
         raise UserError(f"number of tapped layers must be >= 1, got {n}")
     if num_layers < 4:
         raise UserError(f"a target with {num_layers} layers is too shallow for the default layer rule (needs >= 4)")
-    if n == 1:
-        return [1]
-    ids = [int(round(1 + i * (num_layers - 4) / (n - 1))) for i in range(n)]
+    from dflash_train.model.modeling_dflash import build_target_layer_ids
+
+    ids = build_target_layer_ids(num_layers, n)
     if len(set(ids)) != n:
         raise UserError(f"cannot pick {n} distinct layers from a {num_layers}-layer target; pass --layers")
     return ids
+
+
+def layer_ids_problem(ids: list[int], num_layers: int) -> str | None:
+    """What is wrong with tapping `ids` of a `num_layers`-layer target, or None. THE rule for every tap list (capture,
+    a new drafter, a drafter meeting a target): distinct integers in 0..L-2. Layer L-1 is out: HF hidden_states[L] is
+    the last layer's output after the final norm, while the engines (vLLM's aux hidden states) tap it before the
+    norm, so a drafter trained on it would read other features when served."""
+    top = num_layers - 2
+    if not ids:
+        return "target_layer_ids is empty: tap at least one layer"
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= top]
+    if bad:
+        return (f"target_layer_ids {list(ids)} include {bad}: layer id {bad[0]} is not a layer a {num_layers}-layer "
+                f"target can tap (0..{top}; hidden_states[{num_layers}] is after the final norm)")
+    if len(set(ids)) != len(ids):
+        return f"target_layer_ids {list(ids)} repeat a layer: they must be distinct"
+    return None
+
+
+def check_layer_ids(ids: list[int], num_layers: int) -> list[int]:
+    """`ids` as a list if `layer_ids_problem` finds nothing, else a UserError saying what."""
+    problem = layer_ids_problem(list(ids), num_layers)
+    if problem:
+        raise UserError(problem)
+    return list(ids)
+
+
+def new_cache(model):
+    """An empty KV cache for the target `model` (pass it under `cache_keyword(type(model))`)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
 
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def target_identity(path: str | Path, name: str | None = None) -> dict[str, Any]:
-    """What makes a target the same target: its config, tokenizer and chat template, by hash.
+@dataclass(frozen=True)
+class TargetIdentity:
+    """What makes a target the same target: its config, tokenizer and chat template, by hash (and, for people, its
+    name and shape). Travels with the store (manifest.json), the drafter (config.json, dflash_train.target) and the
+    eval report as a JSON object (`to_dict`), and is compared with `matches` wherever two of them meet."""
+    name: str | None = None
+    base_model: str | None = None
+    model_type: str | None = None
+    num_hidden_layers: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    config_hash: str | None = None
+    tokenizer_hash: str | None = None
+    chat_template_hash: str | None = None
 
-    Travels with the store, the drafter and the eval report, and is checked where they meet."""
+    HASHES = ("config_hash", "tokenizer_hash", "chat_template_hash")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> "TargetIdentity | None":
+        if not raw:
+            return None
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def differences(self, other: "TargetIdentity") -> list[str]:
+        """The hashes that differ, as words ("tokenizer"); a hash either side does not record (a drafter made by
+        another tool) is not compared."""
+        return [key.removesuffix("_hash").replace("_", " ") for key in self.HASHES
+                if getattr(self, key) and getattr(other, key) and getattr(self, key) != getattr(other, key)]
+
+    def matches(self, other: "TargetIdentity") -> bool:
+        return not self.differences(other)
+
+
+def target_identity(path: str | Path, name: str | None = None) -> TargetIdentity:
+    """The identity of the checkpoint in `path` (see TargetIdentity)."""
     from transformers import AutoTokenizer
 
     path = Path(path)
@@ -297,20 +384,51 @@ def target_identity(path: str | Path, name: str | None = None) -> dict[str, Any]
         sorted(tokenizer.get_vocab().items())).encode()
     embedded = EMBEDDED_TARGETS.get(name or "")
     text_config = config.get("text_config", config)
-    return {
-        "name": name or str(path),
-        "base_model": embedded.hub_id if embedded else (name or config.get("_name_or_path") or str(path)),
-        "model_type": config.get("model_type"),
-        "num_hidden_layers": text_config.get("num_hidden_layers"),
-        "hidden_size": text_config.get("hidden_size"),
-        "vocab_size": text_config.get("vocab_size"),
-        "config_hash": _sha256(json.dumps(stable, sort_keys=True).encode()),
-        "tokenizer_hash": _sha256(tok_bytes),
-        "chat_template_hash": _sha256((tokenizer.chat_template or "").encode()),
-    }
+    return TargetIdentity(
+        name=name or str(path),
+        base_model=embedded.hub_id if embedded else (name or config.get("_name_or_path") or str(path)),
+        model_type=config.get("model_type"),
+        num_hidden_layers=text_config.get("num_hidden_layers"),
+        hidden_size=text_config.get("hidden_size"),
+        vocab_size=text_config.get("vocab_size"),
+        config_hash=_sha256(json.dumps(stable, sort_keys=True).encode()),
+        tokenizer_hash=_sha256(tok_bytes),
+        chat_template_hash=_sha256((tokenizer.chat_template or "").encode()),
+    )
 
 
-class _TargetTensors:
+@dataclass(frozen=True)
+class Features:
+    """What tapped features are, for a store that holds them or a drafter that reads them: the target they come
+    from (None: not recorded), its tapped layers (None: any, for a target itself) and the width of one layer."""
+    target: TargetIdentity | None
+    layer_ids: tuple[int, ...] | None
+    hidden_size: int
+
+    @classmethod
+    def of_store(cls, manifest: dict[str, Any]) -> "Features":
+        return cls(TargetIdentity.from_dict(manifest.get("target")), tuple(manifest.get("target_layer_ids") or ()),
+                   int(manifest.get("hidden_size") or 0))
+
+
+def check_fits(subject: str, have: Features, other: str, want: Features, more: list[str] = ()) -> None:
+    """THE check where two artefacts meet (stores trained together, a store and the target named for training, a
+    drafter and the target or store it is evaluated with): same target, same tapped layers, same hidden size. One
+    UserError naming both sides and every difference (and the caller's `more` problems)."""
+    problems = []
+    if have.target is not None and want.target is not None:
+        for what in have.target.differences(want.target):
+            problems.append(f"its target's {what} differs ({have.target.name} vs {want.target.name})")
+    if have.layer_ids is not None and want.layer_ids is not None and tuple(have.layer_ids) != tuple(want.layer_ids):
+        problems.append(f"its target_layer_ids {list(have.layer_ids)} != {list(want.layer_ids)}")
+    if have.hidden_size != want.hidden_size:
+        problems.append(f"its hidden size {have.hidden_size} != {want.hidden_size}")
+    problems += list(more)
+    if problems:
+        raise UserError(f"{subject} does not fit {other}: " + "; ".join(problems))
+
+
+class TargetTensors:
     """Reads single tensors from a target's safetensors files by key suffix, without building the model."""
 
     def __init__(self, name_or_path: str):
@@ -339,33 +457,9 @@ def load_embedding_and_head(name_or_path: str = DEFAULT_TARGET,
                             dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """Only the target's input embedding and LM head weights ([vocab, hidden] each), read straight from its
     safetensors files without building the model. Tied models (SmolLM2) return the same tensor twice."""
-    tensors = _TargetTensors(name_or_path)
+    tensors = TargetTensors(name_or_path)
     embed = tensors.read("embed_tokens.weight", dtype)
     if embed is None:
         raise UserError(f"no embed_tokens.weight in the safetensors files of {tensors.path}")
     head = tensors.read("lm_head.weight", dtype)
     return embed, (embed if head is None else head)
-
-
-LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                 "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
-                 "post_attention_layernorm.weight")
-
-
-def load_decoder_layers(name_or_path: str, layer_ids: list[int],
-                        dtype: torch.dtype = torch.float32) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
-    """The weights of the target's decoder layers `layer_ids` (keys relative to the layer, e.g.
-    self_attn.q_proj.weight; q_norm/k_norm only where the target has them) and its final norm."""
-    tensors = _TargetTensors(name_or_path)
-    layers = []
-    for i in layer_ids:
-        found = {name: tensors.read(f".layers.{i}.{name}", dtype) for name in LAYER_TENSORS}
-        layer = {name: t for name, t in found.items() if t is not None}
-        if "self_attn.q_proj.weight" not in layer:
-            raise UserError(f"target {name_or_path}: no decoder layer {i} in the safetensors files of {tensors.path}")
-        layers.append(layer)
-    norm = tensors.read(".norm.weight", dtype)
-    if norm is None:
-        raise UserError(f"target {name_or_path}: no final norm (norm.weight) in {tensors.path}")
-    return layers, norm

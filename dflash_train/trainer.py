@@ -39,9 +39,10 @@ import yaml
 
 from dflash_train import objective as obj
 from dflash_train.errors import UserError
+from dflash_train.model.masks import resolve_attention
 from dflash_train.provenance import complete_output, start_output, write_json_atomic, write_provenance
 from dflash_train.recipe import Recipe, load_recipe
-from dflash_train.target import IDENTITY_HASHES
+from dflash_train.target import Features, check_fits
 
 CHECKPOINT_PREFIX = "step-"
 STATE_FILE = "trainer_state.json"
@@ -62,12 +63,8 @@ class StoreSet:
         self.folders = [str(f) for f in folders]
         first = self.stores[0].manifest
         for folder, store in zip(self.folders[1:], self.stores[1:]):
-            for key in ("target_layer_ids", "hidden_size", "num_tapped"):
-                if store.manifest[key] != first[key]:
-                    raise UserError(f"store {folder} has {key}={store.manifest[key]}, but store {self.folders[0]} "
-                                    f"has {first[key]}: stores trained together must match")
-            if _target_key(store.manifest["target"]) != _target_key(first["target"]):
-                raise UserError(f"store {folder} was captured from a different target than {self.folders[0]}")
+            check_fits(f"store {folder}", Features.of_store(store.manifest),
+                       f"store {self.folders[0]} (stores trained together must match)", Features.of_store(first))
         self.index = [(s, i) for s, store in enumerate(self.stores) for i in range(len(store))]
         self.manifest = first
 
@@ -93,10 +90,6 @@ class StoreSet:
                             "ingest_report": s.manifest.get("ingest_report")}
                            for f, s in zip(self.folders, self.stores)],
                 "num_samples": len(self), "num_tokens": sum(s.manifest["num_tokens"] for s in self.stores)}
-
-
-def _target_key(identity: dict[str, Any]) -> tuple:
-    return tuple(identity.get(k) for k in IDENTITY_HASHES)
 
 
 def _hash_fraction(text: str) -> float:
@@ -241,9 +234,8 @@ def prepare_data(recipe: Recipe, world: int) -> TrainData:
     check_soft_labels(recipe, stores)
     if recipe.data.eval_store:
         eval_set = StoreSet([recipe.data.eval_store])
-        if _target_key(eval_set.manifest["target"]) != _target_key(stores.manifest["target"]) or \
-                eval_set.manifest["target_layer_ids"] != stores.manifest["target_layer_ids"]:
-            raise UserError(f"eval store {recipe.data.eval_store} does not match the training stores' target/layers")
+        check_fits(f"eval store {recipe.data.eval_store}", Features.of_store(eval_set.manifest),
+                   "the training stores", Features.of_store(stores.manifest))
         train_idx = list(range(len(stores)))
         eval_samples = [eval_set[i] for i in range(min(len(eval_set), recipe.data.eval_samples))]
     else:
@@ -418,27 +410,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_store_against_target(stores: StoreSet, target_name: str) -> dict[str, Any]:
+def check_store_against_target(stores: StoreSet, target_name: str) -> None:
     """The target named by the recipe must be the target the store was captured from."""
     from dflash_train.target import resolve_target, target_identity
 
     identity = target_identity(resolve_target(target_name), target_name)
-    captured = stores.manifest["target"]
-    for key in IDENTITY_HASHES:
-        if identity.get(key) != captured.get(key):
-            raise UserError(f"store {stores.folders[0]} was captured from target {captured.get('name')!r}, but the "
-                            f"target {target_name!r} differs ({key} {identity.get(key, '')[:12]} != "
-                            f"{str(captured.get(key))[:12]}): set drafter.target to the captured target")
-    if identity["hidden_size"] != stores.manifest["hidden_size"]:
-        raise UserError(f"store {stores.folders[0]} has hidden_size {stores.manifest['hidden_size']}, target "
-                        f"{target_name!r} has {identity['hidden_size']}")
-    return identity
+    check_fits(f"store {stores.folders[0]} (captured from target {stores.manifest['target'].get('name')!r})",
+               Features.of_store(stores.manifest), f"target {target_name!r} (set drafter.target to the captured "
+               f"target)", Features(identity, None, identity.hidden_size))
 
 
 def build_drafter(recipe: Recipe, stores: StoreSet, target_name: str, train_indices: list[int] | None = None):
+    """(model, config) of the drafter this recipe starts from: shaped like the target, tapping the store's layers,
+    random (seeded), from the target's top layers, or from another drafter."""
     from transformers import AutoConfig
 
-    from dflash_train.drafter import DFlashDrafter
+    from dflash_train.model.checkpoint import (create_drafter, init_from_target, load_decoder_layers,
+                                               start_from_drafter)
+    from dflash_train.model.configuration import DFlashConfig
     from dflash_train.target import load_tokenizer, resolve_target
 
     store_layers = list(stores.manifest["target_layer_ids"])
@@ -447,26 +436,24 @@ def build_drafter(recipe: Recipe, stores: StoreSet, target_name: str, train_indi
         raise UserError(f"recipe drafter.target_layer_ids {wanted} differ from the layers store {stores.folders[0]} "
                         f"captured ({store_layers}): remove the key or capture the layers you want")
     path = resolve_target(target_name)
+    config = DFlashConfig.from_target(AutoConfig.from_pretrained(path), num_layers=recipe.drafter.num_layers,
+                                      block_size=recipe.drafter.block_size, target_layer_ids=store_layers,
+                                      mask_token_id=recipe.drafter.mask_token_id,
+                                      tokenizer=load_tokenizer(str(path)), target_identity=stores.manifest["target"])
     torch.manual_seed(recipe.seed)
-    drafter = DFlashDrafter.from_target(AutoConfig.from_pretrained(path), num_layers=recipe.drafter.num_layers,
-                                        block_size=recipe.drafter.block_size, target_layer_ids=store_layers,
-                                        mask_token_id=recipe.drafter.mask_token_id,
-                                        tokenizer=load_tokenizer(str(path)),
-                                        target_identity=stores.manifest["target"])
-    if drafter.config.hidden_size != stores.manifest["hidden_size"]:
-        raise UserError(f"drafter hidden size {drafter.config.hidden_size} != store hidden_size "
+    drafter = create_drafter(config)
+    if config.hidden_size != stores.manifest["hidden_size"]:
+        raise UserError(f"drafter hidden size {config.hidden_size} != store hidden_size "
                         f"{stores.manifest['hidden_size']}")
     if recipe.drafter.context_norm:
         drafter.set_context_scale(context_scale(stores, train_indices or list(range(len(stores)))))
     if recipe.drafter.init_from is not None:
-        start_from_drafter(drafter, recipe.drafter.init_from)
+        start_from_drafter(drafter, config, recipe.drafter.init_from)
     elif recipe.drafter.init == "target":
-        from dflash_train.target import load_decoder_layers
-
-        n = drafter.config.num_target_layers
+        n = config.num_target_layers
         layers, final_norm = load_decoder_layers(target_name, list(range(n - recipe.drafter.num_layers, n)))
-        drafter.init_from_target(layers, final_norm)
-    return drafter
+        init_from_target(drafter, layers, final_norm)
+    return drafter, config
 
 
 def context_scale(stores: StoreSet, indices: list[int], max_samples: int = 64) -> torch.Tensor:
@@ -483,31 +470,6 @@ def context_scale(stores: StoreSet, indices: list[int], max_samples: int = 64) -
     if not count:
         raise UserError("drafter.context_norm needs training samples of at least 2 tokens")
     return (total / count).sqrt().clamp(min=1e-3)
-
-
-def start_from_drafter(drafter, folder: str) -> None:
-    """Load a trained drafter's weights (fine-tuning): it must have this drafter's shape and tapped layers."""
-    from dflash_train.drafter import load_drafter
-
-    source = load_drafter(folder, dtype=torch.float32)
-    mine, theirs = drafter.config, source.config
-    for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "target_layer_ids", "mask_token_id",
-                "num_attention_heads", "num_key_value_heads"):
-        if getattr(mine, key) != getattr(theirs, key):
-            raise UserError(f"drafter.init_from {folder}: its {key} is {getattr(theirs, key)}, this recipe's drafter "
-                            f"has {getattr(mine, key)}")
-    state = source.state_dict()
-    if drafter.context_scale is not None:  # exported weights act on raw states: unfold for the scaled inputs
-        state["fc.weight"] = state["fc.weight"] * drafter.context_scale[None, :]
-    drafter.load_state_dict(state, strict=True)
-
-
-def enable_gradient_checkpointing(drafter) -> None:
-    """Recompute each decoder layer in backward instead of keeping its activations."""
-    from torch.utils.checkpoint import checkpoint
-
-    for layer in drafter.layers:
-        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
 
 # --- checkpoints --------------------------------------------------------------------------------------------------
@@ -631,7 +593,7 @@ def evaluate(drafter, embed, head, samples: list[dict[str, Any]], recipe: Recipe
     was_training = drafter.training
     drafter.eval()
     B = recipe.drafter.block_size
-    mask_id = drafter.config.mask_token_id
+    mask_id = drafter.mask_token_id
     loss_sum, weight_sum = 0.0, 0.0
     correct = torch.zeros(B)
     counted = torch.zeros(B)
@@ -691,16 +653,16 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
     # model, frozen target parts, optimizer
     target_name = recipe.drafter.target or stores.manifest["target"]["name"]
     check_store_against_target(stores, target_name)
-    drafter = build_drafter(recipe, stores, target_name, data.train_indices)
+    drafter, drafter_config = build_drafter(recipe, stores, target_name, data.train_indices)
     if recipe.train.gradient_checkpointing:
-        enable_gradient_checkpointing(drafter)
+        drafter.gradient_checkpointing_enable()
     embed, head = load_embedding_and_head(target_name, dtype=precision.dtype)
     tied = head is embed
     embed = embed.to(device)
     head = embed if tied else head.to(device)
-    if head.shape[1] != drafter.config.hidden_size or embed.shape[0] <= drafter.config.mask_token_id:
+    if head.shape[1] != drafter_config.hidden_size or embed.shape[0] <= drafter_config.mask_token_id:
         raise UserError(f"target {target_name!r}: embedding/LM head shapes {tuple(embed.shape)}/{tuple(head.shape)} "
-                        f"do not fit the drafter (hidden {drafter.config.hidden_size})")
+                        f"do not fit the drafter (hidden {drafter_config.hidden_size})")
     opt = recipe.optimizer
     # fused: one kernel per step instead of a dozen passes per tensor (4x faster on CPU; CUDA has it too)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
@@ -711,8 +673,8 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
                                  schedule=opt.schedule, min_ratio=opt.min_lr_ratio, decay_ratio=opt.decay_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s, progress=clock.progress))
     accelerator.register_for_checkpointing(scheduler)
-    core = accelerator.unwrap_model(model)  # the plain DFlashDrafter (for eval and for its config)
-    attention = obj.resolve_attention(recipe.objective.attention, device)
+    core = accelerator.unwrap_model(model)  # the plain DFlashDraftModel (for eval and for its weights)
+    attention = resolve_attention(recipe.objective.attention, device)
     uses_deepspeed = recipe.train.deepspeed is not None
     zero_stage = deepspeed_config(recipe).get("zero_optimization", {}).get("stage", 0) if uses_deepspeed else 0
 
@@ -747,7 +709,7 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
     bar = tqdm(total=total_steps, initial=start_step, disable=not (main and recipe.logging.progress_bar),
                desc="train", dynamic_ncols=True)
     B = recipe.drafter.block_size
-    mask_id = core.config.mask_token_id
+    mask_id = drafter_config.mask_token_id
     last_eval: dict[str, Any] = {}
     last_loss = math.nan
 
@@ -856,7 +818,7 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
                "device": device.type, "resumed_from": str(resume_from) if resume_from else None,
                "last_checkpoint_step": last_checkpoint_step}
     if main:
-        save_final_drafter(run_dir / "drafter", core, state_dict, recipe, stores,
+        save_final_drafter(run_dir / "drafter", core, drafter_config, state_dict, recipe, stores,
                            {**summary, "precision": precision.as_dict()}, target_name)
         if wandb_run is not None:
             wandb_run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
@@ -869,18 +831,18 @@ def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, 
     return summary
 
 
-def save_final_drafter(out_dir: Path, core, state_dict: dict[str, torch.Tensor], recipe: Recipe, stores: StoreSet,
-                       summary: dict[str, Any], target_name: str) -> None:
+def save_final_drafter(out_dir: Path, core, config, state_dict: dict[str, torch.Tensor], recipe: Recipe,
+                       stores: StoreSet, summary: dict[str, Any], target_name: str) -> None:
     """The drafter in the target's dtype (what engines serve the pair in, whatever precision trained it)."""
-    from dflash_train.drafter import DFlashDrafter
+    from dflash_train.model.checkpoint import create_drafter, save_drafter
     from dflash_train.target import checkpoint_dtype
 
     out = start_output(out_dir)
     dtype = checkpoint_dtype(target_name) or train_precision(recipe).dtype
-    final = DFlashDrafter(core.config)
+    final = create_drafter(config)
     final.load_state_dict({k: v.detach().cpu() for k, v in state_dict.items()}, strict=True)
-    final.set_context_scale(core.context_scale)  # save_pretrained folds it into fc
-    final.to(dtype).save_pretrained(out)
+    final.set_context_scale(core.context_scale)  # save_drafter folds it into fc
+    save_drafter(final.to(dtype), config, out)
     write_json_atomic(out / "training_args.json", {"recipe": recipe.to_dict(), "data": stores.summary(),
                                                    "run": summary})
     write_json_atomic(out / "target.json", stores.manifest["target"])

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash_train import objective as obj  # noqa: E402
-from dflash_train.drafter import load_drafter  # noqa: E402
+from dflash_train.model.checkpoint import load_drafter  # noqa: E402
 from dflash_train.store import open_store  # noqa: E402
 from dflash_train.target import load_embedding_and_head  # noqa: E402
 
@@ -28,7 +28,7 @@ from dflash_train.target import load_embedding_and_head  # noqa: E402
 @torch.no_grad()
 def anchor_use(drafter, embed: torch.Tensor, head: torch.Tensor, samples: list[dict], anchors: int,
                seed: int = 0) -> dict[str, float]:
-    B, mask_id = drafter.config.block_size, drafter.config.mask_token_id
+    B, mask_id = drafter.block_size, drafter.mask_token_id
     g = torch.Generator().manual_seed(seed)
     changed = total = 0
     correct = torch.zeros(B)
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| drafter | slot-1 accuracy | slot-5 accuracy | slot-1 drafts changed by a random anchor | blocks |")
     print("|---|---|---|---|---|")
     for folder in args.drafters:
-        drafter = load_drafter(folder, dtype=torch.float32).eval()
+        drafter = load_drafter(folder, dtype=torch.float32)[0].eval()
         r = anchor_use(drafter, embed, head, samples, args.anchors)
         print(f"| {folder} | {r['acc_slot1']:.3f} | {r['acc_slot5']:.3f} | {r['slot1_changed']:.1%} | {r['blocks']} |",
               flush=True)

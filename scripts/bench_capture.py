@@ -96,7 +96,7 @@ def engine_rows(target, records, prompts, layer_ids, args, dtype: str, one_pass_
     responses = result.by_id()
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     t0 = time.perf_counter()
-    with StoreWriter(work / "engine-store", target=target.identity(), target_layer_ids=layer_ids,
+    with StoreWriter(work / "engine-store", target=target.identity().to_dict(), target_layer_ids=layer_ids,
                      hidden_size=target.config.hidden_size, generation={"engine": "vllm"}) as w:
         for s in range(0, len(order), args.batch_size):
             batch = order[s:s + args.batch_size]
@@ -148,7 +148,7 @@ def main() -> None:
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # as capture batches them
     batches = [order[i:i + args.batch_size] for i in range(0, len(order), args.batch_size)]
     work = Path(tempfile.mkdtemp(prefix="bench_capture_"))
-    identity = target.identity()
+    identity = target.identity().to_dict()
     H = target.config.hidden_size
 
     def writer(name: str, dtype: str) -> StoreWriter:

@@ -29,7 +29,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from dflash_train import objective as obj  # noqa: E402
-from dflash_train.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_train.model.checkpoint import create_drafter  # noqa: E402
+from dflash_train.model.configuration import DFlashConfig  # noqa: E402
 
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s (H100/H200 SXM)
 
@@ -44,10 +45,10 @@ def shape_for(hidden: int) -> tuple[int, int, int, int]:
     return heads, max(1, heads // 4), head_dim, 3 * hidden
 
 
-def make_drafter(args, device, dtype) -> DFlashDrafter:
+def make_drafter(args, device, dtype):
     heads, kv, head_dim, inter = shape_for(args.hidden)
     num_target_layers = max(args.target_layers * 4, 8)
-    config = DrafterConfig(
+    config = DFlashConfig(
         hidden_size=args.hidden, intermediate_size=inter, num_hidden_layers=args.layers, num_attention_heads=heads,
         num_key_value_heads=kv, head_dim=head_dim, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, max_position_embeddings=max(32768, args.seq * 2),
@@ -55,7 +56,7 @@ def make_drafter(args, device, dtype) -> DFlashDrafter:
         target_layer_ids=list(range(1, 1 + 2 * args.target_layers, 2)), mask_token_id=args.vocab - 1,
         block_size=args.block)
     torch.manual_seed(0)
-    return DFlashDrafter(config).to(device=device, dtype=dtype)
+    return create_drafter(config).to(device=device, dtype=dtype)
 
 
 def checkpointed_head_ce(hidden, head, labels, weights):
@@ -70,12 +71,12 @@ def checkpointed_head_ce(hidden, head, labels, weights):
 def step_fn(args, drafter, embed, head, batch, optimizer, step: int):
     blocks = obj.sample_anchors(batch["loss_mask"], args.anchors, args.block, torch.Generator().manual_seed(step))
     if args.head == "fused":
-        out = obj.dflash_loss(drafter, embed, head, batch, blocks, mask_token_id=drafter.config.mask_token_id,
+        out = obj.dflash_loss(drafter, embed, head, batch, blocks, mask_token_id=drafter.mask_token_id,
                               gamma=7.0, attention=args.attention, head_chunk_tokens=args.head_chunk)
         loss = out.loss
     else:
         labels, weights = obj.block_labels(batch["input_ids"], batch["loss_mask"], blocks, 7.0)
-        hidden = obj.draft_hidden(drafter, embed, batch, blocks, drafter.config.mask_token_id, args.attention)
+        hidden = obj.draft_hidden(drafter, embed, batch, blocks, drafter.mask_token_id, args.attention)
         w = weights.reshape(-1)
         loss = checkpointed_head_ce(hidden.reshape(-1, hidden.shape[-1]), head, labels.reshape(-1), w / w.sum())
     optimizer.zero_grad(set_to_none=True)
@@ -97,7 +98,7 @@ def model_flops(args, drafter, blocks) -> float:
     visible = float((blocks.anchors.float()[blocks.keep]).sum()) * args.block + q_tokens * args.block
     attn = 2 * 2 * h * d * visible
     fwd = c.num_hidden_layers * (q_tokens * per_block_token + b * S * per_ctx_token + attn) + b * S * 2 * (
-        len(c.target_layer_ids) * H * H)
+        len(drafter.target_layer_ids) * H * H)
     supervised = int(blocks.keep.sum()) * (args.block - 1)
     return 3 * fwd + 2 * (2 * supervised * H * args.vocab)
 

@@ -141,7 +141,7 @@ def test_store_holds_teacher_forced_states_and_response_mask(one_process_store, 
     assert len(st) == 24 and sorted(st.ids) == sorted(rows)
     m = st.manifest
     assert m["target_layer_ids"] == LAYERS and m["hidden_size"] == 64 and m["num_tapped"] == 3
-    assert m["target"] == tiny_target.identity() and m["ingest_report"] == {"records_in": 26, "kept": 26}
+    assert m["target"] == tiny_target.identity().to_dict() and m["ingest_report"] == {"records_in": 26, "kept": 26}
     assert m["generation"]["max_new_tokens"] == 12 and m["generation"]["template_kwargs"] == {}
     assert len(m["shards"]) > 1 and verify_store(one_process_store) == []
     for item in st:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -47,16 +46,14 @@ class OracleDrafter(torch.nn.Module):
         self.current = 0
         self.vocab, self.horizon = vocab, horizon
         self.scale = torch.nn.Parameter(torch.ones(1))  # gives the callers a device and dtype
-        self.config = SimpleNamespace(block_size=block_size, mask_token_id=5, target_layer_ids=[1])
+        self.block_size, self.mask_token_id, self.target_layer_ids = block_size, 5, [1]
 
-    def new_cache(self):
-        return None
-
-    def forward(self, block_embeds, context, position_ids, context_position_ids, attention_mask=None, cache=None):
+    def forward(self, position_ids, noise_embedding, target_hidden, attention_mask=None, attention_fn=None,
+                past_key_values=None):
         ref = self.references[self.current]
-        positions = position_ids[0]
+        positions = position_ids[0, target_hidden.shape[1]:]  # the block's (the context's come first)
         tokens = ref[positions.clamp(max=len(ref) - 1)]
-        slot = torch.arange(positions.shape[0]) % self.config.block_size
+        slot = torch.arange(positions.shape[0]) % self.block_size
         tokens = torch.where(slot > self.horizon, (tokens + 1) % self.vocab, tokens)
         return torch.nn.functional.one_hot(tokens, self.vocab).float()[None] * self.scale
 
@@ -114,12 +111,14 @@ def drafters(tiny_target, tmp_path_factory):
     """Two untrained tiny drafters saved as they ship (block 4; the baseline with 2 layers and block 3)."""
     from test_spec_decode import tiny_drafter
 
+    from dflash_train.model.checkpoint import save_drafter
+
     root = tmp_path_factory.mktemp("drafters")
     paths = []
     for name, block, layers, seed in (("main", 4, 1, 0), ("other", 3, 2, 1)):
-        d = tiny_drafter(tiny_target, block_size=block, num_layers=layers, seed=seed)
-        d.config.target = tiny_target.identity()
-        paths.append(d.save_pretrained(root / name))
+        d, config = tiny_drafter(tiny_target, block_size=block, num_layers=layers, seed=seed)
+        config.target = tiny_target.identity().to_dict()
+        paths.append(save_drafter(d, config, root / name))
     return paths
 
 
@@ -143,7 +142,7 @@ def store_dir(tiny_target, prompts_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("store") / "s"
     model = tiny_target.model
     records, _ = load_prompts(prompts_dir, "eval")
-    with StoreWriter(out, target=tiny_target.identity(), target_layer_ids=LAYERS, hidden_size=64,
+    with StoreWriter(out, target=tiny_target.identity().to_dict(), target_layer_ids=LAYERS, hidden_size=64,
                      generation={"template_kwargs": {}}) as writer:
         for r in records:
             ids = tiny_target.render(r.messages)
@@ -184,7 +183,7 @@ def test_eval_command_writes_the_report(tiny_target, tiny_target_dir, drafters, 
     assert report["offline"]["samples_of_eval_prompts"] == n  # the store holds the same held-out prompts
     assert report["tau_gap"] == pytest.approx(report["tau"] - report["tau_offline"])
     assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["tokens_per_s_baseline"])
-    assert report["target"]["config_hash"] == tiny_target.identity()["config_hash"]
+    assert report["target"]["config_hash"] == tiny_target.identity().config_hash
     methods = [m["method"] for m in report["methods"]]
     assert methods[0].startswith("plain") and methods[-1] == "block size 1" and len(methods) == 4
     assert [m["role"] for m in report["methods"]] == ["plain", "drafter", "baseline", "no_speculation"]

@@ -1,5 +1,5 @@
-"""The DFlash objective: anchors, labels, weights, the block mask in its three forms, the chunked LM head + CE,
-and (with the real drafter) the batched loss against a per-block loop and the overfit gate."""
+"""The DFlash objective: anchors, labels, weights, the chunked LM head + CE (against full-logits references kept
+here), and (with the real drafter) the batched loss against a per-block loop. The block mask: test_masks.py."""
 
 import math
 
@@ -8,8 +8,38 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train import objective as obj
+from dflash_train.model import masks
 
 B = 4
+
+
+def chunked_head_ce(hidden, head, labels, weights, chunk=256):
+    """(sum of weight x CE, greedy-correct) through the chunked head with hard labels only."""
+    total, correct, _, _ = obj.chunked_head_loss(hidden, head, labels, weights, chunk)
+    return total, correct
+
+
+def chunked_head_soft_ce(hidden, head, labels, weights, topk_ids, topk_logprobs, soft_weight, chunk=256):
+    return obj.chunked_head_loss(hidden, head, labels, weights, chunk, topk_ids, topk_logprobs, soft_weight)
+
+
+def reference_head_ce(hidden, head, labels, weights):
+    """The plain version (full logits, autograd through them)."""
+    logits = (hidden @ head.t()).to(torch.promote_types(hidden.dtype, torch.float32))
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    return (ce * weights.to(logits.dtype)).sum(), logits.argmax(dim=-1) == labels
+
+
+def reference_head_soft_ce(hidden, head, labels, weights, topk_ids, topk_logprobs, soft_weight):
+    """The plain soft-label loss (full logits, q_tail = 1 - sum q_K, autograd): (sum weight x ((1-a) CE + a KL),
+    sum weight x KL)."""
+    logits = (hidden @ head.t()).to(torch.promote_types(hidden.dtype, torch.float32))
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    log_q = torch.log_softmax(logits, dim=-1).gather(1, topk_ids)
+    p, p_tail = obj.target_buckets(topk_logprobs, logits.dtype)
+    kl = obj.bucket_kl(p, p_tail, log_q, 1.0 - log_q.exp().sum(dim=-1))
+    w = weights.to(logits.dtype)
+    return ((1.0 - soft_weight) * ce * w + soft_weight * kl * w).sum(), (kl * w).sum()
 
 
 def _row(loss_mask: list[int]) -> torch.Tensor:
@@ -81,7 +111,7 @@ def test_anchor_sampling_is_uniform():
 def test_block_construction_and_same_position_labels():
     ids = torch.arange(100, 112)[None]  # token at position p is 100 + p
     lm = _row([0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0])
-    blocks = obj.make_blocks(torch.tensor([[2, 8]]), torch.tensor([[True, True]]), B)
+    blocks = masks.make_blocks(torch.tensor([[2, 8]]), torch.tensor([[True, True]]), B)
     MASK = 7
     assert obj.block_input_ids(ids, blocks, MASK).tolist() == [[102, 7, 7, 7, 108, 7, 7, 7]]
     pos = torch.arange(12)[None]
@@ -100,12 +130,12 @@ def test_labels_past_the_row_end_or_in_another_sample_get_no_weight():
     ids = torch.arange(10)[None]
     lm = _row([1] * 10)
     doc = torch.tensor([[0] * 6 + [6] * 4])
-    blocks = obj.make_blocks(torch.tensor([[4, 8]]), torch.tensor([[True, True]]), B, doc)
+    blocks = masks.make_blocks(torch.tensor([[4, 8]]), torch.tensor([[True, True]]), B, doc)
     assert blocks.ctx_start.tolist() == [[0, 6]]
     _, w = obj.block_labels(ids, lm, blocks, gamma=7.0, doc_start=doc)
     assert (w[0, 0] > 0).tolist() == [False, True, False, False]  # 6 and 7 belong to the next sample
     assert (w[0, 1] > 0).tolist() == [False, True, False, False]  # 10, 11 are past the end
-    pad = obj.make_blocks(torch.tensor([[4]]), torch.tensor([[False]]), B)
+    pad = masks.make_blocks(torch.tensor([[4]]), torch.tensor([[False]]), B)
     assert obj.block_labels(ids, lm, pad, gamma=7.0)[1].sum() == 0
 
 
@@ -113,154 +143,6 @@ def test_slot_decay():
     d = obj.slot_decay(16, 7.0)
     assert d[0] == 0 and d[1] == 1
     assert torch.allclose(d[1:], torch.exp(-torch.arange(15.0) / 7))
-
-
-# --- the mask ---------------------------------------------------------------------------------------------
-
-
-def _blocks_case():
-    # two rows; row 1 is packed (samples start at 0 and 9) and has a padding block
-    anchors = torch.tensor([[2, 5, 9], [3, 11, 0]])
-    keep = torch.tensor([[True, True, True], [True, True, False]])
-    doc = torch.tensor([[0] * 14, [0] * 9 + [9] * 5])
-    return obj.make_blocks(anchors, keep, B, doc), 14
-
-
-def test_dense_mask_by_brute_force():
-    blocks, S = _blocks_case()
-    mask = obj.dense_block_mask(blocks, S)
-    b, n = blocks.anchors.shape
-    assert mask.shape == (b, 1, n * B, S + n * B)
-    for r in range(b):
-        for q in range(n * B):
-            j = q // B
-            a, lo = int(blocks.anchors[r, j]), int(blocks.ctx_start[r, j])
-            for kv in range(S + n * B):
-                expect = (lo <= kv < a) if kv < S else ((kv - S) // B == j)
-                assert bool(mask[r, 0, q, kv]) == expect, (r, q, kv)
-    # the anchor's own position is never visible as context ('<=' is the known leak)
-    for r in range(b):
-        for j in range(n):
-            a = int(blocks.anchors[r, j])
-            assert not mask[r, 0, j * B:(j + 1) * B, a].any()
-
-
-def test_mask_mod_equals_dense_mask():
-    blocks, S = _blocks_case()
-    dense = obj.dense_block_mask(blocks, S)
-    mod = obj.block_mask_mod(blocks, S)
-    b, n = blocks.anchors.shape
-    q = torch.arange(n * B)[:, None]
-    kv = torch.arange(S + n * B)[None, :]
-    for r in range(b):
-        assert torch.equal(mod(torch.tensor(r), torch.tensor(0), q, kv), dense[r, 0])
-
-
-def _attend_per_block(q, k, v, blocks, S):
-    """Reference: every block separately over [its context window | its own slots]."""
-    b, h, _, d = q.shape
-    rep = h // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    out = torch.zeros_like(q)
-    for r in range(b):
-        for j in range(blocks.num_blocks):
-            a, lo = int(blocks.anchors[r, j]), int(blocks.ctx_start[r, j])
-            keys = torch.cat([k[r, :, lo:a], k[r, :, S + j * B:S + (j + 1) * B]], dim=1)
-            vals = torch.cat([v[r, :, lo:a], v[r, :, S + j * B:S + (j + 1) * B]], dim=1)
-            qj = q[r, :, j * B:(j + 1) * B]
-            out[r, :, j * B:(j + 1) * B] = torch.softmax(qj @ keys.transpose(-1, -2) / math.sqrt(d), -1) @ vals
-    return out
-
-
-def _qkv(blocks, S, h=4, hkv=2, d=8, dtype=torch.float64):
-    g = torch.Generator().manual_seed(1)
-    b, n = blocks.anchors.shape
-    q = torch.randn(b, h, n * B, d, generator=g, dtype=dtype)
-    k = torch.randn(b, hkv, S + n * B, d, generator=g, dtype=dtype)
-    v = torch.randn(b, hkv, S + n * B, d, generator=g, dtype=dtype)
-    return q, k, v
-
-
-@pytest.mark.parametrize("group", [1, 2, 16])
-def test_dense_and_blockwise_attention_equal_a_per_block_loop(group):
-    blocks, S = _blocks_case()
-    q, k, v = _qkv(blocks, S)
-    ref = _attend_per_block(q, k, v, blocks, S)
-    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=obj.dense_block_mask(blocks, S), enable_gqa=True)
-    blockwise = obj.BlockwiseAttention(blocks, S, group=group)(q, k, v)
-    assert torch.allclose(dense, ref, atol=1e-10)
-    assert torch.allclose(blockwise, ref, atol=1e-10)
-    # and the gradients agree
-    for fn in (lambda q, k, v: obj.BlockwiseAttention(blocks, S, group=group)(q, k, v),
-               lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=obj.dense_block_mask(blocks, S),
-                                                              enable_gqa=True)):
-        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
-        (fn(qs, ks, vs) * torch.linspace(-1, 1, q.numel(), dtype=q.dtype).view_as(q)).sum().backward()
-        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-        (_attend_per_block(qr, kr, vr, blocks, S) * torch.linspace(-1, 1, q.numel(), dtype=q.dtype).view_as(q)
-         ).sum().backward()
-        for a_, b_ in ((qs, qr), (ks, kr), (vs, vr)):
-            assert torch.allclose(a_.grad, b_.grad, atol=1e-10)
-
-
-def test_context_warmup_blocks_see_only_their_own_slots():
-    """context_window=0 (the trainer's context warm-up): every attention form hides the whole context, and the
-    labels and weights stay those of the normal blocks."""
-    import dataclasses
-
-    blocks, S = _blocks_case()
-    alone = dataclasses.replace(blocks, context_window=0)
-    mask = obj.dense_block_mask(alone, S)
-    assert not mask[..., :S].any()
-    assert torch.equal(mask[..., S:], obj.dense_block_mask(blocks, S)[..., S:])
-    mod = obj.block_mask_mod(alone, S)
-    q_idx, kv_idx = torch.arange(blocks.num_blocks * B)[:, None], torch.arange(S + blocks.num_blocks * B)[None, :]
-    assert torch.equal(mod(torch.tensor(1), torch.tensor(0), q_idx, kv_idx), mask[1, 0])
-    q, k, v = _qkv(blocks, S)
-    own_only = dataclasses.replace(blocks, anchors=blocks.ctx_start)  # the reference with an empty window
-    ref = _attend_per_block(q, k, v, own_only, S)
-    assert torch.allclose(obj.BlockwiseAttention(alone, S)(q, k, v), ref, atol=1e-10)
-    ids = torch.randint(0, 50, (2, S))
-    lm = torch.ones(2, S, dtype=torch.bool)
-    for x, y in zip(obj.block_labels(ids, lm, blocks, 7.0), obj.block_labels(ids, lm, alone, 7.0)):
-        assert torch.equal(x, y)
-
-
-
-def test_context_window_keeps_only_the_newest_positions_before_the_anchor():
-    import dataclasses
-
-    blocks, S = _blocks_case()
-    narrow = dataclasses.replace(blocks, context_window=3)
-    mask = obj.dense_block_mask(narrow, S)
-    for r in range(blocks.anchors.shape[0]):
-        for j in range(blocks.num_blocks):
-            a, lo = int(blocks.anchors[r, j]), int(blocks.ctx_start[r, j])
-            seen = mask[r, 0, j * B, :S].nonzero()[:, 0].tolist()
-            assert seen == list(range(max(lo, a - 3), a)), (r, j)
-    q, k, v = _qkv(blocks, S)
-    ref = _attend_per_block(q, k, v, dataclasses.replace(blocks, ctx_start=narrow.ctx_lo), S)
-    assert torch.allclose(obj.BlockwiseAttention(narrow, S, group=2)(q, k, v), ref, atol=1e-10)
-    mod = obj.block_mask_mod(narrow, S)
-    q_idx, kv_idx = torch.arange(blocks.num_blocks * B)[:, None], torch.arange(S + blocks.num_blocks * B)[None, :]
-    assert torch.equal(mod(torch.tensor(0), torch.tensor(0), q_idx, kv_idx), mask[0, 0])
-
-
-def test_flex_attention_block_mask_agrees_with_the_dense_mask():
-    """FlexAttention runs forward-only on CPU (torch 2.13): enough to prove that the BlockMask and the dense
-    mask describe the same attention."""
-    pytest.importorskip("torch.nn.attention.flex_attention")
-    from torch.nn.attention.flex_attention import flex_attention
-
-    blocks, S = _blocks_case()
-    q, k, v = _qkv(blocks, S, dtype=torch.float32)
-    block_mask = obj.flex_block_mask(blocks, S)
-    try:
-        flex = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-    except (NotImplementedError, RuntimeError) as err:  # pragma: no cover - depends on the torch build
-        pytest.skip(f"flex_attention does not run here: {err}")
-    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=obj.dense_block_mask(blocks, S), enable_gqa=True)
-    assert torch.allclose(flex, dense, atol=1e-5)
 
 
 # --- chunked LM head + CE -----------------------------------------------------------------------------------
@@ -278,8 +160,8 @@ def test_chunked_head_ce_equals_full_logits(dtype):
     weights[::5] = 0
     h1 = hidden.clone().requires_grad_()
     h2 = hidden.clone().requires_grad_()
-    loss1, pred1 = obj.chunked_head_ce(h1, head, labels, weights, chunk=8)
-    loss2, pred2 = obj.reference_head_ce(h2, head, labels, weights)
+    loss1, pred1 = chunked_head_ce(h1, head, labels, weights, chunk=8)
+    loss2, pred2 = reference_head_ce(h2, head, labels, weights)
     (loss1 * 0.5).backward()
     (loss2 * 0.5).backward()
     tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
@@ -292,9 +174,9 @@ def test_chunked_head_ce_equals_full_logits(dtype):
 
 def test_chunked_head_ce_without_grad_and_empty():
     head = torch.randn(11, 4)
-    loss, preds = obj.chunked_head_ce(torch.randn(5, 4), head, torch.zeros(5, dtype=torch.long), torch.ones(5))
+    loss, preds = chunked_head_ce(torch.randn(5, 4), head, torch.zeros(5, dtype=torch.long), torch.ones(5))
     assert loss.ndim == 0 and preds.shape == (5,)
-    loss, preds = obj.chunked_head_ce(torch.zeros(0, 4, requires_grad=True), head,
+    loss, preds = chunked_head_ce(torch.zeros(0, 4, requires_grad=True), head,
                                       torch.zeros(0, dtype=torch.long), torch.zeros(0))
     assert float(loss.detach()) == 0.0 and preds.numel() == 0
 
@@ -303,11 +185,10 @@ def test_chunked_head_ce_without_grad_and_empty():
 
 
 def _tiny_drafter(tiny_target, num_layers=2, block_size=B, seed=0):
-    from dflash_train.drafter import DFlashDrafter
+    from tiny import make_tiny_drafter
 
-    torch.manual_seed(seed)
-    drafter = DFlashDrafter.from_target(tiny_target.config, num_layers=num_layers, block_size=block_size,
-                                        target_layer_ids=[1, 3, 5], tokenizer=tiny_target.tokenizer)
+    drafter, _ = make_tiny_drafter(tiny_target.config, tiny_target.tokenizer, num_layers=num_layers,
+                                   block_size=block_size, seed=seed, target_layer_ids=[1, 3, 5])
     embed = tiny_target.model.get_input_embeddings().weight.detach().float()
     head = tiny_target.model.get_output_embeddings().weight.detach().float()
     return drafter.float(), embed, head
@@ -341,8 +222,8 @@ def _per_block_loss(drafter, embed, head, batch, blocks, gamma, mask_id):
             pos = batch["position_ids"][r]
             block = torch.full((1, B), mask_id)
             block[0, 0] = batch["input_ids"][r, a]
-            out = drafter(F.embedding(block, embed), batch["hidden_states"][r:r + 1, lo:a],
-                          position_ids=(pos[a] + torch.arange(B))[None], context_position_ids=pos[lo:a][None])
+            out = drafter(position_ids=torch.cat([pos[lo:a], pos[a] + torch.arange(B)])[None],
+                          noise_embedding=F.embedding(block, embed), target_hidden=batch["hidden_states"][r:r + 1, lo:a])
             ce = F.cross_entropy(out[0] @ head.t(), labels[r, j], reduction="none")
             total = total + (ce * weights[r, j]).sum()
     return total / weights.sum()
@@ -351,7 +232,7 @@ def _per_block_loss(drafter, embed, head, batch, blocks, gamma, mask_id):
 @pytest.mark.parametrize("packed", [False, True])
 def test_batched_loss_equals_a_per_block_loop(tiny_target, packed):
     drafter, embed, head = _tiny_drafter(tiny_target)
-    mask_id = drafter.config.mask_token_id
+    mask_id = drafter.mask_token_id
     batch = _synthetic_batch(packed=packed)
     blocks = obj.sample_anchors(batch["loss_mask"], 6, B, torch.Generator().manual_seed(3), batch.get("doc_start"))
     assert not blocks.keep.all()  # the case includes padding blocks
@@ -378,17 +259,17 @@ def test_the_per_block_reference_catches_a_leaky_mask(tiny_target):
         for p in drafter.parameters():
             if p.ndim == 2:
                 p.mul_(20)  # a random drafter at init attends almost uniformly; make attention matter
-    mask_id = drafter.config.mask_token_id
+    mask_id = drafter.mask_token_id
     batch = _synthetic_batch()
     blocks = obj.sample_anchors(batch["loss_mask"], 6, B, torch.Generator().manual_seed(3))
-    leaky = obj.make_blocks(blocks.anchors + 1, blocks.keep, B)
+    leaky = masks.make_blocks(blocks.anchors + 1, blocks.keep, B)
     with torch.no_grad():
         ref = _per_block_loss(drafter, embed, head, batch, blocks, 7.0, mask_id)
         good = obj.dflash_loss(drafter, embed, head, batch, blocks, mask_token_id=mask_id, gamma=7.0).loss
-        hidden = drafter(F.embedding(obj.block_input_ids(batch["input_ids"], blocks, mask_id), embed),
-                         batch["hidden_states"], position_ids=obj.block_position_ids(batch["position_ids"], blocks),
-                         context_position_ids=batch["position_ids"],
-                         attention_mask=obj.dense_block_mask(leaky, batch["input_ids"].shape[1]))
+        positions = torch.cat([batch["position_ids"], obj.block_position_ids(batch["position_ids"], blocks)], 1)
+        hidden = drafter(position_ids=positions, target_hidden=batch["hidden_states"],
+                         noise_embedding=F.embedding(obj.block_input_ids(batch["input_ids"], blocks, mask_id), embed),
+                         attention_mask=masks.dense_mask(leaky, batch["input_ids"].shape[1]))
         labels, weights = obj.block_labels(batch["input_ids"], batch["loss_mask"], blocks, 7.0)
         leak = (F.cross_entropy((hidden @ head.t()).flatten(0, 1), labels.flatten(), reduction="none")
                 * weights.flatten()).sum() / weights.sum()
@@ -417,15 +298,15 @@ def _soft_case(dtype, T=37, H=16, V=101, K=5, seed=0):
 def test_chunked_soft_loss_and_gradient_equal_a_full_logits_reference(dtype, a):
     hidden, head, labels, weights, ids, logp = _soft_case(dtype)
     h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
-    loss1, hit, ce, kl = obj.chunked_head_soft_ce(h1, head, labels, weights, ids, logp, a, chunk=8)
-    loss2, kl2 = obj.reference_head_soft_ce(h2, head, labels, weights, ids, logp, a)
+    loss1, hit, ce, kl = chunked_head_soft_ce(h1, head, labels, weights, ids, logp, a, chunk=8)
+    loss2, kl2 = reference_head_soft_ce(h2, head, labels, weights, ids, logp, a)
     (loss1 * 0.7).backward()
     (loss2 * 0.7).backward()
     tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
     assert torch.allclose(loss1.detach().double(), loss2.detach().double(), **tol)
     assert torch.allclose(h1.grad.double(), h2.grad.double(), **tol)
-    assert torch.equal(hit, obj.reference_head_ce(hidden, head, labels, weights)[1])
-    assert torch.allclose(ce.double(), obj.reference_head_ce(hidden, head, labels, weights)[0].double(), **tol)
+    assert torch.equal(hit, reference_head_ce(hidden, head, labels, weights)[1])
+    assert torch.allclose(ce.double(), reference_head_ce(hidden, head, labels, weights)[0].double(), **tol)
     if a > 0:
         assert torch.allclose(kl.double(), kl2.detach().double(), **tol) and float(kl) > 0
     else:
@@ -435,8 +316,8 @@ def test_chunked_soft_loss_and_gradient_equal_a_full_logits_reference(dtype, a):
 def test_soft_weight_0_is_the_plain_path_bit_for_bit():
     hidden, head, labels, weights, ids, logp = _soft_case(torch.bfloat16)
     h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
-    loss1, hit1, _, _ = obj.chunked_head_soft_ce(h1, head, labels, weights, ids, logp, 0.0, chunk=8)
-    loss2, hit2 = obj.chunked_head_ce(h2, head, labels, weights, chunk=8)
+    loss1, hit1, _, _ = chunked_head_soft_ce(h1, head, labels, weights, ids, logp, 0.0, chunk=8)
+    loss2, hit2 = chunked_head_ce(h2, head, labels, weights, chunk=8)
     loss1.backward()
     loss2.backward()
     assert torch.equal(loss1, loss2) and torch.equal(hit1, hit2) and torch.equal(h1.grad, h2.grad)
@@ -452,17 +333,17 @@ def test_kl_is_zero_when_the_drafter_equals_the_target_and_positive_otherwise(st
     head = torch.eye(V, dtype=torch.float64)  # hidden @ head.T = the logits themselves
     weights = torch.ones(T, dtype=torch.float64)
     same = logits.clone().requires_grad_()
-    total, _, _, kl = obj.chunked_head_soft_ce(same, head, ids[:, 0], weights, ids, logp, 1.0, chunk=5)
+    total, _, _, kl = chunked_head_soft_ce(same, head, ids[:, 0], weights, ids, logp, 1.0, chunk=5)
     total.backward()  # the gradient vanishes too: the target's distribution is the minimum
     tol = 1e-12 if stored == torch.float64 else 1e-5  # float16 storage rounds p a little
     assert abs(float(kl)) < tol * T and same.grad.abs().max() < (1e-12 if stored == torch.float64 else 1e-3)
     for scale in (1.1, 0.5):  # sharper or flatter than the target: KL > 0
-        _, _, _, kl = obj.chunked_head_soft_ce(logits * scale, head, ids[:, 0], weights, ids, logp, 1.0)
+        _, _, _, kl = chunked_head_soft_ce(logits * scale, head, ids[:, 0], weights, ids, logp, 1.0)
         assert float(kl) > 1e-3 * T
     for seed in range(10, 15):  # random drafters (not seed 1, the target itself): KL > 0 row by row
         other = torch.randn(T, V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
         for t in range(T):
-            _, _, _, kl = obj.chunked_head_soft_ce(other[t:t + 1], head, ids[t:t + 1, 0], weights[:1],
+            _, _, _, kl = chunked_head_soft_ce(other[t:t + 1], head, ids[t:t + 1, 0], weights[:1],
                                                    ids[t:t + 1], logp[t:t + 1], 1.0)
             assert float(kl) > 0
 
@@ -474,7 +355,7 @@ def test_soft_loss_survives_a_drafter_that_puts_everything_on_the_top_k():
     ids = torch.arange(K).expand(2, -1).clone()
     logp = torch.log(torch.tensor([[0.5, 0.2, 0.1], [0.5, 0.3, 0.2]]))  # p_tail 0.2 and 0 (sum rounds to 1)
     h = logits.clone().requires_grad_()
-    total, _, _, kl = obj.chunked_head_soft_ce(h, torch.eye(V), ids[:, 0], torch.ones(2), ids, logp, 0.5)
+    total, _, _, kl = chunked_head_soft_ce(h, torch.eye(V), ids[:, 0], torch.ones(2), ids, logp, 0.5)
     total.backward()
     assert torch.isfinite(total) and torch.isfinite(kl) and torch.isfinite(h.grad).all()
     assert float(kl) > 0.2 * 60  # p_tail 0.2 against q_tail at the 1e-30 floor
@@ -486,7 +367,7 @@ def test_block_topk_gathers_like_block_labels():
     lm = _row([0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0])
     topk_ids = ids[:, :, None] * 10 + torch.arange(K)  # position p holds 10 * (100 + p) + j
     topk_logp = -torch.arange(S, dtype=torch.float32)[None, :, None].expand(-1, -1, K)
-    blocks = obj.make_blocks(torch.tensor([[2, 8]]), torch.tensor([[True, True]]), B)
+    blocks = masks.make_blocks(torch.tensor([[2, 8]]), torch.tensor([[True, True]]), B)
     labels, weights = obj.block_labels(ids, lm, blocks, gamma=7.0)
     got_ids, got_logp = obj.block_topk(topk_ids, topk_logp, blocks)
     assert got_ids.shape == (1, 2, B, K) and torch.equal(got_ids // 10, labels[..., None].expand(-1, -1, -1, K))
@@ -503,14 +384,14 @@ def _with_topk(batch, V=1024, K=4, seed=5):
 
 def test_dflash_loss_with_soft_labels_equals_the_full_logits_reference(tiny_target):
     drafter, embed, head = _tiny_drafter(tiny_target)
-    mask_id = drafter.config.mask_token_id
+    mask_id = drafter.mask_token_id
     batch = _with_topk(_synthetic_batch(packed=True))
     blocks = obj.sample_anchors(batch["loss_mask"], 6, B, torch.Generator().manual_seed(3), batch["doc_start"])
     labels, weights = obj.block_labels(batch["input_ids"], batch["loss_mask"], blocks, 7.0, batch["doc_start"])
     top_ids, top_logp = obj.block_topk(batch["topk_ids"], batch["topk_logprobs"], blocks)
     hidden = obj.draft_hidden(drafter, embed, batch, blocks, mask_id, "sdpa").flatten(0, 1)
     w = weights.flatten() / weights.sum()
-    ref, ref_kl = obj.reference_head_soft_ce(hidden, head, labels.flatten(), w, top_ids.flatten(0, 2),
+    ref, ref_kl = reference_head_soft_ce(hidden, head, labels.flatten(), w, top_ids.flatten(0, 2),
                                              top_logp.flatten(0, 2), 0.5)
     ref.backward()
     ref_grads = {n: p.grad.clone() for n, p in drafter.named_parameters()}

@@ -31,11 +31,13 @@ def drafter_dir(tmp_path_factory, tiny_target):
     a real capture store (whose ingest report holds prompt text the card must never show)."""
     import torch
 
-    from dflash_train.drafter import DFlashDrafter
+    from tiny import make_tiny_drafter
+
+    from dflash_train.model.checkpoint import save_drafter
     from dflash_train.store import StoreWriter
 
     root = tmp_path_factory.mktemp("push_run")
-    identity = dict(tiny_target.identity(), base_model="tiny-org/tiny-target")
+    identity = dict(tiny_target.identity().to_dict(), base_model="tiny-org/tiny-target")
     store = root / "store"
     ingest_report = {  # the shape dflash_train.ingest writes, with text where the card must not look
         "read": 120, "kept": 40, "duplicates": 75, "malformed": 3, "non_utf8": 0, "empty": 2, "too_long": 0,
@@ -50,10 +52,10 @@ def drafter_dir(tmp_path_factory, tiny_target):
                      ingest_report=ingest_report) as writer:
         for i in range(2):
             writer.add(torch.arange(10) + 20, torch.arange(10) >= 4, torch.randn(10, 128), id=f"p{i}", weight=1)
-    drafter = DFlashDrafter.from_target(tiny_target.config, num_layers=2, block_size=8,
-                                        tokenizer=tiny_target.tokenizer, target_identity=identity)
+    drafter, config = make_tiny_drafter(tiny_target.config, tiny_target.tokenizer, num_layers=2, block_size=8,
+                                        target_identity=identity)
     out = root / "run" / "drafter"
-    drafter.save_pretrained(out)
+    save_drafter(drafter, config, out)
     (out / "target.json").write_text(json.dumps(identity))
     recipe = {"name": "tiny-run", "license": "mit", "push": {"min_tau": 1.2}, "seed": 0,
               "data": {"stores": [str(store)], "max_length": 512}, "optimizer": {"lr": 6e-4},

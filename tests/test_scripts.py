@@ -253,19 +253,18 @@ def test_default_variants_are_valid_overrides_of_the_demo_recipe(monkeypatch):
 def test_anchor_use_tells_a_drafter_that_reads_its_anchor_from_one_that_does_not(tiny_target_dir, tiny_target):
     import anchor_use
     import torch
+    from tiny import make_tiny_drafter
     from transformers import AutoConfig
 
-    from dflash_train.drafter import DFlashDrafter
-
-    torch.manual_seed(0)
-    drafter = DFlashDrafter.from_target(AutoConfig.from_pretrained(tiny_target_dir), num_layers=2, block_size=8,
-                                        tokenizer=tiny_target.tokenizer).eval()
+    drafter, _ = make_tiny_drafter(AutoConfig.from_pretrained(tiny_target_dir), tiny_target.tokenizer,
+                                   num_layers=2, block_size=8)
+    drafter.eval()
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     embed = tiny_target.model.get_input_embeddings().weight.detach()
     g = torch.Generator().manual_seed(0)
-    H = drafter.config.hidden_size * drafter.config.num_target_features
+    H = drafter.config.hidden_size * len(drafter.target_layer_ids)
     samples = [{"input_ids": torch.randint(0, 500, (30,), generator=g),
                 "loss_mask": torch.arange(30) >= 6, "hidden_states": torch.randn(30, H, generator=g)}
                for _ in range(3)]

@@ -155,12 +155,12 @@ def test_sampling_accepts_only_drafts_equal_to_the_targets_sample(tiny_target):
 
 
 def tiny_drafter(target, block_size: int = 4, num_layers: int = 1, seed: int = 0):
-    from dflash_train.drafter import DFlashDrafter
+    """(model, config) of an untrained tiny drafter tapping layers 1, 4, 6."""
+    from tiny import make_tiny_drafter
 
-    torch.manual_seed(seed)
-    drafter = DFlashDrafter.from_target(target.config, num_layers=num_layers, block_size=block_size,
-                                        target_layer_ids=[1, 4, 6], tokenizer=target.tokenizer)
-    return drafter.float().eval()
+    drafter, config = make_tiny_drafter(target.config, target.tokenizer, num_layers=num_layers,
+                                        block_size=block_size, seed=seed, target_layer_ids=[1, 4, 6])
+    return drafter.float().eval(), config
 
 
 class Recorder:
@@ -183,12 +183,13 @@ class Recorder:
 
 
 def test_untrained_dflash_drafter_is_lossless_and_drafts_like_training(tiny_target):
-    from dflash_train.objective import draft_hidden, make_blocks
+    from dflash_train.model.masks import make_blocks
+    from dflash_train.objective import draft_hidden
 
     model = tiny_target.model
-    drafter = tiny_drafter(tiny_target)
+    drafter, _ = tiny_drafter(tiny_target)
     proposer = Recorder(DFlashProposer(drafter, model.get_input_embeddings(), model.lm_head))
-    layers = [i + 1 for i in drafter.config.target_layer_ids]
+    layers = [i + 1 for i in drafter.target_layer_ids]
     for text in PROMPTS[:3]:
         ids = prompt_ids(tiny_target, text)
         proposer.drafted.clear()
@@ -202,9 +203,9 @@ def test_untrained_dflash_drafter_is_lossless_and_drafts_like_training(tiny_targ
             states = model(full, output_hidden_states=True).hidden_states
             batch = {"input_ids": full, "hidden_states": torch.cat([states[i] for i in layers], dim=-1)}
             anchors = torch.tensor([[a for a, _ in proposer.drafted]])
-            blocks = make_blocks(anchors, torch.ones_like(anchors, dtype=torch.bool), drafter.config.block_size)
+            blocks = make_blocks(anchors, torch.ones_like(anchors, dtype=torch.bool), drafter.block_size)
             hidden = draft_hidden(drafter, model.get_input_embeddings().weight, batch, blocks,
-                                  drafter.config.mask_token_id, "sdpa")
-            B = drafter.config.block_size
+                                  drafter.mask_token_id, "sdpa")
+            B = drafter.block_size
             drafts = model.lm_head(hidden[0]).view(-1, B, model.config.vocab_size)[:, 1:].argmax(dim=-1)
         assert drafts.tolist() == [d for _, d in proposer.drafted]

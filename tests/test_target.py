@@ -4,16 +4,56 @@ import pytest
 import torch
 
 from dflash_train.errors import UserError
-from dflash_train.target import (default_layer_ids, load_embedding_and_head, resolve_target, target_identity)
+from dflash_train.target import (TargetIdentity, check_layer_ids, default_layer_ids, load_embedding_and_head,
+                                 resolve_target, target_identity)
 
 
 def test_default_layer_rule():
     assert default_layer_ids(36) == [1, 9, 17, 25, 33]  # Qwen3-8B, the rule's worked example
     assert default_layer_ids(30) == [1, 8, 14, 20, 27]  # SmolLM2-135M
     assert default_layer_ids(8) == [1, 2, 3, 4, 5]
-    assert default_layer_ids(30, n=1) == [1]
     with pytest.raises(UserError, match="distinct"):
         default_layer_ids(6, n=5)
+
+
+def test_one_tapped_layer_defaults_to_the_middle_layer_as_the_reference_does():
+    """z-lab/dflash's build_target_layer_ids taps layer L // 2 when the drafter reads one layer (its default
+    when config.json has no target_layer_ids); a second rule ([1]) had drifted in. The shipped module and
+    dflash_train.target give the same taps for every L and n."""
+    from dflash_train.model.modeling_dflash import build_target_layer_ids
+
+    assert default_layer_ids(30, n=1) == [15] and default_layer_ids(36, n=1) == [18]
+    assert default_layer_ids(8, n=1) == [4] and default_layer_ids(7, n=1) == [3]
+    for L in (8, 28, 30, 36, 48):
+        for n in (1, 2, 3, 5):
+            assert default_layer_ids(L, n) == build_target_layer_ids(L, n)
+
+
+def test_tappable_layers_are_those_whose_hidden_state_is_the_layers_own_output(tiny_target):
+    """The tap is HF hidden_states[i + 1], as the reference's extract_context_feature reads it. That is decoder
+    layer i's output for i <= L-2 only: hidden_states[L] has the final norm applied (while engines tap layer
+    L-1 before it), so the one rule accepts 0..L-2 and refuses L-1 and anything else."""
+    model = tiny_target.model
+    L = model.config.num_hidden_layers
+    outputs = {}
+    hooks = [layer.register_forward_hook(lambda mod, args, out, i=i: outputs.__setitem__(
+        i, out[0] if isinstance(out, tuple) else out)) for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            hidden = model(torch.tensor([[1, 40, 41, 42, 43, 44]]), output_hidden_states=True).hidden_states
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(hidden) == L + 1
+    for i in range(L - 1):
+        assert torch.equal(hidden[i + 1], outputs[i]), i
+    assert not torch.allclose(hidden[L], outputs[L - 1])  # the normed state, not layer L-1's output
+    assert check_layer_ids([0, L - 2], L) == [0, L - 2]
+    for bad in (L - 1, L, -1):
+        with pytest.raises(UserError, match=rf"include \[{bad}\]: layer id {bad} .*\(0\.\.{L - 2};"):
+            check_layer_ids([1, bad], L)
+    with pytest.raises(UserError, match="repeat a layer"):
+        check_layer_ids([2, 2], L)
 
 
 def test_unknown_target_names_id_and_offline_flag(monkeypatch):
@@ -39,8 +79,11 @@ def test_identity_changes_with_chat_template(tiny_target_dir, tmp_path):
         config["chat_template"] = config["chat_template"].replace("tiny test", "other")
         (copy / "tokenizer_config.json").write_text(json.dumps(config))
     after = target_identity(copy)
-    assert after["chat_template_hash"] != before["chat_template_hash"]
-    assert after["config_hash"] == before["config_hash"]
+    assert after.chat_template_hash != before.chat_template_hash
+    assert after.config_hash == before.config_hash
+    assert not after.matches(before) and after.differences(before) == ["chat template"]
+    assert before.matches(TargetIdentity.from_dict(before.to_dict()))
+    assert before.matches(TargetIdentity(name="made elsewhere"))  # a side that records no hash is not compared
 
 
 def test_embedding_and_head_tied(tiny_target, tiny_target_dir):
@@ -63,7 +106,7 @@ def test_embedded_target_loads_offline_and_answers(smollm2):
     answer = smollm2.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
     assert "Paris" in answer
     identity = smollm2.identity()
-    assert identity["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert identity.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
     embed, head = load_embedding_and_head("smollm2-135m-instruct")
     assert embed.shape == (49152, 576) and head is embed  # tied embeddings
 

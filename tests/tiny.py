@@ -77,3 +77,25 @@ def make_tiny_target(out_dir: str | Path, seed: int = 0, num_layers: int = 8, nu
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def make_tiny_drafter(target_config, tokenizer=None, num_layers: int = 2, block_size: int = 4, seed: int = 0,
+                      **kw):
+    """(model, config) of a fresh drafter for a tiny target (its transformers config and tokenizer)."""
+    import torch
+
+    from dflash_train.model.checkpoint import create_drafter
+    from dflash_train.model.configuration import DFlashConfig
+
+    config = DFlashConfig.from_target(target_config, num_layers=num_layers, block_size=block_size,
+                                      tokenizer=tokenizer, **kw)
+    torch.manual_seed(seed)
+    return create_drafter(config), config
+
+
+def draft(model, embeds, context, pos, cpos, mask=None, attention_fn=None, cache=None):
+    """The drafter's forward with the context and block positions given apart (the tests' habit)."""
+    import torch
+
+    return model(position_ids=torch.cat([cpos, pos], dim=1), noise_embedding=embeds, target_hidden=context,
+                 attention_mask=mask, attention_fn=attention_fn, past_key_values=cache)

@@ -1,0 +1,7 @@
+"""The DFlash drafter, its contract in one place.
+
+  configuration.py    config.json both ways (DFlashConfig), tensor names, the mask-token rule, a new drafter's config
+  modeling_dflash.py  THE model (torch + transformers only); copied verbatim into every drafter folder as dflash.py
+  masks.py            the blocks of a training row, the one visibility rule and its dense / flex / blockwise backends
+  checkpoint.py       create, save (context-scale fold), load, read a folder for push, start from the target
+"""

@@ -1,0 +1,243 @@
+"""Drafter folders: create a drafter, save it in the public DFlash format, load it, read one for push, and start
+one from its target's layers or from another drafter.
+
+A saved folder holds config.json (configuration.DFlashConfig.to_config_json), model.safetensors (Qwen3 tensor
+names, configuration.expected_tensor_names) and dflash.py, which is modeling_dflash.py byte for byte: the remote
+code of `AutoModel.from_pretrained(DIR, trust_remote_code=True)`. The trainer adds training_args.json and
+provenance.json next to them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dflash_train.errors import UserError
+from dflash_train.model.configuration import LAYER_TENSORS, DFlashConfig, expected_tensor_names
+from dflash_train.provenance import INCOMPLETE_MARKER, PROVENANCE_FILE, read_json, write_json_atomic
+
+if TYPE_CHECKING:  # the module loads transformers; reading a folder for push must not
+    from dflash_train.model.modeling_dflash import DFlashDraftModel
+
+REMOTE_MODULE = Path(__file__).resolve().parent / "modeling_dflash.py"  # shipped as dflash.py (config.json's auto_map)
+
+
+def create_drafter(config: DFlashConfig) -> DFlashDraftModel:
+    """A freshly initialised drafter (weights from torch's global RNG: seed it first)."""
+    from dflash_train.model.modeling_dflash import DFlashDraftModel
+
+    return DFlashDraftModel(config.qwen3_config())
+
+
+def save_drafter(model: DFlashDraftModel, config: DFlashConfig, out_dir: str | Path) -> Path:
+    """Write config.json, model.safetensors and dflash.py in the model's dtype. A context scale (training only) is
+    folded into fc, fc(x / s) = (W / s) x: the public format has no place for s."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = model.fc.weight.dtype
+    tensors = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    if model.context_scale is not None:
+        folded = model.fc.weight.detach().float().cpu() / model.context_scale.cpu()[None, :]
+        tensors["fc.weight"] = folded.to(dtype).contiguous()
+    tmp = out / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out / "model.safetensors")
+    shutil.copyfile(REMOTE_MODULE, out / "dflash.py")
+    write_json_atomic(out / "config.json", config.to_config_json(dtype))
+    return out
+
+
+def read_config(folder: str | Path) -> DFlashConfig:
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        raise UserError(f"{path} is missing: {folder} is not a drafter folder")
+    return DFlashConfig.from_config_json(read_json(path, "a drafter's config"), str(path))
+
+
+def load_drafter(path: str | Path, dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu") -> tuple[DFlashDraftModel, DFlashConfig]:
+    """A drafter folder written by `save_drafter` (or any public DFlash checkpoint of this architecture), and its
+    config. dtype None keeps the stored dtype."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    config_file, weights_file = folder / "config.json", folder / "model.safetensors"
+    for f in (config_file, weights_file):
+        if not f.exists():
+            raise UserError(f"{f} is missing: {folder} is not a drafter folder (the trainer writes it)")
+    raw = read_json(config_file, "a drafter's config")
+    config = DFlashConfig.from_config_json(raw, str(config_file))
+    state = load_file(str(weights_file))
+    expected = set(expected_tensor_names(config.num_hidden_layers))
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise UserError(f"{weights_file}: tensors do not match the config "
+                        f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    model = create_drafter(config)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise UserError(f"{weights_file}: {str(err).splitlines()[0]} (shapes do not match config.json)") from None
+    stored = getattr(torch, str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), torch.float32)
+    return model.to(device=device, dtype=dtype or stored), config
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading a folder for push (no weights loaded)
+
+
+@dataclass
+class DrafterFolder:
+    dir: Path
+    config_json: dict[str, Any]  # config.json as written (the card quotes it)
+    config: DFlashConfig
+    num_parameters: int
+    dtype: str  # of the stored weights, e.g. "bf16"
+    training_args: dict[str, Any] | None  # training_args.json: the resolved recipe, data summary, run summary
+    provenance: dict[str, Any] | None  # what made it (its own provenance.json, else the run folder's)
+
+    @property
+    def target(self) -> dict[str, Any] | None:
+        """The identity of the target it was trained for (config.json's dflash_train.target)."""
+        return self.config.target
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(read_json(index, "sharded weights index")["weight_map"].values()))
+        return [folder / n for n in names]
+    return [folder / "model.safetensors"]
+
+
+def safetensors_summary(path: Path) -> tuple[int, str]:
+    """Parameter count and dtype(s) from a safetensors header, without loading the weights."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    count, dtypes = 0, set()
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        n = 1
+        for dim in info["shape"]:
+            n *= dim
+        count += n
+        dtypes.add(info["dtype"].lower())
+    return count, "/".join(sorted(dtypes))
+
+
+def read_drafter_folder(folder: str | Path) -> DrafterFolder:
+    """A finished drafter folder's config, weight summary and records, checked the way a push needs them."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"drafter folder {folder} does not exist")
+    if (folder / INCOMPLETE_MARKER).exists():
+        raise UserError(f"drafter folder {folder} is marked incomplete: its training run did not finish "
+                        f"writing it (rerun the training command to finish it)")
+    config_json = read_json(folder / "config.json", "the drafter config the trainer writes")
+    config = DFlashConfig.from_config_json(config_json, str(folder / "config.json"))
+    for module in {str(v).split(".")[0] for v in (config_json.get("auto_map") or {}).values()}:
+        if not (folder / f"{module}.py").exists():
+            raise UserError(f"{folder / (module + '.py')} is missing: config.json's auto_map needs it "
+                            f"for trust_remote_code loading")
+    files = weight_files(folder)
+    for f in files:
+        if not f.exists():
+            raise UserError(f"{f} is missing: the drafter folder has no weights")
+    summaries = [safetensors_summary(f) for f in files]
+    training_args = None
+    if (folder / "training_args.json").exists():
+        training_args = read_json(folder / "training_args.json", "the trainer's resolved recipe")
+    made_by = None
+    for candidate in (folder / PROVENANCE_FILE, folder.parent / PROVENANCE_FILE):
+        if candidate.exists():
+            made_by = read_json(candidate, "what made the drafter")
+            break
+    return DrafterFolder(dir=folder, config_json=config_json, config=config,
+                         num_parameters=sum(n for n, _ in summaries),
+                         dtype="/".join(sorted({d for _, d in summaries})), training_args=training_args,
+                         provenance=made_by)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Starting points other than random weights
+
+
+def load_decoder_layers(name_or_path: str, layer_ids: list[int],
+                        dtype: torch.dtype = torch.float32) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+    """The weights of the target's decoder layers `layer_ids` (keys relative to the layer, e.g.
+    self_attn.q_proj.weight; q_norm/k_norm only where the target has them) and its final norm, read straight from
+    its safetensors files."""
+    from dflash_train.target import TargetTensors
+
+    tensors = TargetTensors(name_or_path)
+    layers = []
+    for i in layer_ids:
+        found = {name: tensors.read(f".layers.{i}.{name}", dtype) for name in LAYER_TENSORS}
+        layer = {name: t for name, t in found.items() if t is not None}
+        if "self_attn.q_proj.weight" not in layer:
+            raise UserError(f"target {name_or_path}: no decoder layer {i} in the safetensors files of {tensors.path}")
+        layers.append(layer)
+    norm = tensors.read(".norm.weight", dtype)
+    if norm is None:
+        raise UserError(f"target {name_or_path}: no final norm (norm.weight) in {tensors.path}")
+    return layers, norm
+
+
+def init_from_target(model: DFlashDraftModel, layers: list[dict[str, torch.Tensor]],
+                     final_norm: torch.Tensor) -> list[str]:
+    """Start from the target instead of random weights: drafter layer i takes the weights of `layers[i]` (the
+    target's top decoder layers, keys as in the target's layer: self_attn.q_proj.weight, ...), `norm` the
+    target's final norm, `hidden_norm` the first copied layer's input norm, and fc passes the deepest tapped
+    layer through unchanged (fused context = that layer's output, which is the first copied layer's input).
+    q_norm/k_norm start at 1 where the target has none. Returns the names of the tensors set."""
+    if len(layers) != len(model.layers):
+        raise ValueError(f"{len(layers)} target layers for a {len(model.layers)}-layer drafter")
+    set_names = []
+    with torch.no_grad():
+        for i, (layer, weights) in enumerate(zip(model.layers, layers)):
+            for name, param in layer.named_parameters():
+                if name in weights:
+                    if tuple(weights[name].shape) != tuple(param.shape):
+                        raise UserError(f"target layer tensor {name} has shape {tuple(weights[name].shape)}, "
+                                        f"the drafter's is {tuple(param.shape)}")
+                    param.copy_(weights[name])
+                elif name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    raise UserError(f"the target's layer has no {name}: cannot initialise the drafter from it")
+                set_names.append(f"layers.{i}.{name}")
+        model.norm.weight.copy_(final_norm)
+        model.hidden_norm.weight.copy_(layers[0]["input_layernorm.weight"])
+        H, ids = model.config.hidden_size, model.target_layer_ids
+        deepest = max(range(len(ids)), key=lambda j: ids[j])
+        scale = torch.ones(H) if model.context_scale is None else model.context_scale[deepest * H:(deepest + 1) * H]
+        model.fc.weight.zero_()
+        model.fc.weight[:, deepest * H:(deepest + 1) * H] = torch.diag(scale.to(model.fc.weight.device))
+    return set_names + ["norm.weight", "hidden_norm.weight", "fc.weight"]
+
+
+ARCHITECTURE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "target_layer_ids", "mask_token_id",
+                     "num_attention_heads", "num_key_value_heads")
+
+
+def start_from_drafter(model: DFlashDraftModel, config: DFlashConfig, folder: str) -> None:
+    """Load a trained drafter's weights (fine-tuning): it must have this drafter's shape and tapped layers."""
+    source, theirs = load_drafter(folder, dtype=torch.float32)
+    for key in ARCHITECTURE_KEYS:
+        if getattr(config, key) != getattr(theirs, key):
+            raise UserError(f"drafter.init_from {folder}: its {key} is {getattr(theirs, key)}, this recipe's drafter "
+                            f"has {getattr(config, key)}")
+    state = source.state_dict()
+    if model.context_scale is not None:  # exported weights act on raw states: unfold for the scaled inputs
+        state["fc.weight"] = state["fc.weight"] * model.context_scale[None, :]
+    model.load_state_dict(state, strict=True)

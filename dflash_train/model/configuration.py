@@ -1,0 +1,261 @@
+"""A drafter's config.json, typed: both directions, the tensor names it implies, the mask-token rule, and the
+construction of a new drafter's config from its target's.
+
+config.json is the public DFlash checkpoint format, as the reference drafters write it (SGLang and vLLM read it;
+vLLM does not run our remote code) plus a `dflash_train` section: the format version, the identity of the target
+the drafter was trained for (dflash_train.target.TargetIdentity as JSON) and anything else the trainer keeps.
+`DFlashConfig.to_config_json` is the only writer and `from_config_json` the only reader of that file; the model
+module itself reads the same file through transformers' Qwen3Config (`qwen3_config` builds that object here).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dflash_train.errors import UserError
+
+ARCHITECTURE = "DFlashDraftModel"
+FORMAT_VERSION = 1
+# Special tokens that chat traffic never contains: code-repository markers of code-pretrained tokenizers
+# (SmolLM2, StarCoder), then generic mask tokens. Tried in this order when the embedding table has no spare row.
+UNUSED_SPECIAL_TOKENS = ("<repo_name>", "<reponame>", "<gh_stars>", "<file_sep>", "<filename>", "<|MASK|>",
+                         "<mask>", "[MASK]")
+# The tensors of one decoder layer, Qwen3's names (the checkpoint contract; the target's layers use the same names,
+# which is what drafter.init: target copies by)
+LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+                 "post_attention_layernorm.weight")
+
+
+def expected_tensor_names(num_layers: int) -> list[str]:
+    """Every tensor of a drafter with `num_layers` layers: no embedding, no LM head (the target's are used)."""
+    names = [f"layers.{i}.{name}" for i in range(num_layers) for name in LAYER_TENSORS]
+    return names + ["norm.weight", "fc.weight", "hidden_norm.weight"]
+
+
+def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
+    """transformers 4.x spelling of the rope settings: None for plain RoPE, else everything but the theta."""
+    if rope.get("rope_type", "default") == "default":
+        return None
+    return {k: v for k, v in rope.items() if k != "rope_theta"}
+
+
+def _rope_parameters(cfg: Any) -> dict[str, Any]:
+    """transformers >= 5 rope settings of a config (object or config.json dict), from the 4.x spelling if need be."""
+    get = cfg.get if isinstance(cfg, dict) else lambda key, default=None: getattr(cfg, key, default)
+    rope = get("rope_parameters")
+    if not rope:  # a transformers 4.x config
+        rope = dict(get("rope_scaling") or {"rope_type": "default"})
+        rope["rope_theta"] = get("rope_theta", 10000.0)
+    return dict(rope)
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_parameters: dict[str, Any]  # transformers' rope settings, incl. rope_type and rope_theta
+    max_position_embeddings: int
+    vocab_size: int  # the target's embedding rows (the drafter has no embedding of its own)
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    mask_token: str | None = None  # the token's text when it is a tokenizer entry (SGLang cross-checks it)
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    target: dict[str, Any] | None = None  # the target identity as written (dflash_train.target.TargetIdentity)
+    extra: dict[str, Any] = field(default_factory=dict)  # anything else to keep in config.json's dflash_train
+
+    @property
+    def num_target_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    def features(self):
+        """What the drafter reads (dflash_train.target.Features): for check_fits against a store or a target."""
+        from dflash_train.target import Features, TargetIdentity
+
+        return Features(TargetIdentity.from_dict(self.target), tuple(self.target_layer_ids), self.hidden_size)
+
+    def qwen3_config(self):
+        """The transformers Qwen3Config the model module is built from: what AutoConfig reads from config.json."""
+        from transformers import Qwen3Config
+
+        return Qwen3Config.from_dict(self.to_config_json(torch.float32))
+
+    def to_config_json(self, dtype: torch.dtype) -> dict[str, Any]:
+        """config.json exactly as the public DFlash checkpoints write it, plus our `dflash_train` section."""
+        import transformers
+
+        rope = dict(self.rope_parameters)
+        dflash_config: dict[str, Any] = {"mask_token_id": self.mask_token_id,
+                                         "target_layer_ids": list(self.target_layer_ids)}
+        if self.mask_token is not None:
+            dflash_config["mask_token"] = self.mask_token
+        dtype_name = str(dtype).removeprefix("torch.")
+        return {
+            "architectures": [ARCHITECTURE],
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "model_type": "qwen3",
+            "block_size": self.block_size,
+            "dflash_config": dflash_config,
+            "num_target_layers": self.num_target_layers,
+            "num_hidden_layers": self.num_hidden_layers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "rms_norm_eps": self.rms_norm_eps,
+            # both spellings: transformers >= 5 reads rope_parameters, 4.x (and engines pinned to it) rope_theta
+            "rope_theta": rope["rope_theta"],
+            "rope_scaling": _rope_scaling(rope),
+            "rope_parameters": rope,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+            # all full attention: engines treat full-attention DFlash layers as non-causal (bidirectional block)
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": self.num_hidden_layers,
+            "initializer_range": self.initializer_range,
+            "use_cache": True,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "dtype": dtype_name,
+            "torch_dtype": dtype_name,
+            "transformers_version": transformers.__version__,
+            "dflash_train": {"format_version": FORMAT_VERSION, "target": self.target, **self.extra},
+        }
+
+    @classmethod
+    def from_config_json(cls, cfg: dict[str, Any], source: str = "config.json") -> "DFlashConfig":
+        if ARCHITECTURE not in (cfg.get("architectures") or []):
+            raise UserError(f"{source}: architectures is {cfg.get('architectures')!r}, not [{ARCHITECTURE!r}]: "
+                            f"not a DFlash drafter")
+        dflash = cfg.get("dflash_config") or {}
+        required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "vocab_size")
+        missing = [k for k in required if k not in cfg] + [
+            f"dflash_config.{k}" for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
+        if missing:
+            raise UserError(f"{source}: missing key(s) {', '.join(missing)}")
+        extra = dict(cfg.get("dflash_train") or {})
+        extra.pop("format_version", None)
+        target = extra.pop("target", None)
+        return cls(
+            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"],
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            rms_norm_eps=cfg["rms_norm_eps"], rope_parameters=_rope_parameters(cfg),
+            max_position_embeddings=cfg["max_position_embeddings"], vocab_size=cfg["vocab_size"],
+            num_target_layers=cfg.get("num_target_layers", max(dflash["target_layer_ids"]) + 1),
+            target_layer_ids=list(dflash["target_layer_ids"]), mask_token_id=dflash["mask_token_id"],
+            block_size=dflash.get("block_size", cfg.get("block_size", 16)), mask_token=dflash.get("mask_token"),
+            initializer_range=cfg.get("initializer_range", 0.02), bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"), pad_token_id=cfg.get("pad_token_id"), target=target,
+            extra=extra)
+
+    @classmethod
+    def from_target(cls, target_config, num_layers: int = 5, block_size: int = 16,
+                    target_layer_ids: list[int] | None = None, mask_token_id: int | None = None,
+                    tokenizer=None, target_identity: dict[str, Any] | None = None) -> "DFlashConfig":
+        """A new drafter's config for a target (its transformers config): hidden size, heads, head_dim, MLP width,
+        rope settings and norm eps are the target's; the tapped layers default to the reference's rule."""
+        from dflash_train.target import check_layer_ids, default_layer_ids
+
+        cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+            raise UserError(f"target hidden_act {cfg.hidden_act!r}: the DFlash drafter uses SwiGLU (silu) only")
+        L = cfg.num_hidden_layers
+        ids = list(target_layer_ids) if target_layer_ids is not None else default_layer_ids(L, num_layers)
+        check_layer_ids(ids, L)
+        if num_layers < 1 or block_size < 2:
+            raise UserError(f"a drafter needs num_layers >= 1 and block_size >= 2, got {num_layers}, {block_size}")
+        vocab_size = cfg.vocab_size
+        forbidden = _token_ids(getattr(cfg, "eos_token_id", None)) | _token_ids(getattr(cfg, "pad_token_id", None))
+        mask_token = None
+        if tokenizer is not None:
+            mask_token_id = resolve_mask_token_id(tokenizer, vocab_size, mask_token_id, forbidden)
+            if mask_token_id < len(tokenizer):
+                mask_token = tokenizer.convert_ids_to_tokens(mask_token_id)
+        elif mask_token_id is None:
+            raise UserError("a new drafter needs the target's tokenizer or an explicit mask_token_id")
+        elif not 0 <= mask_token_id < vocab_size or mask_token_id in forbidden:
+            raise UserError(f"mask_token_id {mask_token_id} must be a row of the target's embedding table "
+                            f"(0..{vocab_size - 1}) and not its pad/EOS id ({sorted(forbidden)})")
+        return cls(
+            hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=num_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            rms_norm_eps=float(cfg.rms_norm_eps), rope_parameters=_rope_parameters(cfg),
+            max_position_embeddings=cfg.max_position_embeddings, vocab_size=vocab_size, num_target_layers=L,
+            target_layer_ids=ids, mask_token_id=int(mask_token_id), block_size=block_size, mask_token=mask_token,
+            bos_token_id=getattr(cfg, "bos_token_id", None), eos_token_id=getattr(cfg, "eos_token_id", None),
+            pad_token_id=getattr(cfg, "pad_token_id", None), target=target_identity)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The mask token
+
+
+def _token_ids(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    return {int(v) for v in (value if isinstance(value, (list, tuple)) else [value])}
+
+
+def resolve_mask_token_id(tokenizer, vocab_size: int, requested: int | None = None,
+                          forbidden: set[int] | None = None) -> int:
+    """The id whose target embedding fills the non-anchor slots of a block.
+
+    It must be a row of the target's embedding table (`vocab_size` rows) and never the pad or EOS id: those
+    appear in real text, so the drafter could not tell "predict here" from content. Default: the first reserved
+    row past the tokenizer's vocabulary if the table has one (what the public Qwen3 drafters use), else a special
+    token that chat traffic never uses (for SmolLM2 `<repo_name>`). `requested` (from a recipe) is checked by the
+    same rules; `forbidden` adds ids to reject (e.g. the generation config's stop ids).
+    """
+    bad = _token_ids(getattr(tokenizer, "pad_token_id", None)) | _token_ids(
+        getattr(tokenizer, "eos_token_id", None)) | set(forbidden or ())
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int):
+            raise UserError(f"mask_token_id must be an integer token id, got {requested!r}")
+        if not 0 <= requested < vocab_size:
+            raise UserError(f"mask_token_id {requested} is not a row of the target's embedding table "
+                            f"(0..{vocab_size - 1})")
+        if requested in bad:
+            name = tokenizer.convert_ids_to_tokens(requested) if requested < len(tokenizer) else requested
+            raise UserError(f"mask_token_id {requested} ({name}) is the target's pad or EOS token; pick a token "
+                            f"that never occurs in real text (a reserved row or an unused special token)")
+        return requested
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    template = getattr(tokenizer, "chat_template", None) or ""
+    template = template if isinstance(template, str) else json.dumps(template)
+    vocab = tokenizer.get_vocab()
+    for token in UNUSED_SPECIAL_TOKENS:
+        token_id = vocab.get(token)
+        if token_id is not None and token_id < vocab_size and token_id not in bad and token not in template:
+            return int(token_id)
+    raise UserError(f"the target's tokenizer fills its whole embedding table ({vocab_size} rows) and has none of "
+                    f"the unused special tokens {', '.join(UNUSED_SPECIAL_TOKENS)}: set mask_token_id in the "
+                    f"recipe to a token that chat traffic never uses")
