@@ -153,9 +153,9 @@ def engine_steps(output: EngineOutput) -> tuple[list, int]:
     step accounts for (should be 0).
 
     The prefill gives the first token; verification step i commits its accepted drafts plus the target's own
-    next token, except where the output ends (stop token or max_tokens): vLLM counts the drafts it accepted
-    before cutting, the project's tau counts only those that are part of the output (`Step.tau`), so the last
-    step's committed count is what remains of the output."""
+    next token, except where the output ends (stop token or max_tokens), where the last step's committed count
+    is what remains of the output. Its tau still counts every draft vLLM accepted before the cut, as vLLM itself,
+    the reference DFlash loop and `Step.tau` do."""
     from dflash_train.spec_decode import Step
 
     remaining = max(len(output.token_ids) - 1, 0)

@@ -6,7 +6,7 @@
 For every prompt, in one run: plain target decoding (the reference and the tokens/s baseline), then the
 speculative loop with the drafter, with each baseline drafter and with block size 1 (no speculation). Every
 speculative output is compared with the plain one token by token (the lossless check). Acceptance length
-(tau) of a verification step = 1 + the accepted drafts that are part of the output, at most B; a prompt's tau
+(tau) of a verification step = 1 + the accepted drafts, at most B (spec_decode.Step.tau); a prompt's tau
 is the mean over its steps, the reported tau the mean over prompts (and, beside it, over all steps). With
 `--store`, the offline estimate runs the trainer's simulated acceptance on captured held-out samples (every
 anchor, no target forward) with the same definition, and is reported beside the online tau.
@@ -542,7 +542,7 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{_fmt(o['tau'])} (all anchors {_fmt(o['tau_steps'])}); online - offline = "
                   f"{_fmt(report['tau_gap'])}.", ""]
     lines += _acceptance_markdown(report)
-    lines += ["", "tau = 1 + accepted drafts that are part of the output (at most B), per verification step; "
+    lines += ["", "tau = 1 + accepted drafts (at most B), per verification step; "
               "tokens/s counts decoded tokens after the first (prefill excluded); speedup = tokens/s over plain "
               "decoding's on the same prompts in the same run.", ""]
     return "\n".join(lines)

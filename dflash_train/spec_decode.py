@@ -34,10 +34,11 @@ class Step:
 
     @property
     def tau(self) -> int:
-        """Acceptance length: 1 + the accepted drafts that are part of the output, at most B. Accepted drafts
-        past the end of the output (after the stop token or the length limit) are not counted, just as offline
-        a draft past the end of the captured response cannot be checked (objective.simulated_acceptance)."""
-        return 1 + min(self.accepted, self.committed)
+        """Acceptance length: 1 + the drafts the target accepted, at most B, as z-lab/dflash counts it (and the
+        shipped module's spec_generate): also on the last step, where a stop token or the length limit cuts the
+        output short of them. (Offline, objective.simulated_acceptance cannot check drafts past the end of the
+        captured response; that is where the two estimates may differ.)"""
+        return 1 + self.accepted
 
 
 @dataclass

@@ -31,13 +31,14 @@ NEW_TOKENS = 24
 # --- without an engine ------------------------------------------------------------------------------------------
 
 
-def test_engine_steps_count_only_drafts_inside_the_output():
-    """vLLM counts the drafts it accepted before the output was cut; tau counts those inside the output."""
+def test_engine_steps_keep_the_drafts_vllm_accepted_before_the_cut():
+    """vLLM counts the drafts it accepted before the output was cut, and so does tau (as the reference does);
+    the committed counts account for the output exactly."""
     out = EngineOutput(id="a", token_ids=list(range(1 + 4 + 1 + 2)), finish_reason="length", decode_s=1.0,
                        accepted=[3, 0, 5], drafted=[7, 7, 7])
     steps, left = engine_steps(out)
     assert [(s.accepted, s.committed) for s in steps] == [(3, 4), (0, 1), (5, 2)] and left == 0
-    assert [s.tau for s in steps] == [4, 1, 3]
+    assert [s.tau for s in steps] == [4, 1, 6]
     no_steps, left = engine_steps(EngineOutput(id="b", token_ids=[1, 2, 3], finish_reason="stop", decode_s=0.1))
     assert no_steps == [] and left == 2  # tokens no verification step accounts for are reported, not hidden
 

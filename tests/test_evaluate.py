@@ -19,14 +19,14 @@ REPO = Path(__file__).resolve().parent.parent
 def test_tau_and_per_position_on_hand_made_step_logs():
     logs = [
         [Step(accepted=3, committed=4), Step(accepted=0, committed=1), Step(accepted=1, committed=2)],  # 4, 1, 2
-        [Step(accepted=3, committed=2)],  # a stop token after 2 tokens: 1 + min(3, 2) = 3
+        [Step(accepted=3, committed=2)],  # a stop token after 2 tokens: still 1 + 3 = 4, as the reference counts
         [],  # ended on the prefill token: no step, not counted
     ]
     stats = acceptance_stats(logs, block_size=4)
-    assert stats["tau"] == pytest.approx(((4 + 1 + 2) / 3 + 3) / 2)
-    assert stats["tau_steps"] == pytest.approx((4 + 1 + 2 + 3) / 4)
-    assert stats["per_position_acceptance"] == pytest.approx([3 / 4, 2 / 4, 1 / 4])
-    assert stats["tau_histogram"] == {"1": 1, "2": 1, "3": 1, "4": 1}
+    assert stats["tau"] == pytest.approx(((4 + 1 + 2) / 3 + 4) / 2)
+    assert stats["tau_steps"] == pytest.approx((4 + 1 + 2 + 4) / 4)
+    assert stats["per_position_acceptance"] == pytest.approx([3 / 4, 2 / 4, 2 / 4])
+    assert stats["tau_histogram"] == {"1": 1, "2": 1, "3": 0, "4": 2}
     assert stats["num_steps"] == 4
     assert stats["tau_steps"] == pytest.approx(1 + sum(stats["per_position_acceptance"]))
     assert math.isnan(acceptance_stats([[]], 4)["tau"])
@@ -83,7 +83,10 @@ def test_offline_estimate_equals_online_tau_for_the_oracle(tiny_target):
             assert len(per_anchor) == len(gen.tokens) - 1  # every response token with a next one is an anchor
             pos = len(ids)
             for step in gen.steps:  # the online anchors, in order
-                assert per_anchor[pos - len(ids)] == step.tau == 1 + min(horizon, S - 1 - pos)
+                assert per_anchor[pos - len(ids)] == 1 + min(horizon, S - 1 - pos)  # offline: within the response
+                assert step.tau == 1 + step.accepted == 1 + horizon  # online: what the target verified
+                if step.committed == step.accepted + 1:  # wherever the output does not end inside the drafts
+                    assert per_anchor[pos - len(ids)] == step.tau
                 pos += step.committed
         online = acceptance_stats(online_logs, B)
         offline = offline_estimate(_selecting(samples, oracle), oracle, embed.weight, torch.eye(V), B)

@@ -106,6 +106,7 @@ def test_stop_token_and_length_cut_inside_accepted_blocks(tiny_target):
             assert spec.tokens == plain.tokens and spec.stopped and plain.stopped
             assert spec.tokens[-1] == stop[0] and stop[0] not in spec.tokens[:-1]
             cuts += spec.steps[-1].committed < spec.steps[-1].accepted + 1
+            assert all(s.tau == 1 + s.accepted for s in spec.steps)
     assert cuts > 0, "no stop token fell inside an accepted block"
     for max_new in range(1, 12):  # the length limit at every slot
         plain = plain_generate(model, ids, max_new, [])
@@ -209,3 +210,40 @@ def test_untrained_dflash_drafter_is_lossless_and_drafts_like_training(tiny_targ
             B = drafter.block_size
             drafts = model.lm_head(hidden[0]).view(-1, B, model.config.vocab_size)[:, 1:].argmax(dim=-1)
         assert drafts.tolist() == [d for _, d in proposer.drafted]
+
+
+def test_a_step_cut_by_a_stop_token_counts_1_plus_its_accepted_drafts_in_both_loops(tiny_target):
+    """The acceptance length on the last step, where a stop token inside the accepted drafts ends the output, is
+    pinned to z-lab/dflash (which appends acceptance_length + 1 for every verification step): 1 + the drafts the
+    target accepted, not the tokens committed (the shipped spec_generate used to say) nor 1 + min(accepted,
+    committed) (spec_decode used to say). Both loops here draft with the same oracle and count alike."""
+    import types
+
+    from tiny import make_tiny_drafter
+
+    model, vocab, B = tiny_target.model, tiny_target.config.vocab_size, 4
+    ids = prompt_ids(tiny_target, PROMPTS[2])
+    ref = reference(tiny_target, ids, 40 + B)
+    stop = [ref[len(ids) + 6]]  # the 7th new token: inside the third block (steps commit 4 tokens each)
+    assert stop[0] not in ref[len(ids):len(ids) + 6]
+    spec = speculative_generate(model, ids, Oracle(ref, B, vocab), 40, stop)
+    last = spec.steps[-1]
+    assert spec.tokens == ref[len(ids):len(ids) + 7] and last.committed < last.accepted + 1 == B
+    assert [s.tau for s in spec.steps] == [B, B]
+
+    embed = model.get_input_embeddings().weight.detach()
+    table = torch.tensor(ref)
+    assert torch.equal((embed[table] @ embed.t()).argmax(-1), table)  # the LM head reads a row back as its token
+
+    def oracle_forward(self, position_ids, noise_embedding=None, target_hidden=None, **kwargs):
+        """Hidden state of slot k = the target's embedding of its own token at that position."""
+        return embed[table[position_ids[0, -noise_embedding.shape[1]:]]][None]
+
+    drafter, _ = make_tiny_drafter(tiny_target.config, tiny_target.tokenizer, num_layers=1, block_size=B,
+                                   target_layer_ids=[1])
+    drafter.forward = types.MethodType(oracle_forward, drafter)
+    lengths = []
+    out = drafter.spec_generate(target=model, input_ids=torch.tensor([ids]), max_new_tokens=40,
+                                stop_token_ids=stop, acceptance_lengths=lengths)
+    assert out[0, len(ids):].tolist() == spec.tokens
+    assert lengths == [s.tau for s in spec.steps]
