@@ -47,7 +47,7 @@ class CardInputs:
     drafter_config: dict[str, Any]
     num_parameters: int
     weights_dtype: str
-    target: dict[str, Any]  # target identity (target.json)
+    target: dict[str, Any]  # target identity (config.json's dflash_train.target)
     license: str
     license_from_recipe: bool
     gate: Gate

@@ -11,7 +11,7 @@ resumed from a checkpoint reproduces the loss sequence of an uninterrupted one.
 
 Run folder (`output_dir`):
   checkpoints/step-NNNNNNN/   accelerate/DeepSpeed state (model, optimizer, scheduler, RNG) + trainer_state.json
-  drafter/                    the final drafter (public DFlash format) + training_args.json + target.json
+  drafter/                    the final drafter (public DFlash format; config.json names the target) + training_args.json
   metrics.jsonl               one row per logged step and per eval
   recipe.yaml, provenance.json
 """
@@ -845,7 +845,6 @@ def save_final_drafter(out_dir: Path, core, config, state_dict: dict[str, torch.
     save_drafter(final.to(dtype), config, out)
     write_json_atomic(out / "training_args.json", {"recipe": recipe.to_dict(), "data": stores.summary(),
                                                    "run": summary})
-    write_json_atomic(out / "target.json", stores.manifest["target"])
     write_provenance(out, config=recipe.to_dict(), run=summary, stores=stores.folders)
     complete_output(out)
 

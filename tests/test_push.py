@@ -27,7 +27,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory, tiny_target):
-    """A tiny drafter folder as the trainer leaves it: save_pretrained + target.json + training_args.json, with
+    """A tiny drafter folder as the trainer leaves it: the drafter (its config.json naming the target it was trained
+    for) + training_args.json, with
     a real capture store (whose ingest report holds prompt text the card must never show)."""
     import torch
 
@@ -56,7 +57,6 @@ def drafter_dir(tmp_path_factory, tiny_target):
                                         target_identity=identity)
     out = root / "run" / "drafter"
     save_drafter(drafter, config, out)
-    (out / "target.json").write_text(json.dumps(identity))
     recipe = {"name": "tiny-run", "license": "mit", "push": {"min_tau": 1.2}, "seed": 0,
               "data": {"stores": [str(store)], "max_length": 512}, "optimizer": {"lr": 6e-4},
               "train": {"epochs": 2.0, "micro_batch_size": 4}}
@@ -154,7 +154,7 @@ def test_dry_run_writes_the_card_and_never_touches_the_network(drafter_dir, tmp_
         listener.accept()
     listener.close()
 
-    uploaded = {"README.md", "config.json", "model.safetensors", "dflash.py", "target.json", "training_args.json",
+    uploaded = {"README.md", "config.json", "model.safetensors", "dflash.py", "training_args.json",
                 "eval/summary.json", "eval/acceptance_by_position.png", "eval/tau_histogram.png"}
     for name in uploaded:
         assert (out / name).is_file() and f"  {name}  " in result.stdout, name
@@ -359,7 +359,7 @@ def test_push_round_trip_through_loopback_hub(drafter_dir, tmp_path):
         assert hub.commit_count(REPO) == 2  # the repo's initial commit + exactly one upload commit
         assert head.title == "Upload DFlash drafter from run tiny-run"
         assert set(head.files) == {".gitattributes", "README.md", "config.json", "model.safetensors", "dflash.py",
-                                   "target.json", "training_args.json", "eval/summary.json",
+                                   "training_args.json", "eval/summary.json",
                                    "eval/acceptance_by_position.png", "eval/tau_histogram.png"}
         weights = (drafter_dir / "model.safetensors").read_bytes()
         assert head.files["model.safetensors"].lfs_sha256 is not None  # went through LFS batch + PUT
