@@ -1,6 +1,11 @@
-"""The training stage: fit a DFlash drafter to a capture store, driven by a recipe.
+"""The training stage: fit a DFlash drafter to capture stores, driven by a recipe.
 
     accelerate launch train.py recipes/NAME.yaml [key=value ...]       (or `dflash-train train RECIPE ...`)
+
+`DFlashTrainer` is the recipe, read top to bottom: setup, the loop (train), one optimizer step (train_step),
+validation, checkpoints and the final drafter; the helpers it calls follow it. The data it reads (stores, rows,
+batches, the held-out split) is dflash_train/data.py; the loss is dflash_train/objective.py; the drafter is
+dflash_train/model/.
 
 Runs under accelerate with DeepSpeed ZeRO-2 by default (ZeRO-3 or plain DDP by recipe), bf16, gradient
 accumulation and optional gradient checkpointing. The target's embedding and LM head are plain frozen tensors
@@ -11,7 +16,8 @@ resumed from a checkpoint reproduces the loss sequence of an uninterrupted one.
 
 Run folder (`output_dir`):
   checkpoints/step-NNNNNNN/   accelerate/DeepSpeed state (model, optimizer, scheduler, RNG) + trainer_state.json
-  drafter/                    the final drafter (public DFlash format; config.json names the target) + training_args.json
+  drafter/                    the final drafter (public DFlash format: config.json names the target) and
+                              training_args.json
   metrics.jsonl               one row per logged step and per eval
   recipe.yaml, provenance.json
 """
@@ -25,7 +31,6 @@ import hashlib
 import json
 import math
 import os
-import random
 import shutil
 import sys
 import time
@@ -38,6 +43,7 @@ import torch
 import yaml
 
 from dflash_train import objective as obj
+from dflash_train.data import StoreSet, anchor_generator, collate, context_scale, prepare_data
 from dflash_train.errors import UserError
 from dflash_train.model.masks import resolve_attention
 from dflash_train.provenance import complete_output, start_output, write_json_atomic, write_provenance
@@ -48,217 +54,378 @@ CHECKPOINT_PREFIX = "step-"
 STATE_FILE = "trainer_state.json"
 
 
-# --- data -----------------------------------------------------------------------------------------------------
-
-
-class StoreSet:
-    """Several capture stores that must agree on target, tapped layers and hidden size, seen as one list."""
-
-    def __init__(self, folders: list[str]):
-        from dflash_train.store import open_store
-
-        if not folders:
-            raise UserError("no capture store given (recipe key data.stores)")
-        self.stores = [open_store(f) for f in folders]
-        self.folders = [str(f) for f in folders]
-        first = self.stores[0].manifest
-        for folder, store in zip(self.folders[1:], self.stores[1:]):
-            check_fits(f"store {folder}", Features.of_store(store.manifest),
-                       f"store {self.folders[0]} (stores trained together must match)", Features.of_store(first))
-        self.index = [(s, i) for s, store in enumerate(self.stores) for i in range(len(store))]
-        self.manifest = first
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        s, j = self.index[i]
-        return self.stores[s][j]
-
-    def length(self, i: int) -> int:
-        s, j = self.index[i]
-        return self.stores[s].length(j)
-
-    def ids(self) -> list[str]:
-        if not hasattr(self, "_ids"):
-            self._ids = [i for store in self.stores for i in store.ids]
-        return self._ids
-
-    def summary(self) -> dict[str, Any]:
-        return {"stores": [{"path": f, "num_samples": s.manifest["num_samples"], "num_tokens": s.manifest["num_tokens"],
-                            "generation": s.manifest.get("generation"), "storage_dtype": s.manifest["storage_dtype"],
-                            "ingest_report": s.manifest.get("ingest_report")}
-                           for f, s in zip(self.folders, self.stores)],
-                "num_samples": len(self), "num_tokens": sum(s.manifest["num_tokens"] for s in self.stores)}
-
-
-def _hash_fraction(text: str) -> float:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2 ** 64
-
-
-def split_eval(ids: list[str], fraction: float) -> tuple[list[int], list[int]]:
-    """(train indices, held-out indices): a sample is held out iff the hash of its id falls below `fraction`."""
-    held = [i for i, sid in enumerate(ids) if _hash_fraction("eval:" + sid) < fraction]
-    held_set = set(held)
-    return [i for i in range(len(ids)) if i not in held_set], held
-
-
-def make_rows(indices: list[int], lengths: list[int], max_length: int, packing: bool, seed: int) -> list[list[int]]:
-    """Training rows as lists of sample indices: one sample per row, or (packing) samples back to back in a
-    seeded order while they fit in max_length tokens (a sample longer than max_length is truncated)."""
-    if not packing:
-        return [[i] for i in indices]
-    order = list(indices)
-    random.Random(seed).shuffle(order)
-    rows, row, used = [], [], 0
-    for i in order:
-        n = min(lengths[i], max_length)
-        if row and used + n > max_length:
-            rows.append(row)
-            row, used = [], 0
-        row.append(i)
-        used += n
-    if row:
-        rows.append(row)
-    return rows
-
-
-TOPK_KEYS = ("topk_ids", "topk_logprobs")
-
-
-def _common_topk(samples: list[list[dict[str, Any]]]) -> int:
-    """The top-k width all samples carry (the smallest: each top-k row is sorted), 0 if any sample has none."""
-    return min(s["topk_ids"].shape[-1] if "topk_ids" in s else 0 for row in samples for s in row)
-
-
-def collate(samples: list[list[dict[str, Any]]], max_length: int) -> dict[str, torch.Tensor]:
-    """Rows of samples -> a padded batch with input_ids, loss_mask, hidden_states, position_ids, doc_start, and
-    topk_ids / topk_logprobs [b, S, K] when every sample has them (padding: ids 0, log-probs -inf).
-
-    Samples in one row are packed back to back; positions restart at each sample and doc_start marks where
-    each token's sample begins, so blocks never see another sample's context. Padding has loss_mask False."""
-    topk = _common_topk(samples)
-    keys = ("input_ids", "loss_mask", "hidden_states") + (TOPK_KEYS if topk else ())
-    rows = []
-    for row in samples:
-        parts = [{k: s[k][:max_length, :topk] if k in TOPK_KEYS else s[k][:max_length] for k in keys} for s in row]
-        budget, kept = max_length, []
-        for p in parts:
-            if budget <= 0:
-                break
-            kept.append({k: v[:budget] for k, v in p.items()})
-            budget -= len(kept[-1]["input_ids"])
-        rows.append(kept)
-    S = max(sum(len(p["input_ids"]) for p in row) for row in rows)
-    b = len(rows)
-    width = rows[0][0]["hidden_states"].shape[-1]
-    batch = {
-        "input_ids": torch.zeros(b, S, dtype=torch.long),
-        "loss_mask": torch.zeros(b, S, dtype=torch.bool),
-        "hidden_states": torch.zeros(b, S, width, dtype=rows[0][0]["hidden_states"].dtype),
-        "position_ids": torch.zeros(b, S, dtype=torch.long),
-        "doc_start": torch.zeros(b, S, dtype=torch.long),
-    }
-    if topk:
-        batch["topk_ids"] = torch.zeros(b, S, topk, dtype=torch.long)
-        batch["topk_logprobs"] = torch.full((b, S, topk), float("-inf"))
-    num_tokens = 0
-    for r, row in enumerate(rows):
-        at = 0
-        for p in row:
-            n = len(p["input_ids"])
-            batch["input_ids"][r, at:at + n] = p["input_ids"]
-            batch["loss_mask"][r, at:at + n] = p["loss_mask"]
-            batch["hidden_states"][r, at:at + n] = p["hidden_states"]
-            for k in TOPK_KEYS if topk else ():
-                batch[k][r, at:at + n] = p[k]
-            batch["position_ids"][r, at:at + n] = torch.arange(n)
-            batch["doc_start"][r, at:at + n] = at
-            at += n
-        batch["position_ids"][r, at:] = torch.arange(S - at) + (at and int(batch["position_ids"][r, at - 1]) + 1)
-        batch["doc_start"][r, at:] = at
-        num_tokens += at
-    batch["num_tokens"] = torch.tensor(num_tokens)
-    return batch
-
-
-def check_soft_labels(recipe: Recipe, stores: StoreSet) -> None:
-    """objective.soft_label_weight > 0 needs every training store to carry the target's top-k soft labels."""
-    weight = recipe.objective.soft_label_weight
-    missing = [f for f, s in zip(stores.folders, stores.stores) if not s.manifest.get("topk")]
-    if weight > 0 and missing:
-        raise UserError(f"recipe key objective.soft_label_weight is {weight}, but store(s) {', '.join(missing)} "
-                        f"hold no top-k soft labels: recapture with `dflash-train capture ... --store-topk K` "
-                        f"(e.g. 8) or set objective.soft_label_weight: 0")
+# --- the recipe -----------------------------------------------------------------------------------------------
 
 
 @dataclass
-class DataPlan:
-    """Which rows every (step, micro step, rank) trains on: a seeded permutation of the rows per epoch."""
-    rows: list[list[int]]
-    world: int
-    micro_batch: int
-    grad_accum: int
-    seed: int
-
-    @property
-    def rows_per_step(self) -> int:
-        return self.world * self.micro_batch * self.grad_accum
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return len(self.rows) // self.rows_per_step
-
-    def epoch_order(self, epoch: int) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(len(self.rows), generator=g).tolist()
-
-    def rows_for(self, step: int, micro: int, rank: int) -> list[list[int]]:
-        epoch, k = divmod(step, self.steps_per_epoch)
-        order = self.epoch_order(epoch)
-        base = k * self.rows_per_step + (micro * self.world + rank) * self.micro_batch
-        return [self.rows[order[base + i]] for i in range(self.micro_batch)]
+class TrainState:
+    """Where a run is; every checkpoint's trainer_state.json holds it, and a resumed run starts from it."""
+    step: int = 0  # optimizer steps done
+    bad_in_a_row: int = 0  # steps skipped for a non-finite loss, in a row up to `step`
+    bad_total: int = 0
 
 
 @dataclass
-class TrainData:
-    stores: StoreSet
-    train_indices: list[int]
-    plan: DataPlan
-    eval_samples: list[dict[str, Any]]
+class StepStats:
+    """What one optimizer step measured, summed over its micro steps (and, after `summed_over_ranks`, over ranks)."""
+    loss_sum: torch.Tensor  # float64 []: the finite micro-step losses (each a weighted mean), summed
+    micro_steps: torch.Tensor  # float64 []
+    tokens: torch.Tensor  # float64 []: real tokens read (padding excluded)
+    correct: torch.Tensor  # float64 [B]: correct greedy predictions per block slot
+    counted: torch.Tensor  # float64 [B]: supervised predictions per block slot
+    skipped: bool = False  # a non-finite loss (on any rank): no optimizer step was taken
+    grad_norm: torch.Tensor | float | None = None  # as clip_grad_norm_ returns it (None when skipped)
+    kl: torch.Tensor | None = None  # the last micro batch's KL to the target's top-k (this rank's), or None
+    lr: float = 0.0  # the learning rate the step used
+    seconds: float = 0.0
+
+    @classmethod
+    def zeros(cls, block_size: int) -> "StepStats":
+        zero = torch.zeros((), dtype=torch.float64)
+        return cls(zero.clone(), zero.clone(), zero.clone(), torch.zeros(block_size, dtype=torch.float64),
+                   torch.zeros(block_size, dtype=torch.float64))
+
+    SUMMED = ("loss_sum", "micro_steps", "tokens", "correct", "counted")
+
+    def summed_over_ranks(self, accelerator) -> "StepStats":
+        """The counters summed over all ranks, in one all-reduce."""
+        parts = [getattr(self, name).reshape(-1) for name in self.SUMMED]
+        total = accelerator.reduce(torch.cat(parts).to(accelerator.device), reduction="sum").cpu()
+        summed = dict(zip(self.SUMMED, total.split([p.numel() for p in parts])))
+        return dataclasses.replace(self, **{k: v.reshape(getattr(self, k).shape) for k, v in summed.items()})
+
+    @property
+    def loss(self) -> float:
+        """Mean micro-step loss; NaN for a skipped step."""
+        return math.nan if self.skipped else float(self.loss_sum / self.micro_steps)
+
+    def accuracy(self) -> list[float | None]:
+        """Greedy accuracy of block slots 1..B-1 (slot 0, the anchor, is not predicted)."""
+        return [round(float(c / n), 4) if n else None for c, n in zip(self.correct[1:], self.counted[1:])]
 
 
-def prepare_data(recipe: Recipe, world: int) -> TrainData:
-    """Open the stores, hold out the eval samples, and lay out the rows every step trains on."""
-    stores = StoreSet(recipe.data.stores)
-    check_soft_labels(recipe, stores)
-    if recipe.data.eval_store:
-        eval_set = StoreSet([recipe.data.eval_store])
-        check_fits(f"eval store {recipe.data.eval_store}", Features.of_store(eval_set.manifest),
-                   "the training stores", Features.of_store(stores.manifest))
-        train_idx = list(range(len(stores)))
-        eval_samples = [eval_set[i] for i in range(min(len(eval_set), recipe.data.eval_samples))]
-    else:
-        train_idx, held = split_eval(stores.ids(), recipe.data.eval_fraction)
-        eval_samples = [stores[i] for i in held[:recipe.data.eval_samples]]
-    if recipe.data.max_samples is not None:
-        train_idx = train_idx[:recipe.data.max_samples]
-    if not train_idx:
-        raise UserError(f"no training samples left in {', '.join(stores.folders)} after holding out the eval split")
-    lengths = [stores.length(i) for i in range(len(stores))]
-    rows = make_rows(train_idx, lengths, recipe.data.max_length, recipe.data.batching == "packing", recipe.seed)
-    plan = DataPlan(rows=rows, world=world, micro_batch=recipe.train.micro_batch_size,
-                    grad_accum=recipe.train.grad_accum_steps, seed=recipe.seed)
-    if plan.steps_per_epoch < 1:
-        raise UserError(f"{len(rows)} training rows are fewer than one optimizer step needs ({plan.rows_per_step} = "
-                        f"{world} processes x micro_batch_size {plan.micro_batch} x grad_accum_steps "
-                        f"{plan.grad_accum})")
-    return TrainData(stores=stores, train_indices=train_idx, plan=plan, eval_samples=eval_samples)
+class DFlashTrainer:
+    """The training recipe. `setup` builds every part from the recipe (accelerator, data, drafter, the target's
+    frozen embedding and LM head, optimizer, schedule) and resumes from the newest checkpoint; `train` runs the
+    loop; one optimizer step is `train_step`; `validate` measures the held-out samples; `save_checkpoint` and
+    `save_drafter` write the run folder; `cleanup` ends the process group."""
+
+    def __init__(self, recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, ...] = ()):
+        self.recipe, self.recipe_path, self.overrides = recipe, recipe_path, tuple(overrides)
+        self.run_dir = Path(recipe.output_dir)
+        self.started = time.time()
+        self.last_loss = math.nan
+        self.last_eval: dict[str, Any] = {}
+        self.last_checkpoint_step: int | None = None
+
+    # -- setup ----------------------------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        recipe = self.recipe
+        warnings.filterwarnings("ignore", message=r".*`torch.distributed.\w+` is deprecated")  # DeepSpeed internals
+        self.accelerator = accelerator = make_accelerator(recipe)
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.main, self.device = accelerator.is_main_process, accelerator.device
+        self.precision = train_precision(recipe)
+        if self.main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+            write_provenance(self.run_dir, config=recipe.to_dict(), recipe_file=self.recipe_path,
+                             overrides=list(self.overrides), world_size=self.world,
+                             precision=self.precision.as_dict())
+            print(f"train: compute dtype {self.precision.describe()}", flush=True)
+        accelerator.wait_for_everyone()
+
+        self.data = prepare_data(recipe, self.world)
+        self.plan = self.data.plan
+        self.total_steps = recipe.train.max_steps or max(1, int(recipe.train.epochs * self.plan.steps_per_epoch))
+        self.target_name = target_name = recipe.drafter.target or self.data.stores.manifest["target"]["name"]
+        check_store_against_target(self.data.stores, target_name)
+        drafter, self.drafter_config = build_drafter(recipe, self.data.stores, target_name, self.data.train_indices)
+        if recipe.train.gradient_checkpointing:
+            drafter.gradient_checkpointing_enable()
+        self.embed, self.head = self.load_target_parts(target_name)
+
+        opt = recipe.optimizer
+        # fused: one kernel per step instead of a dozen passes per tensor (4x faster on CPU; CUDA has it too)
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                                      weight_decay=opt.weight_decay, fused=True)
+        self.model, self.optimizer = accelerator.prepare(drafter, optimizer)
+        self.clock = TrainClock(recipe.train.time_budget_s)
+        schedule = functools.partial(lr_factor, total_steps=self.total_steps, warmup_ratio=opt.warmup_ratio,
+                                     schedule=opt.schedule, min_ratio=opt.min_lr_ratio, decay_ratio=opt.decay_ratio)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: schedule(s, progress=self.clock.progress))
+        accelerator.register_for_checkpointing(self.scheduler)
+        self.core = accelerator.unwrap_model(self.model)  # the plain DFlashDraftModel (validation, export)
+        self.attention = resolve_attention(recipe.objective.attention, self.device)
+        uses_deepspeed = recipe.train.deepspeed is not None
+        self.zero_stage = deepspeed_config(recipe).get("zero_optimization", {}).get("stage", 0) \
+            if uses_deepspeed else 0
+
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.main)
+        self.state, self.resumed_from = self.resume()
+        self.metrics.wandb_run = start_wandb(recipe, self.run_dir, self.main)
+        if self.main:
+            n_params = sum(p.numel() for p in self.core.parameters())
+            print(f"training {n_params / 1e6:.2f}M drafter parameters on {len(self.data.train_indices)} samples "
+                  f"({len(self.plan.rows)} rows, {self.plan.steps_per_epoch} steps/epoch), {self.total_steps} steps"
+                  + (f" or {recipe.train.time_budget_s:g} s of training" if recipe.train.time_budget_s else "")
+                  + f", {self.world} process(es) on {self.device.type}, attention={self.attention}, "
+                  f"deepspeed={recipe.train.deepspeed}", flush=True)
+
+    def load_target_parts(self, target_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's embedding and LM head: plain frozen tensors next to the drafter, never inside the module
+        DeepSpeed wraps (no gradient, no optimizer state, no ZeRO partitioning)."""
+        from dflash_train.target import load_embedding_and_head
+
+        embed, head = load_embedding_and_head(target_name, dtype=self.precision.dtype)
+        tied = head is embed
+        embed = embed.to(self.device)
+        head = embed if tied else head.to(self.device)
+        config = self.drafter_config
+        if head.shape[1] != config.hidden_size or embed.shape[0] <= config.mask_token_id:
+            raise UserError(f"target {target_name!r}: embedding/LM head shapes {tuple(embed.shape)}/"
+                            f"{tuple(head.shape)} do not fit the drafter (hidden {config.hidden_size})")
+        return embed, head
+
+    def resume(self) -> tuple[TrainState, Path | None]:
+        """The state of the newest checkpoint (checkpoint.resume), its model/optimizer/scheduler/RNG loaded; a
+        fresh state (and a fresh metrics.jsonl) otherwise."""
+        resume_from = find_resume_checkpoint(self.recipe, self.run_dir)
+        if resume_from is None:
+            if self.main and self.metrics.path.exists():
+                self.metrics.path.unlink()
+            return TrainState(), None
+        self.accelerator.load_state(str(resume_from))
+        saved = json.loads((resume_from / STATE_FILE).read_text())
+        state = TrainState(step=saved["step"], bad_in_a_row=saved["bad_in_a_row"], bad_total=saved["bad_total"])
+        self.clock.spent_s = float(saved.get("train_time_s", 0.0))
+        if saved.get("total_steps") != self.total_steps and self.main:
+            print(f"note: the checkpoint was written for {saved.get('total_steps')} total steps, this run has "
+                  f"{self.total_steps}; the learning-rate schedule follows this run", flush=True)
+        self.metrics.truncate_after(state.step)
+        if self.main:
+            print(f"resuming from {resume_from} at step {state.step}", flush=True)
+        self.last_checkpoint_step = state.step
+        return state, resume_from
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+
+    def train(self) -> dict[str, Any]:
+        """Optimizer steps until max steps (or the time budget); validation and checkpoints on their schedule;
+        then the final drafter. Returns the run summary."""
+        from tqdm import tqdm
+
+        recipe, state = self.recipe, self.state
+        bar = tqdm(total=self.total_steps, initial=state.step, desc="train", dynamic_ncols=True,
+                   disable=not (self.main and recipe.logging.progress_bar))
+        self.model.train()
+        self.clock.start()
+        while state.step < self.total_steps and not self.clock.expired:
+            stats = self.train_step(state.step)
+            state.step += 1
+            bar.update(1)
+            state.bad_in_a_row = state.bad_in_a_row + 1 if stats.skipped else 0
+            state.bad_total += int(stats.skipped)
+            self.last_loss = stats.loss
+            if state.step % recipe.logging.log_every == 0 or state.step == self.total_steps:
+                self.log_step(stats)
+                bar.set_postfix(loss=f"{self.last_loss:.3f}", acc1=stats.accuracy()[0],
+                                tau=self.last_eval.get("eval_sim_tau"))
+            if state.bad_in_a_row >= recipe.train.max_bad_steps:
+                bar.close()
+                self.stop_diverged()
+            done = state.step >= self.total_steps or self.clock.expired
+            self.clock.pause()  # validation and checkpoints do not count against the training time budget
+            if self.data.eval_samples and ((recipe.eval.every and state.step % recipe.eval.every == 0)
+                                           or (recipe.eval.at_end and done)):
+                self.validate()
+                bar.set_postfix(loss=f"{self.last_loss:.3f}", tau=self.last_eval["eval_sim_tau"])
+            if state.step % recipe.checkpoint.every == 0 or done:
+                self.save_checkpoint()
+            self.clock.start()
+        self.clock.pause()
+        bar.close()
+        return self.save_drafter()
+
+    def train_step(self, step: int) -> StepStats:
+        """One optimizer step: grad_accum_steps micro batches of this rank's rows, anchors drawn from a generator
+        keyed on (seed, step, micro step, rank). A non-finite loss on any rank skips the step on all of them."""
+        recipe, plan, accelerator = self.recipe, self.plan, self.accelerator
+        B = recipe.drafter.block_size
+        stats = StepStats.zeros(B)
+        stats.lr = self.optimizer.param_groups[0]["lr"]
+        t0 = time.time()
+        for micro in range(plan.grad_accum):
+            rows = plan.rows_for(step, micro, self.rank)
+            batch = collate([[self.data.stores[i] for i in row] for row in rows], recipe.data.max_length)
+            num_tokens = int(batch.pop("num_tokens"))
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            blocks = obj.sample_anchors(batch["loss_mask"], recipe.objective.num_anchors, B,
+                                        anchor_generator(recipe.seed, step, micro, self.rank), batch["doc_start"])
+            if in_context_warmup(recipe, step, self.total_steps, self.clock):
+                blocks = dataclasses.replace(blocks, context_window=recipe.objective.context_warmup_window)
+            with accelerator.accumulate(self.model):
+                out = obj.dflash_loss(self.model, self.embed, self.head, batch, blocks,
+                                      mask_token_id=self.drafter_config.mask_token_id, gamma=recipe.decay_gamma,
+                                      attention=self.attention, head_chunk_tokens=recipe.objective.head_chunk_tokens,
+                                      soft_label_weight=recipe.objective.soft_label_weight)
+                finite = torch.tensor(float(torch.isfinite(out.loss.detach())), device=self.device)
+                finite = accelerator.reduce(finite, reduction="sum") if self.world > 1 else finite
+                loss = out.loss
+                if finite < self.world:
+                    stats.skipped = True
+                    # Make every gradient non-finite on purpose: DeepSpeed (check_grad_overflow) then skips the
+                    # optimizer step and clears the gradients on all ranks, as the code below does without it.
+                    loss = out.loss * float("nan")
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and not stats.skipped:
+                    # DeepSpeed clipped inside backward's engine.step(); this only reads its norm
+                    stats.grad_norm = accelerator.clip_grad_norm_(self.model.parameters(),
+                                                                  recipe.optimizer.grad_clip or float("inf"))
+                if recipe.train.deepspeed is not None or not stats.skipped:
+                    self.optimizer.step()  # under DeepSpeed a no-op wrapper: the engine stepped (or skipped) already
+                self.optimizer.zero_grad(set_to_none=True)
+            if not stats.skipped:
+                stats.loss_sum += float(out.loss.detach())
+            stats.micro_steps += 1
+            stats.tokens += num_tokens
+            stats.correct += out.correct.double().cpu()
+            stats.counted += out.counted.double().cpu()
+        stats.kl = out.kl
+        self.scheduler.step()
+        if self.world > 1:
+            stats = stats.summed_over_ranks(accelerator)
+        stats.seconds = time.time() - t0
+        return stats
+
+    def log_step(self, stats: StepStats) -> None:
+        gn = stats.grad_norm.item() if isinstance(stats.grad_norm, torch.Tensor) else stats.grad_norm
+        acc = stats.accuracy()
+        self.metrics.log({
+            "kind": "train", "step": self.state.step, "epoch": round(self.state.step / self.plan.steps_per_epoch, 4),
+            "loss": None if stats.skipped else stats.loss, "acc": acc, "acc_1": acc[0], "lr": stats.lr,
+            "kl": None if stats.kl is None else float(stats.kl),
+            "grad_norm": None if gn is None or (isinstance(gn, float) and not math.isfinite(gn)) else gn,
+            "tokens_per_s": float(stats.tokens) / stats.seconds, "skipped": stats.skipped,
+            "bad_steps": self.state.bad_total, "time": round(time.time() - self.started, 2),
+            "train_time": round(self.clock.elapsed, 2)})
+
+    def stop_diverged(self) -> None:
+        newest = checkpoint_dirs(self.run_dir)
+        where = f"{newest[-1][1]} (step {newest[-1][0]})" if newest else "none yet"
+        raise UserError(f"{self.state.bad_in_a_row} optimizer steps in a row (up to step {self.state.step}) had a "
+                        f"non-finite loss: training diverged and was stopped. Newest checkpoint: {where}. Lower "
+                        f"optimizer.lr, check the store for bad samples, or raise train.max_bad_steps")
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, Any]:
+        """Held-out loss (anchors drawn with a fixed seed) and simulated acceptance length `eval_sim_tau` (a block
+        at every anchor, objective.simulated_acceptance), logged as an "eval" row of metrics.jsonl."""
+        drafter, recipe = self.core, self.recipe
+        samples = self.data.eval_samples
+        was_training = drafter.training
+        drafter.eval()
+        B = recipe.drafter.block_size
+        mask_id = self.drafter_config.mask_token_id
+        loss_sum, weight_sum = 0.0, 0.0
+        correct, counted = torch.zeros(B), torch.zeros(B)
+        lengths = []
+        for i, sample in enumerate(samples):
+            batch = {k: v.to(self.device) for k, v in collate([[sample]], recipe.data.max_length).items()}
+            blocks = obj.sample_anchors(batch["loss_mask"], recipe.objective.num_anchors, B,
+                                        anchor_generator(recipe.seed, -1, i, 0))
+            out = obj.dflash_loss(drafter, self.embed, self.head, batch, blocks, mask_token_id=mask_id,
+                                  gamma=recipe.decay_gamma, attention=self.attention,
+                                  head_chunk_tokens=recipe.objective.head_chunk_tokens)
+            w = float(out.weight_sum)
+            if w > 0:
+                loss_sum += float(out.loss) * w
+                weight_sum += w
+            correct += out.correct.cpu()
+            counted += out.counted.cpu()
+            trimmed = {k: batch[k][0] for k in ("input_ids", "loss_mask", "hidden_states")}
+            lengths.append(obj.simulated_acceptance(drafter, self.embed, self.head, trimmed, B, mask_id,
+                                                    attention=self.attention))
+        drafter.train(was_training)
+        all_lengths = torch.cat(lengths) if lengths else torch.zeros(0, dtype=torch.long)
+        result = {
+            "eval_loss": loss_sum / weight_sum if weight_sum else math.nan,
+            "eval_sim_tau": float(all_lengths.float().mean()) if all_lengths.numel() else math.nan,
+            "eval_acc": [round(float(c / n), 4) if n else None for c, n in zip(correct[1:], counted[1:])],
+            "eval_anchors": int(all_lengths.numel()),
+            "eval_samples": len(samples),
+        }
+        self.last_eval = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
+        self.metrics.log({"kind": "eval", "step": self.state.step, **self.last_eval,
+                          "time": round(time.time() - self.started, 2), "train_time": round(self.clock.elapsed, 2)})
+        return result
+
+    # -- outputs --------------------------------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        """checkpoints/step-N: the accelerate/DeepSpeed state and trainer_state.json (TrainState, the schedule's
+        length, the data position and every rank's parameter digest)."""
+        step, plan = self.state.step, self.plan
+        digests = check_replicas(self.accelerator, self.model, step, self.zero_stage)
+        trainer_state = {
+            **dataclasses.asdict(self.state), "total_steps": self.total_steps, "epoch": step / plan.steps_per_epoch,
+            "world_size": self.world, "train_time_s": self.clock.elapsed,
+            "data_position": {"epoch": step // plan.steps_per_epoch, "step_in_epoch": step % plan.steps_per_epoch},
+            "rank_parameter_digests": digests}
+        path = save_checkpoint(self.accelerator, self.run_dir, step, trainer_state, self.recipe.checkpoint.keep_last)
+        self.last_checkpoint_step = step
+        return path
+
+    def save_drafter(self) -> dict[str, Any]:
+        """drafter/: the final drafter in the public DFlash format, in the target's dtype (what engines serve the
+        pair in, whatever precision trained it; all ranks gather the weights under ZeRO-3), with
+        training_args.json and provenance.json. Returns the run summary."""
+        recipe, state = self.recipe, self.state
+        state_dict = self.accelerator.get_state_dict(self.model)
+        summary = {"steps": state.step, "final_train_loss": self.last_loss,
+                   "train_time_s": round(self.clock.elapsed, 1),
+                   **{f"final_{k}": v for k, v in self.last_eval.items()},
+                   "bad_steps": state.bad_total, "wall_time_s": round(time.time() - self.started, 1),
+                   "world_size": self.world, "device": self.device.type,
+                   "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+                   "last_checkpoint_step": self.last_checkpoint_step}
+        if self.main:
+            from dflash_train.model.checkpoint import create_drafter, save_drafter
+            from dflash_train.target import checkpoint_dtype
+
+            out = start_output(self.run_dir / "drafter")
+            final = create_drafter(self.drafter_config)
+            final.load_state_dict({k: v.detach().cpu() for k, v in state_dict.items()}, strict=True)
+            final.set_context_scale(self.core.context_scale)  # save_drafter folds it into fc
+            dtype = checkpoint_dtype(self.target_name) or self.precision.dtype
+            save_drafter(final.to(dtype), self.drafter_config, out)
+            recorded = {**summary, "precision": self.precision.as_dict()}
+            write_json_atomic(out / "training_args.json",
+                              {"recipe": recipe.to_dict(), "data": self.data.stores.summary(), "run": recorded})
+            write_provenance(out, config=recipe.to_dict(), run=recorded, stores=self.data.stores.folders)
+            complete_output(out)
+            wandb_run = self.metrics.wandb_run
+            if wandb_run is not None:
+                wandb_run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
+                wandb_run.finish()
+            print(f"done: {state.step} steps in {summary['wall_time_s']} s; final loss {self.last_loss:.4f}"
+                  + (f", simulated tau {self.last_eval.get('eval_sim_tau')}" if self.last_eval else "")
+                  + f"; drafter in {self.run_dir / 'drafter'}", flush=True)
+        return summary
+
+    def cleanup(self) -> None:
+        self.accelerator.wait_for_everyone()
+        self.accelerator.end_training()
 
 
-def anchor_generator(seed: int, step: int, micro: int, rank: int) -> torch.Generator:
-    key = hashlib.sha256(f"anchors:{seed}:{step}:{micro}:{rank}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(key[:8], "big") & (2 ** 63 - 1))
+def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    trainer = DFlashTrainer(recipe, recipe_path, overrides)
+    trainer.setup()
+    summary = trainer.train()
+    trainer.cleanup()
+    return summary
 
 
 # --- schedule -------------------------------------------------------------------------------------------------
@@ -442,9 +609,6 @@ def build_drafter(recipe: Recipe, stores: StoreSet, target_name: str, train_indi
                                       tokenizer=load_tokenizer(str(path)), target_identity=stores.manifest["target"])
     torch.manual_seed(recipe.seed)
     drafter = create_drafter(config)
-    if config.hidden_size != stores.manifest["hidden_size"]:
-        raise UserError(f"drafter hidden size {config.hidden_size} != store hidden_size "
-                        f"{stores.manifest['hidden_size']}")
     if recipe.drafter.context_norm:
         drafter.set_context_scale(context_scale(stores, train_indices or list(range(len(stores)))))
     if recipe.drafter.init_from is not None:
@@ -454,22 +618,6 @@ def build_drafter(recipe: Recipe, stores: StoreSet, target_name: str, train_indi
         layers, final_norm = load_decoder_layers(target_name, list(range(n - recipe.drafter.num_layers, n)))
         init_from_target(drafter, layers, final_norm)
     return drafter, config
-
-
-def context_scale(stores: StoreSet, indices: list[int], max_samples: int = 64) -> torch.Tensor:
-    """Per-channel RMS of the tapped states over (up to) the first `max_samples` training samples, [n*H].
-
-    Position 0 is left out: its states (the attention sink) are hundreds of times larger than any other
-    position's and would set the scale of the channels they touch."""
-    total, count = None, 0
-    for i in indices[:max_samples]:
-        states = stores[i]["hidden_states"][1:].float()
-        sq = states.pow(2).sum(dim=0)
-        total = sq if total is None else total + sq
-        count += states.shape[0]
-    if not count:
-        raise UserError("drafter.context_norm needs training samples of at least 2 tokens")
-    return (total / count).sqrt().clamp(min=1e-3)
 
 
 # --- checkpoints --------------------------------------------------------------------------------------------------
@@ -581,272 +729,6 @@ def start_wandb(recipe: Recipe, run_dir: Path, enabled: bool):
     return wandb.init(project=recipe.logging.wandb_project, name=recipe.logging.wandb_run_name or recipe.name,
                       config=recipe.to_dict(), mode=mode, dir=str(run_dir), resume="allow",
                       id=hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16])
-
-
-# --- eval ---------------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def evaluate(drafter, embed, head, samples: list[dict[str, Any]], recipe: Recipe, attention: str,
-             device) -> dict[str, Any]:
-    """Held-out loss (anchors drawn with a fixed seed) and simulated acceptance length (blocks at every anchor)."""
-    was_training = drafter.training
-    drafter.eval()
-    B = recipe.drafter.block_size
-    mask_id = drafter.mask_token_id
-    loss_sum, weight_sum = 0.0, 0.0
-    correct = torch.zeros(B)
-    counted = torch.zeros(B)
-    lengths = []
-    for i, sample in enumerate(samples):
-        batch = {k: v.to(device) for k, v in collate([[sample]], recipe.data.max_length).items()}
-        blocks = obj.sample_anchors(batch["loss_mask"], recipe.objective.num_anchors, B,
-                                    anchor_generator(recipe.seed, -1, i, 0))
-        out = obj.dflash_loss(drafter, embed, head, batch, blocks, mask_token_id=mask_id, gamma=recipe.decay_gamma,
-                              attention=attention, head_chunk_tokens=recipe.objective.head_chunk_tokens)
-        w = float(out.weight_sum)
-        if w > 0:
-            loss_sum += float(out.loss) * w
-            weight_sum += w
-        correct += out.correct.cpu()
-        counted += out.counted.cpu()
-        trimmed = {k: batch[k][0] for k in ("input_ids", "loss_mask", "hidden_states")}
-        lengths.append(obj.simulated_acceptance(drafter, embed, head, trimmed, B, mask_id, attention=attention))
-    drafter.train(was_training)
-    all_lengths = torch.cat(lengths) if lengths else torch.zeros(0, dtype=torch.long)
-    return {
-        "eval_loss": loss_sum / weight_sum if weight_sum else math.nan,
-        "eval_tau": float(all_lengths.float().mean()) if all_lengths.numel() else math.nan,
-        "eval_acc": [round(float(c / n), 4) if n else None for c, n in zip(correct[1:], counted[1:])],
-        "eval_anchors": int(all_lengths.numel()),
-        "eval_samples": len(samples),
-    }
-
-
-# --- the loop ---------------------------------------------------------------------------------------------------
-
-
-def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
-    from tqdm import tqdm
-
-    from dflash_train.target import load_embedding_and_head
-
-    started = time.time()
-    warnings.filterwarnings("ignore", message=r".*`torch.distributed.\w+` is deprecated")  # DeepSpeed internals
-    accelerator = make_accelerator(recipe)
-    rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
-    device = accelerator.device
-    run_dir = Path(recipe.output_dir)
-    precision = train_precision(recipe)
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-        write_provenance(run_dir, config=recipe.to_dict(), recipe_file=recipe_path, overrides=list(overrides),
-                         world_size=world, precision=precision.as_dict())
-        print(f"train: compute dtype {precision.describe()}", flush=True)
-    accelerator.wait_for_everyone()
-
-    data = prepare_data(recipe, world)
-    stores, plan = data.stores, data.plan
-    total_steps = recipe.train.max_steps or max(1, int(recipe.train.epochs * plan.steps_per_epoch))
-
-    # model, frozen target parts, optimizer
-    target_name = recipe.drafter.target or stores.manifest["target"]["name"]
-    check_store_against_target(stores, target_name)
-    drafter, drafter_config = build_drafter(recipe, stores, target_name, data.train_indices)
-    if recipe.train.gradient_checkpointing:
-        drafter.gradient_checkpointing_enable()
-    embed, head = load_embedding_and_head(target_name, dtype=precision.dtype)
-    tied = head is embed
-    embed = embed.to(device)
-    head = embed if tied else head.to(device)
-    if head.shape[1] != drafter_config.hidden_size or embed.shape[0] <= drafter_config.mask_token_id:
-        raise UserError(f"target {target_name!r}: embedding/LM head shapes {tuple(embed.shape)}/{tuple(head.shape)} "
-                        f"do not fit the drafter (hidden {drafter_config.hidden_size})")
-    opt = recipe.optimizer
-    # fused: one kernel per step instead of a dozen passes per tensor (4x faster on CPU; CUDA has it too)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-                                  weight_decay=opt.weight_decay, fused=True)
-    model, optimizer = accelerator.prepare(drafter, optimizer)
-    clock = TrainClock(recipe.train.time_budget_s)
-    schedule = functools.partial(lr_factor, total_steps=total_steps, warmup_ratio=opt.warmup_ratio,
-                                 schedule=opt.schedule, min_ratio=opt.min_lr_ratio, decay_ratio=opt.decay_ratio)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s, progress=clock.progress))
-    accelerator.register_for_checkpointing(scheduler)
-    core = accelerator.unwrap_model(model)  # the plain DFlashDraftModel (for eval and for its weights)
-    attention = resolve_attention(recipe.objective.attention, device)
-    uses_deepspeed = recipe.train.deepspeed is not None
-    zero_stage = deepspeed_config(recipe).get("zero_optimization", {}).get("stage", 0) if uses_deepspeed else 0
-
-    # resume
-    start_step, bad_in_a_row, bad_total = 0, 0, 0
-    resume_from = find_resume_checkpoint(recipe, run_dir)
-    metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=main)
-    if resume_from is not None:
-        accelerator.load_state(str(resume_from))
-        state = json.loads((resume_from / STATE_FILE).read_text())
-        start_step, bad_in_a_row, bad_total = state["step"], state["bad_in_a_row"], state["bad_total"]
-        clock.spent_s = float(state.get("train_time_s", 0.0))
-        if state.get("total_steps") != total_steps and main:
-            print(f"note: the checkpoint was written for {state.get('total_steps')} total steps, this run has "
-                  f"{total_steps}; the learning-rate schedule follows this run", flush=True)
-        metrics.truncate_after(start_step)
-        if main:
-            print(f"resuming from {resume_from} at step {start_step}", flush=True)
-    elif main and metrics.path.exists():
-        metrics.path.unlink()
-    wandb_run = start_wandb(recipe, run_dir, main)
-    metrics.wandb_run = wandb_run
-
-    if main:
-        n_params = sum(p.numel() for p in core.parameters())
-        print(f"training {n_params / 1e6:.2f}M drafter parameters on {len(data.train_indices)} samples "
-              f"({len(plan.rows)} rows, "
-              f"{plan.steps_per_epoch} steps/epoch), {total_steps} steps"
-              + (f" or {recipe.train.time_budget_s:g} s of training" if recipe.train.time_budget_s else "")
-              + f", {world} process(es) on {device.type}, "
-              f"attention={attention}, deepspeed={recipe.train.deepspeed}", flush=True)
-    bar = tqdm(total=total_steps, initial=start_step, disable=not (main and recipe.logging.progress_bar),
-               desc="train", dynamic_ncols=True)
-    B = recipe.drafter.block_size
-    mask_id = drafter_config.mask_token_id
-    last_eval: dict[str, Any] = {}
-    last_loss = math.nan
-
-    def checkpoint_state(step: int) -> dict[str, Any]:
-        return {"step": step, "total_steps": total_steps, "epoch": step / plan.steps_per_epoch,
-                "bad_in_a_row": bad_in_a_row, "bad_total": bad_total, "world_size": world,
-                "train_time_s": clock.elapsed,
-                "data_position": {"epoch": step // plan.steps_per_epoch, "step_in_epoch": step % plan.steps_per_epoch}}
-
-    step = start_step
-    last_checkpoint_step = start_step if resume_from is not None else None
-    model.train()
-    clock.start()
-    while step < total_steps and not clock.expired:
-        t0 = time.time()
-        lr_now = optimizer.param_groups[0]["lr"]
-        sums = torch.zeros(3 + 2 * B, dtype=torch.float64)  # loss*n, n (micro steps), tokens, correct[B], counted[B]
-        bad = False
-        grad_norm = None
-        for micro in range(plan.grad_accum):
-            rows_now = plan.rows_for(step, micro, rank)
-            batch = collate([[stores[i] for i in row] for row in rows_now], recipe.data.max_length)
-            num_tokens = int(batch.pop("num_tokens"))
-            batch = {k: v.to(device) for k, v in batch.items()}
-            blocks = obj.sample_anchors(batch["loss_mask"], recipe.objective.num_anchors, B,
-                                        anchor_generator(recipe.seed, step, micro, rank), batch["doc_start"])
-            if in_context_warmup(recipe, step, total_steps, clock):
-                blocks = dataclasses.replace(blocks, context_window=recipe.objective.context_warmup_window)
-            with accelerator.accumulate(model):
-                out = obj.dflash_loss(model, embed, head, batch, blocks, mask_token_id=mask_id,
-                                      gamma=recipe.decay_gamma, attention=attention,
-                                      head_chunk_tokens=recipe.objective.head_chunk_tokens,
-                                      soft_label_weight=recipe.objective.soft_label_weight)
-                finite = torch.tensor(float(torch.isfinite(out.loss.detach())), device=device)
-                finite = accelerator.reduce(finite, reduction="sum") if world > 1 else finite
-                loss = out.loss
-                if finite < world:
-                    bad = True
-                    # Make every gradient non-finite on purpose: DeepSpeed (check_grad_overflow) then skips the
-                    # optimizer step and clears the gradients on all ranks, as the loop below does without it.
-                    loss = out.loss * float("nan")
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and not bad:
-                    # DeepSpeed clipped inside backward's engine.step(); this only reads its norm
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), opt.grad_clip or float("inf"))
-                if uses_deepspeed or not bad:
-                    optimizer.step()  # under DeepSpeed a no-op wrapper: the engine stepped (or skipped) already
-                optimizer.zero_grad(set_to_none=True)
-            if not bad:
-                sums[0] += float(out.loss.detach())
-            sums[1] += 1
-            sums[2] += num_tokens
-            sums[3:3 + B] += out.correct.double().cpu()
-            sums[3 + B:] += out.counted.double().cpu()
-        scheduler.step()
-        if world > 1:
-            sums = accelerator.reduce(sums.to(device), reduction="sum").cpu()
-        step += 1
-        bar.update(1)
-        bad_in_a_row = bad_in_a_row + 1 if bad else 0
-        bad_total += int(bad)
-        elapsed = time.time() - t0
-        good_micro = sums[1] if not bad else 0
-        last_loss = float(sums[0] / good_micro) if good_micro else math.nan
-        if step % recipe.logging.log_every == 0 or step == total_steps:
-            acc = [round(float(c / n), 4) if n else None for c, n in zip(sums[3 + 1:3 + B], sums[3 + B + 1:])]
-            gn = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
-            row = {"kind": "train", "step": step, "epoch": round(step / plan.steps_per_epoch, 4),
-                   "loss": None if bad else last_loss, "acc": acc, "acc_1": acc[0], "lr": lr_now,
-                   "kl": None if out.kl is None else float(out.kl),  # the last micro batch's, this rank's
-                   "grad_norm": None if gn is None or (isinstance(gn, float) and not math.isfinite(gn)) else gn,
-                   "tokens_per_s": float(sums[2]) / elapsed, "skipped": bad, "bad_steps": bad_total,
-                   "time": round(time.time() - started, 2), "train_time": round(clock.elapsed, 2)}
-            metrics.log(row)
-            bar.set_postfix(loss=f"{last_loss:.3f}", acc1=acc[0], tau=last_eval.get("eval_tau"))
-        if bad_in_a_row >= recipe.train.max_bad_steps:
-            newest = checkpoint_dirs(run_dir)
-            where = f"{newest[-1][1]} (step {newest[-1][0]})" if newest else "none yet"
-            bar.close()
-            raise UserError(f"{bad_in_a_row} optimizer steps in a row (up to step {step}) had a non-finite loss: "
-                            f"training diverged and was stopped. Newest checkpoint: {where}. Lower optimizer.lr, "
-                            f"check the store for bad samples, or raise train.max_bad_steps")
-        done = step >= total_steps or clock.expired
-        want_eval = (recipe.eval.every and step % recipe.eval.every == 0) or (recipe.eval.at_end and done)
-        clock.pause()  # evals and checkpoints do not count against the training time budget
-        if want_eval and data.eval_samples:
-            result = evaluate(core, embed, head, data.eval_samples, recipe, attention, device)
-            last_eval = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
-            metrics.log({"kind": "eval", "step": step, **last_eval, "time": round(time.time() - started, 2),
-                         "train_time": round(clock.elapsed, 2)})
-            bar.set_postfix(loss=f"{last_loss:.3f}", tau=last_eval["eval_tau"])
-        if step % recipe.checkpoint.every == 0 or done:
-            digests = check_replicas(accelerator, model, step, zero_stage)
-            save_checkpoint(accelerator, run_dir, step, {**checkpoint_state(step), "rank_parameter_digests": digests},
-                            recipe.checkpoint.keep_last)
-            last_checkpoint_step = step
-        clock.start()
-    clock.pause()
-    bar.close()
-
-    # final drafter (all ranks take part in gathering the weights under ZeRO-3)
-    state_dict = accelerator.get_state_dict(model)
-    summary = {"steps": step, "final_train_loss": last_loss, "train_time_s": round(clock.elapsed, 1),
-               **{f"final_{k}": v for k, v in last_eval.items()},
-               "bad_steps": bad_total, "wall_time_s": round(time.time() - started, 1), "world_size": world,
-               "device": device.type, "resumed_from": str(resume_from) if resume_from else None,
-               "last_checkpoint_step": last_checkpoint_step}
-    if main:
-        save_final_drafter(run_dir / "drafter", core, drafter_config, state_dict, recipe, stores,
-                           {**summary, "precision": precision.as_dict()}, target_name)
-        if wandb_run is not None:
-            wandb_run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
-            wandb_run.finish()
-        print(f"done: {step} steps in {summary['wall_time_s']} s; final loss {last_loss:.4f}"
-              + (f", eval tau {last_eval.get('eval_tau')}" if last_eval else "")
-              + f"; drafter in {run_dir / 'drafter'}", flush=True)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return summary
-
-
-def save_final_drafter(out_dir: Path, core, config, state_dict: dict[str, torch.Tensor], recipe: Recipe,
-                       stores: StoreSet, summary: dict[str, Any], target_name: str) -> None:
-    """The drafter in the target's dtype (what engines serve the pair in, whatever precision trained it)."""
-    from dflash_train.model.checkpoint import create_drafter, save_drafter
-    from dflash_train.target import checkpoint_dtype
-
-    out = start_output(out_dir)
-    dtype = checkpoint_dtype(target_name) or train_precision(recipe).dtype
-    final = create_drafter(config)
-    final.load_state_dict({k: v.detach().cpu() for k, v in state_dict.items()}, strict=True)
-    final.set_context_scale(core.context_scale)  # save_drafter folds it into fc
-    save_drafter(final.to(dtype), config, out)
-    write_json_atomic(out / "training_args.json", {"recipe": recipe.to_dict(), "data": stores.summary(),
-                                                   "run": summary})
-    write_provenance(out, config=recipe.to_dict(), run=summary, stores=stores.folders)
-    complete_output(out)
 
 
 # --- entry points -------------------------------------------------------------------------------------------------

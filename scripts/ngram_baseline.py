@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from dflash_train.objective import anchor_candidates  # noqa: E402
-from dflash_train.trainer import StoreSet, split_eval  # noqa: E402
+from dflash_train.data import StoreSet, split_eval  # noqa: E402
 
 Sequence = tuple[list[int], list[bool]]  # token ids, loss mask (True on response tokens)
 

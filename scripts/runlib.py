@@ -265,17 +265,22 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 TRAIN_TIME = ("train_time", "time")  # training seconds (evals excluded) where the trainer logs them, else wall time
 
 
+def sim_tau(row: dict[str, Any]) -> float | None:
+    """The simulated tau of a metrics.jsonl eval row (`eval_sim_tau`; runs before the rename logged `eval_tau`)."""
+    return row.get("eval_sim_tau", row.get("eval_tau"))
+
+
 def eval_curve(metrics: Path, x: str | tuple[str, ...] = "step") -> list[tuple[float, float]]:
     """(x, simulated tau) of every eval row of a run's metrics.jsonl, in order; x is a row key ('step',
     'time') or a tuple of keys, the first one a row has wins (TRAIN_TIME)."""
     keys = (x,) if isinstance(x, str) else x
     points = []
     for row in read_jsonl(metrics):
-        if row.get("kind") == "eval" and row.get("eval_tau") is not None:
+        if row.get("kind") == "eval" and sim_tau(row) is not None:
             key = next((k for k in keys if k in row), None)
             if key is None:
                 raise UserError(f"{metrics}: an eval row at step {row.get('step')} has none of {', '.join(keys)}")
-            points.append((float(row[key]), float(row["eval_tau"])))
+            points.append((float(row[key]), float(sim_tau(row))))
     return points
 
 
@@ -286,7 +291,7 @@ def run_summary(metrics: Path) -> dict[str, Any]:
     evals = [r for r in rows if r.get("kind") == "eval"]
     return {"steps": max((r["step"] for r in train), default=0),
             "train_s": max((r.get("train_time", r.get("time", 0.0)) for r in rows), default=0.0),
-            "final_sim_tau": evals[-1].get("eval_tau") if evals else None,
+            "final_sim_tau": sim_tau(evals[-1]) if evals else None,
             "final_sim_acc": evals[-1].get("eval_acc") if evals else None}
 
 

@@ -131,7 +131,7 @@ def overfit_drafter(engine_store, tmp_path_factory) -> Path:
     proc = launch(recipe)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (final,) = read_metrics(work / "run", "eval")
-    assert final["eval_tau"] > 3, final  # memorised: simulated acceptance far above 1 on its own samples
+    assert final["eval_sim_tau"] > 3, final  # memorised: simulated acceptance far above 1 on its own samples
     return work / "run" / "drafter"
 
 

@@ -223,7 +223,8 @@ def _per_block_loss(drafter, embed, head, batch, blocks, gamma, mask_id):
             block = torch.full((1, B), mask_id)
             block[0, 0] = batch["input_ids"][r, a]
             out = drafter(position_ids=torch.cat([pos[lo:a], pos[a] + torch.arange(B)])[None],
-                          noise_embedding=F.embedding(block, embed), target_hidden=batch["hidden_states"][r:r + 1, lo:a])
+                          noise_embedding=F.embedding(block, embed),
+                          target_hidden=batch["hidden_states"][r:r + 1, lo:a])
             ce = F.cross_entropy(out[0] @ head.t(), labels[r, j], reduction="none")
             total = total + (ce * weights[r, j]).sum()
     return total / weights.sum()
@@ -411,34 +412,3 @@ def test_dflash_loss_with_soft_labels_equals_the_full_logits_reference(tiny_targ
     with pytest.raises(ValueError, match="topk"):
         obj.dflash_loss(drafter, embed, head, _synthetic_batch(), blocks, mask_token_id=mask_id, gamma=7.0,
                         soft_label_weight=0.5)
-
-
-def test_collate_carries_topk_and_the_trainer_names_a_store_without_it(tmp_path):
-    from dflash_train.errors import UserError
-    from dflash_train.recipe import Recipe
-    from dflash_train.store import StoreWriter
-    from dflash_train.trainer import StoreSet, check_soft_labels, collate
-
-    def sample(n, k):
-        s = {"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.bool),
-             "hidden_states": torch.randn(n, 8)}
-        if k:
-            s["topk_ids"] = torch.arange(n * k).view(n, k)
-            s["topk_logprobs"] = -torch.arange(n * k, dtype=torch.float32).view(n, k)
-        return s
-
-    batch = collate([[sample(3, 4), sample(2, 5)], [sample(4, 4)]], max_length=16)
-    assert batch["topk_ids"].shape == (2, 5, 4) and batch["topk_logprobs"].shape == (2, 5, 4)
-    assert torch.equal(batch["topk_ids"][0, 3:], sample(2, 5)["topk_ids"][:, :4])  # packed, cut to the common K
-    assert (batch["topk_logprobs"][1, 4] == float("-inf")).all() and (batch["topk_ids"][1, 4] == 0).all()
-    assert "topk_ids" not in collate([[sample(3, 4)], [sample(3, 0)]], max_length=16)
-    with StoreWriter(tmp_path / "st", target={"name": "x"}, target_layer_ids=[1], hidden_size=8) as writer:
-        s = sample(4, 0)
-        writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id="a")
-    recipe = Recipe()
-    recipe.objective.soft_label_weight = 0.3
-    stores = StoreSet([str(tmp_path / "st")])
-    with pytest.raises(UserError, match=rf"{tmp_path / 'st'}.*--store-topk"):
-        check_soft_labels(recipe, stores)
-    recipe.objective.soft_label_weight = 0.0
-    check_soft_labels(recipe, stores)  # hard labels only: no top-k needed

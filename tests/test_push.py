@@ -64,7 +64,7 @@ def drafter_dir(tmp_path_factory, tiny_target):
     data = {"stores": [{"path": str(store), **{k: manifest[k] for k in ("num_samples", "num_tokens", "generation",
                                                                           "storage_dtype", "ingest_report")}}],
             "num_samples": 2, "num_tokens": manifest["num_tokens"]}
-    run = {"steps": 10, "final_train_loss": 4.2, "final_eval_tau": 1.9, "wall_time_s": 3.5, "device": "cpu"}
+    run = {"steps": 10, "final_train_loss": 4.2, "final_eval_sim_tau": 1.9, "wall_time_s": 3.5, "device": "cpu"}
     (out / "training_args.json").write_text(json.dumps({"recipe": recipe, "data": data, "run": run}))
     return out
 

@@ -94,7 +94,7 @@ def write_metrics(path: Path) -> Path:
     rows = [{"kind": "train", "step": 1, "loss": 9.0, "time": 1.5},
             {"kind": "eval", "step": 1, "eval_tau": 1.01, "eval_acc": [0.01, 0.0], "time": 2.0},
             {"kind": "train", "step": 2, "loss": 8.0, "time": 3.0},
-            {"kind": "eval", "step": 2, "eval_tau": 1.25, "eval_acc": [0.2, 0.05], "time": 4.25}]
+            {"kind": "eval", "step": 2, "eval_sim_tau": 1.25, "eval_acc": [0.2, 0.05], "time": 4.25}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
     return path
 
@@ -299,3 +299,17 @@ def test_ngram_baseline_scores_bigram_and_trigram_tables(tmp_path, capsys):
     assert ng.main([str(tmp_path / "st"), "--eval-fraction", "0.5", "--eval-store", str(tmp_path / "st")]) == 0
     out = capsys.readouterr().out
     assert "| training split (" in out and f"| {tmp_path / 'st'} (12 samples) | 24 | 0.750 | 1.000 |" in out
+
+
+def test_ngram_baseline_reads_stores_without_the_trainer():
+    """Reading a store as the trainer does (dflash_train.data) loads neither the trainer nor accelerate."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, 'scripts'); import ngram_baseline; "
+            "print(sorted(m for m in sys.modules if m in ('dflash_train.trainer', 'accelerate', 'deepspeed', "
+            "'wandb', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

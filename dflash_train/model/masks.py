@@ -24,8 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_train.model.modeling_dflash import sdpa_attention
-
 try:
     from torch.nn.attention.flex_attention import create_block_mask
 except ImportError:  # torch without FlexAttention: the dense and blockwise paths still work
@@ -189,6 +187,8 @@ ATTENTION_KINDS = ("sdpa", "flex", "blockwise")
 
 def attention_for(blocks: Blocks, seq_len: int, kind: str):
     """(mask, attention function) of backend `kind` for these blocks, to pass to the model."""
+    from dflash_train.model.modeling_dflash import sdpa_attention  # (the model module loads transformers)
+
     if kind == "sdpa":
         return dense_mask(blocks, seq_len), sdpa_attention
     if kind == "flex":

@@ -1,0 +1,97 @@
+"""Training data (dflash_train/data.py): rows with and without packing, the data plan across ranks and micro
+steps, the stable held-out split, collation (positions and doc starts of packed samples, top-k soft labels), and
+stores that must fit together."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_train.data import DataPlan, StoreSet, check_soft_labels, collate, make_rows, split_eval
+from dflash_train.errors import UserError
+
+
+def test_rows_padding_and_packing():
+    lengths = [5, 9, 3, 12, 4, 7]
+    assert make_rows([0, 2, 4], lengths, 10, packing=False, seed=0) == [[0], [2], [4]]
+    rows = make_rows(list(range(6)), lengths, 10, packing=True, seed=0)
+    assert sorted(i for row in rows for i in row) == list(range(6))
+    for row in rows:
+        assert len(row) == 1 or sum(min(lengths[i], 10) for i in row) <= 10
+
+
+def test_data_plan_uses_every_row_once_per_epoch_across_ranks_and_micro_steps():
+    plan = DataPlan(rows=[[i] for i in range(26)], world=2, micro_batch=3, grad_accum=2, seed=1)
+    assert plan.steps_per_epoch == 2
+    for epoch in range(2):
+        seen = [row[0] for step in range(epoch * 2, epoch * 2 + 2) for micro in range(2) for rank in range(2)
+                for row in plan.rows_for(step, micro, rank)]
+        assert len(seen) == len(set(seen)) == 24
+    assert plan.epoch_order(0) != plan.epoch_order(1)
+
+
+def test_eval_split_is_stable_and_disjoint():
+    ids = [f"id{i}" for i in range(1000)]
+    train, held = split_eval(ids, 0.1)
+    assert set(train).isdisjoint(held) and len(train) + len(held) == 1000
+    assert 60 < len(held) < 140
+    assert split_eval(list(reversed(ids)), 0.1)[1] == [999 - i for i in reversed(held)]
+
+
+def test_collate_packs_samples_with_their_own_positions():
+    def sample(n, start):
+        return {"input_ids": torch.arange(start, start + n), "loss_mask": torch.ones(n, dtype=torch.bool),
+                "hidden_states": torch.full((n, 2), float(start))}
+
+    batch = collate([[sample(3, 10), sample(4, 20)], [sample(2, 30)]], max_length=6)
+    assert batch["input_ids"][0].tolist() == [10, 11, 12, 20, 21, 22]  # the second sample is cut at max_length
+    assert batch["position_ids"][0].tolist() == [0, 1, 2, 0, 1, 2]
+    assert batch["doc_start"][0].tolist() == [0, 0, 0, 3, 3, 3]
+    assert batch["loss_mask"][1].tolist() == [True, True, False, False, False, False]
+    assert int(batch["num_tokens"]) == 8
+
+
+def test_collate_carries_topk_and_the_trainer_names_a_store_without_it(tmp_path):
+    from dflash_train.recipe import Recipe
+    from dflash_train.store import StoreWriter
+
+    def sample(n, k):
+        s = {"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.bool),
+             "hidden_states": torch.randn(n, 8)}
+        if k:
+            s["topk_ids"] = torch.arange(n * k).view(n, k)
+            s["topk_logprobs"] = -torch.arange(n * k, dtype=torch.float32).view(n, k)
+        return s
+
+    batch = collate([[sample(3, 4), sample(2, 5)], [sample(4, 4)]], max_length=16)
+    assert batch["topk_ids"].shape == (2, 5, 4) and batch["topk_logprobs"].shape == (2, 5, 4)
+    assert torch.equal(batch["topk_ids"][0, 3:], sample(2, 5)["topk_ids"][:, :4])  # packed, cut to the common K
+    assert (batch["topk_logprobs"][1, 4] == float("-inf")).all() and (batch["topk_ids"][1, 4] == 0).all()
+    assert "topk_ids" not in collate([[sample(3, 4)], [sample(3, 0)]], max_length=16)
+    with StoreWriter(tmp_path / "st", target={"name": "x"}, target_layer_ids=[1], hidden_size=8) as writer:
+        s = sample(4, 0)
+        writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id="a")
+    recipe = Recipe()
+    recipe.objective.soft_label_weight = 0.3
+    stores = StoreSet([str(tmp_path / "st")])
+    with pytest.raises(UserError, match=rf"{tmp_path / 'st'}.*--store-topk"):
+        check_soft_labels(recipe, stores)
+    recipe.objective.soft_label_weight = 0.0
+    check_soft_labels(recipe, stores)  # hard labels only: no top-k needed
+
+
+def test_stores_trained_together_must_fit(tmp_path):
+    from dflash_train.store import StoreWriter
+
+    def store(name, layers, target):
+        with StoreWriter(tmp_path / name, target=target, target_layer_ids=layers, hidden_size=8) as writer:
+            writer.add(torch.arange(4), torch.ones(4, dtype=torch.bool), torch.randn(4, 8 * len(layers)), id=name)
+        return str(tmp_path / name)
+
+    identity = {"name": "t", "config_hash": "a", "tokenizer_hash": "b", "chat_template_hash": "c"}
+    a = store("a", [1], identity)
+    assert len(StoreSet([a, store("b", [1], identity)])) == 2
+    with pytest.raises(UserError, match=r"store .*/c does not fit store .*/a .*target_layer_ids \[2\] != \[1\]"):
+        StoreSet([a, store("c", [2], identity)])
+    with pytest.raises(UserError, match=r"store .*/d does not fit .*its target's tokenizer differs"):
+        StoreSet([a, store("d", [1], {**identity, "tokenizer_hash": "x"})])
