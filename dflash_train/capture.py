@@ -50,8 +50,8 @@ class CaptureConfig:
     out: str
     target: str = DEFAULT_TARGET
     split: str = "train"
-    layers: list[int] | None = None  # None: default_layer_ids(L, num_layers)
-    num_layers: int = 5
+    layers: list[int] | None = None  # None: default_layer_ids(L, num_taps)
+    num_taps: int = 5  # how many target layers to tap (not the drafter's num_layers)
     max_new_tokens: int = 256
     max_prompt_tokens: int = 4096  # longer prompts are skipped and counted, never truncated
     batch_size: int = 8
@@ -92,8 +92,8 @@ class Captured:
 
 # ------------------------------------------------------------------------------------------------ prompts
 
-def load_prompts(path: str | Path, split: str = "train", limit: int | None = None
-                 ) -> tuple[list[PromptRecord], dict[str, Any] | None]:
+def load_prompt_records(path: str | Path, split: str = "train", limit: int | None = None
+                        ) -> tuple[list[PromptRecord], dict[str, Any] | None]:
     """Records of a finished ingest output folder (its `split`) or of one raw log file, and the ingest report.
 
     A raw log is parsed and scrubbed by the ingest module and deduplicated here (weight = count); it has no
@@ -167,9 +167,10 @@ def sampling_for(record: PromptRecord, temperature: float | None, top_p: float |
 
 # ------------------------------------------------------------------------------------------------ model
 
-def resolve_layer_ids(num_layers: int, layers: list[int] | None, num_taps: int) -> list[int]:
+def resolve_layer_ids(num_target_layers: int, layers: list[int] | None, num_taps: int) -> list[int]:
     """--layers as given, else the default rule for `num_taps` layers; checked by the one layer-id rule."""
-    return check_layer_ids(default_layer_ids(num_layers, num_taps) if layers is None else list(layers), num_layers)
+    ids = default_layer_ids(num_target_layers, num_taps) if layers is None else list(layers)
+    return check_layer_ids(ids, num_target_layers)
 
 
 def _forward(model, input_ids, attention_mask, position_ids, cache=None, use_cache=True):
@@ -460,13 +461,13 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
     if device == "cuda":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     started = time.time()
-    records, ingest_report = load_prompts(cfg.prompts, cfg.split, cfg.limit)
+    records, ingest_report = load_prompt_records(cfg.prompts, cfg.split, cfg.limit)
     samplings = {r.id: sampling_for(r, cfg.temperature, cfg.top_p) for r in records}  # all checked up front
     model_kwargs = {"device_map": cfg.device_map} if cfg.device_map else {}
     if rank == 0:
         print(f"capture: compute dtype {precision.describe()}", flush=True)
     target = load_target(cfg.target, dtype=precision.dtype, device=device, **model_kwargs)
-    layer_ids = resolve_layer_ids(target.num_layers, cfg.layers, cfg.num_layers)
+    layer_ids = resolve_layer_ids(target.num_layers, cfg.layers, cfg.num_taps)
     vocab = target.model.get_output_embeddings().weight.shape[0]
     if cfg.store_topk > vocab:
         raise UserError(f"--store-topk {cfg.store_topk} exceeds the target's vocabulary ({vocab})")
@@ -574,8 +575,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default="train", help="split of the ingest folder (default train)")
     layers = p.add_mutually_exclusive_group()
     layers.add_argument("--layers", type=_int_list, help="tapped decoder layer ids, e.g. 1,9,17")
-    layers.add_argument("--num-layers", type=int, default=5,
-                        help="tap n layers evenly spaced from 1 to L-3 (default 5)")
+    layers.add_argument("--num-taps", "--num-layers", dest="num_taps", type=int, default=5,
+                        help="tap n layers evenly spaced from 1 to L-3, or layer L // 2 for n = 1 (default 5; "
+                             "--num-layers is the old spelling)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=4096,
                    help="skip (and count) prompts longer than this; they are never truncated")
@@ -614,7 +616,7 @@ def _int_list(text: str) -> list[int]:
 def config_from_args(args: argparse.Namespace) -> CaptureConfig:
     return CaptureConfig(
         prompts=args.prompts, out=args.out, target=args.target, split=args.split, layers=args.layers,
-        num_layers=args.num_layers, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+        num_taps=args.num_taps, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
         batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
         limit=args.limit, storage=args.storage, responses=args.responses, shard_size_mb=args.shard_size_mb,
         template_kwargs=args.template_kwargs, dtype=args.dtype, device=args.device, device_map=args.device_map,

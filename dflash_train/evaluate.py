@@ -404,7 +404,7 @@ def own_engine_summary(report: dict[str, Any]) -> dict[str, Any]:
 
 def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     """Run the eval; `workdir` holds the engine runs (jobs and logs) when the engine takes part."""
-    from dflash_train.capture import load_prompts
+    from dflash_train.capture import load_prompt_records
     from dflash_train.device import default_device, resolve_precision
     from dflash_train.model.checkpoint import read_config
 
@@ -428,7 +428,7 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
         from dflash_train.engine import check_vllm
 
         check_vllm()  # before anything is loaded: a missing engine is one line, not a late failure
-    records, _ = load_prompts(cfg.prompts, cfg.split, cfg.limit)
+    records, _ = load_prompt_records(cfg.prompts, cfg.split, cfg.limit)
     if not records:
         raise UserError(f"no prompts in {cfg.prompts} (split {cfg.split!r}): nothing to evaluate")
     device = cfg.device or default_device()

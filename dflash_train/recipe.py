@@ -21,7 +21,7 @@ from dflash_train.errors import UserError
 
 
 @dataclass
-class DataConfig:
+class DataSection:
     stores: list[str] = field(default_factory=list)  # capture store folders, concatenated
     eval_store: str | None = None  # a held-out store; if None, `eval_fraction` of the training store is held out
     eval_fraction: float = 0.0  # by a hash of the sample id, so the split never changes between runs
@@ -32,7 +32,7 @@ class DataConfig:
 
 
 @dataclass
-class DrafterConfig:
+class DrafterSection:
     target: str | None = None  # embedding + LM head source; None = the store manifest's target name
     num_layers: int = 5
     block_size: int = 16
@@ -46,7 +46,7 @@ class DrafterConfig:
 
 
 @dataclass
-class ObjectiveConfig:
+class ObjectiveSection:
     num_anchors: int = 512  # blocks per sequence, sampled anew every step
     decay_gamma: float | None = None  # slot weight exp(-(k-1)/gamma); None = 7 for block 16 (scaled with B)
     attention: Literal["auto", "sdpa", "flex"] = "auto"  # auto: FlexAttention on CUDA, dense mask + SDPA else
@@ -60,7 +60,7 @@ class ObjectiveConfig:
 
 
 @dataclass
-class OptimizerConfig:
+class OptimizerSection:
     lr: float = 6e-4
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -75,7 +75,7 @@ class OptimizerConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainSection:
     epochs: float = 6.0
     max_steps: int | None = None  # optimizer steps; overrides epochs when set
     # stop after this many seconds of training (evals and checkpoints not counted); the learning-rate schedule then
@@ -95,20 +95,20 @@ class TrainConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointSection:
     every: int = 500  # optimizer steps; a checkpoint is also written at the end
     keep_last: int = 2
     resume: str = "auto"  # auto (newest checkpoint in the run, if any) | never | a checkpoint folder
 
 
 @dataclass
-class EvalConfig:
+class EvalSection:
     every: int = 250  # optimizer steps; 0 = only at the end
     at_end: bool = True
 
 
 @dataclass
-class LoggingConfig:
+class LoggingSection:
     wandb_project: str = "dflash-train"
     wandb_mode: Literal["online", "offline", "disabled"] = "disabled"  # the WANDB_MODE environment variable wins
     wandb_run_name: str | None = None
@@ -117,7 +117,7 @@ class LoggingConfig:
 
 
 @dataclass
-class PushConfig:
+class PushSection:
     min_tau: float | None = None  # `dflash-train push` refuses an eval report below this acceptance length
 
 
@@ -127,15 +127,15 @@ class Recipe:
     output_dir: str = "runs/run"
     seed: int = 0
     license: str | None = None  # Hub license id for the model card (apache-2.0, mit, other, ...)
-    data: DataConfig = field(default_factory=DataConfig)
-    drafter: DrafterConfig = field(default_factory=DrafterConfig)
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    push: PushConfig = field(default_factory=PushConfig)
+    data: DataSection = field(default_factory=DataSection)
+    drafter: DrafterSection = field(default_factory=DrafterSection)
+    objective: ObjectiveSection = field(default_factory=ObjectiveSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    push: PushSection = field(default_factory=PushSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -494,10 +494,6 @@ class Store(Sequence):
         return int(offsets[j + 1] - offsets[j])
 
     @property
-    def lengths(self) -> list[int]:
-        return [int(n) for shard in self._shards for n in (shard.offsets[1:] - shard.offsets[:-1]).tolist()]
-
-    @property
     def ids(self) -> list[str]:
         return [i for shard in self._shards for i in shard.ids]
 

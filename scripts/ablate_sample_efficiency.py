@@ -16,12 +16,9 @@ Writes OUT/results.md, OUT/results.json and OUT/sim_tau_vs_time.png. Complete st
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import runlib as rl  # noqa: E402
+import runlib as rl
 
 PUBLIC = ("drafter.init=random,drafter.context_norm=false,objective.num_anchors=64,optimizer.schedule=cosine,"
           "optimizer.lr=6e-4,objective.soft_label_weight=0,objective.context_warmup_ratio=0,"

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dflash_train import objective as obj  # noqa: E402
-from dflash_train.model.checkpoint import load_drafter  # noqa: E402
-from dflash_train.store import open_store  # noqa: E402
-from dflash_train.target import load_embedding_and_head  # noqa: E402
+from dflash_train import objective as obj
+from dflash_train.model.checkpoint import load_drafter
+from dflash_train.store import open_store
+from dflash_train.target import load_embedding_and_head
 
 
 @torch.no_grad()

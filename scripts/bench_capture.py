@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.capture import (PromptRecord, generate_and_capture, load_prompts, prefill_capture,
+from dflash_train.capture import (PromptRecord, generate_and_capture, load_prompt_records, prefill_capture,
                                   resolve_layer_ids)
 from dflash_train.device import resolve_precision
 from dflash_train.store import StoreWriter, open_store
@@ -43,7 +43,7 @@ def bench_prompts(path: str | None, n: int, target, max_prompt_tokens: int) -> t
     if path is None and DEFAULT_PROMPTS.is_dir():
         path = str(DEFAULT_PROMPTS)
     if path is not None:
-        records, _ = load_prompts(path, "train")
+        records, _ = load_prompt_records(path, "train")
         source = path
     else:
         from dflash_train import ingest
@@ -129,7 +129,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
-    parser.add_argument("--num-layers", type=int, default=5)
+    parser.add_argument("--num-taps", "--num-layers", dest="num_taps", type=int, default=5,
+                        help="target layers to tap (--num-layers is the old spelling)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each method per batch; the fastest counts")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (on a shared, loaded box 1 is much faster than 2)")
@@ -142,7 +143,7 @@ def main() -> None:
     precision = resolve_precision(args.dtype, "cpu")
     target = load_target(args.target, dtype=precision.dtype)
     model, tok = target.model, target.tokenizer
-    layer_ids = resolve_layer_ids(target.num_layers, None, args.num_layers)
+    layer_ids = resolve_layer_ids(target.num_layers, None, args.num_taps)
     stop_ids, pad_id = target.stop_token_ids(), tok.pad_token_id
     records, prompts, source = bench_prompts(args.prompts, args.num_prompts, target, args.max_prompt_tokens)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # as capture batches them

@@ -25,10 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from dflash_train.provenance import is_complete
 
-from dflash_train.provenance import is_complete  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -113,7 +112,7 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
 
     import torch
 
-    from dflash_train.capture import generate_and_capture, load_prompts, resolve_layer_ids
+    from dflash_train.capture import generate_and_capture, load_prompt_records, resolve_layer_ids
     from dflash_train.device import default_device, resolve_precision
     from dflash_train.spec_decode import plain_generate
     from dflash_train.target import load_target
@@ -123,7 +122,7 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
     device = default_device()
     precision = resolve_precision(dtype, device)
     target = load_target(args.target, dtype=precision.dtype, device=device)
-    records, _ = load_prompts(prompts, "train", 200)
+    records, _ = load_prompt_records(prompts, "train", 200)
     rendered = [ids for ids in (target.render(r.messages, r.tools) for r in records) if len(ids) <= args.max_prompt_tokens]
     batch = rendered[:args.batch_size]
     stop, pad = target.stop_token_ids(), target.tokenizer.pad_token_id
@@ -164,11 +163,11 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
 
 def kept_prompts(prompts: Path, split: str, limit: int, target: str, max_prompt_tokens: int) -> list[int]:
     """kept[i] = how many of the first i+1 prompts of `split` capture keeps (rendered <= max_prompt_tokens)."""
-    from dflash_train.capture import load_prompts
+    from dflash_train.capture import load_prompt_records
     from dflash_train.target import load_tokenizer, render_prompt
 
     tokenizer = load_tokenizer(target)
-    records, _ = load_prompts(prompts, split, limit)
+    records, _ = load_prompt_records(prompts, split, limit)
     kept, n = [], 0
     for r in records:
         n += len(render_prompt(tokenizer, r.messages)) <= max_prompt_tokens

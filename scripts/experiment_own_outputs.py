@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import runlib as rl  # noqa: E402
+import runlib as rl
 
 OUT = "results/experiment_own_outputs"
 QUICK = {"limit": 40, "steps": 6, "eval_every": 3, "eval_limit": 12, "eval_max_new_tokens": 16,

@@ -15,14 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter, defaultdict
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from dflash_train.objective import anchor_candidates  # noqa: E402
-from dflash_train.data import StoreSet, split_eval  # noqa: E402
+from dflash_train.data import StoreSet, split_eval
+from dflash_train.objective import anchor_candidates
 
 Sequence = tuple[list[int], list[bool]]  # token ids, loss mask (True on response tokens)
 

@@ -21,13 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from dflash_train.errors import UserError
+from dflash_train.provenance import is_complete, write_json_atomic
+
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from dflash_train.errors import UserError  # noqa: E402
-from dflash_train.provenance import is_complete, write_json_atomic  # noqa: E402
-
 PY = sys.executable
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 

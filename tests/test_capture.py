@@ -83,6 +83,18 @@ def teacher_forced(model, ids):
     return torch.cat([out.hidden_states[i + 1][0] for i in LAYERS], dim=-1)
 
 
+def test_num_taps_flag_and_its_old_spelling():
+    import argparse
+
+    from dflash_train.capture import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for flag in ("--num-taps", "--num-layers"):
+        args = parser.parse_args(["--prompts", "p", "--out", "o", flag, "3"])
+        assert config_from_args(args).num_taps == 3
+
+
 def test_default_layer_rule():
     assert resolve_layer_ids(36, None, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
     assert resolve_layer_ids(8, None, 3) == [1, 3, 5]
@@ -232,7 +244,7 @@ def test_capture_checks_sampling_flags_up_front(prompts_dir, tmp_path, capsys, f
 def test_tool_traffic_is_captured_as_served(tmp_path, tiny_target, tiny_target_dir):
     """Ingest -> capture of tool-calling requests: the stored prompt tokens are the chat template's rendering of
     the tool turns and the request's tool definitions (`apply_chat_template(messages, tools=...)`)."""
-    from dflash_train.capture import load_prompts
+    from dflash_train.capture import load_prompt_records
     from dflash_train.ingest import IngestConfig, ingest
 
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -243,7 +255,7 @@ def test_tool_traffic_is_captured_as_served(tmp_path, tiny_target, tiny_target_d
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]}}) + "\n")
     ingest([log], tmp_path / "prompts", IngestConfig(max_prompt_tokens=0, progress=False))
-    (record,), _ = load_prompts(tmp_path / "prompts", "eval")
+    (record,), _ = load_prompt_records(tmp_path / "prompts", "eval")
     assert record.tools == [tool] and record.messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert "tool_calls" not in record.messages[0]  # null keys of the stored turns are left out
     served = tiny_target.tokenizer.apply_chat_template(
@@ -260,9 +272,9 @@ def test_tool_traffic_is_captured_as_served(tmp_path, tiny_target, tiny_target_d
 
 def test_prompt_folders_written_before_tool_support_still_load(prompts_dir):
     """prompts_dir is written the old way: turns of {role, content} only and no `tools` column."""
-    from dflash_train.capture import load_prompts
+    from dflash_train.capture import load_prompt_records
 
-    records, _ = load_prompts(prompts_dir, "train")
+    records, _ = load_prompt_records(prompts_dir, "train")
     assert len(records) == 24 and all(r.tools is None for r in records)
     assert all(set(m) == {"role", "content"} for r in records for m in r.messages)
 

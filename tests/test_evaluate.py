@@ -138,13 +138,13 @@ def prompts_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def store_dir(tiny_target, prompts_dir, tmp_path_factory):
     """Held-out samples as capture writes them: the target's greedy response and the tapped states."""
-    from dflash_train.capture import load_prompts
+    from dflash_train.capture import load_prompt_records
     from dflash_train.spec_decode import plain_generate
     from dflash_train.store import StoreWriter
 
     out = tmp_path_factory.mktemp("store") / "s"
     model = tiny_target.model
-    records, _ = load_prompts(prompts_dir, "eval")
+    records, _ = load_prompt_records(prompts_dir, "eval")
     with StoreWriter(out, target=tiny_target.identity().to_dict(), target_layer_ids=LAYERS, hidden_size=64,
                      generation={"template_kwargs": {}}) as writer:
         for r in records:
@@ -293,7 +293,7 @@ def test_eval_refuses_a_temperature_out_of_the_api_range(tmp_path, capsys, value
 
 def test_eval_renders_tool_traffic_like_capture(tiny_target, tiny_target_dir, drafters, tmp_path):
     """Eval renders a prompt's tool turns and definitions through the same function as capture."""
-    from dflash_train.capture import load_prompts
+    from dflash_train.capture import load_prompt_records
 
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     log = tmp_path / "agents.jsonl"
@@ -302,7 +302,7 @@ def test_eval_renders_tool_traffic_like_capture(tiny_target, tiny_target_dir, dr
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]}}) + "\n")
-    (record,), _ = load_prompts(log)
+    (record,), _ = load_prompt_records(log)
     rendered = tiny_target.render(record.messages, record.tools)
     assert len(rendered) > len(tiny_target.render(record.messages))  # the tools block is part of the prompt
     assert eval_cli("--drafter", drafters[0], "--target", tiny_target_dir, "--prompts", log, "--no-warmup",
