@@ -226,14 +226,18 @@ def init_from_target(model: DFlashDraftModel, layers: list[dict[str, torch.Tenso
     return set_names + ["norm.weight", "hidden_norm.weight", "fc.weight"]
 
 
-ARCHITECTURE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "target_layer_ids", "mask_token_id",
-                     "num_attention_heads", "num_key_value_heads")
+SHAPE_KEYS = ("num_hidden_layers", "intermediate_size", "mask_token_id", "num_attention_heads",
+              "num_key_value_heads")
 
 
 def start_from_drafter(model: DFlashDraftModel, config: DFlashConfig, folder: str) -> None:
-    """Load a trained drafter's weights (fine-tuning): it must have this drafter's shape and tapped layers."""
+    """Load a trained drafter's weights (fine-tuning): it must read what this drafter reads (check_fits: same
+    target where both record it, same tapped layers, same hidden size) and have its shape."""
+    from dflash_train.target import check_fits
+
     source, theirs = load_drafter(folder, dtype=torch.float32)
-    for key in ARCHITECTURE_KEYS:
+    check_fits(f"drafter.init_from {folder}", theirs.features(), "this recipe's drafter", config.features())
+    for key in SHAPE_KEYS:
         if getattr(config, key) != getattr(theirs, key):
             raise UserError(f"drafter.init_from {folder}: its {key} is {getattr(theirs, key)}, this recipe's drafter "
                             f"has {getattr(config, key)}")
