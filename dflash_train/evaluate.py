@@ -27,6 +27,7 @@ import torch
 
 from dflash_train import sampling
 from dflash_train.errors import UserError
+from dflash_train.model.configuration import mask_token_problem
 from dflash_train.provenance import (complete_output, sha256_file, start_output, write_json_atomic,
                                      write_provenance)
 from dflash_train.spec_decode import (DFlashProposer, Generation, NoDraft, Step, TokenChooser, plain_generate,
@@ -123,10 +124,8 @@ def check_drafter_fits(config, target: Target, where: str, block_size: int | Non
         problems.append(f"it was made for a {config.num_target_layers}-layer target, this one has {L} layers")
     if config.vocab_size != rows:
         problems.append(f"vocab size {config.vocab_size} != the target's embedding rows {rows}")
-    if not 0 <= config.mask_token_id < rows:
-        problems.append(f"mask_token_id {config.mask_token_id} is not a row of the target's embedding table")
-    elif config.mask_token_id in target.stop_token_ids():
-        problems.append(f"mask_token_id {config.mask_token_id} is the target's stop token")
+    if problem := mask_token_problem(config.mask_token_id, rows, set(target.stop_token_ids())):
+        problems.append(problem)
     if block_size is not None and block_size < 2:
         problems.append(f"block size {block_size} < 2 (block size 1 is always in the table)")
     check_fits(f"drafter {where}", config.features(), f"target {target.name}", target.features(), problems)

@@ -199,9 +199,8 @@ class DFlashConfig:
                 mask_token = tokenizer.convert_ids_to_tokens(mask_token_id)
         elif mask_token_id is None:
             raise UserError("a new drafter needs the target's tokenizer or an explicit mask_token_id")
-        elif not 0 <= mask_token_id < vocab_size or mask_token_id in forbidden:
-            raise UserError(f"mask_token_id {mask_token_id} must be a row of the target's embedding table "
-                            f"(0..{vocab_size - 1}) and not its pad/EOS id ({sorted(forbidden)})")
+        elif problem := mask_token_problem(mask_token_id, vocab_size, forbidden):
+            raise UserError(problem)
         return cls(
             hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=num_layers,
             num_attention_heads=cfg.num_attention_heads,
@@ -224,28 +223,34 @@ def _token_ids(value: Any) -> set[int]:
     return {int(v) for v in (value if isinstance(value, (list, tuple)) else [value])}
 
 
+def mask_token_problem(token_id: Any, vocab_size: int, forbidden: set[int]) -> str | None:
+    """THE mask-token rule, or None when `token_id` keeps it: a row of the target's embedding table (`vocab_size`
+    rows) and never a pad, EOS or stop id (`forbidden`): those appear in real text, so the drafter could not tell
+    "predict here" from content."""
+    if isinstance(token_id, bool) or not isinstance(token_id, int):
+        return f"mask_token_id must be an integer token id, got {token_id!r}"
+    if not 0 <= token_id < vocab_size:
+        return f"mask_token_id {token_id} is not a row of the target's embedding table (0..{vocab_size - 1})"
+    if token_id in forbidden:
+        return (f"mask_token_id {token_id} is the target's pad or EOS token ({sorted(forbidden)}); pick a token "
+                f"that never occurs in real text (a reserved row or an unused special token)")
+    return None
+
+
 def resolve_mask_token_id(tokenizer, vocab_size: int, requested: int | None = None,
                           forbidden: set[int] | None = None) -> int:
-    """The id whose target embedding fills the non-anchor slots of a block.
+    """The id whose target embedding fills the non-anchor slots of a block (the rule: `mask_token_problem`).
 
-    It must be a row of the target's embedding table (`vocab_size` rows) and never the pad or EOS id: those
-    appear in real text, so the drafter could not tell "predict here" from content. Default: the first reserved
-    row past the tokenizer's vocabulary if the table has one (what the public Qwen3 drafters use), else a special
-    token that chat traffic never uses (for SmolLM2 `<repo_name>`). `requested` (from a recipe) is checked by the
-    same rules; `forbidden` adds ids to reject (e.g. the generation config's stop ids).
+    Default: the first reserved row past the tokenizer's vocabulary if the table has one (what the public Qwen3
+    drafters use), else a special token that chat traffic never uses (for SmolLM2 `<repo_name>`). `requested`
+    (from a recipe) is checked by the rule; `forbidden` adds ids to reject (e.g. the generation config's stop ids)
+    to the tokenizer's pad and EOS.
     """
     bad = _token_ids(getattr(tokenizer, "pad_token_id", None)) | _token_ids(
         getattr(tokenizer, "eos_token_id", None)) | set(forbidden or ())
     if requested is not None:
-        if isinstance(requested, bool) or not isinstance(requested, int):
-            raise UserError(f"mask_token_id must be an integer token id, got {requested!r}")
-        if not 0 <= requested < vocab_size:
-            raise UserError(f"mask_token_id {requested} is not a row of the target's embedding table "
-                            f"(0..{vocab_size - 1})")
-        if requested in bad:
-            name = tokenizer.convert_ids_to_tokens(requested) if requested < len(tokenizer) else requested
-            raise UserError(f"mask_token_id {requested} ({name}) is the target's pad or EOS token; pick a token "
-                            f"that never occurs in real text (a reserved row or an unused special token)")
+        if problem := mask_token_problem(requested, vocab_size, bad):
+            raise UserError(problem)
         return requested
     if len(tokenizer) < vocab_size:
         return len(tokenizer)
