@@ -28,47 +28,65 @@ import datetime
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 import torch
 
 from dflash_train import sampling
-from dflash_train.device import DTYPES, default_device, resolve_precision
+from dflash_train.device import default_device, resolve_precision
 from dflash_train.errors import UserError
+from dflash_train.options import add_options, at_least, from_args, in_range, option, validate
 from dflash_train.sampling import Sampling
-from dflash_train.store import DEFAULT_SHARD_BYTES, STORAGE_DTYPES, StoreWriter, finalize_store
+from dflash_train.store import DEFAULT_SHARD_BYTES, StoreWriter, finalize_store
 from dflash_train.target import (DEFAULT_TARGET, Target, cache_keyword, chat_text, check_layer_ids,
-                                 default_layer_ids, load_target, prompt_seed, tap_layers, template_kwargs_arg)
+                                 default_layer_ids, load_target, prompt_seed, tap_layers)
 
 
 
 @dataclass
 class CaptureConfig:
-    prompts: str
-    out: str
-    target: str = DEFAULT_TARGET
-    split: str = "train"
-    layers: list[int] | None = None  # None: default_layer_ids(L, num_taps)
-    num_taps: int = 5  # how many target layers to tap (not the drafter's num_layers)
-    max_new_tokens: int = 256
-    max_prompt_tokens: int = 4096  # longer prompts are skipped and counted, never truncated
-    batch_size: int = 8
-    temperature: float | None = None  # None: the logged request's, else greedy
-    top_p: float | None = None
-    seed: int = 0
-    limit: int | None = None
-    storage: str = "bf16"
-    responses: str = "generate"  # generate | logged
-    shard_size_mb: float = DEFAULT_SHARD_BYTES / 2**20
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
-    dtype: str = "auto"  # the target's compute dtype; auto: bf16 where the device runs it natively, else fp32
-    engine: str = "own"  # own: transformers generates and taps in one pass | vllm: vLLM generates, one prefill taps
-    device: str | None = None  # None: cuda:LOCAL_RANK if available, else cpu
-    device_map: str | None = None
-    threads: int | None = None  # torch CPU threads (None: torch's default)
-    store_topk: int = 0  # store the target's top-k log-probs per token (soft labels); 0 = off
+    """The capture stage's options; the `dflash-train capture` flags are derived from these fields."""
+    prompts: str = option(help="an ingest output folder, or a raw log file")
+    out: str = option(help="store folder to write (rerun the same command to resume)")
+    target: str = option(DEFAULT_TARGET, help="embedded target name, checkpoint folder or hub id")
+    split: str = option("train", help="split of the ingest folder")
+    layers: list[int] | None = option(None, metavar="IDS", help="tapped decoder layer ids, e.g. 1,9,17 (strictly "
+                                      "increasing, as engines concatenate them); wins over --num-taps")
+    num_taps: int = option(5, aliases=("--num-layers",), check=at_least(1),
+                           help="tap n layers evenly spaced from 1 to L-3, or layer L // 2 for n = 1 (not the "
+                                "drafter's num_layers; --num-layers is the old spelling)")
+    max_new_tokens: int = option(256, check=at_least(1), help="response cap, tokens")
+    max_prompt_tokens: int = option(4096, check=at_least(1),
+                                    help="skip (and count) prompts longer than this; they are never truncated")
+    batch_size: int = option(8, check=at_least(1), help="prompts decoded together")
+    temperature: float | None = option(None, check=sampling.flag_check("temperature"),
+                                       help="sampling temperature for every prompt (default: the logged "
+                                            "request's, else greedy)")
+    top_p: float | None = option(None, check=sampling.flag_check("top_p"),
+                                 help="nucleus sampling (default: the logged request's)")
+    seed: int = option(0, help="sampling seed (per prompt: a hash of seed and prompt id)")
+    limit: int | None = option(None, check=at_least(1), help="only the first N prompts of the split")
+    storage: Literal["bf16", "fp8"] = option("bf16", help="storage dtype of the tapped states")
+    responses: Literal["generate", "logged"] = option("generate", help="the target's own responses, or the logged "
+                                                                       "ones (one prefill)")
+    shard_size_mb: float = option(DEFAULT_SHARD_BYTES / 2**20, check=in_range(0, 1e6, low_open=True),
+                                  help="shard size in MiB")
+    template_kwargs: dict[str, Any] = option(default_factory=dict, metavar="JSON",
+                                             help='chat template options as JSON, e.g. \'{"enable_thinking": false}\'')
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = option(
+        "auto", help="the target's compute dtype (auto: bf16 where the device runs it natively, else fp32); the "
+                     "storage dtype is --storage")
+    engine: Literal["own", "vllm"] = option(
+        "own", help="own: transformers generates and records the states in one pass; vllm: vLLM generates the "
+                    "responses (continuous batching), then one batched prefill records the states")
+    device: str | None = option(None, help="default: cuda (this rank's GPU) if available, else cpu")
+    device_map: str | None = option(None, help="e.g. auto: spread a large target over the GPUs")
+    threads: int | None = option(None, check=at_least(1), help="torch CPU threads per process")
+    store_topk: int = option(0, check=at_least(0), metavar="K",
+                             help="also store the target's top-K token log-probs per position, soft labels for "
+                                  "objective.soft_label_weight (6*K bytes per token; 0 = off)")
 
 
 @dataclass
@@ -354,7 +372,6 @@ def logged_response_ids(target: Target, record: PromptRecord, prompt_ids: list[i
 
 
 
-ENGINES = ("own", "vllm")
 ENGINE_RESPONSES = "engine-responses.jsonl"  # in the store folder: a killed capture keeps what vLLM generated
 
 
@@ -363,7 +380,7 @@ def engine_responses(cfg: CaptureConfig, target: Target, rendered: list[tuple[Pr
     """The target's responses to `rendered`, generated by vLLM with continuous batching (sampling per request
     as `sampling_for` decides, seeded per prompt). Responses a killed run already generated are read back from
     OUT/engine-responses.jsonl instead of being generated again."""
-    from dflash_train.engine import EngineJob, EngineRequest, run_engine
+    from dflash_train.engine import VLLM_DTYPES, EngineJob, EngineRequest, run_engine
 
     out = Path(cfg.out)
     path = out / ENGINE_RESPONSES
@@ -385,8 +402,7 @@ def engine_responses(cfg: CaptureConfig, target: Target, rendered: list[tuple[Pr
                                           seed=prompt_seed(cfg.seed, record.id)))
         device = torch.device(cfg.device or default_device()).type
         job = EngineJob(target=str(target.path), requests=requests, stop_token_ids=stop_ids,
-                        dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[
-                            resolve_precision(cfg.dtype, device).name],
+                        dtype=VLLM_DTYPES[resolve_precision(cfg.dtype, device).name],
                         max_model_len=max(len(ids) for _, ids in todo) + cfg.max_new_tokens, mode="batch",
                         seed=cfg.seed, device=device, stream_to=str(path))
         print(f"capture: vLLM generates {len(todo)} responses ({len(done)} kept from an earlier run)", flush=True)
@@ -425,14 +441,7 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
     """Run the capture stage; returns the manifest on rank 0 (None on other ranks)."""
     from tqdm import tqdm
 
-    if cfg.storage not in STORAGE_DTYPES:
-        raise UserError(f"--storage must be one of {', '.join(STORAGE_DTYPES)}, got {cfg.storage!r}")
-    if cfg.responses not in ("generate", "logged"):
-        raise UserError(f"--responses must be generate or logged, got {cfg.responses!r}")
-    if cfg.dtype not in ("auto", *DTYPES):
-        raise UserError(f"--dtype must be one of auto, {', '.join(DTYPES)}, got {cfg.dtype!r}")
-    if cfg.engine not in ENGINES:
-        raise UserError(f"--engine must be one of {', '.join(ENGINES)}, got {cfg.engine!r}")
+    validate(cfg)
     if cfg.engine == "vllm":
         from dflash_train.engine import check_vllm
 
@@ -440,16 +449,6 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
             raise UserError("--engine vllm generates the responses; --responses logged takes them from the log: "
                             "pass one or the other")
         check_vllm()
-    if cfg.max_new_tokens < 1 or cfg.batch_size < 1:
-        raise UserError("--max-new-tokens and --batch-size must be >= 1")
-    if cfg.store_topk < 0:
-        raise UserError(f"--store-topk must be >= 0 (0 = off), got {cfg.store_topk}")
-    for flag, value in (("temperature", cfg.temperature), ("top_p", cfg.top_p)):
-        if value is not None:
-            try:
-                sampling.check(flag, value)
-            except ValueError as err:
-                raise UserError(f"--{flag.replace('_', '-')}: {err}") from None
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = cfg.device or default_device()
@@ -568,59 +567,11 @@ def _print_summary(m: dict[str, Any], seconds: float, out: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    p = parser
-    p.add_argument("--prompts", required=True, help="an ingest output folder, or a raw log file")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="embedded target name, checkpoint folder or hub id")
-    p.add_argument("--out", required=True, help="store folder to write (rerun the same command to resume)")
-    p.add_argument("--split", default="train", help="split of the ingest folder (default train)")
-    layers = p.add_mutually_exclusive_group()
-    layers.add_argument("--layers", type=_int_list, help="tapped decoder layer ids, e.g. 1,9,17")
-    layers.add_argument("--num-taps", "--num-layers", dest="num_taps", type=int, default=5,
-                        help="tap n layers evenly spaced from 1 to L-3, or layer L // 2 for n = 1 (default 5; "
-                             "--num-layers is the old spelling)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-prompt-tokens", type=int, default=4096,
-                   help="skip (and count) prompts longer than this; they are never truncated")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--temperature", type=float, default=None,
-                   help="sampling temperature for every prompt (default: the logged request's, else greedy)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: the logged request's)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: seed + id)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N prompts of the split")
-    p.add_argument("--storage", choices=sorted(STORAGE_DTYPES), default="bf16")
-    p.add_argument("--responses", choices=["generate", "logged"], default="generate")
-    p.add_argument("--shard-size-mb", type=float, default=DEFAULT_SHARD_BYTES / 2**20)
-    p.add_argument("--template-kwargs", type=template_kwargs_arg, default={},
-                   help='chat template options as JSON, e.g. \'{"enable_thinking": false}\'')
-    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
-                   help="the target's compute dtype (auto: bf16 where the device runs it natively, else fp32); the "
-                        "storage dtype is --storage")
-    p.add_argument("--engine", choices=ENGINES, default="own",
-                   help="own: transformers generates and records the states in one pass; vllm: vLLM generates the "
-                        "responses (continuous batching), then one batched prefill records the states")
-    p.add_argument("--device", default=None, help="default: cuda (this rank's GPU) if available, else cpu")
-    p.add_argument("--device-map", default=None, help="e.g. auto: spread a large target over the GPUs")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
-    p.add_argument("--store-topk", type=int, default=0, metavar="K",
-                   help="also store the target's top-K token log-probs per position, soft labels for "
-                        "objective.soft_label_weight (6*K bytes per token; default 0 = off)")
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    add_options(parser, CaptureConfig)
 
 
 def config_from_args(args: argparse.Namespace) -> CaptureConfig:
-    return CaptureConfig(
-        prompts=args.prompts, out=args.out, target=args.target, split=args.split, layers=args.layers,
-        num_taps=args.num_taps, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-        batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-        limit=args.limit, storage=args.storage, responses=args.responses, shard_size_mb=args.shard_size_mb,
-        template_kwargs=args.template_kwargs, dtype=args.dtype, device=args.device, device_map=args.device_map,
-        threads=args.threads, store_topk=args.store_topk, engine=args.engine)
+    return from_args(CaptureConfig, args)
 
 
 def run(args: argparse.Namespace) -> int:

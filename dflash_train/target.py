@@ -239,19 +239,6 @@ def render_prompt(tokenizer, messages: list[dict[str, Any]], tools: list[dict[st
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def template_kwargs_arg(text: str) -> dict[str, Any]:
-    """argparse type for `--template-kwargs '{"enable_thinking": false}'`: a JSON object."""
-    import argparse
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return value
-
-
 def prompt_seed(seed: int, record_id: str) -> int:
     """A per-prompt sampling seed: a sampled response depends on neither batching, ranks, resumes nor order."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{record_id}".encode()).digest()[:8], "little") >> 1
@@ -299,9 +286,11 @@ def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
 
 def layer_ids_problem(ids: list[int], num_layers: int) -> str | None:
     """What is wrong with tapping `ids` of a `num_layers`-layer target, or None. THE rule for every tap list (capture,
-    a new drafter, a drafter meeting a target): distinct integers in 0..L-2. Layer L-1 is out: HF hidden_states[L] is
-    the last layer's output after the final norm, while the engines (vLLM's aux hidden states) tap it before the
-    norm, so a drafter trained on it would read other features when served."""
+    a new drafter, a drafter meeting a target): strictly increasing integers in 0..L-2. Layer L-1 is out: HF
+    hidden_states[L] is the last layer's output after the final norm, while the engines (vLLM's aux hidden states)
+    tap it before the norm, so a drafter trained on it would read other features when served. Increasing, because
+    vLLM concatenates the tapped states in layer order whatever order config.json lists them in (it sorts its aux
+    layers): a drafter trained on [h5 | h1] would be served [h1 | h5]."""
     top = num_layers - 2
     if not ids:
         return "target_layer_ids is empty: tap at least one layer"
@@ -311,6 +300,9 @@ def layer_ids_problem(ids: list[int], num_layers: int) -> str | None:
                 f"target can tap (0..{top}; hidden_states[{num_layers}] is after the final norm)")
     if len(set(ids)) != len(ids):
         return f"target_layer_ids {list(ids)} repeat a layer: they must be distinct"
+    if list(ids) != sorted(ids):
+        return (f"target_layer_ids {list(ids)} are not in increasing order: engines concatenate the tapped layers "
+                f"in layer order ({sorted(ids)}), so list them that way")
     return None
 
 

@@ -237,7 +237,7 @@ def test_capture_checks_sampling_flags_up_front(prompts_dir, tmp_path, capsys, f
     out = tmp_path / "store"
     assert cli_main(["capture", "--prompts", str(prompts_dir), "--out", str(out), flag, value]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith(f"dflash-train capture: error: {flag}: ") and "finite" in err[0]
+    assert len(err) == 1 and err[0].startswith(f"dflash-train capture: error: {flag} ") and "finite" in err[0]
     assert not out.exists()
 
 

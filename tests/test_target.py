@@ -56,6 +56,13 @@ def test_tappable_layers_are_those_whose_hidden_state_is_the_layers_own_output(t
         check_layer_ids([2, 2], L)
 
 
+def test_tapped_layers_must_be_increasing_as_engines_concatenate_them():
+    """vLLM sorts its auxiliary layers: a drafter whose config lists [5, 1] would read [h1 | h5] when served."""
+    with pytest.raises(UserError, match=r"not in increasing order.*\[1, 5\]"):
+        check_layer_ids([5, 1], 8)
+    assert check_layer_ids([1, 5], 8) == [1, 5]
+
+
 def test_unknown_target_names_id_and_offline_flag(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UserError) as err:
