@@ -87,9 +87,12 @@ def store_is_valid(store: Path) -> bool:
 
 VLLM_START_S = 45.0  # one vLLM engine start on a 2-core CPU (import, worker, weights, KV cache), measured here
 STAGE_START_S = 25.0  # a stage command's own start: python, torch, transformers, the target
-DRAFT_SLOWDOWN = 1.7  # speculative decode time / plain, at the demo's tau (0.59x speed measured on the demo drafter)
-CAPTURE_SHARE = 0.3  # of the flexible time: capture (more conversations) vs training (more steps); the 21-minute
-                     # demo on an AVX-512 machine spent 257 s capturing and 742 s training
+DRAFT_SLOWDOWN = 2.0  # speculative decode time / plain for a weak drafter (0.59x speed measured at the demo's tau 1.29)
+EVAL_SHARE = 0.3  # at most this share of the time left goes to the eval (the 21-minute demo: 253 s of ~1,300)
+MIN_EVAL_PROMPTS = 3
+CAPTURE_SHARE = 0.3  # of the rest: capture (more conversations) vs training (more steps); the 21-minute demo on an
+                     # AVX-512 machine spent 257 s capturing and 742 s training
+MARGIN = 0.05  # of the budget, kept free for what the model above does not see
 
 
 def demo_recipe(args: argparse.Namespace):
@@ -175,36 +178,47 @@ def kept_prompts(prompts: Path, split: str, limit: int, target: str, max_prompt_
     return kept
 
 
+def read_for(kept: list[int], wanted: int) -> int:
+    """How many prompts to read (--limit) so that `wanted` of them are kept (all there are, if fewer)."""
+    return next((i + 1 for i, k in enumerate(kept) if k >= wanted), len(kept))
+
+
 def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: float) -> dict:
-    """Eval first (its size is fixed), then capture and training share what is left of the budget."""
+    """Size eval, capture and training to what is left of the budget on this machine.
+
+    Start-ups are fixed costs; the eval gets at most EVAL_SHARE of the rest (its prompt count: every held-out prompt
+    costs the plain, drafter and block-size-1 passes in the project's loop, the plain and speculative runs in vLLM
+    and its capture for the offline estimate), then capture and training split the remainder CAPTURE_SHARE to the
+    rest: capture reads as many prompts as it can generate responses for in its share, training gets a time budget
+    (`train.time_budget_s`, at most the recipe's max_steps)."""
     recipe = demo_recipe(args)
-    eval_kept = kept_prompts(prompts, "eval", args.eval_limit, args.target, args.max_prompt_tokens)[-1]
-    eval_tokens = eval_kept * args.max_new_tokens
-    decode_s = eval_tokens / rates["decode_tok_s"]
-    own_eval_s = STAGE_START_S + decode_s * (2 + DRAFT_SLOWDOWN)  # plain, drafter, block size 1
-    vllm_eval_s = 2 * VLLM_START_S + decode_s * (1 + DRAFT_SLOWDOWN) if args.engine != "own" else 0.0
-    heldout_s = STAGE_START_S + eval_tokens / rates["capture_new_tok_s"]
-    fixed = {"held-out capture": heldout_s, "eval": (own_eval_s if args.engine != "vllm" else STAGE_START_S)
-             + vllm_eval_s, "push (dry run)": 10.0}
-    flexible = args.budget_min * 60 * 0.95 - spent_s - sum(fixed.values())  # 5% margin
+    T = args.max_new_tokens
+    own, engine = args.engine != "vllm", args.engine != "own"
+    starts = {"held-out capture": STAGE_START_S, "eval": STAGE_START_S + (2 * VLLM_START_S if engine else 0.0),
+              "push (dry run)": 10.0, "capture": STAGE_START_S, "train": STAGE_START_S}
+    available = args.budget_min * 60 * (1 - MARGIN) - spent_s - sum(starts.values())
+    decode_s = T / rates["decode_tok_s"]  # one response at batch 1
+    eval_s = decode_s * ((2 + DRAFT_SLOWDOWN if own else 0) + (1 + DRAFT_SLOWDOWN if engine else 0))
+    heldout_s = T / rates["capture_new_tok_s"]
+    eval_kept = kept_prompts(prompts, "eval", args.eval_limit, args.target, args.max_prompt_tokens)
+    n_eval = min(eval_kept[-1], max(MIN_EVAL_PROMPTS, int(EVAL_SHARE * available / (eval_s + heldout_s))))
+    flexible = available - n_eval * (eval_s + heldout_s)
     if flexible < 120:
         raise SystemExit(f"demo: a {args.budget_min:g}-minute budget leaves {flexible:.0f} s for capture and "
-                         f"training on this machine (the eval alone needs about {fixed['eval']:.0f} s): raise "
-                         f"--budget-min")
-    capture_s = CAPTURE_SHARE * flexible
-    per_prompt = args.max_new_tokens / rates["capture_new_tok_s"]  # a response is at most max_new_tokens long
+                         f"training on this machine after {n_eval} eval prompts: raise --budget-min")
+    per_prompt = T / rates["capture_new_tok_s"]  # a response is at most max_new_tokens long
     kept = kept_prompts(prompts, "train", args.capture_limit, args.target, args.max_prompt_tokens)
-    affordable = max(8, int((capture_s - STAGE_START_S) / per_prompt))
-    read = next((i + 1 for i, k in enumerate(kept) if k >= affordable), len(kept))
-    train_s = flexible - STAGE_START_S - kept[read - 1] * per_prompt - STAGE_START_S
-    steps_cap = recipe.train.max_steps
+    read = read_for(kept, max(8, int(CAPTURE_SHARE * flexible / per_prompt)))
+    capture_s = kept[read - 1] * per_prompt
+    train_s = flexible - capture_s
     steps = int(train_s / rates["train_step_s"])
-    plan = {"capture_limit": read, "capture_kept": kept[read - 1], "train_budget_s": round(train_s),
-            "expected_steps": min(steps, steps_cap) if steps_cap else steps, "max_steps": steps_cap,
-            "eval_prompts": eval_kept,
-            "stage_s": {"capture": STAGE_START_S + kept[read - 1] * per_prompt, "train": STAGE_START_S + train_s,
-                        **fixed}}
-    return plan
+    cap = recipe.train.max_steps
+    return {"capture_limit": read, "capture_kept": kept[read - 1], "train_budget_s": round(train_s),
+            "expected_steps": min(steps, cap) if cap else steps, "max_steps": cap,
+            "eval_limit": read_for(eval_kept, n_eval), "eval_prompts": n_eval,
+            "stage_s": {"capture": starts["capture"] + capture_s, "train": starts["train"] + train_s,
+                        "held-out capture": starts["held-out capture"] + n_eval * heldout_s,
+                        "eval": starts["eval"] + n_eval * eval_s, "push (dry run)": starts["push (dry run)"]}}
 
 
 def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
@@ -216,9 +230,9 @@ def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
           f"{args.max_prompt_tokens} tokens (~{plan['stage_s']['capture']:.0f} s)")
     print(f"train:   {plan['train_budget_s']} s of training, about {plan['expected_steps']} steps"
           + (f" (at most {plan['max_steps']})" if plan["max_steps"] else ""))
-    print(f"eval:    {plan['eval_prompts']} held-out prompts x {args.max_new_tokens} tokens, engine {args.engine} "
-          f"(~{plan['stage_s']['eval']:.0f} s, held-out capture ~{plan['stage_s']['held-out capture']:.0f} s)",
-          flush=True)
+    print(f"eval:    read {plan['eval_limit']} held-out prompts, keep {plan['eval_prompts']}, x {args.max_new_tokens} "
+          f"tokens, engine {args.engine} (~{plan['stage_s']['eval']:.0f} s; their capture for the offline estimate "
+          f"~{plan['stage_s']['held-out capture']:.0f} s)", flush=True)
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -241,14 +255,21 @@ def main(argv: list[str] | None = None) -> int:
         run_stage("ingest", [py, "-m", "dflash_train", "ingest", *args.logs, "--out", str(prompts),
                              "--target", args.target], timings)
 
-    capture_limit, train_overrides, plan = args.capture_limit, list(args.train_override), None
-    if args.plan and not (store_is_valid(store) and is_complete(drafter)):
+    plan, plan_file = None, work / "data" / f"{args.name}.demo-plan.json"  # a rerun keeps the plan it started with
+    if args.plan and plan_file.exists():
+        plan = json.loads(plan_file.read_text())
+        print(f"\n=== plan: {plan_file} (the plan this demo started with; delete it to measure and plan anew)")
+    elif args.plan:
         started = time.perf_counter()
         rates = probe(args, prompts)
         timings["probe"] = time.perf_counter() - started
         plan = make_plan(args, prompts, rates, time.perf_counter() - total)
         print_plan(args, rates, plan, time.perf_counter() - total)
-        capture_limit = plan["capture_limit"]
+        plan_file.write_text(json.dumps({**plan, "rates": rates}, indent=2))
+    capture_limit, eval_limit = (plan["capture_limit"], plan["eval_limit"]) if plan else (args.capture_limit,
+                                                                                           args.eval_limit)
+    train_overrides = list(args.train_override)
+    if plan:
         train_overrides += [f"train.time_budget_s={plan['train_budget_s']}", "eval.every=0"]
 
     if store_is_valid(store):
@@ -268,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                             *overrides], timings)
 
     # the held-out prompts' own capture: the store the offline (simulated) tau is computed on
-    eval_args = ["--split", "eval", "--limit", str(args.eval_limit), *length_args]
+    eval_args = ["--split", "eval", "--limit", str(eval_limit), *length_args]
     if store_is_valid(eval_store):
         skip("capture (held-out)", eval_store, timings)
     else:

@@ -313,3 +313,44 @@ def test_ngram_baseline_reads_stores_without_the_trainer():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+# --- make demo's plan -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_prompts(tmp_path_factory):
+    import datasets
+
+    from dflash_train.provenance import write_provenance
+    from test_capture import make_rows
+
+    out = tmp_path_factory.mktemp("demo_prompts") / "ingested"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(make_rows(300)),
+                          "eval": datasets.Dataset.from_list(make_rows(40))}).save_to_disk(str(out))
+    (out / "report.json").write_text("{}")
+    write_provenance(out)
+    return out
+
+
+@pytest.mark.parametrize("machine, rates", [
+    ("AVX-512 BF16 (the 21-minute demo's rates)", {"capture_new_tok_s": 60.0, "decode_tok_s": 17.0,
+                                                   "train_step_s": 0.82}),
+    ("AVX2, fp32", {"capture_new_tok_s": 20.0, "decode_tok_s": 15.0, "train_step_s": 1.7}),
+    ("a GPU", {"capture_new_tok_s": 2000.0, "decode_tok_s": 150.0, "train_step_s": 0.05}),
+])
+def test_demo_plan_fits_the_budget(demo_prompts, tiny_target_dir, machine, rates):
+    import demo
+
+    args = demo.parse_args(["--target", str(tiny_target_dir), "--max-prompt-tokens", "60"])
+    spent = 140.0  # ingest + probe
+    plan = demo.make_plan(args, demo_prompts, rates, spent)
+    total = spent + sum(plan["stage_s"].values())
+    assert total <= args.budget_min * 60 * (1 - demo.MARGIN) + 1e-6, (machine, plan)
+    kept_train = demo.kept_prompts(demo_prompts, "train", 300, str(tiny_target_dir), 60)
+    assert 1 <= plan["capture_limit"] <= args.capture_limit and plan["capture_kept"] == kept_train[
+        plan["capture_limit"] - 1]
+    assert demo.MIN_EVAL_PROMPTS <= plan["eval_prompts"] and plan["eval_limit"] <= args.eval_limit
+    assert plan["expected_steps"] <= plan["max_steps"] == 900
+    if machine == "a GPU":  # a fast machine: every prompt offered and the recipe's steps, as before the plan
+        assert plan["capture_limit"] == len(kept_train) and plan["expected_steps"] == 900
