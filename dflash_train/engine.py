@@ -324,10 +324,10 @@ def _child(workdir: Path) -> None:
                     os.fsync(f.fileno())
             outputs += done
     wall_s = time.perf_counter() - started
+    environment = {k: os.environ.get(k, "") for k in engine_environment_keys()}
+    environment["LD_PRELOAD"] = ":".join(Path(p).name for p in environment["LD_PRELOAD"].split(":") if p)
     result = {"version": vllm_version(), "llm_kwargs": kwargs, "load_s": load_s, "wall_s": wall_s,
-              "outputs": outputs, "environment": {k: ":".join(Path(p).name for p in os.environ.get(k, "").split(":") if p)
-                                                  if k == "LD_PRELOAD" else os.environ.get(k, "")
-                                                  for k in engine_environment_keys()}}
+              "outputs": outputs, "environment": environment}  # file names only: reports are shared
     tmp = workdir / (RESULT_FILE + ".tmp")
     tmp.write_text(json.dumps(result))
     os.replace(tmp, workdir / RESULT_FILE)

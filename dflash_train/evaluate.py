@@ -236,8 +236,8 @@ def load_methods(cfg: EvalConfig, target: Target, dtype: torch.dtype) -> list[Me
 
 def decode_all(methods: list[Method], target: Target, prompts: dict[str, list[int]], cfg: EvalConfig):
     """Every method on every prompt, prompt by prompt and in a rotating order (so that load changes on the
-    machine hit all methods alike), each speculative output compared with the plain one. Returns the per-prompt rows, the mismatch
-    details and the plain outputs of the mismatching prompts."""
+    machine hit all methods alike), each speculative output compared with the plain one. Returns the per-prompt rows,
+    the mismatch details and the plain outputs of the mismatching prompts."""
     from tqdm import tqdm
 
     if cfg.warmup:  # first calls pay one-off costs (allocator, kernels): keep them out of the timings

@@ -155,7 +155,7 @@ class DFlashTrainer:
         schedule = functools.partial(lr_factor, total_steps=self.total_steps, warmup_ratio=opt.warmup_ratio,
                                      schedule=opt.schedule, min_ratio=opt.min_lr_ratio, decay_ratio=opt.decay_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: schedule(s, progress=self.clock.progress))
+            self.optimizer, lambda s: schedule(s, progress=self.clock.progress_at(s, self.total_steps)))
         accelerator.register_for_checkpointing(self.scheduler)
         self.core = accelerator.unwrap_model(self.model)  # the plain DFlashDraftModel (validation, export)
         self.attention = resolve_attention(recipe.objective.attention, self.device)
@@ -460,8 +460,8 @@ def lr_factor(step: int, total_steps: int, warmup_ratio: float, schedule: str, m
 def in_context_warmup(recipe: Recipe, step: int, total_steps: int, clock: "TrainClock") -> bool:
     """Whether this step's blocks see only the last context_warmup_window context positions (the first
     objective.context_warmup_ratio of the run)."""
-    progress = clock.progress if clock.progress is not None else step / max(1, total_steps)
-    return progress < recipe.objective.context_warmup_ratio
+    progress = clock.progress_at(step, total_steps)
+    return (progress if progress is not None else step / max(1, total_steps)) < recipe.objective.context_warmup_ratio
 
 
 class TrainClock:
@@ -484,9 +484,12 @@ class TrainClock:
     def elapsed(self) -> float:
         return self.spent_s + (time.time() - self._since if self._since is not None else 0.0)
 
-    @property
-    def progress(self) -> float | None:
-        return None if self.budget_s is None else self.elapsed / self.budget_s
+    def progress_at(self, step: int, total_steps: int) -> float | None:
+        """Where a budgeted run stands: the larger of the time and the step fraction, since it ends at whichever
+        limit comes first (so the schedule decays either way); None without a budget (the schedule counts steps)."""
+        if self.budget_s is None:
+            return None
+        return max(self.elapsed / self.budget_s, step / max(1, total_steps))
 
     @property
     def expired(self) -> bool:

@@ -85,12 +85,12 @@ def plain_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_id
 def engine_rows(target, records, prompts, layer_ids, args, dtype: str, one_pass_new: int, one_pass_s: float,
                 one_pass_stored: int, work: Path) -> list[tuple[str, str]]:
     """(d): the engine capture of the same prompts, timed stage by stage, beside the one-pass capture."""
-    from dflash_train.engine import EngineJob, EngineRequest, run_engine
+    from dflash_train.engine import VLLM_DTYPES, EngineJob, EngineRequest, run_engine
 
     requests = [EngineRequest(id=r.id, prompt_token_ids=p, max_tokens=args.max_new_tokens)
                 for r, p in zip(records, prompts)]
     job = EngineJob(target=str(target.path), requests=requests, stop_token_ids=target.stop_token_ids(),
-                    dtype={"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[dtype],
+                    dtype=VLLM_DTYPES[dtype],
                     max_model_len=max(len(p) for p in prompts) + args.max_new_tokens, mode="batch")
     result = run_engine(job, work / "engine", "bench: vLLM generation")
     responses = result.by_id()

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import runlib as rl  # scripts/, beside this file: how every script runs a stage
 from dflash_train.provenance import is_complete
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,31 +56,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plan", dest="plan", action="store_false",
                    help="skip the probe: use --capture-limit and the recipe's steps as given")
     return p.parse_args(argv)
-
-
-def run_stage(name: str, command: list[str], timings: dict[str, float]) -> None:
-    print(f"\n=== {name}: {shlex.join(command)}", flush=True)
-    start = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO)
-    timings[name] = time.perf_counter() - start
-    if result.returncode != 0:
-        print(f"\ndemo stopped: stage {name!r} failed (exit {result.returncode}); its error is above. "
-              f"Fix it and rerun: finished stages are skipped.", file=sys.stderr)
-        raise SystemExit(result.returncode)
-
-
-def skip(name: str, folder: Path, timings: dict[str, float]) -> None:
-    print(f"\n=== {name}: {folder} is complete and valid, skipping (delete it to redo this stage)", flush=True)
-    timings[name] = 0.0
-
-
-def store_is_valid(store: Path) -> bool:
-    if not is_complete(store):
-        return False
-    check = subprocess.run([sys.executable, "-m", "dflash_train", "verify", str(store)], cwd=REPO,
-                           capture_output=True, text=True)
-    return check.returncode == 0
-
 
 
 # --- sizing the stages to the budget ----------------------------------------------------------------------------
@@ -126,17 +101,25 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
     precision = resolve_precision(dtype, device)
     target = load_target(args.target, dtype=precision.dtype, device=device)
     records, _ = load_prompt_records(prompts, "train", 200)
-    rendered = [ids for ids in (target.render(r.messages, r.tools) for r in records) if len(ids) <= args.max_prompt_tokens]
+    rendered = [ids for ids in (target.render(r.messages, r.tools) for r in records)
+                if len(ids) <= args.max_prompt_tokens]
     batch = rendered[:args.batch_size]
     stop, pad = target.stop_token_ids(), target.tokenizer.pad_token_id
     layers = resolve_layer_ids(target.num_layers, None, 5)  # capture's default taps
     generate_and_capture(target.model, batch[:2], layers, 2, stop, pad)  # warm-up
-    t0 = time.perf_counter()
-    got = generate_and_capture(target.model, batch, layers, 16, [], pad)  # no stop: every row makes 16 tokens
-    capture_tps = sum(len(g.input_ids) - g.num_prompt_tokens for g in got) / (time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    decoded = plain_generate(target.model, rendered[0], 24, [])
-    decode_tps = len(decoded.tokens) / (time.perf_counter() - t0)
+
+    def timed(fn, *a) -> float:
+        t0 = time.perf_counter()
+        fn(*a)
+        return time.perf_counter() - t0
+
+    # Two lengths each, so that the prompt's prefill and the per-token decode step come apart (a short probe is
+    # mostly prefill): time(n) = prefill + n * step. No stop tokens: every row decodes all n tokens.
+    short, long_ = (timed(generate_and_capture, target.model, batch, layers, n, [], pad) for n in (4, 20))
+    capture_step = max(1e-4, (long_ - short) / 16)
+    capture_prefill = max(0.0, short - 4 * capture_step)
+    short, long_ = (timed(plain_generate, target.model, rendered[0], n, []) for n in (4, 24))
+    decode_step = max(1e-4, (long_ - short) / 20)
 
     recipe = demo_recipe(args)
     cfg = target.config
@@ -160,7 +143,8 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
         bench_train.step_fn(step_args, drafter, embed, embed, data, optimizer, step)
         times.append(time.perf_counter() - t0)
     return {"precision": precision.describe(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "capture_new_tok_s": capture_tps, "decode_tok_s": decode_tps,
+            "capture_batch": len(batch), "capture_prefill_s": capture_prefill,
+            "capture_new_tok_s": len(batch) / capture_step, "decode_tok_s": 1.0 / decode_step,
             "train_step_s": statistics.median(times[1:])}
 
 
@@ -199,14 +183,15 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     available = args.budget_min * 60 * (1 - MARGIN) - spent_s - sum(starts.values())
     decode_s = T / rates["decode_tok_s"]  # one response at batch 1
     eval_s = decode_s * ((2 + DRAFT_SLOWDOWN if own else 0) + (1 + DRAFT_SLOWDOWN if engine else 0))
-    heldout_s = T / rates["capture_new_tok_s"]
+    # a capture batch decodes T tokens for all its rows at capture_new_tok_s, after one prefill of the batch
+    per_prompt = T / rates["capture_new_tok_s"] + rates.get("capture_prefill_s", 0.0) / rates.get("capture_batch", 1)
+    heldout_s = per_prompt
     eval_kept = kept_prompts(prompts, "eval", args.eval_limit, args.target, args.max_prompt_tokens)
     n_eval = min(eval_kept[-1], max(MIN_EVAL_PROMPTS, int(EVAL_SHARE * available / (eval_s + heldout_s))))
     flexible = available - n_eval * (eval_s + heldout_s)
     if flexible < 120:
         raise SystemExit(f"demo: a {args.budget_min:g}-minute budget leaves {flexible:.0f} s for capture and "
                          f"training on this machine after {n_eval} eval prompts: raise --budget-min")
-    per_prompt = T / rates["capture_new_tok_s"]  # a response is at most max_new_tokens long
     kept = kept_prompts(prompts, "train", args.capture_limit, args.target, args.max_prompt_tokens)
     read = read_for(kept, max(8, int(CAPTURE_SHARE * flexible / per_prompt)))
     capture_s = kept[read - 1] * per_prompt
@@ -224,8 +209,9 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
 def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
     print(f"\n=== plan for a {args.budget_min:g}-minute demo on this machine ({spent_s:.0f} s spent so far)")
     print(f"measured: compute dtype {rates['precision']}; one-pass capture {rates['capture_new_tok_s']:.1f} new "
-          f"tokens/s (batch {args.batch_size}); a training step of the demo recipe {rates['train_step_s']:.2f} s; "
-          f"plain decoding {rates['decode_tok_s']:.1f} tokens/s (batch 1)")
+          f"tokens/s after a {rates['capture_prefill_s']:.1f} s prefill (batch {rates['capture_batch']}); a training "
+          f"step of the demo recipe {rates['train_step_s']:.2f} s; plain decoding {rates['decode_tok_s']:.1f} "
+          f"tokens/s (batch 1)")
     print(f"capture: read {plan['capture_limit']} training prompts, keep the {plan['capture_kept']} of at most "
           f"{args.max_prompt_tokens} tokens (~{plan['stage_s']['capture']:.0f} s)")
     print(f"train:   {plan['train_budget_s']} s of training, about {plan['expected_steps']} steps"
@@ -244,16 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     drafter = run / "drafter"
     report = work / "eval" / args.name
     push = work / "push" / args.name
-    py = sys.executable
-    length_args = ["--max-prompt-tokens", str(args.max_prompt_tokens), "--max-new-tokens", str(args.max_new_tokens)]
-    timings: dict[str, float] = {}
+    log = rl.Log()
     total = time.perf_counter()
 
-    if is_complete(prompts):
-        skip("ingest", prompts, timings)
-    else:
-        run_stage("ingest", [py, "-m", "dflash_train", "ingest", *args.logs, "--out", str(prompts),
-                             "--target", args.target], timings)
+    rl.run_stage("ingest", prompts, rl.ingest_command(prompts, args.logs, ["--target", args.target]), log)
 
     plan, plan_file = None, work / "data" / f"{args.name}.demo-plan.json"  # a rerun keeps the plan it started with
     if args.plan and plan_file.exists():
@@ -262,51 +242,32 @@ def main(argv: list[str] | None = None) -> int:
     elif args.plan:
         started = time.perf_counter()
         rates = probe(args, prompts)
-        timings["probe"] = time.perf_counter() - started
+        log.add("probe", ["scripts/demo.py (probe)"], time.perf_counter() - started, skipped=False)
         plan = make_plan(args, prompts, rates, time.perf_counter() - total)
         print_plan(args, rates, plan, time.perf_counter() - total)
         plan_file.write_text(json.dumps({**plan, "rates": rates}, indent=2))
     capture_limit, eval_limit = (plan["capture_limit"], plan["eval_limit"]) if plan else (args.capture_limit,
                                                                                            args.eval_limit)
-    train_overrides = list(args.train_override)
+    overrides = [f"data.stores=[{store}]", *args.train_override]
     if plan:
-        train_overrides += [f"train.time_budget_s={plan['train_budget_s']}", "eval.every=0"]
+        overrides += [f"train.time_budget_s={plan['train_budget_s']}", "eval.every=0"]
+    target = ["--target", args.target]
 
-    if store_is_valid(store):
-        skip("capture", store, timings)
-    else:
-        run_stage("capture", [py, "-m", "dflash_train", "capture", "--prompts", str(prompts), "--split", "train",
-                              "--target", args.target, "--out", str(store), "--limit", str(capture_limit),
-                              *length_args, "--batch-size", str(args.batch_size),
-                              "--store-topk", str(args.store_topk)], timings)
-
-    if is_complete(drafter):
-        skip("train", drafter, timings)
-    else:
-        overrides = [f"name={args.name}", f"output_dir={run}", f"data.stores=[{store}]", *train_overrides]
-        run_stage("train", [py, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-                            "--mixed_precision", "no", "--dynamo_backend", "no", "train.py", args.recipe,
-                            *overrides], timings)
-
+    check_store(store)
+    rl.run_stage("capture", store, rl.capture_command(
+        prompts, store, "train", capture_limit, args.max_prompt_tokens, args.max_new_tokens,
+        [*target, "--store-topk", str(args.store_topk)], args.batch_size), log)
+    rl.run_stage("train", drafter, rl.train_command(args.recipe, run, overrides), log)
     # the held-out prompts' own capture: the store the offline (simulated) tau is computed on
-    eval_args = ["--split", "eval", "--limit", str(eval_limit), *length_args]
-    if store_is_valid(eval_store):
-        skip("capture (held-out)", eval_store, timings)
-    else:
-        run_stage("capture (held-out)", [py, "-m", "dflash_train", "capture", "--prompts", str(prompts),
-                                         "--target", args.target, "--out", str(eval_store), *eval_args,
-                                         "--batch-size", str(args.batch_size)], timings)
-
-    if is_complete(report):
-        skip("eval", report, timings)
-    else:
-        run_stage("eval", [py, "-m", "dflash_train", "eval", "--engine", args.engine, "--drafter", str(drafter),
-                           "--target", args.target,
-                           "--prompts", str(prompts), *eval_args, "--store", str(eval_store), "--out", str(report)],
-                  timings)
-
-    run_stage("push (dry run)", [py, "-m", "dflash_train", "push", str(drafter), "--repo", args.repo,
-                                 "--eval-report", str(report), "--out", str(push), "--dry-run"], timings)
+    check_store(eval_store)
+    rl.run_stage("capture (held-out)", eval_store, rl.capture_command(
+        prompts, eval_store, "eval", eval_limit, args.max_prompt_tokens, args.max_new_tokens, target,
+        args.batch_size), log)
+    rl.run_stage("eval", report, rl.eval_command([drafter], prompts, eval_limit, args.max_prompt_tokens,
+                                                 args.max_new_tokens, eval_store, report, args.engine, target), log)
+    rl.run_stage("push (dry run)", push, [rl.PY, "-m", "dflash_train", "push", str(drafter), "--repo", args.repo,
+                                          "--eval-report", str(report), "--out", str(push), "--dry-run"], log,
+                 rerun=True)
 
     wall = time.perf_counter() - total
     print("\n" + "=" * 80)
@@ -318,14 +279,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"offline tau {_num(headline.get('tau_offline'))}")
     planned = plan["stage_s"] if plan else {}
     print("\nstage wall times: " + ", ".join(
-        f"{k} {v:.0f} s" + (f" (planned {planned[k]:.0f})" if k in planned else "") for k, v in timings.items())
+        f"{s['stage']} {s['seconds'] or 0:.0f} s" + (" (done before)" if s["skipped"] else "")
+        + (f" (planned {planned[s['stage']]:.0f})" if s["stage"] in planned else "") for s in log.stages)
         + f" | total {wall:.0f} s" + (f" of {args.budget_min:g} min" if plan else ""))
     print("artefacts:")
     for label, path in [("prompts", prompts), ("capture store", store), ("held-out store", eval_store),
-                        ("training run", run),
-                        ("drafter", drafter), ("eval report", report), ("push folder (dry run)", push)]:
+                        ("training run", run), ("drafter", drafter), ("eval report", report),
+                        ("push folder (dry run)", push)]:
         print(f"  {label:<22} {path}")
     return 0
+
+
+def check_store(store: Path) -> None:
+    """A complete store must pass `verify` before a rerun builds on it (its shards are re-hashed)."""
+    if not is_complete(store):
+        return
+    check = subprocess.run([sys.executable, "-m", "dflash_train", "verify", str(store)], cwd=REPO,
+                           capture_output=True, text=True)
+    if check.returncode != 0:
+        raise SystemExit(f"demo: {store} is complete but fails verification:\n{check.stdout}{check.stderr}"
+                         f"delete it to capture it again")
 
 
 def _num(x) -> str:

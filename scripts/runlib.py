@@ -164,9 +164,11 @@ def recorded_seconds(folder: Path) -> float | None:
     return json.loads(record.read_text()).get("seconds") if record.exists() else None
 
 
-def run_stage(name: str, folder: Path, command: list[str], log: Log, env: dict[str, str] | None = None) -> None:
-    """Run `command` unless `folder` is already complete; stop the script with a clear message if it fails."""
-    if stage_decision(folder, command) == "skip":
+def run_stage(name: str, folder: Path, command: list[str], log: Log, env: dict[str, str] | None = None,
+              rerun: bool = False) -> None:
+    """Run `command` unless `folder` is already complete (or always, with `rerun`: a quick stage whose output
+    should reflect the latest inputs); stop the script with a clear message if it fails."""
+    if not rerun and stage_decision(folder, command) == "skip":
         print(f"\n=== {name}: {folder} is complete, skipping (delete it to redo this stage)", flush=True)
         log.add(name, command, recorded_seconds(folder), skipped=True)
         return
@@ -189,10 +191,10 @@ def run_stage(name: str, folder: Path, command: list[str], log: Log, env: dict[s
 
 
 def capture_command(prompts: Path, store: Path, split: str, limit: int, max_prompt_tokens: int,
-                    max_new_tokens: int, extra: list[str] = ()) -> list[str]:
+                    max_new_tokens: int, extra: list[str] = (), batch_size: int = 16) -> list[str]:
     return [PY, "-m", "dflash_train", "capture", "--prompts", str(prompts), "--split", split, "--out", str(store),
             "--limit", str(limit), "--max-prompt-tokens", str(max_prompt_tokens),
-            "--max-new-tokens", str(max_new_tokens), "--batch-size", "16", *extra]
+            "--max-new-tokens", str(max_new_tokens), "--batch-size", str(batch_size), *extra]
 
 
 def train_command(recipe: str, run_dir: Path, overrides: list[str]) -> list[str]:
@@ -212,8 +214,10 @@ def budget_overrides(steps: int | None, time_budget: float | None, eval_every: i
 
 
 def eval_command(drafters: list[Path], prompts: Path, limit: int, max_prompt_tokens: int, max_new_tokens: int,
-                 store: Path | None, out: Path) -> list[str]:
-    command = [PY, "-m", "dflash_train", "eval", "--drafter", str(drafters[0])]
+                 store: Path | None, out: Path, engine: str = "own", extra: list[str] = ()) -> list[str]:
+    """The eval stage's command; experiments compare drafters in the project's loop (`own`: no vLLM start-ups per
+    run), the demo evaluates in vLLM too."""
+    command = [PY, "-m", "dflash_train", "eval", "--engine", engine, *extra, "--drafter", str(drafters[0])]
     for other in drafters[1:]:
         command += ["--baseline-drafter", str(other)]
     command += ["--prompts", str(prompts), "--split", "eval", "--limit", str(limit),
@@ -223,10 +227,14 @@ def eval_command(drafters: list[Path], prompts: Path, limit: int, max_prompt_tok
     return command + ["--out", str(out)]
 
 
+def ingest_command(prompts: Path, logs: list[str] = (), extra: list[str] = ()) -> list[str]:
+    return [PY, "-m", "dflash_train", "ingest", *logs, "--out", str(prompts), *extra]
+
+
 def ensure_prompts(prompts: Path, log: Log) -> None:
     """Ingest the demo traffic (the ShareGPT package) into `prompts` unless it is there already."""
     if not is_complete(prompts):
-        run_stage("ingest", prompts, [PY, "-m", "dflash_train", "ingest", "--out", str(prompts)], log)
+        run_stage("ingest", prompts, ingest_command(prompts), log)
 
 
 def train_runs(recipe: str, plan: dict[str, tuple[Path, list[str]]], common: list[str], log: Log) -> None:

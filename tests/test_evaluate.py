@@ -287,7 +287,8 @@ def test_eval_refuses_a_temperature_out_of_the_api_range(tmp_path, capsys, value
     assert main(["eval", "--drafter", str(tmp_path / "d"), "--prompts", str(tmp_path / "p"), "--out",
                  str(tmp_path / "out"), "--temperature", value]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("dflash-train eval: error: --temperature ") and "must be a finite" in err[0]
+    assert len(err) == 1 and err[0].startswith("dflash-train eval: error: --temperature ")
+    assert "must be a finite" in err[0]
     assert not (tmp_path / "out").exists()
 
 

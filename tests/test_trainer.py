@@ -258,9 +258,11 @@ def test_lr_schedule_wsd_and_time_budget_progress():
     assert tr.lr_factor(3, 10_000, 0.1, "wsd", 0.1, decay_ratio=0.2, progress=0.9) == pytest.approx(0.55)
     assert tr.lr_factor(3, 10_000, 0.0, "cosine", 0.0, progress=1.0) == pytest.approx(0.0)
     clock = tr.TrainClock(budget_s=10.0, already_s=4.0)
-    assert clock.progress == pytest.approx(0.4) and not clock.expired
+    assert clock.progress_at(3, 10_000) == pytest.approx(0.4) and not clock.expired
+    # a run that reaches its max_steps before its budget is that far along: the schedule decays on steps then
+    assert clock.progress_at(90, 100) == pytest.approx(0.9)
     clock.spent_s = 10.0
-    assert clock.expired and tr.TrainClock(None).progress is None
+    assert clock.expired and tr.TrainClock(None).progress_at(5, 10) is None
 
 
 def test_context_warmup_covers_the_first_fraction_of_steps_or_of_the_time_budget():
