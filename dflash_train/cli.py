@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from dflash_train.errors import UserError
+from dflash_train.errors import UserError, os_error_line, print_user_error
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -48,5 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(module.run(args) or 0)
     except UserError as err:
-        print(f"dflash-train {command}: error: {err}", file=sys.stderr)
+        print_user_error(f"dflash-train {command}", err)
+        return 2
+    except OSError as err:  # a write no stage expected to fail (disk full, read-only folder): say so, exit 2
+        user = os_error_line(err)
+        if user is None:
+            raise
+        print_user_error(f"dflash-train {command}", user)
         return 2

@@ -10,12 +10,13 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 PROVENANCE_FILE = "provenance.json"
 INCOMPLETE_MARKER = "INCOMPLETE"
@@ -102,11 +103,13 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def start_output(out_dir: str | Path) -> Path:
-    """Create `out_dir` (or reuse it) and mark it incomplete until `complete_output`."""
+def start_output(out_dir: str | Path, stage: str | None = None) -> Path:
+    """Create `out_dir` (or reuse it) and mark it incomplete until `complete_output`; the marker names the stage
+    writing it (what `stage_of` reads until provenance.json is written)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / INCOMPLETE_MARKER).write_text("this folder is being written; rerun the same command to finish it\n")
+    write_json_atomic(out / INCOMPLETE_MARKER, {
+        "stage": stage, "note": "this folder is being written; rerun the same command to finish it"})
     return out
 
 
@@ -119,3 +122,160 @@ def complete_output(out_dir: str | Path) -> None:
 def is_complete(out_dir: str | Path) -> bool:
     out = Path(out_dir)
     return out.is_dir() and (out / PROVENANCE_FILE).exists() and not (out / INCOMPLETE_MARKER).exists()
+
+
+# --------------------------------------------------------------------------------------------- output folders
+
+LOCK_FILE = ".dflash-train.lock"  # in every output folder: held (flock, via filelock) while a run writes it
+
+
+def stage_of(out_dir: str | Path) -> str | None:
+    """The stage that marked `out_dir` as its own (the INCOMPLETE marker while it writes, provenance.json after),
+    or None when neither records one (an empty folder, someone else's, or one written before stages were
+    recorded)."""
+    out = Path(out_dir)
+    for name in (INCOMPLETE_MARKER, PROVENANCE_FILE):
+        try:
+            record = json.loads((out / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("stage"), str):
+            return record["stage"]
+    return None
+
+
+class OutputClaim:
+    """One run's right to write an output folder: the folder is the stage's own and locked until `release`.
+
+        claim = OutputClaim("data/store/x", "capture", legacy=lambda out: (out / "manifest.json").exists())
+
+    Refused (a UserError naming the folder; nothing is created or changed) when `out_dir`
+      - is a file, or a symbolic link where `allow_symlink` is False (a stage that replaces its folder);
+      - holds another stage's output, or files no stage marked (unless `legacy(out)` recognises the stage's own
+        output from before stages were recorded);
+      - is being written by another run right now (its lock is held: two runs into one folder would mix);
+      - cannot be written (read-only file system, permissions, disk full).
+    A folder that did not exist is created; `release(failed=True)` removes it again if the run left nothing in it.
+    Several processes of one run: rank 0 claims (errors.decided_by_rank0), the others write under its lock."""
+
+    def __init__(self, out_dir: str | Path, stage: str, legacy: Callable[[Path], bool] | None = None,
+                 allow_symlink: bool = True):
+        from dflash_train.errors import UserError, write_error
+
+        self.out, self.stage = Path(out_dir), stage
+        self._lock = None
+        if self.out.is_symlink() and not allow_symlink:
+            raise UserError(f"{self.out} is a symbolic link (to {os.readlink(self.out)}): {stage} replaces its output "
+                            f"folder, so pass the folder itself or a new one (nothing was changed)")
+        if self.out.exists() and not self.out.is_dir():
+            raise UserError(f"{self.out} exists and is not a folder")
+        self.created = not self.out.exists()
+        self._check_owner(legacy)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._acquire()
+            self._check_owner(legacy)  # again under the lock: another stage may have claimed it meanwhile
+        except OSError as err:
+            self.release(failed=True)
+            raise (write_error(err, self.out, "Choose a writable folder") or err) from None
+        except BaseException:
+            self.release(failed=True)
+            raise
+
+    def _check_owner(self, legacy: Callable[[Path], bool] | None) -> None:
+        from dflash_train.errors import UserError
+
+        if not self.out.is_dir():
+            return
+        names = sorted(p.name for p in self.out.iterdir() if p.name != LOCK_FILE)
+        if not names:
+            return
+        owner = stage_of(self.out)
+        if owner == self.stage or (owner is None and legacy is not None and legacy(self.out)):
+            return
+        if owner is not None:
+            raise UserError(f"{self.out} holds the output of `dflash-train {owner}`, not of {self.stage}: choose "
+                            f"another folder (nothing was changed)")
+        raise UserError(f"{self.out} already holds files that {self.stage} did not write ({', '.join(names[:5])}"
+                        f"{', ...' if len(names) > 5 else ''}): choose an empty or new folder (nothing was changed)")
+
+    def _acquire(self) -> None:
+        from filelock import FileLock, Timeout
+
+        from dflash_train.errors import UserError
+
+        path = self.out / LOCK_FILE
+        lock = FileLock(str(path), timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            holder = _lock_holder(path)
+            raise UserError(f"{self.out} is being written by another run right now{holder}: two runs into one folder "
+                            f"would mix their outputs. Wait for it to finish or choose another folder") from None
+        self._lock = lock
+        try:  # who holds it, for the message above (best effort: an older filelock may truncate it)
+            path.write_text(json.dumps({"stage": self.stage, "pid": os.getpid(), "host": platform.node(),
+                                        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                        "command": [Path(sys.argv[0]).name, *sys.argv[1:]]}) + "\n")
+        except OSError:
+            pass
+
+    def release(self, failed: bool = False) -> None:
+        """Unlock; after a failed run, remove the folder if this claim created it and nothing else is in it."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        if failed and self.created and self.out.is_dir():
+            if all(p.name == LOCK_FILE for p in self.out.iterdir()):
+                shutil.rmtree(self.out, ignore_errors=True)
+
+    def __enter__(self) -> "OutputClaim":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.release(failed=exc_type is not None)
+
+
+def _lock_holder(path: Path) -> str:
+    try:
+        record = json.loads(path.read_text())
+        return f" ({record['stage']}, pid {record['pid']} on {record['host']} since {record['since']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def config_differences(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """Every leaf where two JSON-like configurations differ, as (dotted key path, old value, new value); a key
+    missing on one side has the value `MISSING` there."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        found = []
+        for key in [*old, *(k for k in new if k not in old)]:
+            found += config_differences(old.get(key, MISSING), new.get(key, MISSING), f"{prefix}{key}.")
+        return found
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [d for i, (a, b) in enumerate(zip(old, new)) for d in config_differences(a, b, f"{prefix}{i}.")]
+    return [] if old == new else [(prefix.rstrip("."), old, new)]
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "(not set)"
+
+
+MISSING = _Missing()
+
+
+def shown_pair(old: Any, new: Any, width: int = 60) -> tuple[str, str]:
+    """Two differing values as JSON, each cut to about `width` characters around where they first differ."""
+    a, b = (v if isinstance(v, _Missing) else json.dumps(v, default=str) for v in (old, new))
+    a, b = str(a), str(b)
+    if len(a) <= width and len(b) <= width:
+        return a, b
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    start = max(0, first - width // 3)
+
+    def cut(text: str) -> str:
+        piece = text[start:start + width]
+        return ("..." if start else "") + piece + ("..." if start + width < len(text) else "")
+
+    return cut(a), cut(b)

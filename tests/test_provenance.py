@@ -1,0 +1,68 @@
+"""Output folders: each run claims its folder (stage ownership + a lock), and the completeness markers."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from dflash_train.errors import UserError
+from dflash_train.provenance import (LOCK_FILE, OutputClaim, config_differences, shown_pair, stage_of, start_output,
+                                     write_provenance)
+
+
+def test_a_second_run_into_a_folder_being_written_is_refused_naming_it(tmp_path):
+    out = tmp_path / "store"
+    first = OutputClaim(out, "capture")
+    with pytest.raises(UserError, match=re.escape(str(out)) + r" is being written by another run right now \(capture, "
+                                        r"pid \d+"):
+        OutputClaim(out, "capture")
+    # the same from another process: the lock is a real file lock, not an in-process flag
+    code = (f"from dflash_train.provenance import OutputClaim\nfrom dflash_train.errors import UserError\n"
+            f"try:\n    OutputClaim({str(out)!r}, 'capture')\nexcept UserError as e:\n    print(e)")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "is being written by another run" in other.stdout, other.stdout + other.stderr
+    first.release()
+    OutputClaim(out, "capture").release()  # free again once the first run is done
+
+
+def test_a_folder_of_another_stage_or_of_someone_else_is_refused_untouched(tmp_path):
+    ingest_out = tmp_path / "prompts"
+    start_output(ingest_out, "ingest")
+    write_provenance(ingest_out, stage="ingest")
+    before = {p.name: p.read_bytes() for p in ingest_out.iterdir()}
+    with pytest.raises(UserError, match=r"holds the output of `dflash-train ingest`, not of capture"):
+        OutputClaim(ingest_out, "capture")
+    assert {p.name: p.read_bytes() for p in ingest_out.iterdir()} == before  # no lock file, nothing rewritten
+
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "shard-r000-00000.safetensors").write_text("not a shard of ours")
+    with pytest.raises(UserError, match=r"already holds files that capture did not write \(shard-r000-00000"):
+        OutputClaim(foreign, "capture")
+    assert [p.name for p in foreign.iterdir()] == ["shard-r000-00000.safetensors"]
+    # what the stage recognises as its own output from before folders recorded their stage is still accepted
+    OutputClaim(foreign, "capture", legacy=lambda folder: True).release()
+
+
+def test_a_new_folder_is_marked_with_its_stage_and_removed_when_the_run_fails_early(tmp_path):
+    out = tmp_path / "a" / "eval"
+    with pytest.raises(RuntimeError):
+        with OutputClaim(out, "eval"):
+            assert (out / LOCK_FILE).exists()
+            raise RuntimeError("bad input found before anything was written")
+    assert not out.exists()
+    with OutputClaim(out, "eval"):
+        start_output(out, "eval")
+    assert stage_of(out) == "eval" and json.loads((out / "INCOMPLETE").read_text())["stage"] == "eval"
+
+
+def test_config_differences_name_the_key_path_and_cut_long_values_around_the_difference():
+    old = {"a": {"b": [1, 2, {"c": "x" * 300 + "old"}]}, "d": 1}
+    new = {"a": {"b": [1, 2, {"c": "x" * 300 + "new"}]}, "d": 1, "e": 2}
+    diffs = config_differences(old, new)
+    assert [d[0] for d in diffs] == ["a.b.2.c", "e"]
+    shown_old, shown_new = shown_pair(diffs[0][1], diffs[0][2])
+    assert shown_old.endswith('old"') and shown_new.endswith('new"') and len(shown_old) < 80
+    assert repr(diffs[1][1]) == "(not set)"
