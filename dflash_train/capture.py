@@ -36,7 +36,7 @@ import torch
 
 from dflash_train import sampling
 from dflash_train.device import default_device, resolve_precision
-from dflash_train.errors import UserError
+from dflash_train.errors import UserError, decided_by_rank0
 from dflash_train.options import add_options, at_least, from_args, in_range, option, validate
 from dflash_train.sampling import Sampling
 from dflash_train.store import DEFAULT_SHARD_BYTES, StoreWriter, finalize_store
@@ -172,6 +172,16 @@ def _to_record(row: dict[str, Any], path: Path) -> PromptRecord:
     weight = row.get("weight")
     return PromptRecord(id=rid, messages=messages, weight=int(weight) if weight is not None else 1,
                         sampling=row.get("sampling") or None, response=row.get("response"), tools=tools or None)
+
+
+def prompt_set(prompts: str | Path, split: str, ingest_report: dict[str, Any] | None) -> dict[str, Any]:
+    """Which prompts a store holds, as its settings record it: the ingest folder (or raw log) they come from, the
+    split, and the split rule (eval fraction and seed) that decided it. A store holds one such set: a capture of
+    another split or source into it is refused, so that eval prompts never reach a training store."""
+    path = Path(prompts)
+    rule = (ingest_report or {}).get("config") or {}
+    return {"source": str(path.resolve()), "split": split if path.is_dir() else None,
+            "eval_fraction": rule.get("eval_fraction"), "seed": rule.get("seed")}
 
 
 def sampling_for(record: PromptRecord, temperature: float | None, top_p: float | None) -> Sampling:
@@ -439,8 +449,6 @@ def _barrier(world: int) -> None:
 
 def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
     """Run the capture stage; returns the manifest on rank 0 (None on other ranks)."""
-    from tqdm import tqdm
-
     validate(cfg)
     if cfg.engine == "vllm":
         from dflash_train.engine import check_vllm
@@ -489,13 +497,32 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
         from dflash_train.engine import vllm_version
 
         generation["engine_version"] = vllm_version()
-    writer = StoreWriter(cfg.out, target=target.identity().to_dict(), target_layer_ids=layer_ids,
-                         hidden_size=target.config.hidden_size, storage_dtype=cfg.storage, generation=generation,
-                         ingest_report=ingest_report, shard_bytes=int(cfg.shard_size_mb * 2**20), rank=rank,
-                         world_size=world, extra={"capture": {**asdict(cfg), "world_size": world,
-                                                              "prompts": str(cfg.prompts),
-                                                              "precision": precision.as_dict()}},
-                         topk=cfg.store_topk)
+
+    def open_writer(rank: int) -> StoreWriter:
+        return StoreWriter(cfg.out, target=target.identity().to_dict(), target_layer_ids=layer_ids,
+                           hidden_size=target.config.hidden_size, storage_dtype=cfg.storage, generation=generation,
+                           ingest_report=ingest_report, shard_bytes=int(cfg.shard_size_mb * 2**20), rank=rank,
+                           world_size=world, extra={"capture": {**asdict(cfg), "world_size": world,
+                                                                "prompts": str(cfg.prompts),
+                                                                "precision": precision.as_dict()}},
+                           topk=cfg.store_topk, prompts=prompt_set(cfg.prompts, cfg.split, ingest_report))
+
+    # rank 0 claims (and locks) the folder and checks it against this run's settings before any rank touches it
+    writer = decided_by_rank0(lambda: open_writer(0), rank, world)  # None on the other ranks, which then open theirs
+    if rank != 0:
+        writer = open_writer(rank)
+    try:
+        return _capture_into(writer, cfg, target, records, samplings, layer_ids, stop_ids, pad_id, rank, world,
+                             ingest_report, started)
+    finally:
+        writer.release()
+
+
+def _capture_into(writer: StoreWriter, cfg: CaptureConfig, target: Target, records: list[PromptRecord],
+                  samplings: dict[str, Sampling], layer_ids: list[int], stop_ids: list[int], pad_id: int, rank: int,
+                  world: int, ingest_report: dict[str, Any] | None, started: float) -> dict[str, Any] | None:
+    from tqdm import tqdm
+
     mine = [r for i, r in enumerate(records) if i % world == rank and r.id not in writer.done_ids]
     if len(mine) < sum(1 for i in range(len(records)) if i % world == rank):
         print(f"rank {rank}: resuming {cfg.out}: {len(mine)} prompt(s) left", flush=True)
@@ -516,33 +543,35 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
     bar = tqdm(total=len(rendered), desc=f"capture r{rank}" if world > 1 else "capture", unit="prompt",
                position=rank, dynamic_ncols=True)
     loop_start = time.time()
-    for start in range(0, len(rendered), cfg.batch_size):
-        batch = rendered[start:start + cfg.batch_size]
-        if cfg.engine == "vllm":  # the engine's responses; their states from one prefill
-            captured = prefill_capture(target.model, [ids + responses[r.id] for r, ids in batch],
-                                       [len(ids) for _, ids in batch], layer_ids, pad_id, topk=cfg.store_topk)
-        elif cfg.responses == "generate":
-            captured = generate_and_capture(
-                target.model, [ids for _, ids in batch], layer_ids, cfg.max_new_tokens, stop_ids, pad_id,
-                samplings=[samplings[r.id] for r, _ in batch],
-                seeds=[prompt_seed(cfg.seed, r.id) for r, _ in batch], topk=cfg.store_topk)
-        else:
-            responses = [logged_response_ids(target, r, ids, cfg.template_kwargs)[0][:cfg.max_new_tokens]
-                         for r, ids in batch]
-            captured = prefill_capture(target.model, [ids + resp for (_, ids), resp in zip(batch, responses)],
-                                       [len(ids) for _, ids in batch], layer_ids, pad_id, topk=cfg.store_topk)
-        for (record, _), sample in zip(batch, captured):
-            n = len(sample.input_ids)
-            loss_mask = torch.zeros(n, dtype=torch.bool)
-            loss_mask[sample.num_prompt_tokens:] = True
-            writer.add(torch.tensor(sample.input_ids), loss_mask, sample.hidden_states, id=record.id,
-                       weight=record.weight, topk_ids=sample.topk_ids, topk_logprobs=sample.topk_logprobs)
-            tokens_done += n
-            generated += n - sample.num_prompt_tokens
-        bar.update(len(batch))
-        elapsed = max(time.time() - loop_start, 1e-9)
-        bar.set_postfix(tok_s=f"{tokens_done / elapsed:.0f}", new_tok_s=f"{generated / elapsed:.1f}")
-    bar.close()
+    try:
+        for start in range(0, len(rendered), cfg.batch_size):
+            batch = rendered[start:start + cfg.batch_size]
+            if cfg.engine == "vllm":  # the engine's responses; their states from one prefill
+                captured = prefill_capture(target.model, [ids + responses[r.id] for r, ids in batch],
+                                           [len(ids) for _, ids in batch], layer_ids, pad_id, topk=cfg.store_topk)
+            elif cfg.responses == "generate":
+                captured = generate_and_capture(
+                    target.model, [ids for _, ids in batch], layer_ids, cfg.max_new_tokens, stop_ids, pad_id,
+                    samplings=[samplings[r.id] for r, _ in batch],
+                    seeds=[prompt_seed(cfg.seed, r.id) for r, _ in batch], topk=cfg.store_topk)
+            else:
+                responses = [logged_response_ids(target, r, ids, cfg.template_kwargs)[0][:cfg.max_new_tokens]
+                             for r, ids in batch]
+                captured = prefill_capture(target.model, [ids + resp for (_, ids), resp in zip(batch, responses)],
+                                           [len(ids) for _, ids in batch], layer_ids, pad_id, topk=cfg.store_topk)
+            for (record, _), sample in zip(batch, captured):
+                n = len(sample.input_ids)
+                loss_mask = torch.zeros(n, dtype=torch.bool)
+                loss_mask[sample.num_prompt_tokens:] = True
+                writer.add(torch.tensor(sample.input_ids), loss_mask, sample.hidden_states, id=record.id,
+                           weight=record.weight, topk_ids=sample.topk_ids, topk_logprobs=sample.topk_logprobs)
+                tokens_done += n
+                generated += n - sample.num_prompt_tokens
+            bar.update(len(batch))
+            elapsed = max(time.time() - loop_start, 1e-9)
+            bar.set_postfix(tok_s=f"{tokens_done / elapsed:.0f}", new_tok_s=f"{generated / elapsed:.1f}")
+    finally:
+        bar.close()  # before any error line, so that the line stands alone
     writer.close(finalize=False)
     _barrier(world)
     manifest = None

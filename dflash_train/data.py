@@ -62,7 +62,7 @@ class StoreSet:
     def summary(self) -> dict[str, Any]:
         return {"stores": [{"path": f, "num_samples": s.manifest["num_samples"], "num_tokens": s.manifest["num_tokens"],
                             "generation": s.manifest.get("generation"), "storage_dtype": s.manifest["storage_dtype"],
-                            "ingest_report": s.manifest.get("ingest_report")}
+                            "ingest_report": s.manifest.get("ingest_report"), "prompts": s.manifest.get("prompts")}
                            for f, s in zip(self.folders, self.stores)],
                 "num_samples": len(self), "num_tokens": sum(s.manifest["num_tokens"] for s in self.stores)}
 

@@ -5,6 +5,7 @@ Layout of a store folder:
   shard-r000-00000.safetensors ...    per rank, numbered; each holds whole samples as concatenated token streams
   journal-r000.json                   per rank: the shards it has finished (the resume point of that rank)
   provenance.json                     what made the folder
+  .dflash-train.lock                  held while a capture writes the folder (provenance.OutputClaim)
 
 A shard holds
   input_ids      int32  [T]           every sample's tokens, one after another
@@ -23,14 +24,20 @@ the safetensors metadata.
 Shards are written under a temporary name, fsynced, hashed and renamed; only then does the rank's journal list
 them. A killed writer therefore leaves finished shards (kept on rerun) and at most one temporary file (deleted
 on rerun, its samples redone): every sample ends up in the store exactly once.
+
+A store knows the set it holds: its settings (fixed when it is started, checked on every rerun) include the target,
+the tapped layers, the decoding settings and the prompt set (`prompts`: the ingest folder, its split and split
+rule), so that eval prompts never join a store of training prompts. Training and eval re-hash the shards when they
+open a store (`check_hashes`); what was verified is remembered per shard (size, mtime, inode) in the user cache, so
+a rerun hashes only shards that changed.
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
-import errno
 import functools
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -41,9 +48,9 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from dflash_train.errors import UserError
-from dflash_train.provenance import (INCOMPLETE_MARKER, complete_output, sha256_file, start_output,
-                                     write_json_atomic, write_provenance)
+from dflash_train.errors import UserError, write_failure
+from dflash_train.provenance import (INCOMPLETE_MARKER, OutputClaim, complete_output, config_differences,
+                                     sha256_file, shown_pair, start_output, write_json_atomic, write_provenance)
 
 FORMAT = "dflash-train-store"
 FORMAT_VERSION = 1
@@ -57,8 +64,11 @@ DEFAULT_SHARD_BYTES = 1 << 30
 # same 2 bytes, float32 twice the bytes for no measurable gain. -inf (no prediction) is representable.
 TOPK_LOGPROB_DTYPE = torch.float16
 BYTES_PER_TOPK = 4 + 2  # int32 id + float16 log-prob
+STAGE = "capture"
 # writer settings added after the first stores were written, with the value those stores implicitly have
 SETTING_DEFAULTS = {"topk": 0}
+# ... and those that older stores did not record at all: not compared when a journal lacks them
+UNRECORDED_BEFORE = ("prompts",)
 
 
 def shard_name(rank: int, index: int) -> str:
@@ -91,13 +101,18 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
     return x.mul_(scales.float()[:, None]).to(dtype)
 
 
-def _is_disk_full(err: OSError) -> bool:
-    return err.errno in (errno.ENOSPC, errno.EDQUOT)
+def _write_error(err: BaseException, path: Path) -> UserError | None:
+    """A UserError for a shard, journal or manifest write that failed because of the disk or the folder."""
+    reason = write_failure(err, path)
+    if reason is None:
+        return None
+    return UserError(f"cannot write {path}: {reason}; nothing half-written was kept. Free space (or make the folder "
+                     f"writable) and rerun the same command: finished shards are kept and the capture resumes")
 
 
-def _disk_full_error(path: Path) -> UserError:
-    return UserError(f"disk full while writing {path}; nothing half-written was kept. Free space and rerun the "
-                     f"same command: finished shards are kept and the capture resumes")
+def is_store_folder(out: Path) -> bool:
+    """A folder a capture wrote before folders recorded their stage: it has a journal or a store manifest."""
+    return any(out.glob("journal-r*.json")) or (out / MANIFEST).exists()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -145,13 +160,19 @@ class StoreWriter:
 
     Reopening a folder that a killed writer left behind resumes it: `done_ids` holds every sample id already
     stored (or dropped) by any rank, so the caller skips those and the store ends with each id exactly once.
-    The settings (target, layers, dtype, generation) must match the ones the folder was started with.
+    The settings (target, layers, dtype, generation, the prompt set `prompts`) must match the ones the folder was
+    started with: a store holds one set (another split or prompt source is refused, naming the key that differs).
+
+    Rank 0 claims the folder (provenance.OutputClaim: a folder another stage or someone else wrote is refused, and
+    it is locked until `close`/`release`, so a second capture into it is refused while this one runs); the other
+    ranks open their writers after rank 0's (capture.py does it in that order).
     """
 
     def __init__(self, out_dir: str | Path, *, target: dict[str, Any], target_layer_ids: list[int],
                  hidden_size: int, storage_dtype: str = "bf16", generation: dict[str, Any] | None = None,
                  ingest_report: dict[str, Any] | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 rank: int = 0, world_size: int = 1, extra: dict[str, Any] | None = None, topk: int = 0):
+                 rank: int = 0, world_size: int = 1, extra: dict[str, Any] | None = None, topk: int = 0,
+                 prompts: dict[str, Any] | None = None):
         if storage_dtype not in STORAGE_DTYPES:
             raise UserError(f"storage dtype {storage_dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")
         if topk < 0:
@@ -171,40 +192,60 @@ class StoreWriter:
             "storage_dtype": storage_dtype,
             "generation": generation or {},
             "topk": self.topk,
+            "prompts": prompts,  # the prompt set: {source, split, eval_fraction, seed} (capture.prompt_set)
         }
         self.ingest_report = ingest_report
         self.extra = extra or {}
         self._pending = _Pending()
         self._closed = False
-        if self.out.exists() and not self.out.is_dir():
-            raise UserError(f"store folder {self.out} exists and is not a folder")
-        if self.out.is_dir():  # before touching anything: a rerun with other settings must not harm the store
+        self._claim = OutputClaim(self.out, STAGE, legacy=is_store_folder) if rank == 0 else None
+        try:
+            # before touching anything: a rerun with other settings must not harm the store
             self._check_settings_of_other_journals()
-        if rank == 0:
-            start_output(self.out)
-            if (self.out / MANIFEST).exists():  # a finished store being extended or rerun: rewritten at the end
-                (self.out / MANIFEST).unlink()
-        else:
-            self.out.mkdir(parents=True, exist_ok=True)
-        self._journal = self._load_own_journal()
-        self.done_ids = self._all_done_ids()
+            if rank == 0:
+                start_output(self.out, STAGE)
+                if (self.out / MANIFEST).exists():  # a finished store being extended or rerun: rewritten at the end
+                    (self.out / MANIFEST).unlink()
+            elif not self.out.is_dir():
+                raise UserError(f"store folder {self.out} does not exist: rank 0 creates it before rank {rank} "
+                                f"opens its writer")
+            self._journal = self._load_own_journal()
+            self.done_ids = self._all_done_ids()
+        except BaseException as err:
+            self.release(failed=True)
+            if isinstance(err, OSError) and (user := _write_error(err, self.out)):
+                raise user from None
+            raise
+
+    def release(self, failed: bool = False) -> None:
+        """Give up the folder's lock (rank 0; `close` does it after the manifest is written). Idempotent."""
+        if self._claim is not None:
+            self._claim.release(failed=failed)
+            self._claim = None
 
     # resume ------------------------------------------------------------------------------------------
     def _check_settings_of_other_journals(self) -> None:
         for path in sorted(self.out.glob("journal-r*.json")):
             journal = _read_json(path)
-            started = journal.get("settings", {})
-            for key, value in self.settings.items():
-                if started.get(key, SETTING_DEFAULTS.get(key)) != value:
-                    raise UserError(
-                        f"store {self.out} was started with a different {key!r} ({path.name} has "
-                        f"{json.dumps(started.get(key, SETTING_DEFAULTS.get(key)))[:200]}, this run "
-                        f"{json.dumps(value)[:200]}): use a new --out folder or the same settings")
+            started = {**SETTING_DEFAULTS, **journal.get("settings", {})}
+            mine = {k: v for k, v in self.settings.items() if k in started or k not in UNRECORDED_BEFORE}
+            differences = config_differences(started, mine)
+            if differences:
+                key, old, new = differences[0]
+                old_text, new_text = shown_pair(old, new)
+                what = ("another prompt set: eval prompts must never join a store of training prompts (or prompts "
+                        "of another source)" if key.split(".")[0] == "prompts" else "different settings")
+                more = f" (and {len(differences) - 1} more difference(s))" if len(differences) > 1 else ""
+                raise UserError(
+                    f"store {self.out} was started with {what}: {key!r} is {old_text} in {path.name}, "
+                    f"{new_text} in this run{more}; use a new --out folder or the same settings")
 
     def _load_own_journal(self) -> dict[str, Any]:
         path = self.out / journal_name(self.rank)
         journal = _read_json(path) if path.exists() else {"rank": self.rank, "settings": self.settings,
                                                             "shards": []}
+        for key in UNRECORDED_BEFORE:  # a store from before a setting was recorded records it from now on
+            journal["settings"].setdefault(key, self.settings[key])
         kept = []
         for entry in journal["shards"]:
             shard = self.out / entry["file"]
@@ -326,10 +367,11 @@ class StoreWriter:
             digest = sha256_file(tmp)
             os.replace(tmp, final)
             _fsync_dir(self.out)
-        except OSError as err:
+            _remember_verified(self.out, {name: _file_key(final, digest)})  # hashed as written: no need again
+        except Exception as err:  # OSError, or safetensors' SafetensorError around the OS error
             tmp.unlink(missing_ok=True)
-            if _is_disk_full(err):
-                raise _disk_full_error(tmp) from None
+            if user := _write_error(err, tmp):
+                raise user from None
             raise
         entry = {"file": name, "num_samples": len(p.ids), "num_tokens": int(offsets[-1]),
                  "bytes": final.stat().st_size, "sha256": digest, "ids": p.ids, "dropped": p.dropped}
@@ -343,8 +385,8 @@ class StoreWriter:
             write_json_atomic(path, obj)
         except OSError as err:
             path.with_name(path.name + ".tmp").unlink(missing_ok=True)
-            if _is_disk_full(err):
-                raise _disk_full_error(path) from None
+            if user := _write_error(err, path):
+                raise user from None
             raise
 
     def close(self, finalize: bool = True) -> dict[str, Any] | None:
@@ -354,15 +396,20 @@ class StoreWriter:
         self.flush()
         self._closed = True
         if finalize:
-            return finalize_store(self.out, ingest_report=self.ingest_report, extra=self.extra)
+            manifest = finalize_store(self.out, ingest_report=self.ingest_report, extra=self.extra)
+            self.release()
+            return manifest
         return None
 
     def __enter__(self) -> "StoreWriter":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
+        try:
+            if exc_type is None:
+                self.close()
+        finally:
+            self.release()
 
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> None:
@@ -422,13 +469,14 @@ def finalize_store(out_dir: str | Path, ingest_report: dict[str, Any] | None = N
     path = out / MANIFEST
     try:
         write_json_atomic(path, manifest)
-        write_provenance(out, config={k: v for k, v in manifest.items() if k not in ("shards", "dropped_ids")})
+        write_provenance(out, config={k: v for k, v in manifest.items() if k not in ("shards", "dropped_ids")},
+                         stage=STAGE)
     except OSError as err:
         for tmp in out.glob("*.json.tmp"):
             tmp.unlink()
         path.unlink(missing_ok=True)
-        if _is_disk_full(err):
-            raise _disk_full_error(path) from None
+        if user := _write_error(err, path):
+            raise user from None
         raise
     complete_output(out)
     return manifest
@@ -602,6 +650,7 @@ def verify_store(path: str | Path) -> list[str]:
     manifest = _load_manifest(root)
     problems: list[str] = []
     seen: set[str] = set()
+    verified: dict[str, dict[str, Any]] = {}
     total_samples = total_tokens = 0
     from tqdm import tqdm
 
@@ -614,6 +663,7 @@ def verify_store(path: str | Path) -> list[str]:
             problems.append(f"shard {name}: {(root / name).stat().st_size} bytes, manifest says {entry['bytes']} "
                             f"(truncated or replaced)")
             continue
+        key = _file_key(root / name, entry["sha256"])
         digest = sha256_file(root / name)
         if digest != entry["sha256"]:
             problems.append(f"shard {name}: sha256 {digest[:16]}... does not match the manifest's "
@@ -628,12 +678,95 @@ def verify_store(path: str | Path) -> list[str]:
         if duplicates or len(set(shard.ids)) != len(shard.ids):
             problems.append(f"shard {name}: duplicate sample ids {sorted(duplicates)[:5]}")
         seen.update(shard.ids)
+        verified[name] = key
         total_samples += entry["num_samples"]
         total_tokens += entry["num_tokens"]
     if not problems and (total_samples, total_tokens) != (manifest["num_samples"], manifest["num_tokens"]):
         problems.append(f"manifest totals ({manifest['num_samples']} samples, {manifest['num_tokens']} tokens) "
                         f"differ from the shards' ({total_samples}, {total_tokens})")
+    if not problems:  # training and eval need not hash these shards again while they are unchanged
+        _remember_verified(root, verified)
     return problems
+
+
+def _verified_cache(root: Path) -> Path:
+    from dflash_train.target import cache_dir
+
+    key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:24]
+    return cache_dir() / "verified-shards" / f"{key}.json"
+
+
+def _file_key(path: Path, sha256: str) -> dict[str, Any]:
+    """What a verified shard is remembered by: unchanged size, modification time and inode, and its digest."""
+    st = path.stat()
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino, "sha256": sha256}
+
+
+def _verified(root: Path) -> dict[str, dict[str, Any]]:
+    try:
+        shards = json.loads(_verified_cache(root).read_text())["shards"]
+        return shards if isinstance(shards, dict) else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _remember_verified(root: Path, verified: dict[str, dict[str, Any]]) -> None:
+    """Add shards of a store known to be sound ({file: _file_key}) to this machine's cache; best effort (a cache
+    that cannot be written, or an entry a concurrent writer overwrote, only means hashing again next time)."""
+    cache_file = _verified_cache(root)
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"store": str(root.resolve()), "shards": {**_verified(root), **verified}}))
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass
+
+
+def check_hashes(path: str | Path, threads: int | None = None, rank: int = 0, world: int = 1) -> dict[str, int]:
+    """Re-hash the shards of a finished store against its manifest, as training and eval do when they open one: a
+    UserError names the first shard whose bytes are not the ones captured. A shard this machine verified before and
+    that has not changed since (same size, mtime and inode) is not hashed again: verified shards are kept in
+    DFLASH_TRAIN_CACHE/verified-shards/, by the capture that wrote them (it hashed them as it wrote them), by
+    `dflash-train verify` and by this check. Several shards are hashed at once (hashlib releases the GIL); with
+    `world` > 1 this process checks only shards i with i % world == rank (the ranks of a run share the work).
+    Returns {"hashed": n, "cached": m, "bytes_hashed": b}. `dflash-train verify` always re-hashes everything."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
+
+    root = Path(path)
+    manifest = _load_manifest(root)
+    cache = _verified(root)
+    mine = [entry for i, entry in enumerate(manifest["shards"]) if i % world == rank]
+    todo = []
+    for entry in mine:
+        shard = root / entry["file"]
+        if not shard.exists():
+            raise UserError(f"store {root}: shard {entry['file']} is missing")
+        key = _file_key(shard, entry["sha256"])
+        if cache.get(entry["file"]) != key:
+            todo.append((entry, shard, key))
+    hashed_bytes = sum(key["bytes"] for _, _, key in todo)
+    verified = {}
+    with tqdm(total=hashed_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=f"check {root.name}",
+              leave=False, disable=not todo) as bar, \
+            ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
+        def hash_one(item):
+            entry, shard, key = item
+            digest = sha256_file(shard)
+            bar.update(key["bytes"])
+            return entry, key, digest
+
+        for entry, key, digest in pool.map(hash_one, todo):
+            if digest != entry["sha256"]:
+                raise UserError(f"store {root}: shard {entry['file']} is corrupted (its sha256 {digest[:16]}... is not "
+                                f"the manifest's {entry['sha256'][:16]}...): recapture it (rerun the capture into a "
+                                f"new folder), or restore the file; `dflash-train verify {root}` lists every bad shard")
+            verified[entry["file"]] = key
+    if verified:
+        _remember_verified(root, verified)
+    return {"hashed": len(todo), "cached": len(mine) - len(todo), "bytes_hashed": hashed_bytes}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -408,3 +408,72 @@ def test_store_topk_through_the_command_and_resume_with_another_k_refused(prompt
     assert len(open_store(out)) == 4  # the refused rerun left the store intact
     with pytest.raises(UserError, match="store-topk"):
         capture(config(prompts_dir, tiny_target_dir, tmp_path / "bad", store_topk=-1))
+
+
+# --- the store folder: claimed, one prompt set, one clear line on disk full and read-only -------------------------
+
+
+def test_a_capture_into_a_store_another_capture_is_writing_is_refused(prompts_dir, tiny_target_dir, tmp_path):
+    from dflash_train.provenance import OutputClaim
+
+    out = tmp_path / "busy"
+    running = OutputClaim(out, "capture")  # what a capture that is still running holds (a file lock)
+    with pytest.raises(UserError, match=r"busy is being written by another run right now"):
+        capture(config(prompts_dir, tiny_target_dir, out, limit=2))
+    assert [p.name for p in out.iterdir()] == [".dflash-train.lock"]  # nothing of the refused run
+    running.release()
+    capture(config(prompts_dir, tiny_target_dir, out, limit=2))
+    assert len(open_store(out)) == 2
+
+
+def test_capture_refuses_a_folder_it_did_not_create(prompts_dir, tiny_target_dir, tmp_path):
+    before = {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in prompts_dir.iterdir()}
+    with pytest.raises(UserError, match="already holds files that capture did not write"):
+        capture(config(prompts_dir, tiny_target_dir, prompts_dir, limit=2))  # --out = the ingest folder itself
+    assert {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in prompts_dir.iterdir()} == before
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "shard-r000-00000.safetensors").write_bytes(b"someone else's file")
+    with pytest.raises(UserError, match="already holds files that capture did not write"):
+        capture(config(prompts_dir, tiny_target_dir, foreign, limit=2))
+    assert (foreign / "shard-r000-00000.safetensors").read_bytes() == b"someone else's file"
+    assert [p.name for p in foreign.iterdir()] == ["shard-r000-00000.safetensors"]
+
+
+def test_capturing_the_eval_split_into_a_train_store_is_refused(prompts_dir, tiny_target_dir, one_process_store):
+    with pytest.raises(UserError, match=r"another prompt set.*'prompts\.split' is \"train\" in journal-r000\.json, "
+                                        r"\"eval\" in this run"):
+        capture(config(prompts_dir, tiny_target_dir, one_process_store, split="eval"))
+    st = open_store(one_process_store)
+    assert len(st) == 24 and st.manifest["prompts"]["split"] == "train" and verify_store(one_process_store) == []
+
+
+def capture_cmd(prompts_dir, target_dir, out):
+    return [sys.executable, "-m", "dflash_train", "capture", "--prompts", str(prompts_dir), "--target",
+            str(target_dir), "--out", str(out), "--layers", "1,3,5", "--max-new-tokens", "12", "--dtype", "fp32",
+            "--shard-size-mb", "0.005"]
+
+
+def test_disk_full_during_capture_is_one_line(prompts_dir, tiny_target_dir, tmp_path):
+    """A real full disk (a 48 KiB tmpfs): safetensors fails writing a shard; the capture says so in one line."""
+    from sandbox import run_with_mount
+
+    disk = tmp_path / "disk"
+    proc = run_with_mount(capture_cmd(prompts_dir, tiny_target_dir, disk / "store"), disk, size="48k",
+                          env=cli_env(), timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("dflash-train capture: error: cannot write ") and "disk full" in last, last
+    assert str(disk / "store") in last and "the capture resumes" in last
+
+
+def test_read_only_output_folder_is_one_line(prompts_dir, tiny_target_dir, tmp_path):
+    from sandbox import run_with_mount
+
+    ro = tmp_path / "ro"
+    proc = run_with_mount(capture_cmd(prompts_dir, tiny_target_dir, ro), ro, read_only=True, env=cli_env(),
+                          timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == f"dflash-train capture: error: cannot write {ro}: read-only file system. Choose a writable folder"

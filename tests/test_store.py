@@ -293,3 +293,66 @@ def test_journal_from_before_topk_resumes_as_topk_0(tmp_path):
         for s in samples[1:]:
             writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id=s["id"])
     assert len(open_store(out)) == 4 and open_store(out).manifest["topk"] == 0
+
+
+# --- a store knows its set and its settings; shard hashes are checked on open ----------------------------------
+
+
+def test_different_settings_refusal_names_the_key_path_and_both_values(tmp_path):
+    """A setting deep in a long generation record differs: the refusal names its key path and both values, where
+    a message cut at 200 characters used to hide it."""
+    long = {"template_kwargs": {"system": "You are a helpful assistant. " * 20}, "stop_token_ids": list(range(40))}
+    out = tmp_path / "st"
+    s = make_samples(1, 24)[0]
+    with StoreWriter(out, target=IDENTITY, target_layer_ids=[1, 3, 5], hidden_size=8,
+                     generation={**long, "temperature": 0.0}) as writer:
+        writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id="a")
+    with pytest.raises(UserError) as refused:
+        StoreWriter(out, target=IDENTITY, target_layer_ids=[1, 3, 5], hidden_size=8,
+                    generation={**long, "temperature": 0.7})
+    message = str(refused.value)
+    assert "'generation.temperature' is 0.0 in journal-r000.json, 0.7 in this run" in message, message
+    assert len(open_store(out)) == 1  # the refused rerun left the store intact
+
+
+def test_a_store_holds_one_prompt_set(tmp_path):
+    out = tmp_path / "st"
+    s = make_samples(2, 24)
+    train_set = {"source": "/data/prompts/a", "split": "train", "eval_fraction": 0.02, "seed": None}
+    with StoreWriter(out, target=IDENTITY, target_layer_ids=[1], hidden_size=24, prompts=train_set) as writer:
+        writer.add(s[0]["input_ids"], s[0]["loss_mask"], s[0]["hidden_states"], id="a")
+    for other in ({**train_set, "split": "eval"}, {**train_set, "source": "/data/prompts/b"}):
+        with pytest.raises(UserError, match=r"another prompt set: eval prompts must never join a store of training "
+                                            r"prompts .*'prompts\.(split|source)' is"):
+            StoreWriter(out, target=IDENTITY, target_layer_ids=[1], hidden_size=24, prompts=other)
+    assert open_store(out).manifest["prompts"] == train_set
+    # a store from before stores recorded their prompt set can still be extended
+    journal = json.loads((out / "journal-r000.json").read_text())
+    del journal["settings"]["prompts"]
+    (out / "journal-r000.json").write_text(json.dumps(journal))
+    with StoreWriter(out, target=IDENTITY, target_layer_ids=[1], hidden_size=24, prompts=train_set) as writer:
+        writer.add(s[1]["input_ids"], s[1]["loss_mask"], s[1]["hidden_states"], id="b")
+    assert len(open_store(out)) == 2
+
+
+def test_shard_hashes_are_checked_on_open_and_verified_shards_are_not_hashed_again(tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
+    write(tmp_path / "st", make_samples(20, 24), shard_bytes=3000)
+    n = len(open_store(tmp_path / "st").manifest["shards"])
+    # the writer hashed every shard as it wrote it: on this machine nothing needs hashing again
+    assert store_mod.check_hashes(tmp_path / "st") == {"hashed": 0, "cached": n, "bytes_hashed": 0}
+    shutil.rmtree(tmp_path / "cache")  # another machine (or a copied store): everything is hashed once
+    assert store_mod.check_hashes(tmp_path / "st")["hashed"] == n
+    assert store_mod.check_hashes(tmp_path / "st") == {"hashed": 0, "cached": n, "bytes_hashed": 0}
+    halves = [store_mod.check_hashes(tmp_path / "st", rank=r, world=2) for r in (0, 1)]
+    assert sum(h["cached"] for h in halves) == n  # the ranks of a run split the shards between them
+    shard = open_store(tmp_path / "st").manifest["shards"][2]["file"]
+    path = tmp_path / "st" / shard
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01  # a flip inside the states: finite, same size; only the hash tells
+    path.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=rf"shard {shard} is corrupted"):
+        store_mod.check_hashes(tmp_path / "st")
+    assert len(open_store(tmp_path / "st")) == 20  # open_store alone reads headers only: it would have trained on it
