@@ -1,14 +1,15 @@
 """Training recipes: one YAML file per run, typed and validated when it is loaded.
 
 A recipe is a tree of dataclasses. Every key in the file must name a field, and every value must have the
-field's type; anything else is a `UserError` naming the dotted key and the file. `key=value` overrides on the
-command line (`objective.num_anchors=64`, `train.max_steps=10`) are parsed as YAML scalars and validated the
-same way. Relative paths in a recipe are relative to the directory the command runs from (the repo root).
+field's type (a float field takes finite numbers only: .inf and .nan are refused); anything else is a `UserError`
+naming the dotted key and the file. `key=value` overrides on the command line (`objective.num_anchors=64`,
+`train.max_steps=10`) are parsed as YAML scalars and validated the same way. Relative paths in a recipe are relative to the directory the command runs from (the repo root).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -220,6 +221,10 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+class _NotFinite(UserError):
+    """A float field given inf or NaN: said as such, even where the field also accepts null."""
+
+
 def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
     def bad() -> UserError:
         return UserError(f"recipe {source}: key {key!r} must be {_type_name(tp)}, got {value!r}")
@@ -238,6 +243,8 @@ def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
                 continue
             try:
                 return _convert(arg, value, source, key)
+            except _NotFinite:
+                raise
             except UserError:
                 continue
         raise bad()
@@ -259,14 +266,19 @@ def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
             return value
         raise bad()
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads 6e-4 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # PyYAML reads 6e-4 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise bad()
+        if number is None:
+            raise bad()
+        if not math.isfinite(number):  # .inf / .nan: every float of a recipe is a finite number
+            raise _NotFinite(f"recipe {source}: key {key!r} must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

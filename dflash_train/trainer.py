@@ -16,10 +16,17 @@ resumed from a checkpoint reproduces the loss sequence of an uninterrupted one.
 
 Run folder (`output_dir`):
   checkpoints/step-NNNNNNN/   accelerate/DeepSpeed state (model, optimizer, scheduler, RNG) + trainer_state.json
+                              (with the recipe it was written under)
   drafter/                    the final drafter (public DFlash format: config.json names the target) and
                               training_args.json
   metrics.jsonl               one row per logged step and per eval
   recipe.yaml, provenance.json
+  .dflash-train.lock          held by the run writing the folder: a second training into it is refused
+
+Before anything is written, rank 0 claims the folder (a folder of another stage, or a run in progress, is refused)
+and compares the recipe with the checkpoint it would resume (RESUMABLE_KEYS may change; anything else is refused);
+then the ranks re-hash the stores' shards between them (store.check_hashes, cached). A checkpoint or drafter is never written with non-finite
+weights: the run stops with an error naming the newest good checkpoint.
 """
 
 from __future__ import annotations
@@ -32,7 +39,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -44,14 +50,25 @@ import yaml
 
 from dflash_train import objective as obj
 from dflash_train.data import StoreSet, anchor_generator, collate, context_scale, prepare_data
-from dflash_train.errors import UserError
+from dflash_train.errors import (UserError, decided_by_rank0, os_error_line, print_user_error, write_error,
+                                 writing)
 from dflash_train.model.masks import resolve_attention
-from dflash_train.provenance import complete_output, start_output, write_json_atomic, write_provenance
+from dflash_train.provenance import (OutputClaim, complete_output, config_differences, shown_pair, start_output,
+                                     write_json_atomic, write_provenance)
 from dflash_train.recipe import Recipe, load_recipe
 from dflash_train.target import Features, check_fits
 
 CHECKPOINT_PREFIX = "step-"
 STATE_FILE = "trainer_state.json"
+STAGE = "train"
+# Recipe keys that may change when a run resumes: how it is named, logged, validated, checkpointed and published,
+# how long it runs (the schedule then follows the new length, and the run says so), and settings that change speed
+# or memory but not the result (threads, gradient checkpointing, the LM-head chunk). Any other change (data, drafter,
+# objective, optimizer, batch, precision, DeepSpeed, seed) would make the checkpoint's weights, optimizer state or
+# data order mean something else, and is refused before anything is written.
+RESUMABLE_KEYS = ("name", "output_dir", "license", "logging", "eval", "checkpoint", "push", "data.eval_samples",
+                  "train.max_steps", "train.epochs", "train.time_budget_s", "train.max_bad_steps", "train.cpu_threads",
+                  "train.gradient_checkpointing", "objective.head_chunk_tokens")
 
 
 # --- the recipe -----------------------------------------------------------------------------------------------
@@ -117,6 +134,7 @@ class DFlashTrainer:
         self.last_loss = math.nan
         self.last_eval: dict[str, Any] = {}
         self.last_checkpoint_step: int | None = None
+        self.claim: OutputClaim | None = None
 
     # -- setup ----------------------------------------------------------------------------------------------------
 
@@ -127,13 +145,16 @@ class DFlashTrainer:
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.main, self.device = accelerator.is_main_process, accelerator.device
         self.precision = train_precision(recipe)
+        self.claim = decided_by_rank0(self.claim_run_folder, self.rank, self.world)
+        try:  # every rank hashes its share of the shards (a large store would outlast a collective's timeout)
+            check_store_hashes([*recipe.data.stores, *([recipe.data.eval_store] if recipe.data.eval_store else [])],
+                               self.rank, self.world)
+        except UserError:
+            if self.claim is not None:
+                self.claim.release(failed=True)
+            raise
         if self.main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-            write_provenance(self.run_dir, config=recipe.to_dict(), recipe_file=self.recipe_path,
-                             overrides=list(self.overrides), world_size=self.world,
-                             precision=self.precision.as_dict())
-            print(f"train: compute dtype {self.precision.describe()}", flush=True)
+            self.write_run_records()
         accelerator.wait_for_everyone()
 
         self.data = prepare_data(recipe, self.world)
@@ -173,6 +194,29 @@ class DFlashTrainer:
                   + (f" or {recipe.train.time_budget_s:g} s of training" if recipe.train.time_budget_s else "")
                   + f", {self.world} process(es) on {self.device.type}, attention={self.attention}, "
                   f"deepspeed={recipe.train.deepspeed}", flush=True)
+
+    def claim_run_folder(self) -> OutputClaim:
+        """Rank 0, before anything is written: claim and lock the run folder, and refuse a resume whose recipe
+        changed what matters."""
+        recipe = self.recipe
+        claim = OutputClaim(self.run_dir, STAGE, legacy=lambda out: (out / "recipe.yaml").exists()
+                            or (out / "checkpoints").is_dir())
+        try:
+            checkpoint = find_resume_checkpoint(recipe, self.run_dir)
+            if checkpoint is not None:
+                check_resumable(checkpoint, recipe, self.run_dir, self.world)
+        except BaseException:
+            claim.release(failed=True)
+            raise
+        return claim
+
+    def write_run_records(self) -> None:
+        """Main process, once the inputs are checked: recipe.yaml and provenance.json of the run folder."""
+        recipe = self.recipe
+        (self.run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        write_provenance(self.run_dir, config=recipe.to_dict(), stage=STAGE, recipe_file=self.recipe_path,
+                         overrides=list(self.overrides), world_size=self.world, precision=self.precision.as_dict())
+        print(f"train: compute dtype {self.precision.describe()}", flush=True)
 
     def load_target_parts(self, target_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's embedding and LM head: plain frozen tensors next to the drafter, never inside the module
@@ -368,12 +412,13 @@ class DFlashTrainer:
         """checkpoints/step-N: the accelerate/DeepSpeed state and trainer_state.json (TrainState, the schedule's
         length, the data position and every rank's parameter digest)."""
         step, plan = self.state.step, self.plan
+        self.check_weights_finite("checkpoint")
         digests = check_replicas(self.accelerator, self.model, step, self.zero_stage)
         trainer_state = {
             **dataclasses.asdict(self.state), "total_steps": self.total_steps, "epoch": step / plan.steps_per_epoch,
             "world_size": self.world, "train_time_s": self.clock.elapsed,
             "data_position": {"epoch": step // plan.steps_per_epoch, "step_in_epoch": step % plan.steps_per_epoch},
-            "rank_parameter_digests": digests}
+            "rank_parameter_digests": digests, "recipe": self.recipe.to_dict()}
         path = save_checkpoint(self.accelerator, self.run_dir, step, trainer_state, self.recipe.checkpoint.keep_last)
         self.last_checkpoint_step = step
         return path
@@ -382,7 +427,8 @@ class DFlashTrainer:
         """drafter/: the final drafter in the public DFlash format, in the target's dtype (what engines serve the
         pair in, whatever precision trained it; all ranks gather the weights under ZeRO-3), with
         training_args.json and provenance.json. Returns the run summary."""
-        recipe, state = self.recipe, self.state
+        state = self.state
+        self.check_weights_finite("drafter")
         state_dict = self.accelerator.get_state_dict(self.model)
         summary = {"steps": state.step, "final_train_loss": self.last_loss,
                    "train_time_s": round(self.clock.elapsed, 1),
@@ -392,20 +438,10 @@ class DFlashTrainer:
                    "resumed_from": str(self.resumed_from) if self.resumed_from else None,
                    "last_checkpoint_step": self.last_checkpoint_step}
         if self.main:
-            from dflash_train.model.checkpoint import create_drafter, save_drafter
-            from dflash_train.target import checkpoint_dtype
-
-            out = start_output(self.run_dir / "drafter")
-            final = create_drafter(self.drafter_config)
-            final.load_state_dict({k: v.detach().cpu() for k, v in state_dict.items()}, strict=True)
-            final.set_context_scale(self.core.context_scale)  # save_drafter folds it into fc
-            dtype = checkpoint_dtype(self.target_name) or self.precision.dtype
-            save_drafter(final.to(dtype), self.drafter_config, out)
-            recorded = {**summary, "precision": self.precision.as_dict()}
-            write_json_atomic(out / "training_args.json",
-                              {"recipe": recipe.to_dict(), "data": self.data.stores.summary(), "run": recorded})
-            write_provenance(out, config=recipe.to_dict(), run=recorded, stores=self.data.stores.folders)
-            complete_output(out)
+            out = self.run_dir / "drafter"
+            with writing(out, "The drafter folder stays marked INCOMPLETE and the final checkpoint is kept: free "
+                              "space and rerun the same command"):
+                self.export(out, state_dict, summary)
             wandb_run = self.metrics.wandb_run
             if wandb_run is not None:
                 wandb_run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
@@ -415,16 +451,57 @@ class DFlashTrainer:
                   + f"; drafter in {self.run_dir / 'drafter'}", flush=True)
         return summary
 
+    def export(self, out: Path, state_dict: dict[str, torch.Tensor], summary: dict[str, Any]) -> None:
+        """Main process: the drafter folder (weights in the target's dtype), training_args.json, provenance.json."""
+        from dflash_train.model.checkpoint import create_drafter, save_drafter
+        from dflash_train.target import checkpoint_dtype
+
+        recipe = self.recipe
+        start_output(out, STAGE)
+        final = create_drafter(self.drafter_config)
+        final.load_state_dict({k: v.detach().cpu() for k, v in state_dict.items()}, strict=True)
+        final.set_context_scale(self.core.context_scale)  # save_drafter folds it into fc
+        dtype = checkpoint_dtype(self.target_name) or self.precision.dtype
+        save_drafter(final.to(dtype), self.drafter_config, out)
+        recorded = {**summary, "precision": self.precision.as_dict()}
+        write_json_atomic(out / "training_args.json",
+                          {"recipe": recipe.to_dict(), "data": self.data.stores.summary(), "run": recorded})
+        write_provenance(out, config=recipe.to_dict(), stage=STAGE, run=recorded, stores=self.data.stores.folders)
+        complete_output(out)
+
+    def check_weights_finite(self, what: str) -> None:
+        """Every rank: stop (UserError on all of them) before a checkpoint or the drafter is written with NaN or inf
+        weights; the checkpoints already written are kept, and the message names the newest."""
+        bad = nonfinite_parameters(self.core)
+        count = torch.tensor(float(len(bad)), device=self.device)
+        if self.world > 1:
+            count = self.accelerator.reduce(count, reduction="sum")
+        if float(count) == 0:
+            return
+        newest = checkpoint_dirs(self.run_dir)
+        where = f"{newest[-1][1]} (step {newest[-1][0]})" if newest else "none (no checkpoint was written yet)"
+        named = f" ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})" if bad else ""
+        raise UserError(f"step {self.state.step}: the drafter's weights hold NaN or inf{named}: training diverged, so "
+                        f"no {what} was written. Newest good checkpoint: {where}. Lower optimizer.lr (this run: "
+                        f"{self.recipe.optimizer.lr:g}) or optimizer.grad_clip and train again")
+
     def cleanup(self) -> None:
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
+        if self.claim is not None:
+            self.claim.release()
+            self.claim = None
 
 
 def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     trainer = DFlashTrainer(recipe, recipe_path, overrides)
-    trainer.setup()
-    summary = trainer.train()
-    trainer.cleanup()
+    try:
+        trainer.setup()
+        summary = trainer.train()
+        trainer.cleanup()
+    finally:
+        if trainer.claim is not None:
+            trainer.claim.release()
     return summary
 
 
@@ -580,6 +657,77 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_store_hashes(folders: list[str], rank: int = 0, world: int = 1) -> None:
+    """Re-hash the shards of every store the run reads (store.check_hashes: shards verified before on this machine
+    and unchanged since are not hashed again), each rank its share; a corrupted shard stops every rank with one
+    error naming it."""
+    from dflash_train.store import check_hashes
+
+    started, problem = time.time(), None
+    totals = {"hashed": 0, "cached": 0, "bytes_hashed": 0}
+    try:
+        for folder in dict.fromkeys(folders):
+            for key, value in check_hashes(folder, rank=rank, world=world).items():
+                totals[key] += value
+    except UserError as err:
+        problem = str(err)
+    reports = [(problem, totals)]
+    if world > 1:
+        from accelerate.utils import gather_object
+
+        reports = gather_object(reports)
+    problems = [p for p, _ in reports if p]
+    if problems:
+        err = UserError(problems[0])
+        err.from_rank0 = rank != 0  # the same line on every rank: printed once
+        raise err
+    if rank == 0:
+        hashed, cached, nbytes = (sum(t[k] for _, t in reports) for k in ("hashed", "cached", "bytes_hashed"))
+        print(f"train: shard hashes of {len(dict.fromkeys(folders))} store(s) checked: {hashed} shard(s) hashed "
+              f"({nbytes / 2**30:.2f} GiB in {time.time() - started:.1f} s), {cached} unchanged since verified",
+              flush=True)
+
+
+def nonfinite_parameters(model) -> list[str]:
+    """Names of the parameters that hold NaN or inf (under ZeRO-3: in this rank's partition)."""
+    bad = []
+    for name, p in model.named_parameters():
+        part = getattr(p, "ds_tensor", None)
+        values = part if part is not None and p.numel() == 0 else p
+        if values.numel() and not bool(torch.isfinite(values.detach()).all()):
+            bad.append(name)
+    return bad
+
+
+def check_resumable(checkpoint: Path, recipe: Recipe, run_dir: Path, world: int) -> None:
+    """Refuse to resume `checkpoint` under a recipe that changed what matters (anything outside RESUMABLE_KEYS) or
+    with another number of processes; a UserError listing every such change, raised before anything is written."""
+    state_file = checkpoint / STATE_FILE
+    try:
+        saved = json.loads(state_file.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read {state_file} ({err}): the checkpoint cannot be resumed") from None
+    old = saved.get("recipe")
+    source = state_file
+    written_by = checkpoint.parent.parent / "recipe.yaml"  # checkpoints written before they kept their recipe
+    if old is None and written_by.exists():
+        old, source = yaml.safe_load(written_by.read_text()), written_by
+    changes = []
+    if saved.get("world_size") not in (None, world):
+        changes.append(f"processes {saved['world_size']} -> {world} (the batch per step and the data order depend "
+                       f"on it)")
+    if isinstance(old, dict):
+        for key, before, now in config_differences(old, recipe.to_dict()):
+            if not any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS):
+                shown = shown_pair(before, now, width=40)
+                changes.append(f"{key} {shown[0]} -> {shown[1]}")
+    if changes:
+        raise UserError(f"{run_dir} would resume {checkpoint} with a changed recipe ({'; '.join(changes)}; as "
+                        f"recorded in {source}): these change what the checkpoint means. Restore them to resume, or "
+                        f"train into a new output_dir (or set checkpoint.resume: never to start over). Only "
+                        f"{', '.join(RESUMABLE_KEYS)} may change on resume; nothing was written")
+
+
 def check_store_against_target(stores: StoreSet, target_name: str) -> None:
     """The target named by the recipe must be the target the store was captured from."""
     from dflash_train.target import resolve_target, target_identity
@@ -676,14 +824,25 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, state: dict[str, Any]
     """Write checkpoints/step-N atomically (a temporary folder renamed when complete), then prune old ones."""
     final = run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:07d}"
     tmp = final.with_name(final.name + ".tmp")
-    if accelerator.is_main_process:
+    try:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            write_json_atomic(tmp / STATE_FILE, state)
+    except (OSError, RuntimeError) as err:  # torch's writer reports a full disk as RuntimeError (basic_ios::clear)
+        newest = checkpoint_dirs(run_dir)
+        user = write_error(err, tmp, f"The half-written checkpoint was removed; the newest complete one is "
+                                     f"{newest[-1][1] if newest else 'none yet'}. Free space and rerun the same "
+                                     f"command: it resumes from there")
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
+        if user is None:
+            raise
+        raise user from None
     if accelerator.is_main_process:
-        write_json_atomic(tmp / STATE_FILE, state)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for _, old in checkpoint_dirs(run_dir)[:-keep_last]:
@@ -757,5 +916,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except UserError as err:
-        print(f"train: error: {err}", file=sys.stderr, flush=True)
+        print_user_error("train", err)
+        return 2
+    except OSError as err:  # a write the stage did not expect to fail: disk full, read-only, ...
+        user = os_error_line(err)
+        if user is None:
+            raise
+        print_user_error("train", user)
         return 2

@@ -1,5 +1,6 @@
 """Every shipped recipe loads and validates; bad keys, types and overrides are clear errors naming key and file."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,19 @@ def test_defaults_are_the_dflash_recipe():
     assert r.optimizer.schedule == "cosine" and r.train.precision == "auto"
     assert r.train.deepspeed == "recipes/deepspeed/zero2.json" and r.checkpoint.resume == "auto"
     assert r.decay_gamma == 7.0
+
+
+@pytest.mark.parametrize("text, override, key", [
+    ("optimizer: {lr: .inf}\n", None, "optimizer.lr"),
+    ("optimizer: {lr: .nan}\n", None, "optimizer.lr"),
+    ("", "optimizer.lr=.inf", "optimizer.lr"),
+    ("", "optimizer.grad_clip=nan", "optimizer.grad_clip"),
+    ("", "optimizer.betas=[0.9, .nan]", "optimizer.betas[1]"),
+    ("", "train.time_budget_s=inf", "train.time_budget_s"),
+])
+def test_non_finite_recipe_values_are_refused_at_load(tmp_path, text, override, key):
+    """lr .inf used to pass validation and export an all-NaN drafter; every float of a recipe must be finite."""
+    path = _write(tmp_path, "data: {stores: [s]}\n" + text)
+    with pytest.raises(UserError, match=rf"key '{re.escape(key)}' must be a finite number") as err:
+        load_recipe(path, [override] if override else [])
+    assert str(path) in str(err.value)

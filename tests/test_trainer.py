@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,6 +64,7 @@ def poison_store(src: Path, out: Path, bad: list[int]) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from dflash_train.provenance import sha256_file
     from dflash_train.store import StoreWriter, open_store
 
     store = open_store(src)
@@ -79,6 +81,12 @@ def poison_store(src: Path, out: Path, bad: list[int]) -> Path:
     for i in bad:
         tensors["hidden_states"][int(tensors["offsets"][i]):int(tensors["offsets"][i + 1])] = float("inf")
     save_file(tensors, str(shard), metadata=meta)  # same shapes and dtypes: same size, the manifest still fits
+    digest = sha256_file(shard)  # as a capture that wrote these states would have hashed them
+    for name in ("manifest.json", "journal-r000.json"):
+        record = json.loads((out / name).read_text())
+        for entry in record["shards"]:
+            entry["sha256"] = digest
+        (out / name).write_text(json.dumps(record))
     return out
 
 
@@ -372,3 +380,157 @@ def test_a_launch_that_started_fewer_processes_than_asked_is_an_error(monkeypatc
     monkeypatch.setenv("ACCELERATE_USE_CPU", "False")  # before starting a single process
     with pytest.raises(UserError, match="started a single process"):
         tr.make_accelerator(recipe)
+
+
+# --- the run folder: claimed, resumed only under the same recipe, never written with non-finite weights ----------
+
+
+def test_a_training_into_an_output_dir_another_run_is_writing_is_refused(chain_store, tmp_path):
+    from dflash_train.provenance import OutputClaim
+
+    run = tmp_path / "run"
+    running = OutputClaim(run, "train")  # what a training that is still running holds (a file lock)
+    proc = launch(write_recipe(tmp_path / "r.yaml", chain_store, run, train={"max_steps": 1}))
+    running.release()
+    assert proc.returncode != 0
+    assert f"train: error: {run} is being written by another run right now" in proc.stderr, proc.stderr[-3000:]
+    assert [p.name for p in run.iterdir()] == [".dflash-train.lock"]  # no recipe.yaml, metrics or checkpoint
+
+
+@pytest.mark.slow
+def test_resume_with_a_changed_recipe_is_refused_before_anything_is_written(chain_store, tmp_path):
+    from dflash_train.recipe import load_recipe
+
+    run = tmp_path / "run"
+    recipe_file = write_recipe(tmp_path / "r.yaml", chain_store, run, train={"max_steps": 2, "micro_batch_size": 1},
+                               checkpoint={"every": 1}, eval={"at_end": False})
+    proc = launch(recipe_file)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (step, checkpoint), = tr.checkpoint_dirs(run)[-1:]
+    assert step == 2 and json.loads((checkpoint / tr.STATE_FILE).read_text())["recipe"]["optimizer"]["lr"] == 0.01
+    written = {name: (run / name).read_bytes() for name in ("recipe.yaml", "provenance.json", "metrics.jsonl")}
+
+    # what may change: how long it runs, how it logs, validates and checkpoints
+    tr.check_resumable(checkpoint, load_recipe(recipe_file, ["train.max_steps=4", "logging.log_every=2",
+                                                             "eval.every=1", "checkpoint.keep_last=5"]), run, 1)
+    # what may not: anything that changes what the checkpoint's weights, optimizer state or data order mean
+    for override, named in (("optimizer.lr=0.02", "optimizer.lr 0.01 -> 0.02"),
+                            ("drafter.num_layers=3", "drafter.num_layers 2 -> 3"),
+                            ("seed=1", "seed 0 -> 1")):
+        with pytest.raises(UserError, match=re.escape(named)):
+            tr.check_resumable(checkpoint, load_recipe(recipe_file, [override]), run, 1)
+    with pytest.raises(UserError, match=r"processes 1 -> 2"):
+        tr.check_resumable(checkpoint, load_recipe(recipe_file), run, 2)
+
+    proc = launch(recipe_file, 1, "optimizer.lr=0.02", "drafter.num_layers=3")
+    assert proc.returncode != 0
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("train: error:"))
+    assert "optimizer.lr 0.01 -> 0.02" in line and "drafter.num_layers 2 -> 3" in line and "nothing was written" in line
+    assert "RuntimeError" not in proc.stderr  # refused before the checkpoint's state_dict is loaded
+    assert {name: (run / name).read_bytes() for name in written} == written
+
+
+@pytest.mark.slow
+def test_a_run_whose_weights_turn_non_finite_writes_no_checkpoint_and_no_drafter(chain_store, tmp_path):
+    """lr 1e39 is a finite recipe value, but the first update overflows float32: the weights turn infinite. The run
+    stops before writing a checkpoint or a drafter of them (it used to export an all-NaN drafter with exit 0)."""
+    run = tmp_path / "run"
+    proc = launch(write_recipe(tmp_path / "r.yaml", chain_store, run, train={"max_steps": 3, "micro_batch_size": 1},
+                               optimizer={"lr": 1.0e39, "warmup_ratio": 0.0}, checkpoint={"every": 1},
+                               eval={"at_end": False}))
+    assert proc.returncode != 0
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("train: error:"))
+    assert "step 1: the drafter's weights hold NaN or inf" in line and "no checkpoint was written" in line, line
+    assert tr.checkpoint_dirs(run) == [] and not (run / "drafter").exists()
+
+
+def test_nonfinite_parameters_are_named():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    assert tr.nonfinite_parameters(model) == []
+    with torch.no_grad():
+        model[1].bias[0] = float("nan")
+    assert tr.nonfinite_parameters(model) == ["1.bias"]
+
+
+def test_training_refuses_a_store_with_a_corrupted_shard(chain_store, tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
+    copy = tmp_path / "copy"
+    shutil.copytree(chain_store, copy)
+    tr.check_store_hashes([str(copy)])  # sound: hashed once, then remembered
+    shard = next(copy.glob("shard-r000-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0x40  # a flip in the states that stays finite: it would have been trained on
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=rf"shard {shard.name} is corrupted"):
+        tr.check_store_hashes([str(copy)])
+
+
+def test_store_from_a_fine_tune_of_the_target_is_refused(chain_store, tiny_target_dir, tmp_path):
+    """Same config, tokenizer and chat template, other weights: a store of one trains against the other no more."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tuned = tmp_path / "fine-tuned"
+    shutil.copytree(tiny_target_dir, tuned)
+    weights = load_file(str(tuned / "model.safetensors"))
+    key = next(k for k in weights if k.endswith("layers.3.mlp.up_proj.weight"))
+    weights[key] = weights[key] * 1.01
+    save_file(weights, str(tuned / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"its target's weights differs"):
+        tr.check_store_against_target(StoreSet([str(chain_store)]), str(tuned))
+    tr.check_store_against_target(StoreSet([str(chain_store)]), str(tiny_target_dir))  # the store's own target
+
+
+def direct_train_cmd(recipe: Path) -> list[str]:
+    """train.py without a launcher: one process, its own exit code and error line."""
+    return [sys.executable, str(REPO / "train.py"), str(recipe)]
+
+
+@pytest.mark.slow
+def test_disk_full_during_a_checkpoint_save_is_one_line(chain_store, tmp_path):
+    """A real full disk (a 400 KiB tmpfs holds the run's records but not its first checkpoint): torch's writer fails
+    (`basic_ios::clear`); the run says which checkpoint could not be written, and why, in one line."""
+    from sandbox import run_with_mount
+
+    disk = tmp_path / "disk"
+    recipe = write_recipe(tmp_path / "r.yaml", chain_store, disk / "run", train={"max_steps": 2, "micro_batch_size": 1},
+                          checkpoint={"every": 1}, eval={"at_end": False})
+    env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(tr._free_port())}
+    proc = run_with_mount(direct_train_cmd(recipe), disk, size="400k", cwd=REPO, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"train: error: cannot write {disk / 'run' / 'checkpoints' / 'step-0000001.tmp'}: disk full")
+    assert "Free space and rerun the same command" in last
+
+
+def test_read_only_run_folder_is_one_line(chain_store, tmp_path):
+    from sandbox import run_with_mount
+
+    ro = tmp_path / "ro"
+    recipe = write_recipe(tmp_path / "r.yaml", chain_store, ro, train={"max_steps": 1})
+    env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(tr._free_port())}
+    proc = run_with_mount(direct_train_cmd(recipe), ro, read_only=True, cwd=REPO, env=env, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == \
+        f"train: error: cannot write {ro}: read-only file system. Choose a writable folder"
+
+
+def test_a_user_error_is_one_line_exit_2_and_accelerate_launch_turns_the_exit_into_1(tmp_path):
+    """What the launchers do with the stage's exit 2 (README, "User errors under accelerate launch"): train.py alone
+    exits 2 with the one line; accelerate's single-process launcher prints the same line, then (without -q) a
+    CalledProcessError traceback of its own, and exits 1 whatever the child's code."""
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("data: {stores: [s]}\noptimizer: {lr: .inf}\n")
+    line = f"train: error: recipe {recipe}: key 'optimizer.lr' must be a finite number, got inf"
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    direct = subprocess.run(direct_train_cmd(recipe), cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert direct.returncode == 2 and direct.stderr.strip() == line, direct.stderr
+    quiet = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "-q", "--num_processes", "1",
+                            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                            str(REPO / "train.py"), str(recipe)], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert quiet.returncode == 1 and quiet.stderr.strip() == line, quiet.stderr
