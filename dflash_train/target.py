@@ -327,8 +327,9 @@ def _sha256(data: bytes) -> str:
 
 @dataclass(frozen=True)
 class TargetIdentity:
-    """What makes a target the same target: its config, tokenizer and chat template, by hash (and, for people, its
-    name and shape). Travels with the store (manifest.json), the drafter (config.json, dflash_train.target) and the
+    """What makes a target the same target: its config, tokenizer, chat template and weights, by hash (and, for
+    people, its name and shape); a fine-tune with the same config, tokenizer and template differs by its weights.
+    Travels with the store (manifest.json), the drafter (config.json, dflash_train.target) and the
     eval report as a JSON object (`to_dict`), and is compared with `matches` wherever two of them meet."""
     name: str | None = None
     base_model: str | None = None
@@ -339,8 +340,9 @@ class TargetIdentity:
     config_hash: str | None = None
     tokenizer_hash: str | None = None
     chat_template_hash: str | None = None
+    weights_hash: str | None = None  # weights_hash(): None in stores and drafters made before it was recorded
 
-    HASHES = ("config_hash", "tokenizer_hash", "chat_template_hash")
+    HASHES = ("config_hash", "tokenizer_hash", "chat_template_hash", "weights_hash")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "TargetIdentity | None":
@@ -353,8 +355,8 @@ class TargetIdentity:
         return asdict(self)
 
     def differences(self, other: "TargetIdentity") -> list[str]:
-        """The hashes that differ, as words ("tokenizer"); a hash either side does not record (a drafter made by
-        another tool) is not compared."""
+        """The hashes that differ, as words ("tokenizer", "weights"); a hash either side does not record (a drafter
+        made by another tool, a store captured before weights were hashed) is not compared."""
         return [key.removesuffix("_hash").replace("_", " ") for key in self.HASHES
                 if getattr(self, key) and getattr(other, key) and getattr(self, key) != getattr(other, key)]
 
@@ -386,7 +388,59 @@ def target_identity(path: str | Path, name: str | None = None) -> TargetIdentity
         config_hash=_sha256(json.dumps(stable, sort_keys=True).encode()),
         tokenizer_hash=_sha256(tok_bytes),
         chat_template_hash=_sha256((tokenizer.chat_template or "").encode()),
+        weights_hash=weights_hash(path),
     )
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin")
+
+
+def weights_hash(path: str | Path) -> str | None:
+    """sha256 over the checkpoint's weight files (each file's own sha256, with its name); None without weight files.
+
+    Each file is hashed once per machine: a Hugging Face Hub snapshot names it already (the blob its symlink points
+    to is named by the sha256 of its contents), and any other file's digest is kept in
+    DFLASH_TRAIN_CACHE/weights-sha256.json under its path, size and modification time."""
+    files = sorted({f for pattern in WEIGHT_FILES for f in Path(path).glob(pattern)})
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f"{f.name}:{_file_sha256(f)}\n".encode())
+    return digest.hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    from dflash_train.provenance import sha256_file
+
+    blob = path.resolve()
+    if path.is_symlink() and len(blob.name) == 64 and all(c in "0123456789abcdef" for c in blob.name):
+        return blob.name  # a Hub cache blob: its name is the sha256 of its contents
+    cache_file = cache_dir() / "weights-sha256.json"
+    st = blob.stat()
+    key = f"{blob}:{st.st_size}:{st.st_mtime_ns}"
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key in cache:
+        return cache[key]
+    if st.st_size > 1 << 30:
+        print(f"hashing the target's weights {blob} ({st.st_size / 2**30:.1f} GiB; once per machine)", flush=True)
+    value = sha256_file(blob)
+    try:  # read again just before writing: another process may have added its own entries meanwhile
+        try:
+            cache = json.loads(cache_file.read_text())
+        except (OSError, ValueError):
+            cache = {}
+        cache[key] = value
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=0))
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass  # no cache: hashed again next time
+    return value
 
 
 @dataclass(frozen=True)

@@ -154,3 +154,28 @@ def test_smollm2_renders_tool_turns_and_ignores_tool_definitions(smollm2):
     assert "<|im_start|>tool\n18 C, sunny<|im_end|>" in text and "<|im_start|>assistant\n<|im_end|>" in text
     assert "get_weather" not in text
     assert smollm2.render(TOOL_TURNS, WEATHER) == smollm2.render(TOOL_TURNS)
+
+
+def test_identity_includes_the_weights_and_old_identities_without_them_still_match(tiny_target_dir, tmp_path,
+                                                                                   monkeypatch):
+    """A fine-tune with the same config, tokenizer and template used to hash identically."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
+    before = target_identity(tiny_target_dir)
+    tuned = tmp_path / "tuned"
+    shutil.copytree(tiny_target_dir, tuned)
+    weights = load_file(str(tuned / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 0.01
+    save_file(weights, str(tuned / "model.safetensors"), metadata={"format": "pt"})
+    after = target_identity(tuned)
+    assert after.differences(before) == ["weights"] and len(after.weights_hash) == 64
+    # hashed once: the digest is remembered per file (path, size, mtime)
+    cached = json.loads((tmp_path / "cache" / "weights-sha256.json").read_text())
+    assert any(key.startswith(str((tuned / "model.safetensors").resolve())) for key in cached)
+    assert target_identity(tuned) == after
+    # a store or drafter recorded before the weights were hashed is not refused for it
+    old = TargetIdentity.from_dict({k: v for k, v in after.to_dict().items() if k != "weights_hash"})
+    assert old.matches(before) and before.matches(old)
