@@ -12,7 +12,12 @@ is the mean over its steps, the reported tau the mean over prompts (and, beside 
 anchor, no target forward) with the same definition, and is reported beside the online tau.
 
 Writes OUT/report.json, OUT/report.md, OUT/acceptance_by_position.png, OUT/tau_histogram.png and
-OUT/provenance.json; the folder stays marked incomplete until all of them are written.
+OUT/provenance.json; the folder stays marked incomplete until all of them are written. OUT is claimed for the run
+(provenance.OutputClaim): a folder another stage wrote, or one another eval is writing, is refused up front.
+
+Prompts the drafter was trained on are refused (`check_held_out`): they would overstate tau. The drafter's
+training_args.json names its training stores; their sample ids (or, where a store is not on this machine, the prompt
+set it recorded) are compared with the prompts to evaluate. `--store` is re-hashed (store.check_hashes, cached).
 """
 
 from __future__ import annotations
@@ -26,16 +31,17 @@ from typing import Any, Literal
 import torch
 
 from dflash_train import sampling
-from dflash_train.errors import UserError
+from dflash_train.errors import UserError, writing
 from dflash_train.model.configuration import mask_token_problem
 from dflash_train.options import add_options, at_least, from_args, option, validate
-from dflash_train.provenance import (complete_output, sha256_file, start_output, write_json_atomic,
-                                     write_provenance)
+from dflash_train.provenance import (OutputClaim, complete_output, read_json, sha256_file, start_output,
+                                     write_json_atomic, write_provenance)
 from dflash_train.spec_decode import (DFlashProposer, Generation, NoDraft, Step, TokenChooser, plain_generate,
                                       speculative_generate)
 from dflash_train.target import (DEFAULT_TARGET, Features, Target, check_fits, layer_ids_problem, load_target,
                                  prompt_seed)
 
+STAGE = "eval"
 PLAIN = "plain (target only)"
 NO_SPECULATION = "block size 1"
 
@@ -145,6 +151,42 @@ def check_store_fits(manifest: dict[str, Any], config, target: Target, where: st
     """A held-out store must hold what the drafter reads: this target's states of the drafter's layers."""
     reads = Features(target.identity(), tuple(config.target_layer_ids), config.hidden_size)
     check_fits(f"store {where}", Features.of_store(manifest), "what the drafter reads from this target", reads)
+
+
+def check_held_out(drafter: str, ids: set[str], what: str, prompt_set: dict[str, Any] | None) -> dict[str, Any]:
+    """Refuse to evaluate a drafter on prompts it was trained on (they would overstate tau). Its training_args.json
+    names its training stores: a store on this machine is compared by id (a sample's id is its prompt's id), one that
+    is not by the prompt set it recorded (capture.prompt_set: the same source and split). `ids` and `prompt_set` are
+    those of `what` (the prompts, or the --store samples). Returns what was checked, for the report."""
+    args_file = Path(drafter) / "training_args.json"
+    if not args_file.exists():
+        return {"checked": False, "why": f"{args_file} does not exist: the training data is unknown"}
+    stores = ((read_json(args_file, "the trainer's record of the run").get("data") or {}).get("stores") or [])
+    checked: dict[str, Any] = {"checked": True, "by_id": [], "by_prompt_set": [], "not_checked": []}
+    for entry in stores:
+        path = Path(str(entry.get("path")))
+        if (path / "manifest.json").exists():
+            from dflash_train.store import open_store
+
+            trained = ids.intersection(open_store(path).ids)
+            checked["by_id"].append(str(path))
+            if trained:
+                raise UserError(f"{len(trained)} of the {len(ids)} {what} are in the training store {path} of drafter "
+                                f"{drafter} (e.g. {', '.join(sorted(trained)[:3])}): tau on training prompts "
+                                f"overstates the drafter. Evaluate on held-out prompts (--split eval of the ingest "
+                                f"folder it was trained from)")
+            continue
+        held = entry.get("prompts")
+        if isinstance(held, dict) and held.get("source") and prompt_set:
+            checked["by_prompt_set"].append(str(path))
+            same_split = None in (held.get("split"), prompt_set.get("split")) or held["split"] == prompt_set["split"]
+            if held["source"] == prompt_set.get("source") and same_split:
+                raise UserError(f"drafter {drafter} was trained on store {path}, captured from {held['source']} split "
+                                f"{held.get('split')!r}: the {what} are training prompts. Evaluate on held-out prompts "
+                                f"(--split eval)")
+        else:
+            checked["not_checked"].append(str(path))
+    return checked
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -429,6 +471,11 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     records, _ = load_prompt_records(cfg.prompts, cfg.split, cfg.limit)
     if not records:
         raise UserError(f"no prompts in {cfg.prompts} (split {cfg.split!r}): nothing to evaluate")
+    from dflash_train.capture import prompt_set
+
+    held_out = {"prompts": check_held_out(cfg.drafter, {r.id for r in records},
+                                          f"prompts to evaluate ({cfg.prompts}, split {cfg.split!r})",
+                                          prompt_set(cfg.prompts, cfg.split, None))}
     device = cfg.device or default_device()
     precision = resolve_precision(cfg.dtype, device)
     print(f"eval: compute dtype {precision.describe()}", flush=True)
@@ -440,9 +487,12 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
 
     store, template_kwargs = None, cfg.template_kwargs
     if cfg.store:
-        from dflash_train.store import open_store
+        from dflash_train.store import check_hashes, open_store
 
+        check_hashes(cfg.store)
         store = open_store(cfg.store)
+        held_out["store"] = check_held_out(cfg.drafter, set(store.ids), f"samples of --store {cfg.store}",
+                                           store.manifest.get("prompts"))
         check_store_fits(store.manifest, read_config(cfg.drafter), target, cfg.store)
         if template_kwargs is None:
             template_kwargs = (store.manifest.get("generation") or {}).get("template_kwargs") or {}
@@ -469,6 +519,7 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
         "drafter": _drafter_summary(cfg.drafter, main),
         "baseline_drafters": [_drafter_summary(m.drafter_path, m.proposer) for m in by_role(methods, "baseline")],
         "target": target.identity().to_dict(),
+        "held_out_check": held_out,
     }
     if own:
         report.update(own_loop_eval(cfg, device, methods, target, prompts, dtype))
@@ -728,19 +779,24 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = from_args(EvalConfig, args)
     out = Path(cfg.out)
-    # engine runs (jobs, logs) go to a scratch folder: a failed eval leaves its logs there and no report behind
-    workdir = Path(tempfile.mkdtemp(prefix="dflash-eval-engine-"))
-    report = evaluate(cfg, workdir)  # all checks and decoding first: a bad input leaves no half-written folder
-    start_output(out)
-    write_report(report, out)
-    if report["engines"].get("vllm"):
-        logs = out / "engine"
-        logs.mkdir(exist_ok=True)
-        for log in sorted(workdir.glob("*/engine.log")):
-            shutil.copyfile(log, logs / f"{log.parent.name}.log")
-    shutil.rmtree(workdir, ignore_errors=True)
-    write_provenance(out, config=asdict(cfg), drafter=report["drafter"], target=report["target"])
-    complete_output(out)
+    # claimed first: a folder that is not an eval's, or that another eval is writing, is refused before minutes of
+    # decoding; a run that fails leaves no folder behind when it created it
+    with OutputClaim(out, STAGE, legacy=lambda folder: (folder / "report.json").exists()):
+        # engine runs (jobs, logs) go to a scratch folder: a failed eval leaves its logs there and no report behind
+        workdir = Path(tempfile.mkdtemp(prefix="dflash-eval-engine-"))
+        report = evaluate(cfg, workdir)  # all checks and decoding first: a bad input leaves no half-written folder
+        with writing(out, "The folder stays marked INCOMPLETE; free space and rerun the same command"):
+            start_output(out, STAGE)
+            write_report(report, out)
+            if report["engines"].get("vllm"):
+                logs = out / "engine"
+                logs.mkdir(exist_ok=True)
+                for log in sorted(workdir.glob("*/engine.log")):
+                    shutil.copyfile(log, logs / f"{log.parent.name}.log")
+            shutil.rmtree(workdir, ignore_errors=True)
+            write_provenance(out, config=asdict(cfg), stage=STAGE, drafter=report["drafter"],
+                             target=report["target"])
+            complete_output(out)
     print(markdown(report))
     print(f"eval report: {out / 'report.json'}, {out / 'report.md'}, {out / 'acceptance_by_position.png'}, "
           f"{out / 'tau_histogram.png'}")

@@ -310,3 +310,99 @@ def test_eval_renders_tool_traffic_like_capture(tiny_target, tiny_target_dir, dr
                     "--out", tmp_path / "eval") == 0
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["per_prompt"][0]["prompt_tokens"] == len(rendered)
+
+
+# --- refusals: training prompts, damaged inputs, the output folder ---------------------------------------------------
+
+
+def trained_on(drafter: Path, out: Path, store: Path | None, prompt_set: dict | None = None) -> Path:
+    """A copy of `drafter` whose training_args.json says it was trained on `store` (with its recorded prompt set)."""
+    import shutil
+
+    shutil.copytree(drafter, out)
+    entry = {"path": str(store), "num_samples": 1, **({"prompts": prompt_set} if prompt_set else {})}
+    (out / "training_args.json").write_text(json.dumps({"recipe": {}, "data": {"stores": [entry]}, "run": {}}))
+    return out
+
+
+def test_eval_refuses_prompts_the_drafter_was_trained_on(tiny_target_dir, drafters, prompts_dir, tmp_path, capsys):
+    from dflash_train.capture import load_prompt_records, prompt_set
+    from dflash_train.errors import UserError
+    from dflash_train.evaluate import check_held_out
+    from dflash_train.store import StoreWriter
+
+    train, _ = load_prompt_records(prompts_dir, "train")
+    held_out, _ = load_prompt_records(prompts_dir, "eval")
+    store = tmp_path / "train-store"
+    with StoreWriter(store, target={"name": "tiny"}, target_layer_ids=[1], hidden_size=4) as writer:
+        for r in train:  # a store of the train split's prompts: only their ids matter here
+            writer.add(torch.arange(4), torch.ones(4, dtype=torch.bool), torch.zeros(4, 4), id=r.id)
+    drafter = trained_on(drafters[0], tmp_path / "drafter", store)
+    out = tmp_path / "eval"
+    rc = eval_cli("--drafter", drafter, "--target", tiny_target_dir, "--prompts", prompts_dir, "--split", "train",
+                  "--out", out)
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{len(train)} of the {len(train)} prompts to evaluate" in err and str(store) in err, err
+    assert "overstates" in err and not out.exists()
+    checked = check_held_out(str(drafter), {r.id for r in held_out}, "prompts", prompt_set(prompts_dir, "eval", None))
+    assert checked["by_id"] == [str(store)]
+    # a training store that is not on this machine: the prompt set it recorded decides
+    elsewhere = trained_on(drafters[0], tmp_path / "drafter2", tmp_path / "gone", prompt_set(prompts_dir, "train", None))
+    with pytest.raises(UserError, match="the prompts are training prompts"):
+        check_held_out(str(elsewhere), {r.id for r in train}, "prompts", prompt_set(prompts_dir, "train", None))
+    checked = check_held_out(str(elsewhere), {r.id for r in held_out}, "prompts", prompt_set(prompts_dir, "eval", None))
+    assert checked["by_prompt_set"] == [str(tmp_path / "gone")]
+
+
+def test_eval_refuses_a_store_with_a_corrupted_shard(tiny_target_dir, drafters, prompts_dir, store_dir, tmp_path,
+                                                    capsys, monkeypatch):
+    import shutil
+
+    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "store"
+    shutil.copytree(store_dir, bad)
+    shard = next(bad.glob("shard-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    rc = eval_cli("--drafter", drafters[0], "--target", tiny_target_dir, "--prompts", prompts_dir, "--store", bad,
+                  "--out", tmp_path / "eval")
+    err = capsys.readouterr().err
+    assert rc == 2 and f"shard {shard.name} is corrupted" in err, err
+
+
+def test_a_damaged_drafter_weights_file_is_one_line(tiny_target_dir, drafters, prompts_dir, tmp_path, capsys):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(drafters[0], bad)
+    (bad / "model.safetensors").write_bytes((bad / "model.safetensors").read_bytes()[:1000])
+    rc = eval_cli("--drafter", bad, "--target", tiny_target_dir, "--prompts", prompts_dir, "--out", tmp_path / "e")
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("dflash-train eval: error:")]
+    assert rc == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert f"{bad / 'model.safetensors'} is not a readable safetensors file" in errors[0]
+
+
+def test_eval_refuses_an_out_folder_it_did_not_write(tiny_target_dir, drafters, prompts_dir, tmp_path, capsys):
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "todo.txt").write_text("mine")
+    rc = eval_cli("--drafter", drafters[0], "--target", tiny_target_dir, "--prompts", prompts_dir, "--out", out)
+    assert rc == 2 and "already holds files that eval did not write (todo.txt)" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["todo.txt"]
+
+
+def test_read_only_eval_folder_is_one_line(tiny_target_dir, drafters, prompts_dir, tmp_path):
+    import os
+    import sys
+
+    from sandbox import run_with_mount
+
+    ro = tmp_path / "ro"
+    proc = run_with_mount([sys.executable, "-m", "dflash_train", "eval", "--engine", "own", "--drafter",
+                           str(drafters[0]), "--target", str(tiny_target_dir), "--prompts", str(prompts_dir),
+                           "--out", str(ro)], ro, read_only=True, env=dict(os.environ), timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == \
+        f"dflash-train eval: error: cannot write {ro}: read-only file system. Choose a writable folder"
