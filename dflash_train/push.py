@@ -18,7 +18,6 @@ leaves this module goes through `redact`.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shlex
 import shutil
@@ -29,18 +28,20 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash_train.card import (DEFAULT_LICENSE, CardInputs, Gate, lossless_mismatches, render_card,
-                               without_text)
-from dflash_train.errors import UserError
+                               without_local_paths, without_text)
+from dflash_train.errors import UserError, writing
 from dflash_train.model.checkpoint import DrafterFolder, read_drafter_folder
 from dflash_train.options import add_options, at_least, from_args, option
-from dflash_train.provenance import (INCOMPLETE_MARKER, PROVENANCE_FILE, complete_output, provenance, read_json,
-                                     sha256_file, start_output, write_json_atomic, write_provenance)
+from dflash_train.provenance import (INCOMPLETE_MARKER, LOCK_FILE, PROVENANCE_FILE, OutputClaim, complete_output,
+                                     provenance, read_json, sha256_file, start_output, write_json_atomic,
+                                     write_provenance)
 from dflash_train.target import TargetIdentity
 
 # A drafter that commits fewer than 1.5 tokens per verification accepts a draft token at most every other step:
 # not worth a release. Recipes set their own bar with push.min_tau; --min-tau overrides both.
 DEFAULT_MIN_TAU = 1.5
-LOCAL_ONLY = [PROVENANCE_FILE, INCOMPLETE_MARKER, "*.tmp"]  # written next to the upload, never uploaded
+STAGE = "push"
+LOCAL_ONLY = [PROVENANCE_FILE, INCOMPLETE_MARKER, LOCK_FILE, "*.tmp"]  # written next to the upload, never uploaded
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 TRANSIENT_ERRORS = {"TransportError", "TimeoutException", "NetworkError", "ConnectError", "ReadError",
                     "WriteError", "RemoteProtocolError", "ConnectionError", "Timeout", "ReadTimeout"}
@@ -258,21 +259,22 @@ def default_out(repo_id: str) -> Path:
     return Path("push") / repo_id.split("/")[-1]
 
 
+def claim_out(out: Path) -> OutputClaim:
+    """Claim `out` for this push: refused unless it is new, empty or a folder a push made (never wipe someone else's
+    files), when another push is writing it, or when it is a symbolic link (its contents are replaced)."""
+    return OutputClaim(out, STAGE, allow_symlink=False)
+
+
 def prepare_out(out: Path) -> None:
-    """Reuse `out` only if it is empty or a folder this command made: never wipe someone else's files."""
-    if out.exists() and any(out.iterdir()):
-        prov = out / PROVENANCE_FILE
-        ours = False
-        if prov.exists():
-            try:
-                ours = json.loads(prov.read_text()).get("stage") == "push"
-            except json.JSONDecodeError:
-                ours = False
-        if not ours:
-            raise UserError(f"--out {out} exists and was not written by `dflash-train push`; choose another "
-                            f"folder (nothing was changed)")
-        shutil.rmtree(out)
-    start_output(out)
+    """Empty the claimed folder (its lock stays) and mark it incomplete."""
+    for path in out.iterdir():
+        if path.name == LOCK_FILE:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    start_output(out, STAGE)
 
 
 def assemble(out: Path, drafter: DrafterFolder, report: dict[str, Any] | None, report_file: Path | None,
@@ -283,17 +285,19 @@ def assemble(out: Path, drafter: DrafterFolder, report: dict[str, Any] | None, r
                 or src.name.endswith(".tmp"):
             continue
         if src.name == "training_args.json":  # the ingest report quotes skipped log records: keep the counts only
-            write_json_atomic(out / src.name, without_text(drafter.training_args))
+            write_json_atomic(out / src.name, without_local_paths(without_text(drafter.training_args)))
+        elif src.suffix == ".json":  # config.json names the target, perhaps by its local folder
+            write_json_atomic(out / src.name, without_local_paths(read_json(src, "a drafter file")))
         else:
             shutil.copy2(src, out / src.name)
     if report is not None and report_file is not None:
         (out / "eval").mkdir()
-        write_json_atomic(out / "eval" / "summary.json",
-                          eval_summary(report, str(card.target.get("base_model")), card.repo_id))
+        write_json_atomic(out / "eval" / "summary.json", without_local_paths(
+            eval_summary(report, str(card.target.get("base_model")), card.repo_id)))
         for plot in sorted(report_file.parent.glob("*.png")):
             shutil.copy2(plot, out / "eval" / plot.name)
             card.plots.append(f"eval/{plot.name}")
-    (out / "README.md").write_text(render_card(card))
+    (out / "README.md").write_text(without_local_paths(render_card(card)))
     return upload_files(out)
 
 
@@ -435,13 +439,19 @@ def run(namespace: argparse.Namespace) -> int:
         training_provenance=drafter.provenance, eval_provenance=eval_prov,
         push_provenance=push_prov)
     out = Path(args.out) if args.out else default_out(args.repo)
-    files = assemble(out, drafter, report, report_file, card)
-    write_provenance(out, config=asdict(args), stage="push", drafter=str(drafter.dir),
-                     eval_report=str(report_file) if report_file else None,
-                     gate={"passed": gate.passed, "forced": gate.forced, "min_tau": gate.min_tau,
-                           "reasons": gate.reasons})
-    complete_output(out)
+    with claim_out(out):
+        with writing(out, "The folder stays marked INCOMPLETE; free space and rerun the same command"):
+            files = assemble(out, drafter, report, report_file, card)
+            write_provenance(out, config=asdict(args), stage=STAGE, drafter=str(drafter.dir),
+                             eval_report=str(report_file) if report_file else None,
+                             gate={"passed": gate.passed, "forced": gate.forced, "min_tau": gate.min_tau,
+                                   "reasons": gate.reasons})
+            complete_output(out)
+        return _publish(out, files, args, run_name, gate, verdict)
 
+
+def _publish(out: Path, files: list[Path], args: PushConfig, run_name: str, gate: Gate, verdict: str) -> int:
+    """List the folder; upload it unless this is a dry run (the folder stays claimed until the upload ends)."""
     print(f"{out}/ ({'dry run: nothing uploaded' if args.dry_run else 'to upload to ' + args.repo}):")
     for f in files:
         print(f"  {f.relative_to(out)}  {f.stat().st_size:,} bytes")

@@ -275,3 +275,35 @@ def test_start_from_drafter_needs_the_same_features_and_shape(tiny_parts, tmp_pa
     _, deeper = make_drafter(tiny_parts, num_layers=3, target_identity=identity, target_layer_ids=[1, 5])
     with pytest.raises(UserError, match="its num_hidden_layers is 2, this recipe's drafter has 3"):
         start_from_drafter(fresh, deeper, str(tmp_path / "d"))
+
+
+def test_expected_tensor_shapes_are_the_model_modules(tiny_parts):
+    """The shapes push holds a folder's weights against are the ones the model module builds (no drift)."""
+    from dflash_train.model.configuration import expected_tensor_shapes
+
+    for kw in ({}, {"num_layers": 3}):
+        drafter, dconfig = make_drafter(tiny_parts, **kw)
+        assert expected_tensor_shapes(dconfig) == {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
+
+
+def test_weights_that_do_not_fit_config_json_are_refused_without_loading_them(tiny_parts, tmp_path):
+    drafter, dconfig = make_drafter(tiny_parts)
+    save_drafter(drafter, dconfig, tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    (tmp_path / "d" / "config.json").write_text(json.dumps({**cfg, "hidden_size": cfg["hidden_size"] * 2}))
+    with pytest.raises(UserError, match=r"the weights do not fit .*config.json, so the drafter would not load: "
+                                        r"layers.0.self_attn.q_proj.weight \[64, 64\] \(config.json implies "):
+        read_drafter_folder(tmp_path / "d")
+
+
+@pytest.mark.parametrize("damage", ["header_not_json", "cut_short", "empty"])
+def test_a_damaged_weights_file_is_one_clear_error(tiny_parts, tmp_path, damage):
+    drafter, dconfig = make_drafter(tiny_parts)
+    save_drafter(drafter, dconfig, tmp_path / "d")
+    weights = tmp_path / "d" / "model.safetensors"
+    data = weights.read_bytes()
+    damaged = {"header_not_json": data[:8] + b"{not json" + data[17:], "cut_short": data[:100], "empty": b""}[damage]
+    weights.write_bytes(damaged)
+    for read in (read_drafter_folder, load_drafter):  # what push reads, and what eval loads
+        with pytest.raises(UserError, match=r"model.safetensors is not a readable safetensors file"):
+            read(tmp_path / "d")

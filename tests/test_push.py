@@ -342,7 +342,7 @@ def test_out_folder_of_someone_else_is_never_wiped(drafter_dir, tmp_path, capsys
     (foreign / "thesis.tex").write_text("do not delete")
     rc = main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(foreign),
                "--eval-report", str(write_report(tmp_path / "eval"))])
-    assert rc == 2 and "was not written by `dflash-train push`" in capsys.readouterr().err
+    assert rc == 2 and "already holds files that push did not write (thesis.tex)" in capsys.readouterr().err
     assert [p.name for p in foreign.iterdir()] == ["thesis.tex"]
 
 
@@ -460,3 +460,87 @@ def test_data_summary_rows_drop_anything_that_could_be_text():
     assert "--speculative-draft-model-revision v2" in sglang
     assert vllm == ("vllm serve org/target \\\n    --speculative-config '{\"method\": \"dflash\", \"model\": "
                     "\"org/drafter\", \"num_speculative_tokens\": 15, \"revision\": \"v2\"}'")
+
+
+def test_nothing_uploaded_names_a_local_absolute_path(drafter_dir, tmp_path, tmp_path_factory):
+    """The run's recipe, store summary, ingest report (with the raw production log's path), target name and eval
+    settings name absolute local folders; none of them reaches an uploaded file."""
+    import shutil
+
+    from dflash_train.push import upload_files
+
+    drafter = tmp_path / "run" / "drafter"
+    shutil.copytree(drafter_dir, drafter)
+    args = json.loads((drafter / "training_args.json").read_text())
+    raw_log = "/srv/prod/logs/chat-2026-11-29.jsonl.gz"
+    args["data"]["stores"][0]["ingest_report"]["sources"][0]["path"] = raw_log
+    args["data"]["stores"][0]["prompts"] = {"source": "/srv/prod/prompts", "split": "train"}
+    (drafter / "training_args.json").write_text(json.dumps(args))
+    report = write_report(tmp_path / "eval", drafter, settings={
+        "max_new_tokens": 64, "temperature": 0.0, "num_prompts": 2, "prompts": "/srv/prod/prompts",
+        "store": "/srv/prod/store-eval", "drafter": str(drafter), "device": "cpu", "dtype": "bf16"})
+    out = tmp_path / "out"
+    assert main(["push", str(drafter), "--repo", REPO, "--eval-report", str(report), "--dry-run", "--out",
+                 str(out)]) == 0
+    uploaded = upload_files(out)
+    assert {p.name for p in uploaded} >= {"README.md", "config.json", "training_args.json", "summary.json"}
+    for path in uploaded:
+        if path.suffix in (".md", ".json"):
+            text = path.read_text()
+            for local in (str(tmp_path_factory.getbasetemp()), "/srv/prod", "/home/me", str(Path.home()) + "/"):
+                assert local not in text, (path.name, local)
+    assert "chat-2026-11-29.jsonl.gz" in (out / "training_args.json").read_text()  # the file's name is kept
+    assert json.loads((out / "config.json").read_text())["dflash_config"] == \
+        json.loads((drafter / "config.json").read_text())["dflash_config"]
+
+
+def test_push_refuses_a_config_json_that_does_not_fit_the_weights(drafter_dir, tmp_path, capsys):
+    import shutil
+
+    drafter = tmp_path / "d"
+    shutil.copytree(drafter_dir, drafter)
+    config = json.loads((drafter / "config.json").read_text())
+    (drafter / "config.json").write_text(json.dumps({**config, "hidden_size": 96}))
+    out = tmp_path / "out"
+    rc = main(["push", str(drafter), "--repo", REPO, "--dry-run", "--force", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "the weights do not fit" in err and "so the drafter would not load" in err, err
+    assert not out.exists()
+    (drafter / "config.json").write_text(json.dumps(config))
+    (drafter / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    assert main(["push", str(drafter), "--repo", REPO, "--dry-run", "--out", str(out)]) == 2
+    assert "model.safetensors is not a readable safetensors file" in capsys.readouterr().err
+
+
+def test_out_that_is_a_symlink_is_refused_in_one_line(drafter_dir, tmp_path, capsys):
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / "link").symlink_to(target)
+    rc = main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(tmp_path / "link"),
+               "--eval-report", str(write_report(tmp_path / "eval", drafter_dir))])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "is a symbolic link" in err[0], err
+    assert list(target.iterdir()) == []
+
+
+def test_a_push_into_a_folder_another_push_is_writing_is_refused(drafter_dir, tmp_path, capsys):
+    from dflash_train.provenance import OutputClaim
+
+    out = tmp_path / "out"
+    running = OutputClaim(out, "push")
+    rc = main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(out)])
+    running.release()
+    assert rc == 2 and "is being written by another run right now" in capsys.readouterr().err
+
+
+def test_read_only_push_folder_is_one_line(drafter_dir, tmp_path):
+    from sandbox import run_with_mount
+
+    ro = tmp_path / "ro"
+    report = write_report(tmp_path / "eval", drafter_dir)
+    proc = run_with_mount([sys.executable, "-m", "dflash_train", "push", str(drafter_dir), "--repo", REPO,
+                           "--eval-report", str(report), "--dry-run", "--out", str(ro)], ro, read_only=True,
+                          cwd=REPO_ROOT, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == \
+        f"dflash-train push: error: cannot write {ro}: read-only file system. Choose a writable folder"

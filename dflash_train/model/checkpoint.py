@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash_train.errors import UserError
-from dflash_train.model.configuration import LAYER_TENSORS, DFlashConfig, expected_tensor_names
+from dflash_train.model.configuration import (LAYER_TENSORS, DFlashConfig, expected_tensor_names,
+                                              expected_tensor_shapes)
 from dflash_train.provenance import INCOMPLETE_MARKER, PROVENANCE_FILE, read_json, write_json_atomic
 
 if TYPE_CHECKING:  # the module loads transformers; reading a folder for push must not
@@ -66,6 +67,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None,
                  device: str | torch.device = "cpu") -> tuple[DFlashDraftModel, DFlashConfig]:
     """A drafter folder written by `save_drafter` (or any public DFlash checkpoint of this architecture), and its
     config. dtype None keeps the stored dtype."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(path)
@@ -75,7 +77,11 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None,
             raise UserError(f"{f} is missing: {folder} is not a drafter folder (the trainer writes it)")
     raw = read_json(config_file, "a drafter's config")
     config = DFlashConfig.from_config_json(raw, str(config_file))
-    state = load_file(str(weights_file))
+    try:
+        state = load_file(str(weights_file))
+    except (SafetensorError, OSError) as err:
+        raise UserError(f"{weights_file} is not a readable safetensors file ({type(err).__name__}: {err}): the drafter "
+                        f"folder is damaged; copy or train it again") from None
     expected = set(expected_tensor_names(config.num_hidden_layers))
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -118,15 +124,39 @@ def weight_files(folder: Path) -> list[Path]:
     return [folder / "model.safetensors"]
 
 
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """The tensor entries of a safetensors file's header ({name: {dtype, shape, data_offsets}}), without reading
+    the weights; a UserError naming the file when the header is damaged."""
+    def damaged(why: str) -> UserError:
+        return UserError(f"{path} is not a readable safetensors file ({why}): the drafter folder is damaged; copy or "
+                         f"train it again")
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise damaged(f"{size} bytes, shorter than a header")
+        (length,) = struct.unpack("<Q", raw)
+        if length > size - 8:
+            raise damaged(f"its header claims {length} bytes, the file has {size}")
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise damaged(f"the header is not JSON: {err}") from None
+    if not isinstance(header, dict):
+        raise damaged("the header is not a JSON object")
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    for name, info in tensors.items():
+        if not (isinstance(info, dict) and isinstance(info.get("shape"), list) and isinstance(info.get("dtype"), str)):
+            raise damaged(f"tensor {name!r} has no shape and dtype")
+    return tensors
+
+
 def safetensors_summary(path: Path) -> tuple[int, str]:
     """Parameter count and dtype(s) from a safetensors header, without loading the weights."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
+    header = safetensors_header(path)
     count, dtypes = 0, set()
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
+    for info in header.values():
         n = 1
         for dim in info["shape"]:
             n *= dim
@@ -135,8 +165,26 @@ def safetensors_summary(path: Path) -> tuple[int, str]:
     return count, "/".join(sorted(dtypes))
 
 
+def check_weights_fit_config(folder: Path, config: DFlashConfig, files: list[Path]) -> None:
+    """The weights' tensor names and shapes (from their headers) must be the ones config.json implies
+    (configuration.expected_tensor_shapes): an edited config.json would otherwise ship an unloadable drafter."""
+    found: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        found.update({name: tuple(info["shape"]) for name, info in safetensors_header(f).items()})
+    expected = expected_tensor_shapes(config)
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    wrong = [f"{name} {list(found[name])} (config.json implies {list(shape)})" for name, shape in expected.items()
+             if name in found and found[name] != shape]
+    if missing or unexpected or wrong:
+        problems = ([f"missing {', '.join(missing[:3])}"] if missing else []) + \
+                   ([f"unexpected {', '.join(unexpected[:3])}"] if unexpected else []) + wrong[:3]
+        raise UserError(f"{folder}: the weights do not fit {folder / 'config.json'}, so the drafter would not load: "
+                        f"{'; '.join(problems)}")
+
+
 def read_drafter_folder(folder: str | Path) -> DrafterFolder:
-    """A finished drafter folder's config, weight summary and records, checked the way a push needs them."""
+    """A finished drafter folder's config, weight summary and records, checked the way a push needs them: its
+    weights' names and shapes must be the ones config.json implies (check_weights_fit_config)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"drafter folder {folder} does not exist")
@@ -154,6 +202,7 @@ def read_drafter_folder(folder: str | Path) -> DrafterFolder:
         if not f.exists():
             raise UserError(f"{f} is missing: the drafter folder has no weights")
     summaries = [safetensors_summary(f) for f in files]
+    check_weights_fit_config(folder, config, files)
     training_args = None
     if (folder / "training_args.json").exists():
         training_args = read_json(folder / "training_args.json", "the trainer's resolved recipe")

@@ -38,6 +38,20 @@ def expected_tensor_names(num_layers: int) -> list[str]:
     return names + ["norm.weight", "fc.weight", "hidden_norm.weight"]
 
 
+def expected_tensor_shapes(config: "DFlashConfig") -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor `expected_tensor_names` lists, as the model module builds it from `config` (checked
+    against the module by tests/test_checkpoint.py); what push holds a folder's weights against without loading
+    them."""
+    H, I, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    layer = {"self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
+             "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q), "self_attn.q_norm.weight": (d,),
+             "self_attn.k_norm.weight": (d,), "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H),
+             "mlp.down_proj.weight": (H, I), "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,)}
+    shapes = {f"layers.{i}.{name}": shape for i in range(config.num_hidden_layers) for name, shape in layer.items()}
+    return {**shapes, "norm.weight": (H,), "fc.weight": (H, config.num_target_features * H), "hidden_norm.weight": (H,)}
+
+
 def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
     """transformers 4.x spelling of the rope settings: None for plain RoPE, else everything but the theta."""
     if rope.get("rope_type", "default") == "default":
