@@ -76,6 +76,8 @@ class EvalConfig:
     engine: Literal["own", "vllm", "both"] = option(
         "both", help="own: the project's decoding loop; vllm: the vLLM engine (plain and with the drafter as its "
                      "dflash speculator); both: side by side on the same prompts")
+    training_prompts: bool = option(False, help="evaluate even prompts the drafter was trained on (an overfit "
+                                    "check); the report counts them and push refuses such a report")
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -153,11 +155,13 @@ def check_store_fits(manifest: dict[str, Any], config, target: Target, where: st
     check_fits(f"store {where}", Features.of_store(manifest), "what the drafter reads from this target", reads)
 
 
-def check_held_out(drafter: str, ids: set[str], what: str, prompt_set: dict[str, Any] | None) -> dict[str, Any]:
+def check_held_out(drafter: str, ids: set[str], what: str, prompt_set: dict[str, Any] | None,
+                   allow: bool = False) -> dict[str, Any]:
     """Refuse to evaluate a drafter on prompts it was trained on (they would overstate tau). Its training_args.json
     names its training stores: a store on this machine is compared by id (a sample's id is its prompt's id), one that
     is not by the prompt set it recorded (capture.prompt_set: the same source and split). `ids` and `prompt_set` are
-    those of `what` (the prompts, or the --store samples). Returns what was checked, for the report."""
+    those of `what` (the prompts, or the --store samples). Returns what was checked, for the report; with `allow`
+    (--training-prompts) the overlap is counted there ("training_prompts") instead of refused."""
     args_file = Path(drafter) / "training_args.json"
     if not args_file.exists():
         return {"checked": False, "why": f"{args_file} does not exist: the training data is unknown"}
@@ -170,7 +174,9 @@ def check_held_out(drafter: str, ids: set[str], what: str, prompt_set: dict[str,
 
             trained = ids.intersection(open_store(path).ids)
             checked["by_id"].append(str(path))
-            if trained:
+            if trained and allow:
+                checked["training_prompts"] = checked.get("training_prompts", 0) + len(trained)
+            elif trained:
                 raise UserError(f"{len(trained)} of the {len(ids)} {what} are in the training store {path} of drafter "
                                 f"{drafter} (e.g. {', '.join(sorted(trained)[:3])}): tau on training prompts "
                                 f"overstates the drafter. Evaluate on held-out prompts (--split eval of the ingest "
@@ -180,7 +186,9 @@ def check_held_out(drafter: str, ids: set[str], what: str, prompt_set: dict[str,
         if isinstance(held, dict) and held.get("source") and prompt_set:
             checked["by_prompt_set"].append(str(path))
             same_split = None in (held.get("split"), prompt_set.get("split")) or held["split"] == prompt_set["split"]
-            if held["source"] == prompt_set.get("source") and same_split:
+            if held["source"] == prompt_set.get("source") and same_split and allow:
+                checked["training_prompts"] = checked.get("training_prompts", 0) + len(ids)
+            elif held["source"] == prompt_set.get("source") and same_split:
                 raise UserError(f"drafter {drafter} was trained on store {path}, captured from {held['source']} split "
                                 f"{held.get('split')!r}: the {what} are training prompts. Evaluate on held-out prompts "
                                 f"(--split eval)")
@@ -475,7 +483,7 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
 
     held_out = {"prompts": check_held_out(cfg.drafter, {r.id for r in records},
                                           f"prompts to evaluate ({cfg.prompts}, split {cfg.split!r})",
-                                          prompt_set(cfg.prompts, cfg.split, None))}
+                                          prompt_set(cfg.prompts, cfg.split, None), cfg.training_prompts)}
     device = cfg.device or default_device()
     precision = resolve_precision(cfg.dtype, device)
     print(f"eval: compute dtype {precision.describe()}", flush=True)
@@ -492,7 +500,7 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
         check_hashes(cfg.store)
         store = open_store(cfg.store)
         held_out["store"] = check_held_out(cfg.drafter, set(store.ids), f"samples of --store {cfg.store}",
-                                           store.manifest.get("prompts"))
+                                           store.manifest.get("prompts"), cfg.training_prompts)
         check_store_fits(store.manifest, read_config(cfg.drafter), target, cfg.store)
         if template_kwargs is None:
             template_kwargs = (store.manifest.get("generation") or {}).get("template_kwargs") or {}

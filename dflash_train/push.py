@@ -170,12 +170,22 @@ def check_gate(report: dict[str, Any] | None, report_file: Path | None, target: 
         reasons += engine_reasons(report, report_file, drafter.dir, min_tau, min_tau_source)
         if differences := drafter_differences(report, drafter.config_json, drafter.dir):
             reasons.append(f"{report_file} measured a different drafter or block size ({'; '.join(differences)})")
+        if trained := training_prompts_evaluated(report):
+            reasons.append(f"{report_file} evaluated {trained} prompts or samples the drafter was trained on "
+                           f"(--training-prompts): its tau overstates the drafter; evaluate on held-out prompts")
         measured = TargetIdentity.from_dict(report.get("target") if isinstance(report.get("target"), dict) else None)
         made_for = TargetIdentity.from_dict(target)
         if measured is not None and made_for is not None and not measured.matches(made_for):
             reasons.append(f"{report_file} measured another target ({measured.name}) than the one "
                            f"this drafter was trained for ({made_for.name})")
     return Gate(passed=not reasons, forced=force, min_tau=min_tau, min_tau_source=min_tau_source, reasons=reasons)
+
+
+def training_prompts_evaluated(report: dict[str, Any]) -> int:
+    """How many of the evaluated prompts (and --store samples) the drafter was trained on (eval's
+    held_out_check, where --training-prompts let them through)."""
+    checks = report.get("held_out_check") if isinstance(report.get("held_out_check"), dict) else {}
+    return sum(int(c.get("training_prompts") or 0) for c in checks.values() if isinstance(c, dict))
 
 
 def measured_reasons(measured: dict[str, Any], where: str, what: str, min_tau: float, min_tau_source: str

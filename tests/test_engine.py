@@ -138,8 +138,9 @@ def overfit_drafter(engine_store, tmp_path_factory) -> Path:
 def eval_cli(*args) -> int:
     from dflash_train.cli import main
 
+    # --training-prompts: the overfit drafter is evaluated on the prompts it memorised (that is the point here)
     return main(["eval", "--dtype", "fp32", "--threads", "1", "--max-new-tokens", str(NEW_TOKENS), "--no-warmup",
-                 *map(str, args)])
+                 "--training-prompts", *map(str, args)])
 
 
 @needs_vllm
@@ -156,6 +157,7 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
     assert own["lossless_mismatches"] == 0
     assert vllm["tau"] > 2 and vllm["per_position_acceptance"][0] > 0.5, vllm
     assert vllm["tokens_unaccounted_by_steps"] == 0
+    assert report["held_out_check"]["prompts"]["training_prompts"] == len(PROMPTS)  # counted, so push refuses it
     # the engine and the project's loop decode the same prompts with the same drafter: the same acceptance
     assert vllm["tau"] == pytest.approx(own["tau"], rel=0.1), (vllm["tau"], own["tau"])
     assert vllm["drafter_weights_sha256"] == report["drafter"]["weights_sha256"]
@@ -212,7 +214,7 @@ def test_an_engine_that_dies_is_one_line_and_leaves_no_report(overfit_drafter, e
     out = tmp_path / "eval"
     command = [sys.executable, "-m", "dflash_train", "eval", "--engine", "vllm", "--dtype", "fp32", "--drafter",
                str(overfit_drafter), "--target", str(engine_target), "--prompts", str(prompts_file), "--out",
-               str(out), "--limit", "1"]
+               str(out), "--limit", "1", "--training-prompts"]
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     engine_pid = None

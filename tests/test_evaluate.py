@@ -352,6 +352,13 @@ def test_eval_refuses_prompts_the_drafter_was_trained_on(tiny_target_dir, drafte
         check_held_out(str(elsewhere), {r.id for r in train}, "prompts", prompt_set(prompts_dir, "train", None))
     checked = check_held_out(str(elsewhere), {r.id for r in held_out}, "prompts", prompt_set(prompts_dir, "eval", None))
     assert checked["by_prompt_set"] == [str(tmp_path / "gone")]
+    # --training-prompts (an overfit check) evaluates them and counts them in the report
+    checked = check_held_out(str(drafter), {r.id for r in train}, "prompts", prompt_set(prompts_dir, "train", None),
+                             allow=True)
+    assert checked["training_prompts"] == len(train)
+    checked = check_held_out(str(elsewhere), {r.id for r in train}, "prompts", prompt_set(prompts_dir, "train", None),
+                             allow=True)
+    assert checked["training_prompts"] == len(train)
 
 
 def test_eval_refuses_a_store_with_a_corrupted_shard(tiny_target_dir, drafters, prompts_dir, store_dir, tmp_path,

@@ -304,6 +304,9 @@ def test_gate_needs_a_passing_vllm_eval_of_these_very_weights(drafter_dir, tmp_p
     assert "the lossless check did not run (not checked: at temperature > 0" in err
     err = refusal(write_report(tmp_path / "slow", drafter_dir, engines={"vllm": vllm_entry(drafter_dir, tau=1.1)}))
     assert "vLLM tau 1.100 is below the minimum 1.2" in err
+    err = refusal(write_report(tmp_path / "overfit", drafter_dir, held_out_check={"prompts": {
+        "checked": True, "by_id": ["data/store/x"], "training_prompts": 2}}))
+    assert "evaluated 2 prompts or samples the drafter was trained on (--training-prompts)" in err
     # an engine-only eval (no own loop) passes on the engine's figures alone
     engine_only = write_report(tmp_path / "engine_only", drafter_dir, tau=None, lossless_mismatches=None,
                                methods=[], engines={"vllm": vllm_entry(drafter_dir)})
