@@ -113,11 +113,12 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
         fn(*a)
         return time.perf_counter() - t0
 
-    # Two lengths each, so that the prompt's prefill and the per-token decode step come apart (a short probe is
-    # mostly prefill): time(n) = prefill + n * step. No stop tokens: every row decodes all n tokens.
-    short, long_ = (timed(generate_and_capture, target.model, batch, layers, n, [], pad) for n in (4, 20))
-    capture_step = max(1e-4, (long_ - short) / 16)
-    capture_prefill = max(0.0, short - 4 * capture_step)
+    # One whole batch as the capture stage runs it (its prompts, T new tokens each, top-k log-probs), timed end to
+    # end: a decode step costs more as the cache grows and the top-k head runs over every prompt position, so a
+    # short probe extrapolated to T tokens was off by 2-3x either way (the 2026-12-01 trial: 271 new tokens/s
+    # planned, 28 measured). No stop tokens: every row decodes all T tokens, an upper bound on the stage's time.
+    capture_s = timed(generate_and_capture, target.model, batch, layers, args.max_new_tokens, [], pad, None, None,
+                      args.store_topk)
     short, long_ = (timed(plain_generate, target.model, rendered[0], n, []) for n in (4, 24))
     decode_step = max(1e-4, (long_ - short) / 20)
 
@@ -143,8 +144,8 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
         bench_train.step_fn(step_args, drafter, embed, embed, data, optimizer, step)
         times.append(time.perf_counter() - t0)
     return {"precision": precision.describe(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "capture_batch": len(batch), "capture_prefill_s": capture_prefill,
-            "capture_new_tok_s": len(batch) / capture_step, "decode_tok_s": 1.0 / decode_step,
+            "capture_batch": len(batch), "capture_new_tok_s": len(batch) * args.max_new_tokens / capture_s,
+            "decode_tok_s": 1.0 / decode_step,
             "train_step_s": statistics.median(times[1:])}
 
 
@@ -183,8 +184,7 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     available = args.budget_min * 60 * (1 - MARGIN) - spent_s - sum(starts.values())
     decode_s = T / rates["decode_tok_s"]  # one response at batch 1
     eval_s = decode_s * ((2 + DRAFT_SLOWDOWN if own else 0) + (1 + DRAFT_SLOWDOWN if engine else 0))
-    # a capture batch decodes T tokens for all its rows at capture_new_tok_s, after one prefill of the batch
-    per_prompt = T / rates["capture_new_tok_s"] + rates.get("capture_prefill_s", 0.0) / rates.get("capture_batch", 1)
+    per_prompt = T / rates["capture_new_tok_s"]  # measured over a whole batch: its prefill is included
     heldout_s = per_prompt
     eval_kept = kept_prompts(prompts, "eval", args.eval_limit, args.target, args.max_prompt_tokens)
     n_eval = min(eval_kept[-1], max(MIN_EVAL_PROMPTS, int(EVAL_SHARE * available / (eval_s + heldout_s))))
@@ -209,7 +209,7 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
 def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
     print(f"\n=== plan for a {args.budget_min:g}-minute demo on this machine ({spent_s:.0f} s spent so far)")
     print(f"measured: compute dtype {rates['precision']}; one-pass capture {rates['capture_new_tok_s']:.1f} new "
-          f"tokens/s after a {rates['capture_prefill_s']:.1f} s prefill (batch {rates['capture_batch']}); a training "
+          f"tokens/s (a whole batch of {rates['capture_batch']}, prefill included); a training "
           f"step of the demo recipe {rates['train_step_s']:.2f} s; plain decoding {rates['decode_tok_s']:.1f} "
           f"tokens/s (batch 1)")
     print(f"capture: read {plan['capture_limit']} training prompts, keep the {plan['capture_kept']} of at most "
