@@ -18,6 +18,14 @@ torch.set_num_threads(1)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="module")
+def tiny_parts(tiny_target_dir):
+    """(transformers config, tokenizer) of the tiny target."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    return AutoConfig.from_pretrained(tiny_target_dir), AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory) -> Path:
     """A random tiny Llama target with tokenizer and chat template (hidden 64, 8 layers, vocab 1024)."""

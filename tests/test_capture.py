@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from tiny import TOOL_CALL_REQUEST, WEATHER_TOOL
 from tolerance import model_tolerance
 
 from dflash_train.capture import (CaptureConfig, PromptRecord, Sampling, capture, generate_and_capture,
@@ -247,22 +248,17 @@ def test_tool_traffic_is_captured_as_served(tmp_path, tiny_target, tiny_target_d
     from dflash_train.capture import load_prompt_records
     from dflash_train.ingest import IngestConfig, ingest
 
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     log = tmp_path / "agents.jsonl"
-    log.write_text(json.dumps({"request": {"tools": [tool], "messages": [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]}}) + "\n")
+    log.write_text(json.dumps(TOOL_CALL_REQUEST) + "\n")
     ingest([log], tmp_path / "prompts", IngestConfig(max_prompt_tokens=0, progress=False))
     (record,), _ = load_prompt_records(tmp_path / "prompts", "eval")
-    assert record.tools == [tool] and record.messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert record.tools == [WEATHER_TOOL] and record.messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert "tool_calls" not in record.messages[0]  # null keys of the stored turns are left out
     served = tiny_target.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Weather in Paris?"},
          {"role": "assistant", "content": "", "tool_calls": [
              {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-         {"role": "tool", "tool_call_id": "c1", "content": "18 C"}], tools=[tool], add_generation_prompt=True,
+         {"role": "tool", "tool_call_id": "c1", "content": "18 C"}], tools=[WEATHER_TOOL], add_generation_prompt=True,
         tokenize=False)
     capture(config(tmp_path / "prompts", tiny_target_dir, tmp_path / "store", split="eval"))
     sample = open_store(tmp_path / "store")[0]

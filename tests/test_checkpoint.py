@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from tiny import draft, make_tiny_drafter
+from tiny import blocks_input, draft, make_tiny_drafter, random_drafter
 
 from dflash_train.errors import UserError
-from dflash_train.model import masks
 from dflash_train.model.checkpoint import (REMOTE_MODULE, init_from_target, load_decoder_layers, load_drafter,
                                            read_drafter_folder, save_drafter)
 from dflash_train.model.configuration import DFlashConfig, expected_tensor_names
@@ -22,31 +21,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 B = 4
 
 
-@pytest.fixture(scope="module")
-def tiny_parts(tiny_target_dir):
-    from transformers import AutoConfig, AutoTokenizer
-
-    return AutoConfig.from_pretrained(tiny_target_dir), AutoTokenizer.from_pretrained(tiny_target_dir)
-
-
 def make_drafter(tiny_parts, num_layers: int = 2, seed: int = 0, **kw):
     config, tokenizer = tiny_parts
-    drafter, dconfig = make_tiny_drafter(config, tokenizer, num_layers=num_layers, block_size=B, seed=seed, **kw)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.05))
-    return drafter.eval(), dconfig
-
-
-def blocks_input(drafter, S: int, anchors: list[int], seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    H, n = drafter.config.hidden_size, len(drafter.target_layer_ids)
-    context = torch.randn(1, S, n * H, generator=g)
-    embeds = torch.randn(1, len(anchors) * B, H, generator=g)
-    anchor_t = torch.tensor([anchors])
-    pos = (anchor_t[:, :, None] + torch.arange(B)).reshape(1, -1)
-    blocks = masks.make_blocks(anchor_t, torch.ones_like(anchor_t, dtype=torch.bool), B)
-    return embeds, context, pos, torch.arange(S)[None], masks.dense_mask(blocks, S)
+    return random_drafter(config, tokenizer, num_layers=num_layers, block_size=B, seed=seed, **kw)
 
 
 REQUIRED_KEYS = {
@@ -109,7 +86,7 @@ def test_shipped_remote_code_is_the_model_module_byte_for_byte(tiny_parts, tmp_p
 
 def test_save_load_roundtrip_is_exact(tiny_parts, tmp_path):
     drafter, dconfig = make_drafter(tiny_parts)
-    embeds, context, pos, cpos, mask = blocks_input(drafter, 12, [3, 8])
+    embeds, context, pos, cpos, mask, _ = blocks_input(drafter, 12, [3, 8])
     save_drafter(drafter, dconfig, tmp_path)
     loaded, config = load_drafter(tmp_path)
     assert config == dconfig
@@ -225,7 +202,7 @@ def test_context_scale_is_folded_into_fc_at_export(tiny_parts, tmp_path):
     n_in = drafter.fc.in_features
     scale = torch.rand(n_in) * 50 + 0.1
     drafter.set_context_scale(scale)
-    embeds, context, pos, ctx_pos, mask = blocks_input(drafter, S=10, anchors=[3, 6])
+    embeds, context, pos, ctx_pos, mask, _ = blocks_input(drafter, S=10, anchors=[3, 6])
     context = context * scale  # raw states with large channels; the drafter divides them back
     out = draft(drafter, embeds, context, pos, ctx_pos, mask)
     save_drafter(drafter, dconfig, tmp_path / "d")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import TOOL_CALL_REQUEST
 
 from dflash_train.evaluate import acceptance_stats, offline_estimate
 from dflash_train.spec_decode import DFlashProposer, Step, speculative_generate
@@ -296,13 +297,8 @@ def test_eval_renders_tool_traffic_like_capture(tiny_target, tiny_target_dir, dr
     """Eval renders a prompt's tool turns and definitions through the same function as capture."""
     from dflash_train.capture import load_prompt_records
 
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     log = tmp_path / "agents.jsonl"
-    log.write_text(json.dumps({"request": {"tools": [tool], "messages": [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]}}) + "\n")
+    log.write_text(json.dumps(TOOL_CALL_REQUEST) + "\n")
     (record,), _ = load_prompt_records(log)
     rendered = tiny_target.render(record.messages, record.tools)
     assert len(rendered) > len(tiny_target.render(record.messages))  # the tools block is part of the prompt

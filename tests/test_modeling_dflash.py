@@ -9,9 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 import torch
-from tiny import draft, make_tiny_drafter
+from tiny import blocks_input, draft, random_drafter
 
 from dflash_train.model import masks
 from dflash_train.model.checkpoint import save_drafter
@@ -21,35 +20,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 B = 4  # block size in the small tests
 
 
-@pytest.fixture(scope="module")
-def tiny_parts(tiny_target_dir):
-    from transformers import AutoConfig, AutoTokenizer
-
-    return AutoConfig.from_pretrained(tiny_target_dir), AutoTokenizer.from_pretrained(tiny_target_dir)
-
-
 def make_drafter(tiny_parts, num_layers: int = 2, seed: int = 0, **kw):
-    """(model, config) of a tiny drafter with every weight random (norm weights too, so q_norm/k_norm/hidden_norm
-    matter)."""
     config, tokenizer = tiny_parts
-    drafter, dconfig = make_tiny_drafter(config, tokenizer, num_layers=num_layers, block_size=B, seed=seed, **kw)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.05))
-    return drafter.eval(), dconfig
-
-
-def blocks_input(drafter, S: int, anchors: list[int], seed: int = 1):
-    """Context of S tokens and len(anchors) packed blocks, batch 1, with the training mask."""
-    g = torch.Generator().manual_seed(seed)
-    H, n = drafter.config.hidden_size, len(drafter.target_layer_ids)
-    context = torch.randn(1, S, n * H, generator=g)
-    embeds = torch.randn(1, len(anchors) * B, H, generator=g)
-    anchor_t = torch.tensor([anchors])
-    position_ids = (anchor_t[:, :, None] + torch.arange(B)).reshape(1, -1)
-    context_position_ids = torch.arange(S)[None]
-    blocks = masks.make_blocks(anchor_t, torch.ones_like(anchor_t, dtype=torch.bool), B)
-    return embeds, context, position_ids, context_position_ids, masks.dense_mask(blocks, S), blocks
+    return random_drafter(config, tokenizer, num_layers=num_layers, block_size=B, seed=seed, **kw)
 
 
 def block(out: torch.Tensor, j: int) -> torch.Tensor:

@@ -93,6 +93,45 @@ def make_tiny_drafter(target_config, tokenizer=None, num_layers: int = 2, block_
     return create_drafter(config), config
 
 
+def random_drafter(target_config, tokenizer, num_layers: int = 2, block_size: int = 4, seed: int = 0, **kw):
+    """(model in eval mode, config) of a tiny drafter with every weight random, norm weights too (so q_norm, k_norm
+    and hidden_norm matter)."""
+    import torch
+
+    drafter, config = make_tiny_drafter(target_config, tokenizer, num_layers=num_layers, block_size=block_size,
+                                        seed=seed, **kw)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.05))
+    return drafter.eval(), config
+
+
+def blocks_input(drafter, S: int, anchors: list[int], seed: int = 1):
+    """A context of S tokens and len(anchors) packed blocks, batch 1, with the training mask: (embeds, context,
+    position_ids, context_position_ids, dense mask, blocks)."""
+    import torch
+
+    from dflash_train.model import masks
+
+    B = drafter.config.block_size
+    g = torch.Generator().manual_seed(seed)
+    H, n = drafter.config.hidden_size, len(drafter.target_layer_ids)
+    context = torch.randn(1, S, n * H, generator=g)
+    embeds = torch.randn(1, len(anchors) * B, H, generator=g)
+    anchor_t = torch.tensor([anchors])
+    position_ids = (anchor_t[:, :, None] + torch.arange(B)).reshape(1, -1)
+    blocks = masks.make_blocks(anchor_t, torch.ones_like(anchor_t, dtype=torch.bool), B)
+    return embeds, context, position_ids, torch.arange(S)[None], masks.dense_mask(blocks, S), blocks
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+TOOL_CALL_REQUEST = {"request": {"tools": [WEATHER_TOOL], "messages": [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]}}  # a logged tool-calling request, as OpenAI's API takes it
+
+
 def draft(model, embeds, context, pos, cpos, mask=None, attention_fn=None, cache=None):
     """The drafter's forward with the context and block positions given apart (the tests' habit)."""
     import torch
