@@ -45,6 +45,52 @@ def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:
     return digest.hexdigest()
 
 
+# ---------------------------------------------------------------------------------- digests this machine knows
+
+DIGEST_CACHE = "file-sha256.json"  # in the user cache (target.cache_dir): {"path:size:mtime_ns:inode": sha256}
+
+
+def _digest_key(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+
+
+def _digest_cache() -> Path:
+    from dflash_train.target import cache_dir
+
+    return cache_dir() / DIGEST_CACHE
+
+
+def _read_digests() -> dict[str, str]:
+    try:
+        cache = json.loads(_digest_cache().read_text())
+        return cache if isinstance(cache, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def known_sha256(paths: list[Path]) -> dict[Path, str]:
+    """The sha256 this machine computed for each of `paths` as it is now (same size, modification time and inode),
+    for those it has one: what lets a large file (a store's shard, a target's weights) be hashed once per machine."""
+    cache = _read_digests()
+    known = {path: cache.get(_digest_key(path)) for path in map(Path, paths)}
+    return {path: digest for path, digest in known.items() if digest}
+
+
+def remember_sha256(digests: dict[Path, str]) -> None:
+    """Record {file: its sha256} for `known_sha256`; best effort (a cache that cannot be written, or an entry a
+    concurrent writer overwrote, only means hashing again next time)."""
+    cache_file = _digest_cache()
+    try:
+        merged = {**_read_digests(), **{_digest_key(Path(f)): d for f, d in digests.items()}}
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(merged, indent=0))
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass
+
+
 def package_versions() -> dict[str, str | None]:
     versions: dict[str, str | None] = {}
     for name in _PACKAGES:

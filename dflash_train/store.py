@@ -28,7 +28,7 @@ on rerun, its samples redone): every sample ends up in the store exactly once.
 A store knows the set it holds: its settings (fixed when it is started, checked on every rerun) include the target,
 the tapped layers, the decoding settings and the prompt set (`prompts`: the ingest folder, its split and split
 rule), so that eval prompts never join a store of training prompts. Training and eval re-hash the shards when they
-open a store (`check_hashes`); what was verified is remembered per shard (size, mtime, inode) in the user cache, so
+open a store (`check_hashes`); what was verified is remembered per shard (provenance.known_sha256: size, mtime, inode), so
 a rerun hashes only shards that changed.
 """
 
@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import functools
-import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -48,9 +47,10 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from dflash_train.errors import UserError, write_failure
+from dflash_train.errors import UserError, write_error
 from dflash_train.provenance import (INCOMPLETE_MARKER, OutputClaim, complete_output, config_differences,
-                                     sha256_file, shown_pair, start_output, write_json_atomic, write_provenance)
+                                     known_sha256, remember_sha256, sha256_file, shown_pair, start_output,
+                                     write_json_atomic, write_provenance)
 
 FORMAT = "dflash-train-store"
 FORMAT_VERSION = 1
@@ -101,13 +101,9 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
     return x.mul_(scales.float()[:, None]).to(dtype)
 
 
-def _write_error(err: BaseException, path: Path) -> UserError | None:
-    """A UserError for a shard, journal or manifest write that failed because of the disk or the folder."""
-    reason = write_failure(err, path)
-    if reason is None:
-        return None
-    return UserError(f"cannot write {path}: {reason}; nothing half-written was kept. Free space (or make the folder "
-                     f"writable) and rerun the same command: finished shards are kept and the capture resumes")
+# what a failed shard, journal or manifest write leaves, and what to do (errors.write_error's advice)
+WRITE_ADVICE = ("Nothing half-written was kept. Free space (or make the folder writable) and rerun the same command: "
+                "finished shards are kept and the capture resumes")
 
 
 def is_store_folder(out: Path) -> bool:
@@ -213,7 +209,7 @@ class StoreWriter:
             self.done_ids = self._all_done_ids()
         except BaseException as err:
             self.release(failed=True)
-            if isinstance(err, OSError) and (user := _write_error(err, self.out)):
+            if isinstance(err, OSError) and (user := write_error(err, self.out, WRITE_ADVICE)):
                 raise user from None
             raise
 
@@ -367,10 +363,10 @@ class StoreWriter:
             digest = sha256_file(tmp)
             os.replace(tmp, final)
             _fsync_dir(self.out)
-            _remember_verified(self.out, {name: _file_key(final, digest)})  # hashed as written: no need again
+            remember_sha256({final: digest})  # hashed as written: no need to hash it again on this machine
         except Exception as err:  # OSError, or safetensors' SafetensorError around the OS error
             tmp.unlink(missing_ok=True)
-            if user := _write_error(err, tmp):
+            if user := write_error(err, tmp, WRITE_ADVICE):
                 raise user from None
             raise
         entry = {"file": name, "num_samples": len(p.ids), "num_tokens": int(offsets[-1]),
@@ -385,7 +381,7 @@ class StoreWriter:
             write_json_atomic(path, obj)
         except OSError as err:
             path.with_name(path.name + ".tmp").unlink(missing_ok=True)
-            if user := _write_error(err, path):
+            if user := write_error(err, path, WRITE_ADVICE):
                 raise user from None
             raise
 
@@ -475,7 +471,7 @@ def finalize_store(out_dir: str | Path, ingest_report: dict[str, Any] | None = N
         for tmp in out.glob("*.json.tmp"):
             tmp.unlink()
         path.unlink(missing_ok=True)
-        if user := _write_error(err, path):
+        if user := write_error(err, path, WRITE_ADVICE):
             raise user from None
         raise
     complete_output(out)
@@ -650,7 +646,7 @@ def verify_store(path: str | Path) -> list[str]:
     manifest = _load_manifest(root)
     problems: list[str] = []
     seen: set[str] = set()
-    verified: dict[str, dict[str, Any]] = {}
+    verified: dict[Path, str] = {}
     total_samples = total_tokens = 0
     from tqdm import tqdm
 
@@ -663,7 +659,6 @@ def verify_store(path: str | Path) -> list[str]:
             problems.append(f"shard {name}: {(root / name).stat().st_size} bytes, manifest says {entry['bytes']} "
                             f"(truncated or replaced)")
             continue
-        key = _file_key(root / name, entry["sha256"])
         digest = sha256_file(root / name)
         if digest != entry["sha256"]:
             problems.append(f"shard {name}: sha256 {digest[:16]}... does not match the manifest's "
@@ -678,57 +673,23 @@ def verify_store(path: str | Path) -> list[str]:
         if duplicates or len(set(shard.ids)) != len(shard.ids):
             problems.append(f"shard {name}: duplicate sample ids {sorted(duplicates)[:5]}")
         seen.update(shard.ids)
-        verified[name] = key
+        verified[root / name] = digest
         total_samples += entry["num_samples"]
         total_tokens += entry["num_tokens"]
     if not problems and (total_samples, total_tokens) != (manifest["num_samples"], manifest["num_tokens"]):
         problems.append(f"manifest totals ({manifest['num_samples']} samples, {manifest['num_tokens']} tokens) "
                         f"differ from the shards' ({total_samples}, {total_tokens})")
     if not problems:  # training and eval need not hash these shards again while they are unchanged
-        _remember_verified(root, verified)
+        remember_sha256(verified)
     return problems
-
-
-def _verified_cache(root: Path) -> Path:
-    from dflash_train.target import cache_dir
-
-    key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:24]
-    return cache_dir() / "verified-shards" / f"{key}.json"
-
-
-def _file_key(path: Path, sha256: str) -> dict[str, Any]:
-    """What a verified shard is remembered by: unchanged size, modification time and inode, and its digest."""
-    st = path.stat()
-    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino, "sha256": sha256}
-
-
-def _verified(root: Path) -> dict[str, dict[str, Any]]:
-    try:
-        shards = json.loads(_verified_cache(root).read_text())["shards"]
-        return shards if isinstance(shards, dict) else {}
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-
-
-def _remember_verified(root: Path, verified: dict[str, dict[str, Any]]) -> None:
-    """Add shards of a store known to be sound ({file: _file_key}) to this machine's cache; best effort (a cache
-    that cannot be written, or an entry a concurrent writer overwrote, only means hashing again next time)."""
-    cache_file = _verified_cache(root)
-    try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"store": str(root.resolve()), "shards": {**_verified(root), **verified}}))
-        os.replace(tmp, cache_file)
-    except OSError:
-        pass
 
 
 def check_hashes(path: str | Path, threads: int | None = None, rank: int = 0, world: int = 1) -> dict[str, int]:
     """Re-hash the shards of a finished store against its manifest, as training and eval do when they open one: a
     UserError names the first shard whose bytes are not the ones captured. A shard this machine verified before and
-    that has not changed since (same size, mtime and inode) is not hashed again: verified shards are kept in
-    DFLASH_TRAIN_CACHE/verified-shards/, by the capture that wrote them (it hashed them as it wrote them), by
-    `dflash-train verify` and by this check. Several shards are hashed at once (hashlib releases the GIL); with
+    that has not changed since (same size, mtime and inode) is not hashed again (provenance.known_sha256): the
+    capture that wrote it (it hashed each shard as it wrote it), `dflash-train verify` and this check remember the
+    digests they computed. Several shards are hashed at once (hashlib releases the GIL); with
     `world` > 1 this process checks only shards i with i % world == rank (the ranks of a run share the work).
     Returns {"hashed": n, "cached": m, "bytes_hashed": b}. `dflash-train verify` always re-hashes everything."""
     from concurrent.futures import ThreadPoolExecutor
@@ -737,35 +698,31 @@ def check_hashes(path: str | Path, threads: int | None = None, rank: int = 0, wo
 
     root = Path(path)
     manifest = _load_manifest(root)
-    cache = _verified(root)
     mine = [entry for i, entry in enumerate(manifest["shards"]) if i % world == rank]
-    todo = []
     for entry in mine:
-        shard = root / entry["file"]
-        if not shard.exists():
+        if not (root / entry["file"]).exists():
             raise UserError(f"store {root}: shard {entry['file']} is missing")
-        key = _file_key(shard, entry["sha256"])
-        if cache.get(entry["file"]) != key:
-            todo.append((entry, shard, key))
-    hashed_bytes = sum(key["bytes"] for _, _, key in todo)
+    known = known_sha256([root / entry["file"] for entry in mine])
+    todo = [entry for entry in mine if known.get(root / entry["file"]) != entry["sha256"]]
+    hashed_bytes = sum((root / entry["file"]).stat().st_size for entry in todo)
     verified = {}
     with tqdm(total=hashed_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=f"check {root.name}",
               leave=False, disable=not todo) as bar, \
             ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
-        def hash_one(item):
-            entry, shard, key = item
+        def hash_one(entry):
+            shard = root / entry["file"]
             digest = sha256_file(shard)
-            bar.update(key["bytes"])
-            return entry, key, digest
+            bar.update(shard.stat().st_size)
+            return entry, digest
 
-        for entry, key, digest in pool.map(hash_one, todo):
+        for entry, digest in pool.map(hash_one, todo):
             if digest != entry["sha256"]:
                 raise UserError(f"store {root}: shard {entry['file']} is corrupted (its sha256 {digest[:16]}... is not "
                                 f"the manifest's {entry['sha256'][:16]}...): recapture it (rerun the capture into a "
                                 f"new folder), or restore the file; `dflash-train verify {root}` lists every bad shard")
-            verified[entry["file"]] = key
+            verified[root / entry["file"]] = digest
     if verified:
-        _remember_verified(root, verified)
+        remember_sha256(verified)
     return {"hashed": len(todo), "cached": len(mine) - len(todo), "bytes_hashed": hashed_bytes}
 
 

@@ -399,8 +399,8 @@ def weights_hash(path: str | Path) -> str | None:
     """sha256 over the checkpoint's weight files (each file's own sha256, with its name); None without weight files.
 
     Each file is hashed once per machine: a Hugging Face Hub snapshot names it already (the blob its symlink points
-    to is named by the sha256 of its contents), and any other file's digest is kept in
-    DFLASH_TRAIN_CACHE/weights-sha256.json under its path, size and modification time."""
+    to is named by the sha256 of its contents), and any other file's digest is remembered
+    (provenance.known_sha256: by path, size, modification time and inode)."""
     files = sorted({f for pattern in WEIGHT_FILES for f in Path(path).glob(pattern)})
     if not files:
         return None
@@ -411,35 +411,18 @@ def weights_hash(path: str | Path) -> str | None:
 
 
 def _file_sha256(path: Path) -> str:
-    from dflash_train.provenance import sha256_file
+    from dflash_train.provenance import known_sha256, remember_sha256, sha256_file
 
     blob = path.resolve()
     if path.is_symlink() and len(blob.name) == 64 and all(c in "0123456789abcdef" for c in blob.name):
         return blob.name  # a Hub cache blob: its name is the sha256 of its contents
-    cache_file = cache_dir() / "weights-sha256.json"
-    st = blob.stat()
-    key = f"{blob}:{st.st_size}:{st.st_mtime_ns}"
-    try:
-        cache = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if key in cache:
-        return cache[key]
-    if st.st_size > 1 << 30:
-        print(f"hashing the target's weights {blob} ({st.st_size / 2**30:.1f} GiB; once per machine)", flush=True)
+    if known := known_sha256([blob]).get(blob):
+        return known
+    size = blob.stat().st_size
+    if size > 1 << 30:
+        print(f"hashing the target's weights {blob} ({size / 2**30:.1f} GiB; once per machine)", flush=True)
     value = sha256_file(blob)
-    try:  # read again just before writing: another process may have added its own entries meanwhile
-        try:
-            cache = json.loads(cache_file.read_text())
-        except (OSError, ValueError):
-            cache = {}
-        cache[key] = value
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=0))
-        os.replace(tmp, cache_file)
-    except OSError:
-        pass  # no cache: hashed again next time
+    remember_sha256({blob: value})
     return value
 
 

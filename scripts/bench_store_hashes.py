@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from dflash_train.provenance import sha256_file
+    from dflash_train.provenance import DIGEST_CACHE, sha256_file
     from dflash_train.store import check_hashes, open_store
 
     store = open_store(args.store)
@@ -42,12 +42,10 @@ def main() -> None:
     nbytes = sum(p.stat().st_size for p in shards)
     with tempfile.TemporaryDirectory() as cache:
         os.environ["DFLASH_TRAIN_CACHE"] = cache
-        cache_file = Path(cache) / "verified-shards"
+        cache_file = Path(cache) / DIGEST_CACHE
 
         def cold():
-            if cache_file.exists():
-                for f in cache_file.iterdir():
-                    f.unlink()
+            cache_file.unlink(missing_ok=True)
             return check_hashes(args.store, threads=args.threads)
 
         t_open, _ = fastest(lambda: open_store(args.store), args.repeats)

@@ -172,8 +172,8 @@ def test_identity_includes_the_weights_and_old_identities_without_them_still_mat
     save_file(weights, str(tuned / "model.safetensors"), metadata={"format": "pt"})
     after = target_identity(tuned)
     assert after.differences(before) == ["weights"] and len(after.weights_hash) == 64
-    # hashed once: the digest is remembered per file (path, size, mtime)
-    cached = json.loads((tmp_path / "cache" / "weights-sha256.json").read_text())
+    # hashed once: the digest is remembered per file (path, size, mtime, inode)
+    cached = json.loads((tmp_path / "cache" / "file-sha256.json").read_text())
     assert any(key.startswith(str((tuned / "model.safetensors").resolve())) for key in cached)
     assert target_identity(tuned) == after
     # a store or drafter recorded before the weights were hashed is not refused for it
