@@ -86,11 +86,15 @@ def write_error(err: BaseException, path: str | Path, advice: str = "", permissi
     return UserError(f"cannot write {path}: {reason}" + (f". {advice}" if advice else ""))
 
 
+# what a stage's output folder is left as when a write into it fails (provenance.start_output marked it)
+RERUN_ADVICE = "The folder stays marked INCOMPLETE; free space and rerun the same command"
+
+
 @contextlib.contextmanager
-def writing(path: str | Path, advice: str = "") -> Iterator[None]:
+def writing(path: str | Path, advice: str = RERUN_ADVICE) -> Iterator[None]:
     """Around a stage's writes into `path`: a write that fails because the disk is full (or a quota or size limit
     is hit) or the file system is read-only becomes one line naming `path` (a Python file object's write error does
-    not name its file). Other errors pass unchanged."""
+    not name its file), with `advice`. Other errors pass unchanged."""
     try:
         yield
     except UserError:

@@ -793,7 +793,7 @@ def run(args: argparse.Namespace) -> int:
         # engine runs (jobs, logs) go to a scratch folder: a failed eval leaves its logs there and no report behind
         workdir = Path(tempfile.mkdtemp(prefix="dflash-eval-engine-"))
         report = evaluate(cfg, workdir)  # all checks and decoding first: a bad input leaves no half-written folder
-        with writing(out, "The folder stays marked INCOMPLETE; free space and rerun the same command"):
+        with writing(out):
             start_output(out, STAGE)
             write_report(report, out)
             if report["engines"].get("vllm"):

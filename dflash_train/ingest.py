@@ -853,7 +853,7 @@ def ingest(paths: Iterable[str | Path], out_dir: str | Path, config: IngestConfi
     out = Path(out_dir)
     limit = _TokenLimit(config.target, config.max_prompt_tokens) if config.max_prompt_tokens else None
     with OutputClaim(out, STAGE, legacy=is_ingest_folder), \
-            writing(out, "The folder stays marked INCOMPLETE; free space and rerun the same command"):
+            writing(out):
         return _ingest_into(out, paths, config, limit, t0)
 
 

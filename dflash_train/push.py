@@ -450,7 +450,7 @@ def run(namespace: argparse.Namespace) -> int:
         push_provenance=push_prov)
     out = Path(args.out) if args.out else default_out(args.repo)
     with claim_out(out):
-        with writing(out, "The folder stays marked INCOMPLETE; free space and rerun the same command"):
+        with writing(out):
             files = assemble(out, drafter, report, report_file, card)
             write_provenance(out, config=asdict(args), stage=STAGE, drafter=str(drafter.dir),
                              eval_report=str(report_file) if report_file else None,

@@ -80,8 +80,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None,
     try:
         state = load_file(str(weights_file))
     except (SafetensorError, OSError) as err:
-        raise UserError(f"{weights_file} is not a readable safetensors file ({type(err).__name__}: {err}): the drafter "
-                        f"folder is damaged; copy or train it again") from None
+        raise damaged_weights(weights_file, f"{type(err).__name__}: {err}") from None
     expected = set(expected_tensor_names(config.num_hidden_layers))
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -124,31 +123,33 @@ def weight_files(folder: Path) -> list[Path]:
     return [folder / "model.safetensors"]
 
 
+def damaged_weights(path: Path, why: str) -> UserError:
+    """The one line for a drafter weights file that cannot be read."""
+    return UserError(f"{path} is not a readable safetensors file ({why}): the drafter folder is damaged; copy or "
+                     f"train it again")
+
+
 def safetensors_header(path: Path) -> dict[str, Any]:
     """The tensor entries of a safetensors file's header ({name: {dtype, shape, data_offsets}}), without reading
     the weights; a UserError naming the file when the header is damaged."""
-    def damaged(why: str) -> UserError:
-        return UserError(f"{path} is not a readable safetensors file ({why}): the drafter folder is damaged; copy or "
-                         f"train it again")
-
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise damaged(f"{size} bytes, shorter than a header")
+            raise damaged_weights(path, f"{size} bytes, shorter than a header")
         (length,) = struct.unpack("<Q", raw)
         if length > size - 8:
-            raise damaged(f"its header claims {length} bytes, the file has {size}")
+            raise damaged_weights(path, f"its header claims {length} bytes, the file has {size}")
         try:
             header = json.loads(f.read(length))
         except (ValueError, UnicodeDecodeError) as err:
-            raise damaged(f"the header is not JSON: {err}") from None
+            raise damaged_weights(path, f"the header is not JSON: {err}") from None
     if not isinstance(header, dict):
-        raise damaged("the header is not a JSON object")
+        raise damaged_weights(path, "the header is not a JSON object")
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     for name, info in tensors.items():
         if not (isinstance(info, dict) and isinstance(info.get("shape"), list) and isinstance(info.get("dtype"), str)):
-            raise damaged(f"tensor {name!r} has no shape and dtype")
+            raise damaged_weights(path, f"tensor {name!r} has no shape and dtype")
     return tensors
 
 
