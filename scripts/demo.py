@@ -109,17 +109,17 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
     layers = resolve_layer_ids(target.num_layers, None, 5)  # capture's default taps
     generate_and_capture(target.model, batch[:2], layers, 2, stop, pad)  # warm-up
 
-    def timed(fn, *a) -> float:
+    def timed(fn, *a, **kw) -> float:
         t0 = time.perf_counter()
-        fn(*a)
+        fn(*a, **kw)
         return time.perf_counter() - t0
 
     # One whole batch as the capture stage runs it (its prompts, T new tokens each, top-k log-probs), timed end to
     # end: a decode step costs more as the cache grows and the top-k head runs over every prompt position, so a
     # short probe extrapolated to T tokens was off by 2-3x either way (the 2026-12-01 trial: 271 new tokens/s
     # planned, 28 measured). No stop tokens: every row decodes all T tokens, an upper bound on the stage's time.
-    capture_s = timed(generate_and_capture, target.model, batch, layers, args.max_new_tokens, [], pad, None, None,
-                      args.store_topk)
+    capture_s = timed(generate_and_capture, target.model, batch, layers, args.max_new_tokens, [], pad,
+                      topk=args.store_topk)
     short, long_ = (timed(plain_generate, target.model, rendered[0], n, []) for n in (4, 24))
     decode_step = max(1e-4, (long_ - short) / 20)
 
