@@ -339,7 +339,8 @@ def _evaluation(inp: CardInputs) -> str:
          else "—"),
     ]
     lines += [
-        f"τ = tokens committed per target verification, bonus token included (1 ≤ τ ≤ B = {fmt(block)}); "
+        f"τ = 1 + the drafts the target accepted per verification, i.e. the tokens it commits, bonus token included, "
+        f"also counted so on a last step cut short by a stop token (1 ≤ τ ≤ B = {fmt(block)}); "
         f"online τ is the mean over held-out prompts of each prompt's mean over its verification steps.",
         "",
         table(rows, ("Metric", "Value")),

@@ -36,8 +36,8 @@ from dflash_train.model.configuration import mask_token_problem
 from dflash_train.options import add_options, at_least, from_args, option, validate
 from dflash_train.provenance import (OutputClaim, complete_output, read_json, sha256_file, start_output,
                                      write_json_atomic, write_provenance)
-from dflash_train.spec_decode import (DFlashProposer, Generation, NoDraft, Step, TokenChooser, plain_generate,
-                                      speculative_generate)
+from dflash_train.spec_decode import (DFlashProposer, Generation, NoDraft, Step, TokenChooser, mean_tau,
+                                      plain_generate, speculative_generate)
 from dflash_train.target import (DEFAULT_TARGET, Features, Target, check_fits, layer_ids_problem, load_target,
                                  prompt_seed)
 
@@ -88,7 +88,7 @@ def acceptance_stats(step_logs: list[list[Step]], block_size: int) -> dict[str, 
     tau: mean over prompts of the mean step tau within each prompt (prompts that ended on the prefill token
     have no step and do not count); tau_steps: mean over all steps pooled. per_position_acceptance[k-1]: share
     of all steps whose tau - 1 (accepted drafts) is >= k, k = 1..B-1; so tau_steps = 1 + sum of it."""
-    per_prompt = [sum(s.tau for s in steps) / len(steps) for steps in step_logs if steps]
+    per_prompt = [mean_tau(steps) for steps in step_logs if steps]
     taus = [s.tau for steps in step_logs for s in steps]
     return _stats(per_prompt, taus, block_size)
 
@@ -309,7 +309,7 @@ def decode_all(methods: list[Method], target: Target, prompts: dict[str, list[in
             if m.proposer is None:
                 continue
             steps = outputs[m.name].steps
-            row["tau"][m.name] = sum(s.tau for s in steps) / len(steps) if steps else None
+            row["tau"][m.name] = mean_tau(steps)
             if outputs[m.name].tokens != plain:
                 row["mismatch"].append(m.name)
                 mismatches.append({"id": rid, "method": m.name,
@@ -403,7 +403,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         unaccounted += left
         step_logs.append(steps)
         same = spec_out[rid].token_ids == plain_out[rid].token_ids
-        per_prompt.append({"id": rid, "tau": sum(s.tau for s in steps) / len(steps) if steps else None,
+        per_prompt.append({"id": rid, "tau": mean_tau(steps),
                            "new_tokens": len(spec_out[rid].token_ids), "mismatch": greedy and not same})
         if greedy and not same:
             mismatches.append({"id": rid, **diagnose_mismatch(target, ids, plain_out[rid].token_ids,

@@ -41,6 +41,11 @@ class Step:
         return 1 + self.accepted
 
 
+def mean_tau(steps: list[Step]) -> float | None:
+    """One generation's tau: the mean over its verification steps (None for a generation with none)."""
+    return sum(s.tau for s in steps) / len(steps) if steps else None
+
+
 @dataclass
 class Generation:
     tokens: list[int]  # new tokens only; a stop token that ended generation is included, as in plain decoding

@@ -276,7 +276,7 @@ class DFlashTrainer:
             if state.step % recipe.logging.log_every == 0 or state.step == self.total_steps:
                 self.log_step(stats)
                 bar.set_postfix(loss=f"{self.last_loss:.3f}", acc1=stats.accuracy()[0],
-                                tau=self.last_eval.get("eval_sim_tau"))
+                                sim_tau=self.last_eval.get("eval_sim_tau"))
             if state.bad_in_a_row >= recipe.train.max_bad_steps:
                 bar.close()
                 self.stop_diverged()
@@ -285,7 +285,7 @@ class DFlashTrainer:
             if self.data.eval_samples and ((recipe.eval.every and state.step % recipe.eval.every == 0)
                                            or (recipe.eval.at_end and done)):
                 self.validate()
-                bar.set_postfix(loss=f"{self.last_loss:.3f}", tau=self.last_eval["eval_sim_tau"])
+                bar.set_postfix(loss=f"{self.last_loss:.3f}", sim_tau=self.last_eval["eval_sim_tau"])
             if state.step % recipe.checkpoint.every == 0 or done:
                 self.save_checkpoint()
             self.clock.start()

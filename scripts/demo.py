@@ -266,8 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         args.batch_size), log)
     rl.run_stage("eval", report, rl.eval_command([drafter], prompts, eval_limit, args.max_prompt_tokens,
                                                  args.max_new_tokens, eval_store, report, args.engine, target), log)
-    rl.run_stage("push (dry run)", push, [rl.PY, "-m", "dflash_train", "push", str(drafter), "--repo", args.repo,
-                                          "--eval-report", str(report), "--out", str(push), "--dry-run"], log,
+    rl.run_stage("push (dry run)", push, rl.push_command(drafter, args.repo, report, push, ["--dry-run"]), log,
                  rerun=True)
 
     wall = time.perf_counter() - total
@@ -295,8 +294,7 @@ def check_store(store: Path) -> None:
     """A complete store must pass `verify` before a rerun builds on it (its shards are re-hashed)."""
     if not is_complete(store):
         return
-    check = subprocess.run([sys.executable, "-m", "dflash_train", "verify", str(store)], cwd=REPO,
-                           capture_output=True, text=True)
+    check = subprocess.run(rl.verify_command(store), cwd=REPO, capture_output=True, text=True)
     if check.returncode != 0:
         raise SystemExit(f"demo: {store} is complete but fails verification:\n{check.stdout}{check.stderr}"
                          f"delete it to capture it again")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash_train.errors import UserError
+from dflash_train.evaluate import by_role
 from dflash_train.provenance import is_complete, write_json_atomic
 
 REPO = Path(__file__).resolve().parent.parent
@@ -231,6 +232,15 @@ def ingest_command(prompts: Path, logs: list[str] = (), extra: list[str] = ()) -
     return [PY, "-m", "dflash_train", "ingest", *logs, "--out", str(prompts), *extra]
 
 
+def push_command(drafter: Path, repo: str, report: Path, out: Path, extra: list[str] = ()) -> list[str]:
+    return [PY, "-m", "dflash_train", "push", str(drafter), "--repo", repo, "--eval-report", str(report),
+            "--out", str(out), *extra]
+
+
+def verify_command(store: Path) -> list[str]:
+    return [PY, "-m", "dflash_train", "verify", str(store)]
+
+
 def ensure_prompts(prompts: Path, log: Log) -> None:
     """Ingest the demo traffic (the ShareGPT package) into `prompts` unless it is there already."""
     if not is_complete(prompts):
@@ -322,10 +332,8 @@ def method_for(report: dict[str, Any], drafter: Path) -> dict[str, Any]:
 
 
 def plain_tokens_per_s(report: dict[str, Any]) -> float | None:
-    for m in report["methods"]:
-        if m.get("drafter") is None and m.get("block_size") == 1 and m.get("method", "").startswith("plain"):
-            return m.get("tokens_per_s")
-    return None
+    plain = by_role(report["methods"], "plain")
+    return plain[0].get("tokens_per_s") if plain else None
 
 
 def online_row(report: dict[str, Any], drafter: Path, positions: int = 3) -> dict[str, Any]:

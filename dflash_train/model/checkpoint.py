@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash_train.errors import UserError
-from dflash_train.model.configuration import (LAYER_TENSORS, DFlashConfig, expected_tensor_names,
-                                              expected_tensor_shapes)
+from dflash_train.model.configuration import LAYER_TENSORS, DFlashConfig, expected_tensor_shapes
 from dflash_train.provenance import INCOMPLETE_MARKER, PROVENANCE_FILE, read_json, write_json_atomic
 
 if TYPE_CHECKING:  # the module loads transformers; reading a folder for push must not
@@ -77,20 +76,13 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None,
             raise UserError(f"{f} is missing: {folder} is not a drafter folder (the trainer writes it)")
     raw = read_json(config_file, "a drafter's config")
     config = DFlashConfig.from_config_json(raw, str(config_file))
+    check_weights_fit_config(folder, config, [weights_file])
     try:
         state = load_file(str(weights_file))
     except (SafetensorError, OSError) as err:
         raise damaged_weights(weights_file, f"{type(err).__name__}: {err}") from None
-    expected = set(expected_tensor_names(config.num_hidden_layers))
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise UserError(f"{weights_file}: tensors do not match the config "
-                        f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
     model = create_drafter(config)
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        raise UserError(f"{weights_file}: {str(err).splitlines()[0]} (shapes do not match config.json)") from None
+    model.load_state_dict(state, strict=True)  # names and shapes checked above
     stored = getattr(torch, str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), torch.float32)
     return model.to(device=device, dtype=dtype or stored), config
 

@@ -24,32 +24,33 @@ FORMAT_VERSION = 1
 # (SmolLM2, StarCoder), then generic mask tokens. Tried in this order when the embedding table has no spare row.
 UNUSED_SPECIAL_TOKENS = ("<repo_name>", "<reponame>", "<gh_stars>", "<file_sep>", "<filename>", "<|MASK|>",
                          "<mask>", "[MASK]")
-# The tensors of one decoder layer, Qwen3's names (the checkpoint contract; the target's layers use the same names,
-# which is what drafter.init: target copies by)
-LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                 "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
-                 "post_attention_layernorm.weight")
+# The tensors of one decoder layer with their shapes, Qwen3's names (the checkpoint contract; the target's layers use
+# the same names, which is what drafter.init: target copies by). Shapes in the dimensions `expected_tensor_shapes`
+# names: H hidden, I intermediate, d head_dim, q / kv the query / key-value widths (heads x d).
+LAYER_TENSORS = {"self_attn.q_proj.weight": ("q", "H"), "self_attn.k_proj.weight": ("kv", "H"),
+                 "self_attn.v_proj.weight": ("kv", "H"), "self_attn.o_proj.weight": ("H", "q"),
+                 "self_attn.q_norm.weight": ("d",), "self_attn.k_norm.weight": ("d",),
+                 "mlp.gate_proj.weight": ("I", "H"), "mlp.up_proj.weight": ("I", "H"),
+                 "mlp.down_proj.weight": ("H", "I"), "input_layernorm.weight": ("H",),
+                 "post_attention_layernorm.weight": ("H",)}
+# ...and the drafter's own tensors outside the layers (nH: the tapped features, num_target_features x H)
+DRAFTER_TENSORS = {"norm.weight": ("H",), "fc.weight": ("H", "nH"), "hidden_norm.weight": ("H",)}
 
 
 def expected_tensor_names(num_layers: int) -> list[str]:
     """Every tensor of a drafter with `num_layers` layers: no embedding, no LM head (the target's are used)."""
-    names = [f"layers.{i}.{name}" for i in range(num_layers) for name in LAYER_TENSORS]
-    return names + ["norm.weight", "fc.weight", "hidden_norm.weight"]
+    return [f"layers.{i}.{name}" for i in range(num_layers) for name in LAYER_TENSORS] + list(DRAFTER_TENSORS)
 
 
 def expected_tensor_shapes(config: "DFlashConfig") -> dict[str, tuple[int, ...]]:
     """The shape of every tensor `expected_tensor_names` lists, as the model module builds it from `config` (checked
-    against the module by tests/test_checkpoint.py); what push holds a folder's weights against without loading
-    them."""
-    H, I, d = config.hidden_size, config.intermediate_size, config.head_dim
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    layer = {"self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
-             "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q), "self_attn.q_norm.weight": (d,),
-             "self_attn.k_norm.weight": (d,), "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H),
-             "mlp.down_proj.weight": (H, I), "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,)}
-    shapes = {f"layers.{i}.{name}": shape for i in range(config.num_hidden_layers) for name, shape in layer.items()}
-    return {**shapes, "norm.weight": (H,), "fc.weight": (H, config.num_target_features * H), "hidden_norm.weight": (H,)}
+    against the module by tests/test_checkpoint.py); what push and load hold a folder's weights against."""
+    H, d = config.hidden_size, config.head_dim
+    dims = {"H": H, "I": config.intermediate_size, "d": d, "q": config.num_attention_heads * d,
+            "kv": config.num_key_value_heads * d, "nH": config.num_target_features * H}
+    tables = {**{f"layers.{i}.{name}": shape for i in range(config.num_hidden_layers)
+                 for name, shape in LAYER_TENSORS.items()}, **DRAFTER_TENSORS}
+    return {name: tuple(dims[dim] for dim in shape) for name, shape in tables.items()}
 
 
 def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
