@@ -37,7 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--logs", nargs="*", default=[], help="production logs to ingest (default: the ShareGPT package)")
     p.add_argument("--prompts-name", default="sharegpt")
-    p.add_argument("--capture-limit", type=int, default=1200, help="training prompts read for capture")
+    p.add_argument("--capture-limit", type=int, default=2000,
+                   help="training prompts read for capture, at most (the plan reads as many as its budget captures)")
     p.add_argument("--store-topk", type=int, default=8,
                    help="capture --store-topk K: the target's top-K log-probs per token (the recipe's soft labels)")
     p.add_argument("--max-prompt-tokens", type=int, default=384,
@@ -67,7 +68,9 @@ DRAFT_SLOWDOWN = 2.6  # speculative decode time / plain for a weak drafter (the 
 EVAL_SHARE = 0.3  # at most this share of the time left goes to the eval (the 21-minute demo: 253 s of ~1,300)
 MIN_EVAL_PROMPTS = 3
 CAPTURE_SHARE = 0.3  # of the rest: capture (more conversations) vs training (more steps); the 21-minute demo on an
-                     # AVX-512 machine spent 257 s capturing and 742 s training
+                     # AVX-512 machine spent 257 s capturing and 742 s training. Time training cannot use (the recipe's
+                     # max_steps reached) goes to capture too: on this budget the data, not the steps, limits tau
+                     # (BENCHMARKS: 3x the steps on the same data bought 0.01)
 MARGIN = 0.05  # of the budget, kept free for what the model above does not see
 
 
@@ -102,25 +105,28 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
     precision = resolve_precision(dtype, device)
     target = load_target(args.target, dtype=precision.dtype, device=device)
     records, _ = load_prompt_records(prompts, "train", 200)
-    rendered = [ids for ids in (target.render(r.messages, r.tools) for r in records)
-                if len(ids) <= args.max_prompt_tokens]
-    batch = rendered[:args.batch_size]
+    rendered = sorted((ids for ids in (target.render(r.messages, r.tools) for r in records)
+                       if len(ids) <= args.max_prompt_tokens), key=len)
+    middle = max(0, (len(rendered) - args.batch_size) // 2)
+    batch = rendered[middle:middle + args.batch_size]  # capture batches prompts of similar length: the median batch
     stop, pad = target.stop_token_ids(), target.tokenizer.pad_token_id
     layers = resolve_layer_ids(target.num_layers, None, 5)  # capture's default taps
     generate_and_capture(target.model, batch[:2], layers, 2, stop, pad)  # warm-up
 
-    def timed(fn, *a, **kw) -> float:
+    def timed_call(fn, *a, **kw):
         t0 = time.perf_counter()
-        fn(*a, **kw)
-        return time.perf_counter() - t0
+        out = fn(*a, **kw)
+        return out, time.perf_counter() - t0
 
-    # One whole batch as the capture stage runs it (its prompts, T new tokens each, top-k log-probs), timed end to
-    # end: a decode step costs more as the cache grows and the top-k head runs over every prompt position, so a
-    # short probe extrapolated to T tokens was off by 2-3x either way (the 2026-12-01 trial: 271 new tokens/s
-    # planned, 28 measured). No stop tokens: every row decodes all T tokens, an upper bound on the stage's time.
-    capture_s = timed(generate_and_capture, target.model, batch, layers, args.max_new_tokens, [], pad,
-                      topk=args.store_topk)
-    short, long_ = (timed(plain_generate, target.model, rendered[0], n, []) for n in (4, 24))
+    # One whole batch as the capture stage runs it (prompts of similar length, up to T new tokens each, rows stopping
+    # at the stop tokens, top-k log-probs), timed end to end: a decode step costs more as the cache grows and the
+    # top-k head runs over every prompt position, so a short probe extrapolated to T tokens was off by 2-3x either
+    # way (the 2026-12-01 trial: 271 new tokens/s planned, 28 measured); a batch of mixed lengths decoding every
+    # row to T tokens (no stops) planned 324 s for a capture that took 228 s.
+    captured, capture_s = timed_call(generate_and_capture, target.model, batch, layers, args.max_new_tokens, stop,
+                                     pad, topk=args.store_topk)
+    new_tokens = sum(len(c.input_ids) - c.num_prompt_tokens for c in captured)
+    short, long_ = (timed_call(plain_generate, target.model, batch[0], n, [])[1] for n in (4, 24))
     decode_step = max(1e-4, (long_ - short) / 20)
 
     recipe = demo_recipe(args)
@@ -145,7 +151,8 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
         bench_train.step_fn(step_args, drafter, embed, embed, data, optimizer, step)
         times.append(time.perf_counter() - t0)
     return {"precision": precision.describe(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "capture_batch": len(batch), "capture_new_tok_s": len(batch) * args.max_new_tokens / capture_s,
+            "capture_batch": len(batch), "capture_s_per_prompt": capture_s / len(batch),
+            "capture_new_tok_s": new_tokens / capture_s, "capture_mean_new_tokens": new_tokens / len(batch),
             "decode_tok_s": 1.0 / decode_step,
             "train_step_s": statistics.median(times[1:])}
 
@@ -185,7 +192,7 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     available = args.budget_min * 60 * (1 - MARGIN) - spent_s - sum(starts.values())
     decode_s = T / rates["decode_tok_s"]  # one response at batch 1
     eval_s = decode_s * ((2 + DRAFT_SLOWDOWN if own else 0) + (1 + DRAFT_SLOWDOWN if engine else 0))
-    per_prompt = T / rates["capture_new_tok_s"]  # measured over a whole batch: its prefill is included
+    per_prompt = rates["capture_s_per_prompt"]  # a whole batch as capture runs it, prefill included
     heldout_s = per_prompt
     eval_kept = kept_prompts(prompts, "eval", args.eval_limit, args.target, args.max_prompt_tokens)
     n_eval = min(eval_kept[-1], max(MIN_EVAL_PROMPTS, int(EVAL_SHARE * available / (eval_s + heldout_s))))
@@ -193,13 +200,17 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     if flexible < 120:
         raise SystemExit(f"demo: a {args.budget_min:g}-minute budget leaves {flexible:.0f} s for capture and "
                          f"training on this machine after {n_eval} eval prompts: raise --budget-min")
+    cap = recipe.train.max_steps
+    capture_share_s = CAPTURE_SHARE * flexible
+    if cap:  # what training at most needs; the rest of its share goes to capture
+        capture_share_s = max(capture_share_s, flexible - cap * rates["train_step_s"])
     kept = kept_prompts(prompts, "train", args.capture_limit, args.target, args.max_prompt_tokens)
-    read = read_for(kept, max(8, int(CAPTURE_SHARE * flexible / per_prompt)))
+    read = read_for(kept, max(8, int(capture_share_s / per_prompt)))
     capture_s = kept[read - 1] * per_prompt
     train_s = flexible - capture_s
     steps = int(train_s / rates["train_step_s"])
-    cap = recipe.train.max_steps
-    return {"capture_limit": read, "capture_kept": kept[read - 1], "train_budget_s": round(train_s),
+    return {"spent_s": round(spent_s), "capture_limit": read, "capture_kept": kept[read - 1],
+            "train_budget_s": round(train_s),
             "expected_steps": min(steps, cap) if cap else steps, "max_steps": cap,
             "eval_limit": read_for(eval_kept, n_eval), "eval_prompts": n_eval,
             "stage_s": {"capture": starts["capture"] + capture_s, "train": starts["train"] + train_s,
@@ -207,10 +218,21 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
                         "eval": starts["eval"] + n_eval * eval_s, "push (dry run)": starts["push (dry run)"]}}
 
 
+def rebudget_training(plan: dict, capture_end_s: float) -> None:
+    """Give training what the capture saved against its plan (or take what it overran), so the demo still ends on
+    time: the plan sized capture from one batch, and real batches stop at different lengths."""
+    planned_end = plan["spent_s"] + plan["stage_s"]["capture"]
+    budget = max(60, round(plan["train_budget_s"] + planned_end - capture_end_s))
+    print(f"\n=== plan: capture ended at {capture_end_s:.0f} s ({planned_end:.0f} s planned): training gets "
+          f"{budget} s ({plan['train_budget_s']} planned)", flush=True)
+    plan["stage_s"]["train"] += budget - plan["train_budget_s"]
+    plan["train_budget_s"], plan["capture_end_s"] = budget, round(capture_end_s)
+
+
 def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
     print(f"\n=== plan for a {args.budget_min:g}-minute demo on this machine ({spent_s:.0f} s spent so far)")
-    print(f"measured: compute dtype {rates['precision']}; one-pass capture {rates['capture_new_tok_s']:.1f} new "
-          f"tokens/s (a whole batch of {rates['capture_batch']}, prefill included); a training "
+    print(f"measured: compute dtype {rates['precision']}; one-pass capture {rates['capture_s_per_prompt']:.2f} s "
+          f"per prompt (a whole batch of {rates['capture_batch']}, prefill included); a training "
           f"step of the demo recipe {rates['train_step_s']:.2f} s; plain decoding {rates['decode_tok_s']:.1f} "
           f"tokens/s (batch 1)")
     print(f"capture: read {plan['capture_limit']} training prompts, keep the {plan['capture_kept']} of at most "
@@ -237,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     rl.run_stage("ingest", prompts, rl.ingest_command(prompts, args.logs, ["--target", args.target]), log)
 
     plan, plan_file = None, work / "data" / f"{args.name}.demo-plan.json"  # a rerun keeps the plan it started with
+    planned_now = False
     if args.plan and plan_file.exists():
         plan = json.loads(plan_file.read_text())
         print(f"\n=== plan: {plan_file} (the plan this demo started with; delete it to measure and plan anew)")
@@ -244,20 +267,24 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         rates = probe(args, prompts)
         log.add("probe", ["scripts/demo.py (probe)"], time.perf_counter() - started, skipped=False)
-        plan = make_plan(args, prompts, rates, time.perf_counter() - total)
+        plan = {**make_plan(args, prompts, rates, time.perf_counter() - total), "rates": rates}
         print_plan(args, rates, plan, time.perf_counter() - total)
-        plan_file.write_text(json.dumps({**plan, "rates": rates}, indent=2))
+        plan_file.write_text(json.dumps(plan, indent=2))
+        planned_now = True
     capture_limit, eval_limit = (plan["capture_limit"], plan["eval_limit"]) if plan else (args.capture_limit,
                                                                                            args.eval_limit)
-    overrides = [f"data.stores=[{store}]", *args.train_override]
-    if plan:
-        overrides += [f"train.time_budget_s={plan['train_budget_s']}", "eval.every=0"]
     target = ["--target", args.target]
 
     check_store(store)
     rl.run_stage("capture", store, rl.capture_command(
         prompts, store, "train", capture_limit, args.max_prompt_tokens, args.max_new_tokens,
         [*target, "--store-topk", str(args.store_topk)], args.batch_size), log)
+    overrides = [f"data.stores=[{store}]", *args.train_override]
+    if plan:
+        if planned_now and not log.stages[-1]["skipped"]:
+            rebudget_training(plan, time.perf_counter() - total)
+            plan_file.write_text(json.dumps(plan, indent=2))
+        overrides += [f"train.time_budget_s={plan['train_budget_s']}", "eval.every=0"]
     rl.run_stage("train", drafter, rl.train_command(args.recipe, run, overrides), log)
     # the held-out prompts' own capture: the store the offline (simulated) tau is computed on
     check_store(eval_store)
