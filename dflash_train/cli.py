@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from dflash_train.errors import UserError, os_error_line, print_user_error
+from dflash_train.errors import run_as_command
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -45,14 +45,4 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"dflash-train {command}", description=help_)
     module.add_arguments(parser)
     args = parser.parse_args(rest)
-    try:
-        return int(module.run(args) or 0)
-    except UserError as err:
-        print_user_error(f"dflash-train {command}", err)
-        return 2
-    except OSError as err:  # a write no stage expected to fail (disk full, read-only folder): say so, exit 2
-        user = os_error_line(err)
-        if user is None:
-            raise
-        print_user_error(f"dflash-train {command}", user)
-        return 2
+    return run_as_command(f"dflash-train {command}", lambda: module.run(args))

@@ -150,3 +150,19 @@ def print_user_error(prefix: str, err: UserError) -> None:
     if err.from_rank0 and os.environ.get("RANK", "0") != "0":
         return
     print(f"{prefix}: error: {err}", file=sys.stderr, flush=True)
+
+
+def run_as_command(prefix: str, run: Callable[[], Any]) -> int:
+    """A stage's entry point: `run()`'s exit code, or 2 after the one line of a UserError (or of an OSError that
+    os_error_line recognises) printed under `prefix`; any other exception keeps its traceback."""
+    try:
+        return int(run() or 0)
+    except UserError as err:
+        print_user_error(prefix, err)
+        return 2
+    except OSError as err:  # a write no stage expected to fail (disk full, read-only folder): say so, exit 2
+        user = os_error_line(err)
+        if user is None:
+            raise
+        print_user_error(prefix, user)
+        return 2

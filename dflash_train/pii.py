@@ -312,7 +312,6 @@ _CARD = re.compile(r"(?<![\w.,-])(?<!\d{4}[ -])(?:[2-6]\d{12,18}"
 
 
 def _cards(t: _Text) -> Iterator[Span]:
-    text = t.text
     for m in t.matches(_CARD):
         digits = re.sub(r"\D", "", m.group())
         if 13 <= len(digits) <= 19 and luhn.is_valid(digits):

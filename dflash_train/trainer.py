@@ -50,7 +50,7 @@ import yaml
 
 from dflash_train import objective as obj
 from dflash_train.data import StoreSet, anchor_generator, collate, context_scale, prepare_data
-from dflash_train.errors import (UserError, decided_by_rank0, os_error_line, print_user_error, write_error,
+from dflash_train.errors import (UserError, decided_by_rank0, run_as_command, write_error,
                                  writing)
 from dflash_train.model.masks import resolve_attention
 from dflash_train.provenance import (OutputClaim, complete_output, config_differences, shown_pair, start_output,
@@ -913,14 +913,4 @@ def main(argv: list[str] | None = None) -> int:
                                      "(run under `accelerate launch`)")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except UserError as err:
-        print_user_error("train", err)
-        return 2
-    except OSError as err:  # a write the stage did not expect to fail: disk full, read-only, ...
-        user = os_error_line(err)
-        if user is None:
-            raise
-        print_user_error("train", user)
-        return 2
+    return run_as_command("train", lambda: run(args))

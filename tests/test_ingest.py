@@ -1,8 +1,6 @@
 import gzip
 import json
 import random
-import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -11,7 +9,7 @@ from dflash_train import ingest as ing
 from dflash_train.cli import main as cli_main
 from dflash_train.errors import UserError
 from dflash_train.ingest import (IngestConfig, SourceStats, iter_records, load_prompts, parse_record, prompt_id,
-                                 read_values, scrub_text, split_hash)
+                                 read_values, split_hash)
 from dflash_train.provenance import is_complete
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "examples"
