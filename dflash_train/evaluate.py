@@ -224,7 +224,7 @@ def _load_proposer(path: str, target: Target, block_size: int | None, dtype: tor
     drafter, config = load_drafter(path, dtype=dtype, device=target.model.device)
     drafter = drafter.eval().requires_grad_(False)
     check_drafter_fits(config, target, path, block_size)
-    head = target.model.lm_head if hasattr(target.model, "lm_head") else target.model.get_output_embeddings()
+    head = target.model.get_output_embeddings()
     return DFlashProposer(drafter, target.model.get_input_embeddings(), head, block_size)
 
 
@@ -463,7 +463,6 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     """Run the eval; `workdir` holds the engine runs (jobs and logs) when the engine takes part."""
     from dflash_train.capture import load_prompt_records
     from dflash_train.device import default_device, resolve_precision
-    from dflash_train.model.checkpoint import read_config
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -495,13 +494,7 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
 
     store, template_kwargs = None, cfg.template_kwargs
     if cfg.store:
-        from dflash_train.store import check_hashes, open_store
-
-        check_hashes(cfg.store)
-        store = open_store(cfg.store)
-        held_out["store"] = check_held_out(cfg.drafter, set(store.ids), f"samples of --store {cfg.store}",
-                                           store.manifest.get("prompts"), cfg.training_prompts)
-        check_store_fits(store.manifest, read_config(cfg.drafter), target, cfg.store)
+        store, held_out["store"] = open_eval_store(cfg, target)
         if template_kwargs is None:
             template_kwargs = (store.manifest.get("generation") or {}).get("template_kwargs") or {}
     template_kwargs = template_kwargs or {}
@@ -538,10 +531,9 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
         report["engines"]["vllm"] = engine_eval(cfg, target, prompts, B, dtype_name, device, Path(workdir))
     if store is not None:
         n = len(store) if cfg.limit is None else min(cfg.limit, len(store))
-        head = target.model.lm_head.weight if hasattr(target.model, "lm_head") else \
-            target.model.get_output_embeddings().weight
         offline = offline_estimate((store[i] for i in range(n)), main.drafter,
-                                   target.model.get_input_embeddings().weight, head, B)
+                                   target.model.get_input_embeddings().weight,
+                                   target.model.get_output_embeddings().weight, B)
         offline["store"] = str(cfg.store)
         offline["samples_of_eval_prompts"] = sum(r["id"] in prompts for r in offline["per_sample"])
         report["offline"] = offline
@@ -549,6 +541,20 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
         online = report["tau"] if report["tau"] is not None else report["engines"]["vllm"]["tau"]
         report["tau_gap"] = online - offline["tau"] if online is not None and offline["tau"] is not None else None
     return report
+
+
+def open_eval_store(cfg: EvalConfig, target: Target):
+    """The --store of the offline estimate, its shards re-hashed, checked to hold no training sample and to hold
+    what the drafter reads from this target; returns (store, its held-out check for the report)."""
+    from dflash_train.model.checkpoint import read_config
+    from dflash_train.store import check_hashes, open_store
+
+    check_hashes(cfg.store)
+    store = open_store(cfg.store)
+    held_out = check_held_out(cfg.drafter, set(store.ids), f"samples of --store {cfg.store}",
+                              store.manifest.get("prompts"), cfg.training_prompts)
+    check_store_fits(store.manifest, read_config(cfg.drafter), target, cfg.store)
+    return store, held_out
 
 
 def _label(path: str) -> str:

@@ -50,8 +50,7 @@ import yaml
 
 from dflash_train import objective as obj
 from dflash_train.data import StoreSet, anchor_generator, collate, context_scale, prepare_data
-from dflash_train.errors import (UserError, decided_by_rank0, run_as_command, write_error,
-                                 writing)
+from dflash_train.errors import UserError, decided_by_rank0, run_as_command, write_error, writing
 from dflash_train.model.masks import resolve_attention
 from dflash_train.provenance import (OutputClaim, complete_output, config_differences, shown_pair, start_output,
                                      write_json_atomic, write_provenance)

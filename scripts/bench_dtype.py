@@ -3,11 +3,11 @@
     python scripts/bench_dtype.py [--prompts data/prompts/sharegpt]
 
 Each cell runs `make demo`'s probe (scripts/demo.py: the one-pass capture of a batch of training prompts as the
-capture stage runs it, a training step of the demo recipe's shape, plain decoding at batch 1) in a fresh process, with the compute dtype
-forced, natively and with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` (PyTorch and oneDNN then dispatch
-the AVX2 kernels an AVX2-only CPU has: bf16 is emulated there). The cells run in alternating order, twice, and
-the faster of the two runs counts (the machine may be shared). Prints one markdown table and what `auto` picks
-in each environment.
+capture stage runs it, a training step of the demo recipe's shape, plain decoding at batch 1) in a fresh process, with
+the compute dtype forced, natively and with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` (PyTorch and oneDNN
+then dispatch the AVX2 kernels an AVX2-only CPU has: bf16 is emulated there). The cells run in alternating order,
+twice, and the faster of the two runs counts (the machine may be shared). Prints one markdown table and what `auto`
+picks in each environment.
 """
 
 from __future__ import annotations

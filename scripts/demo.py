@@ -72,6 +72,7 @@ CAPTURE_SHARE = 0.3  # of the rest: capture (more conversations) vs training (mo
                      # max_steps reached) goes to capture too: on this budget the data, not the steps, limits tau
                      # (BENCHMARKS: 3x the steps on the same data bought 0.01)
 MARGIN = 0.05  # of the budget, kept free for what the model above does not see
+GAUSS_QUANTILES = (0.5 - 0.5 / 3 ** 0.5, 0.5 + 0.5 / 3 ** 0.5)  # the probe's capture batches (two-point quadrature)
 
 
 def demo_recipe(args: argparse.Namespace):
@@ -104,29 +105,36 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
     device = default_device()
     precision = resolve_precision(dtype, device)
     target = load_target(args.target, dtype=precision.dtype, device=device)
-    records, _ = load_prompt_records(prompts, "train", 200)
+    records, _ = load_prompt_records(prompts, "train", args.capture_limit)  # what the capture stage reads
     rendered = sorted((ids for ids in (target.render(r.messages, r.tools) for r in records)
                        if len(ids) <= args.max_prompt_tokens), key=len)
-    middle = max(0, (len(rendered) - args.batch_size) // 2)
-    batch = rendered[middle:middle + args.batch_size]  # capture batches prompts of similar length: the median batch
     stop, pad = target.stop_token_ids(), target.tokenizer.pad_token_id
     layers = resolve_layer_ids(target.num_layers, None, 5)  # capture's default taps
-    generate_and_capture(target.model, batch[:2], layers, 2, stop, pad)  # warm-up
+    generate_and_capture(target.model, rendered[:2], layers, 2, stop, pad)  # warm-up
 
     def timed_call(fn, *a, **kw):
         t0 = time.perf_counter()
         out = fn(*a, **kw)
         return out, time.perf_counter() - t0
 
-    # One whole batch as the capture stage runs it (prompts of similar length, up to T new tokens each, rows stopping
+    # Whole batches as the capture stage runs them (prompts of similar length, up to T new tokens each, rows stopping
     # at the stop tokens, top-k log-probs), timed end to end: a decode step costs more as the cache grows and the
     # top-k head runs over every prompt position, so a short probe extrapolated to T tokens was off by 2-3x either
-    # way (the 2026-12-01 trial: 271 new tokens/s planned, 28 measured); a batch of mixed lengths decoding every
-    # row to T tokens (no stops) planned 324 s for a capture that took 228 s.
-    captured, capture_s = timed_call(generate_and_capture, target.model, batch, layers, args.max_new_tokens, stop,
-                                     pad, topk=args.store_topk)
-    new_tokens = sum(len(c.input_ids) - c.num_prompt_tokens for c in captured)
-    short, long_ = (timed_call(plain_generate, target.model, batch[0], n, [])[1] for n in (4, 24))
+    # way (the 2026-12-01 trial: 271 new tokens/s planned, 28 measured). A prompt's cost grows with its length
+    # (the AVX-512 demo: 2.9 s each for the longest 64 of 450, 1.1 for the shortest), so one batch at the median
+    # length planned 1.03 s for a capture that took 1.72 s per prompt: the mean over the length distribution is
+    # taken by two-point Gauss-Legendre quadrature over its quantiles, a batch at quantile 0.21 and one at 0.79.
+    timings, new_tokens = [], 0
+    for q in GAUSS_QUANTILES:
+        at = min(max(0, round(q * len(rendered)) - args.batch_size // 2), max(0, len(rendered) - args.batch_size))
+        batch = rendered[at:at + args.batch_size]
+        captured, seconds = timed_call(generate_and_capture, target.model, batch, layers, args.max_new_tokens, stop,
+                                       pad, topk=args.store_topk)
+        timings.append(seconds / len(batch))
+        new_tokens += sum(len(c.input_ids) - c.num_prompt_tokens for c in captured)
+    capture_s_per_prompt = sum(timings) / len(timings)
+    median_prompt = rendered[len(rendered) // 2]
+    short, long_ = (timed_call(plain_generate, target.model, median_prompt, n, [])[1] for n in (4, 24))
     decode_step = max(1e-4, (long_ - short) / 20)
 
     recipe = demo_recipe(args)
@@ -151,8 +159,10 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
         bench_train.step_fn(step_args, drafter, embed, embed, data, optimizer, step)
         times.append(time.perf_counter() - t0)
     return {"precision": precision.describe(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "capture_batch": len(batch), "capture_s_per_prompt": capture_s / len(batch),
-            "capture_new_tok_s": new_tokens / capture_s, "capture_mean_new_tokens": new_tokens / len(batch),
+            "capture_batch": len(batch), "capture_s_per_prompt": capture_s_per_prompt,
+            "capture_s_per_prompt_by_quantile": timings,
+            "capture_new_tok_s": new_tokens / (capture_s_per_prompt * len(batch) * len(timings)),
+            "capture_mean_new_tokens": new_tokens / (len(batch) * len(timings)),
             "decode_tok_s": 1.0 / decode_step,
             "train_step_s": statistics.median(times[1:])}
 
@@ -192,7 +202,7 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     available = args.budget_min * 60 * (1 - MARGIN) - spent_s - sum(starts.values())
     decode_s = T / rates["decode_tok_s"]  # one response at batch 1
     eval_s = decode_s * ((2 + DRAFT_SLOWDOWN if own else 0) + (1 + DRAFT_SLOWDOWN if engine else 0))
-    per_prompt = rates["capture_s_per_prompt"]  # a whole batch as capture runs it, prefill included
+    per_prompt = rates["capture_s_per_prompt"]  # whole batches as capture runs them, prefill included
     heldout_s = per_prompt
     eval_kept = kept_prompts(prompts, "eval", args.eval_limit, args.target, args.max_prompt_tokens)
     n_eval = min(eval_kept[-1], max(MIN_EVAL_PROMPTS, int(EVAL_SHARE * available / (eval_s + heldout_s))))
@@ -232,7 +242,8 @@ def rebudget_training(plan: dict, capture_end_s: float) -> None:
 def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
     print(f"\n=== plan for a {args.budget_min:g}-minute demo on this machine ({spent_s:.0f} s spent so far)")
     print(f"measured: compute dtype {rates['precision']}; one-pass capture {rates['capture_s_per_prompt']:.2f} s "
-          f"per prompt (a whole batch of {rates['capture_batch']}, prefill included); a training "
+          f"per prompt (two whole batches of {rates['capture_batch']}, at length quantiles 0.21 and 0.79: "
+          f"{' and '.join(f'{t:.2f}' for t in rates.get('capture_s_per_prompt_by_quantile', []))} s); a training "
           f"step of the demo recipe {rates['train_step_s']:.2f} s; plain decoding {rates['decode_tok_s']:.1f} "
           f"tokens/s (batch 1)")
     print(f"capture: read {plan['capture_limit']} training prompts, keep the {plan['capture_kept']} of at most "
