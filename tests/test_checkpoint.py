@@ -103,7 +103,8 @@ def test_load_drafter_rejects_bad_folders(tiny_parts, tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["num_hidden_layers"] = 3
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UserError, match=r"the weights do not fit .*config.json, so the drafter would not load: missing layers\.2\."):
+    with pytest.raises(UserError, match=r"the weights do not fit .*config.json, so the drafter would not load: "
+                                        r"missing layers\.2\."):
         load_drafter(tmp_path)
 
 
