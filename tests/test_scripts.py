@@ -127,12 +127,16 @@ def test_bad_metrics_name_the_file_and_line(tmp_path):
 
 
 def write_report(folder: Path, drafters: list[Path]) -> Path:
-    methods = [{"method": "plain (target only)", "drafter": None, "block_size": 1, "tokens_per_s": 20.0}]
+    """An eval report.json as the eval stage writes it: rows with their roles (evaluate.ROLES)."""
+    methods = [{"method": "plain (target only)", "role": "plain", "drafter": None, "block_size": 1,
+                "tokens_per_s": 20.0}]
     for i, d in enumerate(drafters):
-        methods.append({"method": f"drafter {d.name}", "drafter": str(d), "block_size": 16, "tau": 2.0 + i,
+        methods.append({"method": f"drafter {d.name}", "role": "drafter" if i == 0 else "baseline",
+                        "drafter": str(d), "block_size": 16, "tau": 2.0 + i,
                         "per_position_acceptance": [0.9, 0.5 - 0.1 * i, 0.25, 0.1], "tokens_per_s": 10.0 * (i + 1),
                         "lossless_mismatches": 0})
-    methods.append({"method": "block size 1", "drafter": None, "block_size": 1, "tokens_per_s": 21.0})
+    methods.append({"method": "block size 1", "role": "no_speculation", "drafter": None, "block_size": 1,
+                    "tokens_per_s": 21.0})
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "report.json").write_text(json.dumps({"methods": methods, "settings": {"num_prompts": 3}}))
     return folder
