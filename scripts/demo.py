@@ -8,11 +8,12 @@ that fails stops the demo with that stage's own error. At the end it prints the 
 each stage against the plan, and where every artefact is.
 
 Machines differ several-fold (an AVX2 CPU emulates bf16; a GPU is another world), so after ingest the demo
-measures this one for about a minute (the one-pass capture of a few training prompts, training steps of the
-demo recipe's shape, plain decoding at batch 1, all in the compute dtype the stages will pick) and sizes the
-stages to the budget: the eval's size is fixed, the rest goes to capture (prompts read) and training
-(`train.time_budget_s`, at most the recipe's max_steps). It prints that plan, with the rates it measured, before
-anything long starts.
+measures this one for a minute or two (the one-pass capture of two batches of training prompts, at the 0.21 and
+0.79 quantiles of their lengths; training steps of the demo recipe's shape; plain decoding at batch 1; all in the
+compute dtype the stages will pick) and sizes the stages to the budget: the eval gets at most a share of it, the
+rest goes to capture (prompts read) and training (`train.time_budget_s`, at most the recipe's max_steps; after the
+capture, plus what it saved against its plan or less what it overran). It prints that plan, with the rates it
+measured, before anything long starts.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def demo_recipe(args: argparse.Namespace):
 
 
 def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[str, float | str]:
-    """About a minute of measurements on this machine, in the compute dtype the stages will use (`auto`)."""
+    """A minute or two of measurements on this machine, in the compute dtype the stages will use (`auto`)."""
     import statistics
 
     import torch
@@ -230,7 +231,7 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
 
 def rebudget_training(plan: dict, capture_end_s: float) -> None:
     """Give training what the capture saved against its plan (or take what it overran), so the demo still ends on
-    time: the plan sized capture from one batch, and real batches stop at different lengths."""
+    time: the plan sized capture from two batches, and the real ones differ in length and in where they stop."""
     planned_end = plan["spent_s"] + plan["stage_s"]["capture"]
     budget = max(60, round(plan["train_budget_s"] + planned_end - capture_end_s))
     print(f"\n=== plan: capture ended at {capture_end_s:.0f} s ({planned_end:.0f} s planned): training gets "
