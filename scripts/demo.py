@@ -19,6 +19,7 @@ measured, before anything long starts.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -96,7 +97,7 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
 
     import torch
 
-    from dflash_train.capture import generate_and_capture, load_prompt_records, resolve_layer_ids
+    from dflash_train.capture import generate_and_capture, resolve_layer_ids
     from dflash_train.device import default_device, resolve_precision
     from dflash_train.spec_decode import plain_generate
     from dflash_train.target import load_target
@@ -106,9 +107,8 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
     device = default_device()
     precision = resolve_precision(dtype, device)
     target = load_target(args.target, dtype=precision.dtype, device=device)
-    records, _ = load_prompt_records(prompts, "train", args.capture_limit)  # what the capture stage reads
-    rendered = sorted((ids for ids in (target.render(r.messages, r.tools) for r in records)
-                       if len(ids) <= args.max_prompt_tokens), key=len)
+    rendered = sorted((ids for ids in rendered_prompts(prompts, "train", args.capture_limit, args.target)
+                       if len(ids) <= args.max_prompt_tokens), key=len)  # what the capture stage keeps
     stop, pad = target.stop_token_ids(), target.tokenizer.pad_token_id
     layers = resolve_layer_ids(target.num_layers, None, 5)  # capture's default taps
     generate_and_capture(target.model, rendered[:2], layers, 2, stop, pad)  # warm-up
@@ -168,16 +168,23 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
             "train_step_s": statistics.median(times[1:])}
 
 
-def kept_prompts(prompts: Path, split: str, limit: int, target: str, max_prompt_tokens: int) -> list[int]:
-    """kept[i] = how many of the first i+1 prompts of `split` capture keeps (rendered <= max_prompt_tokens)."""
+@functools.lru_cache(maxsize=4)
+def rendered_prompts(prompts: Path, split: str, limit: int, target: str) -> tuple[list[int], ...]:
+    """The token ids of the first `limit` prompts of `split`, rendered as capture renders them (chat template and
+    tool definitions); cached, as the probe and the plan both read the training prompts (2,000 take ~9 s)."""
     from dflash_train.capture import load_prompt_records
     from dflash_train.target import load_tokenizer, render_prompt
 
     tokenizer = load_tokenizer(target)
     records, _ = load_prompt_records(prompts, split, limit)
+    return tuple(render_prompt(tokenizer, r.messages, r.tools) for r in records)
+
+
+def kept_prompts(prompts: Path, split: str, limit: int, target: str, max_prompt_tokens: int) -> list[int]:
+    """kept[i] = how many of the first i+1 prompts of `split` capture keeps (rendered <= max_prompt_tokens)."""
     kept, n = [], 0
-    for r in records:
-        n += len(render_prompt(tokenizer, r.messages)) <= max_prompt_tokens
+    for ids in rendered_prompts(prompts, split, limit, target):
+        n += len(ids) <= max_prompt_tokens
         kept.append(n)
     return kept
 
