@@ -47,7 +47,13 @@ def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:
 
 # ---------------------------------------------------------------------------------- digests this machine knows
 
-DIGEST_CACHE = "file-sha256.json"  # in the user cache (target.cache_dir): {"path:size:mtime_ns:inode": sha256}
+DIGEST_CACHE = "file-sha256.json"  # in the user cache (cache_dir): {"path:size:mtime_ns:inode": sha256}
+
+
+def cache_dir() -> Path:
+    """The project's per-machine cache (file digests, converted targets): DFLASH_TRAIN_CACHE, else
+    ~/.cache/dflash_train."""
+    return Path(os.environ.get("DFLASH_TRAIN_CACHE", Path.home() / ".cache" / "dflash_train"))
 
 
 def _digest_key(path: Path) -> str:
@@ -56,8 +62,6 @@ def _digest_key(path: Path) -> str:
 
 
 def _digest_cache() -> Path:
-    from dflash_train.target import cache_dir
-
     return cache_dir() / DIGEST_CACHE
 
 

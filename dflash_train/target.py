@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import torch
 
 from dflash_train.errors import UserError
+from dflash_train.provenance import cache_dir, known_sha256, remember_sha256, sha256_file
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
@@ -44,10 +45,6 @@ EMBEDDED_TARGETS = {
         hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DFLASH_TRAIN_CACHE", Path.home() / ".cache" / "dflash_train"))
 
 
 @contextlib.contextmanager
@@ -411,8 +408,6 @@ def weights_hash(path: str | Path) -> str | None:
 
 
 def _file_sha256(path: Path) -> str:
-    from dflash_train.provenance import known_sha256, remember_sha256, sha256_file
-
     blob = path.resolve()
     if path.is_symlink() and len(blob.name) == 64 and all(c in "0123456789abcdef" for c in blob.name):
         return blob.name  # a Hub cache blob: its name is the sha256 of its contents
