@@ -179,3 +179,28 @@ def test_identity_includes_the_weights_and_old_identities_without_them_still_mat
     # a store or drafter recorded before the weights were hashed is not refused for it
     old = TargetIdentity.from_dict({k: v for k, v in after.to_dict().items() if k != "weights_hash"})
     assert old.matches(before) and before.matches(old)
+
+
+def test_cpu_attention_shares_kv_heads_under_a_padding_mask_and_matches_sdpa(tiny_target_dir):
+    """On the CPU a target loads with `_sdpa_gqa`: transformers' `sdpa` with the KV heads shared by their query
+    heads (no repeat_kv copy) also when a padding mask is passed. A left-padded batch gives transformers' `sdpa`
+    logits within rounding, and every row equals its unpadded single-sample forward."""
+    from tolerance import model_tolerance
+    from transformers import AutoModelForCausalLM
+
+    from dflash_train.capture import _left_pad
+    from dflash_train.target import CPU_ATTENTION, load_target
+
+    ours = load_target(str(tiny_target_dir), dtype=torch.float32).model
+    assert ours.config._attn_implementation == CPU_ATTENTION
+    assert ours.config.num_key_value_heads < ours.config.num_attention_heads  # the case it is for
+    theirs = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32, attn_implementation="sdpa")
+    rows = [[5, 9, 17, 33, 2, 8, 11], [40, 41, 42], [7, 7, 100, 3, 19]]
+    ids, mask, positions = _left_pad(rows, 0, "cpu")
+    with torch.no_grad():
+        a = ours(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        b = theirs(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        assert torch.allclose(a, b, atol=model_tolerance(ours.config, b), rtol=0)
+        for r, row in enumerate(rows):
+            alone = ours(input_ids=torch.tensor([row])).logits[0]
+            assert torch.allclose(a[r, -len(row):], alone, atol=model_tolerance(ours.config, alone), rtol=0)
