@@ -65,10 +65,9 @@ class EngineJob:
     mode: str = "sequential"  # sequential: one request at a time (batch 1) | batch: all at once
     seed: int = 0
     device: str = "cpu"
-    # batch mode: append every finished output to this JSONL file as it is generated, chunk by chunk, so a killed
-    # run keeps what it generated (capture resumes from it)
+    # batch mode: append every finished output to this JSONL file as it is generated, so a killed run keeps what
+    # it generated (capture resumes from it)
     stream_to: str | None = None
-    chunk: int = 256
     kv_cache_bytes: int | None = None  # None: sized from the job (see `kv_cache_bytes_for`)
 
     def speculative_config(self) -> dict[str, Any] | None:
@@ -312,17 +311,7 @@ def _child(workdir: Path) -> None:
         results = [llm.generate([p], params(r), use_tqdm=False)[0] for p, r in zip(prompts, job.requests)]
         outputs = [_output(r, res) for r, res in zip(job.requests, results)]
     else:
-        outputs = []
-        for s in range(0, len(prompts), job.chunk):
-            chunk = job.requests[s:s + job.chunk]
-            results = llm.generate(prompts[s:s + job.chunk], [params(r) for r in chunk], use_tqdm=True)
-            done = [_output(r, res) for r, res in zip(chunk, results)]
-            if job.stream_to:
-                with open(job.stream_to, "a") as f:
-                    f.write("".join(json.dumps({"id": o["id"], "token_ids": o["token_ids"]}) + "\n" for o in done))
-                    f.flush()
-                    os.fsync(f.fileno())
-            outputs += done
+        outputs = _continuous_batch(llm, prompts, [params(r) for r in job.requests], job)
     wall_s = time.perf_counter() - started
     environment = {k: os.environ.get(k, "") for k in engine_environment_keys()}
     environment["LD_PRELOAD"] = ":".join(Path(p).name for p in environment["LD_PRELOAD"].split(":") if p)
@@ -331,6 +320,41 @@ def _child(workdir: Path) -> None:
     tmp = workdir / (RESULT_FILE + ".tmp")
     tmp.write_text(json.dumps(result))
     os.replace(tmp, workdir / RESULT_FILE)
+
+
+def _continuous_batch(llm, prompts: list[dict[str, Any]], params: list[Any], job: EngineJob) -> list[dict[str, Any]]:
+    """Every request queued at once and decoded with continuous batching; each output is taken as it finishes
+    and, with `job.stream_to`, appended to that file at least every STREAM_EVERY_S seconds (a killed run keeps
+    them). Generating in chunks instead left each chunk's tail of long requests running a nearly empty batch."""
+    from tqdm import tqdm
+
+    from vllm.sampling_params import RequestOutputKind
+
+    requests = {r.id: r for r in job.requests}
+    for prompt, p, r in zip(prompts, params, job.requests):
+        p.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate asks: the finished output only
+        llm.llm_engine.add_request(r.id, prompt, p)
+    outputs: list[dict[str, Any]] = []
+    unsaved: list[dict[str, Any]] = []
+    saved_at = time.monotonic()
+    with tqdm(total=len(requests), desc="vLLM generating", unit="request", dynamic_ncols=True) as bar:
+        while llm.llm_engine.has_unfinished_requests():
+            finished = [_output(requests[r.request_id], r) for r in llm.llm_engine.step() if r.finished]
+            outputs += finished
+            unsaved += finished
+            bar.update(len(finished))
+            if job.stream_to and unsaved and (time.monotonic() - saved_at > STREAM_EVERY_S
+                                              or not llm.llm_engine.has_unfinished_requests()):
+                with open(job.stream_to, "a") as f:
+                    f.write("".join(json.dumps({"id": o["id"], "token_ids": o["token_ids"]}) + "\n" for o in unsaved))
+                    f.flush()
+                    os.fsync(f.fileno())
+                unsaved, saved_at = [], time.monotonic()
+    order = {r.id: i for i, r in enumerate(job.requests)}
+    return sorted(outputs, key=lambda o: order[o["id"]])
+
+
+STREAM_EVERY_S = 10.0
 
 
 def _output(request: EngineRequest, result: Any) -> dict[str, Any]:
