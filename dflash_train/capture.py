@@ -57,7 +57,8 @@ class CaptureConfig:
     num_taps: int = option(5, aliases=("--num-layers",), check=at_least(1),
                            help="tap n layers evenly spaced from 1 to L-3, or layer L // 2 for n = 1 (not the "
                                 "drafter's num_layers; --num-layers is the old spelling)")
-    max_new_tokens: int = option(256, check=at_least(1), help="response cap, tokens")
+    max_new_tokens: int = option(256, check=at_least(1), help="response cap, tokens (a logged request's own "
+                                                              "max_tokens wins where it is smaller)")
     max_prompt_tokens: int = option(4096, check=at_least(1),
                                     help="skip (and count) prompts longer than this; they are never truncated")
     batch_size: int = option(8, check=at_least(1), help="prompts decoded together")
@@ -280,17 +281,19 @@ def sample_next(logits: torch.Tensor, samplings: list[Sampling], generators: lis
 
 
 @torch.no_grad()
-def generate_and_capture(model, prompts: list[list[int]], layer_ids: list[int], max_new_tokens: int,
+def generate_and_capture(model, prompts: list[list[int]], layer_ids: list[int], max_new_tokens: int | list[int],
                          stop_ids: list[int], pad_id: int, samplings: list[Sampling] | None = None,
                          seeds: list[int] | None = None, topk: int = 0) -> list[Captured]:
     """Batched decoding with a KV cache that records the tapped states of every position in the same pass.
 
     Left padding; the attention mask and position ids come from it, so each row sees exactly what a
     single-sample forward would. Decode step k feeds generated token k and records its states; a row stops
-    after its stop token (kept, with states) or after max_new_tokens tokens. With topk > 0 every position also
-    gets the target's top-k log-probs of the distribution that predicts it (see the module docstring)."""
+    after its stop token (kept, with states) or after its max_new_tokens tokens (one cap, or one per row). With
+    topk > 0 every position also gets the target's top-k log-probs of the distribution that predicts it (see the
+    module docstring)."""
     device = next(model.parameters()).device
     b = len(prompts)
+    caps = torch.tensor(max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * b, device=device)
     samplings = samplings or [Sampling()] * b
     generators = [torch.Generator(device=device).manual_seed(s) for s in (seeds or [0] * b)]
     ids, mask, positions = _left_pad(prompts, pad_id, device)
@@ -309,16 +312,14 @@ def generate_and_capture(model, prompts: list[list[int]], layer_ids: list[int], 
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     stop = torch.tensor(stop_ids, device=device)
     nxt = sample_next(logits, samplings, generators)
-    for step in range(max_new_tokens):
+    for step in range(int(caps.max())):
         active = ~finished
         step_top = topk_logprobs(logits, topk) if topk else None  # of the logits nxt was decoded from
         for r in active.nonzero().flatten().tolist():
             tokens[r].append(int(nxt[r]))
             if step_top is not None:
                 top_chunks[r].append((step_top[0][r:r + 1].cpu(), step_top[1][r:r + 1].cpu()))
-        finished = finished | torch.isin(nxt, stop)
-        if step == max_new_tokens - 1:
-            finished[:] = True
+        finished = finished | torch.isin(nxt, stop) | (caps <= step + 1)
         feed = torch.where(active, nxt, torch.full_like(nxt, pad_id))
         mask = torch.cat([mask, active[:, None].long()], dim=1)  # rows already done only add masked keys
         logits, hidden, cache = _forward(model, feed[:, None], mask, next_pos[:, None], cache)
@@ -406,9 +407,10 @@ def engine_responses(cfg: CaptureConfig, target: Target, rendered: list[tuple[Pr
     if todo:
         requests = []
         for record, ids in todo:
-            sampling = sampling_for(record, cfg.temperature, cfg.top_p)
-            requests.append(EngineRequest(id=record.id, prompt_token_ids=ids, max_tokens=cfg.max_new_tokens,
-                                          temperature=sampling.temperature, top_p=sampling.top_p,
+            chosen = sampling_for(record, cfg.temperature, cfg.top_p)
+            requests.append(EngineRequest(id=record.id, prompt_token_ids=ids,
+                                          max_tokens=sampling.response_cap(cfg.max_new_tokens, record.sampling),
+                                          temperature=chosen.temperature, top_p=chosen.top_p,
                                           seed=prompt_seed(cfg.seed, record.id)))
         device = torch.device(cfg.device or default_device()).type
         job = EngineJob(target=str(target.path), requests=requests, stop_token_ids=stop_ids,
@@ -482,7 +484,7 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
     pad_id = target.tokenizer.pad_token_id
     generation = {
         "responses": cfg.responses,
-        "max_new_tokens": cfg.max_new_tokens,
+        "max_new_tokens": cfg.max_new_tokens,  # per prompt: the logged request's max_tokens where smaller
         "max_prompt_tokens": cfg.max_prompt_tokens,
         "temperature": cfg.temperature,  # None: per logged request, greedy where the log has none
         "top_p": cfg.top_p,
@@ -551,12 +553,13 @@ def _capture_into(writer: StoreWriter, cfg: CaptureConfig, target: Target, recor
                                            [len(ids) for _, ids in batch], layer_ids, pad_id, topk=cfg.store_topk)
             elif cfg.responses == "generate":
                 captured = generate_and_capture(
-                    target.model, [ids for _, ids in batch], layer_ids, cfg.max_new_tokens, stop_ids, pad_id,
+                    target.model, [ids for _, ids in batch], layer_ids,
+                    [sampling.response_cap(cfg.max_new_tokens, r.sampling) for r, _ in batch], stop_ids, pad_id,
                     samplings=[samplings[r.id] for r, _ in batch],
                     seeds=[prompt_seed(cfg.seed, r.id) for r, _ in batch], topk=cfg.store_topk)
             else:
-                responses = [logged_response_ids(target, r, ids, cfg.template_kwargs)[0][:cfg.max_new_tokens]
-                             for r, ids in batch]
+                responses = [logged_response_ids(target, r, ids, cfg.template_kwargs)[0][
+                                 :sampling.response_cap(cfg.max_new_tokens, r.sampling)] for r, ids in batch]
                 captured = prefill_capture(target.model, [ids + resp for (_, ids), resp in zip(batch, responses)],
                                            [len(ids) for _, ids in batch], layer_ids, pad_id, topk=cfg.store_topk)
             for (record, _), sample in zip(batch, captured):

@@ -85,6 +85,13 @@ def logged(request: dict[str, Any]) -> dict[str, float | int | None]:
             "max_tokens": None if max_tokens is None else check_max_tokens(max_tokens)}
 
 
+def response_cap(max_new_tokens: int, logged_settings: dict[str, Any] | None = None) -> int:
+    """The most tokens a response may have: the stage's cap, or the request's logged max_tokens where smaller (the
+    application's own limit is part of how the target is served)."""
+    logged_max = (logged_settings or {}).get("max_tokens")
+    return min(max_new_tokens, logged_max) if logged_max else max_new_tokens
+
+
 def resolve(temperature: float | None, top_p: float | None,
             logged_settings: dict[str, Any] | None = None) -> Sampling:
     """A prompt's settings: each given one wins over the logged one; what neither gives is greedy / top_p 1.

@@ -342,6 +342,33 @@ def test_raw_log_prompts_and_logged_sampling(tiny_target_dir, tmp_path):
     assert {item["id"]: item["weight"] for item in st}[first["id"]] == 2
 
 
+def test_a_logged_max_tokens_caps_that_response_as_served(tiny_target, tiny_target_dir, tmp_path):
+    """The application's own max_tokens is part of how the target is served: a row stops at its own cap, with the
+    tokens and states it would have had under a larger one, and a logged request's max_tokens caps its response
+    in the stage where it is smaller than --max-new-tokens."""
+    model, stop = tiny_target.model, tiny_target.stop_token_ids()
+    prompts = [tiny_target.render([{"role": "user", "content": t}]) for t in TEXTS[:2]]
+    capped = generate_and_capture(model, prompts, LAYERS, [3, 10], stop, 0)
+    free = generate_and_capture(model, prompts, LAYERS, 10, stop, 0)
+    n = len(capped[0].input_ids)
+    assert n - capped[0].num_prompt_tokens == min(3, len(free[0].input_ids) - free[0].num_prompt_tokens)
+    assert capped[0].input_ids == free[0].input_ids[:n]
+    assert torch.allclose(capped[0].hidden_states, free[0].hidden_states[:n])
+    assert capped[1].input_ids == free[1].input_ids
+
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"request": {"messages": [{"role": "user", "content": text}], **extra}}) + "\n"
+                           for text, extra in ((TEXTS[1], {"max_tokens": 2}), (TEXTS[3], {}))))
+    capture(config(log, tiny_target_dir, tmp_path / "st", max_new_tokens=6))
+    from dflash_train.ingest import iter_records
+
+    caps = {r["id"]: r["sampling"]["max_tokens"] for r in iter_records(log)}
+    new_tokens = {s["id"]: int(s["loss_mask"].sum()) for s in open_store(tmp_path / "st")}
+    assert sorted(caps.values(), key=str) == [2, None] and new_tokens.keys() == caps.keys()
+    assert all(n <= (caps[i] or 6) for i, n in new_tokens.items())
+    assert any(n > 2 for i, n in new_tokens.items() if caps[i] is None)  # the cap is the request's, not the stage's
+
+
 # --- top-k soft labels ------------------------------------------------------------------------------------------
 
 
