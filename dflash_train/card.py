@@ -217,6 +217,9 @@ def _what_it_is(inp: CardInputs) -> str:
                                "embedding and LM head not included"),
         ("Architecture", f"{fmt(cfg.get('architectures'))} (config `model_type` {cfg.get('model_type')})"),
     ]
+    start = (cfg.get("dflash_train") or {}).get("fine_tuned_from")
+    if start:
+        rows.append(("Fine-tuned from", _starting_drafter(start)))
     return "\n".join([
         "## What it is",
         "",
@@ -229,6 +232,19 @@ def _what_it_is(inp: CardInputs) -> str:
         "",
         table(rows, ("", "")),
     ])
+
+
+def _starting_drafter(start: dict[str, Any]) -> str:
+    """The drafter a warm start began from: its Hub repo (linked, at its revision) or folder name, layout, and the
+    sha256 of its weight files."""
+    repo, revision = start.get("repo"), start.get("revision")
+    if repo:
+        name = f"[{repo}](https://huggingface.co/{repo}" + (f"/tree/{revision}" if revision else "") + ")"
+        name += f" at revision `{revision}`" if revision else ""
+    else:
+        name = f"the drafter folder `{start.get('name')}`"
+    hashes = ", ".join(f"`{f}` sha256 `{h}`" for f, h in sorted((start.get("weights_sha256") or {}).items()))
+    return name + (f" ({start['layout']} layout)" if start.get("layout") else "") + (f"; {hashes}" if hashes else "")
 
 
 def _how_to_serve(inp: CardInputs) -> str:

@@ -32,14 +32,12 @@ import torch
 
 from dflash_train import sampling
 from dflash_train.errors import UserError, writing
-from dflash_train.model.configuration import mask_token_problem
 from dflash_train.options import add_options, at_least, from_args, option, validate
 from dflash_train.provenance import (OutputClaim, complete_output, read_json, sha256_file, start_output,
                                      write_json_atomic, write_provenance)
 from dflash_train.spec_decode import (DFlashProposer, Generation, NoDraft, Step, TokenChooser, mean_tau,
                                       plain_generate, speculative_generate)
-from dflash_train.target import (DEFAULT_TARGET, Features, Target, check_fits, layer_ids_problem, load_target,
-                                 prompt_seed)
+from dflash_train.target import DEFAULT_TARGET, Features, Target, check_fits, load_target, prompt_seed
 
 STAGE = "eval"
 PLAIN = "plain (target only)"
@@ -132,17 +130,8 @@ def offline_estimate(samples, drafter, embed: torch.Tensor, lm_head: torch.Tenso
 def check_drafter_fits(config, target: Target, where: str, block_size: int | None = None) -> None:
     """A drafter (its DFlashConfig) whose target, tapped layers, hidden size or vocabulary do not fit the target:
     one clear error, before any decoding."""
-    L = target.num_layers
     rows = target.model.get_input_embeddings().weight.shape[0]
-    problems = []
-    if problem := layer_ids_problem(list(config.target_layer_ids), L):
-        problems.append(problem)
-    if config.num_target_layers != L:
-        problems.append(f"it was made for a {config.num_target_layers}-layer target, this one has {L} layers")
-    if config.vocab_size != rows:
-        problems.append(f"vocab size {config.vocab_size} != the target's embedding rows {rows}")
-    if problem := mask_token_problem(config.mask_token_id, rows, set(target.stop_token_ids())):
-        problems.append(problem)
+    problems = config.target_problems(target.num_layers, rows, set(target.stop_token_ids()))
     if block_size is not None and not 2 <= block_size <= config.block_size:
         problems.append(f"--block-size {block_size} is outside 2..{config.block_size} (block size 1 is always in "
                         f"the table; the drafter was trained to draft blocks of {config.block_size})")

@@ -95,6 +95,24 @@ def remember_sha256(digests: dict[Path, str]) -> None:
         pass
 
 
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file, computed once per machine: a Hugging Face Hub snapshot names it already (the blob its
+    symlink points to is named by the sha256 of its contents), and any other file's digest is remembered
+    (known_sha256: by path, size, modification time and inode)."""
+    path = Path(path)
+    blob = path.resolve()
+    if path.is_symlink() and len(blob.name) == 64 and all(c in "0123456789abcdef" for c in blob.name):
+        return blob.name  # a Hub cache blob: its name is the sha256 of its contents
+    if known := known_sha256([blob]).get(blob):
+        return known
+    size = blob.stat().st_size
+    if size > 1 << 30:
+        print(f"hashing {blob} ({size / 2**30:.1f} GiB; once per machine)", flush=True)
+    value = sha256_file(blob)
+    remember_sha256({blob: value})
+    return value
+
+
 def package_versions() -> dict[str, str | None]:
     versions: dict[str, str | None] = {}
     for name in _PACKAGES:

@@ -35,14 +35,17 @@ class DataSection:
 @dataclass
 class DrafterSection:
     target: str | None = None  # embedding + LM head source; None = the store manifest's target name
-    num_layers: int = 5
+    num_layers: int | None = None  # None: 5 for a new drafter; under init_from the starting drafter's
     block_size: int = 16
     mask_token_id: int | None = None  # None = the drafter's rule (a reserved row or an unused special token)
     target_layer_ids: list[int] | None = None  # None = the store's; if set it must equal the store's
     # random: the public recipe. target: the target's top num_layers decoder layers, its final norm, and an fc that
     # passes the deepest tapped layer through (see dflash_train.model.checkpoint.init_from_target)
     init: Literal["random", "target"] = "random"
-    init_from: str | None = None  # a drafter folder to start from (fine-tuning); wins over `init`
+    # start from a trained drafter (fine-tuning; wins over `init`): a folder or a Hub repo id (org/name), in any
+    # public DFlash layout (dflash_train/model/published.py); its shape and taps are the run's
+    init_from: str | None = None
+    init_revision: str | None = None  # the Hub revision (branch, tag or commit) of init_from; None = main
     context_norm: bool = False  # divide each tapped channel by its RMS on the store before fc (folded at export)
 
 
@@ -78,7 +81,7 @@ class OptimizerSection:
 @dataclass
 class TrainSection:
     epochs: float = 6.0
-    max_steps: int | None = None  # optimizer steps; overrides epochs when set
+    max_steps: int | None = None  # optimizer steps; overrides epochs when set (0: export the starting drafter as is)
     # stop after this many seconds of training (evals and checkpoints not counted); the learning-rate schedule then
     # runs on the fraction of the budget used, so runs of different speeds get whole schedules. Not reproducible
     # step for step across machines (use max_steps for that).
@@ -303,7 +306,7 @@ def check_recipe(recipe: Recipe, source: str) -> None:
     need(recipe.data.max_samples is None or recipe.data.max_samples >= 1, "data.max_samples", "must be >= 1")
     need(recipe.train.time_budget_s is None or recipe.train.time_budget_s > 0, "train.time_budget_s", "must be > 0")
     need(0.0 < recipe.optimizer.decay_ratio <= 1.0, "optimizer.decay_ratio", "must be in (0, 1]")
-    need(recipe.drafter.num_layers >= 1, "drafter.num_layers", "must be >= 1")
+    need(recipe.drafter.num_layers is None or recipe.drafter.num_layers >= 1, "drafter.num_layers", "must be >= 1")
     need(recipe.drafter.block_size >= 2, "drafter.block_size", "must be >= 2")
     need(recipe.objective.num_anchors >= 1, "objective.num_anchors", "must be >= 1")
     need(recipe.objective.decay_gamma is None or recipe.objective.decay_gamma > 0, "objective.decay_gamma",
@@ -320,7 +323,7 @@ def check_recipe(recipe: Recipe, source: str) -> None:
     need(0.0 <= recipe.optimizer.min_lr_ratio <= 1.0, "optimizer.min_lr_ratio", "must be in [0, 1]")
     need(recipe.optimizer.grad_clip >= 0, "optimizer.grad_clip", "must be >= 0 (0 = no clipping)")
     need(recipe.train.epochs > 0, "train.epochs", "must be > 0")
-    need(recipe.train.max_steps is None or recipe.train.max_steps >= 1, "train.max_steps", "must be >= 1")
+    need(recipe.train.max_steps is None or recipe.train.max_steps >= 0, "train.max_steps", "must be >= 0")
     need(recipe.train.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
     need(recipe.train.grad_accum_steps >= 1, "train.grad_accum_steps", "must be >= 1")
     need(recipe.train.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
@@ -329,9 +332,19 @@ def check_recipe(recipe: Recipe, source: str) -> None:
     need(recipe.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     need(recipe.eval.every >= 0, "eval.every", "must be >= 0")
     need(recipe.logging.log_every >= 1, "logging.log_every", "must be >= 1")
-    if recipe.drafter.init_from is not None and not (Path(recipe.drafter.init_from) / "config.json").is_file():
-        raise UserError(f"recipe {source}: key 'drafter.init_from' names {recipe.drafter.init_from}, which is not a "
-                        f"drafter folder (no config.json)")
+    init_from = recipe.drafter.init_from
+    if init_from is not None:
+        from dflash_train.model.published import looks_like_repo_id
+
+        folder = Path(init_from).expanduser()
+        if folder.is_dir() and not (folder / "config.json").is_file():
+            raise UserError(f"recipe {source}: key 'drafter.init_from' names the folder {init_from}, which is not a "
+                            f"drafter folder (no config.json)")
+        if not folder.is_dir() and not looks_like_repo_id(init_from):
+            raise UserError(f"recipe {source}: key 'drafter.init_from' names {init_from}, which is neither a drafter "
+                            f"folder nor a Hub repo id (org/name)")
+    if recipe.drafter.init_revision is not None and init_from is None:
+        raise UserError(f"recipe {source}: key 'drafter.init_revision' is set without drafter.init_from")
     if recipe.train.deepspeed is not None and not Path(recipe.train.deepspeed).is_file():
         raise UserError(f"recipe {source}: key 'train.deepspeed' names {recipe.train.deepspeed}, which does not "
                         f"exist (paths are relative to the directory you run from)")

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import torch
 
 from dflash_train.errors import UserError
-from dflash_train.provenance import cache_dir, known_sha256, remember_sha256, sha256_file
+from dflash_train.provenance import cache_dir, file_sha256
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
@@ -175,7 +175,7 @@ class Target:
         return render_prompt(self.tokenizer, messages, tools, **template_kwargs)
 
     def stop_token_ids(self) -> list[int]:
-        return stop_token_ids(self.model, self.tokenizer)
+        return stop_token_ids(getattr(self.model, "generation_config", None), self.tokenizer)
 
 
 def load_target(name_or_path: str = DEFAULT_TARGET, dtype: torch.dtype = torch.bfloat16,
@@ -266,14 +266,25 @@ def render_prompt(tokenizer, messages: list[dict[str, Any]], tools: list[dict[st
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def checkpoint_stop_token_ids(path: str | Path, tokenizer) -> list[int]:
+    """`stop_token_ids` of a checkpoint folder without building the model (its generation_config.json, if any)."""
+    from transformers import GenerationConfig
+
+    try:
+        generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        generation_config = None
+    return stop_token_ids(generation_config, tokenizer)
+
+
 def prompt_seed(seed: int, record_id: str) -> int:
     """A per-prompt sampling seed: a sampled response depends on neither batching, ranks, resumes nor order."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{record_id}".encode()).digest()[:8], "little") >> 1
 
 
-def stop_token_ids(model, tokenizer) -> list[int]:
+def stop_token_ids(generation_config, tokenizer) -> list[int]:
     """EOS ids from the generation config (they may be several, e.g. Qwen3), else the tokenizer's."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = getattr(generation_config, "eos_token_id", None)
     if eos is None:
         eos = tokenizer.eos_token_id
     ids = eos if isinstance(eos, list) else [eos]
@@ -425,30 +436,14 @@ WEIGHT_FILES = ("*.safetensors", "*.bin")
 def weights_hash(path: str | Path) -> str | None:
     """sha256 over the checkpoint's weight files (each file's own sha256, with its name); None without weight files.
 
-    Each file is hashed once per machine: a Hugging Face Hub snapshot names it already (the blob its symlink points
-    to is named by the sha256 of its contents), and any other file's digest is remembered
-    (provenance.known_sha256: by path, size, modification time and inode)."""
+    Each file is hashed once per machine (provenance.file_sha256)."""
     files = sorted({f for pattern in WEIGHT_FILES for f in Path(path).glob(pattern)})
     if not files:
         return None
     digest = hashlib.sha256()
     for f in files:
-        digest.update(f"{f.name}:{_file_sha256(f)}\n".encode())
+        digest.update(f"{f.name}:{file_sha256(f)}\n".encode())
     return digest.hexdigest()
-
-
-def _file_sha256(path: Path) -> str:
-    blob = path.resolve()
-    if path.is_symlink() and len(blob.name) == 64 and all(c in "0123456789abcdef" for c in blob.name):
-        return blob.name  # a Hub cache blob: its name is the sha256 of its contents
-    if known := known_sha256([blob]).get(blob):
-        return known
-    size = blob.stat().st_size
-    if size > 1 << 30:
-        print(f"hashing the target's weights {blob} ({size / 2**30:.1f} GiB; once per machine)", flush=True)
-    value = sha256_file(blob)
-    remember_sha256({blob: value})
-    return value
 
 
 @dataclass(frozen=True)

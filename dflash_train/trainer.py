@@ -158,7 +158,8 @@ class DFlashTrainer:
 
         self.data = prepare_data(recipe, self.world)
         self.plan = self.data.plan
-        self.total_steps = recipe.train.max_steps or max(1, int(recipe.train.epochs * self.plan.steps_per_epoch))
+        self.total_steps = recipe.train.max_steps if recipe.train.max_steps is not None else \
+            max(1, int(recipe.train.epochs * self.plan.steps_per_epoch))
         self.target_name = target_name = recipe.drafter.target or self.data.stores.manifest["target"]["name"]
         check_store_against_target(self.data.stores, target_name)
         drafter, self.drafter_config = build_drafter(recipe, self.data.stores, target_name, self.data.train_indices)
@@ -739,35 +740,49 @@ def check_store_against_target(stores: StoreSet, target_name: str) -> None:
 
 def build_drafter(recipe: Recipe, stores: StoreSet, target_name: str, train_indices: list[int] | None = None):
     """(model, config) of the drafter this recipe starts from: shaped like the target, tapping the store's layers,
-    random (seeded), from the target's top layers, or from another drafter."""
+    random (seeded), from the target's top layers, or from a published drafter (`drafter.init_from`, whose shape
+    it takes; its source is recorded in config.json as `fine_tuned_from`)."""
     from transformers import AutoConfig
 
-    from dflash_train.model.checkpoint import (create_drafter, init_from_target, load_decoder_layers,
-                                               start_from_drafter)
+    from dflash_train.model.checkpoint import (create_drafter, drafter_to_start_from, init_from_target, load_start,
+                                               load_decoder_layers)
     from dflash_train.model.configuration import DFlashConfig
-    from dflash_train.target import load_tokenizer, resolve_target
+    from dflash_train.target import checkpoint_stop_token_ids, load_tokenizer, resolve_target
 
+    d = recipe.drafter
     store_layers = list(stores.manifest["target_layer_ids"])
-    wanted = recipe.drafter.target_layer_ids
-    if wanted is not None and list(wanted) != store_layers:
-        raise UserError(f"recipe drafter.target_layer_ids {wanted} differ from the layers store {stores.folders[0]} "
-                        f"captured ({store_layers}): remove the key or capture the layers you want")
+    if d.target_layer_ids is not None and list(d.target_layer_ids) != store_layers:
+        raise UserError(f"recipe drafter.target_layer_ids {d.target_layer_ids} differ from the layers store "
+                        f"{stores.folders[0]} captured ({store_layers}): remove the key or capture the layers you want")
     path = resolve_target(target_name)
-    config = DFlashConfig.from_target(AutoConfig.from_pretrained(path), num_layers=recipe.drafter.num_layers,
-                                      block_size=recipe.drafter.block_size, target_layer_ids=store_layers,
-                                      mask_token_id=recipe.drafter.mask_token_id,
-                                      tokenizer=load_tokenizer(str(path)), target_identity=stores.manifest["target"])
+    target_config, tokenizer = AutoConfig.from_pretrained(path), load_tokenizer(str(path))
+    start = None
+    if d.init_from is not None:
+        start = drafter_to_start_from(d.init_from, d.init_revision, {"num_layers": d.num_layers,
+                                      "mask_token_id": d.mask_token_id, "target_layer_ids": d.target_layer_ids},
+                                      d.block_size, Features.of_store(stores.manifest), target_name, target_config,
+                                      tokenizer, checkpoint_stop_token_ids(path, tokenizer))
+        config = start.config
+        config.extra["fine_tuned_from"] = start.source.record()
+    else:
+        config = DFlashConfig.from_target(target_config, num_layers=d.num_layers or NEW_DRAFTER_LAYERS,
+                                          block_size=d.block_size, target_layer_ids=store_layers,
+                                          mask_token_id=d.mask_token_id, tokenizer=tokenizer,
+                                          target_identity=stores.manifest["target"])
     torch.manual_seed(recipe.seed)
     drafter = create_drafter(config)
-    if recipe.drafter.context_norm:
+    if d.context_norm:
         drafter.set_context_scale(context_scale(stores, train_indices or list(range(len(stores)))))
-    if recipe.drafter.init_from is not None:
-        start_from_drafter(drafter, config, recipe.drafter.init_from)
-    elif recipe.drafter.init == "target":
-        n = config.num_target_layers
-        layers, final_norm = load_decoder_layers(target_name, list(range(n - recipe.drafter.num_layers, n)))
+    if start is not None:
+        load_start(drafter, start.state)
+    elif d.init == "target":
+        n, k = config.num_target_layers, config.num_hidden_layers
+        layers, final_norm = load_decoder_layers(target_name, list(range(n - k, n)))
         init_from_target(drafter, layers, final_norm)
     return drafter, config
+
+
+NEW_DRAFTER_LAYERS = 5  # drafter.num_layers left unset on a new drafter: the reference drafters' depth
 
 
 # --- checkpoints --------------------------------------------------------------------------------------------------

@@ -235,26 +235,6 @@ def test_load_decoder_layers_names_a_missing_layer(tiny_target_dir):
         load_decoder_layers(str(tiny_target_dir), [99])
 
 
-def test_start_from_drafter_needs_the_same_features_and_shape(tiny_parts, tmp_path):
-    from dflash_train.model.checkpoint import start_from_drafter
-
-    identity = {"name": "tiny", "config_hash": "a", "tokenizer_hash": "b", "chat_template_hash": "c"}
-    trained, config = make_drafter(tiny_parts, target_identity=identity)
-    save_drafter(trained, config, tmp_path / "d")
-    fresh, same = make_drafter(tiny_parts, seed=1, target_identity=identity)
-    start_from_drafter(fresh, same, str(tmp_path / "d"))
-    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), trained.state_dict().values()))
-    _, other_layers = make_drafter(tiny_parts, target_layer_ids=[1, 4], target_identity=identity)
-    with pytest.raises(UserError, match=r"init_from .* does not fit .*target_layer_ids \[1, 5\] != \[1, 4\]"):
-        start_from_drafter(fresh, other_layers, str(tmp_path / "d"))
-    _, other_target = make_drafter(tiny_parts, target_identity={**identity, "chat_template_hash": "x"})
-    with pytest.raises(UserError, match="its target's chat template differs"):
-        start_from_drafter(fresh, other_target, str(tmp_path / "d"))
-    _, deeper = make_drafter(tiny_parts, num_layers=3, target_identity=identity, target_layer_ids=[1, 5])
-    with pytest.raises(UserError, match="its num_hidden_layers is 2, this recipe's drafter has 3"):
-        start_from_drafter(fresh, deeper, str(tmp_path / "d"))
-
-
 def test_expected_tensor_shapes_are_the_model_modules(tiny_parts):
     """The shapes push holds a folder's weights against are the ones the model module builds (no drift)."""
     from dflash_train.model.configuration import expected_tensor_shapes

@@ -55,6 +55,8 @@ def drafter_dir(tmp_path_factory, tiny_target):
             writer.add(torch.arange(10) + 20, torch.arange(10) >= 4, torch.randn(10, 128), id=f"p{i}", weight=1)
     drafter, config = make_tiny_drafter(tiny_target.config, tiny_target.tokenizer, num_layers=2, block_size=8,
                                         target_identity=identity)
+    config.extra["fine_tuned_from"] = {"name": "org/general", "repo": "org/general", "revision": "c0ffee" * 6 + "0" * 4,
+                                       "layout": "z-lab", "weights_sha256": {"model.safetensors": "ab" * 32}}
     out = root / "run" / "drafter"
     save_drafter(drafter, config, out)
     recipe = {"name": "tiny-run", "license": "mit", "push": {"min_tau": 1.2}, "seed": 0,
@@ -181,6 +183,8 @@ def test_dry_run_writes_the_card_and_never_touches_the_network(drafter_dir, tmp_
     assert sglang in card and vllm in card
     assert '"num_speculative_tokens": 7' in vllm and "--speculative-num-draft-tokens 8" in sglang
     assert "| Tapped target layers | 1, 5 |" in card and "| Block size B | 8 |" in card
+    assert ("| Fine-tuned from | [org/general](https://huggingface.co/org/general/tree/" + "c0ffee" * 6 + "0000) at "
+            "revision `" + "c0ffee" * 6 + "0000` (z-lab layout); `model.safetensors` sha256 `" + "ab" * 32 + "` |") in card
     assert "| Acceptance length τ, online (real speculative decoding with the target) | 2.4 |" in card
     assert "| 0.8 | 0.5 | 0.3 | 0.1 | 0.05 | 0.01 | 0 |" in card
     assert "![eval/acceptance_by_position.png](eval/acceptance_by_position.png)" in card

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dflash_train import trainer as tr
 from dflash_train.data import StoreSet
@@ -349,6 +350,141 @@ def test_layer_ids_must_match_the_store(chain_store, tiny_target_dir):
     recipe.drafter.target_layer_ids = [1, 2, 3]
     with pytest.raises(UserError, match=r"target_layer_ids \[1, 2, 3\] differ .*\[1, 3, 5\]"):
         tr.build_drafter(recipe, StoreSet([str(chain_store)]), str(tiny_target_dir))
+
+
+# --- warm starts from published drafters ------------------------------------------------------------------------
+
+
+def shaped_like(config, **changes):
+    """A target config that differs from `config` in `changes` (hidden size, vocabulary): another target."""
+    from types import SimpleNamespace
+
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+            "max_position_embeddings", "rms_norm_eps", "num_hidden_layers")
+    return SimpleNamespace(**{**{k: getattr(config, k) for k in keys}, **changes})
+
+
+def warm_start_recipe(store: Path, init_from: str, tmp_path: Path, **drafter):
+    from dflash_train.recipe import load_recipe
+
+    return load_recipe(write_recipe(tmp_path / "warm.yaml", store, tmp_path / "run",
+                                    drafter={"num_layers": None, "init_from": init_from, **drafter}))
+
+
+def test_a_warm_start_is_held_against_the_target_and_the_store_in_one_line(chain_store, tiny_target, tiny_parts,
+                                                                          tmp_path):
+    """A published drafter (z-lab's layout, written by its reference code) that does not fit is refused before any
+    training: another target's shape, another vocabulary, taps the target cannot give, another target's identity
+    (a drafter this project trained records it), and a recipe key that contradicts the drafter."""
+    from tiny import make_tiny_drafter, make_tiny_target, reference_drafter
+
+    from dflash_train.model.checkpoint import save_drafter
+    from dflash_train.target import target_identity
+
+    config, tokenizer = tiny_parts
+    folders = {
+        "hidden": reference_drafter(tmp_path / "hidden", shaped_like(config, hidden_size=32, intermediate_size=64,
+                                                                    num_attention_heads=2, num_key_value_heads=1),
+                                    LAYERS, 1000),
+        "vocab": reference_drafter(tmp_path / "vocab", shaped_like(config, vocab_size=2048), LAYERS, 1000),
+        "taps": reference_drafter(tmp_path / "taps", config, [1, 3, 7], 1000),
+        "eos": reference_drafter(tmp_path / "eos", config, LAYERS, tokenizer.eos_token_id),
+    }
+    other = target_identity(make_tiny_target(tmp_path / "other", seed=1)).to_dict()
+    drafter, dconfig = make_tiny_drafter(config, tokenizer, target_layer_ids=LAYERS, target_identity=other)
+    folders["identity"] = save_drafter(drafter, dconfig, tmp_path / "identity")
+    expected = {"hidden": "its hidden size 32 != 64", "vocab": "vocab size 2048 != the target's embedding rows 1024",
+                "taps": "layer id 7 is not a layer a 8-layer target can tap",
+                "eos": f"mask_token_id {tokenizer.eos_token_id} is the target's pad or EOS token",
+                "identity": "its target's weights differ"}
+    stores = StoreSet([str(chain_store)])
+    for case, message in expected.items():
+        with pytest.raises(UserError, match=re.escape(message)) as err:
+            tr.build_drafter(warm_start_recipe(chain_store, str(folders[case]), tmp_path), stores,
+                             str(tiny_target.path))
+        assert "\n" not in str(err.value) and str(err.value).startswith(f"drafter.init_from {case} ")
+    with pytest.raises(UserError, match=r"recipe drafter.num_layers is 3, the drafter's is 2"):
+        tr.build_drafter(warm_start_recipe(chain_store, str(folders["vocab"]).replace("vocab", "eos"), tmp_path,
+                                           num_layers=3), stores, str(tiny_target.path))
+
+
+def speculators_copy(zlab: Path, out: Path) -> Path:
+    """The z-lab drafter in speculators' layout (as its DFlash converter writes one): aux ids = z-lab ids + 1."""
+    config = json.loads((zlab / "config.json").read_text())
+    layer = {k: v for k, v in config.items() if k not in ("architectures", "block_size", "dflash_config",
+                                                          "num_target_layers")}
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash", "transformer_layer_config": layer,
+        "draft_vocab_size": layer["vocab_size"], "block_size": 16, "mask_token_id": 1000,
+        "aux_hidden_state_layer_ids": [i + 1 for i in config["dflash_config"]["target_layer_ids"]]}))
+    (out / "model.safetensors").write_bytes((zlab / "model.safetensors").read_bytes())
+    return out
+
+
+def test_warm_starts_from_a_hub_repo_id_and_a_speculators_folder_train_on(chain_store, tiny_parts, tmp_path):
+    """The published drafter as a user starts from it: a Hub repo id (the loopback Hub) of a drafter written by the
+    reference code, and the same drafter in speculators' layout, each continue training under `accelerate launch`;
+    the exported drafter records where it started (repo, revision, layout, weights sha256), and its first loss
+    is the source drafter's."""
+    from hub_server import LoopbackHub
+    from test_published import UPLOAD, hub_env
+    from tiny import reference_drafter
+
+    from dflash_train.model.published import fetch_drafter, read_drafter
+
+    zlab = reference_drafter(tmp_path / "zlab", tiny_parts[0], LAYERS, 1000, dtype=torch.bfloat16)
+    zlab_sha = read_drafter(fetch_drafter(str(zlab))).source.weights_sha256
+    with LoopbackHub(tokens={"hf_test"}) as hub:
+        env = hub_env(hub, tmp_path)
+        commit = subprocess.run([sys.executable, "-c", UPLOAD, "org/general", str(zlab)], env=env, text=True,
+                                capture_output=True, check=True).stdout.strip()
+        runs = {"hub": ("org/general", env), "speculators": (str(speculators_copy(zlab, tmp_path / "spec")), None)}
+        first_losses = []
+        for name, (source, run_env) in runs.items():
+            run = tmp_path / name
+            recipe = write_recipe(tmp_path / f"{name}.yaml", chain_store, run, train={"max_steps": 3},
+                                  drafter={"num_layers": None, "init_from": source}, eval={"at_end": False})
+            proc = subprocess.run(launch_cmd(recipe, 1), cwd=REPO, capture_output=True, text=True, timeout=300,
+                                  env={**(run_env or os.environ), "WANDB_MODE": "disabled",
+                                       "MASTER_PORT": str(tr._free_port())})
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            started = json.loads((run / "drafter" / "config.json").read_text())["dflash_train"]["fine_tuned_from"]
+            assert started["weights_sha256"] == zlab_sha and len(read_metrics(run)) == 3
+            first_losses.append(read_metrics(run)[0]["loss"])
+        assert started["layout"] == "speculators"
+    hub_start = json.loads((tmp_path / "hub" / "drafter" / "config.json").read_text())["dflash_train"]["fine_tuned_from"]
+    assert (hub_start["repo"], hub_start["revision"], hub_start["layout"]) == ("org/general", commit, "z-lab")
+    assert first_losses[0] == first_losses[1]  # the same weights and taps, read from two layouts
+
+
+def test_a_warm_start_that_trains_zero_steps_reproduces_the_source_drafters_eval(chain_store, tiny_parts,
+                                                                               tiny_target_dir, tmp_path):
+    """`train.max_steps: 0` exports the starting drafter as it is: the project's own eval of the export and of the
+    published folder it started from agree exactly (tau, every prompt's tau, the tokens drafted)."""
+    from tiny import reference_drafter
+
+    from dflash_train.evaluate import EvalConfig, evaluate
+
+    zlab = reference_drafter(tmp_path / "zlab", tiny_parts[0], LAYERS, 1000, dtype=torch.bfloat16)
+    run = tmp_path / "run"
+    proc = launch(write_recipe(tmp_path / "r.yaml", chain_store, run, train={"max_steps": 0},
+                               drafter={"num_layers": None, "init_from": str(zlab)}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    source, export = load_file(str(zlab / "model.safetensors")), load_file(str(run / "drafter" / "model.safetensors"))
+    assert source.keys() == export.keys() and all(torch.equal(source[k], export[k]) for k in source)
+    exported = json.loads((run / "drafter" / "config.json").read_text())
+    assert exported["dflash_config"] == json.loads((zlab / "config.json").read_text())["dflash_config"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS[4:]))
+    reports = [evaluate(EvalConfig(drafter=str(d), prompts=str(prompts), out="-", target=str(tiny_target_dir),
+                                   max_new_tokens=24, dtype="fp32", engine="own", warmup=False))
+               for d in (zlab, run / "drafter")]
+    for key in ("tau", "tau_steps", "per_position_acceptance", "tau_histogram", "lossless_mismatches"):
+        assert reports[0][key] == reports[1][key], key
+    assert [list(r["tau"].values()) for r in reports[0]["per_prompt"]] == \
+        [list(r["tau"].values()) for r in reports[1]["per_prompt"]]
+    assert reports[0]["engines"]["own"]["num_steps"] == reports[1]["engines"]["own"]["num_steps"] > 0
 
 
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients(tiny_target):

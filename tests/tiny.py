@@ -138,3 +138,33 @@ def draft(model, embeds, context, pos, cpos, mask=None, attention_fn=None, cache
 
     return model(position_ids=torch.cat([cpos, pos], dim=1), noise_embedding=embeds, target_hidden=context,
                  attention_mask=mask, attention_fn=attention_fn, past_key_values=cache)
+
+
+def reference_drafter(out_dir: str | Path, target_config, layer_ids: list[int], mask_token_id: int,
+                      num_layers: int = 2, block_size: int = 16, seed: int = 0, dtype=None) -> Path:
+    """A drafter folder written by z-lab's public reference code (the `dflash` package, z-lab/dflash's model.py,
+    installed by `make install`): its DFlashDraftModel built from a Qwen3Config shaped like the target, random
+    weights (norms too), saved with save_pretrained, exactly as the reference drafters on the Hub are laid out."""
+    import torch
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3Config
+
+    t = target_config
+    config = Qwen3Config(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=num_layers,
+                         num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+                         head_dim=t.hidden_size // t.num_attention_heads, vocab_size=t.vocab_size,
+                         max_position_embeddings=t.max_position_embeddings, rms_norm_eps=t.rms_norm_eps,
+                         rope_theta=getattr(t, "rope_theta", 10000.0))
+    config.architectures = ["DFlashDraftModel"]
+    config.num_target_layers = t.num_hidden_layers
+    config.block_size = block_size
+    config.dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(layer_ids)}
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.05) + (1.0 if p.ndim == 1 else 0.0))
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(out_dir)
+    return Path(out_dir)

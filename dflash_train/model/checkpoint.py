@@ -24,6 +24,7 @@ from dflash_train.provenance import INCOMPLETE_MARKER, PROVENANCE_FILE, read_jso
 
 if TYPE_CHECKING:  # the module loads transformers; reading a folder for push must not
     from dflash_train.model.modeling_dflash import DFlashDraftModel
+    from dflash_train.target import Features
 
 REMOTE_MODULE = Path(__file__).resolve().parent / "modeling_dflash.py"  # shipped as dflash.py (config.json's auto_map)
 
@@ -268,22 +269,49 @@ def init_from_target(model: DFlashDraftModel, layers: list[dict[str, torch.Tenso
     return set_names + ["norm.weight", "hidden_norm.weight", "fc.weight"]
 
 
-SHAPE_KEYS = ("num_hidden_layers", "intermediate_size", "mask_token_id", "num_attention_heads",
-              "num_key_value_heads")
-
-
-def start_from_drafter(model: DFlashDraftModel, config: DFlashConfig, folder: str) -> None:
-    """Load a trained drafter's weights (fine-tuning): it must read what this drafter reads (check_fits: same
-    target where both record it, same tapped layers, same hidden size) and have its shape."""
+def drafter_to_start_from(init_from: str, revision: str | None, wanted: dict[str, Any], block_size: int,
+                          reads: "Features", target_name: str, target_config, tokenizer, stop_ids: list[int]):
+    """The published drafter a run fine-tunes (`drafter.init_from`, a folder or Hub repo id in any public layout:
+    model/published.py), checked against what the run trains for, every mismatch named in one line: the target
+    (its identity where the drafter records one, hidden size, layer count, vocabulary, a usable mask token), the
+    store's tapped layers (`reads`), and the recipe's explicit drafter keys (`wanted`: num_layers, mask_token_id,
+    target_layer_ids; None = the starting drafter's). The block size is the recipe's: the weights do not depend on
+    it. Returns the PublishedDrafter with its config made this run's."""
+    from dflash_train.model.published import fetch_drafter, read_drafter
     from dflash_train.target import check_fits
 
-    source, theirs = load_drafter(folder, dtype=torch.float32)
-    check_fits(f"drafter.init_from {folder}", theirs.features(), "this recipe's drafter", config.features())
-    for key in SHAPE_KEYS:
-        if getattr(config, key) != getattr(theirs, key):
-            raise UserError(f"drafter.init_from {folder}: its {key} is {getattr(theirs, key)}, this recipe's drafter "
-                            f"has {getattr(config, key)}")
-    state = source.state_dict()
-    if model.context_scale is not None:  # exported weights act on raw states: unfold for the scaled inputs
-        state["fc.weight"] = state["fc.weight"] * model.context_scale[None, :]
+    start = read_drafter(fetch_drafter(init_from, revision))
+    config = start.config
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    L = text.num_hidden_layers
+    if config.num_target_layers is None:
+        config.num_target_layers = L
+    problems = [f"recipe drafter.{key} is {value}, the drafter's is {getattr(config, attr)}"
+                for key, attr, value in (("num_layers", "num_hidden_layers", wanted.get("num_layers")),
+                                         ("mask_token_id", "mask_token_id", wanted.get("mask_token_id")),
+                                         ("target_layer_ids", "target_layer_ids", wanted.get("target_layer_ids")))
+                if value is not None and value != getattr(config, attr)]
+    forbidden = {int(i) for i in [*stop_ids, tokenizer.pad_token_id, tokenizer.eos_token_id] if i is not None}
+    problems += config.target_problems(L, text.vocab_size, forbidden)
+    check_fits(f"drafter.init_from {describe_source(start.source.record())}", config.features(),
+               f"target {target_name} as the store captured it", reads, problems)
+    config.block_size = block_size
+    config.target = reads.target.to_dict() if reads.target is not None else config.target
+    if config.mask_token is None and config.mask_token_id < len(tokenizer):
+        config.mask_token = tokenizer.convert_ids_to_tokens(config.mask_token_id)
+    return start
+
+
+def describe_source(record: dict[str, Any]) -> str:
+    from dflash_train.model.published import describe
+
+    return describe(record) or "a drafter"
+
+
+def load_start(model: DFlashDraftModel, state: dict[str, torch.Tensor]) -> None:
+    """Load a starting drafter's weights (fine-tuning). Exported weights act on the raw tapped states: under a
+    context scale, fc is unfolded (fc(x / s) with W s = W x)."""
+    state = dict(state)
+    if model.context_scale is not None:
+        state["fc.weight"] = state["fc.weight"] * model.context_scale.cpu()[None, :]
     model.load_state_dict(state, strict=True)

@@ -82,7 +82,7 @@ class DFlashConfig:
     rope_parameters: dict[str, Any]  # transformers' rope settings, incl. rope_type and rope_theta
     max_position_embeddings: int
     vocab_size: int  # the target's embedding rows (the drafter has no embedding of its own)
-    num_target_layers: int
+    num_target_layers: int | None  # None: not recorded (speculators' layout); the target it meets decides
     target_layer_ids: list[int]
     mask_token_id: int
     block_size: int = 16
@@ -103,6 +103,25 @@ class DFlashConfig:
         from dflash_train.target import Features, TargetIdentity
 
         return Features(TargetIdentity.from_dict(self.target), tuple(self.target_layer_ids), self.hidden_size)
+
+    def target_problems(self, num_layers: int, embedding_rows: int, forbidden_mask_ids: set[int]) -> list[str]:
+        """What keeps this drafter from reading a target with `num_layers` layers and an embedding table of
+        `embedding_rows` rows whose stop and pad ids are `forbidden_mask_ids`, one phrase per mismatch (empty: it
+        fits). Its taps (the one layer rule), the layer count it was made for, its vocabulary and its mask token;
+        target identity, tapped layers and hidden size are `check_fits`'s."""
+        from dflash_train.target import layer_ids_problem
+
+        problems = []
+        if problem := layer_ids_problem(list(self.target_layer_ids), num_layers):
+            problems.append(problem)
+        if self.num_target_layers is not None and self.num_target_layers != num_layers:
+            problems.append(f"it was made for a {self.num_target_layers}-layer target, this one has {num_layers} "
+                            f"layers")
+        if self.vocab_size != embedding_rows:
+            problems.append(f"vocab size {self.vocab_size} != the target's embedding rows {embedding_rows}")
+        if problem := mask_token_problem(self.mask_token_id, embedding_rows, forbidden_mask_ids):
+            problems.append(problem)
+        return problems
 
     def qwen3_config(self):
         """The transformers Qwen3Config the model module is built from: what AutoConfig reads from config.json."""

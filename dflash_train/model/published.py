@@ -1,0 +1,230 @@
+"""Published drafters as starting points: a DFlash drafter in any public layout, from a folder or a Hub repo.
+
+    source = fetch_drafter("z-lab/Qwen3-8B-DFlash-b16", revision=None)   # or a local folder
+    drafter = read_drafter(source)        # -> DFlashConfig + weights (the drafter's own tensors, float32)
+
+The field starts from a published general drafter and adapts it to a service's own traffic (`drafter.init_from`).
+Four layouts of the same model are public; all four hold the same tensors under the same names (a Qwen3-style
+decoder layer per drafter layer, `fc`, `hidden_norm`, `norm`) and differ in config.json:
+
+  dflash-train   architectures [DFlashDraftModel], dflash_config {mask_token_id, target_layer_ids}, block_size at
+                 the top level, and our `dflash_train` section (the target's identity)
+  z-lab          the reference drafters on the Hub: the same keys without `dflash_train`; `block_size` at the top
+                 level (Qwen3, Llama drafters) or inside `dflash_config` (Qwen3.5 drafters); an `auto_map`
+  SpecForge      the z-lab layout, with `dflash_config.projector_type` ("dflash"; its Domino and DSpark variants
+                 carry modules of their own and are refused) and at times the embedding beside the weights
+  speculators    `speculators_model_type: dflash`, the decoder settings under `transformer_layer_config`, and
+                 `aux_hidden_state_layer_ids`, which count the embedding output as layer 0: z-lab's ids + 1
+
+Tensors that are the target's (embedding, LM head, the verifier's norm and head in speculators' files) are not the
+drafter's: they are set aside, and the target's own are used. A drafter whose math this project's model does not
+have (sliding-window layers, an output multiplier or soft cap, a reduced draft vocabulary, DFlash2's convolutions)
+is refused with one line naming what it has. `DrafterSource` records where the weights came from (repo, revision,
+layout, sha256 of each weight file) for provenance and the model card.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_train.errors import UserError
+from dflash_train.model.configuration import ARCHITECTURE, DFlashConfig, expected_tensor_shapes
+
+LAYOUTS = ("dflash-train", "z-lab", "SpecForge", "speculators")
+# The target's tensors that some layouts store beside the drafter's: the embedding and LM head the drafter borrows,
+# speculators' copies of the verifier's final norm and head, and its draft<->target vocabulary maps.
+TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight", "t2d",
+                  "d2t")
+WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.md"]
+
+
+@dataclass
+class DrafterSource:
+    """Where a starting drafter came from; `record()` is what provenance, config.json and the card keep."""
+    name: str  # the Hub repo id, or the folder's name (never a local absolute path)
+    folder: Path  # where its files are on this machine
+    repo: str | None = None  # the Hub repo id, when it came from the Hub
+    revision: str | None = None  # the commit it was downloaded at
+    layout: str | None = None  # one of LAYOUTS, once read
+    weights_sha256: dict[str, str] = field(default_factory=dict)  # file name -> sha256
+
+    def record(self) -> dict[str, Any]:
+        return {"name": self.name, "repo": self.repo, "revision": self.revision, "layout": self.layout,
+                "weights_sha256": dict(self.weights_sha256)}
+
+
+@dataclass
+class PublishedDrafter:
+    config: DFlashConfig
+    state: dict[str, torch.Tensor]  # the drafter's own tensors, float32, named as the model module names them
+    source: DrafterSource
+    set_aside: list[str]  # the target's tensors found in the files, not used
+
+
+def looks_like_repo_id(text: str) -> bool:
+    """`org/name` with no path syntax: a Hub repo id rather than a folder."""
+    return (text.count("/") == 1 and not text.startswith((".", "/", "~")) and not text.endswith("/")
+            and all(part.strip() for part in text.split("/")))
+
+
+def fetch_drafter(source: str, revision: str | None = None, what: str = "drafter.init_from") -> DrafterSource:
+    """A drafter folder on this machine: `source` itself when it is a folder, else the Hub repo `source` at
+    `revision` (default: main), downloaded once into the Hugging Face cache (HF_HUB_OFFLINE=1 reads the cache
+    only, HF_ENDPOINT picks the Hub). One UserError naming the source when neither works."""
+    local = Path(source).expanduser()
+    if local.is_dir():
+        if revision is not None:
+            raise UserError(f"{what} {source} is a folder on this machine: a revision ({revision}) names a commit of "
+                            f"a Hub repo; remove it")
+        return DrafterSource(name=local.resolve().name, folder=local)
+    if not looks_like_repo_id(source):
+        raise UserError(f"{what} {source!r} is neither a drafter folder on this machine nor a Hub repo id (org/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(source, revision=revision, allow_patterns=WEIGHT_PATTERNS))
+    except Exception as err:  # any Hub failure (missing repo, revision, network, offline cache miss) is one line
+        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+        offline = os.environ.get("HF_HUB_OFFLINE", "unset")
+        detail = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        raise UserError(f"{what} {source!r}{f' at revision {revision}' if revision else ''} is not a folder on this "
+                        f"machine and could not be fetched from the Hub at {endpoint} ({type(err).__name__}"
+                        f"{': ' + detail if detail else ''}); HF_HUB_OFFLINE={offline}") from None
+    return DrafterSource(name=source, folder=folder, repo=source, revision=folder.name)
+
+
+def read_drafter(source: DrafterSource) -> PublishedDrafter:
+    """The config and weights of the drafter in `source.folder`, whatever its layout (module docstring)."""
+    from dflash_train.provenance import file_sha256, read_json
+
+    folder = source.folder
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"{source.name}: no config.json in {folder}: not a drafter")
+    raw = read_json(config_file, "a drafter's config")
+    layout, zlab = _as_zlab(raw, source.name)
+    config = DFlashConfig.from_config_json(zlab, f"{source.name}/config.json")
+    if layout == "speculators":
+        config.num_target_layers = None  # not recorded: the target it meets decides
+    config.extra = {}  # our own records of another run (its fine-tuning source, ...) do not carry over
+    files = _weight_files(folder, source.name)
+    state: dict[str, torch.Tensor] = {}
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError) as err:
+            raise UserError(f"{source.name}: {f.name} is not a readable safetensors file ({err})") from None
+    set_aside = sorted(k for k in state if k in TARGET_TENSORS)
+    state = {k: v.float() for k, v in state.items() if k not in TARGET_TENSORS}
+    _check_tensors(state, config, source.name)
+    source.layout = layout
+    source.weights_sha256 = {f.name: file_sha256(f) for f in files}
+    return PublishedDrafter(config=config, state=state, source=source, set_aside=set_aside)
+
+
+def _as_zlab(raw: dict[str, Any], name: str) -> tuple[str, dict[str, Any]]:
+    """(layout, config.json in the z-lab layout) of any public layout, refusing drafters whose math differs."""
+    if "speculators_model_type" in raw:
+        kind = raw["speculators_model_type"]
+        if kind != "dflash":
+            raise UserError(f"{name}: a speculators {kind!r} drafter: only plain DFlash drafters "
+                            f"(speculators_model_type 'dflash') can be fine-tuned here")
+        layer = dict(raw.get("transformer_layer_config") or {})
+        aux = raw.get("aux_hidden_state_layer_ids")
+        if not layer or not isinstance(aux, list):
+            raise UserError(f"{name}: a speculators config needs transformer_layer_config and "
+                            f"aux_hidden_state_layer_ids")
+        vocab, draft_vocab = layer.get("vocab_size"), raw.get("draft_vocab_size")
+        if draft_vocab is not None and vocab is not None and draft_vocab != vocab:
+            raise UserError(f"{name}: a reduced draft vocabulary ({draft_vocab} of the target's {vocab} tokens): this "
+                            f"project's drafters draft over the target's whole vocabulary with its own LM head")
+        if raw.get("sample_from_anchor"):
+            raise UserError(f"{name}: sample_from_anchor is set: this project's drafters predict from the mask slots "
+                            f"only (slot 0, the anchor, has no loss)")
+        # speculators counts the embedding output as layer 0: its aux layer i is decoder layer i - 1's output
+        zlab = {**layer, "architectures": [ARCHITECTURE], "block_size": raw.get("block_size"),
+                "dflash_config": {"mask_token_id": raw.get("mask_token_id"),
+                                  "target_layer_ids": [int(i) - 1 for i in aux]}}
+        _refuse_other_math(zlab, name)
+        return "speculators", zlab
+    architectures = raw.get("architectures") or []
+    if ARCHITECTURE not in architectures:
+        raise UserError(f"{name}: architectures {architectures!r}: not a DFlash drafter ({ARCHITECTURE}); DFlash2, "
+                        f"DSpark and other variants carry modules this project does not train")
+    dflash = raw.get("dflash_config") or {}
+    projector = dflash.get("projector_type")
+    if projector not in (None, "dflash"):
+        raise UserError(f"{name}: dflash_config.projector_type is {projector!r}: a SpecForge {projector} drafter has "
+                        f"modules of its own; only plain DFlash drafters can be fine-tuned here")
+    _refuse_other_math(raw, name)
+    if raw.get("dflash_train"):
+        return "dflash-train", raw
+    return ("SpecForge" if projector else "z-lab"), raw
+
+
+def _refuse_other_math(cfg: dict[str, Any], name: str) -> None:
+    """Settings some DFlash variants use that this project's model does not compute: one line naming them."""
+    dflash = cfg.get("dflash_config") or {}
+    found = []
+    layer_types = cfg.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        found.append(f"layer_types {sorted(set(layer_types))}")
+    for key, plain in (("output_multiplier", 1), ("final_logit_softcapping", 0)):
+        value = dflash.get(key, cfg.get(key))
+        if value is not None and value != plain:
+            found.append(f"{key} {value}")
+    if cfg.get("attention_bias"):
+        found.append("attention_bias true")
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        found.append(f"hidden_act {cfg.get('hidden_act')!r}")
+    if found:
+        raise UserError(f"{name}: its config has {', '.join(found)}, which this project's drafter does not compute "
+                        f"(full-attention Qwen3 layers with SwiGLU, no bias, plain logits): it cannot be fine-tuned "
+                        f"here")
+
+
+def _weight_files(folder: Path, name: str) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        from dflash_train.provenance import read_json
+
+        return [folder / f for f in sorted(set(read_json(index, "a sharded weights index")["weight_map"].values()))]
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    others = sorted(p.name for p in folder.glob("*.bin"))
+    raise UserError(f"{name}: no model.safetensors in {folder}"
+                    + (f" (found {', '.join(others)}: convert it to safetensors)" if others else ""))
+
+
+def _check_tensors(state: dict[str, torch.Tensor], config: DFlashConfig, name: str) -> None:
+    """The drafter's tensors must be exactly those its config implies, with their shapes."""
+    expected = expected_tensor_shapes(config)
+    missing = sorted(set(expected) - set(state))
+    unknown = sorted(set(state) - set(expected))
+    wrong = [f"{k} {list(state[k].shape)} (its config implies {list(v)})" for k, v in expected.items()
+             if k in state and tuple(state[k].shape) != v]
+    if missing or unknown or wrong:
+        parts = ([f"missing {', '.join(missing[:3])}"] if missing else []) + \
+                ([f"tensors this project's drafter does not have: {', '.join(unknown[:3])}"] if unknown else []) + \
+                wrong[:3]
+        raise UserError(f"{name}: the weights do not fit its config.json: {'; '.join(parts)}")
+
+
+def describe(source: dict[str, Any] | None) -> str | None:
+    """One line for people: 'org/name (z-lab layout) at revision abc1234', or None."""
+    if not source:
+        return None
+    text = source.get("repo") or source.get("name") or "a drafter"
+    if source.get("layout"):
+        text += f" ({source['layout']} layout)"
+    if source.get("revision"):
+        text += f" at revision {str(source['revision'])[:12]}"
+    return text
