@@ -18,11 +18,13 @@ engine and the project's loop decode the very same prompts.
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import importlib.util
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -289,8 +291,23 @@ def _is_exception(message: str) -> bool:
 
 # ------------------------------------------------------------------------------------------------ the child
 
+def _stop_with_the_stage() -> None:
+    """The engine belongs to the stage that started it: when that process dies (killed, or its terminal closed),
+    the kernel sends this one SIGTERM (PR_SET_PDEATHSIG), which exits through Python so that vLLM's own shutdown
+    stops its engine-core and worker processes, instead of leaving them decoding for nobody."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() == 1:  # the stage died before the request took effect
+            sys.exit(128 + signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
 def _child(workdir: Path) -> None:
     """Runs inside the engine process: decode the job's requests, write result.json atomically."""
+    _stop_with_the_stage()
     job_raw = json.loads((workdir / JOB_FILE).read_text())
     job = EngineJob(**{**job_raw, "requests": [EngineRequest(**r) for r in job_raw["requests"]]})
     from vllm import LLM, SamplingParams
