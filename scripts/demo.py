@@ -35,10 +35,13 @@ REPO = Path(__file__).resolve().parent.parent
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default=".", help="where data/, runs/, eval/ and push/ go (default: repo root)")
-    p.add_argument("--name", default="smollm2-demo", help="names the store, run, eval and push folders")
+    p.add_argument("--name", default=None, help="names the store, run, eval and push folders (default: "
+                                                 "smollm2-demo, or the first log's name, e.g. router for router.jsonl)")
     p.add_argument("--target", default="smollm2-135m-instruct")
-    p.add_argument("--logs", nargs="*", default=[], help="production logs to ingest (default: the ShareGPT package)")
-    p.add_argument("--prompts-name", default="sharegpt")
+    p.add_argument("--logs", nargs="*", default=[], help="production logs to ingest: one application's traffic "
+                                                         "(default: the broad ShareGPT traffic of the package)")
+    p.add_argument("--prompts-name", default=None, help="the ingest folder under data/prompts (default: sharegpt, "
+                                                        "or --name with --logs)")
     p.add_argument("--capture-limit", type=int, default=2000,
                    help="training prompts read for capture, at most (the plan reads as many as its budget captures)")
     p.add_argument("--store-topk", type=int, default=8,
@@ -54,11 +57,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repo", default="your-org/smollm2-135m-instruct-dflash", help="Hub repo named in the card")
     p.add_argument("--engine", choices=["own", "vllm", "both"], default="both",
                    help="eval in the project's loop, in vLLM, or both side by side (default)")
+    p.add_argument("--capture-engine", choices=["auto", "own", "vllm"], default="auto",
+                   help="who generates the training responses: the one-pass loop, vLLM (then one prefill records "
+                        "the states), or auto: whichever the probe measures to store more tokens per second here")
     p.add_argument("--budget-min", type=float, default=30.0,
                    help="wall-time budget of the whole demo in minutes: capture and training are sized to it")
     p.add_argument("--no-plan", dest="plan", action="store_false",
                    help="skip the probe: use --capture-limit and the recipe's steps as given")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    workload = workload_name(args.logs[0]) if args.logs else None
+    args.name = args.name or workload or "smollm2-demo"
+    args.prompts_name = args.prompts_name or (args.name if args.logs else "sharegpt")
+    return args
+
+
+def workload_name(log: str) -> str:
+    """data/workloads/router.jsonl.gz -> router: the application a log is the traffic of."""
+    name = Path(log).name
+    for suffix in (".gz", ".jsonl", ".json", ".parquet"):
+        name = name.removesuffix(suffix)
+    return name or "logs"
 
 
 # --- sizing the stages to the budget ----------------------------------------------------------------------------
@@ -89,6 +107,19 @@ def demo_recipe(args: argparse.Namespace):
         return load_recipe(args.recipe, args.train_override)
     finally:
         os.chdir(here)
+
+
+def drafter_layers(recipe) -> int:
+    """How many layers the drafter this recipe trains has: the starting drafter's under drafter.init_from."""
+    from dflash_train.trainer import NEW_DRAFTER_LAYERS
+
+    if recipe.drafter.init_from is not None:
+        from dflash_train.model.published import fetch_drafter
+
+        config = json.loads((fetch_drafter(recipe.drafter.init_from, recipe.drafter.init_revision).folder
+                             / "config.json").read_text())
+        return int(config.get("num_hidden_layers") or config["transformer_layer_config"]["num_hidden_layers"])
+    return recipe.drafter.num_layers or NEW_DRAFTER_LAYERS
 
 
 def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[str, float | str]:
@@ -140,7 +171,7 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
 
     recipe = demo_recipe(args)
     cfg = target.config
-    step_args = argparse.Namespace(hidden=cfg.hidden_size, layers=recipe.drafter.num_layers, target_layers=5,
+    step_args = argparse.Namespace(hidden=cfg.hidden_size, layers=drafter_layers(recipe), target_layers=5,
                                    vocab=cfg.vocab_size, seq=args.max_prompt_tokens + args.max_new_tokens,
                                    anchors=recipe.objective.num_anchors, block=recipe.drafter.block_size,
                                    batch=recipe.train.micro_batch_size, attention="blockwise", head="fused",
@@ -159,13 +190,65 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
         t0 = time.perf_counter()
         bench_train.step_fn(step_args, drafter, embed, embed, data, optimizer, step)
         times.append(time.perf_counter() - t0)
+    engine = probe_engine_capture(args, target, rendered, layers, precision) if args.capture_engine != "own" else {}
     return {"precision": precision.describe(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "capture_batch": len(batch), "capture_s_per_prompt": capture_s_per_prompt,
+            **engine, "capture_batch": len(batch), "capture_s_per_prompt": capture_s_per_prompt,
             "capture_s_per_prompt_by_quantile": timings,
             "capture_new_tok_s": new_tokens / (capture_s_per_prompt * len(batch) * len(timings)),
             "capture_mean_new_tokens": new_tokens / (len(batch) * len(timings)),
             "decode_tok_s": 1.0 / decode_step,
             "train_step_s": statistics.median(times[1:])}
+
+
+ENGINE_PROBE_PROMPTS = 48
+
+
+def probe_engine_capture(args: argparse.Namespace, target, rendered: list[list[int]], layers: list[int],
+                         precision) -> dict[str, float]:
+    """The engine capture (`capture --engine vllm`) of ENGINE_PROBE_PROMPTS training prompts spread over the length
+    distribution (every k-th by length), timed as the stage runs it: vLLM starts and generates their responses
+    with continuous batching, then one batched transformers prefill records their states and top-k. Returns the
+    start-up (the engine process and vLLM's load, once per capture) and the seconds per prompt after it. Continuous
+    batching packs more requests together in a real capture than in this sample, so it errs on the slow side."""
+    import tempfile
+
+    from dflash_train.capture import prefill_capture
+    from dflash_train.engine import VLLM_DTYPES, EngineJob, EngineRequest, run_engine
+
+    picked = rendered[::max(1, len(rendered) // ENGINE_PROBE_PROMPTS)][:ENGINE_PROBE_PROMPTS]
+    requests = [EngineRequest(id=str(i), prompt_token_ids=ids, max_tokens=args.max_new_tokens)
+                for i, ids in enumerate(picked)]
+    job = EngineJob(target=str(target.path), requests=requests, stop_token_ids=target.stop_token_ids(),
+                    dtype=VLLM_DTYPES[precision.name], max_model_len=max(map(len, picked)) + args.max_new_tokens,
+                    mode="batch")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="demo-probe-engine-") as work:
+        result = run_engine(job, work, "demo probe: vLLM generating responses")
+    start_s = time.perf_counter() - started - result.wall_s
+    responses = {o.id: o.token_ids for o in result.outputs}
+    started = time.perf_counter()
+    for at in range(0, len(picked), args.batch_size):
+        batch = list(range(at, min(at + args.batch_size, len(picked))))
+        prefill_capture(target.model, [picked[i] + responses[str(i)] for i in batch], [len(picked[i]) for i in batch],
+                        layers, target.tokenizer.pad_token_id, topk=args.store_topk)
+    per_prompt = (result.wall_s + time.perf_counter() - started) / len(picked)
+    return {"engine_start_s": start_s, "engine_capture_s_per_prompt": per_prompt}
+
+
+def capture_costs(rates: dict) -> dict[str, tuple[float, float]]:
+    """Each way to capture that the probe measured: engine name -> (start-up seconds, seconds per prompt)."""
+    costs = {"own": (0.0, rates["capture_s_per_prompt"])}
+    if "engine_capture_s_per_prompt" in rates:
+        costs["vllm"] = (rates["engine_start_s"], rates["engine_capture_s_per_prompt"])
+    return costs
+
+
+def faster_capture(rates: dict, seconds: float, allowed: str = "auto") -> str:
+    """The capture engine that captures the most prompts in `seconds` on this machine (or `allowed`, if not auto)."""
+    costs = capture_costs(rates)
+    if allowed != "auto":
+        return allowed
+    return max(costs, key=lambda e: (seconds - costs[e][0]) / costs[e][1])
 
 
 @functools.lru_cache(maxsize=4)
@@ -210,8 +293,7 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     available = args.budget_min * 60 * (1 - MARGIN) - spent_s - sum(starts.values())
     decode_s = T / rates["decode_tok_s"]  # one response at batch 1
     eval_s = decode_s * ((2 + DRAFT_SLOWDOWN if own else 0) + (1 + DRAFT_SLOWDOWN if engine else 0))
-    per_prompt = rates["capture_s_per_prompt"]  # whole batches as capture runs them, prefill included
-    heldout_s = per_prompt
+    heldout_s = rates["capture_s_per_prompt"]  # one pass: whole batches as capture runs them, prefill included
     eval_kept = kept_prompts(prompts, "eval", args.eval_limit, args.target, args.max_prompt_tokens)
     n_eval = min(eval_kept[-1], max(MIN_EVAL_PROMPTS, int(EVAL_SHARE * available / (eval_s + heldout_s))))
     flexible = available - n_eval * (eval_s + heldout_s)
@@ -223,11 +305,13 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     if cap:  # what training at most needs; the rest of its share goes to capture
         capture_share_s = max(capture_share_s, flexible - cap * rates["train_step_s"])
     kept = kept_prompts(prompts, "train", args.capture_limit, args.target, args.max_prompt_tokens)
-    read = read_for(kept, max(8, int(capture_share_s / per_prompt)))
-    capture_s = kept[read - 1] * per_prompt
+    capture_engine = faster_capture(rates, capture_share_s, args.capture_engine)
+    start_s, capture_per_prompt = capture_costs(rates)[capture_engine]
+    read = read_for(kept, max(8, int((capture_share_s - start_s) / capture_per_prompt)))
+    capture_s = start_s + kept[read - 1] * capture_per_prompt
     train_s = flexible - capture_s
     steps = int(train_s / rates["train_step_s"])
-    return {"spent_s": round(spent_s), "capture_limit": read, "capture_kept": kept[read - 1],
+    return {"spent_s": round(spent_s), "capture_engine": capture_engine, "capture_limit": read, "capture_kept": kept[read - 1],
             "train_budget_s": round(train_s),
             "expected_steps": min(steps, cap) if cap else steps, "max_steps": cap,
             "eval_limit": read_for(eval_kept, n_eval), "eval_prompts": n_eval,
@@ -254,8 +338,13 @@ def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
           f"{' and '.join(f'{t:.2f}' for t in rates.get('capture_s_per_prompt_by_quantile', []))} s); a training "
           f"step of the demo recipe {rates['train_step_s']:.2f} s; plain decoding {rates['decode_tok_s']:.1f} "
           f"tokens/s (batch 1)")
+    costs = capture_costs(rates)
+    if "vllm" in costs:
+        print(f"         capture through vLLM (capture --engine vllm): {costs['vllm'][0]:.0f} s to start, then "
+              f"{costs['vllm'][1]:.2f} s per prompt ({ENGINE_PROBE_PROMPTS} prompts generated and prefilled)")
     print(f"capture: read {plan['capture_limit']} training prompts, keep the {plan['capture_kept']} of at most "
-          f"{args.max_prompt_tokens} tokens (~{plan['stage_s']['capture']:.0f} s)")
+          f"{args.max_prompt_tokens} tokens, {'through vLLM' if plan['capture_engine'] == 'vllm' else 'one pass'} "
+          f"(~{plan['stage_s']['capture']:.0f} s)")
     print(f"train:   {plan['train_budget_s']} s of training, about {plan['expected_steps']} steps"
           + (f" (at most {plan['max_steps']})" if plan["max_steps"] else ""))
     print(f"eval:    read {plan['eval_limit']} held-out prompts, keep {plan['eval_prompts']}, x {args.max_new_tokens} "
@@ -295,9 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     target = ["--target", args.target]
 
     check_store(store)
+    capture_engine = plan.get("capture_engine", "own") if plan else \
+        ("own" if args.capture_engine == "auto" else args.capture_engine)
     rl.run_stage("capture", store, rl.capture_command(
         prompts, store, "train", capture_limit, args.max_prompt_tokens, args.max_new_tokens,
-        [*target, "--store-topk", str(args.store_topk)], args.batch_size), log)
+        [*target, "--store-topk", str(args.store_topk), "--engine", capture_engine], args.batch_size), log)
     overrides = [f"data.stores=[{store}]", *args.train_override]
     if plan:
         if planned_now and not log.stages[-1]["skipped"]:

@@ -381,3 +381,22 @@ def test_training_gets_what_the_capture_saved_or_overran():
     plan = {"spent_s": 140, "train_budget_s": 700, "stage_s": {"capture": 300.0, "train": 725.0}}
     demo.rebudget_training(plan, 140 + 300 + 2000)  # overran by far: training still gets a minute
     assert plan["train_budget_s"] == 60
+
+
+def test_the_plan_captures_through_whichever_way_stores_more_prompts_here(demo_prompts, tiny_target_dir):
+    """The probe times the one-pass capture and the engine capture (vLLM generates, one prefill records the
+    states); the plan captures through the one that keeps more prompts in capture's share, start-up included."""
+    import demo
+
+    args = demo.parse_args(["--target", str(tiny_target_dir), "--max-prompt-tokens", "60"])
+    one_pass = {"capture_s_per_prompt": 4.0, "decode_tok_s": 16.0, "train_step_s": 3.0}
+    engine_faster = {**one_pass, "engine_start_s": 45.0, "engine_capture_s_per_prompt": 1.2}
+    engine_slower = {**one_pass, "engine_start_s": 45.0, "engine_capture_s_per_prompt": 3.9}  # start not repaid
+    plans = {name: demo.make_plan(args, demo_prompts, rates, 140.0) for name, rates in
+             (("one pass", one_pass), ("engine faster", engine_faster), ("engine slower", engine_slower))}
+    assert plans["one pass"]["capture_engine"] == "own" == plans["engine slower"]["capture_engine"]
+    assert plans["engine faster"]["capture_engine"] == "vllm"
+    assert plans["engine faster"]["capture_kept"] > plans["one pass"]["capture_kept"]
+    forced = demo.make_plan(demo.parse_args(["--target", str(tiny_target_dir), "--max-prompt-tokens", "60",
+                                             "--capture-engine", "own"]), demo_prompts, engine_faster, 140.0)
+    assert forced["capture_engine"] == "own"
