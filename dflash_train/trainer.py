@@ -291,6 +291,8 @@ class DFlashTrainer:
             self.clock.start()
         self.clock.pause()
         bar.close()
+        if recipe.eval.at_end and self.data.eval_samples and not self.last_eval:
+            self.validate()  # a run of zero steps (train.max_steps: 0) measures the drafter it starts from
         return self.save_drafter()
 
     def train_step(self, step: int) -> StepStats:
