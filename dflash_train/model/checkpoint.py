@@ -277,7 +277,7 @@ def drafter_to_start_from(init_from: str, revision: str | None, wanted: dict[str
     store's tapped layers (`reads`), and the recipe's explicit drafter keys (`wanted`: num_layers, mask_token_id,
     target_layer_ids; None = the starting drafter's). The block size is the recipe's: the weights do not depend on
     it. Returns the PublishedDrafter with its config made this run's."""
-    from dflash_train.model.published import fetch_drafter, read_drafter
+    from dflash_train.model.published import describe, fetch_drafter, read_drafter
     from dflash_train.target import check_fits
 
     start = read_drafter(fetch_drafter(init_from, revision))
@@ -293,19 +293,13 @@ def drafter_to_start_from(init_from: str, revision: str | None, wanted: dict[str
                 if value is not None and value != getattr(config, attr)]
     forbidden = {int(i) for i in [*stop_ids, tokenizer.pad_token_id, tokenizer.eos_token_id] if i is not None}
     problems += config.target_problems(L, text.vocab_size, forbidden)
-    check_fits(f"drafter.init_from {describe_source(start.source.record())}", config.features(),
+    check_fits(f"drafter.init_from {describe(start.source.record())}", config.features(),
                f"target {target_name} as the store captured it", reads, problems)
     config.block_size = block_size
     config.target = reads.target.to_dict() if reads.target is not None else config.target
     if config.mask_token is None and config.mask_token_id < len(tokenizer):
         config.mask_token = tokenizer.convert_ids_to_tokens(config.mask_token_id)
     return start
-
-
-def describe_source(record: dict[str, Any]) -> str:
-    from dflash_train.model.published import describe
-
-    return describe(record) or "a drafter"
 
 
 def load_start(model: DFlashDraftModel, state: dict[str, torch.Tensor]) -> None:

@@ -218,10 +218,8 @@ def _check_tensors(state: dict[str, torch.Tensor], config: DFlashConfig, name: s
         raise UserError(f"{name}: the weights do not fit its config.json: {'; '.join(parts)}")
 
 
-def describe(source: dict[str, Any] | None) -> str | None:
-    """One line for people: 'org/name (z-lab layout) at revision abc1234', or None."""
-    if not source:
-        return None
+def describe(source: dict[str, Any]) -> str:
+    """One line for people: 'org/name (z-lab layout) at revision abc1234'."""
     text = source.get("repo") or source.get("name") or "a drafter"
     if source.get("layout"):
         text += f" ({source['layout']} layout)"
