@@ -354,12 +354,13 @@ def _continuous_batch(llm, prompts: list[dict[str, Any]], params: list[Any], job
     outputs: list[dict[str, Any]] = []
     unsaved: list[dict[str, Any]] = []
     saved_at = time.monotonic()
-    with tqdm(total=len(requests), desc="vLLM generating", unit="request", dynamic_ncols=True) as bar:
+    with tqdm(total=len(requests), desc="vLLM generating", unit="request", dynamic_ncols=True, mininterval=5) as bar:
         while llm.llm_engine.has_unfinished_requests():
             finished = [_output(requests[r.request_id], r) for r in llm.llm_engine.step() if r.finished]
             outputs += finished
             unsaved += finished
-            bar.update(len(finished))
+            if finished:
+                bar.update(len(finished))
             if job.stream_to and unsaved and (time.monotonic() - saved_at > STREAM_EVERY_S
                                               or not llm.llm_engine.has_unfinished_requests()):
                 with open(job.stream_to, "a") as f:
