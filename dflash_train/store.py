@@ -171,9 +171,9 @@ class StoreWriter:
         with StoreWriter(out, target=identity, target_layer_ids=[1, 3, 5], hidden_size=64) as writer:
             writer.add(input_ids, loss_mask, hidden_states, id="p1", weight=1)
 
-    `hidden_states` is [S, len(target_layer_ids) * hidden_size], or None in a token-only store
-    (storage_dtype="none"). Leaving the `with` block (or `close()`) flushes
-    the last shard and, with `finalize=True` (the default), writes manifest.json and marks the folder complete.
+    `hidden_states` is [S, len(target_layer_ids) * hidden_size], or None in a token-only store (storage_dtype
+    "none"). Leaving the `with` block (or `close()`) flushes the last shard and, with `finalize=True` (the
+    default), writes manifest.json and marks the folder complete.
     Under several processes every rank opens its own writer (rank=, world_size=), closes it with
     `finalize=False`, and rank 0 calls `finalize_store(out)` after a barrier.
 
@@ -519,8 +519,8 @@ class _Shard:
 
 class Store(Sequence):
     """A read-only store: `store[i]` -> {input_ids, loss_mask, hidden_states, id, weight} (no hidden_states in a
-    token-only store), plus topk_ids (int64
-    [S, K]) and topk_logprobs (float32 [S, K]) when the store was captured with --store-topk K; memory-mapped.
+    token-only store), plus topk_ids (int64 [S, K]) and topk_logprobs (float32 [S, K]) when the store was captured
+    with --store-topk K; memory-mapped.
 
     Each item reads only its own token range from its shard (safetensors slices over an mmap), so random
     access costs the sample's bytes, not the shard's. Safe to use from DataLoader workers: file handles are
