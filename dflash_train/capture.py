@@ -9,6 +9,11 @@ step the states of the token it feeds. The last generated token is fed once more
 no second prefill over the whole sequence is ever run. `--responses logged` instead takes the response from the
 log (for logs that came from this very target) and runs a single prefill.
 
+`--storage none` writes a token-only store: the same store without the hidden states (token ids, loss mask,
+weights, optional top-k), for training that computes the states with the target (`data.hidden_states: online`).
+Its manifest says `kind: tokens`; it still records the tapped layer ids the drafter will read. Where nothing else
+needs the target's forward (`--engine vllm` or `--responses logged`, without `--store-topk`) no prefill runs.
+
 `--store-topk K` also stores, for every position t, the target's K most likely tokens and their log-probabilities
 (fp32 log-softmax of the full vocabulary, temperature 1, not renormalised) for the distribution that predicts
 token t, i.e. from the logits at t-1 (soft labels for training; position 0 has none: ids 0, log-probs -inf). The
@@ -39,7 +44,7 @@ from dflash_train.device import default_device, resolve_precision
 from dflash_train.errors import UserError, decided_by_rank0
 from dflash_train.options import add_options, at_least, from_args, in_range, option, validate
 from dflash_train.sampling import Sampling
-from dflash_train.store import DEFAULT_SHARD_BYTES, StoreWriter, finalize_store
+from dflash_train.store import DEFAULT_SHARD_BYTES, NO_STATES, StoreWriter, finalize_store
 from dflash_train.target import (DEFAULT_TARGET, Target, cache_keyword, chat_text, check_layer_ids,
                                  default_layer_ids, load_target, prompt_seed, tap_layers)
 
@@ -69,7 +74,9 @@ class CaptureConfig:
                                  help="nucleus sampling (default: the logged request's)")
     seed: int = option(0, help="sampling seed (per prompt: a hash of seed and prompt id)")
     limit: int | None = option(None, check=at_least(1), help="only the first N prompts of the split")
-    storage: Literal["bf16", "fp8"] = option("bf16", help="storage dtype of the tapped states")
+    storage: Literal["bf16", "fp8", "none"] = option(
+        "bf16", help="storage dtype of the tapped states; none: a token-only store (ids, loss mask, weights, top-k; "
+                     "about 5 bytes per token), whose states training computes (data.hidden_states: online)")
     responses: Literal["generate", "logged"] = option("generate", help="the target's own responses, or the logged "
                                                                        "ones (one prefill)")
     shard_size_mb: float = option(DEFAULT_SHARD_BYTES / 2**20, check=in_range(0, 1e6, low_open=True),
@@ -104,7 +111,7 @@ class PromptRecord:
 class Captured:
     input_ids: list[int]
     num_prompt_tokens: int
-    hidden_states: torch.Tensor  # [S, n*H]
+    hidden_states: torch.Tensor | None  # [S, n*H]; None when no layer is tapped (a token-only store)
     topk_ids: torch.Tensor | None = None  # [S, K] int32: the target's top-k tokens for position t (from t-1)
     topk_logprobs: torch.Tensor | None = None  # [S, K] float32: their log-probs; row 0: ids 0, -inf
 
@@ -290,7 +297,7 @@ def generate_and_capture(model, prompts: list[list[int]], layer_ids: list[int], 
     single-sample forward would. Decode step k feeds generated token k and records its states; a row stops
     after its stop token (kept, with states) or after its max_new_tokens tokens (one cap, or one per row). With
     topk > 0 every position also gets the target's top-k log-probs of the distribution that predicts it (see the
-    module docstring)."""
+    module docstring). With no `layer_ids` (a token-only store) no states are kept: hidden_states is None."""
     device = next(model.parameters()).device
     b = len(prompts)
     caps = torch.tensor(max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * b, device=device)
@@ -298,9 +305,11 @@ def generate_and_capture(model, prompts: list[list[int]], layer_ids: list[int], 
     generators = [torch.Generator(device=device).manual_seed(s) for s in (seeds or [0] * b)]
     ids, mask, positions = _left_pad(prompts, pad_id, device)
     logits, hidden, cache = _forward(model, ids, mask, positions)
-    tapped = tap_layers(hidden, layer_ids).cpu()
     width = ids.shape[1]
-    chunks = [[tapped[r, width - len(p):]] for r, p in enumerate(prompts)]
+    chunks: list[list[torch.Tensor]] = [[] for _ in prompts]
+    if layer_ids:
+        tapped = tap_layers(hidden, layer_ids).cpu()
+        chunks = [[tapped[r, width - len(p):]] for r, p in enumerate(prompts)]
     top_chunks: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(b)]
     if topk:
         _check_head(model, hidden[-1][:, -1], logits)
@@ -323,15 +332,16 @@ def generate_and_capture(model, prompts: list[list[int]], layer_ids: list[int], 
         feed = torch.where(active, nxt, torch.full_like(nxt, pad_id))
         mask = torch.cat([mask, active[:, None].long()], dim=1)  # rows already done only add masked keys
         logits, hidden, cache = _forward(model, feed[:, None], mask, next_pos[:, None], cache)
-        tapped = tap_layers(hidden, layer_ids)[:, 0].cpu()
-        for r in active.nonzero().flatten().tolist():
-            chunks[r].append(tapped[r:r + 1])
+        if layer_ids:
+            tapped = tap_layers(hidden, layer_ids)[:, 0].cpu()
+            for r in active.nonzero().flatten().tolist():
+                chunks[r].append(tapped[r:r + 1])
         next_pos = next_pos + 1
         if bool(finished.all()):
             break
         nxt = sample_next(logits, samplings, generators)
-    return [Captured(input_ids=list(p) + tokens[r], num_prompt_tokens=len(p), hidden_states=torch.cat(chunks[r]),
-                     **_joined_topk(top_chunks[r]))
+    return [Captured(input_ids=list(p) + tokens[r], num_prompt_tokens=len(p),
+                     hidden_states=torch.cat(chunks[r]) if layer_ids else None, **_joined_topk(top_chunks[r]))
             for r, p in enumerate(prompts)]
 
 
@@ -343,13 +353,21 @@ def _joined_topk(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, to
 
 @torch.no_grad()
 def prefill_capture(model, sequences: list[list[int]], num_prompt_tokens: list[int], layer_ids: list[int],
-                    pad_id: int, topk: int = 0) -> list[Captured]:
-    """One batched prefill over complete sequences (the `--responses logged` path); with topk > 0 also the
-    target's top-k log-probs predicting each position (from the previous position's logits)."""
+                    pad_id: int, topk: int = 0, on_device: bool = False) -> list[Captured]:
+    """One batched prefill over complete sequences (the `--responses logged` and `--engine vllm` paths, and the
+    states training computes online); with topk > 0 also the target's top-k log-probs predicting each position
+    (from the previous position's logits). The states are moved to the CPU to be stored, or with `on_device` left
+    where the model computed them. With neither `layer_ids` nor topk (a token-only store) nothing is computed."""
+    if not layer_ids and not topk:
+        return [Captured(input_ids=list(s), num_prompt_tokens=n, hidden_states=None)
+                for s, n in zip(sequences, num_prompt_tokens)]
     device = next(model.parameters()).device
     ids, mask, positions = _left_pad(sequences, pad_id, device)
     logits, hidden, _ = _forward(model, ids, mask, positions, use_cache=False)
-    tapped = tap_layers(hidden, layer_ids).cpu()
+    tapped = None
+    if layer_ids:
+        tapped = tap_layers(hidden, layer_ids)
+        tapped = tapped if on_device else tapped.cpu()
     width = ids.shape[1]
     tops: list[dict[str, torch.Tensor]] = [{} for _ in sequences]
     if topk:
@@ -357,7 +375,8 @@ def prefill_capture(model, sequences: list[list[int]], num_prompt_tokens: list[i
         ids_k, logp_k = _head_topk(model, hidden[-1][:, :-1], topk)
         tops = [_joined_topk([_no_prediction(topk), (ids_k[r, width - len(s):], logp_k[r, width - len(s):])])
                 for r, s in enumerate(sequences)]
-    return [Captured(input_ids=list(s), num_prompt_tokens=n, hidden_states=tapped[r, width - len(s):], **tops[r])
+    return [Captured(input_ids=list(s), num_prompt_tokens=n,
+                     hidden_states=None if tapped is None else tapped[r, width - len(s):], **tops[r])
             for r, (s, n) in enumerate(zip(sequences, num_prompt_tokens))]
 
 
@@ -541,6 +560,7 @@ def _capture_into(writer: StoreWriter, cfg: CaptureConfig, target: Target, recor
     rendered.sort(key=lambda item: -len(item[1]))  # similar lengths batch together: less padding
 
     responses = engine_responses(cfg, target, rendered, stop_ids) if cfg.engine == "vllm" and rendered else {}
+    taps = [] if cfg.storage == NO_STATES else layer_ids  # a token-only store records no states
     tokens_done = generated = 0
     bar = tqdm(total=len(rendered), desc=f"capture r{rank}" if world > 1 else "capture", unit="prompt",
                position=rank, dynamic_ncols=True)
@@ -550,10 +570,10 @@ def _capture_into(writer: StoreWriter, cfg: CaptureConfig, target: Target, recor
             batch = rendered[start:start + cfg.batch_size]
             if cfg.engine == "vllm":  # the engine's responses; their states from one prefill
                 captured = prefill_capture(target.model, [ids + responses[r.id] for r, ids in batch],
-                                           [len(ids) for _, ids in batch], layer_ids, pad_id, topk=cfg.store_topk)
+                                           [len(ids) for _, ids in batch], taps, pad_id, topk=cfg.store_topk)
             elif cfg.responses == "generate":
                 captured = generate_and_capture(
-                    target.model, [ids for _, ids in batch], layer_ids,
+                    target.model, [ids for _, ids in batch], taps,
                     [sampling.response_cap(cfg.max_new_tokens, r.sampling) for r, _ in batch], stop_ids, pad_id,
                     samplings=[samplings[r.id] for r, _ in batch],
                     seeds=[prompt_seed(cfg.seed, r.id) for r, _ in batch], topk=cfg.store_topk)
@@ -561,7 +581,7 @@ def _capture_into(writer: StoreWriter, cfg: CaptureConfig, target: Target, recor
                 responses = [logged_response_ids(target, r, ids, cfg.template_kwargs)[0][
                                  :sampling.response_cap(cfg.max_new_tokens, r.sampling)] for r, ids in batch]
                 captured = prefill_capture(target.model, [ids + resp for (_, ids), resp in zip(batch, responses)],
-                                           [len(ids) for _, ids in batch], layer_ids, pad_id, topk=cfg.store_topk)
+                                           [len(ids) for _, ids in batch], taps, pad_id, topk=cfg.store_topk)
             for (record, _), sample in zip(batch, captured):
                 n = len(sample.input_ids)
                 loss_mask = torch.zeros(n, dtype=torch.bool)

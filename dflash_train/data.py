@@ -10,6 +10,9 @@ and which rows every (step, micro step, rank) reads.
 Every choice is a pure function of (recipe, step, micro step, rank), anchors included (`anchor_generator`), so a run
 resumed from a checkpoint reads exactly what an uninterrupted run reads. This module reads stores only: no
 accelerate, no DeepSpeed (scripts/ngram_baseline.py uses it to read a store as the trainer does).
+
+With `data.hidden_states: online` the samples' states come from the target instead (`OnlineStates`, one batched
+prefill per micro batch, the prefill the capture stage stores); token-only stores hold none.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from dflash_train.errors import UserError
 from dflash_train.recipe import Recipe
+from dflash_train.store import holds_states, store_kind
 from dflash_train.target import Features, check_fits
 
 
@@ -62,6 +66,7 @@ class StoreSet:
     def summary(self) -> dict[str, Any]:
         return {"stores": [{"path": f, "num_samples": s.manifest["num_samples"], "num_tokens": s.manifest["num_tokens"],
                             "generation": s.manifest.get("generation"), "storage_dtype": s.manifest["storage_dtype"],
+                            "kind": store_kind(s.manifest),
                             "ingest_report": s.manifest.get("ingest_report"), "prompts": s.manifest.get("prompts")}
                            for f, s in zip(self.folders, self.stores)],
                 "num_samples": len(self), "num_tokens": sum(s.manifest["num_tokens"] for s in self.stores)}
@@ -126,11 +131,11 @@ def collate(samples: list[list[dict[str, Any]]], max_length: int) -> dict[str, t
         rows.append(kept)
     S = max(sum(len(p["input_ids"]) for p in row) for row in rows)
     b = len(rows)
-    width = rows[0][0]["hidden_states"].shape[-1]
+    states = rows[0][0]["hidden_states"]  # on the CPU as stored, or where the target computed them (online)
     batch = {
         "input_ids": torch.zeros(b, S, dtype=torch.long),
         "loss_mask": torch.zeros(b, S, dtype=torch.bool),
-        "hidden_states": torch.zeros(b, S, width, dtype=rows[0][0]["hidden_states"].dtype),
+        "hidden_states": torch.zeros(b, S, states.shape[-1], dtype=states.dtype, device=states.device),
         "position_ids": torch.zeros(b, S, dtype=torch.long),
         "doc_start": torch.zeros(b, S, dtype=torch.long),
     }
@@ -165,6 +170,39 @@ def check_soft_labels(recipe: Recipe, stores: StoreSet) -> None:
         raise UserError(f"recipe key objective.soft_label_weight is {weight}, but store(s) {', '.join(missing)} "
                         f"hold no top-k soft labels: recapture with `dflash-train capture ... --store-topk K` "
                         f"(e.g. 8) or set objective.soft_label_weight: 0")
+
+
+def check_state_source(recipe: Recipe, stores: list[StoreSet]) -> None:
+    """data.hidden_states: stored reads every store's states: a token-only store is one clear line."""
+    if recipe.data.hidden_states != "stored":
+        return
+    for folder, store in ((f, s) for stores_ in stores for f, s in zip(stores_.folders, stores_.stores)):
+        if not holds_states(store.manifest):
+            raise UserError(f"store {folder} is token-only (captured with --storage none): it holds no hidden "
+                            f"states, so recipe key data.hidden_states: stored cannot train on it; set "
+                            f"data.hidden_states: online (the target computes the states during training)")
+
+
+class OnlineStates:
+    """data.hidden_states: online. The frozen target (eval mode, no gradients, the run's compute dtype, this rank's
+    own replica on its device, never inside the module DeepSpeed wraps) computes the tapped states of the samples a
+    step reads: one batched prefill per micro batch (`capture.prefill_capture`, the computation `capture
+    --responses logged` stores), every position, prompt included. Each sample is cut to max_length first: collate
+    keeps no more, and under causal attention a prefix's states are those the whole sample would give it. States a
+    store holds are replaced, never read."""
+
+    def __init__(self, target, layer_ids: list[int], max_length: int):
+        self.target, self.layer_ids, self.max_length = target, list(layer_ids), max_length
+
+    def add(self, rows: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+        """The same rows of samples, each with its computed `hidden_states` [min(S, max_length), n*H]."""
+        from dflash_train.capture import prefill_capture
+
+        flat = [sample for row in rows for sample in row]
+        got = prefill_capture(self.target.model, [s["input_ids"][:self.max_length].tolist() for s in flat],
+                              [0] * len(flat), self.layer_ids, self.target.tokenizer.pad_token_id, on_device=True)
+        states = iter(g.hidden_states for g in got)
+        return [[{**sample, "hidden_states": next(states)} for sample in row] for row in rows]
 
 
 @dataclass
@@ -207,8 +245,9 @@ def prepare_data(recipe: Recipe, world: int) -> TrainData:
     """Open the stores, hold out the eval samples, and lay out the rows every step trains on."""
     stores = StoreSet(recipe.data.stores)
     check_soft_labels(recipe, stores)
-    if recipe.data.eval_store:
-        eval_set = StoreSet([recipe.data.eval_store])
+    eval_set = StoreSet([recipe.data.eval_store]) if recipe.data.eval_store else None
+    check_state_source(recipe, [stores] + ([eval_set] if eval_set else []))
+    if eval_set is not None:
         check_fits(f"eval store {recipe.data.eval_store}", Features.of_store(eval_set.manifest),
                    "the training stores", Features.of_store(stores.manifest))
         train_idx = list(range(len(stores)))
@@ -236,14 +275,17 @@ def anchor_generator(seed: int, step: int, micro: int, rank: int) -> torch.Gener
     return torch.Generator().manual_seed(int.from_bytes(key[:8], "big") & (2 ** 63 - 1))
 
 
-def context_scale(stores: StoreSet, indices: list[int], max_samples: int = 64) -> torch.Tensor:
-    """Per-channel RMS of the tapped states over (up to) the first `max_samples` training samples, [n*H].
+def context_scale(stores: StoreSet, indices: list[int], max_samples: int = 64,
+                  online: OnlineStates | None = None) -> torch.Tensor:
+    """Per-channel RMS of the tapped states over (up to) the first `max_samples` training samples, [n*H]: the
+    stored ones, or those `online` computes.
 
     Position 0 is left out: its states (the attention sink) are hundreds of times larger than any other
     position's and would set the scale of the channels they touch."""
     total, count = None, 0
     for i in indices[:max_samples]:
-        states = stores[i]["hidden_states"][1:].float()
+        sample = online.add([[stores[i]]])[0][0] if online is not None else stores[i]
+        states = sample["hidden_states"][1:].float().cpu()
         sq = states.pow(2).sum(dim=0)
         total = sq if total is None else total + sq
         count += states.shape[0]

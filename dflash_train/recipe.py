@@ -30,6 +30,10 @@ class DataSection:
     max_length: int = 3072  # longer samples are truncated to their first max_length tokens
     batching: Literal["padding", "packing"] = "padding"  # packing: whole samples back to back up to max_length
     max_samples: int | None = None  # train on the first N training samples only (data-size curves); None = all
+    # Where the drafter's input states come from. stored: the store's tapped states, as captured. online: the frozen
+    # target (all of it, on every rank, in train.precision) computes them for each micro batch without gradients;
+    # token-only stores (capture --storage none) need it, and a store's own states are then not read
+    hidden_states: Literal["stored", "online"] = "stored"
 
 
 @dataclass

@@ -10,7 +10,8 @@ Layout of a store folder:
 A shard holds
   input_ids      int32  [T]           every sample's tokens, one after another
   loss_mask      bool   [T]           True on the target's response tokens
-  hidden_states  bf16 | float8_e4m3fn [T, n*H]   tapped layers concatenated, every position
+  hidden_states  bf16 | float8_e4m3fn [T, n*H]   tapped layers concatenated, every position (not in a token-only
+                                      store: storage_dtype "none", kind "tokens"; training computes them)
   scales         float32 [T]          (fp8 only) one scale per token: state = fp8 * scale
   topk_ids       int32  [T, K]        (capture --store-topk K) the target's K most likely tokens for position t,
   topk_logprobs  float16 [T, K]       and their log-probabilities under the full softmax (not renormalised), from
@@ -56,7 +57,13 @@ FORMAT = "dflash-train-store"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-BYTES_PER_VALUE = {"bf16": 2, "fp8": 1}
+# storage_dtype "none": a token-only store (token ids, loss mask, weights, optional top-k, no hidden states), about
+# 1,000x smaller than one with bf16 states; the trainer computes the states with the target (data.hidden_states:
+# online). It still records the target, the tapped layer ids and the hidden size: what the drafter will read.
+NO_STATES = "none"
+STORAGE_CHOICES = (*STORAGE_DTYPES, NO_STATES)
+BYTES_PER_VALUE = {"bf16": 2, "fp8": 1, NO_STATES: 0}
+BYTES_PER_TOKEN_ID = 4 + 1  # int32 token id + bool loss mask
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 DEFAULT_SHARD_BYTES = 1 << 30
 # float16 log-probs: values lie in about [-40, 0], where float16 keeps 11 significant bits (an error of at most
@@ -69,6 +76,24 @@ STAGE = "capture"
 SETTING_DEFAULTS = {"topk": 0}
 # ... and those that older stores did not record at all: not compared when a journal lacks them
 UNRECORDED_BEFORE = ("prompts",)
+
+
+def holds_states(manifest: dict[str, Any]) -> bool:
+    """Whether a store (its manifest, or a writer's settings) holds the tapped hidden states: THE test for a
+    token-only store."""
+    return manifest["storage_dtype"] != NO_STATES
+
+
+def store_kind(manifest: dict[str, Any]) -> str:
+    """The manifest's `kind`: "states" (tapped hidden states stored) or "tokens" (a token-only store)."""
+    return "states" if holds_states(manifest) else "tokens"
+
+
+def floor_bytes_per_token(settings: dict[str, Any]) -> int:
+    """The payload per token a store cannot do without: its states (n*H values) and top-k; for a token-only store,
+    the token id and loss mask. Shards add the offsets, weights, fp8 scales and headers on top."""
+    states = settings["num_tapped"] * settings["hidden_size"] * BYTES_PER_VALUE[settings["storage_dtype"]]
+    return (states if holds_states(settings) else BYTES_PER_TOKEN_ID) + settings["topk"] * BYTES_PER_TOPK
 
 
 def shard_name(rank: int, index: int) -> str:
@@ -146,8 +171,9 @@ class StoreWriter:
         with StoreWriter(out, target=identity, target_layer_ids=[1, 3, 5], hidden_size=64) as writer:
             writer.add(input_ids, loss_mask, hidden_states, id="p1", weight=1)
 
-    `hidden_states` is [S, len(target_layer_ids) * hidden_size]. Leaving the `with` block (or `close()`) flushes
-    the last shard and, with `finalize=True` (the default), writes manifest.json and marks the folder complete.
+    `hidden_states` is [S, len(target_layer_ids) * hidden_size], or None in a token-only store (storage_dtype
+    "none"). Leaving the `with` block (or `close()`) flushes the last shard and, with `finalize=True` (the
+    default), writes manifest.json and marks the folder complete.
     Under several processes every rank opens its own writer (rank=, world_size=), closes it with
     `finalize=False`, and rank 0 calls `finalize_store(out)` after a barrier.
 
@@ -169,8 +195,8 @@ class StoreWriter:
                  ingest_report: dict[str, Any] | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
                  rank: int = 0, world_size: int = 1, extra: dict[str, Any] | None = None, topk: int = 0,
                  prompts: dict[str, Any] | None = None):
-        if storage_dtype not in STORAGE_DTYPES:
-            raise UserError(f"storage dtype {storage_dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")
+        if storage_dtype not in STORAGE_CHOICES:
+            raise UserError(f"storage dtype {storage_dtype!r} is not one of {', '.join(STORAGE_CHOICES)}")
         if topk < 0:
             raise UserError(f"top-k {topk} must be >= 0 (0 = no soft labels stored)")
         self.topk = int(topk)
@@ -270,23 +296,26 @@ class StoreWriter:
         return done
 
     # appending ---------------------------------------------------------------------------------------
-    def add(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden_states: torch.Tensor, id: str,
+    def add(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden_states: torch.Tensor | None, id: str,
             weight: int = 1, topk_ids: torch.Tensor | None = None,
             topk_logprobs: torch.Tensor | None = None) -> bool:
         """Buffer one sample; returns False (and counts it) when its states hold NaN/inf (or its top-k log-probs
-        NaN/+inf) and it was dropped. `topk_ids`/`topk_logprobs` [S, K] are required iff the writer has topk=K."""
+        NaN/+inf) and it was dropped. `topk_ids`/`topk_logprobs` [S, K] are required iff the writer has topk=K;
+        `hidden_states` is None iff the store is token-only."""
         if self._closed:
             raise RuntimeError("StoreWriter is closed")
         id = str(id)
         if id in self.done_ids:
             raise ValueError(f"sample id {id!r} is already in store {self.out}")
         n = int(input_ids.shape[0])
-        if n == 0 or loss_mask.shape != (n,) or hidden_states.shape != (n, self.width):
+        states = holds_states(self.settings)
+        shape = None if hidden_states is None else tuple(hidden_states.shape)
+        if n == 0 or loss_mask.shape != (n,) or shape != ((n, self.width) if states else None):
             raise ValueError(f"sample {id!r}: input_ids {tuple(input_ids.shape)}, loss_mask "
-                             f"{tuple(loss_mask.shape)} and hidden_states {tuple(hidden_states.shape)} do not "
-                             f"match [S], [S], [S, {self.width}] with S > 0")
+                             f"{tuple(loss_mask.shape)} and hidden_states {shape} do not match [S], [S], "
+                             f"{f'[S, {self.width}]' if states else 'None (a token-only store)'} with S > 0")
         self._check_topk(id, n, topk_ids, topk_logprobs)
-        if not torch.isfinite(hidden_states).all() or (
+        if (states and not torch.isfinite(hidden_states).all()) or (
                 self.topk and bool((topk_logprobs.isnan() | (topk_logprobs == float("inf"))).any())):
             self.skip(id, "nonfinite")
             return False
@@ -296,17 +325,16 @@ class StoreWriter:
         p.weights.append(int(weight))
         p.input_ids.append(input_ids.detach().to("cpu", torch.int32))
         p.loss_mask.append(loss_mask.detach().to("cpu", torch.bool))
-        states = hidden_states.detach().to("cpu")
         if self.storage_dtype == "fp8":
-            q, scales = quantize_fp8(states)
+            q, scales = quantize_fp8(hidden_states.detach().to("cpu"))
             p.states.append(q)
             p.scales.append(scales)
-        else:
-            p.states.append(states.to(torch.bfloat16))
+        elif states:
+            p.states.append(hidden_states.detach().to("cpu", torch.bfloat16))
         if self.topk:
             p.topk_ids.append(topk_ids.detach().to("cpu", torch.int32))
             p.topk_logprobs.append(topk_logprobs.detach().to("cpu", TOPK_LOGPROB_DTYPE))
-        p.nbytes += n * (self.width * BYTES_PER_VALUE[self.storage_dtype] + 5
+        p.nbytes += n * (self.width * BYTES_PER_VALUE[self.storage_dtype] + BYTES_PER_TOKEN_ID
                          + (4 if self.storage_dtype == "fp8" else 0) + self.topk * BYTES_PER_TOPK)
         if p.nbytes >= self.shard_bytes:
             self.flush()
@@ -342,14 +370,15 @@ class StoreWriter:
         lengths = torch.tensor([len(t) for t in p.input_ids], dtype=torch.int64)
         offsets = torch.zeros(len(p.ids) + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=offsets[1:])
-        empty_states = torch.zeros(0, self.width, dtype=STORAGE_DTYPES[self.storage_dtype])
         tensors = {
             "input_ids": torch.cat(p.input_ids) if p.ids else torch.zeros(0, dtype=torch.int32),
             "loss_mask": torch.cat(p.loss_mask) if p.ids else torch.zeros(0, dtype=torch.bool),
-            "hidden_states": torch.cat(p.states) if p.ids else empty_states,
             "offsets": offsets,
             "weights": torch.tensor(p.weights, dtype=torch.int64),
         }
+        if holds_states(self.settings):
+            tensors["hidden_states"] = (torch.cat(p.states) if p.ids
+                                        else torch.zeros(0, self.width, dtype=STORAGE_DTYPES[self.storage_dtype]))
         if self.storage_dtype == "fp8":
             tensors["scales"] = torch.cat(p.scales) if p.ids else torch.zeros(0, dtype=torch.float32)
         if self.topk:
@@ -443,13 +472,13 @@ def finalize_store(out_dir: str | Path, ingest_report: dict[str, Any] | None = N
             dropped_ids.setdefault(reason, []).append(id_)
     dropped = {reason: len(ids) for reason, ids in dropped_ids.items()}
     settings = {**SETTING_DEFAULTS, **settings}
-    floor = (settings["num_tapped"] * settings["hidden_size"] * BYTES_PER_VALUE[settings["storage_dtype"]]
-             + settings["topk"] * BYTES_PER_TOPK)
+    floor = floor_bytes_per_token(settings)
     shard_bytes = sum(e["bytes"] for e in shards)
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         **settings,
+        "kind": store_kind(settings),
         "num_samples": sum(e["num_samples"] for e in shards),
         "num_tokens": num_tokens,
         "dropped": dropped,
@@ -489,8 +518,9 @@ class _Shard:
 
 
 class Store(Sequence):
-    """A read-only store: `store[i]` -> {input_ids, loss_mask, hidden_states, id, weight}, plus topk_ids (int64
-    [S, K]) and topk_logprobs (float32 [S, K]) when the store was captured with --store-topk K; memory-mapped.
+    """A read-only store: `store[i]` -> {input_ids, loss_mask, hidden_states, id, weight} (no hidden_states in a
+    token-only store), plus topk_ids (int64 [S, K]) and topk_logprobs (float32 [S, K]) when the store was captured
+    with --store-topk K; memory-mapped.
 
     Each item reads only its own token range from its shard (safetensors slices over an mmap), so random
     access costs the sample's bytes, not the shard's. Safe to use from DataLoader workers: file handles are
@@ -506,6 +536,7 @@ class Store(Sequence):
         self._handles: dict[int, Any] = {}
         self._pid = os.getpid()
         self.fp8 = manifest["storage_dtype"] == "fp8"
+        self.has_states = holds_states(manifest)
         self.topk = int(manifest.get("topk", 0))
 
     def __len__(self) -> int:
@@ -546,16 +577,15 @@ class Store(Sequence):
         shard = self._shards[s]
         a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
         f = self._handle(s)
-        states = f.get_slice("hidden_states")[a:b]
-        if self.fp8:
-            states = dequantize_fp8(states, f.get_slice("scales")[a:b])
         item = {
             "input_ids": f.get_slice("input_ids")[a:b].long(),
             "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
-            "hidden_states": states,
             "id": shard.ids[j],
             "weight": int(shard.weights[j]),
         }
+        if self.has_states:
+            states = f.get_slice("hidden_states")[a:b]
+            item["hidden_states"] = dequantize_fp8(states, f.get_slice("scales")[a:b]) if self.fp8 else states
         if self.topk:
             item["topk_ids"] = f.get_slice("topk_ids")[a:b].long()
             item["topk_logprobs"] = f.get_slice("topk_logprobs")[a:b].float()
@@ -580,7 +610,7 @@ def _load_manifest(root: Path) -> dict[str, Any]:
     missing = [k for k in REQUIRED_KEYS if k not in manifest]
     if missing or manifest.get("format") != FORMAT:
         raise UserError(f"{root / MANIFEST} is not a {FORMAT} manifest (missing keys: {', '.join(missing)})")
-    if manifest["storage_dtype"] not in STORAGE_DTYPES:
+    if manifest["storage_dtype"] not in STORAGE_CHOICES:
         raise UserError(f"{root / MANIFEST}: unknown storage_dtype {manifest['storage_dtype']!r}")
     topk = manifest.get("topk", 0)
     if not isinstance(topk, int) or isinstance(topk, bool) or topk < 0:
@@ -609,8 +639,9 @@ def _read_shard(root: Path, entry: dict[str, Any], manifest: dict[str, Any]) -> 
         raise UserError(f"store {root}: shard {entry['file']} is unreadable ({type(err).__name__}: {err})") from None
     n, t = entry["num_samples"], entry["num_tokens"]
     width = manifest["num_tapped"] * manifest["hidden_size"]
-    expected = {"input_ids": (t,), "loss_mask": (t,), "hidden_states": (t, width), "offsets": (n + 1,),
-                "weights": (n,)}
+    expected = {"input_ids": (t,), "loss_mask": (t,), "offsets": (n + 1,), "weights": (n,)}
+    if holds_states(manifest):
+        expected["hidden_states"] = (t, width)
     if manifest["storage_dtype"] == "fp8":
         expected["scales"] = (t,)
     if manifest.get("topk", 0):
@@ -742,5 +773,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"verify {args.store}: OK: {m['num_samples']} samples, {m['num_tokens']} tokens, {len(m['shards'])} "
           f"shard(s), {m['bytes'] / 2**20:.1f} MiB, {per_token:.1f} bytes/token vs floor "
           f"{m['floor_bytes_per_token']} ({100 * (per_token / m['floor_bytes_per_token'] - 1):+.2f}%), "
-          f"{m['storage_dtype']}, layers {m['target_layer_ids']}, dropped {m.get('dropped') or 'none'}")
+          f"{m['storage_dtype'] if holds_states(m) else 'token-only (no hidden states)'}, layers "
+          f"{m['target_layer_ids']}, dropped {m.get('dropped') or 'none'}")
     return 0

@@ -10,7 +10,9 @@ dflash_train/model/.
 Runs under accelerate with DeepSpeed ZeRO-2 by default (ZeRO-3 or plain DDP by recipe), bf16, gradient
 accumulation and optional gradient checkpointing. The target's embedding and LM head are plain frozen tensors
 held next to the drafter, never inside the module DeepSpeed wraps: they get no gradient, no optimizer state
-and no ZeRO partitioning. Every step is a pure function of (recipe, step): the data order comes from a
+and no ZeRO partitioning. With `data.hidden_states: online` the whole target is held the same way, one replica per
+rank, and computes the tapped states of every micro batch (data.OnlineStates) instead of reading them from the
+store. Every step is a pure function of (recipe, step): the data order comes from a
 per-epoch permutation and the anchors from a generator seeded with (seed, step, micro step, rank), so a run
 resumed from a checkpoint reproduces the loss sequence of an uninterrupted one.
 
@@ -49,7 +51,7 @@ import torch
 import yaml
 
 from dflash_train import objective as obj
-from dflash_train.data import StoreSet, anchor_generator, collate, context_scale, prepare_data
+from dflash_train.data import OnlineStates, StoreSet, anchor_generator, collate, context_scale, prepare_data
 from dflash_train.errors import UserError, decided_by_rank0, run_as_command, write_error, writing
 from dflash_train.model.masks import resolve_attention
 from dflash_train.provenance import (OutputClaim, complete_output, config_differences, shown_pair, start_output,
@@ -65,9 +67,14 @@ STAGE = "train"
 # or memory but not the result (threads, gradient checkpointing, the LM-head chunk). Any other change (data, drafter,
 # objective, optimizer, batch, precision, DeepSpeed, seed) would make the checkpoint's weights, optimizer state or
 # data order mean something else, and is refused before anything is written.
+# data.hidden_states (stored or online) may change too: both are the states of the same tokens from the same target
+# (its identity and tap ids are checked against the store either way), and they differ only by rounding: the storage
+# dtype (bf16, or fp8 with its per-token scale) and the order of the sums in a differently shaped forward. Stores of
+# bf16 and of fp8 states already train together as the same data; a run that runs out of disk may go on online.
 RESUMABLE_KEYS = ("name", "output_dir", "license", "logging", "eval", "checkpoint", "push", "data.eval_samples",
-                  "train.max_steps", "train.epochs", "train.time_budget_s", "train.max_bad_steps", "train.cpu_threads",
-                  "train.gradient_checkpointing", "objective.head_chunk_tokens")
+                  "data.hidden_states", "train.max_steps", "train.epochs", "train.time_budget_s",
+                  "train.max_bad_steps", "train.cpu_threads", "train.gradient_checkpointing",
+                  "objective.head_chunk_tokens")
 
 
 # --- the recipe -----------------------------------------------------------------------------------------------
@@ -134,6 +141,7 @@ class DFlashTrainer:
         self.last_eval: dict[str, Any] = {}
         self.last_checkpoint_step: int | None = None
         self.claim: OutputClaim | None = None
+        self.online: OnlineStates | None = None  # data.hidden_states: online (setup loads the target)
 
     # -- setup ----------------------------------------------------------------------------------------------------
 
@@ -162,7 +170,9 @@ class DFlashTrainer:
             max(1, int(recipe.train.epochs * self.plan.steps_per_epoch))
         self.target_name = target_name = recipe.drafter.target or self.data.stores.manifest["target"]["name"]
         check_store_against_target(self.data.stores, target_name)
-        drafter, self.drafter_config = build_drafter(recipe, self.data.stores, target_name, self.data.train_indices)
+        self.online = self.load_online_target(target_name) if recipe.data.hidden_states == "online" else None
+        drafter, self.drafter_config = build_drafter(recipe, self.data.stores, target_name, self.data.train_indices,
+                                                     self.online)
         if recipe.train.gradient_checkpointing:
             drafter.gradient_checkpointing_enable()
         self.embed, self.head = self.load_target_parts(target_name)
@@ -193,7 +203,8 @@ class DFlashTrainer:
                   f"({len(self.plan.rows)} rows, {self.plan.steps_per_epoch} steps/epoch), {self.total_steps} steps"
                   + (f" or {recipe.train.time_budget_s:g} s of training" if recipe.train.time_budget_s else "")
                   + f", {self.world} process(es) on {self.device.type}, attention={self.attention}, "
-                  f"deepspeed={recipe.train.deepspeed}", flush=True)
+                  f"deepspeed={recipe.train.deepspeed}, hidden states {self.state_source()['hidden_states']}",
+                  flush=True)
 
     def claim_run_folder(self) -> OutputClaim:
         """Rank 0, before anything is written: claim and lock the run folder, and refuse a resume whose recipe
@@ -217,6 +228,32 @@ class DFlashTrainer:
         write_provenance(self.run_dir, config=recipe.to_dict(), stage=STAGE, recipe_file=self.recipe_path,
                          overrides=list(self.overrides), world_size=self.world, precision=self.precision.as_dict())
         print(f"train: compute dtype {self.precision.describe()}", flush=True)
+
+    def load_online_target(self, target_name: str) -> OnlineStates:
+        """data.hidden_states: online: this rank's own replica of the whole target, frozen (eval mode, no gradients)
+        in the run's compute dtype on this rank's device, held next to the drafter like the embedding and LM head
+        (under ZeRO-3, transformers would build it partitioned by DeepSpeed's zero.Init: it is loaded with DeepSpeed's
+        config hidden from transformers, then the config is restored)."""
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+        from dflash_train.target import load_target
+
+        plugin = self.accelerator.state.deepspeed_plugin
+        zero3 = plugin is not None and is_deepspeed_zero3_enabled()
+        if zero3:
+            unset_hf_deepspeed_config()
+        try:
+            target = load_target(target_name, dtype=self.precision.dtype, device=self.device)
+        finally:
+            if zero3:
+                plugin.set_deepspeed_weakref()
+        return OnlineStates(target, self.data.stores.manifest["target_layer_ids"], self.recipe.data.max_length)
+
+    def state_source(self) -> dict[str, Any]:
+        """Where the drafter's input states come from, as the run records it (training_args.json, provenance)."""
+        if self.online is None:
+            return {"hidden_states": "stored"}
+        return {"hidden_states": "online", "computed_by": self.target_name, "compute_dtype": self.precision.name}
 
     def load_target_parts(self, target_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's embedding and LM head: plain frozen tensors next to the drafter, never inside the module
@@ -304,8 +341,10 @@ class DFlashTrainer:
         stats.lr = self.optimizer.param_groups[0]["lr"]
         t0 = time.time()
         for micro in range(plan.grad_accum):
-            rows = plan.rows_for(step, micro, self.rank)
-            batch = collate([[self.data.stores[i] for i in row] for row in rows], recipe.data.max_length)
+            rows = [[self.data.stores[i] for i in row] for row in plan.rows_for(step, micro, self.rank)]
+            if self.online is not None:
+                rows = self.online.add(rows)
+            batch = collate(rows, recipe.data.max_length)
             num_tokens = int(batch.pop("num_tokens"))
             batch = {k: v.to(self.device) for k, v in batch.items()}
             blocks = obj.sample_anchors(batch["loss_mask"], recipe.objective.num_anchors, B,
@@ -379,7 +418,8 @@ class DFlashTrainer:
         correct, counted = torch.zeros(B), torch.zeros(B)
         lengths = []
         for i, sample in enumerate(samples):
-            batch = {k: v.to(self.device) for k, v in collate([[sample]], recipe.data.max_length).items()}
+            rows = [[sample]] if self.online is None else self.online.add([[sample]])
+            batch = {k: v.to(self.device) for k, v in collate(rows, recipe.data.max_length).items()}
             blocks = obj.sample_anchors(batch["loss_mask"], recipe.objective.num_anchors, B,
                                         anchor_generator(recipe.seed, -1, i, 0))
             out = obj.dflash_loss(drafter, self.embed, self.head, batch, blocks, mask_token_id=mask_id,
@@ -465,7 +505,7 @@ class DFlashTrainer:
         final.set_context_scale(self.core.context_scale)  # save_drafter folds it into fc
         dtype = checkpoint_dtype(self.target_name) or self.precision.dtype
         save_drafter(final.to(dtype), self.drafter_config, out)
-        recorded = {**summary, "precision": self.precision.as_dict()}
+        recorded = {**summary, "precision": self.precision.as_dict(), **self.state_source()}
         write_json_atomic(out / "training_args.json",
                           {"recipe": recipe.to_dict(), "data": self.data.stores.summary(), "run": recorded})
         write_provenance(out, config=recipe.to_dict(), stage=STAGE, run=recorded, stores=self.data.stores.folders)
@@ -740,10 +780,12 @@ def check_store_against_target(stores: StoreSet, target_name: str) -> None:
                f"target)", Features(identity, None, identity.hidden_size))
 
 
-def build_drafter(recipe: Recipe, stores: StoreSet, target_name: str, train_indices: list[int] | None = None):
+def build_drafter(recipe: Recipe, stores: StoreSet, target_name: str, train_indices: list[int] | None = None,
+                  online: OnlineStates | None = None):
     """(model, config) of the drafter this recipe starts from: shaped like the target, tapping the store's layers,
     random (seeded), from the target's top layers, or from a published drafter (`drafter.init_from`, whose shape
-    it takes; its source is recorded in config.json as `fine_tuned_from`)."""
+    it takes; its source is recorded in config.json as `fine_tuned_from`). `online`: the states drafter.context_norm
+    measures are computed."""
     from transformers import AutoConfig
 
     from dflash_train.model.checkpoint import (create_drafter, drafter_to_start_from, init_from_target, load_start,
@@ -774,7 +816,7 @@ def build_drafter(recipe: Recipe, stores: StoreSet, target_name: str, train_indi
     torch.manual_seed(recipe.seed)
     drafter = create_drafter(config)
     if d.context_norm:
-        drafter.set_context_scale(context_scale(stores, train_indices or list(range(len(stores)))))
+        drafter.set_context_scale(context_scale(stores, train_indices or list(range(len(stores))), online=online))
     if start is not None:
         load_start(drafter, start.state)
     elif d.init == "target":

@@ -187,6 +187,46 @@ def test_logged_responses_path(prompts_dir, tiny_target_dir, tiny_target, tmp_pa
     assert framed and ids[-1] == eos  # the chat template frames it; its trailing newline is cut
 
 
+def test_a_token_only_capture_stores_the_same_tokens_without_states(prompts_dir, tiny_target_dir, one_process_store,
+                                                                    tmp_path):
+    out = tmp_path / "tokens"
+    manifest = capture(config(prompts_dir, tiny_target_dir, out, storage="none"))
+    full, st = open_store(one_process_store), open_store(out)
+    assert manifest["kind"] == "tokens" and st.manifest["target_layer_ids"] == LAYERS and verify_store(out) == []
+    by_id = {item["id"]: item for item in full}
+    assert sorted(st.ids) == sorted(by_id)
+    for item in st:
+        ref = by_id[item["id"]]
+        assert "hidden_states" not in item and item["weight"] == ref["weight"]
+        assert torch.equal(item["input_ids"], ref["input_ids"]) and torch.equal(item["loss_mask"], ref["loss_mask"])
+    assert st.manifest["bytes"] < full.manifest["bytes"] / 10  # 384 bytes of states per token at this tiny width
+
+
+def test_a_token_only_capture_of_given_responses_runs_no_forward(prompts_dir, tiny_target_dir, tmp_path,
+                                                                 monkeypatch):
+    """Logged or engine-generated responses need the target's forward only for states or top-k: a token-only
+    capture without --store-topk runs none; with it, the prefill runs for the top-k and still stores no states."""
+    from dflash_train import capture as capture_mod
+    from dflash_train import engine
+
+    real_forward = capture_mod._forward
+    monkeypatch.setattr(capture_mod, "_forward", lambda *a, **k: pytest.fail("the target ran a forward"))
+    capture(config(prompts_dir, tiny_target_dir, tmp_path / "logged", responses="logged", storage="none", limit=6))
+    monkeypatch.setattr(engine, "check_vllm", lambda: None)  # the engine's responses, as vLLM would return them
+    monkeypatch.setattr(capture_mod, "engine_responses",
+                        lambda cfg, target, rendered, stop: {r.id: [7, 8, 9] + stop[:1] for r, _ in rendered})
+    capture(config(prompts_dir, tiny_target_dir, tmp_path / "engine", engine="vllm", storage="none", limit=6))
+    engine_store = open_store(tmp_path / "engine")
+    assert len(engine_store) == 6 and all(item["input_ids"][-4:-1].tolist() == [7, 8, 9] for item in engine_store)
+    assert len(open_store(tmp_path / "logged")) == 6
+    monkeypatch.setattr(capture_mod, "_forward", real_forward)
+    capture(config(prompts_dir, tiny_target_dir, tmp_path / "topk", responses="logged", storage="none", limit=6,
+                   store_topk=3))
+    st = open_store(tmp_path / "topk")
+    assert st.manifest["floor_bytes_per_token"] == 5 + 3 * 6
+    assert all("hidden_states" not in item and item["topk_ids"].shape[1] == 3 for item in st)
+
+
 def test_sampling_settings_and_seeded_sampling():
     logged = PromptRecord(id="a", messages=[], sampling={"temperature": 0.7, "top_p": 0.9})
     assert sampling_for(logged, None, None) == Sampling(0.7, 0.9)

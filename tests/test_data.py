@@ -95,3 +95,63 @@ def test_stores_trained_together_must_fit(tmp_path):
         StoreSet([a, store("c", [2], identity)])
     with pytest.raises(UserError, match=r"store .*/d does not fit .*its target's tokenizer differs"):
         StoreSet([a, store("d", [1], {**identity, "tokenizer_hash": "x"})])
+
+
+# --- hidden states computed online (data.hidden_states: online) ---------------------------------------------------
+
+
+def _tokens(target, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(6, 800, (n,), generator=g)
+
+
+def test_online_states_of_a_padded_micro_batch_are_each_samples_own_states(tiny_target):
+    """Rows of packed samples of different lengths, one batched prefill: every sample gets the states a forward of it
+    alone gives (HF hidden_states[i + 1] of the tapped layers, every position), cut at max_length, and collate puts
+    them where a store's states go."""
+    from tolerance import model_tolerance
+
+    from dflash_train.data import OnlineStates
+
+    layers = [1, 3, 5]
+    samples = [{"input_ids": _tokens(tiny_target, n, n), "loss_mask": torch.ones(n, dtype=torch.bool)}
+               for n in (7, 19, 12, 30)]
+    online = OnlineStates(tiny_target, layers, max_length=24)
+    rows = online.add([[samples[0], samples[1]], [samples[2]], [samples[3]]])
+    flat = [s for row in rows for s in row]
+    assert [len(row) for row in rows] == [2, 1, 1]
+    assert all(s["input_ids"] is o["input_ids"] for s, o in zip(flat, samples))  # only the states are added
+    for sample, got in zip(samples, flat):
+        ids = sample["input_ids"][:24]
+        hidden = tiny_target.model(ids[None], output_hidden_states=True).hidden_states
+        ref = torch.cat([hidden[i + 1][0] for i in layers], dim=-1)
+        assert got["hidden_states"].shape == (len(ids), 3 * 64)
+        torch.testing.assert_close(got["hidden_states"], ref, rtol=0,
+                                   atol=model_tolerance(tiny_target.config, ref))
+    batch = collate(rows, max_length=24)
+    assert torch.equal(batch["hidden_states"][0, 7:24], rows[0][1]["hidden_states"][:17])  # packed after sample 0
+    assert not batch["hidden_states"][1, 12:].any()  # padding stays zero, as with stored states
+
+
+def test_stored_states_need_a_store_that_holds_them(tmp_path):
+    from dflash_train.data import check_state_source, prepare_data
+    from dflash_train.recipe import Recipe
+    from dflash_train.store import StoreWriter
+
+    for name, storage in (("states", "bf16"), ("tokens", "none")):
+        with StoreWriter(tmp_path / name, target={"name": "x"}, target_layer_ids=[1], hidden_size=8,
+                         storage_dtype=storage) as writer:
+            for k in range(4):
+                writer.add(torch.arange(6), torch.ones(6, dtype=torch.bool),
+                           torch.randn(6, 8) if storage == "bf16" else None, id=f"s{k}")
+    recipe = Recipe()
+    recipe.data.stores = [str(tmp_path / "states")]
+    recipe.data.eval_store = str(tmp_path / "tokens")
+    with pytest.raises(UserError, match=rf"^store {tmp_path / 'tokens'} is token-only .* set data.hidden_states: "
+                                        r"online"):
+        prepare_data(recipe, 1)
+    recipe.data.hidden_states = "online"  # the trainer computes them: token-only stores are fine, mixed too
+    data = prepare_data(recipe, 1)
+    assert "hidden_states" not in data.eval_samples[0]
+    check_state_source(recipe, [StoreSet([str(tmp_path / "tokens")])])
+    assert data.stores.summary()["stores"][0]["kind"] == "states"

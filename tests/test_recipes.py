@@ -51,13 +51,25 @@ def test_the_demo_recipe_uses_the_combination_the_ablation_chose():
     assert demo.decay_gamma == 3.0 and (demo.train.micro_batch_size, demo.objective.num_anchors) == (2, 32)
 
 
-@pytest.mark.parametrize("name", ["qwen3-8b-b200x8.yaml", "qwen3.5-122b-a10b-b200x8.yaml"])
+@pytest.mark.parametrize("name", ["qwen3-8b-b200x8.yaml", "qwen3.5-122b-a10b-b200x8.yaml",
+                                  "qwen3-8b-online-b200x8.yaml"])
 def test_production_recipes_follow_the_dflash_literature(name):
     r = load_recipe(REPO / "recipes" / name)
     assert (r.drafter.num_layers, r.objective.num_anchors, r.train.epochs, r.data.max_length) == (5, 512, 6, 3072)
     assert r.optimizer.lr == 6e-4 and r.optimizer.schedule == "cosine" and r.drafter.init == "random"
     assert r.decay_gamma == 7.0
     assert r.train.precision == "auto" and r.train.deepspeed.endswith("zero2.json")
+
+
+def test_the_online_recipe_is_the_stored_one_with_its_states_computed():
+    stored = load_recipe(REPO / "recipes" / "qwen3-8b-b200x8.yaml").to_dict()
+    online = load_recipe(REPO / "recipes" / "qwen3-8b-online-b200x8.yaml").to_dict()
+    assert online["data"].pop("hidden_states") == "online" and stored["data"].pop("hidden_states") == "stored"
+    assert online["data"].pop("stores") == ["data/store/qwen3-8b-tokens"]
+    stored["data"].pop("stores")
+    for key in ("name", "output_dir"):
+        assert online.pop(key) != stored.pop(key)
+    assert online == stored
 
 
 def test_accelerate_and_deepspeed_configs_parse():

@@ -400,3 +400,49 @@ def test_the_plan_captures_through_whichever_way_stores_more_prompts_here(demo_p
     forced = demo.make_plan(demo.parse_args(["--target", str(tiny_target_dir), "--max-prompt-tokens", "60",
                                              "--capture-engine", "own"]), demo_prompts, engine_faster, 140.0)
     assert forced["capture_engine"] == "own"
+
+# --- stored states or online training (scripts/bench_online.py) ----------------------------------------------------
+
+
+RATES = {"capture_states_tok_s": 100.0, "capture_tokens_tok_s": 200.0, "train_stored_tok_s": 800.0,
+         "train_online_tok_s": 400.0, "state_bytes_per_token": 5760.0}
+
+
+def test_break_even_epochs_weigh_the_capture_once_against_every_epoch():
+    import bench_online
+
+    # states cost 1/100 - 1/200 = 5 ms per token once; online costs 1/400 - 1/800 = 1.25 ms per token and epoch
+    assert bench_online.break_even_epochs(RATES) == pytest.approx(4.0)
+    assert bench_online.break_even_epochs({**RATES, "train_online_tok_s": 800.0}) == float("inf")
+    assert bench_online.break_even_epochs({**RATES, "capture_tokens_tok_s": 90.0}) == 0.0
+
+
+def test_choose_hidden_states_stores_from_the_break_even_on_unless_the_disk_is_too_small():
+    import bench_online
+
+    assert bench_online.choose_hidden_states(RATES, 6)[0] == "stored"
+    assert bench_online.choose_hidden_states(RATES, 4)[0] == "stored"  # a tie: nothing to gain by recomputing
+    choice, reason = bench_online.choose_hidden_states(RATES, 3)
+    assert choice == "online" and "break-even 4.00" in reason
+    assert bench_online.choose_hidden_states({**RATES, "train_online_tok_s": 900.0}, 100)[0] == "online"
+    fits = bench_online.choose_hidden_states(RATES, 6, tokens=10**6, disk_free_bytes=10 * 2**30)
+    assert fits[0] == "stored"  # 5.4 GiB of states, 10 GiB free
+    choice, reason = bench_online.choose_hidden_states(RATES, 6, tokens=10**6, disk_free_bytes=6 * 2**30)
+    assert choice == "online" and "5.4 GiB" in reason and "80% of the 6.0 GiB free" in reason
+
+
+def test_probe_measures_both_captures_and_both_training_steps(tiny_target):
+    import bench_online
+
+    from dflash_train.recipe import Recipe
+
+    recipe = Recipe()
+    recipe.drafter.num_layers, recipe.drafter.block_size, recipe.objective.num_anchors = 1, 4, 8
+    recipe.data.max_length, recipe.train.micro_batch_size = 48, 2
+    prompts = [tiny_target.render([{"role": "user", "content": text}]) for text in ("Hi", "Tell me about Rome.")]
+    rates = bench_online.probe_rates(tiny_target, prompts, recipe, max_new_tokens=4, batch_size=2, steps=2,
+                                     layer_ids=[1, 3, 5])
+    for key in ("capture_states_tok_s", "capture_tokens_tok_s", "train_stored_tok_s", "train_online_tok_s"):
+        assert 0 < rates[key] < float("inf"), key
+    assert rates["state_bytes_per_token"] == 3 * 64 * 2 and rates["token_bytes_per_token"] == 5
+    assert bench_online.choose_hidden_states(rates, 1)[0] in ("stored", "online")

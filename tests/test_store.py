@@ -96,6 +96,34 @@ def test_fp8_round_trip(tmp_path):
     assert torch.equal(store_mod.dequantize_fp8(q, scales), (q.float() * scales[:, None]).to(torch.bfloat16))
 
 
+def test_a_token_only_store_holds_everything_but_the_states(tmp_path, capsys):
+    """storage_dtype "none": ids, mask, weights and ids as before, no hidden_states; the manifest says kind tokens
+    and still names the layers and width the states would have (what training computes online)."""
+    samples = make_samples(12, 5 * 576, min_len=100, max_len=300)  # SmolLM2's width
+    write(tmp_path / "states", samples, layers=(1, 7, 14, 20, 27), hidden=576)
+    tokens_only = [{k: v for k, v in s.items() if k != "hidden_states"} | {"hidden_states": None} for s in samples]
+    write(tmp_path / "tokens", tokens_only, layers=(1, 7, 14, 20, 27), hidden=576, storage_dtype="none")
+    st, full = open_store(tmp_path / "tokens"), open_store(tmp_path / "states")
+    m = st.manifest
+    assert (m["kind"], full.manifest["kind"]) == ("tokens", "states")
+    assert m["storage_dtype"] == "none" and m["target_layer_ids"] == [1, 7, 14, 20, 27] and m["hidden_size"] == 576
+    assert m["floor_bytes_per_token"] == 5  # an int32 id and a bool mask per token
+    assert [st.length(i) for i in range(len(st))] == [full.length(i) for i in range(len(full))]
+    for item, ref in zip(st, samples):
+        assert "hidden_states" not in item and item["id"] == ref["id"] and item["weight"] == ref["weight"]
+        assert torch.equal(item["input_ids"], ref["input_ids"]) and torch.equal(item["loss_mask"], ref["loss_mask"])
+    assert full.manifest["bytes"] / m["bytes"] > 1000  # 5,760 bytes of states per token against about 5.5
+    assert verify_store(tmp_path / "tokens") == []
+    assert cli_main(["verify", str(tmp_path / "tokens")]) == 0
+    assert "token-only (no hidden states)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="None \\(a token-only store\\)"):
+        write(tmp_path / "mixed", samples[:1], layers=(1, 7, 14, 20, 27), hidden=576, storage_dtype="none")
+    with pytest.raises(ValueError, match=r"\[S, 2880\]"):
+        write(tmp_path / "missing", tokens_only[:1], layers=(1, 7, 14, 20, 27), hidden=576)
+    with pytest.raises(UserError, match="storage_dtype"):  # a token-only store is never resumed with states
+        write(tmp_path / "tokens", samples[:1], layers=(1, 7, 14, 20, 27), hidden=576)
+
+
 def test_nonfinite_samples_dropped_and_counted(tmp_path):
     samples = make_samples(6, 24)
     samples[2]["hidden_states"][1, 3] = float("nan")

@@ -221,6 +221,71 @@ def test_two_processes_zero2_identical_ranks_and_kill_resume(chain_store, tmp_pa
     assert [r["loss"] for r in read_metrics(killed)] == ref_losses
 
 
+def prefill_stores(target, out: Path, num_samples: int = 4, cycle_len: int = 16) -> tuple[Path, Path]:
+    """Two stores of the same samples (prompt + a response walking a fixed cycle, as `capture_tiny_store`): one
+    with the states `capture --responses logged` records (capture.prefill_capture, one sample at a time, in the
+    target's dtype, stored as bf16) and one token-only (`capture --storage none`)."""
+    from dflash_train.capture import prefill_capture
+    from dflash_train.store import StoreWriter
+
+    g = torch.Generator().manual_seed(0)
+    cycle = torch.arange(6, 484)[torch.randperm(478, generator=g)[:cycle_len]].tolist()
+    paths = out / "states", out / "tokens"
+    writers = [StoreWriter(path, target=target.identity().to_dict(), target_layer_ids=LAYERS,
+                           hidden_size=target.config.hidden_size, storage_dtype=storage,
+                           generation={"temperature": 0.0, "responses": "logged", "template_kwargs": {}})
+               for path, storage in zip(paths, ("bf16", "none"))]
+    for k in range(num_samples):
+        prompt = target.render([{"role": "user", "content": PROMPTS[k % len(PROMPTS)]}])
+        response = [cycle[(5 * k + i) % cycle_len] for i in range(40 + 9 * k)]
+        got = prefill_capture(target.model, [prompt + response], [len(prompt)], LAYERS,
+                              target.tokenizer.pad_token_id)[0]
+        loss_mask = torch.zeros(len(got.input_ids), dtype=torch.bool)
+        loss_mask[len(prompt):] = True
+        for writer, states in zip(writers, (got.hidden_states, None)):
+            writer.add(torch.tensor(got.input_ids), loss_mask, states, id=f"p{k}")
+    for writer in writers:
+        writer.close()
+    return paths
+
+
+@pytest.mark.slow
+def test_online_states_train_exactly_as_the_stored_ones_in_two_processes(tiny_target_dir, tmp_path):
+    """Stored states against states the target computes in training (data.hidden_states: online) on a token-only
+    store of the same tokens, same seed, 2 processes, bf16. The tolerance derived from the computation is zero: the
+    store holds what capture's prefill gave each sample alone in bf16, and online training runs that very prefill
+    (capture.prefill_capture) on each micro batch of one sample, same shape, same dtype, so every state is the same
+    bits and so are the losses, the held-out loss and simulated tau, and the weights. (Micro batches of several
+    samples are left-padded: their states then differ by rounding order, within tolerance.model_tolerance, see
+    test_data.py.) A wrong tap, shift or truncation moves the losses by 0.04 to 0.4 after one update."""
+    from dflash_train.target import load_target
+
+    states, tokens = prefill_stores(load_target(str(tiny_target_dir), dtype=torch.bfloat16), tmp_path)
+    runs = {}
+    for source, store in (("stored", states), ("online", tokens)):
+        run = tmp_path / source
+        proc = launch(write_recipe(tmp_path / f"{source}.yaml", store, run, data={"hidden_states": source,
+                                                                                   "eval_samples": 2},
+                                   train={"max_steps": 4, "micro_batch_size": 1, "grad_accum_steps": 2,
+                                          "precision": "bf16"}, optimizer={"lr": 3.0e-3}), 2)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"hidden states {source}" in proc.stdout
+        runs[source] = run
+    losses = {source: [r["loss"] for r in read_metrics(run)] for source, run in runs.items()}
+    assert len(losses["stored"]) == 4 and all(math.isfinite(x) for x in losses["stored"])
+    assert losses["online"] == losses["stored"]
+    evals = {source: read_metrics(run, "eval")[-1] for source, run in runs.items()}
+    assert evals["online"]["eval_loss"] == evals["stored"]["eval_loss"]
+    assert evals["online"]["eval_sim_tau"] == evals["stored"]["eval_sim_tau"]
+    digests = {source: checkpoint_states(run)[4]["rank_parameter_digests"] for source, run in runs.items()}
+    assert digests["online"] == digests["stored"] and len(set(digests["online"])) == 1
+    recorded = json.loads((runs["online"] / "drafter" / "training_args.json").read_text())
+    assert recorded["run"]["hidden_states"] == "online" and recorded["run"]["compute_dtype"] == "bf16"
+    assert recorded["recipe"]["data"]["hidden_states"] == "online" and recorded["data"]["stores"][0]["kind"] == "tokens"
+    stored = json.loads((runs["stored"] / "drafter" / "training_args.json").read_text())["run"]
+    assert stored["hidden_states"] == "stored" and "computed_by" not in stored
+
+
 @pytest.mark.slow
 def test_non_finite_steps_are_skipped_then_abort(chain_store, tmp_path):
     bad_store = poison_store(chain_store, tmp_path / "poisoned", bad=[1, 2, 3])
@@ -578,6 +643,23 @@ def test_a_run_whose_weights_turn_non_finite_writes_no_checkpoint_and_no_drafter
     line = next(x for x in proc.stderr.splitlines() if x.startswith("train: error:"))
     assert "step 1: the drafter's weights hold NaN or inf" in line and "no checkpoint was written" in line, line
     assert tr.checkpoint_dirs(run) == [] and not (run / "drafter").exists()
+
+
+def test_a_run_may_resume_with_the_states_computed_instead_of_stored(tmp_path):
+    """data.hidden_states changes the states only by rounding (the same target's states of the same tokens), so it
+    may change on resume (a run that runs out of disk goes on online); the stores themselves may not."""
+    from dflash_train.recipe import Recipe
+
+    recipe = Recipe()
+    recipe.data.stores = ["data/store/a"]
+    checkpoint = tmp_path / "checkpoints" / "step-0000002"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / tr.STATE_FILE).write_text(json.dumps({"step": 2, "world_size": 1, "recipe": recipe.to_dict()}))
+    recipe.data.hidden_states = "online"
+    tr.check_resumable(checkpoint, recipe, tmp_path, 1)
+    recipe.data.stores = ["data/store/a-tokens"]
+    with pytest.raises(UserError, match=r'data.stores.0 "data/store/a" -> "data/store/a-tokens"'):
+        tr.check_resumable(checkpoint, recipe, tmp_path, 1)
 
 
 def test_nonfinite_parameters_are_named():
