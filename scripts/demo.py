@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default=".", help="where data/, runs/, eval/ and push/ go (default: repo root)")
     p.add_argument("--name", default=None, help="names the store, run, eval and push folders (default: "
-                                                 "smollm2-demo, or the first log's name, e.g. router for router.jsonl)")
+                                                 "the log's name with one log, e.g. router for router.jsonl; else smollm2-demo)")
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--logs", nargs="*", default=[], help="production logs to ingest: one application's traffic "
                                                          "(default: the broad ShareGPT traffic of the package)")
@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plan", dest="plan", action="store_false",
                    help="skip the probe: use --capture-limit and the recipe's steps as given")
     args = p.parse_args(argv)
-    workload = workload_name(args.logs[0]) if args.logs else None
+    workload = workload_name(args.logs[0]) if len(args.logs) == 1 else None  # several logs: no one application
     args.name = args.name or workload or "smollm2-demo"
     args.prompts_name = args.prompts_name or (args.name if args.logs else "sharegpt")
     return args
