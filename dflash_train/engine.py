@@ -48,6 +48,9 @@ JOB_FILE, RESULT_FILE, LOG_FILE = "job.json", "result.json", "engine.log"
 # heavy steps run slower and vLLM warns).
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
+# A vLLM worker keeps polling its message queue for 1 s after its last request (shm_broadcast's busy loop): the
+# timed protocol waits this long before each timed request, so that the other engine's worker is asleep.
+IDLE_S = 1.2
 
 
 @dataclass
@@ -444,7 +447,7 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
        beside the plain one and warms up; every prompt is decoded `repeats` times by each side, alone, at its
        natural length with `ignore_eos` (both sides decode the same number of tokens; greedy: the same tokens),
        alternating which side goes first from prompt to prompt and from repeat to repeat (ABBA), so that a change
-       of load on the machine hits both alike; then each concurrency c: the first c prompts (cycled), decoded
+       of load on the machine hits both alike, each run IDLE_S after the last; then each concurrency c: the first c prompts (cycled), decoded
        together, the same way. Every run is timed by the engine core (from the arrival of its first request to its
        last token: `core_s`; from its first token to its last: `decode_s`) and by a stopwatch around the call
        (`wall_s`). The speculative engine is shut down before the next K starts."""
@@ -481,6 +484,7 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
             for repeat in range(job.repeats):
                 parity = (len(run["batch1"]) + len(run["concurrency"]) + repeat) % 2
                 for side in ("plain", "spec") if parity == 0 else ("spec", "plain"):
+                    time.sleep(IDLE_S)
                     got = generate(sides[side], batch)
                     for clock in ("core_s", "decode_s", "wall_s"):
                         times.setdefault(f"{side}_{clock}", []).append(getattr(got, clock))

@@ -35,7 +35,7 @@ from dflash_train import sampling
 from dflash_train.card import serving_tables, with_interval
 from dflash_train.errors import UserError, writing
 from dflash_train.model.configuration import mask_token_problem
-from dflash_train.engine import engine_args_problem
+from dflash_train.engine import IDLE_S, engine_args_problem
 from dflash_train.options import add_options, at_least, each, from_args, option, validate
 from dflash_train.provenance import (OutputClaim, complete_output, read_json, sha256_file, start_output,
                                      write_json_atomic, write_provenance)
@@ -442,9 +442,10 @@ HEADLINE = ("tau", "tau_interval", "tau_steps", "per_position_acceptance", "tau_
 TIMING_PROTOCOL = ("warm engines (one short request each first), plain and speculative side by side in one process; "
                    "each prompt decoded alone to its natural stop by plain decoding, then timed plain and speculative "
                    "at that length with ignore_eos (the same number of new tokens on both sides), alternating which "
-                   "side goes first; timed by the engine core from the request's arrival to its last token (the "
-                   "decode phase alone: from its first token) and by a stopwatch around the whole request; "
-                   "concurrency c: the first c prompts (cycled) decoded together, timed the same way")
+                   f"side goes first, each request {IDLE_S} s after the last (the idle engine stops polling); timed "
+                   "by the engine core from the request's arrival to its last token (the decode phase alone: from "
+                   "its first token) and by a stopwatch around the whole request; concurrency c: the first c "
+                   "prompts (cycled) decoded together, timed the same way")
 
 
 def k_sweep_order(max_k: int) -> list[int]:
