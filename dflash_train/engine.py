@@ -15,9 +15,9 @@ child, each warmed up; every prompt decoded first to its natural stop (the refer
 timed plain and speculative at that fixed length (`ignore_eos`: both sides decode the same number of tokens),
 alternating which goes first, at batch 1 and at the requested concurrencies; each run timed twice, by the engine
 core's timestamps (request arrival, first and last token) and by a stopwatch around the call. Acceptance comes from
-vLLM's per-request
-speculative-decoding metrics (the accepted drafts of every verification step). The prompts are token ids rendered
-by the project (`target.render`), so the engine and the project's loop decode the very same prompts.
+vLLM's per-request speculative-decoding metrics (the accepted drafts of every verification step). The prompts are
+token ids rendered by the project (`target.render`), so the engine and the project's loop decode the very same
+prompts.
 
 The user's own engine arguments (`--engine-args '{"tensor_parallel_size": 8}'`) go on top of the job's, checked
 first by vLLM's own argument parser (`engine_args_problem`).
@@ -81,7 +81,7 @@ class EngineJob:
     stream_to: str | None = None
     chunk: int = 256
     kv_cache_bytes: int | None = None  # None: sized from the job (see `kv_cache_bytes_for`)
-    engine_args: dict[str, Any] = field(default_factory=dict)  # the user's, over the job's (check_engine_args)
+    engine_args: dict[str, Any] = field(default_factory=dict)  # the user's, over the job's (engine_args_problem)
     # timed mode: the speculation lengths K to measure (the first always, each next one while `budget_s`, counted
     # from the child's start, affords it), the concurrencies timed beside batch 1, timed runs per prompt and side
     speculative_tokens: list[int] = field(default_factory=list)
@@ -104,7 +104,7 @@ class EngineJob:
                                             "num_speculative_tokens": k}
         if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & self.engine_args.keys():
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes or kv_cache_bytes_for(self)
-        return {**{k: v for k, v in kwargs.items() if v is not None}, **self.engine_args}
+        return {**{key: value for key, value in kwargs.items() if value is not None}, **self.engine_args}
 
 
 GiB = 1 << 30
@@ -212,7 +212,6 @@ class EngineOutput:
     token_ids: list[int]
     finish_reason: str | None
     decode_s: float  # engine-core time from the first to the last generated token
-    request_s: float = float("nan")  # engine-core time from the request's arrival to its last token
     accepted: list[int] = field(default_factory=list)  # accepted drafts per verification step (speculative only)
     drafted: list[int] = field(default_factory=list)  # drafts proposed per verification step
 
@@ -447,8 +446,8 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
        beside the plain one and warms up; every prompt is decoded `repeats` times by each side, alone, at its
        natural length with `ignore_eos` (both sides decode the same number of tokens; greedy: the same tokens),
        alternating which side goes first from prompt to prompt and from repeat to repeat (ABBA), so that a change
-       of load on the machine hits both alike, each run IDLE_S after the last; then each concurrency c: the first c prompts (cycled), decoded
-       together, the same way. Every run is timed by the engine core (from the arrival of its first request to its
+       of load on the machine hits both alike, each run IDLE_S after the last; then each concurrency c: the first
+       c prompts (cycled), decoded together, the same way. Every run is timed by the engine core (from the arrival of its first request to its
        last token: `core_s`; from its first token to its last: `decode_s`) and by a stopwatch around the call
        (`wall_s`). The speculative engine is shut down before the next K starts."""
     import gc
@@ -506,11 +505,9 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
 def _output(request: EngineRequest, result: Any) -> dict[str, Any]:
     out = result.outputs[0]
     spec, stats = out.spec_decode_metrics, result.metrics
-    nan = float("nan")
+    decode_s = (stats.last_token_ts - stats.first_token_ts) if stats is not None else float("nan")
     return asdict(EngineOutput(id=request.id, token_ids=list(out.token_ids), finish_reason=out.finish_reason,
-                               decode_s=stats.last_token_ts - stats.first_token_ts if stats is not None else nan,
-                               request_s=stats.last_token_ts - stats.queued_ts if stats is not None else nan,
-                               accepted=list(spec.per_step_accepted) if spec is not None else [],
+                               decode_s=decode_s, accepted=list(spec.per_step_accepted) if spec is not None else [],
                                drafted=list(spec.per_step_drafted) if spec is not None else []))
 
 

@@ -33,9 +33,9 @@ import torch
 
 from dflash_train import sampling
 from dflash_train.card import serving_tables, with_interval
+from dflash_train.engine import IDLE_S, engine_args_problem
 from dflash_train.errors import UserError, writing
 from dflash_train.model.configuration import mask_token_problem
-from dflash_train.engine import IDLE_S, engine_args_problem
 from dflash_train.options import add_options, at_least, each, from_args, option, validate
 from dflash_train.provenance import (OutputClaim, complete_output, read_json, sha256_file, start_output,
                                      write_json_atomic, write_provenance)
@@ -128,7 +128,7 @@ def bootstrap_interval(statistic: Callable[[list[int]], float | None], n: int, r
                        level: float = 0.95, seed: int = 0) -> list[float] | None:
     """The percentile interval (95%) of `statistic` over prompts: `statistic(indices)` of `resamples` resamples of
     the n prompt indices with replacement, seeded; None with fewer than two prompts. Every interval of the report
-    (tau, speedups, tokens/s) is this one."""
+    (tau, the speedups) is this one."""
     values = sorted(v for v in map(statistic, bootstrap_resamples(n, resamples, seed)) if v is not None
                     and math.isfinite(v))
     if n < 2 or not values:
@@ -484,7 +484,7 @@ def _mean_times(run: dict[str, Any]) -> dict[str, float]:
 
 def k_row(run: dict[str, Any], natural: dict[str, Any], greedy: bool) -> dict[str, Any]:
     """One speculation length's figures from its timed runs (engine._timed): tau and acceptance by position from
-    vLLM's verification steps, tokens/s and speedup by both clocks with intervals, the lossless check against the
+    vLLM's verification steps, tokens/s and speedup by each clock with intervals, the lossless check against the
     plain outputs, and the per-prompt figures."""
     from dflash_train.engine import EngineOutput, engine_steps
 
@@ -723,10 +723,10 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
         raise UserError(f"all {len(too_long)} prompts of {cfg.prompts} (split {cfg.split!r}) are longer than "
                         f"--max-prompt-tokens {cfg.max_prompt_tokens}: nothing to evaluate")
     report: dict[str, Any] = {
-        "tau": None, "tau_interval": None, "tau_steps": None, "tau_offline": None, "tau_gap": None, "lossless_mismatches": None,
-        "lossless_checked": 0, "lossless_mismatches_fp32": None, "per_position_acceptance": None,
-        "tau_histogram": None, "tokens_per_s": None, "tokens_per_s_baseline": None, "speedup": None,
-        "speedup_interval": None,
+        "tau": None, "tau_interval": None, "tau_steps": None, "tau_offline": None, "tau_gap": None,
+        "lossless_mismatches": None, "lossless_checked": 0, "lossless_mismatches_fp32": None,
+        "per_position_acceptance": None, "tau_histogram": None, "tokens_per_s": None, "tokens_per_s_baseline": None,
+        "speedup": None, "speedup_interval": None,
         "block_size": B, "methods": [], "mismatches": [], "offline": None, "per_prompt": [], "engines": {},
         "settings": {**asdict(cfg), "template_kwargs": template_kwargs, "device": str(device),
                      "dtype": dtype_name, "dtype_reason": precision.reason, "block_size": B,
@@ -830,8 +830,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 # (label, the project's loop's key, vLLM's key, digits): the same quantity in both columns, or "-" where one has none
-ENGINE_ROWS = (("tau (mean over prompts) [95% interval]", "tau", "tau", 2), ("tau (all steps)", "tau_steps", "tau_steps", 2),
-               ("verification steps", "num_steps", "num_steps", 0),
+ENGINE_ROWS = (("tau (mean over prompts) [95% interval]", "tau", "tau", 2),
+               ("tau (all steps)", "tau_steps", "tau_steps", 2), ("verification steps", "num_steps", "num_steps", 0),
                ("tokens/s plain / speculative, decode phase", "tokens_per_s", "tokens_per_s_decode", 1),
                ("speedup, decode phase [95%]", "speedup", "speedup_decode", 2),
                ("tokens/s plain / speculative, whole request (engine)", None, "tokens_per_s", 1),
@@ -879,7 +879,8 @@ def _engines_markdown(report: dict[str, Any]) -> list[str]:
               "verification step) with the same definition; tokens/s from the engine core's timestamps (the whole "
               "request from its arrival, or the decode phase from its first token) and by a stopwatch around each "
               "whole request.", ""]
-    lines += serving_tables(v, report["settings"].get("machine"))
+    tables = serving_tables(v, report["settings"].get("machine"))
+    lines += tables + [""] if tables else []
     lines += [f"vLLM command: `{v.get('serve_command')}`", ""]
     if v.get("lossless_note"):
         lines += [f"vLLM lossless check {v['lossless_note']}.", ""]
