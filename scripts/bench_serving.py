@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep-budget-s", type=float, default=3600.0)
     p.add_argument("--repeats", type=int, default=1, help="the eval's timed runs per prompt and side")
     p.add_argument("--stopwatch-rounds", type=int, default=2, help="plain-then-speculative engine pairs")
-    p.add_argument("--no-own", dest="own", action="store_false", help="skip the project's loop")
+    p.add_argument("--own-k", default=None, help="the K to time in the project's loop, e.g. 1,3,15 (default: every K "
+                                                 "the eval measured; '' skips the project's loop)")
     p.add_argument("--out", default="results/bench_serving", help="bench.md and bench.json")
     p.add_argument("--eval-out", default="eval/bench_serving", help="the eval's folder (reused when complete)")
     p.add_argument("--stopwatch-child", help=argparse.SUPPRESS)  # internal: the independent stopwatch's process
@@ -118,7 +119,8 @@ def own_loop(args: argparse.Namespace, report: dict[str, Any], log: list[dict[st
     target = load_target(args.target, dtype=dtype)
     prompts = held_out_prompts(args, report, target)
     rows = []
-    for k in sorted(r["k"] for r in report["engines"]["vllm"]["sweep"]):
+    measured = sorted(r["k"] for r in report["engines"]["vllm"]["sweep"])
+    for k in measured if args.own_k is None else [int(k) for k in args.own_k.split(",")]:
         proposer = _load_proposer(args.drafter, target, k + 1, dtype)
         timed: dict[str, list[float]] = {"plain_s": [], "spec_s": [], "plain_wall_s": [], "spec_wall_s": []}
         steps, tokens, same = [], [], 0
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log: list[dict[str, Any]] = []
     report = run_eval(args, Path(args.eval_out), log)
-    own = own_loop(args, report, log) if args.own else []
+    own = own_loop(args, report, log) if args.own_k != "" else []
     watch = stopwatch(args, report, Path(args.eval_out).with_name(Path(args.eval_out).name + "-stopwatch"), log)
     body = tables(report, own, watch)
     loads = "\n".join(f"- {e['part']}" + (f" ({e['seconds']:.0f} s)" if "seconds" in e else " (reused)")

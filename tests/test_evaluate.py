@@ -113,6 +113,7 @@ def test_the_engine_eval_reports_the_fastest_k_with_its_figures_and_intervals(ti
     speedups are ratios of the same runs' seconds by both clocks; only best_k's bf16 mismatches are rerun in fp32."""
     from dflash_train import engine
     from dflash_train.card import serving_tables
+    from dflash_train.errors import UserError
     from dflash_train.evaluate import EvalConfig, engine_eval
 
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
@@ -146,6 +147,10 @@ def test_the_engine_eval_reports_the_fastest_k_with_its_figures_and_intervals(ti
     assert [(r["requests"], r["k"]) for r in v["concurrency"]] == [(1, 1), (1, 3), (2, 1), (2, 3)]
     assert [(r["requests"], r["k"]) for r in v["concurrency_best"]] == [(1, 3), (2, 1)]
     assert v["pays_up_to_concurrency"] == 1 and v["per_batch_size_schedule"] == [[1, 1, 3], [2, 2, 0]]
+    with pytest.raises(UserError, match="--speculative-tokens 4 is more than the verify block holds "
+                                        r"\(B - 1 = 3"):
+        engine_eval(EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", speculative_tokens=[4]), tiny_target,
+                    prompts, 4, "bf16", "cpu", tmp_path)
     text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2, "load_average": [0.5, 0.5, 0.5]}))
     assert "best_k = 3: the fastest at batch 1 (in 100% of the bootstrap" in text and "K = 2" in text
     assert "| **3** | 4 [4, 4] | 9 / 18 | 2 [2, 2]× |" in text and "Some CPU (2 cores), bf16" in text
