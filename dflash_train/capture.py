@@ -42,6 +42,7 @@ import torch
 from dflash_train import sampling
 from dflash_train.device import default_device, resolve_precision
 from dflash_train.errors import UserError, decided_by_rank0
+from dflash_train.engine import engine_args_problem
 from dflash_train.options import add_options, at_least, from_args, in_range, option, validate
 from dflash_train.sampling import Sampling
 from dflash_train.store import DEFAULT_SHARD_BYTES, NO_STATES, StoreWriter, finalize_store
@@ -95,6 +96,9 @@ class CaptureConfig:
     store_topk: int = option(0, check=at_least(0), metavar="K",
                              help="also store the target's top-K token log-probs per position, soft labels for "
                                   "objective.soft_label_weight (6*K bytes per token; 0 = off)")
+    engine_args: dict[str, Any] = option(default_factory=dict, metavar="JSON", check=engine_args_problem,
+                                         help='--engine vllm: vLLM engine arguments as JSON, e.g. '
+                                              '\'{"tensor_parallel_size": 8}\', checked by vLLM\'s own parser')
 
 
 @dataclass
@@ -435,7 +439,7 @@ def engine_responses(cfg: CaptureConfig, target: Target, rendered: list[tuple[Pr
         job = EngineJob(target=str(target.path), requests=requests, stop_token_ids=stop_ids,
                         dtype=VLLM_DTYPES[resolve_precision(cfg.dtype, device).name],
                         max_model_len=max(len(ids) for _, ids in todo) + cfg.max_new_tokens, mode="batch",
-                        seed=cfg.seed, device=device, stream_to=str(path))
+                        seed=cfg.seed, device=device, stream_to=str(path), engine_args=cfg.engine_args)
         print(f"capture: vLLM generates {len(todo)} responses ({len(done)} kept from an earlier run)", flush=True)
         result = run_engine(job, out / "engine", f"vLLM generating the responses of {cfg.prompts}")
         done.update({o.id: o.token_ids for o in result.outputs})
@@ -478,6 +482,8 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
             raise UserError("--engine vllm generates the responses; --responses logged takes them from the log: "
                             "pass one or the other")
         check_vllm()
+    elif cfg.engine_args:
+        raise UserError("--engine-args configures vLLM: pass --engine vllm")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = cfg.device or default_device()

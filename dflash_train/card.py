@@ -80,6 +80,77 @@ def fmt(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
+def with_interval(value: Any, interval: Any) -> str:
+    """1.35 [1.22, 1.48]: a figure and its 95% bootstrap interval over prompts (where there is one)."""
+    ok = isinstance(interval, (list, tuple)) and len(interval) == 2
+    return fmt(value) + (f" [{fmt(interval[0])}, {fmt(interval[1])}]" if ok else "")
+
+
+def describe_machine(info: Any, dtype: Any = None) -> str:
+    """An eval's `settings.machine` in words: 'AMD EPYC 9R14 (2 cores), bf16, load average 3.1 at the start'."""
+    if not isinstance(info, dict):
+        return "an unrecorded machine" + (f", {dtype}" if dtype else "")
+    words = f"{fmt(info.get('cpu'))} ({fmt(info.get('cores'))} cores)" + (f", GPU {fmt(info['gpu'])}"
+                                                                          if info.get("gpu") else "")
+    load = info.get("load_average")
+    return words + (f", {dtype}" if dtype else "") + (f", load average {fmt(load[0])} at the start"
+                                                       if isinstance(load, list) and load else "")
+
+
+def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
+    """vLLM's speculation-length table (batch 1) and concurrency table from an eval report's `engines.vllm`: the
+    chosen K, how far speculation pays, vLLM's per-batch-size setting, and on what they were measured. One rendering
+    for report.md and the model card."""
+    sweep = [r for r in engine.get("sweep") or [] if isinstance(r, dict)]
+    if not sweep:
+        return []
+    timing = engine.get("timing") if isinstance(engine.get("timing"), dict) else {}
+    best_k = engine.get("best_k")
+    rows = [(f"**{r.get('k')}**" if r.get("k") == best_k else fmt(r.get("k")),
+             with_interval(r.get("tau"), r.get("tau_interval")),
+             f"{fmt(r.get('tokens_per_s_baseline'))} / {fmt(r.get('tokens_per_s'))}",
+             with_interval(r.get("speedup"), r.get("speedup_interval")) + "×",
+             f"{fmt(r.get('tokens_per_s_baseline_wall'))} / {fmt(r.get('tokens_per_s_wall'))}",
+             with_interval(r.get("speedup_wall"), r.get("speedup_wall_interval")) + "×",
+             f"{fmt(r.get('lossless_mismatches'))} of {fmt(r.get('lossless_checked'))}")
+            for r in sorted(sweep, key=lambda r: r.get("k") or 0)]
+    share = engine.get("best_k_share")
+    skipped = timing.get("skipped_k") or []
+    lines = ["Speculation length K (`num_speculative_tokens`), one request at a time; τ and speedups with 95% "
+             "bootstrap intervals over prompts; tokens/s of whole requests (every new token, prefill included), by "
+             "the engine core (from the request's arrival to its last token) and by a stopwatch around each:", "",
+             table(rows, ("K", "τ", "Tokens/s plain / speculative", "Speedup", "Stopwatch: tokens/s plain / "
+                          "speculative", "Stopwatch: speedup", "Lossless mismatches")), "",
+             f"best_k = {fmt(best_k)}: the fastest at batch 1"
+             + (f" (in {share:.0%} of the bootstrap resamples of the prompts)" if isinstance(share, float) else "")
+             + (f"; not measured within the time budget ({fmt(timing.get('budget_s'))} s): K = {fmt(skipped)}"
+                if skipped else "") + "."]
+    concurrency = [r for r in engine.get("concurrency") or [] if isinstance(r, dict)]
+    if any(r.get("requests") != 1 for r in concurrency):
+        best = {(r.get("requests"), r.get("k")) for r in engine.get("concurrency_best") or [] if isinstance(r, dict)}
+        rows = [(fmt(r.get("requests")), f"**{r.get('k')}**" if (r.get("requests"), r.get("k")) in best
+                 else fmt(r.get("k")), f"{fmt(r.get('tokens_per_s_baseline'))} / {fmt(r.get('tokens_per_s'))}",
+                 f"{fmt(r.get('speedup'))}×", f"{fmt(r.get('tokens_per_s_baseline_wall'))} / "
+                 f"{fmt(r.get('tokens_per_s_wall'))}", f"{fmt(r.get('speedup_wall'))}×") for r in concurrency]
+        paid = engine.get("pays_up_to_concurrency")
+        schedule = engine.get("per_batch_size_schedule")
+        lines += ["", "Requests decoded together (the fastest K at each in bold; tokens/s of all requests):", "",
+                  table(rows, ("Requests", "K", "Tokens/s plain / speculative", "Speedup",
+                               "Stopwatch: tokens/s plain / speculative", "Stopwatch: speedup")), "",
+                  ("Speculation does not pay here, even one request at a time." if not paid else
+                   f"Speculation pays up to {fmt(paid)} requests decoded together (of those measured).")
+                  + (f" The fastest K per batch size as vLLM's `num_speculative_tokens_per_batch_size` (inclusive "
+                     f"batch-size ranges and their K, 0 = no drafts; derived from these runs, not itself timed): "
+                     f"`{json.dumps(schedule)}`." if schedule else "")]
+    lines += ["", f"Measured on {describe_machine(machine, engine.get('dtype'))}"
+              + (f" ({fmt(timing['load_average_after'][0])} at the end)"
+                 if isinstance(timing.get("load_average_after"), list) and timing["load_average_after"] else "")
+              + f", vLLM {fmt(engine.get('version'))}: {fmt(timing.get('protocol'))}; "
+              f"{fmt(timing.get('repeats'))} timed run(s) per prompt and side. Tokens/s and the best K are a "
+              f"measurement of this machine: on another one, measure again (`dflash-train eval`)."]
+    return lines
+
+
 def table(rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(fmt(c) if not isinstance(c, str) else c for c in row) + " |" for row in rows]
@@ -180,7 +251,9 @@ def metadata(inp: CardInputs) -> dict[str, Any]:
     return meta
 
 
-def serve_commands(target_hub_id: str, repo_id: str, block_size: int, revision: str | None) -> tuple[str, str]:
+def serve_commands(target_hub_id: str, repo_id: str, block_size: int, revision: str | None,
+                   num_speculative_tokens: int | None = None) -> tuple[str, str]:
+    """The SGLang and vLLM command lines; vLLM drafts `num_speculative_tokens` (the eval's best_k), else B - 1."""
     sglang = [
         "python -m sglang.launch_server \\",
         f"    --model-path {target_hub_id} \\",
@@ -190,7 +263,8 @@ def serve_commands(target_hub_id: str, repo_id: str, block_size: int, revision: 
     if revision:
         sglang.append(f"    --speculative-draft-model-revision {revision} \\")
     sglang += [f"    --speculative-num-draft-tokens {block_size} \\", "    --trust-remote-code"]
-    spec: dict[str, Any] = {"method": "dflash", "model": repo_id, "num_speculative_tokens": block_size - 1}
+    spec: dict[str, Any] = {"method": "dflash", "model": repo_id,
+                            "num_speculative_tokens": num_speculative_tokens or block_size - 1}
     if revision:
         spec["revision"] = revision
     vllm = [f"vllm serve {target_hub_id} \\", f"    --speculative-config '{json.dumps(spec)}'"]
@@ -250,7 +324,19 @@ def _starting_drafter(start: dict[str, Any]) -> str:
 def _how_to_serve(inp: CardInputs) -> str:
     target = inp.target.get("base_model")
     block = int(inp.drafter_config.get("block_size") or 16)
-    sglang, vllm = serve_commands(target, inp.repo_id, block, inp.revision)
+    report = inp.report or {}
+    engine = (report.get("engines") or {}).get("vllm") or {}
+    best_k = engine.get("best_k") if isinstance(engine.get("best_k"), int) else None
+    sglang, vllm = serve_commands(target, inp.repo_id, block, inp.revision, best_k)
+    if best_k:
+        measured = (f"`num_speculative_tokens` counts drafted tokens, at most B - 1 = {block - 1}; {best_k} was the "
+                    f"fastest of the lengths measured one request at a time, on "
+                    f"{describe_machine((report.get('settings') or {}).get('machine'), engine.get('dtype'))} with "
+                    f"vLLM {fmt(engine.get('version'))} (see [Evaluation](#evaluation)): on other hardware, measure "
+                    f"again")
+    else:
+        measured = f"`num_speculative_tokens` counts drafted tokens: B - 1 = {block - 1}"
+    schedule = engine.get("per_batch_size_schedule")
     lines = [
         "## How to serve",
         "",
@@ -260,12 +346,20 @@ def _how_to_serve(inp: CardInputs) -> str:
         sglang,
         "```",
         "",
-        f"vLLM (`num_speculative_tokens` counts drafted tokens: B - 1 = {block - 1}):",
+        f"vLLM ({measured}):",
         "",
         "```bash",
         vllm,
         "```",
         "",
+    ]
+    if isinstance(schedule, list) and schedule:
+        lines += [f"Serving many requests at once, speculation paid up to {fmt(engine.get('pays_up_to_concurrency'))} "
+                  f"requests decoded together in the eval: vLLM can change K with the batch size, e.g. add "
+                  f"`\"num_speculative_tokens_per_batch_size\": {json.dumps(schedule)}` to the speculative config "
+                  f"(with `num_speculative_tokens` at least its largest K), as derived from the eval's concurrency "
+                  f"runs.", ""]
+    lines += [
         "Both engines' DFlash support is recent: use a release that lists `DFLASH` / `dflash` among its "
         f"speculative methods and can tap hidden states of a `{inp.target.get('model_type')}` target. The "
         "drafter also loads with Transformers for inspection:",
@@ -345,14 +439,15 @@ def _evaluation(inp: CardInputs) -> str:
         lossless = f"FAILED: {mismatches}{of} differ from the target's own decoding"
     offline = report.get("tau_offline")
     rows = [
-        ("Acceptance length τ, online (real speculative decoding with the target)", fmt(report.get("tau"))),
+        ("Acceptance length τ, online (real speculative decoding with the target)",
+         with_interval(report.get("tau"), report.get("tau_interval"))),
         ("Acceptance length τ, offline (every anchor of held-out captured samples)",
          fmt(offline) if offline is not None else "not measured"),
         ("Lossless check", lossless),
         ("Tokens/s, with the drafter vs the target alone",
          f"{fmt(report.get('tokens_per_s'))} vs {fmt(report.get('tokens_per_s_baseline'))}"),
-        ("Speedup (tokens/s ratio)", f"{fmt(report.get('speedup'))}×" if report.get("speedup") is not None
-         else "—"),
+        ("Speedup (tokens/s ratio)", with_interval(report.get("speedup"), report.get("speedup_interval")) + "×"
+         if report.get("speedup") is not None else "—"),
     ]
     lines += [
         f"τ = 1 + the drafts the target accepted per verification, i.e. the tokens it commits, bonus token included, "
@@ -406,13 +501,19 @@ def _engine_evaluation(inp: CardInputs) -> list[str]:
                 f"{'passed' if mismatches == 0 else 'FAILED'}: {mismatches} of {fmt(checked)} prompts differ from "
                 f"vLLM's own plain decoding")
     acceptance = _acceptance(engine)
-    rows = [("Acceptance length τ", fmt(engine.get("tau"))),
+    k = engine.get("best_k")
+    rows = [("Acceptance length τ" + (f" at K = {k}" if k else ""),
+             with_interval(engine.get("tau"), engine.get("tau_interval"))),
             ("Acceptance at positions 1, 2, 3", ", ".join(fmt(a) for a in acceptance[:3]) or "—"),
             ("Tokens/s, with the drafter vs the target alone",
              f"{fmt(engine.get('tokens_per_s'))} vs {fmt(engine.get('tokens_per_s_baseline'))}"),
-            ("Speedup (tokens/s ratio)", f"{fmt(engine.get('speedup'))}×" if engine.get("speedup") is not None
-             else "—"),
-            ("Lossless check", lossless)]
+            ("Speedup, whole requests (tokens/s ratio, engine core)" if "speedup_wall" in engine else
+             "Speedup (tokens/s ratio)", with_interval(engine.get("speedup"), engine.get("speedup_interval")) + "×"
+             if engine.get("speedup") is not None else "—")]
+    if engine.get("speedup_wall") is not None:
+        rows.append(("Speedup by a stopwatch around each whole request",
+                     with_interval(engine.get("speedup_wall"), engine.get("speedup_wall_interval")) + "×"))
+    rows.append(("Lossless check", lossless))
     args = dict(engine.get("engine_args") or {})
     command = None
     if args:
@@ -420,9 +521,11 @@ def _engine_evaluation(inp: CardInputs) -> list[str]:
         if isinstance(args.get("speculative_config"), dict):
             args["speculative_config"] = dict(args["speculative_config"], model=inp.repo_id)
         command = serve_command(args)
+    settings = (inp.report or {}).get("settings") or {}
     return ["", f"Measured in vLLM {fmt(engine.get('version'))}, the serving engine itself (the same held-out "
                 f"prompts, greedy, one request at a time, {fmt(engine.get('dtype'))}), loading this folder as its "
                 f"`dflash` speculator:", "", table(rows, ("Metric (vLLM)", "Value"))] + (
+        ["", *serving_tables(engine, settings.get("machine"))] if engine.get("sweep") else []) + (
         ["", "The engine ran with the equivalent of:", "", "```bash", command, "```"] if command else [])
 
 
@@ -443,7 +546,8 @@ def _gate(inp: CardInputs) -> str:
         ])
     tau = (inp.report or {}).get("tau")
     engine = ((inp.report or {}).get("engines") or {}).get("vllm") or {}
-    measured = f"vLLM τ {fmt(engine.get('tau'))}" + (f", online τ {fmt(tau)}" if tau is not None else "")
+    k = f" at K = {engine['best_k']}" if engine.get("best_k") else ""
+    measured = f"vLLM τ {fmt(engine.get('tau'))}{k}" + (f", online τ {fmt(tau)}" if tau is not None else "")
     return (f"Release gate: passed ({measured} ≥ {fmt(gate.min_tau)}, minimum from {gate.min_tau_source}; "
             f"lossless check passed; vLLM {fmt(engine.get('version'))} evaluated these very weights).")
 

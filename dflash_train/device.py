@@ -15,6 +15,7 @@ The choice and its reason are printed by each stage and recorded in its provenan
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,23 @@ def _cpu_flags() -> frozenset[str]:
         if key.strip() in ("flags", "Features"):
             return frozenset(value.split())
     return frozenset()
+
+
+def machine(device: str | torch.device = "cpu") -> dict[str, object]:
+    """What measured a timing: the CPU model and the cores this process may use, the GPU where `device` is one,
+    and the load average (1, 5, 15 min) when it was asked: other jobs on the machine slow every timing."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    info: dict[str, object] = {"cpu": cpu, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                               else os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()]}
+    if torch.device(device).type == "cuda":
+        info["gpu"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(device)}"
+    return info
 
 
 def native_bf16(device: str | torch.device) -> tuple[bool, str]:

@@ -9,17 +9,25 @@ Why a child process: vLLM's CPU build must find its environment (VLLM_TARGET_DEV
 OpenMP thread binding, tcmalloc and Intel OpenMP preloaded) before it is imported; it starts worker processes of
 its own; and an engine that dies must leave the stage able to say so in one line, with nothing half-written.
 
-Each request is decoded on its own (`sequential`, batch 1: the latency regime speculative decoding is for, and
-what the project's own loop measures) or all at once (`batch`, continuous batching: capture). Acceptance comes
-from vLLM's per-request speculative-decoding metrics (the accepted drafts of every verification step), token
-timestamps from the engine core. The prompts are token ids rendered by the project (`target.render`), so the
-engine and the project's loop decode the very same prompts.
+Two modes. `batch` (capture): every request at once, continuous batching. `timed` (eval): the speedup protocol,
+`_timed` below: plain decoding and one speculative engine per speculation length K, alive side by side in the
+child, each warmed up; every prompt decoded first to its natural stop (the reference outputs and lengths), then
+timed plain and speculative at that fixed length (`ignore_eos`: both sides decode the same number of tokens),
+alternating which goes first, at batch 1 and at the requested concurrencies; each run timed twice, by the engine
+core's timestamps (request arrival, first and last token) and by a stopwatch around the call. Acceptance comes from
+vLLM's per-request speculative-decoding metrics (the accepted drafts of every verification step). The prompts are
+token ids rendered by the project (`target.render`), so the engine and the project's loop decode the very same
+prompts.
+
+The user's own engine arguments (`--engine-args '{"tensor_parallel_size": 8}'`) go on top of the job's, checked
+first by vLLM's own argument parser (`engine_args_problem`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import importlib.util
 import json
 import os
@@ -28,7 +36,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -42,6 +50,9 @@ JOB_FILE, RESULT_FILE, LOG_FILE = "job.json", "result.json", "engine.log"
 # heavy steps run slower and vLLM warns).
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
+# A vLLM worker keeps polling its message queue for 1 s after its last request (shm_broadcast's busy loop): the
+# timed protocol waits this long before each timed request, so that the other engine's worker is asleep.
+IDLE_S = 1.2
 
 
 @dataclass
@@ -52,6 +63,7 @@ class EngineRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    ignore_eos: bool = False  # decode exactly max_tokens tokens: no stop token ends the request
 
 
 @dataclass
@@ -62,42 +74,49 @@ class EngineJob:
     stop_token_ids: list[int]
     dtype: str = "float32"  # vLLM's spelling: float32 | bfloat16 | float16
     drafter: str | None = None  # a DFlash drafter folder; None = plain decoding
-    num_speculative_tokens: int = 15  # block size - 1
     max_model_len: int = 2048
-    mode: str = "sequential"  # sequential: one request at a time (batch 1) | batch: all at once
+    mode: str = "batch"  # batch: all requests at once (capture) | timed: the eval's speedup protocol (`_timed`)
     seed: int = 0
     device: str = "cpu"
     # batch mode: append every finished output to this JSONL file as it is generated, so a killed run keeps what
     # it generated (capture resumes from it)
     stream_to: str | None = None
     kv_cache_bytes: int | None = None  # None: sized from the job (see `kv_cache_bytes_for`)
+    engine_args: dict[str, Any] = field(default_factory=dict)  # the user's, over the job's (engine_args_problem)
+    # timed mode: the speculation lengths K to measure (the first always, each next one while `budget_s`, counted
+    # from the child's start, affords it), the concurrencies timed beside batch 1, timed runs per prompt and side
+    speculative_tokens: list[int] = field(default_factory=list)
+    concurrency: list[int] = field(default_factory=list)
+    repeats: int = 1
+    budget_s: float | None = None
 
-    def speculative_config(self) -> dict[str, Any] | None:
-        if self.drafter is None:
-            return None
-        return {"method": "dflash", "model": str(self.drafter), "num_speculative_tokens": self.num_speculative_tokens}
+    def max_num_seqs(self) -> int | None:
+        """timed: the largest concurrency (one engine serves batch 1 and every concurrency); batch: vLLM's."""
+        return max([1, *self.concurrency]) if self.mode == "timed" else None
 
-    def llm_kwargs(self) -> dict[str, Any]:
-        """The `vllm.LLM(...)` arguments (the same names as `vllm serve` flags)."""
+    def llm_kwargs(self, k: int | None = None) -> dict[str, Any]:
+        """The `vllm.LLM(...)` arguments (the same names as `vllm serve` flags) of plain decoding, or with the
+        drafter as vLLM's dflash speculator proposing `k` tokens per step; the user's engine arguments last."""
         kwargs: dict[str, Any] = {"model": str(self.target), "dtype": self.dtype, "max_model_len": self.max_model_len,
-                                  "seed": self.seed, "enforce_eager": self.device == "cpu"}
-        if self.drafter is not None:
-            kwargs["speculative_config"] = self.speculative_config()
-        if self.mode == "sequential":
-            kwargs["max_num_seqs"] = 1
-        kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes or kv_cache_bytes_for(self)
-        return kwargs
+                                  "seed": self.seed, "enforce_eager": self.device == "cpu",
+                                  "max_num_seqs": self.max_num_seqs()}
+        if k:
+            kwargs["speculative_config"] = {"method": "dflash", "model": str(self.drafter),
+                                            "num_speculative_tokens": k}
+        if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & self.engine_args.keys():
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes or kv_cache_bytes_for(self)
+        return {**{key: value for key, value in kwargs.items() if value is not None}, **self.engine_args}
 
 
 GiB = 1 << 30
 
 
 def kv_cache_bytes_for(job: EngineJob) -> int:
-    """KV-cache memory for a job: batch 1 needs one sequence of max_model_len in the target's and the drafter's
-    layers (twice that, for vLLM's block rounding); a batch run gets 2 GiB, which keeps a SmolLM2-sized target
-    decoding dozens of sequences at once. Sizing it to the job matters on CPU: vLLM allocates and touches the
-    whole cache at start (2 GiB took about 10 s here)."""
-    if job.mode != "sequential":
+    """KV-cache memory for a job: a timed job needs its largest concurrency of sequences of max_model_len in the
+    target's and the drafter's layers (twice that, for vLLM's block rounding); a batch run gets 2 GiB, which keeps a
+    SmolLM2-sized target decoding dozens of sequences at once. Sizing it to the job matters on CPU: vLLM allocates
+    and touches the whole cache at start (2 GiB took about 10 s here)."""
+    if job.mode != "timed":
         return 2 * GiB
     per_token = 0
     for folder in [job.target] + ([job.drafter] if job.drafter else []):
@@ -106,7 +125,68 @@ def kv_cache_bytes_for(job: EngineJob) -> int:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
         per_token += 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4  # K and V, up to 4 bytes each
-    return max(64 << 20, 2 * per_token * (job.max_model_len + 2 * job.num_speculative_tokens + 32))
+    k = max(job.speculative_tokens, default=0)
+    return max(64 << 20, 2 * per_token * job.max_num_seqs() * (job.max_model_len + 2 * k + 32))
+
+
+# Engine arguments the project sets from its own flags; --engine-args may not set them.
+RESERVED_ENGINE_ARGS = {"model": "--target", "dtype": "--dtype", "seed": "--seed",
+                        "speculative_config": "--drafter (eval: --speculative-tokens)",
+                        "disable_log_stats": "nothing (the eval reads the engine's statistics)"}
+
+
+def engine_args_problem(args: dict[str, Any] | None) -> str | None:
+    """What is wrong with the user's vLLM engine arguments (`--engine-args` JSON: `vllm.LLM` keyword names such as
+    tensor_parallel_size), or None. Each is parsed by vLLM's own argument parser as the `vllm serve` flag of the
+    same name, before any engine starts: an unknown key, a value the parser refuses, one it would read as another
+    value (the JSON string "8" for an integer) and a key dflash-train sets itself are refused. The option check of
+    `--engine-args` (capture and eval): `options.validate` makes it one line naming the flag."""
+    if not args:
+        return None
+    import argparse
+    import difflib
+
+    actions = _engine_arg_actions()
+    for key, value in args.items():
+        if key in RESERVED_ENGINE_ARGS:
+            return f"sets {key!r}, which dflash-train sets itself (use {RESERVED_ENGINE_ARGS[key]})"
+        if key not in actions:
+            near = difflib.get_close_matches(key, list(actions), n=1)
+            return (f"has {key!r}, which is not a vLLM {vllm_version()} engine argument"
+                    + (f" (did you mean {near[0]!r}?)" if near else " (the `vllm serve` flags, _ for -)"))
+        flags = [o for o in actions[key].option_strings if o.startswith("--")]
+        if value is None or (value is False and not any(o.startswith("--no-") for o in flags)):
+            continue  # a switch left off
+        if isinstance(value, bool):
+            argv = [next(o for o in flags if o.startswith("--no-") != value)]
+        else:
+            argv = [flags[0], json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+        shown = f"{key}={json.dumps(value)}"
+        try:
+            parsed, rest = _engine_arg_parser().parse_known_args(argv)
+        except (argparse.ArgumentError, SystemExit, ValueError) as err:
+            reason = " ".join(str(err).split("For further information")[0].split())
+            return f"has {shown}, which vLLM's argument parser refuses: {reason[:300]}"
+        if rest:
+            return f"has {shown}, which vLLM's argument parser does not take ({' '.join(rest)})"
+        read = getattr(parsed, key)
+        if isinstance(read, (str, int, float, bool)) and read != value:  # (a config object: parsed from the dict)
+            return f"has {shown}, which vLLM reads as {json.dumps(read)}: write that"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _engine_arg_parser():
+    """vLLM's own `vllm serve` engine-argument parser (importing vLLM takes seconds: only for --engine-args)."""
+    check_vllm()
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return EngineArgs.add_cli_args(FlexibleArgumentParser(exit_on_error=False))
+
+
+def _engine_arg_actions() -> dict[str, Any]:
+    return {a.dest: a for a in _engine_arg_parser()._actions if a.option_strings}
 
 
 def serve_command(kwargs: dict[str, Any], model: str | None = None, drafter: str | None = None) -> str:
@@ -143,8 +223,9 @@ class EngineResult:
     llm_kwargs: dict[str, Any]
     load_s: float
     wall_s: float  # generation only, all requests
-    outputs: list[EngineOutput]
+    outputs: list[EngineOutput]  # timed mode: plain decoding to each prompt's natural stop
     environment: dict[str, str]
+    timed: dict[str, Any] | None = None  # timed mode: per K, the timings and speculative outputs (`_timed`)
 
     def by_id(self) -> dict[str, EngineOutput]:
         return {o.id: o for o in self.outputs}
@@ -254,7 +335,7 @@ def run_engine(job: EngineJob, workdir: str | Path, what: str, timeout_s: float 
     raw = json.loads(result_file.read_text())
     return EngineResult(version=raw["version"], llm_kwargs=raw["llm_kwargs"], load_s=raw["load_s"],
                         wall_s=raw["wall_s"], outputs=[EngineOutput(**o) for o in raw["outputs"]],
-                        environment=raw["environment"])
+                        environment=raw["environment"], timed=raw.get("timed"))
 
 
 def engine_error(log_path: Path) -> str:
@@ -308,32 +389,49 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 def _child(workdir: Path) -> None:
     """Runs inside the engine process: decode the job's requests, write result.json atomically."""
     _stop_with_the_stage()
+    started = time.perf_counter()
     job_raw = json.loads((workdir / JOB_FILE).read_text())
     job = EngineJob(**{**job_raw, "requests": [EngineRequest(**r) for r in job_raw["requests"]]})
     from vllm import LLM, SamplingParams
 
-    kwargs = job.llm_kwargs()
-    started = time.perf_counter()
-    metrics = {"per_request_spec_decode_metrics": "detailed"} if job.drafter is not None else {}
-    llm = LLM(**kwargs, **metrics, disable_log_stats=False)
-    load_s = time.perf_counter() - started
+    def start(k: int | None) -> tuple[Any, dict[str, Any], float]:
+        """An engine of plain decoding (k None) or with the drafter proposing k tokens: (LLM, its kwargs, load s)."""
+        kwargs = job.llm_kwargs(k)
+        metrics = {"per_request_spec_decode_metrics": "detailed"} if k else {}
+        t0 = time.perf_counter()
+        llm = LLM(**kwargs, **metrics, disable_log_stats=False)
+        return llm, kwargs, time.perf_counter() - t0
 
-    def params(r: EngineRequest) -> SamplingParams:
+    def params(r: EngineRequest) -> Any:
         return SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, seed=r.seed,
-                              stop_token_ids=list(job.stop_token_ids), detokenize=False, ignore_eos=False)
+                              stop_token_ids=[] if r.ignore_eos else list(job.stop_token_ids), detokenize=False,
+                              ignore_eos=r.ignore_eos)
 
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in job.requests]
-    started = time.perf_counter()
-    if job.mode == "sequential":
-        results = [llm.generate([p], params(r), use_tqdm=False)[0] for p, r in zip(prompts, job.requests)]
-        outputs = [_output(r, res) for r, res in zip(job.requests, results)]
+    def generate(llm: Any, requests: list[EngineRequest]) -> Generated:
+        t0 = time.perf_counter()
+        results = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
+                               [params(r) for r in requests], use_tqdm=False)
+        wall_s = time.perf_counter() - t0
+        stats = [res.metrics for res in results]
+        timed = all(m is not None for m in stats)
+        last = max(m.last_token_ts for m in stats) if timed else float("nan")
+        return Generated([_output(r, res) for r, res in zip(requests, results)],
+                         last - min(m.queued_ts for m in stats) if timed else float("nan"),
+                         last - min(m.first_token_ts for m in stats) if timed else float("nan"), wall_s)
+
+    plain, kwargs, load_s = start(None)
+    t0 = time.perf_counter()
+    timed = None
+    if job.mode == "timed":
+        outputs, timed = _timed(job, plain, start, generate, started)
     else:
-        outputs = _continuous_batch(llm, prompts, [params(r) for r in job.requests], job)
-    wall_s = time.perf_counter() - started
+        outputs = _continuous_batch(plain, [{"prompt_token_ids": r.prompt_token_ids} for r in job.requests],
+                                    [params(r) for r in job.requests], job)
+    wall_s = time.perf_counter() - t0
     environment = {k: os.environ.get(k, "") for k in engine_environment_keys()}
     environment["LD_PRELOAD"] = ":".join(Path(p).name for p in environment["LD_PRELOAD"].split(":") if p)
     result = {"version": vllm_version(), "llm_kwargs": kwargs, "load_s": load_s, "wall_s": wall_s,
-              "outputs": outputs, "environment": environment}  # file names only: reports are shared
+              "outputs": outputs, "environment": environment, "timed": timed}  # file names only: reports are shared
     tmp = workdir / (RESULT_FILE + ".tmp")
     tmp.write_text(json.dumps(result))
     os.replace(tmp, workdir / RESULT_FILE)
@@ -375,6 +473,82 @@ def _continuous_batch(llm, prompts: list[dict[str, Any]], params: list[Any], job
 STREAM_EVERY_S = 10.0
 
 
+@dataclass
+class Generated:
+    """One `generate` call: its outputs and its seconds, by the engine core from the first request's arrival to the
+    last token (`core_s`) and from the first token to the last (`decode_s`), and by a stopwatch around the call."""
+    outputs: list[dict[str, Any]]
+    core_s: float
+    decode_s: float
+    wall_s: float
+
+
+def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple[list[dict], dict[str, Any]]:
+    """The eval's speedup protocol (runs in the child). Returns the plain outputs to each prompt's natural stop
+    (the reference: the lossless check and each prompt's length) and, per speculation length K, the timings.
+
+    1. Plain decoding warms up (one short request), then decodes every prompt alone to its natural stop.
+    2. For each K of `job.speculative_tokens` in order (the first always; each next one only while the budget,
+       counted from the child's start, still holds the most any K has cost so far): a speculative engine starts
+       beside the plain one and warms up; every prompt is decoded `repeats` times by each side, alone, at its
+       natural length with `ignore_eos` (both sides decode the same number of tokens; greedy: the same tokens),
+       alternating which side goes first from prompt to prompt and from repeat to repeat (ABBA), so that a change
+       of load on the machine hits both alike, each run IDLE_S after the last; then each concurrency c: the first
+       c prompts (cycled), decoded together, the same way. Every run is timed by the engine core (from the arrival of its first request to its
+       last token: `core_s`; from its first token to its last: `decode_s`) and by a stopwatch around the call
+       (`wall_s`). The speculative engine is shut down before the next K starts."""
+    import gc
+
+    first = job.requests[0]
+    warm_up = [replace(first, id="warm-up", max_tokens=min(8, first.max_tokens))]
+    opened = start(job.speculative_tokens[0])  # before minutes of decoding: a drafter vLLM refuses fails first
+    generate(plain, warm_up)
+    natural = [generate(plain, [r]).outputs[0] for r in job.requests]
+    t0 = time.perf_counter() - opened[2]  # the first K's cost: its engine's start, and its runs
+    fixed = [replace(r, max_tokens=max(1, len(o["token_ids"])), ignore_eos=True) for r, o in zip(job.requests, natural)]
+    runs: list[dict[str, Any]] = []
+    skipped: list[int] = []
+    most = 0.0  # the most any K has cost so far, seconds
+    for i, k in enumerate(job.speculative_tokens):
+        if i and job.budget_s is not None and time.perf_counter() - started + most > job.budget_s:
+            skipped.append(k)
+            continue
+        if i:
+            t0 = time.perf_counter()
+            opened = start(k)
+        spec, kwargs, load_s = opened
+        generate(spec, warm_up)
+        sides = {"plain": plain, "spec": spec}
+        run: dict[str, Any] = {"k": k, "llm_kwargs": kwargs, "load_s": load_s, "outputs": [], "batch1": [],
+                               "concurrency": []}
+        for n, batch in [(1, [r]) for r in fixed] + [
+                (c, [replace(fixed[j % len(fixed)], id=f"{fixed[j % len(fixed)].id}#{j}") for j in range(c)])
+                for c in job.concurrency]:
+            times: dict[str, Any] = {"requests": n, "tokens": sum(r.max_tokens for r in batch)}
+            if n == 1:
+                times["id"] = batch[0].id
+            for repeat in range(job.repeats):
+                parity = (len(run["batch1"]) + len(run["concurrency"]) + repeat) % 2
+                for side in ("plain", "spec") if parity == 0 else ("spec", "plain"):
+                    time.sleep(IDLE_S)
+                    got = generate(sides[side], batch)
+                    for clock in ("core_s", "decode_s", "wall_s"):
+                        times.setdefault(f"{side}_{clock}", []).append(getattr(got, clock))
+                    if side == "spec" and repeat == 0 and n == 1:
+                        run["outputs"] += got.outputs
+            run["batch1" if n == 1 else "concurrency"].append(times)
+        spec.llm_engine.engine_core.shutdown()
+        del spec, sides, opened
+        gc.collect()
+        run["seconds"] = time.perf_counter() - t0
+        most = max(most, run["seconds"])
+        print(f"timed: K={k} done in {run['seconds']:.0f} s ({time.perf_counter() - started:.0f} s in all)",
+              flush=True)
+        runs.append(run)
+    return natural, {"runs": runs, "skipped": skipped, "repeats": job.repeats, "budget_s": job.budget_s,
+                     "concurrency": job.concurrency}
+
+
 def _output(request: EngineRequest, result: Any) -> dict[str, Any]:
     out = result.outputs[0]
     spec, stats = out.spec_decode_metrics, result.metrics
@@ -386,8 +560,6 @@ def _output(request: EngineRequest, result: Any) -> dict[str, Any]:
 
 def engine_environment_keys() -> tuple[str, ...]:
     return ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
-
-
 
 if __name__ == "__main__":
     _child(Path(sys.argv[1]))

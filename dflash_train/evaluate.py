@@ -24,15 +24,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 
 from dflash_train import sampling
+from dflash_train.card import serving_tables, with_interval
+from dflash_train.engine import IDLE_S, engine_args_problem
 from dflash_train.errors import UserError, writing
-from dflash_train.options import add_options, at_least, from_args, option, validate
+from dflash_train.options import add_options, at_least, each, from_args, option, validate
 from dflash_train.provenance import (OutputClaim, complete_output, read_json, sha256_file, start_output,
                                      write_json_atomic, write_provenance)
 from dflash_train.spec_decode import (DFlashProposer, Generation, NoDraft, Step, TokenChooser, mean_tau,
@@ -40,6 +43,7 @@ from dflash_train.spec_decode import (DFlashProposer, Generation, NoDraft, Step,
 from dflash_train.target import DEFAULT_TARGET, Features, Target, check_fits, load_target, prompt_seed
 
 STAGE = "eval"
+BOOTSTRAP_RESAMPLES = 2000
 PLAIN = "plain (target only)"
 NO_SPECULATION = "block size 1"
 
@@ -74,8 +78,26 @@ class EvalConfig:
     engine: Literal["own", "vllm", "both"] = option(
         "both", help="own: the project's decoding loop; vllm: the vLLM engine (plain and with the drafter as its "
                      "dflash speculator); both: side by side on the same prompts")
+    own_limit: int | None = option(None, check=at_least(1), metavar="N",
+                                   help="the project's loop decodes only the first N prompts (on a CPU it is ~10x "
+                                        "slower than vLLM, which decodes them all)")
     training_prompts: bool = option(False, help="evaluate even prompts the drafter was trained on (an overfit "
                                     "check); the report counts them and push refuses such a report")
+    speculative_tokens: list[int] | None = option(
+        None, metavar="K,K,...", check=each(at_least(1)),
+        help="vLLM: the speculation lengths K to time, in this order (default: 1 to B - 1, the most telling "
+             "first: B - 1, 1, then the middle of the widest gap); the fastest at batch 1 is best_k")
+    sweep_budget_s: float = option(900.0, check=at_least(0), metavar="S",
+                                   help="vLLM: seconds for the timed runs; the first K always runs, each next one "
+                                        "while the time left holds the most a K has cost")
+    concurrency: list[int] = option(default_factory=lambda: [4, 16], metavar="C,C,...", check=each(at_least(2)),
+                                    help="vLLM: requests decoded together, timed beside batch 1 for every K "
+                                         "('' for batch 1 only)")
+    repeats: int = option(1, check=at_least(1), help="vLLM: timed runs per prompt and side (plain, speculative), "
+                                                    "alternating which goes first")
+    engine_args: dict[str, Any] = option(default_factory=dict, metavar="JSON", check=engine_args_problem,
+                                         help='vLLM engine arguments as JSON, e.g. \'{"tensor_parallel_size": 8}\' '
+                                              '(vllm serve\'s flags, _ for -), checked by vLLM\'s own parser')
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -101,6 +123,42 @@ def _stats(per_unit: list[float], taus: list[int], block_size: int) -> dict[str,
         "tau_histogram": {str(v): sum(t == v for t in taus) for v in range(1, block_size + 1)},
         "num_steps": n,
     }
+
+
+def bootstrap_interval(statistic: Callable[[list[int]], float | None], n: int, resamples: int = BOOTSTRAP_RESAMPLES,
+                       level: float = 0.95, seed: int = 0) -> list[float] | None:
+    """The percentile interval (95%) of `statistic` over prompts: `statistic(indices)` of `resamples` resamples of
+    the n prompt indices with replacement, seeded; None with fewer than two prompts. Every interval of the report
+    (tau, the speedups) is this one."""
+    values = sorted(v for v in map(statistic, bootstrap_resamples(n, resamples, seed)) if v is not None
+                    and math.isfinite(v))
+    if n < 2 or not values:
+        return None
+    return [values[round((1 - level) / 2 * (len(values) - 1))], values[round((1 + level) / 2 * (len(values) - 1))]]
+
+
+def bootstrap_resamples(n: int, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> Iterator[list[int]]:
+    rng = random.Random(seed)
+    for _ in range(resamples):
+        yield [rng.randrange(n) for _ in range(n)]
+
+
+def ratio_of_sums(num: list[float], den: list[float]) -> Callable[[list[int]], float | None]:
+    """The statistic sum(num[i]) / sum(den[i]) over the resampled prompts i (tokens/s, a speedup: ratio of sums,
+    so that long outputs weigh as much as they cost)."""
+    def statistic(idx: list[int]) -> float | None:
+        d = sum(den[i] for i in idx)
+        return sum(num[i] for i in idx) / d if d > 0 else None
+    return statistic
+
+
+def mean_of(values: list[float | None]) -> Callable[[list[int]], float | None]:
+    """The statistic mean(values[i]) over the resampled prompts i that have a value (tau: prompts without a
+    verification step do not count)."""
+    def statistic(idx: list[int]) -> float | None:
+        got = [values[i] for i in idx if values[i] is not None]
+        return sum(got) / len(got) if got else None
+    return statistic
 
 
 def offline_estimate(samples, drafter, embed: torch.Tensor, lm_head: torch.Tensor, block_size: int) -> dict[str, Any]:
@@ -310,10 +368,12 @@ def decode_all(methods: list[Method], target: Target, prompts: dict[str, list[in
     return per_prompt, mismatches, plain_of_mismatching
 
 
-def method_row(m: Method, per_prompt: list[dict[str, Any]], plain_tps: float) -> dict[str, Any]:
+def method_row(m: Method, per_prompt: list[dict[str, Any]], plain: list[Generation]) -> dict[str, Any]:
     row: dict[str, Any] = {"method": m.name, "role": m.role, "drafter": m.drafter_path, "block_size": m.block_size}
+    n = len(m.generations)
     if m.proposer is not None:
         row.update(acceptance_stats([g.steps for g in m.generations], m.block_size))
+        row["tau_interval"] = bootstrap_interval(mean_of([mean_tau(g.steps) for g in m.generations]), n)
         row["lossless_mismatches"] = sum(m.name in r["mismatch"] for r in per_prompt)
     tokens = sum(g.decode_tokens for g in m.generations)
     forwards = sum(len(g.steps) if m.proposer is not None else g.decode_tokens for g in m.generations)
@@ -321,8 +381,14 @@ def method_row(m: Method, per_prompt: list[dict[str, Any]], plain_tps: float) ->
     row["decode_tokens"] = tokens
     row["decode_s"] = sum(g.decode_s for g in m.generations)
     row["draft_s"] = sum(g.draft_s for g in m.generations)
+    plain_tps = _tokens_per_s(plain)
     row["tokens_per_s"] = _tokens_per_s(m.generations)
     row["speedup"] = row["tokens_per_s"] / plain_tps if plain_tps else math.nan
+    if m.proposer is not None:
+        mine = ratio_of_sums([g.decode_tokens for g in m.generations], [g.decode_s for g in m.generations])
+        theirs = ratio_of_sums([g.decode_tokens for g in plain], [g.decode_s for g in plain])
+        row["speedup_interval"] = bootstrap_interval(
+            lambda idx: a / b if (a := mine(idx)) is not None and (b := theirs(idx)) else None, n)
     return row
 
 
@@ -335,11 +401,12 @@ def own_loop_eval(cfg: EvalConfig, device: str, methods: list[Method], target: T
         recheck_in_fp32(cfg, device, methods, mismatch_details, prompts, plain_of_mismatching)
         fp32_mismatches = sum(not d["fp32_spec_equals_plain"] for d in mismatch_details
                               if d["method"] == by_role(methods, "drafter")[0].name)
-    plain_tps = _tokens_per_s(by_role(methods, "plain")[0].generations)
-    table = [method_row(m, per_prompt, plain_tps) for m in methods]
+    plain = by_role(methods, "plain")[0].generations
+    table = [method_row(m, per_prompt, plain) for m in methods]
     mine = by_role(table, "drafter")[0]
     return {
         "tau": mine["tau"],
+        "tau_interval": mine["tau_interval"],
         "tau_steps": mine["tau_steps"],
         "lossless_mismatches": mine["lossless_mismatches"],
         "lossless_checked": len(per_prompt),
@@ -347,8 +414,9 @@ def own_loop_eval(cfg: EvalConfig, device: str, methods: list[Method], target: T
         "per_position_acceptance": mine["per_position_acceptance"],
         "tau_histogram": mine["tau_histogram"],
         "tokens_per_s": mine["tokens_per_s"],
-        "tokens_per_s_baseline": plain_tps,
+        "tokens_per_s_baseline": _tokens_per_s(plain),
         "speedup": mine["speedup"],
+        "speedup_interval": mine["speedup_interval"],
         "methods": table,
         "mismatches": mismatch_details,
         "per_prompt": per_prompt,
@@ -357,93 +425,240 @@ def own_loop_eval(cfg: EvalConfig, device: str, methods: list[Method], target: T
 
 # ------------------------------------------------------------------------------------------------ the engine
 
+CLOCKS = ("core_s", "decode_s", "wall_s")  # engine core: arrival to last token, first to last token; stopwatch
+TIMING = tuple(f"{side}_{clock}" for side in ("plain", "spec") for clock in CLOCKS)
+FIGURES = tuple(f"{figure}{clock}" for clock in ("", "_decode", "_wall")
+                for figure in ("tokens_per_s", "tokens_per_s_baseline", "speedup"))
+HEADLINE = ("tau", "tau_interval", "tau_steps", "per_position_acceptance", "tau_histogram", "num_steps", *FIGURES,
+            "speedup_interval", "speedup_decode_interval", "speedup_wall_interval")
+TIMING_PROTOCOL = ("warm engines (one short request each first), plain and speculative side by side in one process; "
+                   "each prompt decoded alone to its natural stop by plain decoding, then timed plain and speculative "
+                   "at that length with ignore_eos (the same number of new tokens on both sides), alternating which "
+                   f"side goes first, each request {IDLE_S} s after the last (the idle engine stops polling); timed "
+                   "by the engine core from the request's arrival to its last token (the decode phase alone: from "
+                   "its first token) and by a stopwatch around the whole request; concurrency c: the first c "
+                   "prompts (cycled) decoded together, timed the same way")
+
+
+def k_sweep_order(max_k: int) -> list[int]:
+    """The speculation lengths 1..max_k in the order the eval times them: max_k (the whole block, what vLLM ran
+    before the sweep), 1, then again and again the geometric middle of the widest gap left: a sweep that its
+    budget cuts short still spans the range."""
+    order = [max_k] + ([1] if max_k > 1 else [])
+    while len(order) < max_k:
+        done = sorted(order)
+        _, _, a, b = max((math.log(b / a), -a, a, b) for a, b in zip(done, done[1:]) if b - a > 1)
+        order.append(min(max(round(math.sqrt(a * b)), a + 1), b - 1))
+    return order
+
+
+def timing_figures(rows: list[dict[str, Any]], intervals: bool = True) -> dict[str, Any]:
+    """Tokens/s of both sides and the speedup over timed runs (`rows`: new_tokens, requests and the mean seconds of
+    each side by each clock), by the engine core over the whole request (every new token, prefill included: the
+    headline), over the decode phase alone (tokens after each request's first, as the project's loop counts:
+    `_decode`) and by the stopwatch (`_wall`); ratios of sums, with bootstrap intervals over the rows."""
+    figures: dict[str, Any] = {}
+    for suffix, clock in zip(("", "_decode", "_wall"), CLOCKS):
+        tokens = [r["new_tokens"] - (r["requests"] if clock == "decode_s" else 0) for r in rows]
+        plain, spec = [r[f"plain_{clock}"] for r in rows], [r[f"spec_{clock}"] for r in rows]
+        everything = list(range(len(rows)))
+        figures[f"tokens_per_s{suffix}"] = ratio_of_sums(tokens, spec)(everything)
+        figures[f"tokens_per_s_baseline{suffix}"] = ratio_of_sums(tokens, plain)(everything)
+        figures[f"speedup{suffix}"] = ratio_of_sums(plain, spec)(everything)
+        if intervals:
+            figures[f"speedup{suffix}_interval"] = bootstrap_interval(ratio_of_sums(plain, spec), len(rows))
+    return figures
+
+
+def _mean_times(run: dict[str, Any]) -> dict[str, float]:
+    return {key: sum(run[key]) / len(run[key]) for key in TIMING}
+
+
+def k_row(run: dict[str, Any], natural: dict[str, Any], greedy: bool) -> dict[str, Any]:
+    """One speculation length's figures from its timed runs (engine._timed): tau and acceptance by position from
+    vLLM's verification steps, tokens/s and speedup by each clock with intervals, the lossless check against the
+    plain outputs, and the per-prompt figures."""
+    from dflash_train.engine import EngineOutput, engine_steps
+
+    spec = {o["id"]: EngineOutput(**o) for o in run["outputs"]}
+    step_logs, per_prompt, unaccounted, spreads = [], [], 0, []
+    for timed in run["batch1"]:
+        out = spec[timed["id"]]
+        steps, left = engine_steps(out)
+        step_logs.append(steps)
+        unaccounted += left
+        times = _mean_times(timed)
+        per_prompt.append({"id": timed["id"], "new_tokens": timed["tokens"], "requests": 1, "tau": mean_tau(steps),
+                           "mismatch": greedy and out.token_ids != natural[timed["id"]].token_ids, **times,
+                           **{f"speedup{suffix}": times[f"plain_{clock}"] / times[f"spec_{clock}"]
+                              for suffix, clock in zip(("", "_decode", "_wall"), CLOCKS)}})
+        spreads += [(max(v) - min(v)) / (sum(v) / len(v)) for key in TIMING if len(v := timed[key]) > 1]
+    row = {"k": run["k"], **acceptance_stats(step_logs, run["k"] + 1),
+           "tau_interval": bootstrap_interval(mean_of([p["tau"] for p in per_prompt]), len(per_prompt)),
+           **timing_figures(per_prompt), "lossless_checked": len(per_prompt) if greedy else 0,
+           "lossless_mismatches": sum(p["mismatch"] for p in per_prompt) if greedy else None,
+           "tokens_unaccounted_by_steps": unaccounted, "load_s": run["load_s"], "seconds": run["seconds"],
+           "repeat_spread": sorted(spreads)[len(spreads) // 2] if spreads else None, "per_prompt": per_prompt}
+    return row
+
+
+def best_k_share(sweep: list[dict[str, Any]], best: int) -> float | None:
+    """How often `best` is the fastest K at batch 1 when the prompts are resampled (the bootstrap of the
+    intervals): near 1, another set of prompts would pick it too."""
+    if len(sweep) < 2:
+        return None
+    stats = [(row["k"], ratio_of_sums([p["plain_core_s"] for p in row["per_prompt"]],
+                                      [p["spec_core_s"] for p in row["per_prompt"]])) for row in sweep]
+    n = len(sweep[0]["per_prompt"])
+    wins = [max(stats, key=lambda ks: ks[1](idx) or 0.0)[0] == best for idx in bootstrap_resamples(n)]
+    return sum(wins) / len(wins)
+
+
+def concurrency_rows(sweep: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every (concurrency, K) measured: batch 1 from the sweep, the others from the concurrency runs."""
+    rows = [{"requests": 1, "k": row["k"], **{key: row[key] for key in FIGURES}} for row in sweep]
+    for run in runs:
+        for timed in run["concurrency"]:
+            mean = {"new_tokens": timed["tokens"], "requests": timed["requests"], **_mean_times(timed)}
+            rows.append({"requests": timed["requests"], "k": run["k"], **timing_figures([mean], intervals=False)})
+    return sorted(rows, key=lambda r: (r["requests"], r["k"]))
+
+
+def best_per_concurrency(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each concurrency, its fastest K (by the engine's speedup) and its figures."""
+    best: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        if row["requests"] not in best or (row["speedup"] or 0) > (best[row["requests"]]["speedup"] or 0):
+            best[row["requests"]] = row
+    return [best[c] for c in sorted(best)]
+
+
+def pays_up_to(best: list[dict[str, Any]]) -> int:
+    """The largest measured concurrency up to which speculation (at its best K) beats plain decoding at every
+    measured concurrency; 0 when it does not even at batch 1."""
+    paid = 0
+    for row in best:
+        if not (row["speedup"] or 0) > 1:
+            break
+        paid = row["requests"]
+    return paid
+
+
+def per_batch_size_schedule(best: list[dict[str, Any]]) -> list[list[int]] | None:
+    """vLLM's `num_speculative_tokens_per_batch_size` (inclusive batch-size ranges and their K; 0 = no drafts)
+    from the measured concurrencies: each range runs the K that was fastest at the concurrency it holds (0 where
+    plain decoding was faster), split at the geometric middle between measured concurrencies; vLLM carries the
+    last K on to larger batches. None when one K serves every measured concurrency (set num_speculative_tokens)
+    or speculation loses already at batch 1 (serve without it)."""
+    if not best or best[0]["requests"] != 1 or not (best[0]["speedup"] or 0) > 1:
+        return None
+    ks = [row["k"] if (row["speedup"] or 0) > 1 else 0 for row in best]
+    if len(set(ks)) == 1:
+        return None
+    cs = [row["requests"] for row in best]
+    ends = [math.isqrt(a * b) for a, b in zip(cs, cs[1:])] + [cs[-1]]
+    schedule: list[list[int]] = []
+    for start, end, k in zip([1] + [e + 1 for e in ends], ends, ks):
+        if schedule and schedule[-1][2] == k:
+            schedule[-1][1] = end
+        else:
+            schedule.append([start, end, k])
+    return schedule
 
 
 def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], block_size: int, dtype_name: str,
                 device: str, workdir: Path) -> dict[str, Any]:
-    """The same prompts decoded by vLLM without speculation and with the drafter folder as its `dflash`
-    speculator (batch 1, one request at a time), with the statistics the project's loop reports: tau over
-    prompts and steps, acceptance by position, tokens/s, speedup and the lossless check (greedy: speculative
-    token ids equal plain token ids, prompt by prompt). Mismatches in a low-precision dtype are rerun in fp32
-    through the engine, as the project's loop does."""
+    """What users buy, measured in vLLM: plain decoding and the drafter folder as vLLM's `dflash` speculator at
+    each speculation length K (`--speculative-tokens`, else `k_sweep_order` as far as `--sweep-budget-s`
+    affords), timed by engine._timed (fixed lengths, warm, interleaved, engine core and stopwatch), at batch 1
+    and at `--concurrency`. Per K: tau and acceptance by position, tokens/s and the speedup by both clocks with
+    bootstrap intervals over prompts, the lossless check (greedy: speculative token ids equal plain ones, prompt by
+    prompt). The fastest K at batch 1 is best_k: the entry's headline figures (what push's gate and the card read)
+    are its own, and its mismatches in a low-precision dtype are rerun in fp32 through the engine."""
+    import os
+
     from dflash_train import engine
 
+    ks = cfg.speculative_tokens or k_sweep_order(block_size - 1)
+    if too_long := [k for k in ks if k > block_size - 1]:
+        raise UserError(f"--speculative-tokens {too_long[0]} is more than the verify block holds (B - 1 = "
+                        f"{block_size - 1}: the drafter's block size, or --block-size)")
     stop = target.stop_token_ids()
     max_len = max(len(ids) for ids in prompts.values()) + cfg.max_new_tokens + block_size
 
-    def run(ids: dict[str, list[int]], drafter: str | None, dtype: str, tag: str) -> engine.EngineResult:
+    def run(ids: dict[str, list[int]], dtype: str, tag: str, ks: list[int], concurrency: list[int],
+            budget_s: float | None) -> engine.EngineResult:
         requests = [engine.EngineRequest(id=rid, prompt_token_ids=p, max_tokens=cfg.max_new_tokens,
                                          temperature=cfg.temperature, seed=prompt_seed(cfg.seed, rid))
                     for rid, p in ids.items()]
         job = engine.EngineJob(target=str(target.path), requests=requests, stop_token_ids=stop,
-                               dtype=engine.VLLM_DTYPES[dtype], drafter=drafter, num_speculative_tokens=block_size - 1,
-                               max_model_len=max_len, seed=cfg.seed, device=torch.device(device).type)
-        what = f"vLLM with drafter {drafter}" if drafter else f"vLLM plain decoding of target {cfg.target}"
-        print(f"engine: {what} ({len(requests)} prompts, {dtype})", flush=True)
-        return engine.run_engine(job, workdir / tag, what)
+                               dtype=engine.VLLM_DTYPES[dtype], drafter=cfg.drafter, max_model_len=max_len,
+                               mode="timed", seed=cfg.seed, device=torch.device(device).type,
+                               engine_args=cfg.engine_args, speculative_tokens=ks, concurrency=concurrency,
+                               repeats=cfg.repeats, budget_s=budget_s)
+        budget = f", {budget_s:.0f} s budget" if budget_s is not None and len(ks) > 1 else ""
+        print(f"engine: vLLM, plain and with drafter {cfg.drafter} at K = {', '.join(map(str, ks))} "
+              f"({len(requests)} prompts, concurrency 1{''.join(f', {c}' for c in concurrency)}, {dtype}{budget})",
+              flush=True)
+        return engine.run_engine(job, workdir / tag, f"vLLM with drafter {cfg.drafter}")
 
-    spec = run(prompts, cfg.drafter, dtype_name, "speculative")  # first: a drafter vLLM rejects fails early
-    plain = run(prompts, None, dtype_name, "plain")
-    plain_out, spec_out = plain.by_id(), spec.by_id()
-    greedy = cfg.temperature == 0
-    step_logs, per_prompt, mismatches, unaccounted = [], [], [], 0
-    for rid, ids in prompts.items():
-        steps, left = engine.engine_steps(spec_out[rid])
-        unaccounted += left
-        step_logs.append(steps)
-        same = spec_out[rid].token_ids == plain_out[rid].token_ids
-        per_prompt.append({"id": rid, "tau": mean_tau(steps),
-                           "new_tokens": len(spec_out[rid].token_ids), "mismatch": greedy and not same})
-        if greedy and not same:
-            mismatches.append({"id": rid, **diagnose_mismatch(target, ids, plain_out[rid].token_ids,
-                                                               spec_out[rid].token_ids)})
+    result = run(prompts, dtype_name, "timed", ks, cfg.concurrency, cfg.sweep_budget_s)
+    natural, greedy = result.by_id(), cfg.temperature == 0
+    runs = {r["k"]: r for r in result.timed["runs"]}
+    sweep = [k_row(r, natural, greedy) for r in result.timed["runs"]]
+    best = max(sweep, key=lambda row: row["speedup"] if math.isfinite(row["speedup"] or math.nan) else -1.0)
+    best_k = best["k"]
+    spec = {o["id"]: o["token_ids"] for o in runs[best_k]["outputs"]}
+    mismatches = [{"id": p["id"], **diagnose_mismatch(target, prompts[p["id"]], natural[p["id"]].token_ids,
+                                                      spec[p["id"]])}
+                  for p in best["per_prompt"] if p["mismatch"]]
     if mismatches and dtype_name != "fp32":
-        again = {d["id"]: prompts[d["id"]] for d in mismatches}
-        plain32 = run(again, None, "fp32", "plain-fp32").by_id()
-        spec32 = run(again, cfg.drafter, "fp32", "speculative-fp32").by_id()
+        again = run({d["id"]: prompts[d["id"]] for d in mismatches}, "fp32", "fp32", [best_k], [], None)
+        spec32 = {o["id"]: o["token_ids"] for o in again.timed["runs"][0]["outputs"]}
         for d in mismatches:
-            d["fp32_spec_equals_plain"] = spec32[d["id"]].token_ids == plain32[d["id"]].token_ids
-    stats = acceptance_stats(step_logs, block_size)
-    plain_tps = _engine_tokens_per_s(plain.outputs)
-    spec_tps = _engine_tokens_per_s(spec.outputs)
-    weights = Path(cfg.drafter) / "model.safetensors"
+            d["fp32_spec_equals_plain"] = spec32[d["id"]] == again.by_id()[d["id"]].token_ids
+    table = concurrency_rows(sweep, result.timed["runs"])
+    fastest = best_per_concurrency(table)
     return {
         "engine": "vllm",
-        "version": spec.version,
-        **stats,
-        "tokens_per_s": spec_tps,
-        "tokens_per_s_baseline": plain_tps,
-        "speedup": spec_tps / plain_tps if plain_tps else math.nan,
-        "lossless_checked": len(prompts) if greedy else 0,
+        "version": result.version,
+        "best_k": best_k,
+        "num_speculative_tokens": best_k,
+        "best_k_share": best_k_share(sweep, best_k),
+        **{key: best[key] for key in HEADLINE},
+        "lossless_checked": best["lossless_checked"],
         "lossless_mismatches": len(mismatches) if greedy else None,
         "lossless_mismatches_fp32": (sum(not d["fp32_spec_equals_plain"] for d in mismatches)
                                      if mismatches and dtype_name != "fp32" else None),
         "lossless_note": None if greedy else "not checked: at temperature > 0 vLLM's rejection sampler keeps the "
                                              "target's distribution, not its tokens",
         "mismatches": mismatches,
-        "tokens_unaccounted_by_steps": unaccounted,
-        "drafter_weights_sha256": sha256_file(weights),
+        "tokens_unaccounted_by_steps": best["tokens_unaccounted_by_steps"],
+        "drafter_weights_sha256": sha256_file(Path(cfg.drafter) / "model.safetensors"),
         "dtype": dtype_name,
-        "engine_args": spec.llm_kwargs,
-        "engine_args_plain": plain.llm_kwargs,
-        "serve_command": engine.serve_command(spec.llm_kwargs),
-        "load_s": {"plain": plain.load_s, "speculative": spec.load_s},
-        "environment": spec.environment,
-        "per_prompt": per_prompt,
+        "engine_args": runs[best_k]["llm_kwargs"],
+        "engine_args_plain": result.llm_kwargs,
+        "serve_command": engine.serve_command(runs[best_k]["llm_kwargs"]),
+        "load_s": {"plain": result.load_s, "speculative": runs[best_k]["load_s"]},
+        "environment": result.environment,
+        "sweep": sweep,
+        "concurrency": table,
+        "concurrency_best": fastest,
+        "pays_up_to_concurrency": pays_up_to(fastest),
+        "per_batch_size_schedule": per_batch_size_schedule(fastest),
+        "timing": {"protocol": TIMING_PROTOCOL, "repeats": cfg.repeats, "budget_s": cfg.sweep_budget_s,
+                   "measured_k": [row["k"] for row in sweep], "skipped_k": result.timed["skipped"],
+                   "concurrency": [1, *cfg.concurrency], "seconds": result.load_s + result.wall_s,
+                   "load_average_after": [round(x, 2) for x in os.getloadavg()]},
+        "per_prompt": best["per_prompt"],
     }
-
-
-def _engine_tokens_per_s(outputs) -> float:
-    """Decoded tokens after the first over engine-core time from the first to the last token (as the project's
-    loop counts: prefill excluded)."""
-    seconds = sum(o.decode_s for o in outputs if math.isfinite(o.decode_s))
-    return sum(max(len(o.token_ids) - 1, 0) for o in outputs) / seconds if seconds > 0 else math.nan
 
 
 def own_engine_summary(report: dict[str, Any]) -> dict[str, Any]:
     """The project's loop in the shape of an engine entry, for the side-by-side table."""
-    keys = ("tau", "tau_steps", "per_position_acceptance", "tau_histogram", "num_steps", "tokens_per_s",
-            "tokens_per_s_baseline", "speedup", "lossless_checked", "lossless_mismatches", "lossless_mismatches_fp32")
+    keys = ("tau", "tau_interval", "tau_steps", "per_position_acceptance", "tau_histogram", "num_steps",
+            "tokens_per_s", "tokens_per_s_baseline", "speedup", "speedup_interval", "lossless_checked",
+            "lossless_mismatches", "lossless_mismatches_fp32")
     mine = by_role(report["methods"], "drafter")[0]
     return {"engine": "own", **{k: report.get(k, mine.get(k)) for k in keys}, "num_steps": mine.get("num_steps")}
 
@@ -451,7 +666,7 @@ def own_engine_summary(report: dict[str, Any]) -> dict[str, Any]:
 def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     """Run the eval; `workdir` holds the engine runs (jobs and logs) when the engine takes part."""
     from dflash_train.capture import load_prompt_records
-    from dflash_train.device import default_device, resolve_precision
+    from dflash_train.device import default_device, machine, resolve_precision
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -460,6 +675,9 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
         if not Path(path).is_dir():
             raise UserError(f"drafter folder {path} does not exist (train one with `make train`)")
     own, in_engine = cfg.engine in ("own", "both"), cfg.engine in ("vllm", "both")
+    if cfg.engine_args and not in_engine:
+        raise UserError(f"--engine-args configures vLLM, and --engine {cfg.engine} does not run it: pass --engine "
+                        f"vllm or both")
     if in_engine:
         from dflash_train.engine import check_vllm
 
@@ -473,6 +691,7 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
                                           f"prompts to evaluate ({cfg.prompts}, split {cfg.split!r})",
                                           prompt_set(cfg.prompts, cfg.split, None), cfg.training_prompts)}
     device = cfg.device or default_device()
+    where = machine(device)  # before anything runs: its load average says what else ran
     precision = resolve_precision(cfg.dtype, device)
     print(f"eval: compute dtype {precision.describe()}", flush=True)
     dtype_name, dtype = precision.name, precision.dtype
@@ -496,14 +715,15 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
         raise UserError(f"all {len(too_long)} prompts of {cfg.prompts} (split {cfg.split!r}) are longer than "
                         f"--max-prompt-tokens {cfg.max_prompt_tokens}: nothing to evaluate")
     report: dict[str, Any] = {
-        "tau": None, "tau_steps": None, "tau_offline": None, "tau_gap": None, "lossless_mismatches": None,
-        "lossless_checked": 0, "lossless_mismatches_fp32": None, "per_position_acceptance": None,
-        "tau_histogram": None, "tokens_per_s": None, "tokens_per_s_baseline": None, "speedup": None,
+        "tau": None, "tau_interval": None, "tau_steps": None, "tau_offline": None, "tau_gap": None,
+        "lossless_mismatches": None, "lossless_checked": 0, "lossless_mismatches_fp32": None,
+        "per_position_acceptance": None, "tau_histogram": None, "tokens_per_s": None, "tokens_per_s_baseline": None,
+        "speedup": None, "speedup_interval": None,
         "block_size": B, "methods": [], "mismatches": [], "offline": None, "per_prompt": [], "engines": {},
         "settings": {**asdict(cfg), "template_kwargs": template_kwargs, "device": str(device),
                      "dtype": dtype_name, "dtype_reason": precision.reason, "block_size": B,
                      "num_prompts": len(prompts), "skipped_long_prompts": len(too_long),
-                     "threads": torch.get_num_threads(),
+                     "threads": torch.get_num_threads(), "machine": where,
                      "sampling": "greedy" if cfg.temperature == 0 else
                      f"temperature {cfg.temperature}, Gumbel-max noise keyed on (seed, prompt id, position)"},
         "drafter": _drafter_summary(cfg.drafter, main),
@@ -512,7 +732,9 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
         "held_out_check": held_out,
     }
     if own:
-        report.update(own_loop_eval(cfg, device, methods, target, prompts, dtype))
+        own_prompts = dict(list(prompts.items())[:cfg.own_limit])
+        report["settings"]["own_prompts"] = len(own_prompts)
+        report.update(own_loop_eval(cfg, device, methods, target, own_prompts, dtype))
         report["engines"]["own"] = own_engine_summary(report)
     if in_engine:
         if workdir is None:
@@ -536,10 +758,13 @@ def open_eval_store(cfg: EvalConfig, target: Target):
     """The --store of the offline estimate, its shards re-hashed, checked to hold no training sample and to hold
     what the drafter reads from this target; returns (store, its held-out check for the report)."""
     from dflash_train.model.checkpoint import read_config
-    from dflash_train.store import check_hashes, open_store
+    from dflash_train.store import check_hashes, holds_states, open_store
 
     check_hashes(cfg.store)
     store = open_store(cfg.store)
+    if not holds_states(store.manifest):
+        raise UserError(f"--store {cfg.store} is a token-only store (captured with --storage none): the offline "
+                        "estimate reads the target's hidden states; capture the held-out prompts with states")
     held_out = check_held_out(cfg.drafter, set(store.ids), f"samples of --store {cfg.store}",
                               store.manifest.get("prompts"), cfg.training_prompts)
     check_store_fits(store.manifest, read_config(cfg.drafter), target, cfg.store)
@@ -583,7 +808,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"# Eval: drafter {_label(s['drafter'])} on target {report['target']['name']}", "",
              f"{s['num_prompts']} prompts from `{s['prompts']}` (split {s['split']}){skipped}, up to "
              f"{s['max_new_tokens']} new tokens, {s['sampling']}, {s['dtype']} on {s['device']} "
-             f"({s['threads']} threads), block size {report['block_size']}.", ""]
+             f"({s['threads']} threads), block size {report['block_size']}."
+             + (f" The project's loop decoded the first {s['own_prompts']} of them (--own-limit)."
+                if s.get("own_prompts", s["num_prompts"]) < s["num_prompts"] else ""), ""]
     lines += _engines_markdown(report)
     if report["methods"]:
         lines += _own_loop_markdown(report)
@@ -595,32 +822,48 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{_fmt(report['tau_gap'])}.", ""]
     lines += _acceptance_markdown(report)
     lines += ["", "tau = 1 + accepted drafts (at most B), per verification step; "
-              "tokens/s counts decoded tokens after the first (prefill excluded); speedup = tokens/s over plain "
-              "decoding's on the same prompts in the same run.", ""]
+              "tokens/s of the decode phase count the tokens after the first (prefill excluded), of a whole "
+              "request every new token; speedup = tokens/s over plain decoding's on the same prompts in the same "
+              "run.", ""]
     return "\n".join(lines)
 
 
-ENGINE_ROWS = (("tau (mean over prompts)", "tau", 2), ("tau (all steps)", "tau_steps", 2),
-               ("verification steps", "num_steps", 0), ("tokens/s, plain decoding", "tokens_per_s_baseline", 1),
-               ("tokens/s, speculative", "tokens_per_s", 1), ("speedup", "speedup", 2),
-               ("lossless mismatches", "lossless_mismatches", 0))
+# (label, the project's loop's key, vLLM's key, digits): the same quantity in both columns, or "-" where one has none
+ENGINE_ROWS = (("tau (mean over prompts) [95% interval]", "tau", "tau", 2),
+               ("tau (all steps)", "tau_steps", "tau_steps", 2), ("verification steps", "num_steps", "num_steps", 0),
+               ("tokens/s plain / speculative, decode phase", "tokens_per_s", "tokens_per_s_decode", 1),
+               ("speedup, decode phase [95%]", "speedup", "speedup_decode", 2),
+               ("tokens/s plain / speculative, whole request (engine)", None, "tokens_per_s", 1),
+               ("speedup, whole request (engine) [95%]", None, "speedup", 2),
+               ("tokens/s plain / speculative, whole request (stopwatch)", None, "tokens_per_s_wall", 1),
+               ("speedup, whole request (stopwatch) [95%]", None, "speedup_wall", 2),
+               ("lossless mismatches", "lossless_mismatches", "lossless_mismatches", 0))
 
 
 def _engines_markdown(report: dict[str, Any]) -> list[str]:
-    """The engine and the project's loop side by side, and what each counts."""
+    """The engine and the project's loop side by side, and what each counts; vLLM's K sweep and concurrency."""
     engines = report.get("engines") or {}
     if not engines.get("vllm"):
         return []
-    names = {"own": "project's loop (transformers)", "vllm": f"vLLM {engines['vllm'].get('version')}"}
+    names = {"own": "project's loop (transformers)", "vllm": f"vLLM {engines['vllm'].get('version')}"
+             + (f", K = {engines['vllm']['best_k']}" if engines["vllm"].get("best_k") else "")}
     cols = [k for k in ("own", "vllm") if engines.get(k)]
     lines = ["## The drafter in the engine and in the project's loop", "",
              "| | " + " | ".join(names[c] for c in cols) + " |", "|---" * (1 + len(cols)) + "|"]
-    for label, key, digits in ENGINE_ROWS:
+    for label, own_key, vllm_key, digits in ENGINE_ROWS:
         cells = []
         for c in cols:
-            value = engines[c].get(key)
-            if key == "lossless_mismatches" and value is not None:
+            key = own_key if c == "own" else vllm_key
+            value = engines[c].get(key) if key else None
+            if value is None:
+                cells.append("-")
+            elif key.startswith("lossless"):
                 cells.append(f"{value} of {engines[c].get('lossless_checked')}")
+            elif key.startswith("tokens_per_s"):
+                baseline = engines[c].get(key.replace("tokens_per_s", "tokens_per_s_baseline", 1))
+                cells.append(f"{_fmt(baseline, digits)} / {_fmt(value, digits)}")
+            elif f"{key}_interval" in engines[c] or key == "tau":
+                cells.append(with_interval(value, engines[c].get(f"{key}_interval")))
             else:
                 cells.append(_fmt(float(value) if isinstance(value, int) and digits else value, digits))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -629,11 +872,15 @@ def _engines_markdown(report: dict[str, Any]) -> list[str]:
         lines.append(f"| acceptance at position {k} | " + " | ".join(cells) + " |")
     v = engines["vllm"]
     lines += ["", "Both decode the same token ids (the project renders the chat template once), greedy, batch 1. "
-              "The project's loop: transformers target + the drafter module, tau from its own verification steps. "
-              "vLLM: its own DFlash implementation loading the drafter folder as shipped, tau from its per-request "
-              "speculative-decoding metrics (accepted drafts per verification step) with the same definition; "
-              "tokens/s from the engine core's token timestamps.", "",
-              f"vLLM command: `{v.get('serve_command')}`", ""]
+              "The project's loop: transformers target + the drafter module, tau from its own verification steps, "
+              "tokens/s from its own clock around the decode phase. vLLM: its own DFlash implementation loading the "
+              "drafter folder as shipped, tau from its per-request speculative-decoding metrics (accepted drafts per "
+              "verification step) with the same definition; tokens/s from the engine core's timestamps (the whole "
+              "request from its arrival, or the decode phase from its first token) and by a stopwatch around each "
+              "whole request.", ""]
+    tables = serving_tables(v, report["settings"].get("machine"))
+    lines += tables + [""] if tables else []
+    lines += [f"vLLM command: `{v.get('serve_command')}`", ""]
     if v.get("lossless_note"):
         lines += [f"vLLM lossless check {v['lossless_note']}.", ""]
     for d in v.get("mismatches") or []:
@@ -711,7 +958,9 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
     rows = [r for r in report["methods"] if r.get("tau") is not None and r["block_size"] > 1]
     engine = (report.get("engines") or {}).get("vllm")
     if engine and engine.get("tau") is not None:
-        rows.append({"method": f"vLLM {engine['version']}", "tau": engine["tau"], "block_size": report["block_size"],
+        rows.append({"method": f"vLLM {engine['version']}" + (f", K = {engine['best_k']}" if engine.get("best_k")
+                                                               else ""), "tau": engine["tau"],
+                     "block_size": len(engine["per_position_acceptance"]) + 1,
                      "per_position_acceptance": engine["per_position_acceptance"],
                      "tau_histogram": engine["tau_histogram"]})
     fig, ax = plt.subplots(figsize=(7, 4.2))

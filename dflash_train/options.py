@@ -70,6 +70,16 @@ def in_range(low: float, high: float, *, low_open: bool = False, high_open: bool
     return check
 
 
+def each(check: Check) -> Check:
+    """A list option's check: `check` on every element (None passes)."""
+    def check_all(values: Any) -> str | None:
+        for value in values or []:
+            if problem := check(value):
+                return f"has {value!r}, which {problem}"
+        return None
+    return check_all
+
+
 def one_of(*choices: Any) -> Check:
     def check(value: Any) -> str | None:
         return None if value in choices else f"must be one of {', '.join(map(str, choices))}"

@@ -212,7 +212,8 @@ def measured_reasons(measured: dict[str, Any], where: str, what: str, min_tau: f
 def engine_reasons(report: dict[str, Any], report_file: Path | None, drafter_dir: Path, min_tau: float,
                    min_tau_source: str) -> list[str]:
     """A release needs the serving engine's own eval of this very folder: vLLM loaded these weights as its dflash
-    speculator, decoded losslessly and accepted enough drafts."""
+    speculator, decoded losslessly and accepted enough drafts, at the speculation length the card serves it with
+    (the entry's headline figures are its best_k's)."""
     engine = (report.get("engines") or {}).get("vllm") if isinstance(report.get("engines"), dict) else None
     if not isinstance(engine, dict):
         return [f"{report_file} has no vLLM eval of this drafter (run `dflash-train eval --engine both`: the "
@@ -221,7 +222,8 @@ def engine_reasons(report: dict[str, Any], report_file: Path | None, drafter_dir
     weights = drafter_dir / "model.safetensors"
     if engine.get("drafter_weights_sha256") != sha256_file(weights):
         reasons.append(f"the vLLM eval in {report_file} measured other weights than {weights} (sha256 differs)")
-    return reasons + measured_reasons(engine, f"the vLLM eval in {report_file}", "vLLM tau", min_tau,
+    at_k = f" (K = {engine['best_k']})" if engine.get("best_k") else ""  # the K the card serves with
+    return reasons + measured_reasons(engine, f"the vLLM eval in {report_file}", f"vLLM tau{at_k}", min_tau,
                                       min_tau_source)
 
 

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import runlib as rl  # scripts/, beside this file: how every script runs a stage
+from dflash_train.engine import IDLE_S
 from dflash_train.provenance import is_complete
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,12 +49,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="capture --store-topk K: the target's top-K log-probs per token (the recipe's soft labels)")
     p.add_argument("--max-prompt-tokens", type=int, default=384,
                    help="longer prompts are skipped at capture and eval (keeps the CPU demo short)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="response cap at capture and eval")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="response cap at capture (a log's own max_tokens "
+                                                                   "caps it further)")
+    p.add_argument("--eval-max-new-tokens", type=int, default=64,
+                   help="response cap at eval: 20 prompts timed at two K or more fit its share of the budget")
     p.add_argument("--batch-size", type=int, default=16, help="capture batch size")
     p.add_argument("--recipe", default="recipes/smollm2-135m-demo.yaml")
     p.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE",
                    help="recipe override, repeatable (e.g. train.max_steps=5)")
-    p.add_argument("--eval-limit", type=int, default=40, help="held-out prompts read for eval")
+    p.add_argument("--eval-limit", type=int, default=80, help="held-out prompts read for eval, at most (the plan "
+                                                             "reads as many as it takes to keep 20)")
     p.add_argument("--repo", default="your-org/smollm2-135m-instruct-dflash", help="Hub repo named in the card")
     p.add_argument("--engine", choices=["own", "vllm", "both"], default="both",
                    help="eval in the project's loop, in vLLM, or both side by side (default)")
@@ -83,10 +88,13 @@ def workload_name(log: str) -> str:
 
 VLLM_START_S = 45.0  # one vLLM engine start on a 2-core CPU (import, worker, weights, KV cache), measured here
 STAGE_START_S = 25.0  # a stage command's own start: python, torch, transformers, the target
-DRAFT_SLOWDOWN = 2.6  # speculative decode time / plain for a weak drafter (the AVX2 demo at tau 1.18: 0.39x in the
-#                      project's loop, 0.44x in vLLM; 2.0 planned its eval 99 s short)
-EVAL_SHARE = 0.3  # at most this share of the time left goes to the eval (the 21-minute demo: 253 s of ~1,300)
-MIN_EVAL_PROMPTS = 3
+DRAFT_SLOWDOWN = 2.6  # speculative decode time / plain in the project's loop for a weak drafter (the AVX2 demo at
+#                      tau 1.18: 0.39x; 2.0 planned its eval 99 s short)
+ENGINE_SLOWDOWN = 1.3  # the same in vLLM, over the sweep's first two K (at tau 1.3: B - 1 0.63x, 1 0.90x)
+EVAL_SHARE = 0.4  # the eval's share of the time left: 20 prompts, vLLM at two K or more, a few in the project's loop
+MIN_EVAL_PROMPTS = 20  # fewer cannot tell a 10% speedup from noise (the serving issue: 5 prompts said 0.63x-1.27x)
+OWN_EVAL_PROMPTS = 5  # the project's loop decodes the first 5 of them: it runs three passes per prompt
+EVAL_CONCURRENCY = 4  # requests decoded together, timed beside batch 1 (scripts/bench_serving.py times more)
 CAPTURE_SHARE = 0.3  # of the rest: capture (more conversations) vs training (more steps); the 21-minute demo on an
                      # AVX-512 machine spent 257 s capturing and 742 s training. Time training cannot use (the recipe's
                      # max_steps reached) goes to capture too: on this budget the data, not the steps, limits tau
@@ -280,23 +288,30 @@ def read_for(kept: list[int], wanted: int) -> int:
 def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: float) -> dict:
     """Size eval, capture and training to what is left of the budget on this machine.
 
-    Start-ups are fixed costs; the eval gets at most EVAL_SHARE of the rest (its prompt count: every held-out prompt
-    costs the plain, drafter and block-size-1 passes in the project's loop, the plain and speculative runs in vLLM
-    and its capture for the offline estimate), then capture and training split the remainder CAPTURE_SHARE to the
-    rest: capture reads as many prompts as it can generate responses for in its share, training gets a time budget
-    (`train.time_budget_s`, at most the recipe's max_steps)."""
+    Start-ups are fixed costs; the eval gets EVAL_SHARE of the rest: at least MIN_EVAL_PROMPTS held-out prompts
+    (each captured for the offline estimate), the first OWN_EVAL_PROMPTS of them in the project's loop (plain,
+    drafter and block-size-1 passes), all of them in vLLM (plain to each prompt's natural stop, then per K a
+    speculative engine's start and each prompt timed plain and speculative at that length, and EVAL_CONCURRENCY
+    requests together): the K sweep gets what the share leaves (`eval --sweep-budget-s`), at least two K. Capture
+    and training split the remainder CAPTURE_SHARE to the rest: capture reads as many prompts as it can generate
+    responses for in its share, training gets a time budget (`train.time_budget_s`, at most the recipe's
+    max_steps)."""
     recipe = demo_recipe(args)
-    T = args.max_new_tokens
+    T = args.eval_max_new_tokens
     own, engine = args.engine != "vllm", args.engine != "own"
     starts = {"held-out capture": STAGE_START_S, "eval": STAGE_START_S + (2 * VLLM_START_S if engine else 0.0),
               "push (dry run)": 10.0, "capture": STAGE_START_S, "train": STAGE_START_S}
     available = args.budget_min * 60 * (1 - MARGIN) - spent_s - sum(starts.values())
     decode_s = T / rates["decode_tok_s"]  # one response at batch 1
-    eval_s = decode_s * ((2 + DRAFT_SLOWDOWN if own else 0) + (1 + DRAFT_SLOWDOWN if engine else 0))
     heldout_s = rates["capture_s_per_prompt"]  # one pass: whole batches as capture runs them, prefill included
     eval_kept = kept_prompts(prompts, "eval", args.eval_limit, args.target, args.max_prompt_tokens)
-    n_eval = min(eval_kept[-1], max(MIN_EVAL_PROMPTS, int(EVAL_SHARE * available / (eval_s + heldout_s))))
-    flexible = available - n_eval * (eval_s + heldout_s)
+    n_eval = min(eval_kept[-1], MIN_EVAL_PROMPTS)
+    n_own = min(n_eval, OWN_EVAL_PROMPTS) if own else 0
+    own_s = n_own * decode_s * (2 + DRAFT_SLOWDOWN)
+    per_k_s = VLLM_START_S + (n_eval + EVAL_CONCURRENCY / 2) * (decode_s * (1 + ENGINE_SLOWDOWN) + 2 * IDLE_S)
+    least_sweep_s = n_eval * decode_s + 2 * per_k_s  # plain's natural lengths, then two K
+    sweep_s = max(least_sweep_s, EVAL_SHARE * available - own_s - n_eval * heldout_s) if engine else 0.0
+    flexible = available - own_s - sweep_s - n_eval * heldout_s
     if flexible < 120:
         raise SystemExit(f"demo: a {args.budget_min:g}-minute budget leaves {flexible:.0f} s for capture and "
                          f"training on this machine after {n_eval} eval prompts: raise --budget-min")
@@ -314,10 +329,11 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     return {"spent_s": round(spent_s), "capture_engine": capture_engine, "capture_limit": read, "capture_kept": kept[read - 1],
             "train_budget_s": round(train_s),
             "expected_steps": min(steps, cap) if cap else steps, "max_steps": cap,
-            "eval_limit": read_for(eval_kept, n_eval), "eval_prompts": n_eval,
+            "eval_limit": read_for(eval_kept, n_eval), "eval_prompts": n_eval, "own_eval_prompts": n_own,
+            "sweep_budget_s": round(sweep_s),
             "stage_s": {"capture": starts["capture"] + capture_s, "train": starts["train"] + train_s,
                         "held-out capture": starts["held-out capture"] + n_eval * heldout_s,
-                        "eval": starts["eval"] + n_eval * eval_s, "push (dry run)": starts["push (dry run)"]}}
+                        "eval": starts["eval"] + own_s + sweep_s, "push (dry run)": starts["push (dry run)"]}}
 
 
 def rebudget_training(plan: dict, capture_end_s: float) -> None:
@@ -347,9 +363,10 @@ def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
           f"(~{plan['stage_s']['capture']:.0f} s)")
     print(f"train:   {plan['train_budget_s']} s of training, about {plan['expected_steps']} steps"
           + (f" (at most {plan['max_steps']})" if plan["max_steps"] else ""))
-    print(f"eval:    read {plan['eval_limit']} held-out prompts, keep {plan['eval_prompts']}, x {args.max_new_tokens} "
-          f"tokens, engine {args.engine} (~{plan['stage_s']['eval']:.0f} s; their capture for the offline estimate "
-          f"~{plan['stage_s']['held-out capture']:.0f} s)", flush=True)
+    print(f"eval:    read {plan['eval_limit']} held-out prompts, keep {plan['eval_prompts']}, x {args.eval_max_new_tokens} "
+          f"tokens, engine {args.engine}: vLLM's K sweep {plan['sweep_budget_s']} s, the project's loop on the first "
+          f"{plan['own_eval_prompts']} (~{plan['stage_s']['eval']:.0f} s in all; their capture for the offline "
+          f"estimate ~{plan['stage_s']['held-out capture']:.0f} s)", flush=True)
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -399,10 +416,16 @@ def main(argv: list[str] | None = None) -> int:
     # the held-out prompts' own capture: the store the offline (simulated) tau is computed on
     check_store(eval_store)
     rl.run_stage("capture (held-out)", eval_store, rl.capture_command(
-        prompts, eval_store, "eval", eval_limit, args.max_prompt_tokens, args.max_new_tokens, target,
+        prompts, eval_store, "eval", eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens, target,
         args.batch_size), log)
-    rl.run_stage("eval", report, rl.eval_command([drafter], prompts, eval_limit, args.max_prompt_tokens,
-                                                 args.max_new_tokens, eval_store, report, args.engine, target), log)
+    eval_sizes = []  # the plan's: how many prompts the project's loop decodes, how long vLLM's K sweep runs
+    if plan and args.engine != "vllm":
+        eval_sizes += ["--own-limit", str(max(1, plan["own_eval_prompts"]))]
+    if plan and args.engine != "own":
+        eval_sizes += ["--sweep-budget-s", str(plan["sweep_budget_s"])]
+    rl.run_stage("eval", report, rl.eval_command(
+        [drafter], prompts, eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens, eval_store, report, args.engine,
+        [*target, "--concurrency", str(EVAL_CONCURRENCY), *eval_sizes]), log)
     rl.run_stage("push (dry run)", push, rl.push_command(drafter, args.repo, report, push, ["--dry-run"]), log,
                  rerun=True)
 

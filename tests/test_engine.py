@@ -51,6 +51,22 @@ def test_serve_command_names_the_hub_repos_not_local_folders():
     assert '"model":"org/drafter"' in command and "/home/me" not in command
 
 
+def test_the_users_engine_arguments_go_over_the_jobs(tiny_target_dir):
+    """`--engine-args` reach vLLM as given, after the job's own; a GPU memory share replaces the job's KV-cache
+    size (vLLM would let the byte count win)."""
+    from dflash_train.engine import EngineJob
+
+    job = EngineJob(target=str(tiny_target_dir), requests=[], stop_token_ids=[2], drafter=str(tiny_target_dir),
+                    mode="timed", concurrency=[4, 16], engine_args={"max_num_seqs": 8, "tensor_parallel_size": 2})
+    kwargs = job.llm_kwargs(3)
+    assert kwargs["max_num_seqs"] == 8 and kwargs["tensor_parallel_size"] == 2 and kwargs["kv_cache_memory_bytes"]
+    assert kwargs["speculative_config"] == {"method": "dflash", "model": str(tiny_target_dir),
+                                            "num_speculative_tokens": 3}
+    assert "speculative_config" not in job.llm_kwargs() and job.llm_kwargs()["max_num_seqs"] == 8
+    job.engine_args = {"gpu_memory_utilization": 0.5}
+    assert "kv_cache_memory_bytes" not in job.llm_kwargs(3) and job.llm_kwargs(3)["max_num_seqs"] == 16
+
+
 def test_engine_error_is_the_root_cause_not_the_wrapper(tmp_path):
     log = tmp_path / "engine.log"
     log.write_text("\n".join([
@@ -95,7 +111,8 @@ def capture_cli(*args) -> int:
 @pytest.fixture(scope="module")
 def engine_store(engine_target, prompts_file, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("stores") / "vllm"
-    assert capture_cli("--engine", "vllm", "--prompts", prompts_file, "--target", engine_target, "--out", out) == 0
+    assert capture_cli("--engine", "vllm", "--prompts", prompts_file, "--target", engine_target, "--out", out,
+                       "--engine-args", '{"max_num_seqs": 4}') == 0
     return out
 
 
@@ -112,6 +129,8 @@ def test_engine_capture_equals_the_one_pass_capture_and_a_teacher_forced_forward
     assert len(engine) == len(one_pass) == len(PROMPTS) and verify_store(engine_store) == []
     generation = engine.manifest["generation"]
     assert generation["engine"] == "vllm" and generation["engine_version"] == vllm_version()
+    assert engine.manifest["capture"]["engine_args"] == {"max_num_seqs": 4}  # recorded, and given to the engine:
+    assert json.loads((engine_store / "engine" / "job.json").read_text())["engine_args"] == {"max_num_seqs": 4}
     target = load_target(str(engine_target), dtype=torch.float32)
     for sample in engine:
         ref = one_pass[sample["id"]]
@@ -147,26 +166,48 @@ def eval_cli(*args) -> int:
 @pytest.mark.slow
 def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loop(
         overfit_drafter, engine_target, prompts_file, tmp_path):
+    """The K sweep in the real engine: a row per K (lossless, tau, both clocks), best_k the fastest with its figures
+    as the headline, the engine's speedup agreeing with a stopwatch around the same runs, the concurrency runs, the
+    user's engine arguments recorded; and at the whole block the same acceptance as the project's loop."""
     out = tmp_path / "eval"
     assert eval_cli("--engine", "both", "--drafter", overfit_drafter, "--target", engine_target,
-                    "--prompts", prompts_file, "--out", out) == 0
+                    "--prompts", prompts_file, "--out", out, "--speculative-tokens", "7,1", "--concurrency", "2",
+                    "--engine-args", '{"max_num_seqs": 4}') == 0
     report = json.loads((out / "report.json").read_text())
     vllm, own = report["engines"]["vllm"], report["engines"]["own"]
     assert vllm["version"] == vllm_version()
-    assert vllm["lossless_checked"] == len(PROMPTS) and vllm["lossless_mismatches"] == 0
-    assert own["lossless_mismatches"] == 0
-    assert vllm["tau"] > 2 and vllm["per_position_acceptance"][0] > 0.5, vllm
-    assert vllm["tokens_unaccounted_by_steps"] == 0
-    assert report["held_out_check"]["prompts"]["training_prompts"] == len(PROMPTS)  # counted, so push refuses it
-    # the engine and the project's loop decode the same prompts with the same drafter: the same acceptance
-    assert vllm["tau"] == pytest.approx(own["tau"], rel=0.1), (vllm["tau"], own["tau"])
-    assert vllm["drafter_weights_sha256"] == report["drafter"]["weights_sha256"]
+    rows = {row["k"]: row for row in vllm["sweep"]}
+    assert sorted(rows) == [1, 7] and vllm["timing"]["skipped_k"] == []
+    for row in rows.values():
+        assert row["lossless_checked"] == len(PROMPTS) and row["lossless_mismatches"] == 0, row
+        assert row["tokens_unaccounted_by_steps"] == 0 and len(row["per_position_acceptance"]) == row["k"]
+        assert len(row["per_prompt"]) == len(PROMPTS)
+        for p in row["per_prompt"]:  # the decode phase lies in the engine's request time, that in the stopwatch's
+            for side in ("plain", "spec"):
+                assert 0 < p[f"{side}_decode_s"] < p[f"{side}_core_s"] < p[f"{side}_wall_s"], p
+        # both sides decode the same tokens: the engine's speedup and the stopwatch's around the same requests
+        # agree, within their noise (the intervals over prompts overlap) and within 10%
+        (lo, hi), (wall_lo, wall_hi) = row["speedup_interval"], row["speedup_wall_interval"]
+        assert lo <= row["speedup"] <= hi and wall_lo <= hi and lo <= wall_hi, row
+        assert row["speedup"] == pytest.approx(row["speedup_wall"], rel=0.1), row
+    best = max(rows.values(), key=lambda row: row["speedup"])
+    assert vllm["best_k"] == best["k"] and (vllm["speedup"], vllm["tau"]) == (best["speedup"], best["tau"])
     assert vllm["engine_args"]["speculative_config"] == {"method": "dflash", "model": str(overfit_drafter),
-                                                          "num_speculative_tokens": 7}
-    assert vllm["serve_command"].startswith("vllm serve ")
+                                                          "num_speculative_tokens": best["k"]}
+    assert vllm["engine_args"]["max_num_seqs"] == 4 and report["settings"]["engine_args"] == {"max_num_seqs": 4}
+    assert vllm["lossless_mismatches"] == 0 and own["lossless_mismatches"] == 0
+    assert rows[7]["tau"] > 2 and rows[7]["per_position_acceptance"][0] > 0.5, rows[7]
+    assert 1.5 < rows[1]["tau"] <= 2
+    assert report["held_out_check"]["prompts"]["training_prompts"] == len(PROMPTS)  # counted, so push refuses it
+    # the engine and the project's loop decode the same prompts with the same drafter and block: the same acceptance
+    assert rows[7]["tau"] == pytest.approx(own["tau"], rel=0.1), (rows[7]["tau"], own["tau"])
+    assert vllm["drafter_weights_sha256"] == report["drafter"]["weights_sha256"]
+    assert [(r["requests"], r["k"]) for r in vllm["concurrency"]] == [(1, 1), (1, 7), (2, 1), (2, 7)]
+    assert vllm["serve_command"].startswith("vllm serve ") and report["settings"]["machine"]["cores"] >= 1
     md = (out / "report.md").read_text()
     assert "The drafter in the engine and in the project's loop" in md and f"vLLM {vllm_version()}" in md
-    assert {p.name for p in (out / "engine").iterdir()} == {"plain.log", "speculative.log"}
+    assert f"best_k = {best['k']}: the fastest at batch 1" in md
+    assert {p.name for p in (out / "engine").iterdir()} == {"timed.log"}
 
 
 @needs_vllm
@@ -206,6 +247,29 @@ def test_missing_vllm_is_one_line_naming_the_install(tmp_path, prompts_file):
         assert proc.returncode == 2 and "vLLM is not installed" in lines[-1] and "make install" in lines[-1], \
             proc.stderr[-2000:]
         assert not (tmp_path / "e").exists() and not (tmp_path / "s").exists()
+
+
+@needs_vllm
+def test_engine_args_are_checked_by_vllms_own_parser_before_anything_runs(tmp_path, prompts_file, capsys):
+    from dflash_train.cli import main
+    from dflash_train.engine import engine_args_problem
+
+    assert engine_args_problem({"tensor_parallel_size": 8, "pipeline_parallel_size": 2, "data_parallel_size": 2,
+                                "gpu_memory_utilization": 0.8, "quantization": "fp8", "max_num_seqs": 64,
+                                "enforce_eager": False}) is None
+    assert "did you mean 'tensor_parallel_size'?" in engine_args_problem({"tensor_paralel_size": 8})
+    assert "invalid int value: 'x'" in engine_args_problem({"max_num_seqs": "x"})
+    assert engine_args_problem({"max_num_seqs": "8"}) == 'has max_num_seqs="8", which vLLM reads as 8: write that'
+    assert "use --dtype" in engine_args_problem({"dtype": "half"})
+    for stage in (["eval", "--drafter", str(tmp_path)], ["capture", "--engine", "vllm"]):
+        out = tmp_path / stage[0]
+        rc = main([*stage, "--prompts", str(prompts_file), "--out", str(out),
+                   "--engine-args", '{"tensor_paralel_size": 8}'])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert rc == 2 and len(err) == 1, err
+        assert err[0].startswith(f"dflash-train {stage[0]}: error: --engine-args {{'tensor_paralel_size': 8}} has "
+                                 f"'tensor_paralel_size', which is not a vLLM"), err
+        assert not out.exists()
 
 
 @needs_vllm

@@ -33,6 +33,130 @@ def test_tau_and_per_position_on_hand_made_step_logs():
     assert math.isnan(acceptance_stats([[]], 4)["tau"])
 
 
+def test_bootstrap_interval_is_seeded_and_holds_the_whole_sample_figure():
+    from dflash_train.evaluate import bootstrap_interval, mean_of, ratio_of_sums
+
+    taus = [1.0, 2.0, 4.0, 1.5, 3.0]
+    lo, hi = bootstrap_interval(mean_of(taus), len(taus))
+    assert 1.0 <= lo < sum(taus) / len(taus) < hi <= 4.0
+    assert bootstrap_interval(mean_of(taus), len(taus)) == [lo, hi]  # seeded: the same report twice
+    assert bootstrap_interval(ratio_of_sums([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]), 3) == [2.0, 2.0]  # no spread, none
+    assert bootstrap_interval(mean_of([2.0]), 1) is None  # one prompt: no interval
+    assert mean_of([None, None, 2.0])([0, 1]) is None  # prompts without a verification step do not count
+
+
+def test_k_sweep_order_spans_the_block_before_filling_it_in():
+    """A sweep cut short by its budget has still timed the whole block, K = 1 and the middle."""
+    from dflash_train.evaluate import k_sweep_order
+
+    order = k_sweep_order(15)
+    assert sorted(order) == list(range(1, 16)) and order[:4] == [15, 1, 4, 2]
+    assert k_sweep_order(1) == [1] and k_sweep_order(2) == [2, 1] and sorted(k_sweep_order(7)) == list(range(1, 8))
+
+
+def test_where_speculation_stops_paying_and_vllms_per_batch_size_k():
+    from dflash_train.evaluate import best_per_concurrency, pays_up_to, per_batch_size_schedule
+
+    rows = [{"requests": 1, "k": 3, "speedup": 1.4}, {"requests": 1, "k": 1, "speedup": 1.2},
+            {"requests": 4, "k": 3, "speedup": 0.9}, {"requests": 4, "k": 1, "speedup": 1.1},
+            {"requests": 16, "k": 3, "speedup": 0.6}, {"requests": 16, "k": 1, "speedup": 0.8}]
+    best = best_per_concurrency(rows)
+    assert [(r["requests"], r["k"]) for r in best] == [(1, 3), (4, 1), (16, 1)]
+    assert pays_up_to(best) == 4
+    # each range runs the K fastest at the concurrency it holds, split between measured ones; 0 = no drafts
+    assert per_batch_size_schedule(best) == [[1, 2, 3], [3, 8, 1], [9, 16, 0]]
+    one_k = [dict(r, k=3) for r in best[:2]]
+    assert per_batch_size_schedule(one_k) is None  # one K serves all: num_speculative_tokens says it
+    losing = [dict(r, speedup=0.9) for r in best]
+    assert pays_up_to(losing) == 0 and per_batch_size_schedule(losing) is None
+
+
+def fake_engine(calls: list, natural: dict[str, list[int]], spec_s: dict[int, float], together_s: dict[int, float],
+                skipped: list[int]):
+    """A stand-in for engine.run_engine that answers a timed job the way the child does (engine._timed): plain
+    outputs to the natural stop, and per K the timings (plain 1 s per prompt and 2 s per batch, speculative
+    spec_s[K] and together_s[K]; the decode phase 0.2 s less, the stopwatch 0.1 s more, on both sides) and the
+    speculative outputs (K=3: the first prompt differs from plain in bf16)."""
+    from dflash_train.engine import EngineOutput, EngineResult
+
+    def run_engine(job, workdir, what):
+        calls.append(job)
+        ids = [r.id for r in job.requests]
+        runs = []
+        for k in [k for k in job.speculative_tokens if k not in skipped]:
+            outputs = []
+            for i, rid in enumerate(ids):
+                tokens = list(natural[rid])
+                if k == 3 and i == 0 and job.dtype != "float32":
+                    tokens[-1] += 1
+                accepted = [k] * ((len(tokens) - 1) // (k + 1))  # every draft accepted: tau = 1 + k
+                outputs.append({"id": rid, "token_ids": tokens, "finish_reason": "length", "decode_s": spec_s[k],
+                                "accepted": accepted, "drafted": [k] * len(accepted)})
+            def times(n: int, tokens: int, plain: float, spec: float) -> dict:
+                return {"requests": n, "tokens": tokens, "plain_core_s": [plain], "spec_core_s": [spec],
+                        "plain_decode_s": [plain - 0.2], "spec_decode_s": [spec - 0.2],
+                        "plain_wall_s": [plain + 0.1], "spec_wall_s": [spec + 0.1]}
+            timed = [{"id": rid, **times(1, len(natural[rid]), 1.0, spec_s[k])} for rid in ids]
+            together = [times(c, c * 9, 2.0, together_s[k]) for c in job.concurrency]
+            runs.append({"k": k, "llm_kwargs": job.llm_kwargs(k), "load_s": 30.0, "seconds": 60.0,
+                         "outputs": outputs, "batch1": timed, "concurrency": together})
+        return EngineResult(version="0.32.0", llm_kwargs=job.llm_kwargs(), load_s=30.0, wall_s=100.0,
+                            outputs=[EngineOutput(id=rid, token_ids=natural[rid], finish_reason="stop", decode_s=1.0)
+                                     for rid in ids], environment={},
+                            timed={"runs": runs, "skipped": [k for k in job.speculative_tokens if k in skipped]})
+    return run_engine
+
+
+def test_the_engine_eval_reports_the_fastest_k_with_its_figures_and_intervals(tiny_target, drafters, monkeypatch,
+                                                                              tmp_path):
+    """best_k is the fastest K at batch 1; the entry's headline figures (push's gate, the card) are its own; the
+    speedups are ratios of the same runs' seconds by both clocks; only best_k's bf16 mismatches are rerun in fp32."""
+    from dflash_train import engine
+    from dflash_train.card import serving_tables
+    from dflash_train.errors import UserError
+    from dflash_train.evaluate import EvalConfig, engine_eval
+
+    prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
+    natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
+    calls: list = []
+    monkeypatch.setattr(engine, "run_engine", fake_engine(calls, natural, {3: 0.5, 1: 0.8, 2: 0.6}, {3: 4.0, 1: 2.2, 2: 3.0},
+                                                         skipped=[2]))
+    cfg = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1, 3, 2],
+                     concurrency=[2], engine_args={"max_num_seqs": 8})
+    v = engine_eval(cfg, tiny_target, prompts, 4, "bf16", "cpu", tmp_path)
+    job = calls[0]
+    assert (job.mode, job.speculative_tokens, job.concurrency, job.budget_s) == ("timed", [1, 3, 2], [2], 900.0)
+    assert job.llm_kwargs(3)["max_num_seqs"] == 8  # the user's engine arguments over the job's
+    assert [r["k"] for r in v["sweep"]] == [1, 3] and v["timing"]["skipped_k"] == [2]
+    assert v["best_k"] == v["num_speculative_tokens"] == 3
+    best = next(r for r in v["sweep"] if r["k"] == 3)
+    assert v["tau"] == best["tau"] == 4.0 and len(v["per_position_acceptance"]) == 3
+    assert v["speedup"] == pytest.approx(2.0) and v["speedup_wall"] == pytest.approx(1.1 / 0.6)
+    assert v["speedup_decode"] == pytest.approx(0.8 / 0.3)
+    assert v["tokens_per_s"] == pytest.approx(9 / 0.5) and v["tokens_per_s_wall"] == pytest.approx(9 / 0.6)
+    assert v["tokens_per_s_decode"] == pytest.approx(8 / 0.3)  # the tokens after the first, as the own loop counts
+    assert v["speedup_interval"] == pytest.approx([2.0, 2.0]) and v["tau_interval"] == [4.0, 4.0]
+    assert v["best_k_share"] == 1.0
+    assert '"num_speculative_tokens":3' in v["serve_command"] and "--max-num-seqs 8" in v["serve_command"]
+    # the lossless check is best_k's; its bf16 mismatch is rerun in fp32 (that K only, that prompt only)
+    assert (v["lossless_mismatches"], v["lossless_mismatches_fp32"]) == (1, 0) and best["lossless_mismatches"] == 1
+    rerun = calls[1]
+    assert (rerun.dtype, rerun.speculative_tokens, [r.id for r in rerun.requests]) == ("float32", [3], ["p0"])
+    assert v["mismatches"][0]["id"] == "p0" and v["mismatches"][0]["fp32_spec_equals_plain"] is True
+    # concurrency: batch 1 from the sweep, 2 from its runs; the 2-request batch is slower with drafts here
+    assert [(r["requests"], r["k"]) for r in v["concurrency"]] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    assert [(r["requests"], r["k"]) for r in v["concurrency_best"]] == [(1, 3), (2, 1)]
+    assert v["pays_up_to_concurrency"] == 1 and v["per_batch_size_schedule"] == [[1, 1, 3], [2, 2, 0]]
+    with pytest.raises(UserError, match="--speculative-tokens 4 is more than the verify block holds "
+                                        r"\(B - 1 = 3"):
+        engine_eval(EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", speculative_tokens=[4]), tiny_target,
+                    prompts, 4, "bf16", "cpu", tmp_path)
+    text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2, "load_average": [0.5, 0.5, 0.5]}))
+    assert "best_k = 3: the fastest at batch 1 (in 100% of the bootstrap" in text and "K = 2" in text
+    assert "| **3** | 4 [4, 4] | 9 / 18 | 2 [2, 2]× |" in text and "Some CPU (2 cores), bf16" in text
+    assert "Speculation pays up to 1 requests" in text and "[[1, 1, 3], [2, 2, 0]]" in text
+
+
 class OracleDrafter(torch.nn.Module):
     """A drafter-shaped stub that knows the answer: its hidden state for the block slot at absolute position q
     is the one-hot of the target's own token there (`references[current]`, the prompt being decoded), so
@@ -372,6 +496,29 @@ def test_eval_refuses_a_store_with_a_corrupted_shard(tiny_target_dir, drafters, 
                   "--out", tmp_path / "eval")
     err = capsys.readouterr().err
     assert rc == 2 and f"shard {shard.name} is corrupted" in err, err
+
+
+def test_eval_refuses_a_token_only_store_in_one_line(tiny_target, tiny_target_dir, drafters, prompts_dir, tmp_path,
+                                                     capsys, monkeypatch):
+    """The offline estimate reads the stored states: a store captured with --storage none is one line, not a
+    KeyError from the first sample."""
+    from dflash_train.capture import load_prompt_records
+    from dflash_train.store import StoreWriter
+
+    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
+    tokens = tmp_path / "tokens"
+    records, _ = load_prompt_records(prompts_dir, "eval")
+    with StoreWriter(tokens, target=tiny_target.identity().to_dict(), target_layer_ids=LAYERS, hidden_size=64,
+                     generation={"template_kwargs": {}}, storage_dtype="none") as writer:
+        for r in records:
+            ids = torch.tensor(tiny_target.render(r.messages) + [5, 6])
+            writer.add(ids, torch.arange(len(ids)) >= len(ids) - 2, None, id=r.id)
+    rc = eval_cli("--drafter", drafters[0], "--target", tiny_target_dir, "--prompts", prompts_dir, "--store", tokens,
+                  "--out", tmp_path / "eval")
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    assert f"--store {tokens} is a token-only store" in err
+    assert not (tmp_path / "eval").exists()
 
 
 def test_a_damaged_drafter_weights_file_is_one_line(tiny_target_dir, drafters, prompts_dir, tmp_path, capsys):

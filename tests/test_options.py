@@ -66,6 +66,12 @@ def test_configs_built_in_code_are_checked_the_same_way():
      "--temperature nan must be a finite number in [0, 2]"),
     (["eval", "--drafter", "d", "--prompts", "p", "--out", "o", "--block-size", "1"],
      "--block-size 1 must be a number >= 2"),
+    (["eval", "--drafter", "d", "--prompts", "p", "--out", "o", "--speculative-tokens", "3,0"],
+     "--speculative-tokens [3, 0] has 0, which must be a number >= 1"),
+    (["eval", "--drafter", "d", "--prompts", "p", "--out", "o", "--concurrency", "4,1"],
+     "--concurrency [4, 1] has 1, which must be a number >= 2"),
+    (["eval", "--drafter", "d", "--prompts", "p", "--out", "o", "--sweep-budget-s", "-1"],
+     "--sweep-budget-s -1.0 must be a number >= 0"),
     (["ingest", "--out", "o", "--eval-fraction", "1"], "--eval-fraction 1.0 must be in (0, 1)"),
     (["push", "d", "--repo", "org/name", "--min-tau", "nan"], "--min-tau nan must be a number >= 1"),
 ])

@@ -325,6 +325,51 @@ def test_gate_needs_a_passing_vllm_eval_of_these_very_weights(drafter_dir, tmp_p
     assert "Not measured in a serving engine" in card
 
 
+def test_the_card_serves_the_measured_best_k_and_the_gate_reads_its_figures(drafter_dir, tmp_path, capsys):
+    """The eval's fastest K is the card's `num_speculative_tokens`, said to be measured and where; the K and
+    concurrency tables and vLLM's per-batch-size setting are shown; the gate reads that K's figures."""
+    row = {"tau_interval": [1.9, 2.3], "tokens_per_s_baseline": 18.0, "speedup_interval": [1.1, 1.5],
+           "tokens_per_s_baseline_wall": 17.0, "lossless_checked": 2, "lossless_mismatches": 0}
+    sweep = [{**row, "k": 3, "tau": 2.1, "tokens_per_s": 23.4, "speedup": 1.3, "tokens_per_s_wall": 22.1,
+              "speedup_wall": 1.3, "speedup_wall_interval": [1.1, 1.5]},
+             {**row, "k": 7, "tau": 2.3, "tokens_per_s": 19.8, "speedup": 1.1, "tokens_per_s_wall": 18.7,
+              "speedup_wall": 1.1, "speedup_wall_interval": [0.9, 1.3]}]
+    together = [{"requests": 4, "k": 3, "tokens_per_s_baseline": 60.0, "tokens_per_s": 54.0, "speedup": 0.9,
+                 "tokens_per_s_baseline_wall": 58.0, "tokens_per_s_wall": 52.0, "speedup_wall": 0.9}]
+    args = dict(vllm_entry(drafter_dir)["engine_args"])
+    args["speculative_config"] = dict(args["speculative_config"], num_speculative_tokens=3)
+    entry = vllm_entry(drafter_dir, best_k=3, num_speculative_tokens=3, tau=2.1, tau_interval=[1.9, 2.3],
+                       speedup=1.3, speedup_interval=[1.1, 1.5], speedup_wall=1.3, speedup_wall_interval=[1.1, 1.5],
+                       engine_args=args, sweep=sweep, best_k_share=0.8,
+                       concurrency=[{**r, "requests": 1} for r in sweep] + together,
+                       concurrency_best=[{**sweep[0], "requests": 1}, together[0]], pays_up_to_concurrency=1,
+                       per_batch_size_schedule=[[1, 2, 3], [3, 4, 0]],
+                       timing={"protocol": "warm engines", "repeats": 1, "budget_s": 900, "skipped_k": [1],
+                               "load_average_after": [2.5, 2.0, 1.0]})
+    settings = {"max_new_tokens": 64, "temperature": 0.0, "num_prompts": 2, "device": "cpu", "dtype": "fp32",
+                "machine": {"cpu": "Some CPU", "cores": 2, "load_average": [1.5, 1.0, 0.5]}}
+    out = tmp_path / "out"
+    assert main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(out), "--eval-report",
+                 str(write_report(tmp_path / "eval", drafter_dir, settings=settings, engines={"vllm": entry}))]) == 0
+    card = (out / "README.md").read_text()
+    _, vllm = serve_commands("tiny-org/tiny-target", REPO, 8, None, 3)
+    assert vllm in card and '"num_speculative_tokens": 3' in vllm
+    assert ("vLLM (`num_speculative_tokens` counts drafted tokens, at most B - 1 = 7; 3 was the fastest of the "
+            "lengths measured one request at a time, on Some CPU (2 cores), fp32, load average 1.5 at the start with "
+            "vLLM 0.32.0") in card
+    assert "| **3** | 2.1 [1.9, 2.3] | 18 / 23.4 | 1.3 [1.1, 1.5]× | 17 / 22.1 | 1.3 [1.1, 1.5]× | 0 of 2 |" in card
+    assert "best_k = 3: the fastest at batch 1 (in 80% of the bootstrap resamples" in card
+    assert "not measured within the time budget (900 s): K = 1" in card
+    assert "| 4 | **3** | 60 / 54 | 0.9× | 58 / 52 | 0.9× |" in card
+    assert '`"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 4, 0]]`' in card
+    assert "Measured on Some CPU (2 cores), fp32, load average 1.5 at the start (2.5 at the end)" in card
+    assert "| Acceptance length τ at K = 3 | 2.1 [1.9, 2.3] |" in card
+    assert "Release gate: passed (vLLM τ 2.1 at K = 3" in card
+    assert main(["push", str(drafter_dir), "--repo", REPO, "--out", str(tmp_path / "out2"), "--eval-report", str(
+        write_report(tmp_path / "slow", drafter_dir, engines={"vllm": dict(entry, tau=1.1)}))]) == 2
+    assert "vLLM tau (K = 3) 1.100 is below the minimum 1.2" in capsys.readouterr().err
+
+
 def test_dry_run_with_a_failing_gate_writes_a_preview_and_says_a_push_would_be_refused(drafter_dir, tmp_path,
                                                                                         capsys):
     out = tmp_path / "out"

@@ -354,9 +354,11 @@ def test_demo_plan_fits_the_budget(demo_prompts, tiny_target_dir, machine, rates
     assert 1 <= plan["capture_limit"] <= args.capture_limit and plan["capture_kept"] == kept_train[
         plan["capture_limit"] - 1]
     assert demo.MIN_EVAL_PROMPTS <= plan["eval_prompts"] and plan["eval_limit"] <= args.eval_limit
-    assert plan["expected_steps"] <= plan["max_steps"] == 900
+    steps = demo.demo_recipe(args).train.max_steps
+    assert plan["expected_steps"] <= plan["max_steps"] == steps
+    assert 1 <= plan["own_eval_prompts"] <= demo.OWN_EVAL_PROMPTS and plan["sweep_budget_s"] > 0
     if machine == "a GPU":  # a fast machine: every prompt offered and the recipe's steps, as before the plan
-        assert plan["capture_limit"] == len(kept_train) and plan["expected_steps"] == 900
+        assert plan["capture_limit"] == len(kept_train) and plan["expected_steps"] == steps
 
 
 def test_time_training_cannot_use_goes_to_capture(demo_prompts, tiny_target_dir):
@@ -365,11 +367,12 @@ def test_time_training_cannot_use_goes_to_capture(demo_prompts, tiny_target_dir)
 
     args = demo.parse_args(["--target", str(tiny_target_dir), "--max-prompt-tokens", "60"])
     slow = {"capture_s_per_prompt": 6.0, "decode_tok_s": 15.0, "train_step_s": 1.7}
-    fast = {**slow, "train_step_s": 0.1}  # the recipe's 900 steps in 90 s
+    steps = demo.demo_recipe(args).train.max_steps
+    fast = {**slow, "train_step_s": 60.0 / steps}  # the recipe's steps in a minute
     slow_plan, fast_plan = (demo.make_plan(args, demo_prompts, r, 140.0) for r in (slow, fast))
-    assert fast_plan["expected_steps"] == 900 > slow_plan["expected_steps"]
+    assert fast_plan["expected_steps"] == steps > slow_plan["expected_steps"]
     assert fast_plan["capture_kept"] > slow_plan["capture_kept"]
-    assert fast_plan["train_budget_s"] >= 900 * 0.1
+    assert fast_plan["train_budget_s"] >= 60
 
 
 def test_training_gets_what_the_capture_saved_or_overran():

@@ -1,0 +1,299 @@
+"""Serving benchmark: the speculation length K and the concurrency, in vLLM and in the project's loop, every speedup
+beside a stopwatch.
+
+    python scripts/bench_serving.py DRAFTER [--prompts data/prompts/sharegpt] [--limit 40] [--max-prompt-tokens 384]
+        [--max-new-tokens 128] [--speculative-tokens 1,2,3,5,7,15] [--concurrency 4,16] [--sweep-budget-s 3600]
+        [--out results/bench_serving]
+
+One command, three measurements of the same held-out prompts, printed side by side (OUT/bench.md, OUT/bench.json):
+
+1. the eval stage itself, `dflash-train eval --engine vllm` (--eval-out): vLLM's K table at batch 1 (tau, tokens/s
+   and speedup with bootstrap intervals, by the engine core and by a stopwatch around each request), the
+   concurrency table and best_k;
+2. the project's loop (spec_decode) at the same K (a verify block of K + 1) on the same prompts at the same fixed
+   lengths, plain and speculative alternating, by its own decode clock and by a stopwatch around each generation;
+3. an independent stopwatch: a fresh process, fresh vLLM engines with the eval's arguments, plain alone then
+   speculative at best_k alone, twice (ABAB), every prompt at the same fixed length (ignore_eos), a plain
+   perf_counter around each request. The eval's speedup at best_k is believed when this agrees (within 5%).
+
+The eval's folder is reused when it is complete (delete it to measure again). `uptime` is recorded before and after
+each part: other jobs on the machine slow everything, and the tables say how loaded it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import runlib as rl  # noqa: E402
+
+AGREEMENT = 0.05  # the eval's speedup and the independent stopwatch's may differ by this much
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("drafter", help="a drafter folder (runs/NAME/drafter)")
+    p.add_argument("--target", default="smollm2-135m-instruct")
+    p.add_argument("--prompts", default="data/prompts/sharegpt", help="an ingest folder; its eval split is used")
+    p.add_argument("--limit", type=int, default=40, help="held-out prompts read (those under --max-prompt-tokens run)")
+    p.add_argument("--max-prompt-tokens", type=int, default=384)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--speculative-tokens", default=None, help="K to measure, e.g. 1,2,3,5,7,15 (default: the "
+                                                               "eval's order, as far as --sweep-budget-s goes)")
+    p.add_argument("--concurrency", default="4,16")
+    p.add_argument("--sweep-budget-s", type=float, default=3600.0)
+    p.add_argument("--repeats", type=int, default=1, help="the eval's timed runs per prompt and side")
+    p.add_argument("--stopwatch-rounds", type=int, default=2, help="plain-then-speculative engine pairs")
+    p.add_argument("--own-k", default=None, help="the K to time in the project's loop, e.g. 1,3,15 (default: every K "
+                                                 "the eval measured; '' skips the project's loop)")
+    p.add_argument("--out", default="results/bench_serving", help="bench.md and bench.json")
+    p.add_argument("--eval-out", default="eval/bench_serving", help="the eval's folder (reused when complete)")
+    p.add_argument("--stopwatch-child", help=argparse.SUPPRESS)  # internal: the independent stopwatch's process
+    return p.parse_args(argv)
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+# ------------------------------------------------------------------------------------------------ 1. the eval
+
+def run_eval(args: argparse.Namespace, out: Path, log: list[dict[str, Any]]) -> dict[str, Any]:
+    extra = ["--concurrency", args.concurrency, "--sweep-budget-s", str(args.sweep_budget_s), "--repeats",
+             str(args.repeats), "--target", args.target]
+    if args.speculative_tokens:
+        extra += ["--speculative-tokens", args.speculative_tokens]
+    command = rl.eval_command([Path(args.drafter)], Path(args.prompts), args.limit, args.max_prompt_tokens,
+                              args.max_new_tokens, None, out, engine="vllm", extra=extra)
+    entry = {"part": "eval (vLLM)", "command": shlex.join(command), "uptime_before": uptime()}
+    from dflash_train.provenance import is_complete
+
+    if is_complete(out):
+        entry["reused"] = True
+        print(f"bench: reusing the complete eval in {out}", flush=True)
+    else:
+        print(f"bench: {entry['command']}", flush=True)
+        started = time.perf_counter()
+        if subprocess.run(command).returncode != 0:
+            raise SystemExit(f"bench: the eval failed (command above); its folder: {out}")
+        entry["seconds"] = time.perf_counter() - started
+    entry["uptime_after"] = uptime()
+    log.append(entry)
+    return rl.read_report(out / "report.json")
+
+
+def held_out_prompts(args: argparse.Namespace, report: dict[str, Any], target) -> list[tuple[str, list[int], int]]:
+    """(id, prompt token ids, fixed length) of the prompts the eval timed, rendered as eval renders them, each with
+    the length its timed runs decoded (plain decoding's natural one)."""
+    from dflash_train.capture import load_prompt_records
+
+    lengths = {p["id"]: p["new_tokens"] for p in report["engines"]["vllm"]["per_prompt"]}
+    records, _ = load_prompt_records(args.prompts, "eval", args.limit)
+    kwargs = report["settings"].get("template_kwargs") or {}
+    return [(r.id, target.render(r.messages, r.tools, **kwargs), lengths[r.id]) for r in records if r.id in lengths]
+
+
+# ------------------------------------------------------------------------------------------------ 2. own loop
+
+def own_loop(args: argparse.Namespace, report: dict[str, Any], log: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The project's loop at every K the eval measured: plain and speculative alternating, prompt by prompt, at
+    the eval's fixed lengths (no stop token), by the loop's decode clock and by a stopwatch around each call."""
+    import torch
+
+    from dflash_train.evaluate import _load_proposer, acceptance_stats, bootstrap_interval, ratio_of_sums
+    from dflash_train.spec_decode import mean_tau, plain_generate, speculative_generate
+    from dflash_train.target import load_target
+
+    entry = {"part": "the project's loop", "uptime_before": uptime()}
+    started = time.perf_counter()
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[report["settings"]["dtype"]]
+    target = load_target(args.target, dtype=dtype)
+    prompts = held_out_prompts(args, report, target)
+    rows = []
+    measured = sorted(r["k"] for r in report["engines"]["vllm"]["sweep"])
+    for k in measured if args.own_k is None else [int(k) for k in args.own_k.split(",")]:
+        proposer = _load_proposer(args.drafter, target, k + 1, dtype)
+        timed: dict[str, list[float]] = {"plain_s": [], "spec_s": [], "plain_wall_s": [], "spec_wall_s": []}
+        steps, tokens, same = [], [], 0
+        plain_generate(target.model, prompts[0][1], 8, [])  # warm-up, both sides
+        speculative_generate(target.model, prompts[0][1], proposer, 8, [])
+        for i, (_, ids, length) in enumerate(prompts):
+            got = {}
+            for side in ("plain", "spec") if i % 2 == 0 else ("spec", "plain"):
+                t0 = time.perf_counter()
+                got[side] = plain_generate(target.model, ids, length, []) if side == "plain" else \
+                    speculative_generate(target.model, ids, proposer, length, [])
+                timed[f"{side}_wall_s"].append(time.perf_counter() - t0)
+                timed[f"{side}_s"].append(got[side].decode_s)
+            steps.append(got["spec"].steps)
+            tokens.append(length)
+            same += got["spec"].tokens == got["plain"].tokens
+        decoded = [t - 1 for t in tokens]
+        n = len(prompts)
+        every = list(range(n))
+        row = {"k": k, **acceptance_stats(steps, k + 1),
+               "tokens_per_s_baseline": ratio_of_sums(decoded, timed["plain_s"])(every),
+               "tokens_per_s": ratio_of_sums(decoded, timed["spec_s"])(every),
+               "speedup": ratio_of_sums(timed["plain_s"], timed["spec_s"])(every),
+               "speedup_interval": bootstrap_interval(ratio_of_sums(timed["plain_s"], timed["spec_s"]), n),
+               "speedup_wall": ratio_of_sums(timed["plain_wall_s"], timed["spec_wall_s"])(every),
+               "speedup_wall_interval": bootstrap_interval(ratio_of_sums(timed["plain_wall_s"],
+                                                                         timed["spec_wall_s"]), n),
+               "per_prompt_tau": [mean_tau(s) for s in steps], "lossless_mismatches": n - same, "prompts": n}
+        print(f"bench: project's loop K={k}: tau {row['tau']:.3f}, speedup {row['speedup']:.3f} "
+              f"(stopwatch {row['speedup_wall']:.3f})", flush=True)
+        rows.append(row)
+    entry.update(seconds=time.perf_counter() - started, uptime_after=uptime())
+    log.append(entry)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ 3. stopwatch
+
+def stopwatch(args: argparse.Namespace, report: dict[str, Any], out: Path, log: list[dict[str, Any]]
+              ) -> dict[str, Any]:
+    """The independent stopwatch, in its own process (vLLM's CPU environment is set before vLLM is imported); its
+    job (the prompts' token ids), log and timings go to `out` (beside the eval: never to results/)."""
+    from dflash_train.engine import engine_environment
+    from dflash_train.target import load_target
+
+    v = report["engines"]["vllm"]
+    target = load_target(args.target)
+    job = {"plain": v["engine_args_plain"], "spec": v["engine_args"], "rounds": args.stopwatch_rounds,
+           "prompts": [(ids, length) for _, ids, length in held_out_prompts(args, report, target)]}
+    out.mkdir(parents=True, exist_ok=True)
+    job_file = out / "stopwatch-job.json"
+    job_file.write_text(json.dumps(job))
+    entry = {"part": f"independent stopwatch (vLLM, K = {v['best_k']})", "uptime_before": uptime()}
+    started = time.perf_counter()
+    with open(out / "stopwatch.log", "w") as f:
+        proc = subprocess.run([sys.executable, __file__, args.drafter, "--stopwatch-child", str(job_file)],
+                              env={**os.environ, **engine_environment("cpu")}, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench: the stopwatch process failed; its log: {out / 'stopwatch.log'}")
+    entry.update(seconds=time.perf_counter() - started, uptime_after=uptime())
+    log.append(entry)
+    times = json.loads((out / "stopwatch-result.json").read_text())
+    tokens = sum(length for _, length in job["prompts"])
+    rounds = [sum(p) / sum(s) for p, s in zip(times["plain"], times["spec"])]
+    plain, spec = sum(map(sum, times["plain"])), sum(map(sum, times["spec"]))
+    return {"k": v["best_k"], "speedup": plain / spec, "speedup_by_round": rounds,
+            "tokens_per_s_baseline": tokens * len(times["plain"]) / plain,
+            "tokens_per_s": tokens * len(times["spec"]) / spec, "times": times}
+
+
+def stopwatch_child(job_file: Path) -> None:
+    """Fresh engines, one at a time: plain, then speculative, `rounds` times (alternating which goes first), each
+    warmed up, each prompt timed alone with a perf_counter around `generate` at its fixed length."""
+    from vllm import LLM, SamplingParams
+
+    job = json.loads(job_file.read_text())
+    times: dict[str, list[list[float]]] = {"plain": [], "spec": []}
+    for r in range(job["rounds"]):
+        for side in ("plain", "spec") if r % 2 == 0 else ("spec", "plain"):
+            llm = LLM(**job[side])
+            warm = [{"prompt_token_ids": job["prompts"][0][0]}]
+            llm.generate(warm, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False),
+                         use_tqdm=False)
+            seconds = []
+            for ids, length in job["prompts"]:
+                params = SamplingParams(max_tokens=length, temperature=0, ignore_eos=True, detokenize=False)
+                t0 = time.perf_counter()
+                got = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+                seconds.append(time.perf_counter() - t0)
+                assert len(got[0].outputs[0].token_ids) == length, (len(got[0].outputs[0].token_ids), length)
+            times[side].append(seconds)
+            print(f"stopwatch: round {r + 1}, {side}: {sum(seconds):.1f} s", flush=True)
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+    (job_file.parent / "stopwatch-result.json").write_text(json.dumps(times))
+
+
+# ------------------------------------------------------------------------------------------------ the tables
+
+def tables(report: dict[str, Any], own: list[dict[str, Any]], watch: dict[str, Any]) -> str:
+    from dflash_train.card import describe_machine, fmt, table, with_interval
+
+    v = report["engines"]["vllm"]
+    mine = {r["k"]: r for r in own}
+    rows = []
+    for r in sorted(v["sweep"], key=lambda r: r["k"]):
+        o = mine.get(r["k"], {})
+        rows.append((f"**{r['k']}**" if r["k"] == v["best_k"] else str(r["k"]),
+                     with_interval(r["tau"], r["tau_interval"]),
+                     f"{fmt(r['tokens_per_s_baseline'])} / {fmt(r['tokens_per_s'])}",
+                     with_interval(r["speedup"], r["speedup_interval"]) + "×",
+                     with_interval(r["speedup_wall"], r["speedup_wall_interval"]) + "×",
+                     f"{fmt(watch['speedup'])}×" if r["k"] == watch["k"] else "",
+                     fmt(o.get("tau")), f"{fmt(o.get('tokens_per_s_baseline'))} / {fmt(o.get('tokens_per_s'))}"
+                     if o else "", with_interval(o.get("speedup"), o.get("speedup_interval")) + "×" if o else "",
+                     with_interval(o.get("speedup_wall"), o.get("speedup_wall_interval")) + "×" if o else ""))
+    k_table = table(rows, ("K", "vLLM τ", "vLLM tokens/s plain / spec (engine)", "vLLM speedup (engine)",
+                           "vLLM speedup (stopwatch, same runs)", "vLLM speedup (independent stopwatch)",
+                           "loop τ", "loop tokens/s plain / spec", "loop speedup (loop clock)",
+                           "loop speedup (stopwatch)"))
+    c_rows = [(fmt(r["requests"]), f"**{r['k']}**" if r in v["concurrency_best"] else fmt(r["k"]),
+               f"{fmt(r['tokens_per_s_baseline'])} / {fmt(r['tokens_per_s'])}", f"{fmt(r['speedup'])}×",
+               f"{fmt(r['tokens_per_s_baseline_wall'])} / {fmt(r['tokens_per_s_wall'])}",
+               f"{fmt(r['speedup_wall'])}×") for r in v["concurrency"]]
+    c_table = table(c_rows, ("requests together", "K", "tokens/s plain / spec (engine)", "speedup (engine)",
+                             "tokens/s plain / spec (stopwatch)", "speedup (stopwatch)"))
+    agree = watch["speedup"] and v["speedup"] / watch["speedup"] - 1
+    s = report["settings"]
+    return "\n".join([
+        f"Drafter `{s['drafter']}` on `{report['target']['name']}`, {s['num_prompts']} held-out prompts, up to "
+        f"{s['max_new_tokens']} new tokens, greedy; measured on {describe_machine(s.get('machine'), v['dtype'])}, "
+        f"vLLM {v['version']}.", "",
+        "Speculation length K, one request at a time (best_k in bold; intervals: 95% bootstrap over prompts):", "",
+        k_table, "",
+        f"best_k = {v['best_k']}" + (f" (the fastest in {v['best_k_share']:.0%} of the resamples)"
+                                     if v.get("best_k_share") is not None else "")
+        + (f"; not measured for the time budget: K = {v['timing']['skipped_k']}" if v["timing"]["skipped_k"] else "")
+        + ".", "",
+        f"Agreement at best_k: the eval's speedup {fmt(v['speedup'])}× (engine core; "
+        f"{fmt(v['speedup_wall'])}× by the stopwatch around the same runs) against the independent stopwatch's "
+        f"{fmt(watch['speedup'])}× (rounds: {', '.join(fmt(x) for x in watch['speedup_by_round'])}): "
+        f"{agree:+.1%}, {'within' if abs(agree) <= AGREEMENT else 'NOT within'} {AGREEMENT:.0%}.", "",
+        "Requests decoded together (vLLM; the fastest K at each in bold):", "", c_table, "",
+        ("Speculation does not pay here, even one request at a time." if not v["pays_up_to_concurrency"] else
+         f"Speculation pays up to {v['pays_up_to_concurrency']} requests decoded together.")
+        + (f" vLLM's `num_speculative_tokens_per_batch_size` from this: `{v['per_batch_size_schedule']}`."
+           if v.get("per_batch_size_schedule") else "")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.stopwatch_child:
+        stopwatch_child(Path(args.stopwatch_child))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log: list[dict[str, Any]] = []
+    report = run_eval(args, Path(args.eval_out), log)
+    own = own_loop(args, report, log) if args.own_k != "" else []
+    watch = stopwatch(args, report, Path(args.eval_out).with_name(Path(args.eval_out).name + "-stopwatch"), log)
+    body = tables(report, own, watch)
+    loads = "\n".join(f"- {e['part']}" + (f" ({e['seconds']:.0f} s)" if "seconds" in e else " (reused)")
+                      + f": before `{e['uptime_before']}`, after `{e['uptime_after']}`"
+                      + (f"\n  `{e['command']}`" if "command" in e else "") for e in log)
+    markdown = "\n\n".join([rl.header("Serving: speculation length and concurrency", "bench_serving.py"), body,
+                            "Load on the machine (uptime) around each part:\n\n" + loads]) + "\n"
+    (out / "bench.md").write_text(markdown)
+    (out / "bench.json").write_text(json.dumps({"own_loop": own, "stopwatch": watch, "parts": log}, indent=1))
+    print("\n" + markdown)
+    print(f"bench: {out / 'bench.md'}, {out / 'bench.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    rl.script_main(main)
