@@ -137,6 +137,7 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
     import torch
 
     from dflash_train.capture import generate_and_capture, resolve_layer_ids
+    from dflash_train.data import OnlineStates
     from dflash_train.device import default_device, resolve_precision
     from dflash_train.spec_decode import plain_generate
     from dflash_train.target import load_target
@@ -164,7 +165,7 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
     # (the AVX-512 demo: 2.9 s each for the longest 64 of 450, 1.1 for the shortest), so one batch at the median
     # length planned 1.03 s for a capture that took 1.72 s per prompt: the mean over the length distribution is
     # taken by two-point Gauss-Legendre quadrature over its quantiles, a batch at quantile 0.21 and one at 0.79.
-    timings, new_tokens = [], 0
+    timings, new_tokens, all_tokens = [], 0, 0
     for q in GAUSS_QUANTILES:
         at = min(max(0, round(q * len(rendered)) - args.batch_size // 2), max(0, len(rendered) - args.batch_size))
         batch = rendered[at:at + args.batch_size]
@@ -172,6 +173,7 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
                                        pad, topk=args.store_topk)
         timings.append(seconds / len(batch))
         new_tokens += sum(len(c.input_ids) - c.num_prompt_tokens for c in captured)
+        all_tokens += sum(len(c.input_ids) for c in captured)
     capture_s_per_prompt = sum(timings) / len(timings)
     median_prompt = rendered[len(rendered) // 2]
     short, long_ = (timed_call(plain_generate, target.model, median_prompt, n, [])[1] for n in (4, 24))
@@ -193,19 +195,30 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
                 precision.dtype),
             "position_ids": torch.arange(step_args.seq).expand(step_args.batch, -1)}
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=True)
-    times = []
-    for step in range(4):
+    # Steps with stored states and, alternating, with the states computed online as the trainer does
+    # (data.hidden_states: online: the target prefills the micro batch first, scripts/bench_online.py's probe); the
+    # median of each after its first.
+    online = OnlineStates(target, layers, step_args.seq)
+    rows = [[{"input_ids": ids}] for ids in data["input_ids"]]
+    times: dict[str, list[float]] = {"stored": [], "online": []}
+    for step in range(7):
+        source = ("stored", "online")[step % 2]
         t0 = time.perf_counter()
-        bench_train.step_fn(step_args, drafter, embed, embed, data, optimizer, step)
-        times.append(time.perf_counter() - t0)
+        batch_data = data if source == "stored" else {**data, "hidden_states": torch.stack(
+            [row[0]["hidden_states"] for row in online.add(rows)]).to(precision.dtype)}
+        bench_train.step_fn(step_args, drafter, embed, embed, batch_data, optimizer, step)
+        times[source].append(time.perf_counter() - t0)
     engine = probe_engine_capture(args, target, rendered, layers, precision) if args.capture_engine != "own" else {}
     return {"precision": precision.describe(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             **engine, "capture_batch": len(batch), "capture_s_per_prompt": capture_s_per_prompt,
             "capture_s_per_prompt_by_quantile": timings,
             "capture_new_tok_s": new_tokens / (capture_s_per_prompt * len(batch) * len(timings)),
             "capture_mean_new_tokens": new_tokens / (len(batch) * len(timings)),
+            "capture_mean_tokens": all_tokens / (len(batch) * len(timings)),
+            "state_bytes_per_token": 2.0 * len(layers) * cfg.hidden_size,  # bf16 states
             "decode_tok_s": 1.0 / decode_step,
-            "train_step_s": statistics.median(times[1:])}
+            "train_step_s": statistics.median(times["stored"][1:]),
+            "train_online_step_s": statistics.median(times["online"][1:])}
 
 
 ENGINE_PROBE_PROMPTS = 48
@@ -216,8 +229,9 @@ def probe_engine_capture(args: argparse.Namespace, target, rendered: list[list[i
     """The engine capture (`capture --engine vllm`) of ENGINE_PROBE_PROMPTS training prompts spread over the length
     distribution (every k-th by length), timed as the stage runs it: vLLM starts and generates their responses
     with continuous batching, then one batched transformers prefill records their states and top-k. Returns the
-    start-up (the engine process and vLLM's load, once per capture) and the seconds per prompt after it. Continuous
-    batching packs more requests together in a real capture than in this sample, so it errs on the slow side."""
+    start-up (the engine process and vLLM's load, once per capture), the seconds per prompt after it, and the
+    prefill's share of them (a token-only capture without top-k runs no prefill). Continuous batching packs more
+    requests together in a real capture than in this sample, so it errs on the slow side."""
     import tempfile
 
     from dflash_train.capture import prefill_capture
@@ -239,8 +253,9 @@ def probe_engine_capture(args: argparse.Namespace, target, rendered: list[list[i
         batch = list(range(at, min(at + args.batch_size, len(picked))))
         prefill_capture(target.model, [picked[i] + responses[str(i)] for i in batch], [len(picked[i]) for i in batch],
                         layers, target.tokenizer.pad_token_id, topk=args.store_topk)
-    per_prompt = (result.wall_s + time.perf_counter() - started) / len(picked)
-    return {"engine_start_s": start_s, "engine_capture_s_per_prompt": per_prompt}
+    prefill_s = time.perf_counter() - started
+    return {"engine_start_s": start_s, "engine_capture_s_per_prompt": (result.wall_s + prefill_s) / len(picked),
+            "engine_prefill_s_per_prompt": prefill_s / len(picked)}
 
 
 def capture_costs(rates: dict) -> dict[str, tuple[float, float]]:

@@ -404,6 +404,17 @@ def test_the_plan_captures_through_whichever_way_stores_more_prompts_here(demo_p
                                              "--capture-engine", "own"]), demo_prompts, engine_faster, 140.0)
     assert forced["capture_engine"] == "own"
 
+
+def test_demo_probe_times_a_training_step_with_online_states(demo_prompts, tiny_target_dir):
+    import demo
+
+    args = demo.parse_args(["--target", str(tiny_target_dir), "--max-prompt-tokens", "60", "--max-new-tokens", "4",
+                            "--batch-size", "2", "--capture-engine", "own", "--capture-limit", "40"])
+    rates = demo.probe(args, demo_prompts)
+    assert 0 < rates["train_step_s"] and 0 < rates["train_online_step_s"]
+    assert rates["capture_mean_tokens"] > rates["capture_mean_new_tokens"] == 4
+    assert rates["state_bytes_per_token"] == 2 * 5 * 64  # bf16, five taps of the tiny target's 64
+
 # --- stored states or online training (scripts/bench_online.py) ----------------------------------------------------
 
 
