@@ -9,11 +9,14 @@ each stage against the plan, and where every artefact is.
 
 Machines differ several-fold (an AVX2 CPU emulates bf16; a GPU is another world), so after ingest the demo
 measures this one for a minute or two (the one-pass capture of two batches of training prompts, at the 0.21 and
-0.79 quantiles of their lengths; training steps of the demo recipe's shape; plain decoding at batch 1; all in the
-compute dtype the stages will pick) and sizes the stages to the budget: the eval gets at most a share of it, the
-rest goes to capture (prompts read) and training (`train.time_budget_s`, at most the recipe's max_steps; after the
-capture, plus what it saved against its plan or less what it overran). It prints that plan, with the rates it
-measured, before anything long starts.
+0.79 quantiles of their lengths; training steps of the demo recipe's shape, with stored states and with the
+states computed online; plain decoding at batch 1; all in the compute dtype the stages will pick) and sizes the
+stages to the budget: the eval gets at most a share of it, the rest goes to capture (prompts read) and training
+(`train.time_budget_s`, at most the recipe's max_steps; after the capture, plus what it saved against its plan or
+less what it overran). It stores the states with the responses, or captures token-only and trains online
+(`data.hidden_states: online`), whichever costs less per token at the epochs the plan trains
+(scripts/bench_online.py's rule): online pays where a token-only capture is much cheaper and the epochs are few.
+It prints that plan, with the rates it measured and why, before anything long starts.
 """
 
 from __future__ import annotations
@@ -65,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--capture-engine", choices=["auto", "own", "vllm"], default="auto",
                    help="who generates the training responses: the one-pass loop, vLLM (then one prefill records "
                         "the states), or auto: whichever the probe measures to store more tokens per second here")
+    p.add_argument("--hidden-states", choices=["auto", "stored", "online"], default="auto",
+                   help="the drafter's input states: captured with the responses (stored), computed by the target "
+                        "in every training step from a token-only store (online), or auto: whichever the probe "
+                        "measures to train on more data in the budget (scripts/bench_online.py's rule)")
     p.add_argument("--budget-min", type=float, default=30.0,
                    help="wall-time budget of the whole demo in minutes: capture and training are sized to it")
     p.add_argument("--no-plan", dest="plan", action="store_false",
@@ -258,17 +265,19 @@ def probe_engine_capture(args: argparse.Namespace, target, rendered: list[list[i
             "engine_prefill_s_per_prompt": prefill_s / len(picked)}
 
 
-def capture_costs(rates: dict) -> dict[str, tuple[float, float]]:
-    """Each way to capture that the probe measured: engine name -> (start-up seconds, seconds per prompt)."""
+def capture_costs(rates: dict, token_only: bool = False, topk: int = 0) -> dict[str, tuple[float, float]]:
+    """Each way to capture that the probe measured: engine name -> (start-up seconds, seconds per prompt). Token-only
+    (`--storage none`) costs the one-pass loop the same (its decode computes the states anyway) and saves the engine
+    capture its prefill, unless the prefill is there for the top-k (`--store-topk`)."""
     costs = {"own": (0.0, rates["capture_s_per_prompt"])}
     if "engine_capture_s_per_prompt" in rates:
-        costs["vllm"] = (rates["engine_start_s"], rates["engine_capture_s_per_prompt"])
+        saved = rates.get("engine_prefill_s_per_prompt", 0.0) if token_only and not topk else 0.0
+        costs["vllm"] = (rates["engine_start_s"], rates["engine_capture_s_per_prompt"] - saved)
     return costs
 
 
-def faster_capture(rates: dict, seconds: float, allowed: str = "auto") -> str:
-    """The capture engine that captures the most prompts in `seconds` on this machine (or `allowed`, if not auto)."""
-    costs = capture_costs(rates)
+def faster_capture(costs: dict[str, tuple[float, float]], seconds: float, allowed: str = "auto") -> str:
+    """The capture engine that captures the most prompts in `seconds` at these costs (or `allowed`, if not auto)."""
     if allowed != "auto":
         return allowed
     return max(costs, key=lambda e: (seconds - costs[e][0]) / costs[e][1])
@@ -330,25 +339,69 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     if flexible < 120:
         raise SystemExit(f"demo: a {args.budget_min:g}-minute budget leaves {flexible:.0f} s for capture and "
                          f"training on this machine after {n_eval} eval prompts: raise --budget-min")
-    cap = recipe.train.max_steps
-    capture_share_s = CAPTURE_SHARE * flexible
-    if cap:  # what training at most needs; the rest of its share goes to capture
-        capture_share_s = max(capture_share_s, flexible - cap * rates["train_step_s"])
     kept = kept_prompts(prompts, "train", args.capture_limit, args.target, args.max_prompt_tokens)
-    capture_engine = faster_capture(rates, capture_share_s, args.capture_engine)
-    start_s, capture_per_prompt = capture_costs(rates)[capture_engine]
-    read = read_for(kept, max(8, int((capture_share_s - start_s) / capture_per_prompt)))
-    capture_s = start_s + kept[read - 1] * capture_per_prompt
-    train_s = flexible - capture_s
-    steps = int(train_s / rates["train_step_s"])
-    return {"spent_s": round(spent_s), "capture_engine": capture_engine, "capture_limit": read, "capture_kept": kept[read - 1],
-            "train_budget_s": round(train_s),
-            "expected_steps": min(steps, cap) if cap else steps, "max_steps": cap,
+    measured = "train_online_step_s" in rates or args.hidden_states == "online"
+    options = {mode: size_capture_and_training(args, rates, flexible, recipe.train.max_steps, kept, mode)
+               for mode in ("stored", "online") if mode == "stored" or measured}
+    hidden_states, reason = choose_states(args, rates, recipe.train.micro_batch_size, options)
+    chosen = options[hidden_states]
+    capture_s, train_s = chosen["capture_s"], flexible - chosen["capture_s"]
+    return {"spent_s": round(spent_s), "hidden_states": hidden_states, "hidden_states_reason": reason,
+            "hidden_states_options": {mode: {k: o[k] for k in ("capture_engine", "capture_kept", "expected_steps")}
+                                      for mode, o in options.items()},
+            "capture_engine": chosen["capture_engine"], "capture_limit": chosen["capture_limit"],
+            "capture_kept": chosen["capture_kept"], "train_budget_s": round(train_s),
+            "expected_steps": chosen["expected_steps"], "max_steps": recipe.train.max_steps,
             "eval_limit": read_for(eval_kept, n_eval), "eval_prompts": n_eval, "own_eval_prompts": n_own,
             "sweep_budget_s": round(sweep_s),
             "stage_s": {"capture": starts["capture"] + capture_s, "train": starts["train"] + train_s,
                         "held-out capture": starts["held-out capture"] + n_eval * heldout_s,
                         "eval": starts["eval"] + own_s + sweep_s, "push (dry run)": starts["push (dry run)"]}}
+
+
+def size_capture_and_training(args: argparse.Namespace, rates: dict, flexible: float, cap: int | None,
+                              kept: list[int], hidden_states: str) -> dict:
+    """Capture and training in `flexible` seconds: capture reads as many prompts as CAPTURE_SHARE of them (or what
+    training at most needs leaves it) captures, through the faster engine, and training gets the rest. Online,
+    capture is token-only and every step computes its states (the probe's `train_online_step_s`)."""
+    online = hidden_states == "online"
+    step_s = rates["train_online_step_s" if online else "train_step_s"]
+    costs = capture_costs(rates, token_only=online, topk=args.store_topk)
+    capture_share_s = CAPTURE_SHARE * flexible
+    if cap:  # what training at most needs; the rest of its share goes to capture
+        capture_share_s = max(capture_share_s, flexible - cap * step_s)
+    engine = faster_capture(costs, capture_share_s, args.capture_engine)
+    start_s, per_prompt = costs[engine]
+    read = read_for(kept, max(8, int((capture_share_s - start_s) / per_prompt)))
+    capture_s = start_s + kept[read - 1] * per_prompt
+    steps = int((flexible - capture_s) / step_s)
+    return {"capture_engine": engine, "capture_limit": read, "capture_kept": kept[read - 1], "capture_s": capture_s,
+            "expected_steps": min(steps, cap) if cap else steps}
+
+
+def choose_states(args: argparse.Namespace, rates: dict, micro_batch: int, options: dict[str, dict]) -> tuple[str, str]:
+    """("stored" | "online", why): scripts/bench_online.py's rule (`choose_hidden_states`) at the epochs the stored
+    plan trains (expected steps x micro batch / prompts kept), on the plans' rates per token: each capture's time
+    (start-up included) over the tokens it keeps, each step's over the tokens of its micro batch, at the probe's
+    mean sample length; with the disk check where the probe measured the states' size. --hidden-states forces one."""
+    import shutil
+
+    import bench_online  # scripts/, beside this file
+
+    if args.hidden_states != "auto":
+        return args.hidden_states, f"--hidden-states {args.hidden_states}"
+    if "online" not in options:
+        return "stored", "the probe measured no online training step"
+    stored, online = options["stored"], options["online"]
+    tokens = rates["capture_mean_tokens"]  # per sample, prompt and response
+    per_token = {"capture_states_tok_s": tokens * stored["capture_kept"] / stored["capture_s"],
+                 "capture_tokens_tok_s": tokens * online["capture_kept"] / online["capture_s"],
+                 "train_stored_tok_s": tokens * micro_batch / rates["train_step_s"],
+                 "train_online_tok_s": tokens * micro_batch / rates["train_online_step_s"],
+                 "state_bytes_per_token": rates.get("state_bytes_per_token", 0.0)}
+    epochs = round(stored["expected_steps"] * micro_batch / stored["capture_kept"], 2)
+    disk = shutil.disk_usage(args.workdir).free if "state_bytes_per_token" in rates else None
+    return bench_online.choose_hidden_states(per_token, epochs, round(tokens * stored["capture_kept"]), disk)
 
 
 def rebudget_training(plan: dict, capture_end_s: float) -> None:
@@ -367,14 +420,21 @@ def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
     print(f"measured: compute dtype {rates['precision']}; one-pass capture {rates['capture_s_per_prompt']:.2f} s "
           f"per prompt (two whole batches of {rates['capture_batch']}, at length quantiles 0.21 and 0.79: "
           f"{' and '.join(f'{t:.2f}' for t in rates.get('capture_s_per_prompt_by_quantile', []))} s); a training "
-          f"step of the demo recipe {rates['train_step_s']:.2f} s; plain decoding {rates['decode_tok_s']:.1f} "
-          f"tokens/s (batch 1)")
+          f"step of the demo recipe {rates['train_step_s']:.2f} s"
+          + (f" ({rates['train_online_step_s']:.2f} s online)" if "train_online_step_s" in rates else "")
+          + f"; plain decoding {rates['decode_tok_s']:.1f} tokens/s (batch 1)")
     costs = capture_costs(rates)
     if "vllm" in costs:
         print(f"         capture through vLLM (capture --engine vllm): {costs['vllm'][0]:.0f} s to start, then "
-              f"{costs['vllm'][1]:.2f} s per prompt ({ENGINE_PROBE_PROMPTS} prompts generated and prefilled)")
+              f"{costs['vllm'][1]:.2f} s per prompt ({ENGINE_PROBE_PROMPTS} prompts generated and prefilled; the "
+              f"prefill {rates.get('engine_prefill_s_per_prompt', float('nan')):.2f} s of it)")
+    options = plan["hidden_states_options"]
+    print(f"states:  {plan['hidden_states']}: {plan['hidden_states_reason']}; in the budget "
+          + ", ".join(f"{mode} {o['capture_kept']} prompts x {o['expected_steps']} steps"
+                      for mode, o in options.items()))
     print(f"capture: read {plan['capture_limit']} training prompts, keep the {plan['capture_kept']} of at most "
-          f"{args.max_prompt_tokens} tokens, {'through vLLM' if plan['capture_engine'] == 'vllm' else 'one pass'} "
+          f"{args.max_prompt_tokens} tokens, {'through vLLM' if plan['capture_engine'] == 'vllm' else 'one pass'}"
+          f"{', token-only' if plan.get('hidden_states') == 'online' else ''} "
           f"(~{plan['stage_s']['capture']:.0f} s)")
     print(f"train:   {plan['train_budget_s']} s of training, about {plan['expected_steps']} steps"
           + (f" (at most {plan['max_steps']})" if plan["max_steps"] else ""))

@@ -405,6 +405,55 @@ def test_the_plan_captures_through_whichever_way_stores_more_prompts_here(demo_p
     assert forced["capture_engine"] == "own"
 
 
+# this CPU's rates (the AVX-512 demo's above; BENCHMARKS.md, online training: an online step 1.84x the stored one,
+# the vLLM capture 1.82x faster without the prefill that records the states); samples of 100 tokens
+THIS_CPU = {"capture_s_per_prompt": 1.57, "decode_tok_s": 16.0, "train_step_s": 0.74, "train_online_step_s": 1.36,
+            "capture_mean_tokens": 100.0, "engine_start_s": 45.0, "engine_capture_s_per_prompt": 1.2,
+            "engine_prefill_s_per_prompt": 0.54}
+# slow training steps (few epochs in the budget) and an engine capture that is mostly its prefill
+FEW_EPOCHS = {**THIS_CPU, "capture_s_per_prompt": 4.0, "train_step_s": 3.0, "train_online_step_s": 3.3,
+              "engine_capture_s_per_prompt": 3.0, "engine_prefill_s_per_prompt": 2.4}
+
+
+def test_the_plan_stores_the_states_or_trains_online_whichever_trains_on_more_data(demo_prompts, tiny_target_dir):
+    """The plan sizes both ways and takes bench_online's rule at the epochs it trains: this CPU trains many epochs
+    and stores the states; where a token-only engine capture is cheap and the epochs few it captures token-only
+    (more prompts in the same budget) and trains online. Either plan fits the budget."""
+    import demo
+
+    base = ["--target", str(tiny_target_dir), "--max-prompt-tokens", "60", "--store-topk", "0"]
+    args = demo.parse_args(base)
+    stored = demo.make_plan(args, demo_prompts, THIS_CPU, 140.0)
+    assert stored["hidden_states"] == "stored", stored
+    assert "epochs >= the break-even" in stored["hidden_states_reason"]
+    assert stored["capture_kept"] == stored["hidden_states_options"]["stored"]["capture_kept"]
+    online = demo.make_plan(args, demo_prompts, FEW_EPOCHS, 140.0)
+    assert online["hidden_states"] == "online" and "epochs < the break-even" in online["hidden_states_reason"]
+    options = online["hidden_states_options"]
+    assert online["capture_kept"] == options["online"]["capture_kept"] > options["stored"]["capture_kept"]
+    assert online["capture_engine"] == "vllm"  # token-only: no prefill after vLLM's generation
+    assert online["expected_steps"] == options["online"]["expected_steps"] < options["stored"]["expected_steps"]
+    assert abs(online["expected_steps"] - online["train_budget_s"] / FEW_EPOCHS["train_online_step_s"]) <= 1
+    for plan in (stored, online):
+        assert 140.0 + sum(plan["stage_s"].values()) <= args.budget_min * 60 * (1 - demo.MARGIN) + 1e-6, plan
+
+
+def test_hidden_states_stored_when_the_prefill_stays_or_when_forced(demo_prompts, tiny_target_dir):
+    import demo
+
+    base = ["--target", str(tiny_target_dir), "--max-prompt-tokens", "60"]
+    topk = demo.make_plan(demo.parse_args([*base, "--store-topk", "8"]), demo_prompts, FEW_EPOCHS, 140.0)
+    assert topk["hidden_states"] == "stored"  # top-k needs the prefill: token-only would save nothing
+    assert "break-even 0.00" in topk["hidden_states_reason"]
+    forced = demo.make_plan(demo.parse_args([*base, "--store-topk", "0", "--hidden-states", "stored"]), demo_prompts,
+                            FEW_EPOCHS, 140.0)
+    assert forced["hidden_states"] == "stored" and forced["hidden_states_reason"] == "--hidden-states stored"
+    assert forced["capture_kept"] == forced["hidden_states_options"]["stored"]["capture_kept"]
+    older = demo.make_plan(demo.parse_args(base), demo_prompts, {k: v for k, v in FEW_EPOCHS.items()
+                                                                 if k != "train_online_step_s"}, 140.0)
+    assert older["hidden_states"] == "stored" and "measured no online" in older["hidden_states_reason"]
+
+
 def test_demo_probe_times_a_training_step_with_online_states(demo_prompts, tiny_target_dir):
     import demo
 
@@ -414,6 +463,9 @@ def test_demo_probe_times_a_training_step_with_online_states(demo_prompts, tiny_
     assert 0 < rates["train_step_s"] and 0 < rates["train_online_step_s"]
     assert rates["capture_mean_tokens"] > rates["capture_mean_new_tokens"] == 4
     assert rates["state_bytes_per_token"] == 2 * 5 * 64  # bf16, five taps of the tiny target's 64
+    plan = demo.make_plan(args, demo_prompts, rates, 140.0)
+    assert plan["hidden_states"] in ("stored", "online") and "break-even" in plan["hidden_states_reason"]
+
 
 # --- stored states or online training (scripts/bench_online.py) ----------------------------------------------------
 
