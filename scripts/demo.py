@@ -478,10 +478,14 @@ def main(argv: list[str] | None = None) -> int:
     check_store(store)
     capture_engine = plan.get("capture_engine", "own") if plan else \
         ("own" if args.capture_engine == "auto" else args.capture_engine)
+    hidden_states = plan.get("hidden_states", "stored") if plan else \
+        ("stored" if args.hidden_states == "auto" else args.hidden_states)
+    online = hidden_states == "online"  # a token-only store: training computes the states
     rl.run_stage("capture", store, rl.capture_command(
         prompts, store, "train", capture_limit, args.max_prompt_tokens, args.max_new_tokens,
-        [*target, "--store-topk", str(args.store_topk), "--engine", capture_engine], args.batch_size), log)
-    overrides = [f"data.stores=[{store}]", *args.train_override]
+        [*target, "--store-topk", str(args.store_topk), "--engine", capture_engine,
+         *(["--storage", "none"] if online else [])], args.batch_size), log)
+    overrides = [f"data.stores=[{store}]", *(["data.hidden_states=online"] if online else []), *args.train_override]
     if plan:
         if planned_now and not log.stages[-1]["skipped"]:
             rebudget_training(plan, time.perf_counter() - total)

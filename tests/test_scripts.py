@@ -467,6 +467,34 @@ def test_demo_probe_times_a_training_step_with_online_states(demo_prompts, tiny_
     assert plan["hidden_states"] in ("stored", "online") and "break-even" in plan["hidden_states_reason"]
 
 
+@pytest.mark.parametrize("hidden_states", ["stored", "online"])
+def test_demo_captures_and_trains_as_its_plan_file_says(tmp_path, monkeypatch, hidden_states):
+    """A rerun keeps the plan's choice whatever --hidden-states says: online captures a token-only store
+    (`--storage none`) and trains with data.hidden_states=online; stored runs the commands it always ran (a
+    complete stage made by another command would be refused)."""
+    import demo
+
+    plan = {"capture_limit": 40, "eval_limit": 30, "capture_engine": "vllm", "hidden_states": hidden_states,
+            "train_budget_s": 300, "own_eval_prompts": 5, "sweep_budget_s": 200}
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "smollm2-demo.demo-plan.json").write_text(json.dumps(plan))
+    commands = {}
+
+    def run_stage(name, folder, command, log, env=None, rerun=False):
+        commands[name] = command
+        if name == "train":
+            raise StopIteration
+
+    monkeypatch.setattr(demo.rl, "run_stage", run_stage)
+    other = "online" if hidden_states == "stored" else "stored"
+    with pytest.raises(StopIteration):
+        demo.main(["--workdir", str(tmp_path), "--hidden-states", other])
+    capture = commands["capture"]
+    assert ("--storage" in capture) == (hidden_states == "online")
+    if hidden_states == "online":
+        assert capture[capture.index("--storage") + 1] == "none"
+    assert ("data.hidden_states=online" in commands["train"]) == (hidden_states == "online")
+
 # --- stored states or online training (scripts/bench_online.py) ----------------------------------------------------
 
 
