@@ -198,9 +198,9 @@ def without_text(obj: Any) -> Any:
     return obj
 
 
-# An absolute local path: "/" or "~/" at the start of a token (not inside a URL, a relative path or a word such as
-# tokens/s), up to the next space, quote, bracket or separator.
-LOCAL_PATH = re.compile(r"(?<![\w:/.~-])~?/[^\s`'\"|,;()\[\]{}<>*]+")
+# An absolute local path: "/" or "~/" at the start of a token (not inside a URL, a relative path, a word such as
+# tokens/s or an HTML closing tag such as </details>), up to the next space, quote, bracket or separator.
+LOCAL_PATH = re.compile(r"(?<![\w:/.~<-])~?/[^\s`'\"|,;()\[\]{}<>*]+")
 
 
 def without_local_paths(obj: Any) -> Any:

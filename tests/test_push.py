@@ -542,6 +542,8 @@ def test_nothing_uploaded_names_a_local_absolute_path(drafter_dir, tmp_path, tmp
             for local in (str(tmp_path_factory.getbasetemp()), "/srv/prod", "/home/me", str(Path.home()) + "/"):
                 assert local not in text, (path.name, local)
     assert "chat-2026-11-29.jsonl.gz" in (out / "training_args.json").read_text()  # the file's name is kept
+    card = (out / "README.md").read_text()  # HTML closing tags are no paths
+    assert card.count("<details>") == card.count("</details>") >= 1 and "</summary>" in card
     assert json.loads((out / "config.json").read_text())["dflash_config"] == \
         json.loads((drafter / "config.json").read_text())["dflash_config"]
 
