@@ -1,6 +1,10 @@
 """`make demo`: the whole pipeline on the embedded target, as a user runs it, one stage after another.
 
     python scripts/demo.py [--budget-min 30]     # ingest -> probe + plan -> capture -> train -> eval -> push --dry-run
+    python scripts/demo.py --logs data/workloads/router.jsonl.gz     # the same on one application's logged traffic
+
+Training starts from the shipped general drafter (recipes/smollm2-135m-adapt.yaml: drafter.init_from), as users
+start from a published one, and adapts it to the traffic's own responses.
 
 Each stage runs as its own command (exactly what README shows), so the demo cannot pass while a stage's
 command is broken. A stage whose output folder is complete and valid is skipped, and the demo says so; a stage
@@ -57,7 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-max-new-tokens", type=int, default=64,
                    help="response cap at eval: 20 prompts timed at two K or more fit its share of the budget")
     p.add_argument("--batch-size", type=int, default=16, help="capture batch size")
-    p.add_argument("--recipe", default="recipes/smollm2-135m-demo.yaml")
+    p.add_argument("--recipe", default="recipes/smollm2-135m-adapt.yaml",
+                   help="the training recipe (default: adapt the shipped general drafter, a warm start; "
+                        "recipes/smollm2-135m-demo.yaml trains one from scratch)")
     p.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE",
                    help="recipe override, repeatable (e.g. train.max_steps=5)")
     p.add_argument("--eval-limit", type=int, default=80, help="held-out prompts read for eval, at most (the plan "
@@ -420,7 +426,7 @@ def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
     print(f"measured: compute dtype {rates['precision']}; one-pass capture {rates['capture_s_per_prompt']:.2f} s "
           f"per prompt (two whole batches of {rates['capture_batch']}, at length quantiles 0.21 and 0.79: "
           f"{' and '.join(f'{t:.2f}' for t in rates.get('capture_s_per_prompt_by_quantile', []))} s); a training "
-          f"step of the demo recipe {rates['train_step_s']:.2f} s"
+          f"step of the recipe {rates['train_step_s']:.2f} s"
           + (f" ({rates['train_online_step_s']:.2f} s online)" if "train_online_step_s" in rates else "")
           + f"; plain decoding {rates['decode_tok_s']:.1f} tokens/s (batch 1)")
     costs = capture_costs(rates)
