@@ -167,3 +167,19 @@ def test_a_hub_repo_id_is_fetched_at_a_revision_and_offline_reads_the_cache(zlab
     offline = subprocess.run([sys.executable, "-c", FETCH, "org/general", commit], text=True, capture_output=True,
                              env=hub_env(hub, tmp_path, offline=True))  # the server is gone: the cache answers
     assert offline.returncode == 0 and json.loads(offline.stdout.strip().splitlines()[-1])["revision"] == commit
+
+
+def test_the_shipped_general_drafter_reads_and_carries_the_projects_model_code():
+    """drafters/smollm2-135m-instruct-general is what push writes: this project's layout, the embedded target's
+    shape, under 25 MB, and its dflash.py is the project's modeling file byte for byte (a changed model file must
+    be shipped again, or the folder's remote code drifts from the math it was trained with)."""
+    from conftest import REPO_ROOT
+
+    folder = REPO_ROOT / "drafters" / "smollm2-135m-instruct-general"
+    start = read_drafter(fetch_drafter(str(folder)))
+    c = start.config
+    assert start.source.layout == "dflash-train" and start.set_aside == []
+    assert (c.hidden_size, c.vocab_size, c.num_hidden_layers, c.block_size) == (576, 49152, 3, 16)
+    assert (folder / "model.safetensors").stat().st_size <= 25_000_000
+    assert (folder / "dflash.py").read_bytes() == \
+        (REPO_ROOT / "dflash_train" / "model" / "modeling_dflash.py").read_bytes()
