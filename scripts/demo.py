@@ -503,11 +503,13 @@ def main(argv: list[str] | None = None) -> int:
     rl.run_stage("capture (held-out)", eval_store, rl.capture_command(
         prompts, eval_store, "eval", eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens, target,
         args.batch_size), log)
-    eval_sizes = []  # the plan's: how many prompts the project's loop decodes, how long vLLM's K sweep runs
-    if plan and args.engine != "vllm":
-        eval_sizes += ["--own-limit", str(max(1, plan["own_eval_prompts"]))]
-    if plan and args.engine != "own":
-        eval_sizes += ["--sweep-budget-s", str(plan["sweep_budget_s"])]
+    # How many prompts the project's loop decodes and how long vLLM's K sweep runs: the plan's; without a plan
+    # (--no-plan) the first OWN_EVAL_PROMPTS and one K (a budget of 0 still times the sweep's first K, B - 1)
+    eval_sizes = []
+    if args.engine != "vllm":
+        eval_sizes += ["--own-limit", str(max(1, plan["own_eval_prompts"]) if plan else OWN_EVAL_PROMPTS)]
+    if args.engine != "own":
+        eval_sizes += ["--sweep-budget-s", str(plan["sweep_budget_s"] if plan else 0)]
     rl.run_stage("eval", report, rl.eval_command(
         [drafter], prompts, eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens, eval_store, report, args.engine,
         [*target, "--concurrency", str(EVAL_CONCURRENCY), *eval_sizes]), log)
