@@ -39,7 +39,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dflash_train.errors import UserError
 
@@ -425,8 +425,7 @@ def _child(workdir: Path) -> None:
     if job.mode == "timed":
         outputs, timed = _timed(job, plain, start, generate, started)
     else:
-        outputs = _continuous_batch(plain, [{"prompt_token_ids": r.prompt_token_ids} for r in job.requests],
-                                    [params(r) for r in job.requests], job)
+        outputs = _continuous_batch(plain, job, params)
     wall_s = time.perf_counter() - t0
     environment = {k: os.environ.get(k, "") for k in engine_environment_keys()}
     environment["LD_PRELOAD"] = ":".join(Path(p).name for p in environment["LD_PRELOAD"].split(":") if p)
@@ -437,7 +436,7 @@ def _child(workdir: Path) -> None:
     os.replace(tmp, workdir / RESULT_FILE)
 
 
-def _continuous_batch(llm, prompts: list[dict[str, Any]], params: list[Any], job: EngineJob) -> list[dict[str, Any]]:
+def _continuous_batch(llm, job: EngineJob, params: Callable[[EngineRequest], Any]) -> list[dict[str, Any]]:
     """Every request queued at once and decoded with continuous batching; each output is taken as it finishes
     and, with `job.stream_to`, appended to that file at least every STREAM_EVERY_S seconds (a killed run keeps
     them). Generating in chunks instead left each chunk's tail of long requests running a nearly empty batch."""
@@ -446,9 +445,10 @@ def _continuous_batch(llm, prompts: list[dict[str, Any]], params: list[Any], job
     from vllm.sampling_params import RequestOutputKind
 
     requests = {r.id: r for r in job.requests}
-    for prompt, p, r in zip(prompts, params, job.requests):
+    for r in job.requests:
+        p = params(r)
         p.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate asks: the finished output only
-        llm.llm_engine.add_request(r.id, prompt, p)
+        llm.llm_engine.add_request(r.id, {"prompt_token_ids": r.prompt_token_ids}, p)
     outputs: list[dict[str, Any]] = []
     unsaved: list[dict[str, Any]] = []
     saved_at = time.monotonic()
