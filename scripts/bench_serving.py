@@ -75,10 +75,12 @@ def run_eval(args: argparse.Namespace, out: Path, log: list[dict[str, Any]]) -> 
     command = rl.eval_command([Path(args.drafter)], Path(args.prompts), args.limit, args.max_prompt_tokens,
                               args.max_new_tokens, None, out, engine="vllm", extra=extra)
     entry = {"part": "eval (vLLM)", "command": shlex.join(command), "uptime_before": uptime()}
-    from dflash_train.provenance import is_complete
+    from dflash_train.provenance import PROVENANCE_FILE, is_complete
 
     if is_complete(out):
+        made_by = json.loads((out / PROVENANCE_FILE).read_text()).get("command")
         entry["reused"] = True
+        entry["command"] = ("dflash-train " + shlex.join(made_by[1:])) if made_by else "(not recorded)"  # what ran
         print(f"bench: reusing the complete eval in {out}", flush=True)
     else:
         print(f"bench: {entry['command']}", flush=True)
@@ -283,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     own = own_loop(args, report, log) if args.own_k != "" else []
     watch = stopwatch(args, report, Path(args.eval_out).with_name(Path(args.eval_out).name + "-stopwatch"), log)
     body = tables(report, own, watch)
-    loads = "\n".join(f"- {e['part']}" + (f" ({e['seconds']:.0f} s)" if "seconds" in e else " (reused)")
-                      + f": before `{e['uptime_before']}`, after `{e['uptime_after']}`"
+    loads = "\n".join(f"- {e['part']}" + (" (reused: an earlier run's folder, measured by its own command)"
+                                           if e.get("reused") else f" ({e['seconds']:.0f} s): before "
+                                           f"`{e['uptime_before']}`, after `{e['uptime_after']}`")
                       + (f"\n  `{e['command']}`" if "command" in e else "") for e in log)
     markdown = "\n\n".join([rl.header("Serving: speculation length and concurrency", "bench_serving.py"), body,
                             "Load on the machine (uptime) around each part:\n\n" + loads]) + "\n"

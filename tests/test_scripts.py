@@ -559,3 +559,20 @@ def test_probe_measures_both_captures_and_both_training_steps(tiny_target):
         assert 0 < rates[key] < float("inf"), key
     assert rates["state_bytes_per_token"] == 3 * 64 * 2 and rates["token_bytes_per_token"] == 5
     assert bench_online.choose_hidden_states(rates, 1)[0] in ("stored", "online")
+
+
+def test_bench_serving_reusing_an_eval_names_the_command_that_made_it(tmp_path):
+    import bench_serving
+
+    from dflash_train.provenance import write_provenance
+
+    out = tmp_path / "eval"
+    write_provenance(out)
+    made = json.loads((out / "provenance.json").read_text())
+    (out / "provenance.json").write_text(json.dumps(
+        {**made, "command": ["__main__.py", "eval", "--engine", "both", "--sweep-budget-s", "483"]}))
+    (out / "report.json").write_text(json.dumps({"methods": []}))
+    args = bench_serving.parse_args(["drafter", "--eval-out", str(out), "--sweep-budget-s", "3600"])
+    log: list = []
+    assert bench_serving.run_eval(args, out, log) == {"methods": []}
+    assert log[0]["reused"] and log[0]["command"] == "dflash-train eval --engine both --sweep-budget-s 483"
