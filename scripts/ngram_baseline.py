@@ -2,6 +2,7 @@
 tau of copying from the context (prompt lookup).
 
     python scripts/ngram_baseline.py data/store/smollm2-demo [--eval-store data/store/smollm2-demo-eval] [--k 1,15]
+        [--drafter runs/smollm2-demo/drafter]
 
 Builds a bigram table (anchor -> next token) and a trigram table (previous token, anchor -> next token, backing off
 to the bigram) from the response tokens of the store's training split, then reports how often the table's most
@@ -15,6 +16,11 @@ occurrence of the context's last n tokens (n = 3, else 2, else 1; prompt and res
 speculator does, and the target keeps the longest correct prefix plus one token of its own. Its tau at K (tokens
 per step, as a drafter's) measures how much of the target's text repeats its context: loops, quotes, code copied
 from the prompt. A DFlash drafter reads the same context through the target's states and can learn to copy.
+
+With --drafter, the drafter and prompt lookup draft a block at every response anchor of the held-out samples
+(--eval-store, else the held-out split), as the trainer's simulated tau does: their mean acceptance lengths, the
+drafter's where copying works (lookup accepts 3 or more tokens there) and elsewhere, and the mean of the better of
+the two at each anchor, what a drafter that also copied would reach.
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ from dflash_train.objective import anchor_candidates
 Sequence = tuple[list[int], list[bool]]  # token ids, loss mask (True on response tokens)
 
 
-def anchors(mask: list[bool]) -> list[int]:
-    """The trainer's anchor positions (t and t + 1 both response tokens), from t = 1 on (the trigram reads t - 1)."""
+def anchors(mask: list[bool], first: int = 1) -> list[int]:
+    """The trainer's anchor positions (t and t + 1 both response tokens), from t = `first` on (the trigram reads
+    t - 1)."""
     cand = anchor_candidates(torch.tensor(mask, dtype=torch.bool)[None])[0]
-    return [t for t in cand.nonzero()[:, 0].tolist() if t >= 1]
+    return [t for t in cand.nonzero()[:, 0].tolist() if t >= first]
 
 
 def build_tables(sequences: list[Sequence]) -> tuple[dict[int, Counter], dict[tuple[int, int], Counter]]:
@@ -98,6 +105,43 @@ def lookup_tau(sequences: list[Sequence], k: int) -> dict[str, float]:
             "tau_steps": tokens / steps if steps else float("nan")}
 
 
+def lookup_lengths(ids: list[int], mask: list[bool], block_size: int) -> list[int]:
+    """Prompt lookup's acceptance length at every trainer anchor (as objective.simulated_acceptance counts a
+    drafter's: 1 + the leading drafts that equal the target's response tokens)."""
+    lengths = []
+    for a in anchors(mask, first=0):
+        draft = lookup_draft(ids[:a + 1], block_size - 1)
+        ok = 0
+        while ok < len(draft) and a + 1 + ok < len(ids) and mask[a + 1 + ok] and draft[ok] == ids[a + 1 + ok]:
+            ok += 1
+        lengths.append(1 + ok)
+    return lengths
+
+
+def drafter_against_lookup(drafter, embed: torch.Tensor, head: torch.Tensor, samples: list[dict]) -> dict[str, float]:
+    """Acceptance lengths of the drafter (objective.simulated_acceptance) and of prompt lookup at the same anchors:
+    their means, the drafter's where lookup accepts 3 or more tokens (copying works there) and elsewhere, the share
+    of such anchors, and the mean of the better of the two."""
+    from dflash_train.objective import simulated_acceptance
+
+    pairs = []
+    for sample in samples:
+        ids, mask = sample["input_ids"].tolist(), sample["loss_mask"].bool().tolist()
+        drafted = simulated_acceptance(drafter, embed, head, sample).tolist()
+        looked = lookup_lengths(ids, mask, drafter.block_size)
+        assert len(drafted) == len(looked), (len(drafted), len(looked))
+        pairs += zip(drafted, looked)
+    copy = [d for d, c in pairs if c >= 3]
+    rest = [d for d, c in pairs if c < 3]
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    return {"anchors": len(pairs), "drafter": mean([d for d, _ in pairs]), "lookup": mean([c for _, c in pairs]),
+            "copy_share": len(copy) / len(pairs) if pairs else float("nan"), "drafter_where_copying": mean(copy),
+            "drafter_elsewhere": mean(rest), "better_of_both": mean([max(d, c) for d, c in pairs])}
+
+
 def read_sequences(stores: StoreSet, indices: list[int]) -> list[Sequence]:
     samples = (stores[i] for i in indices)  # one read per sample: it loads the hidden states too
     return [(s["input_ids"].tolist(), s["loss_mask"].bool().tolist()) for s in samples]
@@ -110,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-fraction", type=float, default=0.1, help="the recipe's data.eval_fraction")
     p.add_argument("--eval-samples", type=int, default=16, help="the recipe's data.eval_samples")
     p.add_argument("--k", default="1,15", help="speculation lengths for prompt lookup's tau")
+    p.add_argument("--drafter", default=None, help="a drafter folder to set against prompt lookup, anchor by anchor")
+    p.add_argument("--target", default="smollm2-135m-instruct", help="the target whose embedding and head it uses")
     args = p.parse_args(argv)
     ks = [int(k) for k in args.k.split(",")]
 
@@ -134,6 +180,20 @@ def main(argv: list[str] | None = None) -> int:
     for name, seqs in scored.items():
         cells = [lookup_tau(seqs, k) for k in ks]
         print(f"| {name} | " + " | ".join(f"{c['tau']:.3f} [{c['tau_steps']:.3f}]" for c in cells) + " |")
+    if args.drafter:
+        held_out = (ev, list(range(len(ev)))) if args.eval_store else (stores, held[:args.eval_samples])
+        from dflash_train.model.checkpoint import load_drafter
+        from dflash_train.target import load_embedding_and_head
+
+        embed, head = load_embedding_and_head(args.target, dtype=torch.float32)
+        drafter = load_drafter(args.drafter, dtype=torch.float32)[0].eval()
+        r = drafter_against_lookup(drafter, embed, head, [held_out[0][i] for i in held_out[1]])
+        print(f"\n{args.drafter} and prompt lookup, a block at each of {r['anchors']} held-out anchors, mean "
+              f"acceptance length:\n")
+        print("| drafter | prompt lookup | drafter where lookup copies 3+ tokens (share of anchors) | drafter "
+              "elsewhere | the better of the two |\n|---|---|---|---|---|")
+        print(f"| {r['drafter']:.3f} | {r['lookup']:.3f} | {r['drafter_where_copying']:.3f} ({r['copy_share']:.1%}) "
+              f"| {r['drafter_elsewhere']:.3f} | {r['better_of_both']:.3f} |")
     return 0
 
 

@@ -576,3 +576,31 @@ def test_bench_serving_reusing_an_eval_names_the_command_that_made_it(tmp_path):
     log: list = []
     assert bench_serving.run_eval(args, out, log) == {"methods": []}
     assert log[0]["reused"] and log[0]["command"] == "dflash-train eval --engine both --sweep-budget-s 483"
+
+
+def test_drafter_against_lookup_scores_both_at_the_same_anchors(tiny_target_dir, tiny_target):
+    import ngram_baseline as ng
+    import torch
+    from tiny import make_tiny_drafter
+    from transformers import AutoConfig
+
+    from dflash_train.objective import simulated_acceptance
+
+    # prompt 9, response 1 2 3 1 2 3 1 2 3 4: anchors at every response token but the last. Anchors 1, 2, 3 have
+    # nothing earlier to copy; 4, 5 and 6 copy the 3 tokens their context holds after the earlier match, all right
+    # (+ the target's own: 4); 7 copies 2 3 1 where 2 3 4 follows (3); 8 copies 3 1 2 where 3 4 follows (2); 9
+    # copies 1 2 3 where 4 follows (1)
+    ids, mask = [9, 1, 2, 3, 1, 2, 3, 1, 2, 3, 4], [False] + [True] * 10
+    assert ng.lookup_lengths(ids, mask, 8) == [1, 1, 1, 4, 4, 4, 3, 2, 1]
+    drafter, _ = make_tiny_drafter(AutoConfig.from_pretrained(tiny_target_dir), tiny_target.tokenizer,
+                                   num_layers=1, block_size=8)
+    drafter.eval()
+    embed = tiny_target.model.get_input_embeddings().weight.detach()
+    H = drafter.config.hidden_size * len(drafter.target_layer_ids)
+    sample = {"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask), "hidden_states": torch.randn(11, H)}
+    r = ng.drafter_against_lookup(drafter, embed, embed, [sample])
+    drafted = simulated_acceptance(drafter, embed, embed, sample).tolist()
+    assert r["anchors"] == 9 and r["lookup"] == 21 / 9 and r["copy_share"] == 4 / 9
+    assert r["drafter"] == sum(drafted) / 9 and r["drafter_where_copying"] == sum(drafted[3:7]) / 4
+    assert r["drafter_elsewhere"] == (sum(drafted[:3]) + sum(drafted[7:])) / 5
+    assert r["better_of_both"] == sum(max(d, c) for d, c in zip(drafted, ng.lookup_lengths(ids, mask, 8))) / 9
