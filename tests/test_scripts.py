@@ -314,8 +314,8 @@ def test_prompt_lookup_copies_a_loop_from_the_context_and_counts_tokens_per_step
     assert ng.lookup_draft([1, 2, 3], 4) == []
     # prompt [7], response 1 2 3 1 2 3 1 2 3; the prefill wrote the first 1, so 8 tokens are decoded. 7 1, 7 1 2 and
     # 7 1 2 3 have no earlier match: one token a step. 7 1 2 3 1 copies what followed the earlier 1 up to the
-    # context's end, 2 3 1, all accepted, + the target's token (4 tokens); 7 1 2 3 1 2 3 1 2 copies 3 1 2, of which
-    # only the last token's 3 is left: 5 steps for 8 tokens
+    # context's end, 2 3 1, all accepted, + the target's token (4 tokens); 7 1 2 3 1 2 3 1 2 copies 3 1 2 where only
+    # the last token, 3, is left to decode: 5 steps for 8 tokens
     loop = ([7, 1, 2, 3, 1, 2, 3, 1, 2, 3], [False] + [True] * 9)
     assert ng.lookup_tau([loop], 15) == {"sequences": 1, "tau": 1.6, "tau_steps": 1.6}
     # K = 1: one token a step for the first 3, then 2 a step (the copied token + the target's), the last one alone
