@@ -392,6 +392,12 @@ def method_row(m: Method, per_prompt: list[dict[str, Any]], plain: list[Generati
     return row
 
 
+def unresolved_in_fp32(mismatches: list[dict[str, Any]], method: str) -> int:
+    """The method's mismatches in the project's loop that are not near-ties resolved by the fp32 rerun (a mismatch
+    that was not rerun, as in an fp32 eval, stands)."""
+    return sum(not d.get("fp32_spec_equals_plain", False) for d in mismatches if d["method"] == method)
+
+
 def own_loop_eval(cfg: EvalConfig, device: str, methods: list[Method], target: Target,
                   prompts: dict[str, list[int]], dtype: torch.dtype) -> dict[str, Any]:
     """Every method through the project's own decoding loop; the headline fields of the report."""
@@ -399,8 +405,7 @@ def own_loop_eval(cfg: EvalConfig, device: str, methods: list[Method], target: T
     fp32_mismatches = None
     if mismatch_details and dtype != torch.float32:
         recheck_in_fp32(cfg, device, methods, mismatch_details, prompts, plain_of_mismatching)
-        fp32_mismatches = sum(not d["fp32_spec_equals_plain"] for d in mismatch_details
-                              if d["method"] == by_role(methods, "drafter")[0].name)
+        fp32_mismatches = unresolved_in_fp32(mismatch_details, by_role(methods, "drafter")[0].name)
     plain = by_role(methods, "plain")[0].generations
     table = [method_row(m, per_prompt, plain) for m in methods]
     mine = by_role(table, "drafter")[0]

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {name: run_workload(args, name, work, env, log) for name in args.workloads}
     finally:
         hub.__exit__(None, None, None)
-    write_report(args, Path(args.out).resolve(), results, commit, log)
+    write_report(args, Path(args.out).resolve(), results, log)
     return 0
 
 
@@ -210,6 +210,8 @@ def paired(a: dict[str, float | None], b: dict[str, float | None]) -> dict[str, 
 
 def workload_rows(result: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One row per main drafter (training, simulated, own-loop and vLLM figures) and the paired comparisons."""
+    from dflash_train.evaluate import unresolved_in_fp32
+
     own = rl.read_report(Path(result["own_eval"]))
     rows, per_prompt = [], {"own": {}, "vllm": {}}
     for label in result["main"]:
@@ -226,19 +228,12 @@ def workload_rows(result: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[st
                      "vllm_tau_interval": vllm.get("tau_interval"), "vllm_speedup": vllm.get("speedup"),
                      "vllm_speedup_interval": vllm.get("speedup_interval"), "vllm_speedup_wall": vllm.get("speedup_wall"),
                      "lossless_mismatches": [method.get("lossless_mismatches"), vllm.get("lossless_mismatches")],
-                     "lossless_mismatches_fp32": [fp32_mismatches(own, method["method"]),
+                     "lossless_mismatches_fp32": [unresolved_in_fp32(own.get("mismatches", []), method["method"]),
                                                   vllm.get("lossless_mismatches_fp32") or 0]})
     comparisons = {f"{b} vs {a}": {engine: paired(per_prompt[engine][a], per_prompt[engine][b])
                                    for engine in ("vllm", "own")}
                    for b, a in (("b", "a"), ("b", "c"), ("b", "d")) if a in result["main"] and b in result["main"]}
     return rows, comparisons
-
-
-def fp32_mismatches(report: dict[str, Any], method: str) -> int:
-    """The method's bf16 mismatches in the project's loop that its fp32 rerun did not resolve (each a near-tie that
-    the 16-token verification and the one-token decode round differently in bf16)."""
-    return sum(not d.get("fp32_spec_equals_plain", False) for d in report.get("mismatches", [])
-               if d.get("method") == method)
 
 
 def interval(value: Any, bounds: list[float] | None, digits: int = 2) -> str:
@@ -247,9 +242,24 @@ def interval(value: Any, bounds: list[float] | None, digits: int = 2) -> str:
     return f"{value:.{digits}f}" + (f" [{bounds[0]:.{digits}f}, {bounds[1]:.{digits}f}]" if bounds else "")
 
 
-def write_report(args: argparse.Namespace, out: Path, results: dict[str, dict[str, Any]], commit: str,
-                 log: rl.Log) -> None:
+def started_from(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The Hub revisions the warm-started runs recorded (config.json's fine_tuned_from): this invocation's publish
+    only where it trained them; a rerun that skipped finished runs keeps the commit they started from."""
+    import json
+
+    revisions = set()
+    for result in results.values():
+        for label, (_, run_dir, _) in result["plan"].items():
+            config = json.loads((Path(run_dir) / "drafter" / "config.json").read_text())
+            source = config.get("dflash_train", {}).get("fine_tuned_from")
+            if source:
+                revisions.add(source["revision"])
+    return sorted(revisions)
+
+
+def write_report(args: argparse.Namespace, out: Path, results: dict[str, dict[str, Any]], log: rl.Log) -> None:
     sections, data, curves = [], {}, {}
+    commits = started_from(results)
     for name, result in results.items():
         rows, comparisons = workload_rows(result)
         curve = []
@@ -288,11 +298,12 @@ def write_report(args: argparse.Namespace, out: Path, results: dict[str, dict[st
     md = "\n\n".join([
         rl.header("Experiment: a published general drafter, adapted to one application's own traffic",
                   "experiment_warm_start.py"),
-        f"General drafter published to a loopback Hub as `{HUB_REPO}` at commit {commit}. Budget per trained run: "
+        f"General drafter published to a loopback Hub as `{HUB_REPO}`; the runs started from its commit "
+        f"{', '.join(commits)}. Budget per trained run: "
         f"{args.time_budget:.0f} s of training. Held-out prompts: the first {args.eval_limit} of each workload's "
         f"eval split under {args.max_prompt_tokens} prompt tokens, {args.eval_max_new_tokens} new tokens, greedy.",
         *sections, "![tau vs tokens](tau_vs_tokens.png)", rl.commands_section(log)]) + "\n"
-    rl.write_results(out, md, {"workloads": data, "hub_commit": commit, "settings": vars(args)}, [png], log)
+    rl.write_results(out, md, {"workloads": data, "hub_commit": commits, "settings": vars(args)}, [png], log)
 
 
 if __name__ == "__main__":
