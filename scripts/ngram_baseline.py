@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 
 import torch
 
@@ -84,6 +85,14 @@ def lookup_draft(context: list[int], k: int) -> list[int]:
     return []
 
 
+def accepted(draft: list[int], ids: list[int], at: int, end: int) -> int:
+    """How many leading drafts equal the target's tokens ids[at:end] (a draft past `end` cannot be verified)."""
+    n = 0
+    while n < len(draft) and at + n < end and draft[n] == ids[at + n]:
+        n += 1
+    return n
+
+
 def lookup_tau(sequences: list[Sequence], k: int) -> dict[str, float]:
     """Prompt lookup at speculation length k on each sequence's response: tokens per verification step, the first
     response token being the anchor of the first step (the prefill wrote it). Mean over sequences, and over all
@@ -95,9 +104,7 @@ def lookup_tau(sequences: list[Sequence], k: int) -> dict[str, float]:
             continue
         i, end, n_steps = response[0] + 1, response[-1] + 1, 0  # ids[:i] is known; ids[i:end] is to decode
         while i < end:
-            draft = lookup_draft(ids[:i], k)
-            accepted = next((j for j, t in enumerate(draft) if i + j >= end or t != ids[i + j]), len(draft))
-            i += min(accepted + 1, end - i)
+            i += min(accepted(lookup_draft(ids[:i], k), ids, i, end) + 1, end - i)
             n_steps += 1
         taus.append((end - response[0] - 1) / n_steps)
         tokens, steps = tokens + end - response[0] - 1, steps + n_steps
@@ -108,14 +115,11 @@ def lookup_tau(sequences: list[Sequence], k: int) -> dict[str, float]:
 def lookup_lengths(ids: list[int], mask: list[bool], block_size: int) -> list[int]:
     """Prompt lookup's acceptance length at every trainer anchor (as objective.simulated_acceptance counts a
     drafter's: 1 + the leading drafts that equal the target's response tokens)."""
-    lengths = []
-    for a in anchors(mask, first=0):
-        draft = lookup_draft(ids[:a + 1], block_size - 1)
-        ok = 0
-        while ok < len(draft) and a + 1 + ok < len(ids) and mask[a + 1 + ok] and draft[ok] == ids[a + 1 + ok]:
-            ok += 1
-        lengths.append(1 + ok)
-    return lengths
+    segment_end = [len(ids)] * (len(ids) + 1)  # segment_end[t]: the first non-response position from t on
+    for t in range(len(ids) - 1, -1, -1):
+        segment_end[t] = segment_end[t + 1] if mask[t] else t
+    return [1 + accepted(lookup_draft(ids[:a + 1], block_size - 1), ids, a + 1, segment_end[a + 1])
+            for a in anchors(mask, first=0)]
 
 
 def drafter_against_lookup(drafter, embed: torch.Tensor, head: torch.Tensor, samples: list[dict]) -> dict[str, float]:
@@ -142,8 +146,9 @@ def drafter_against_lookup(drafter, embed: torch.Tensor, head: torch.Tensor, sam
             "drafter_elsewhere": mean(rest), "better_of_both": mean([max(d, c) for d, c in pairs])}
 
 
-def read_sequences(stores: StoreSet, indices: list[int]) -> list[Sequence]:
-    samples = (stores[i] for i in indices)  # one read per sample: it loads the hidden states too
+def sequences(samples: Iterable[dict]) -> list[Sequence]:
+    """Token ids and loss masks of store samples (a generator of them keeps one sample's states in memory at a
+    time: each read loads the hidden states too)."""
     return [(s["input_ids"].tolist(), s["loss_mask"].bool().tolist()) for s in samples]
 
 
@@ -161,14 +166,15 @@ def main(argv: list[str] | None = None) -> int:
 
     stores = StoreSet(args.store)
     train_idx, held = split_eval(stores.ids(), args.eval_fraction)
-    train = read_sequences(stores, train_idx)
+    train = sequences(stores[i] for i in train_idx)
     bigram, trigram = build_tables(train)
-    scored = {f"held-out split ({min(len(held), args.eval_samples)} samples)":
-              read_sequences(stores, held[:args.eval_samples]),
+    held_out = [stores[i] for i in held[:args.eval_samples]]
+    scored = {f"held-out split ({len(held_out)} samples)": sequences(held_out),
               f"training split ({len(train_idx)} samples)": train}
     if args.eval_store:
         ev = StoreSet([args.eval_store])
-        scored[f"{args.eval_store} ({len(ev)} samples)"] = read_sequences(ev, list(range(len(ev))))
+        held_out = [ev[i] for i in range(len(ev))]  # what --drafter scores
+        scored[f"{args.eval_store} ({len(ev)} samples)"] = sequences(held_out)
     rows = {name: slot1_accuracy(bigram, trigram, seqs) for name, seqs in scored.items()}
     print(f"n-gram tables from {len(train_idx)} training samples of {', '.join(args.store)}; "
           f"slot-1 accuracy (next token after a response anchor):\n")
@@ -181,13 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         cells = [lookup_tau(seqs, k) for k in ks]
         print(f"| {name} | " + " | ".join(f"{c['tau']:.3f} [{c['tau_steps']:.3f}]" for c in cells) + " |")
     if args.drafter:
-        held_out = (ev, list(range(len(ev)))) if args.eval_store else (stores, held[:args.eval_samples])
         from dflash_train.model.checkpoint import load_drafter
         from dflash_train.target import load_embedding_and_head
 
         embed, head = load_embedding_and_head(args.target, dtype=torch.float32)
         drafter = load_drafter(args.drafter, dtype=torch.float32)[0].eval()
-        r = drafter_against_lookup(drafter, embed, head, [held_out[0][i] for i in held_out[1]])
+        r = drafter_against_lookup(drafter, embed, head, held_out)
         print(f"\n{args.drafter} and prompt lookup, a block at each of {r['anchors']} held-out anchors, mean "
               f"acceptance length:\n")
         print("| drafter | prompt lookup | drafter where lookup copies 3+ tokens (share of anchors) | drafter "
