@@ -47,8 +47,11 @@ def anchor_candidates(loss_mask: torch.Tensor, doc_start: torch.Tensor | None = 
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, block_size: int,
-                   generator: torch.Generator | None = None, doc_start: torch.Tensor | None = None) -> Blocks:
-    """Up to `num_anchors` anchors per row, uniformly without replacement among the candidates.
+                   generator: torch.Generator | None = None, doc_start: torch.Tensor | None = None,
+                   weights: torch.Tensor | None = None) -> Blocks:
+    """Up to `num_anchors` anchors per row, without replacement among the candidates: uniformly, or with
+    probability proportional to `weights` [b, S] (> 0) as successive draws (an exponential race: each candidate
+    gets E / w with E ~ Exp(1), the smallest win).
 
     N = min(num_anchors, the most candidates any row has) (at least 1); rows with fewer candidates get
     padding blocks."""
@@ -57,13 +60,36 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, block_size: int,
     counts = cand.sum(dim=1)
     n = max(1, min(num_anchors, int(counts.max())))
     scores = torch.rand(b, S, generator=generator, device="cpu").to(cand.device)
-    scores = torch.where(cand, scores, torch.full_like(scores, 2.0))  # non-candidates sort last
+    if weights is not None:
+        scores = -torch.log1p(-scores) / weights
+    scores = torch.where(cand, scores, torch.full_like(scores, float("inf")))  # non-candidates sort last
     picked = scores.argsort(dim=1)[:, :n]
     keep = cand.gather(1, picked)
     # sort kept anchors ascending and padding blocks last
     order = torch.where(keep, picked, picked + S).argsort(dim=1)
     picked, keep = picked.gather(1, order), keep.gather(1, order)
     return make_blocks(picked, keep, block_size, doc_start)
+
+
+def repeats_context(input_ids: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
+    """[b, S] bool: the two tokens ending at p, ids[p-1] ids[p], already occur earlier in p's sample (p's own
+    prompt or response). There prompt lookup drafts what followed them, and a drafter can copy it from the
+    context: loops, lists, quoted input."""
+    b, S = input_ids.shape
+    vocab = int(input_ids.max()) + 1
+    doc = doc_start if doc_start is not None else torch.zeros_like(input_ids)
+    key = (doc * vocab + input_ids.roll(1, dims=1)) * vocab + input_ids  # one int64 per (sample, bigram)
+    pos = torch.arange(S, device=input_ids.device).expand(b, S)
+    out = torch.zeros(b, S, dtype=torch.bool, device=input_ids.device)
+    for r in range(b):
+        _, group = torch.unique(key[r], return_inverse=True)
+        first = torch.full((S,), S, dtype=torch.long, device=input_ids.device)
+        first = first.scatter_reduce(0, group, pos[r], reduce="amin")
+        out[r] = first[group] < pos[r]
+    out[:, 0] = False  # position 0 has no preceding token in its row
+    if doc_start is not None:
+        out &= doc_start < pos  # nor a sample's first position in its sample
+    return out
 
 
 def all_anchors(loss_mask: torch.Tensor, block_size: int, doc_start: torch.Tensor | None = None) -> Blocks:

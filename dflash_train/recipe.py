@@ -56,6 +56,9 @@ class DrafterSection:
 @dataclass
 class ObjectiveSection:
     num_anchors: int = 512  # blocks per sequence, sampled anew every step
+    # anchors whose last two tokens already occur earlier in their sample (objective.repeats_context: where the
+    # continuation can be copied from the context) are drawn this many times as often as the others; 1 = uniform
+    copy_anchor_weight: float = 1.0
     decay_gamma: float | None = None  # slot weight exp(-(k-1)/gamma); None = 7 for block 16 (scaled with B)
     attention: Literal["auto", "sdpa", "flex"] = "auto"  # auto: FlexAttention on CUDA, dense mask + SDPA else
     head_chunk_tokens: int = 256  # block slots per LM-head + CE chunk: full logits never exist at once
@@ -313,6 +316,7 @@ def check_recipe(recipe: Recipe, source: str) -> None:
     need(recipe.drafter.num_layers is None or recipe.drafter.num_layers >= 1, "drafter.num_layers", "must be >= 1")
     need(recipe.drafter.block_size >= 2, "drafter.block_size", "must be >= 2")
     need(recipe.objective.num_anchors >= 1, "objective.num_anchors", "must be >= 1")
+    need(recipe.objective.copy_anchor_weight > 0, "objective.copy_anchor_weight", "must be > 0")
     need(recipe.objective.decay_gamma is None or recipe.objective.decay_gamma > 0, "objective.decay_gamma",
          "must be > 0")
     need(recipe.objective.head_chunk_tokens >= 1, "objective.head_chunk_tokens", "must be >= 1")

@@ -348,7 +348,8 @@ class DFlashTrainer:
             num_tokens = int(batch.pop("num_tokens"))
             batch = {k: v.to(self.device) for k, v in batch.items()}
             blocks = obj.sample_anchors(batch["loss_mask"], recipe.objective.num_anchors, B,
-                                        anchor_generator(recipe.seed, step, micro, self.rank), batch["doc_start"])
+                                        anchor_generator(recipe.seed, step, micro, self.rank), batch["doc_start"],
+                                        anchor_weights(batch, recipe.objective.copy_anchor_weight))
             if in_context_warmup(recipe, step, self.total_steps, self.clock):
                 blocks = dataclasses.replace(blocks, context_window=recipe.objective.context_warmup_window)
             with accelerator.accumulate(self.model):
@@ -574,6 +575,15 @@ def lr_factor(step: int, total_steps: int, warmup_ratio: float, schedule: str, m
             return 1.0
         return min_ratio + (1 - min_ratio) * max(0.0, 1 - (progress - start) / decay_ratio)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, after)))
+
+
+def anchor_weights(batch: dict, copy_weight: float) -> torch.Tensor | None:
+    """Anchor sampling weights [b, S]: copy_weight where the context holds the anchor's last two tokens already
+    (objective.repeats_context), 1 elsewhere; None (uniform) when copy_weight is 1."""
+    if copy_weight == 1.0:
+        return None
+    repeats = obj.repeats_context(batch["input_ids"], batch["doc_start"])
+    return 1.0 + (copy_weight - 1.0) * repeats.float()
 
 
 def in_context_warmup(recipe: Recipe, step: int, total_steps: int, clock: "TrainClock") -> bool:

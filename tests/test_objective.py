@@ -105,6 +105,29 @@ def test_anchor_sampling_is_uniform():
     assert torch.allclose(freq, torch.full((10,), 0.3), atol=0.04)
 
 
+def test_weighted_anchor_sampling_draws_in_proportion_to_the_weights():
+    lm = _row([1] * 11)  # candidates 0..9
+    weights = torch.ones(1, 11)
+    weights[0, :2] = 4.0  # anchors 0 and 1 four times as likely on every draw
+    counts = torch.zeros(11)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4000):
+        counts[obj.sample_anchors(lm, 1, B, generator=g, weights=weights).anchors[0]] += 1
+    assert counts[10] == 0
+    freq = counts[:10] / 4000
+    expected = torch.tensor([4.0, 4.0] + [1.0] * 8) / 16
+    assert torch.allclose(freq, expected, atol=0.025)
+
+
+def test_repeats_context_marks_a_bigram_seen_before_in_the_same_sample():
+    ids = torch.tensor([[5, 6, 7, 5, 6, 9, 6, 9, 5, 6]])
+    assert obj.repeats_context(ids)[0].tolist() == [False, False, False, False, True, False, False, True, False, True]
+    # packed: the second sample [5, 6, 7, 5, 6] starts at 5; its first "5 6" is new there, the second repeats it
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 5, 6]])
+    doc = torch.tensor([[0] * 5 + [5] * 5])
+    assert obj.repeats_context(ids, doc)[0].tolist() == [False] * 5 + [False, False, False, False, True]
+
+
 # --- blocks, labels, weights --------------------------------------------------------------------------------
 
 
