@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
+import math
 import subprocess
 import sys
 import time
@@ -112,6 +114,7 @@ CAPTURE_SHARE = 0.3  # of the rest: capture (more conversations) vs training (mo
                      # AVX-512 machine spent 257 s capturing and 742 s training. Time training cannot use (the recipe's
                      # max_steps reached) goes to capture too: on this budget the data, not the steps, limits tau
                      # (BENCHMARKS: 3x the steps on the same data bought 0.01)
+MIN_CAPTURE_AND_TRAIN_S = 120.0  # less is not a demo of training: the plan refuses and names the budget that fits
 MARGIN = 0.05  # of the budget, kept free for what the model above does not see
 GAUSS_QUANTILES = (0.5 - 0.5 / 3 ** 0.5, 0.5 + 0.5 / 3 ** 0.5)  # the probe's capture batches (two-point quadrature)
 
@@ -331,7 +334,6 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     own, engine = args.engine != "vllm", args.engine != "own"
     starts = {"held-out capture": STAGE_START_S, "eval": STAGE_START_S + (2 * VLLM_START_S if engine else 0.0),
               "push (dry run)": 10.0, "capture": STAGE_START_S, "train": STAGE_START_S}
-    available = args.budget_min * 60 * (1 - MARGIN) - spent_s - sum(starts.values())
     decode_s = T / rates["decode_tok_s"]  # one response at batch 1
     heldout_s = rates["capture_s_per_prompt"]  # one pass: whole batches as capture runs them, prefill included
     eval_kept = kept_prompts(prompts, "eval", args.eval_limit, args.target, args.max_prompt_tokens)
@@ -340,11 +342,21 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     own_s = n_own * decode_s * (2 + DRAFT_SLOWDOWN)
     per_k_s = VLLM_START_S + (n_eval + EVAL_CONCURRENCY / 2) * (decode_s * (1 + ENGINE_SLOWDOWN) + 2 * IDLE_S)
     least_sweep_s = n_eval * decode_s + 2 * per_k_s  # plain's natural lengths, then two K
-    sweep_s = max(least_sweep_s, EVAL_SHARE * available - own_s - n_eval * heldout_s) if engine else 0.0
-    flexible = available - own_s - sweep_s - n_eval * heldout_s
-    if flexible < 120:
+
+    def split(budget_min: float) -> tuple[float, float, float]:
+        """(available, vLLM's K sweep, what is left for capture and training) in a budget of budget_min."""
+        available = budget_min * 60 * (1 - MARGIN) - spent_s - sum(starts.values())
+        sweep_s = max(least_sweep_s, EVAL_SHARE * available - own_s - n_eval * heldout_s) if engine else 0.0
+        return available, sweep_s, available - own_s - sweep_s - n_eval * heldout_s
+
+    available, sweep_s, flexible = split(args.budget_min)
+    if flexible < MIN_CAPTURE_AND_TRAIN_S:
+        fits = next(m for m in itertools.count(math.ceil(args.budget_min) + 1)
+                    if split(m)[2] >= MIN_CAPTURE_AND_TRAIN_S)
         raise SystemExit(f"demo: a {args.budget_min:g}-minute budget leaves {flexible:.0f} s for capture and "
-                         f"training on this machine after {n_eval} eval prompts: raise --budget-min")
+                         f"training on this machine after {spent_s:.0f} s of ingest and probe and an eval of {n_eval} "
+                         f"prompts x {T} tokens (~{own_s + sweep_s + n_eval * heldout_s:.0f} s); {measured_line(rates)}; "
+                         f"--budget-min {fits} fits")
     kept = kept_prompts(prompts, "train", args.capture_limit, args.target, args.max_prompt_tokens)
     measured = "train_online_step_s" in rates or args.hidden_states == "online"
     options = {mode: size_capture_and_training(args, rates, flexible, recipe.train.max_steps, kept, mode)
@@ -421,14 +433,19 @@ def rebudget_training(plan: dict, capture_end_s: float) -> None:
     plan["train_budget_s"], plan["capture_end_s"] = budget, round(capture_end_s)
 
 
+def measured_line(rates: dict) -> str:
+    """The probe's rates, one line."""
+    return (f"measured: compute dtype {rates['precision']}; one-pass capture {rates['capture_s_per_prompt']:.2f} s "
+            f"per prompt (two whole batches of {rates['capture_batch']}, at length quantiles 0.21 and 0.79: "
+            f"{' and '.join(f'{t:.2f}' for t in rates.get('capture_s_per_prompt_by_quantile', []))} s); a training "
+            f"step of the recipe {rates['train_step_s']:.2f} s"
+            + (f" ({rates['train_online_step_s']:.2f} s online)" if "train_online_step_s" in rates else "")
+            + f"; plain decoding {rates['decode_tok_s']:.1f} tokens/s (batch 1)")
+
+
 def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
     print(f"\n=== plan for a {args.budget_min:g}-minute demo on this machine ({spent_s:.0f} s spent so far)")
-    print(f"measured: compute dtype {rates['precision']}; one-pass capture {rates['capture_s_per_prompt']:.2f} s "
-          f"per prompt (two whole batches of {rates['capture_batch']}, at length quantiles 0.21 and 0.79: "
-          f"{' and '.join(f'{t:.2f}' for t in rates.get('capture_s_per_prompt_by_quantile', []))} s); a training "
-          f"step of the recipe {rates['train_step_s']:.2f} s"
-          + (f" ({rates['train_online_step_s']:.2f} s online)" if "train_online_step_s" in rates else "")
-          + f"; plain decoding {rates['decode_tok_s']:.1f} tokens/s (batch 1)")
+    print(measured_line(rates))
     costs = capture_costs(rates)
     if "vllm" in costs:
         print(f"         capture through vLLM (capture --engine vllm): {costs['vllm'][0]:.0f} s to start, then "

@@ -4,6 +4,7 @@ the skip-if-complete decision. Synthetic files only; no model runs."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -354,6 +355,31 @@ def demo_prompts(tmp_path_factory):
     (out / "report.json").write_text("{}")
     write_provenance(out)
     return out
+
+
+def test_a_budget_too_short_for_this_machine_is_refused_naming_the_budget_that_fits(demo_prompts, tiny_target_dir):
+    """The probe's rates on a 2-core AMD EPYC (AVX2, fp32; BENCHMARKS.md): ingest and probe took 490 s and the eval of
+    20 prompts alone needs more than the 30-minute budget has left. The refusal prints what was measured and the
+    smallest whole-minute budget whose plan leaves capture and training their minimum."""
+    import demo
+
+    rates = {"precision": "fp32", "engine_start_s": 99.8, "engine_capture_s_per_prompt": 3.22,
+             "engine_prefill_s_per_prompt": 1.73, "capture_batch": 16, "capture_s_per_prompt": 4.08,
+             "capture_s_per_prompt_by_quantile": [3.90, 4.26], "capture_new_tok_s": 28.9,
+             "capture_mean_new_tokens": 118.0, "capture_mean_tokens": 277.5, "state_bytes_per_token": 5760.0,
+             "decode_tok_s": 6.41, "train_step_s": 7.83, "train_online_step_s": 12.2}
+    args = demo.parse_args(["--target", str(tiny_target_dir), "--max-prompt-tokens", "60"])
+    with pytest.raises(SystemExit) as refused:
+        demo.make_plan(args, demo_prompts, rates, 490.0)
+    message = str(refused.value)
+    assert message.startswith("demo: a 30-minute budget leaves -") and "measured: compute dtype fp32" in message
+    fits = int(re.search(r"--budget-min (\d+) fits$", message).group(1))
+    plan = demo.make_plan(demo.parse_args([*map(str, ["--target", tiny_target_dir, "--max-prompt-tokens", 60,
+                                                      "--budget-min", fits])]), demo_prompts, rates, 490.0)
+    assert 490.0 + sum(plan["stage_s"].values()) <= fits * 60 * (1 - demo.MARGIN) + 1e-6
+    with pytest.raises(SystemExit):
+        demo.make_plan(demo.parse_args([*map(str, ["--target", tiny_target_dir, "--max-prompt-tokens", 60,
+                                                   "--budget-min", fits - 1])]), demo_prompts, rates, 490.0)
 
 
 @pytest.mark.parametrize("machine, rates", [  # rates as the demo's probe measured them (BENCHMARKS.md)
