@@ -31,12 +31,12 @@ import itertools
 import json
 import math
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import runlib as rl  # scripts/, beside this file: how every script runs a stage
 from dflash_train.engine import IDLE_S
+from dflash_train.errors import UserError
 from dflash_train.provenance import is_complete
 
 REPO = Path(__file__).resolve().parent.parent
@@ -343,20 +343,20 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     per_k_s = VLLM_START_S + (n_eval + EVAL_CONCURRENCY / 2) * (decode_s * (1 + ENGINE_SLOWDOWN) + 2 * IDLE_S)
     least_sweep_s = n_eval * decode_s + 2 * per_k_s  # plain's natural lengths, then two K
 
-    def split(budget_min: float) -> tuple[float, float, float]:
-        """(available, vLLM's K sweep, what is left for capture and training) in a budget of budget_min."""
+    def split(budget_min: float) -> tuple[float, float]:
+        """(vLLM's K sweep, what is left for capture and training) in a budget of budget_min."""
         available = budget_min * 60 * (1 - MARGIN) - spent_s - sum(starts.values())
         sweep_s = max(least_sweep_s, EVAL_SHARE * available - own_s - n_eval * heldout_s) if engine else 0.0
-        return available, sweep_s, available - own_s - sweep_s - n_eval * heldout_s
+        return sweep_s, available - own_s - sweep_s - n_eval * heldout_s
 
-    available, sweep_s, flexible = split(args.budget_min)
+    sweep_s, flexible = split(args.budget_min)
     if flexible < MIN_CAPTURE_AND_TRAIN_S:
         fits = next(m for m in itertools.count(math.ceil(args.budget_min) + 1)
-                    if split(m)[2] >= MIN_CAPTURE_AND_TRAIN_S)
-        raise SystemExit(f"demo: a {args.budget_min:g}-minute budget leaves {flexible:.0f} s for capture and "
-                         f"training on this machine after {spent_s:.0f} s of ingest and probe and an eval of {n_eval} "
-                         f"prompts x {T} tokens (~{own_s + sweep_s + n_eval * heldout_s:.0f} s); {measured_line(rates)}; "
-                         f"--budget-min {fits} fits")
+                    if split(m)[1] >= MIN_CAPTURE_AND_TRAIN_S)
+        raise UserError(f"--budget-min {args.budget_min:g}: the budget leaves {flexible:.0f} s for capture and "
+                        f"training on this machine after {spent_s:.0f} s of ingest and probe and an eval of {n_eval} "
+                        f"prompts x {T} tokens (~{own_s + sweep_s + n_eval * heldout_s:.0f} s); {measured_line(rates)}; "
+                        f"--budget-min {fits} fits")
     kept = kept_prompts(prompts, "train", args.capture_limit, args.target, args.max_prompt_tokens)
     measured = "train_online_step_s" in rates or args.hidden_states == "online"
     options = {mode: size_capture_and_training(args, rates, flexible, recipe.train.max_steps, kept, mode)
@@ -593,4 +593,4 @@ def _num(x) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rl.script_main(main)
