@@ -634,7 +634,9 @@ def test_resume_with_a_changed_recipe_is_refused_before_anything_is_written(chai
     assert proc.returncode != 0
     line = next(x for x in proc.stderr.splitlines() if x.startswith("train: error:"))
     assert "optimizer.lr 0.01 -> 0.02" in line and "drafter.num_layers 2 -> 3" in line and "nothing was written" in line
-    assert "RuntimeError" not in proc.stderr  # refused before the checkpoint's state_dict is loaded
+    # refused before the checkpoint's state_dict is loaded (accelerate >= 1.16 wraps the child's stderr in a
+    # RuntimeError of its own after the line, so the check names torch's load error, not the exception type)
+    assert "Error(s) in loading state_dict" not in proc.stderr and "size mismatch" not in proc.stderr
     assert {name: (run / name).read_bytes() for name in written} == written
 
 
