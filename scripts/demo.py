@@ -355,8 +355,8 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
                     if split(m)[1] >= MIN_CAPTURE_AND_TRAIN_S)
         raise UserError(f"--budget-min {args.budget_min:g}: the budget leaves {flexible:.0f} s for capture and "
                         f"training on this machine after {spent_s:.0f} s of ingest and probe and an eval of {n_eval} "
-                        f"prompts x {T} tokens (~{own_s + sweep_s + n_eval * heldout_s:.0f} s); {measured_line(rates)}; "
-                        f"--budget-min {fits} fits")
+                        f"prompts x {T} tokens (~{own_s + sweep_s + n_eval * heldout_s:.0f} s); "
+                        f"{measured_line(rates)}; --budget-min {fits} fits")
     kept = kept_prompts(prompts, "train", args.capture_limit, args.target, args.max_prompt_tokens)
     measured = "train_online_step_s" in rates or args.hidden_states == "online"
     options = {mode: size_capture_and_training(args, rates, flexible, recipe.train.max_steps, kept, mode)

@@ -352,7 +352,6 @@ def test_context_warmup_covers_the_first_fraction_of_steps_or_of_the_time_budget
     assert not tr.in_context_warmup(recipe, 0, 100, no_budget)
 
 
-@pytest.mark.slow
 def test_copy_anchor_weight_favours_anchors_the_context_already_holds():
     ids = torch.tensor([[5, 6, 7, 5, 6, 9, 6, 9]])
     batch = {"input_ids": ids, "doc_start": torch.zeros_like(ids)}
@@ -360,6 +359,7 @@ def test_copy_anchor_weight_favours_anchors_the_context_already_holds():
     assert tr.anchor_weights(batch, 4.0)[0].tolist() == [1, 1, 1, 1, 4, 1, 1, 4]
 
 
+@pytest.mark.slow
 def test_time_budget_target_init_context_norm_then_fine_tune_from_it(chain_store, tmp_path):
     """The sample-efficiency switches in a real launch: a run that stops on its time budget, on the first 2
     samples, starting from the target with scaled context; then a run that starts from its exported drafter."""
