@@ -339,6 +339,61 @@ def test_ngram_baseline_reads_stores_without_the_trainer():
     assert out.stdout.strip() == "[]"
 
 
+def test_copy_sequences_repeat_one_span_at_a_varying_period_with_loss_on_the_repeats_only():
+    import copy_probe
+    import torch
+
+    texts = [list(range(100 * t, 100 * t + 90)) for t in range(6)]  # six responses, no token shared
+    seqs = copy_probe.copy_sequences(texts, 40, (4, 12), seed=0)
+    periods = set()
+    for ids, start in seqs:
+        L = (len(ids) - start) // 2
+        x = ids[start:start + L]
+        assert ids[start + L:] == x and 4 <= L <= 12  # the last two X ...
+        first = ids.index(x[0])  # ... and the first X, once, before the loss (tokens differ across responses)
+        assert ids[first:first + L] == x and ids[:start].count(x[0]) == 1
+        assert len({ids[first] // 100, ids[0] // 100}) == 2  # P is another response's start
+        periods.add(L)
+    assert len(periods) > 3  # the period varies: copying cannot be "N positions back"
+    batch = copy_probe.as_batch([{"input_ids": torch.tensor(ids), "loss_mask": torch.arange(len(ids)) >= start,
+                                  "hidden_states": torch.ones(len(ids), 3)} for ids, start in seqs[:2]])
+    n0 = len(seqs[0][0])
+    assert batch["input_ids"].shape[0] == 2 and batch["loss_mask"][0].sum() == n0 - seqs[0][1]
+    assert not batch["loss_mask"][0, n0:].any() and batch["hidden_states"][0, n0:].abs().sum() == 0
+    with pytest.raises(SystemExit, match="--period 9-4"):
+        copy_probe.parse_period("9-4")
+    assert copy_probe.parse_period("32") == (32, 32)
+
+
+def test_copy_probe_trains_a_drafter_on_copy_and_real_batches_and_records_both_losses(tmp_path, tiny_target_dir,
+                                                                                       tiny_target, capsys):
+    import copy_probe
+    import torch
+    from tiny import make_tiny_drafter
+    from transformers import AutoConfig
+
+    from dflash_train.model.checkpoint import save_drafter
+    from dflash_train.store import StoreWriter
+
+    drafter, config = make_tiny_drafter(AutoConfig.from_pretrained(tiny_target_dir), tiny_target.tokenizer,
+                                        block_size=4)
+    save_drafter(drafter, config, tmp_path / "start")
+    layers = list(config.target_layer_ids)
+    g = torch.Generator().manual_seed(0)
+    with StoreWriter(tmp_path / "st", target={"name": "tiny"}, target_layer_ids=layers, hidden_size=64) as writer:
+        for i in range(16):
+            ids = torch.randint(10, 800, (70,), generator=g)
+            writer.add(ids, torch.arange(70) >= 6, torch.randn(70, 64 * len(layers), generator=g), id=f"s{i}")
+    assert copy_probe.main([str(tmp_path / "st"), "--out", str(tmp_path / "out"), "--start", str(tmp_path / "start"),
+                            "--target", str(tiny_target_dir), "--steps", "3", "--period", "4-8", "--samples", "6",
+                            "--eval-samples", "3", "--eval-fraction", "0.3", "--anchors", "4"]) == 0
+    record = json.loads((tmp_path / "out" / PROVENANCE_FILE).read_text())
+    assert [sorted(h) for h in record["history"]] == [["copy", "real", "step"]] * 3
+    assert 1.0 <= record["copy_tau_before"] <= 4 and 1.0 <= record["copy_tau_after"] <= 4
+    assert (tmp_path / "out" / "drafter" / "model.safetensors").exists()
+    assert "held-out copy tau" in capsys.readouterr().out
+
+
 # --- make demo's plan -----------------------------------------------------------------------------------------------
 
 
