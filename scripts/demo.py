@@ -146,8 +146,11 @@ def drafter_layers(recipe) -> int:
     return recipe.drafter.num_layers or NEW_DRAFTER_LAYERS
 
 
-def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[str, float | str]:
-    """A minute or two of measurements on this machine, in the compute dtype the stages will use (`auto`)."""
+def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
+          demo_started: float | None = None) -> dict[str, float | str]:
+    """A minute or two of measurements on this machine, in the compute dtype the stages will use (`auto`). With
+    `demo_started` (the demo's perf_counter start) a budget the eval alone leaves too little of is refused as soon
+    as the capture and decode rates are in, before the training-step and vLLM measurements."""
     import statistics
 
     import torch
@@ -194,6 +197,11 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
     median_prompt = rendered[len(rendered) // 2]
     short, long_ = (timed_call(plain_generate, target.model, median_prompt, n, [])[1] for n in (4, 24))
     decode_step = max(1e-4, (long_ - short) / 20)
+    first = {"precision": precision.describe(), "capture_batch": len(batch),
+             "capture_s_per_prompt": capture_s_per_prompt, "capture_s_per_prompt_by_quantile": timings,
+             "decode_tok_s": 1.0 / decode_step}
+    if demo_started is not None:
+        eval_plan(args, prompts, first, time.perf_counter() - demo_started)
 
     recipe = demo_recipe(args)
     cfg = target.config
@@ -225,14 +233,11 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto") -> dict[
         bench_train.step_fn(step_args, drafter, embed, embed, batch_data, optimizer, step)
         times[source].append(time.perf_counter() - t0)
     engine = probe_engine_capture(args, target, rendered, layers, precision) if args.capture_engine != "own" else {}
-    return {"precision": precision.describe(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            **engine, "capture_batch": len(batch), "capture_s_per_prompt": capture_s_per_prompt,
-            "capture_s_per_prompt_by_quantile": timings,
+    return {**first, "cpu_capability": torch.backends.cpu.get_cpu_capability(), **engine,
             "capture_new_tok_s": new_tokens / (capture_s_per_prompt * len(batch) * len(timings)),
             "capture_mean_new_tokens": new_tokens / (len(batch) * len(timings)),
             "capture_mean_tokens": all_tokens / (len(batch) * len(timings)),
             "state_bytes_per_token": 2.0 * len(layers) * cfg.hidden_size,  # bf16 states
-            "decode_tok_s": 1.0 / decode_step,
             "train_step_s": statistics.median(times["stored"][1:]),
             "train_online_step_s": statistics.median(times["online"][1:])}
 
@@ -318,18 +323,16 @@ def read_for(kept: list[int], wanted: int) -> int:
     return next((i + 1 for i, k in enumerate(kept) if k >= wanted), len(kept))
 
 
-def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: float) -> dict:
-    """Size eval, capture and training to what is left of the budget on this machine.
+def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: float) -> dict:
+    """The eval's part of the plan, and what it leaves capture and training (`flexible`), or a UserError naming the
+    --budget-min that fits. Needs only the capture and decode rates, so the probe checks it before its slower
+    measurements (a budget refused then is refused later too: the spent time only grows).
 
     Start-ups are fixed costs; the eval gets EVAL_SHARE of the rest: at least MIN_EVAL_PROMPTS held-out prompts
     (each captured for the offline estimate), the first OWN_EVAL_PROMPTS of them in the project's loop (plain,
     drafter and block-size-1 passes), all of them in vLLM (plain to each prompt's natural stop, then per K a
     speculative engine's start and each prompt timed plain and speculative at that length, and EVAL_CONCURRENCY
-    requests together): the K sweep gets what the share leaves (`eval --sweep-budget-s`), at least two K. Capture
-    and training split the remainder CAPTURE_SHARE to the rest: capture reads as many prompts as it can generate
-    responses for in its share, training gets a time budget (`train.time_budget_s`, at most the recipe's
-    max_steps)."""
-    recipe = demo_recipe(args)
+    requests together): the K sweep gets what the share leaves (`eval --sweep-budget-s`), at least two K."""
     T = args.eval_max_new_tokens
     own, engine = args.engine != "vllm", args.engine != "own"
     starts = {"held-out capture": STAGE_START_S, "eval": STAGE_START_S + (2 * VLLM_START_S if engine else 0.0),
@@ -357,6 +360,20 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
                         f"training on this machine after {spent_s:.0f} s of ingest and probe and an eval of {n_eval} "
                         f"prompts x {T} tokens (~{own_s + sweep_s + n_eval * heldout_s:.0f} s); "
                         f"{measured_line(rates)}; --budget-min {fits} fits")
+    return {"starts": starts, "n_eval": n_eval, "n_own": n_own, "own_s": own_s, "heldout_s": heldout_s,
+            "eval_kept": eval_kept, "sweep_s": sweep_s, "flexible": flexible}
+
+
+def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: float) -> dict:
+    """Size eval, capture and training to what is left of the budget on this machine.
+
+    The eval comes first (`eval_plan`); capture and training split the remainder CAPTURE_SHARE to the rest: capture
+    reads as many prompts as it can generate responses for in its share, training gets a time budget
+    (`train.time_budget_s`, at most the recipe's max_steps)."""
+    recipe = demo_recipe(args)
+    e = eval_plan(args, prompts, rates, spent_s)
+    starts, n_eval, n_own, sweep_s, flexible = e["starts"], e["n_eval"], e["n_own"], e["sweep_s"], e["flexible"]
+    own_s, heldout_s, eval_kept = e["own_s"], e["heldout_s"], e["eval_kept"]
     kept = kept_prompts(prompts, "train", args.capture_limit, args.target, args.max_prompt_tokens)
     measured = "train_online_step_s" in rates or args.hidden_states == "online"
     options = {mode: size_capture_and_training(args, rates, flexible, recipe.train.max_steps, kept, mode)
@@ -437,8 +454,8 @@ def measured_line(rates: dict) -> str:
     """The probe's rates, one line."""
     return (f"measured: compute dtype {rates['precision']}; one-pass capture {rates['capture_s_per_prompt']:.2f} s "
             f"per prompt (two whole batches of {rates['capture_batch']}, at length quantiles 0.21 and 0.79: "
-            f"{' and '.join(f'{t:.2f}' for t in rates.get('capture_s_per_prompt_by_quantile', []))} s); a training "
-            f"step of the recipe {rates['train_step_s']:.2f} s"
+            f"{' and '.join(f'{t:.2f}' for t in rates.get('capture_s_per_prompt_by_quantile', []))} s)"
+            + (f"; a training step of the recipe {rates['train_step_s']:.2f} s" if "train_step_s" in rates else "")
             + (f" ({rates['train_online_step_s']:.2f} s online)" if "train_online_step_s" in rates else "")
             + f"; plain decoding {rates['decode_tok_s']:.1f} tokens/s (batch 1)")
 
@@ -488,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n=== plan: {plan_file} (the plan this demo started with; delete it to measure and plan anew)")
     elif args.plan:
         started = time.perf_counter()
-        rates = probe(args, prompts)
+        rates = probe(args, prompts, demo_started=total)
         log.add("probe", ["scripts/demo.py (probe)"], time.perf_counter() - started, skipped=False)
         plan = {**make_plan(args, prompts, rates, time.perf_counter() - total), "rates": rates}
         print_plan(args, rates, plan, time.perf_counter() - total)

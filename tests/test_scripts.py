@@ -568,6 +568,26 @@ def test_demo_probe_times_a_training_step_with_online_states(demo_prompts, tiny_
     assert plan["hidden_states"] in ("stored", "online") and "break-even" in plan["hidden_states_reason"]
 
 
+def test_the_probe_refuses_a_budget_the_eval_alone_overruns_before_its_slower_measurements(demo_prompts,
+                                                                                          tiny_target_dir, monkeypatch):
+    """On a slow host the eval's share is known once capture and decode are timed: the probe refuses there, and
+    neither times training steps nor starts vLLM (8 minutes of probing on the AVX2 host before the old refusal)."""
+    import time
+
+    import bench_train
+    import demo
+
+    def not_reached(*a, **kw):
+        raise AssertionError("the probe went on to time training steps")
+
+    monkeypatch.setattr(bench_train, "step_fn", not_reached)
+    args = demo.parse_args(["--target", str(tiny_target_dir), "--max-prompt-tokens", "60", "--max-new-tokens", "4",
+                            "--batch-size", "2", "--capture-limit", "40", "--budget-min", "5"])
+    with pytest.raises(UserError, match=r"^--budget-min 5: the budget leaves .* fits$") as refused:
+        demo.probe(args, demo_prompts, demo_started=time.perf_counter() - 290.0)  # ingest took almost the budget
+    assert "measured: compute dtype" in str(refused.value) and "a training step" not in str(refused.value)
+
+
 @pytest.mark.parametrize("hidden_states", ["stored", "online"])
 def test_demo_captures_and_trains_as_its_plan_file_says(tmp_path, monkeypatch, hidden_states):
     """A rerun keeps the plan's choice whatever --hidden-states says: online captures a token-only store
