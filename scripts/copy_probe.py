@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+import runlib as rl  # scripts/, beside this file
 from dflash_train import objective as obj
 from dflash_train.data import StoreSet, split_eval
+from dflash_train.errors import UserError
 
 GAMMA = 5.0  # the adapt recipe's slot decay
 SPAN_P, SPAN_F = (8, 48), (0, 24)  # the lengths of the text before the first X and between the first two
@@ -37,9 +38,9 @@ SPAN_P, SPAN_F = (8, 48), (0, 24)  # the lengths of the text before the first X 
 
 def parse_period(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition("-")
+    if not (lo.isdigit() and (hi or lo).isdigit()) or not 2 <= int(lo) <= int(hi or lo):
+        raise UserError(f"--period {text}: wants N or LO-HI with 2 <= LO <= HI")
     lo, hi = int(lo), int(hi or lo)
-    if not 2 <= lo <= hi:
-        raise SystemExit(f"--period {text}: wants N or LO-HI with 2 <= LO <= HI")
     return lo, hi
 
 
@@ -56,6 +57,9 @@ def responses(stores: StoreSet, indices: list[int], least: int) -> list[list[int
 
 def copy_sequences(texts: list[list[int]], n: int, period: tuple[int, int], seed: int) -> list[tuple[list[int], int]]:
     """n sequences P + X + F + X + X and where the loss starts (the second X)."""
+    if len(texts) < 3:
+        raise UserError(f"{len(texts)} responses long enough for --period {period[0]}-{period[1]}: copy sequences "
+                        f"take spans of 3 different ones (a lower --period, or a store with longer responses)")
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -107,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_train.model.checkpoint import load_drafter, save_drafter
     from dflash_train.provenance import write_provenance
     from dflash_train.target import load_embedding_and_head, load_target
+    from tqdm import tqdm
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("store", help="a store of the target's responses (with states)")
@@ -148,8 +153,6 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr)
     g = torch.Generator().manual_seed(args.seed)
     history = []
-    from tqdm import tqdm
-
     for step in tqdm(range(1, args.steps + 1), desc="copy probe", unit="step"):
         optimizer.zero_grad()
         picks = torch.randint(0, len(train), (args.copy_batch,), generator=g).tolist()
@@ -179,4 +182,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rl.script_main(main)

@@ -360,9 +360,12 @@ def test_copy_sequences_repeat_one_span_at_a_varying_period_with_loss_on_the_rep
     n0 = len(seqs[0][0])
     assert batch["input_ids"].shape[0] == 2 and batch["loss_mask"][0].sum() == n0 - seqs[0][1]
     assert not batch["loss_mask"][0, n0:].any() and batch["hidden_states"][0, n0:].abs().sum() == 0
-    with pytest.raises(SystemExit, match="--period 9-4"):
-        copy_probe.parse_period("9-4")
-    assert copy_probe.parse_period("32") == (32, 32)
+    for bad in ("9-4", "1", "x"):
+        with pytest.raises(UserError, match=f"^--period {bad}: wants N or LO-HI"):
+            copy_probe.parse_period(bad)
+    assert copy_probe.parse_period("32") == (32, 32) and copy_probe.parse_period("4-40") == (4, 40)
+    with pytest.raises(UserError, match="^2 responses long enough for --period 4-12"):
+        copy_probe.copy_sequences(texts[:2], 1, (4, 12), seed=0)
 
 
 def test_copy_probe_trains_a_drafter_on_copy_and_real_batches_and_records_both_losses(tmp_path, tiny_target_dir,
