@@ -29,7 +29,7 @@ import torch
 
 import runlib as rl  # scripts/, beside this file
 from dflash_train import objective as obj
-from dflash_train.data import StoreSet, split_eval
+from dflash_train.data import StoreSet, collate, split_eval
 from dflash_train.errors import UserError
 
 GAMMA = 5.0  # the adapt recipe's slot decay
@@ -75,28 +75,15 @@ def with_states(target, layers: list[int], seqs: list[tuple[list[int], int]]) ->
     """Samples as the store gives them: ids, loss mask (the last two X), the tapped states of one prefill."""
     from dflash_train.capture import prefill_capture
 
-    out = []
+    out, pad = [], target.tokenizer.pad_token_id
     for at in range(0, len(seqs), 16):
         chunk = seqs[at:at + 16]
-        pad = target.tokenizer.pad_token_id
         for (ids, start), c in zip(chunk, prefill_capture(target.model, [s for s, _ in chunk], [s for _, s in chunk],
                                                           layers, pad)):
             mask = torch.zeros(len(ids), dtype=torch.bool)
             mask[start:] = True
             out.append({"input_ids": torch.tensor(ids), "loss_mask": mask, "hidden_states": c.hidden_states.float()})
     return out
-
-
-def as_batch(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-padded [b, S] rows; padding carries no loss and lies after every anchor's context."""
-    S = max(len(s["input_ids"]) for s in samples)
-    ids = torch.zeros(len(samples), S, dtype=torch.long)
-    mask = torch.zeros(len(samples), S, dtype=torch.bool)
-    states = torch.zeros(len(samples), S, samples[0]["hidden_states"].shape[-1])
-    for r, s in enumerate(samples):
-        n = len(s["input_ids"])
-        ids[r, :n], mask[r, :n], states[r, :n] = s["input_ids"], s["loss_mask"].bool(), s["hidden_states"].float()
-    return {"input_ids": ids, "loss_mask": mask, "hidden_states": states}
 
 
 def copy_tau(drafter, embed: torch.Tensor, head: torch.Tensor, samples: list[dict[str, torch.Tensor]]) -> float:
@@ -158,10 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         picks = torch.randint(0, len(train), (args.copy_batch,), generator=g).tolist()
         real = stores[train_idx[int(torch.randint(0, len(train_idx), (1,), generator=g))]]
         losses = {}
-        for name, batch, anchors, weight in (("copy", as_batch([train[i] for i in picks]), args.anchors,
-                                              args.copy_weight), ("real", as_batch([real]), 2 * args.anchors, 1.0)):
+        for name, samples, anchors, weight in (("copy", [train[i] for i in picks], args.anchors, args.copy_weight),
+                                               ("real", [real], 2 * args.anchors, 1.0)):
             if weight == 0:
                 continue
+            # one sample a row, right-padded (padding carries no loss and lies after every anchor's context)
+            batch = collate([[s] for s in samples], max(len(s["input_ids"]) for s in samples))
             blocks = obj.sample_anchors(batch["loss_mask"], anchors, B, g)
             out = obj.dflash_loss(drafter, embed, head, batch, blocks, mask_token_id=drafter.mask_token_id,
                                   gamma=GAMMA, attention="blockwise")

@@ -355,8 +355,11 @@ def test_copy_sequences_repeat_one_span_at_a_varying_period_with_loss_on_the_rep
         assert len({ids[first] // 100, ids[0] // 100}) == 2  # P is another response's start
         periods.add(L)
     assert len(periods) > 3  # the period varies: copying cannot be "N positions back"
-    batch = copy_probe.as_batch([{"input_ids": torch.tensor(ids), "loss_mask": torch.arange(len(ids)) >= start,
-                                  "hidden_states": torch.ones(len(ids), 3)} for ids, start in seqs[:2]])
+    from dflash_train.data import collate  # how the probe batches them: one sample a row, right-padded
+
+    batch = collate([[{"input_ids": torch.tensor(ids), "loss_mask": torch.arange(len(ids)) >= start,
+                       "hidden_states": torch.ones(len(ids), 3)}] for ids, start in seqs[:2]],
+                    max(len(ids) for ids, _ in seqs[:2]))
     n0 = len(seqs[0][0])
     assert batch["input_ids"].shape[0] == 2 and batch["loss_mask"][0].sum() == n0 - seqs[0][1]
     assert not batch["loss_mask"][0, n0:].any() and batch["hidden_states"][0, n0:].abs().sum() == 0
