@@ -81,6 +81,12 @@ def test_engine_error_is_the_root_cause_not_the_wrapper(tmp_path):
     log.write_text("pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig\n"
                    "  Value error, bad speculative config [type=value_error, input_value=...]\n")
     assert engine_error(log).endswith(": Value error, bad speculative config")
+    log.write_text("[rank0]: pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig\n"
+                   "[rank0]:   Value error, Model Runner V1 does not support: mixed sliding/full dflash drafts "
+                   "[type=value_error]\n"
+                   "[rank0]:     For further information visit https://errors.pydantic.dev/2.13/v/value_error\n")
+    assert engine_error(log) == ("pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig: "
+                                 "Value error, Model Runner V1 does not support: mixed sliding/full dflash drafts")
 
 
 # --- with vLLM ------------------------------------------------------------------------------------------------
@@ -176,6 +182,7 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
     report = json.loads((out / "report.json").read_text())
     vllm, own = report["engines"]["vllm"], report["engines"]["own"]
     assert vllm["version"] == vllm_version()
+    assert vllm["environment"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # on CPU, the engine in the child itself
     rows = {row["k"]: row for row in vllm["sweep"]}
     assert sorted(rows) == [1, 7] and vllm["timing"]["skipped_k"] == []
     for row in rows.values():
