@@ -53,7 +53,8 @@ JOB_FILE, RESULT_FILE, LOG_FILE = "job.json", "result.json", "engine.log"
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
 # A vLLM worker keeps polling its message queue for 1 s after its last request (shm_broadcast's busy loop): the
-# timed protocol waits this long before each timed request, so that the other engine's worker is asleep.
+# timed protocol waits this long before each timed request, so that the other engine's worker is asleep. On CPU the
+# workers run in the child (`engine_environment`) and nothing polls; the wait stays, one protocol on every device.
 IDLE_S = 1.2
 
 
