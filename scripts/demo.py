@@ -108,7 +108,9 @@ SPEC_ENGINE_START_S = 5.0  # one more engine inside that child: the drafter's, p
 STAGE_START_S = 25.0  # a stage command's own start: python, torch, transformers, the target
 DRAFT_SLOWDOWN = 2.6  # speculative decode time / plain in the project's loop for a weak drafter (the AVX2 demo at
 #                      tau 1.18: 0.39x; 2.0 planned its eval 99 s short)
-ENGINE_SLOWDOWN = 1.3  # the same in vLLM, over the sweep's first two K (at tau 1.3: B - 1 0.63x, 1 0.90x)
+ENGINE_SLOWDOWN = 1.7  # the same in vLLM at the sweep's first K, B - 1, the slowest at a low tau (0.59x at tau 1.31
+#                       in the AVX2 router demo; 1.3, the mean of the first two K, planned a sweep that ran K = 15
+#                       only: the next K starts only while the budget still holds the first one's cost again)
 EVAL_SHARE = 0.4  # the eval's share of the time left: 20 prompts, vLLM at two K or more, a few in the project's loop
 MIN_EVAL_PROMPTS = 20  # fewer cannot tell a 10% speedup from noise (the serving issue: 5 prompts said 0.63x-1.27x)
 OWN_EVAL_PROMPTS = 5  # the project's loop decodes the first 5 of them: it runs three passes per prompt
