@@ -104,7 +104,7 @@ def workload_name(log: str) -> str:
 VLLM_START_S = 25.0  # the engine's child process on a 2-core CPU: its start, vLLM's import, the plain engine
 #                    (BENCHMARKS "vLLM on CPU in one process": 24 s on the AVX2 host); the probe's measurement, where
 #                    it has one (`engine_start_s`), replaces it
-SPEC_ENGINE_START_S = 5.0  # one more engine inside that child: the drafter's, per K (2-4 s there)
+SPEC_ENGINE_START_S = 5.0  # one more engine inside that child: the drafter's, per K (1.6-4.5 s there)
 STAGE_START_S = 25.0  # a stage command's own start: python, torch, transformers, the target
 DRAFT_SLOWDOWN = 2.6  # speculative decode time / plain in the project's loop for a weak drafter (the AVX2 demo at
 #                      tau 1.18: 0.39x; 2.0 planned its eval 99 s short)
