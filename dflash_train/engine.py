@@ -10,12 +10,14 @@ OpenMP thread binding, tcmalloc and Intel OpenMP preloaded) before it is importe
 processes of its own (on CPU its one worker runs in the child: `engine_environment`); and an engine that dies must
 leave the stage able to say so in one line, with nothing half-written.
 
-Two modes. `batch` (capture): every request at once, continuous batching. `timed` (eval): the speedup protocol,
+Three modes. `batch` (capture): every request at once, continuous batching. `timed` (eval): the speedup protocol,
 `_timed` below: plain decoding and one speculative engine per speculation length K, alive side by side in the
 child, each warmed up; every prompt decoded first to its natural stop (the reference outputs and lengths), then
 timed plain and speculative at that fixed length (`ignore_eos`: both sides decode the same number of tokens),
 alternating which goes first, at batch 1 and at the requested concurrencies; each run timed twice, by the engine
-core's timestamps (request arrival, first and last token) and by a stopwatch around the call. Acceptance comes from
+core's timestamps (request arrival, first and last token) and by a stopwatch around the call. `check` (the eval's fp32
+rerun of its mismatches): each prompt alone, plain and speculative at one K, once each to its natural stop, untimed.
+Acceptance comes from
 vLLM's per-request speculative-decoding metrics (the accepted drafts of every verification step). The prompts are
 token ids rendered by the project (`target.render`), so the engine and the project's loop decode the very same
 prompts.
@@ -78,7 +80,8 @@ class EngineJob:
     dtype: str = "float32"  # vLLM's spelling: float32 | bfloat16 | float16
     drafter: str | None = None  # a DFlash drafter folder; None = plain decoding
     max_model_len: int = 2048
-    mode: str = "batch"  # batch: all requests at once (capture) | timed: the eval's speedup protocol (`_timed`)
+    mode: str = "batch"  # batch: all requests at once (capture) | timed: the eval's speedup protocol (`_timed`) |
+    #                      check: the lossless check alone (`_check`)
     seed: int = 0
     device: str = "cpu"
     # batch mode: append every finished output to this JSONL file as it is generated, so a killed run keeps what
@@ -94,8 +97,8 @@ class EngineJob:
     budget_s: float | None = None
 
     def max_num_seqs(self) -> int | None:
-        """timed: the largest concurrency (one engine serves batch 1 and every concurrency); batch: vLLM's."""
-        return max([1, *self.concurrency]) if self.mode == "timed" else None
+        """timed, check: the largest concurrency (one engine serves batch 1 and every concurrency); batch: vLLM's."""
+        return None if self.mode == "batch" else max([1, *self.concurrency])
 
     def llm_kwargs(self, k: int | None = None) -> dict[str, Any]:
         """The `vllm.LLM(...)` arguments (the same names as `vllm serve` flags) of plain decoding, or with the
@@ -119,7 +122,7 @@ def kv_cache_bytes_for(job: EngineJob) -> int:
     target's and the drafter's layers (twice that, for vLLM's block rounding); a batch run gets 2 GiB, which keeps a
     SmolLM2-sized target decoding dozens of sequences at once. Sizing it to the job matters on CPU: vLLM allocates
     and touches the whole cache at start (2 GiB took about 10 s here)."""
-    if job.mode != "timed":
+    if job.mode == "batch":
         return 2 * GiB
     per_token = 0
     for folder in [job.target] + ([job.drafter] if job.drafter else []):
@@ -432,6 +435,8 @@ def _child(workdir: Path) -> None:
     timed = None
     if job.mode == "timed":
         outputs, timed = _timed(job, plain, start, generate, started)
+    elif job.mode == "check":
+        outputs, timed = _check(job, plain, start, generate)
     else:
         outputs = _continuous_batch(plain, job, params)
     wall_s = time.perf_counter() - t0
@@ -555,6 +560,19 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
         runs.append(run)
     return natural, {"runs": runs, "skipped": skipped, "repeats": job.repeats, "budget_s": job.budget_s,
                      "concurrency": job.concurrency}
+
+
+def _check(job: EngineJob, plain: Any, start, generate) -> tuple[list[dict], dict[str, Any]]:
+    """The lossless check alone (the eval's fp32 rerun of the prompts whose speculative output differed): every
+    prompt decoded alone to its natural stop, by plain decoding and then with the drafter at K =
+    `speculative_tokens[0]`, once each. Returns the plain outputs and the speculative ones as `_timed` does, without
+    its timed runs (two decodes per prompt instead of three, no idle gaps)."""
+    natural = [generate(plain, [r]).outputs[0] for r in job.requests]
+    k = job.speculative_tokens[0]
+    spec, kwargs, load_s = start(k)
+    outputs = [generate(spec, [r]).outputs[0] for r in job.requests]
+    spec.llm_engine.engine_core.shutdown()
+    return natural, {"runs": [{"k": k, "llm_kwargs": kwargs, "load_s": load_s, "outputs": outputs}]}
 
 
 def _output(request: EngineRequest, result: Any) -> dict[str, Any]:

@@ -592,18 +592,19 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     max_len = max(len(ids) for ids in prompts.values()) + cfg.max_new_tokens + block_size
 
     def run(ids: dict[str, list[int]], dtype: str, tag: str, ks: list[int], concurrency: list[int],
-            budget_s: float | None) -> engine.EngineResult:
+            budget_s: float | None, mode: str = "timed") -> engine.EngineResult:
         requests = [engine.EngineRequest(id=rid, prompt_token_ids=p, max_tokens=cfg.max_new_tokens,
                                          temperature=cfg.temperature, seed=prompt_seed(cfg.seed, rid))
                     for rid, p in ids.items()]
         job = engine.EngineJob(target=str(target.path), requests=requests, stop_token_ids=stop,
                                dtype=engine.VLLM_DTYPES[dtype], drafter=cfg.drafter, max_model_len=max_len,
-                               mode="timed", seed=cfg.seed, device=torch.device(device).type,
+                               mode=mode, seed=cfg.seed, device=torch.device(device).type,
                                engine_args=cfg.engine_args, speculative_tokens=ks, concurrency=concurrency,
                                repeats=cfg.repeats, budget_s=budget_s)
         budget = f", {budget_s:.0f} s budget" if budget_s is not None and len(ks) > 1 else ""
         print(f"engine: vLLM, plain and with drafter {cfg.drafter} at K = {', '.join(map(str, ks))} "
-              f"({len(requests)} prompts, concurrency 1{''.join(f', {c}' for c in concurrency)}, {dtype}{budget})",
+              f"({len(requests)} prompts, concurrency 1{''.join(f', {c}' for c in concurrency)}, {dtype}{budget}"
+              f"{', the lossless check alone' if mode == 'check' else ''})",
               flush=True)
         return engine.run_engine(job, workdir / tag, f"vLLM with drafter {cfg.drafter}")
 
@@ -618,7 +619,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
                                                       spec[p["id"]])}
                   for p in best["per_prompt"] if p["mismatch"]]
     if mismatches and dtype_name != "fp32":
-        again = run({d["id"]: prompts[d["id"]] for d in mismatches}, "fp32", "fp32", [best_k], [], None)
+        again = run({d["id"]: prompts[d["id"]] for d in mismatches}, "fp32", "fp32", [best_k], [], None, "check")
         spec32 = {o["id"]: o["token_ids"] for o in again.timed["runs"][0]["outputs"]}
         for d in mismatches:
             d["fp32_spec_equals_plain"] = spec32[d["id"]] == again.by_id()[d["id"]].token_ids

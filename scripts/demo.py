@@ -111,6 +111,10 @@ DRAFT_SLOWDOWN = 2.6  # speculative decode time / plain in the project's loop fo
 ENGINE_SLOWDOWN = 1.7  # the same in vLLM at the sweep's first K, B - 1, the slowest at a low tau (0.59x at tau 1.31
 #                       in the AVX2 router demo; 1.3, the mean of the first two K, planned a sweep that ran K = 15
 #                       only: the next K starts only while the budget still holds the first one's cost again)
+FP32_RECHECK_SHARE = {"own": 1.0, "vllm": 0.6}  # of the eval's prompts that differ from plain decoding in bf16
+#                      and are rerun in fp32 (near-ties rounded differently): 5 of 5 in the project's loop and 12 of
+#                      20 in vLLM in the AVX-512 rewrite demo (unplanned, 143 s over its eval's plan), 4 of 5 and
+#                      1-3 of 20 in earlier ones
 EVAL_SHARE = 0.4  # the eval's share of the time left: 20 prompts, vLLM at two K or more, a few in the project's loop
 MIN_EVAL_PROMPTS = 20  # fewer cannot tell a 10% speedup from noise (the serving issue: 5 prompts said 0.63x-1.27x)
 OWN_EVAL_PROMPTS = 5  # the project's loop decodes the first 5 of them: it runs three passes per prompt
@@ -200,11 +204,17 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
         all_tokens += sum(len(c.input_ids) for c in captured)
     capture_s_per_prompt = sum(timings) / len(timings)
     median_prompt = rendered[len(rendered) // 2]
-    short, long_ = (timed_call(plain_generate, target.model, median_prompt, n, [])[1] for n in (4, 24))
-    decode_step = max(1e-4, (long_ - short) / 20)
+
+    def decode_tok_s(model) -> float:
+        """Plain decoding at batch 1, the prefill taken out: 24 new tokens against 4."""
+        short, long_ = (timed_call(plain_generate, model, median_prompt, n, [])[1] for n in (4, 24))
+        return 20 / max(2e-3, long_ - short)
+
     first = {"precision": precision.describe(), "capture_batch": len(batch),
              "capture_s_per_prompt": capture_s_per_prompt, "capture_s_per_prompt_by_quantile": timings,
-             "decode_tok_s": 1.0 / decode_step}
+             "decode_tok_s": decode_tok_s(target.model)}
+    if precision.dtype != torch.float32:  # the eval reruns its mismatches in fp32: the plan counts that rerun
+        first["fp32_decode_tok_s"] = decode_tok_s(load_target(args.target, dtype=torch.float32, device=device).model)
     if demo_started is not None:
         # the engine's start is not measured yet: counted as 0 here, so that what this check refuses, the plan
         # (with the measured start) refuses too
@@ -340,7 +350,8 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     (each captured for the offline estimate), the first OWN_EVAL_PROMPTS of them in the project's loop (plain,
     drafter and block-size-1 passes), all of them in vLLM (plain to each prompt's natural stop, then per K a
     speculative engine's start and each prompt timed plain and speculative at that length, and EVAL_CONCURRENCY
-    requests together): the K sweep gets what the share leaves (`eval --sweep-budget-s`), at least two K."""
+    requests together), and in a low-precision eval the fp32 rerun of FP32_RECHECK_SHARE of them at the probe's
+    fp32 decode rate: the K sweep gets what the share leaves (`eval --sweep-budget-s`), at least two K."""
     T = args.eval_max_new_tokens
     own, engine = args.engine != "vllm", args.engine != "own"
     engine_start_s = rates.get("engine_start_s", VLLM_START_S)
@@ -354,12 +365,21 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     own_s = n_own * decode_s * (2 + DRAFT_SLOWDOWN)
     per_k_s = SPEC_ENGINE_START_S + (n_eval + EVAL_CONCURRENCY / 2) * (decode_s * (1 + ENGINE_SLOWDOWN) + 2 * IDLE_S)
     least_sweep_s = n_eval * decode_s + 2 * per_k_s  # plain's natural lengths, then two K
+    recheck_s = 0.0
+    if "fp32_decode_tok_s" in rates:  # a low-precision eval: its mismatches are rerun in fp32, plain and speculative
+        decode32_s = T / rates["fp32_decode_tok_s"]
+        recheck_s += FP32_RECHECK_SHARE["own"] * n_own * decode32_s * (1 + DRAFT_SLOWDOWN)
+        if engine:  # one more engine child at the chosen K, untimed: plain, then speculative, to the natural stop
+            recheck_s += engine_start_s + SPEC_ENGINE_START_S + FP32_RECHECK_SHARE["vllm"] * n_eval * (
+                decode32_s * (1 + ENGINE_SLOWDOWN))
+    fixed_s = own_s + n_eval * heldout_s + recheck_s  # the eval's parts that do not shrink with the budget
 
     def split(budget_min: float) -> tuple[float, float]:
-        """(vLLM's K sweep, what is left for capture and training) in a budget of budget_min."""
+        """(vLLM's K sweep, what is left for capture and training) in a budget of budget_min: the sweep gets what
+        the eval's share leaves, at least two K."""
         available = budget_min * 60 * (1 - MARGIN) - spent_s - sum(starts.values())
-        sweep_s = max(least_sweep_s, EVAL_SHARE * available - own_s - n_eval * heldout_s) if engine else 0.0
-        return sweep_s, available - own_s - sweep_s - n_eval * heldout_s
+        sweep_s = max(least_sweep_s, EVAL_SHARE * available - fixed_s) if engine else 0.0
+        return sweep_s, available - fixed_s - sweep_s
 
     sweep_s, flexible = split(args.budget_min)
     if flexible < MIN_CAPTURE_AND_TRAIN_S:
@@ -367,10 +387,10 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
                     if split(m)[1] >= MIN_CAPTURE_AND_TRAIN_S)
         raise UserError(f"--budget-min {args.budget_min:g}: the budget leaves {flexible:.0f} s for capture and "
                         f"training on this machine after {spent_s:.0f} s of ingest and probe and an eval of {n_eval} "
-                        f"prompts x {T} tokens (~{own_s + sweep_s + n_eval * heldout_s:.0f} s); "
+                        f"prompts x {T} tokens (~{fixed_s + sweep_s:.0f} s); "
                         f"{measured_line(rates)}; --budget-min {fits} fits")
     return {"starts": starts, "n_eval": n_eval, "n_own": n_own, "own_s": own_s, "heldout_s": heldout_s,
-            "eval_kept": eval_kept, "sweep_s": sweep_s, "flexible": flexible}
+            "recheck_s": recheck_s, "eval_kept": eval_kept, "sweep_s": sweep_s, "flexible": flexible}
 
 
 def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: float) -> dict:
@@ -382,7 +402,7 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     recipe = demo_recipe(args)
     e = eval_plan(args, prompts, rates, spent_s)
     starts, n_eval, n_own, sweep_s, flexible = e["starts"], e["n_eval"], e["n_own"], e["sweep_s"], e["flexible"]
-    own_s, heldout_s, eval_kept = e["own_s"], e["heldout_s"], e["eval_kept"]
+    own_s, heldout_s, recheck_s, eval_kept = e["own_s"], e["heldout_s"], e["recheck_s"], e["eval_kept"]
     kept = kept_prompts(prompts, "train", args.capture_limit, args.target, args.max_prompt_tokens)
     measured = "train_online_step_s" in rates or args.hidden_states == "online"
     options = {mode: size_capture_and_training(args, rates, flexible, recipe.train.max_steps, kept, mode)
@@ -397,10 +417,10 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
             "capture_kept": chosen["capture_kept"], "train_budget_s": round(train_s),
             "expected_steps": chosen["expected_steps"], "max_steps": recipe.train.max_steps,
             "eval_limit": read_for(eval_kept, n_eval), "eval_prompts": n_eval, "own_eval_prompts": n_own,
-            "sweep_budget_s": round(sweep_s),
+            "sweep_budget_s": round(sweep_s), "fp32_recheck_s": round(recheck_s),
             "stage_s": {"capture": starts["capture"] + capture_s, "train": starts["train"] + train_s,
                         "held-out capture": starts["held-out capture"] + n_eval * heldout_s,
-                        "eval": starts["eval"] + own_s + sweep_s, "push (dry run)": starts["push (dry run)"]}}
+                        "eval": starts["eval"] + own_s + sweep_s + recheck_s, "push (dry run)": starts["push (dry run)"]}}
 
 
 def size_capture_and_training(args: argparse.Namespace, rates: dict, flexible: float, cap: int | None,
@@ -466,7 +486,8 @@ def measured_line(rates: dict) -> str:
             f"{' and '.join(f'{t:.2f}' for t in rates.get('capture_s_per_prompt_by_quantile', []))} s)"
             + (f"; a training step of the recipe {rates['train_step_s']:.2f} s" if "train_step_s" in rates else "")
             + (f" ({rates['train_online_step_s']:.2f} s online)" if "train_online_step_s" in rates else "")
-            + f"; plain decoding {rates['decode_tok_s']:.1f} tokens/s (batch 1)")
+            + f"; plain decoding {rates['decode_tok_s']:.1f} tokens/s (batch 1)"
+            + (f", {rates['fp32_decode_tok_s']:.1f} in fp32" if "fp32_decode_tok_s" in rates else ""))
 
 
 def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
@@ -489,8 +510,11 @@ def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
           + (f" (at most {plan['max_steps']})" if plan["max_steps"] else ""))
     print(f"eval:    read {plan['eval_limit']} held-out prompts, keep {plan['eval_prompts']}, x {args.eval_max_new_tokens} "
           f"tokens, engine {args.engine}: vLLM's K sweep {plan['sweep_budget_s']} s, the project's loop on the first "
-          f"{plan['own_eval_prompts']} (~{plan['stage_s']['eval']:.0f} s in all; their capture for the offline "
+          f"{plan['own_eval_prompts']}"
+          + (f", the fp32 rerun of bf16 mismatches ~{plan['fp32_recheck_s']} s" if plan.get("fp32_recheck_s") else "")
+          + f" (~{plan['stage_s']['eval']:.0f} s in all; their capture for the offline "
           f"estimate ~{plan['stage_s']['held-out capture']:.0f} s)", flush=True)
+
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)

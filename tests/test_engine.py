@@ -219,6 +219,31 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
 
 @needs_vllm
 @pytest.mark.slow
+def test_the_lossless_check_alone_decodes_each_prompt_plain_and_speculative_to_its_stop(overfit_drafter,
+                                                                                       engine_target, tmp_path):
+    """The eval's fp32 rerun of its mismatches (`check` mode): per prompt the plain output to its natural stop and
+    the speculative one at the one K asked, untimed; the overfit drafter's equal the plain ones token for token."""
+    from dflash_train.engine import EngineJob, EngineRequest, run_engine
+    from dflash_train.target import load_tokenizer, render_prompt
+
+    tokenizer = load_tokenizer(str(engine_target))
+    requests = [EngineRequest(id=f"p{i}", prompt_token_ids=render_prompt(tokenizer, [{"role": "user", "content": p}]),
+                              max_tokens=NEW_TOKENS) for i, p in enumerate(PROMPTS[:3])]
+    job = EngineJob(target=str(engine_target), requests=requests, stop_token_ids=[tokenizer.eos_token_id],
+                    drafter=str(overfit_drafter), max_model_len=256, mode="check", speculative_tokens=[5])
+    assert job.max_num_seqs() == 1  # one request at a time, as the timed runs it rechecks
+    result = run_engine(job, tmp_path, "the lossless check")
+    (run,) = result.timed["runs"]
+    assert run["k"] == 5 and run["llm_kwargs"]["speculative_config"]["num_speculative_tokens"] == 5
+    assert "batch1" not in run  # nothing timed
+    plain = result.by_id()
+    assert [o["id"] for o in run["outputs"]] == list(plain) == ["p0", "p1", "p2"]
+    for o in run["outputs"]:
+        assert 0 < len(o["token_ids"]) <= NEW_TOKENS and o["token_ids"] == plain[o["id"]].token_ids
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_a_drafter_the_engine_rejects_is_one_line_and_writes_nothing(overfit_drafter, engine_target, prompts_file,
                                                                      tmp_path, capsys):
     """Mixed sliding/full attention layers (a config our loader reads as all full attention) are refused by this

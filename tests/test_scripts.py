@@ -468,6 +468,25 @@ def test_demo_plan_fits_the_budget(demo_prompts, tiny_target_dir, machine, rates
         assert plan["capture_limit"] == len(kept_train) and plan["expected_steps"] == steps
 
 
+def test_a_low_precision_eval_plans_the_fp32_rerun_of_its_mismatches(demo_prompts, tiny_target_dir):
+    """Where the probe decoded in bf16 it also times fp32 decoding: the eval reruns its bf16 mismatches in fp32
+    (the AVX-512 rewrite demo: 17 of 25, unplanned, 143 s over its eval's plan); the plan counts that rerun in the
+    eval's stage and takes it from the rest, so the demo still fits its budget."""
+    import demo
+
+    args = demo.parse_args(["--target", str(tiny_target_dir), "--max-prompt-tokens", "60"])
+    bf16 = {"capture_s_per_prompt": 1.88, "decode_tok_s": 18.0, "train_step_s": 1.93, "engine_start_s": 43.1,
+            "engine_capture_s_per_prompt": 0.97, "engine_prefill_s_per_prompt": 0.55}
+    plain = demo.make_plan(args, demo_prompts, bf16, 214.0)
+    rerun = demo.make_plan(args, demo_prompts, {**bf16, "fp32_decode_tok_s": 15.5}, 214.0)
+    assert plain["fp32_recheck_s"] == 0 < rerun["fp32_recheck_s"]
+    grown = rerun["stage_s"]["eval"] - plain["stage_s"]["eval"]  # the rerun, less what the K sweep gave up for it
+    assert grown == pytest.approx(rerun["fp32_recheck_s"] + rerun["sweep_budget_s"] - plain["sweep_budget_s"], abs=1)
+    assert rerun["train_budget_s"] < plain["train_budget_s"]
+    for plan in (plain, rerun):
+        assert 214.0 + sum(plan["stage_s"].values()) <= args.budget_min * 60 * (1 - demo.MARGIN) + 1e-6
+
+
 def test_time_training_cannot_use_goes_to_capture(demo_prompts, tiny_target_dir):
     """Where the recipe's max_steps take less than training's share, the rest of it captures more conversations."""
     import demo
