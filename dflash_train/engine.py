@@ -15,12 +15,11 @@ Three modes. `batch` (capture): every request at once, continuous batching. `tim
 child, each warmed up; every prompt decoded first to its natural stop (the reference outputs and lengths), then
 timed plain and speculative at that fixed length (`ignore_eos`: both sides decode the same number of tokens),
 alternating which goes first, at batch 1 and at the requested concurrencies; each run timed twice, by the engine
-core's timestamps (request arrival, first and last token) and by a stopwatch around the call. `check` (the eval's fp32
-rerun of its mismatches): each prompt alone, plain and speculative at one K, once each to its natural stop, untimed.
-Acceptance comes from
-vLLM's per-request speculative-decoding metrics (the accepted drafts of every verification step). The prompts are
-token ids rendered by the project (`target.render`), so the engine and the project's loop decode the very same
-prompts.
+core's timestamps (request arrival, first and last token) and by a stopwatch around the call. `check` (the eval's
+fp32 rerun of its mismatches): each prompt alone, plain and speculative at one K, once each to its natural stop,
+untimed. Acceptance comes from vLLM's per-request speculative-decoding metrics (the accepted drafts of every
+verification step). The prompts are token ids rendered by the project (`target.render`), so the engine and the
+project's loop decode the very same prompts.
 
 The user's own engine arguments (`--engine-args '{"tensor_parallel_size": 8}'`) go on top of the job's, checked
 first by vLLM's own argument parser (`engine_args_problem`).

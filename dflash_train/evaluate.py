@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
@@ -402,9 +403,11 @@ def own_loop_eval(cfg: EvalConfig, device: str, methods: list[Method], target: T
                   prompts: dict[str, list[int]], dtype: torch.dtype) -> dict[str, Any]:
     """Every method through the project's own decoding loop; the headline fields of the report."""
     per_prompt, mismatch_details, plain_of_mismatching = decode_all(methods, target, prompts, cfg)
-    fp32_mismatches = None
+    fp32_mismatches = recheck_s = None
     if mismatch_details and dtype != torch.float32:
+        t0 = time.perf_counter()
         recheck_in_fp32(cfg, device, methods, mismatch_details, prompts, plain_of_mismatching)
+        recheck_s = time.perf_counter() - t0
         fp32_mismatches = unresolved_in_fp32(mismatch_details, by_role(methods, "drafter")[0].name)
     plain = by_role(methods, "plain")[0].generations
     table = [method_row(m, per_prompt, plain) for m in methods]
@@ -416,6 +419,7 @@ def own_loop_eval(cfg: EvalConfig, device: str, methods: list[Method], target: T
         "lossless_mismatches": mine["lossless_mismatches"],
         "lossless_checked": len(per_prompt),
         "lossless_mismatches_fp32": fp32_mismatches,  # of those, still different when rerun in fp32
+        "lossless_recheck_s": recheck_s,  # the seconds that rerun took (the demo's plan counts it)
         "per_position_acceptance": mine["per_position_acceptance"],
         "tau_histogram": mine["tau_histogram"],
         "tokens_per_s": mine["tokens_per_s"],
@@ -618,11 +622,14 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     mismatches = [{"id": p["id"], **diagnose_mismatch(target, prompts[p["id"]], natural[p["id"]].token_ids,
                                                       spec[p["id"]])}
                   for p in best["per_prompt"] if p["mismatch"]]
+    recheck_s = None
     if mismatches and dtype_name != "fp32":
+        t0 = time.perf_counter()
         again = run({d["id"]: prompts[d["id"]] for d in mismatches}, "fp32", "fp32", [best_k], [], None, "check")
         spec32 = {o["id"]: o["token_ids"] for o in again.timed["runs"][0]["outputs"]}
         for d in mismatches:
             d["fp32_spec_equals_plain"] = spec32[d["id"]] == again.by_id()[d["id"]].token_ids
+        recheck_s = time.perf_counter() - t0
     table = concurrency_rows(sweep, result.timed["runs"])
     fastest = best_per_concurrency(table)
     return {
@@ -636,6 +643,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         "lossless_mismatches": len(mismatches) if greedy else None,
         "lossless_mismatches_fp32": (sum(not d["fp32_spec_equals_plain"] for d in mismatches)
                                      if mismatches and dtype_name != "fp32" else None),
+        "lossless_recheck_s": recheck_s,
         "lossless_note": None if greedy else "not checked: at temperature > 0 vLLM's rejection sampler keeps the "
                                              "target's distribution, not its tokens",
         "mismatches": mismatches,

@@ -142,7 +142,7 @@ def test_the_engine_eval_reports_the_fastest_k_with_its_figures_and_intervals(ti
     assert (v["lossless_mismatches"], v["lossless_mismatches_fp32"]) == (1, 0) and best["lossless_mismatches"] == 1
     rerun = calls[1]
     assert (rerun.dtype, rerun.speculative_tokens, [r.id for r in rerun.requests]) == ("float32", [3], ["p0"])
-    assert rerun.mode == "check"  # the lossless check alone: no timed runs
+    assert rerun.mode == "check" and v["lossless_recheck_s"] >= 0  # the lossless check alone, its seconds kept
     assert v["mismatches"][0]["id"] == "p0" and v["mismatches"][0]["fp32_spec_equals_plain"] is True
     # concurrency: batch 1 from the sweep, 2 from its runs; the 2-request batch is slower with drafts here
     assert [(r["requests"], r["k"]) for r in v["concurrency"]] == [(1, 1), (1, 3), (2, 1), (2, 3)]
