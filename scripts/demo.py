@@ -113,8 +113,8 @@ ENGINE_SLOWDOWN = 1.7  # the same in vLLM at the sweep's first K, B - 1, the slo
 #                       only: the next K starts only while the budget still holds the first one's cost again)
 FP32_RECHECK_SHARE = {"own": 1.0, "vllm": 0.6}  # of the eval's prompts that differ from plain decoding in bf16
 #                      and are rerun in fp32 (near-ties rounded differently): 5 of 5 in the project's loop and 12 of
-#                      20 in vLLM in the AVX-512 rewrite demo (unplanned, 143 s over its eval's plan), 4 of 5 and
-#                      1-3 of 20 in earlier ones
+#                      20 in vLLM in the AVX-512 rewrite demo (unplanned, 143 s over its eval's plan), 2 of 5 and 11
+#                      of 20 in the unseen-log demo, 4 of 5 and 1-3 of 20 in earlier ones
 EVAL_SHARE = 0.4  # the eval's share of the time left: 20 prompts, vLLM at two K or more, a few in the project's loop
 MIN_EVAL_PROMPTS = 20  # fewer cannot tell a 10% speedup from noise (the serving issue: 5 prompts said 0.63x-1.27x)
 OWN_EVAL_PROMPTS = 5  # the project's loop decodes the first 5 of them: it runs three passes per prompt
