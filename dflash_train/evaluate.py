@@ -626,9 +626,9 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     if mismatches and dtype_name != "fp32":
         t0 = time.perf_counter()
         again = run({d["id"]: prompts[d["id"]] for d in mismatches}, "fp32", "fp32", [best_k], [], None, "check")
-        spec32 = {o["id"]: o["token_ids"] for o in again.timed["runs"][0]["outputs"]}
+        spec32, plain32 = {o["id"]: o["token_ids"] for o in again.timed["runs"][0]["outputs"]}, again.by_id()
         for d in mismatches:
-            d["fp32_spec_equals_plain"] = spec32[d["id"]] == again.by_id()[d["id"]].token_ids
+            d["fp32_spec_equals_plain"] = spec32[d["id"]] == plain32[d["id"]].token_ids
         recheck_s = time.perf_counter() - t0
     table = concurrency_rows(sweep, result.timed["runs"])
     fastest = best_per_concurrency(table)
