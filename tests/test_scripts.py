@@ -255,7 +255,7 @@ def test_default_variants_are_valid_overrides_of_the_demo_recipe(monkeypatch):
             (2, 32) if name in ("batch", "combo") else (1, 512 if name == "dense" else 64))
 
 
-def test_anchor_use_tells_a_drafter_that_reads_its_anchor_from_one_that_does_not(tiny_target_dir, tiny_target):
+def test_anchor_use_tells_whether_a_drafter_reads_its_anchor_and_its_context(tiny_target_dir, tiny_target):
     import anchor_use
     import torch
     from tiny import make_tiny_drafter
@@ -276,6 +276,14 @@ def test_anchor_use_tells_a_drafter_that_reads_its_anchor_from_one_that_does_not
     reads = anchor_use.anchor_use(drafter, embed, embed, samples, anchors=8)
     assert reads["blocks"] == 24 and reads["slot1_changed"] > 0.2
     assert 0.0 <= reads["acc_slot1"] <= 1.0 and 0.0 <= reads["acc_slot5"] <= 1.0
+    assert reads["slot1_changed_no_context"] > 0.2 and 0.0 <= reads["acc_slot1_no_context"] <= 1.0
+    with torch.no_grad():
+        fc = drafter.fc.weight.clone()
+        drafter.fc.weight.zero_()  # the fused context is 0 whatever the states: zeroing them changes nothing
+    blind = anchor_use.anchor_use(drafter, embed, embed, samples, anchors=8)
+    assert blind["slot1_changed_no_context"] == 0.0 and blind["acc_slot1_no_context"] == blind["acc_slot1"]
+    with torch.no_grad():
+        drafter.fc.weight.copy_(fc)
     with torch.no_grad():  # no attention output: slot 1 sees nothing but its own mask embedding
         for layer in drafter.layers:
             layer.self_attn.o_proj.weight.zero_()
