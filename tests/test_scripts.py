@@ -73,6 +73,25 @@ def test_budget_overrides():
     assert rl.budget_overrides(None, 60.0, 5)[2:] == ["train.time_budget_s=60.0", "train.max_steps=1000000"]
 
 
+def test_the_warm_start_experiment_ingests_only_prompts_under_its_prompt_limit(tmp_path, monkeypatch):
+    """Then `--limit N` captures N prompts on every workload, whatever share of its log is too long."""
+    import experiment_warm_start as ws
+
+    commands = []
+
+    def first_stage_only(name, folder, command, log, *rest, **kw):
+        commands.append(command)
+        raise StopIteration
+
+    monkeypatch.setattr(ws.rl, "run_stage", first_stage_only)
+    args = ws.parse_args(["--workloads", "router", "--max-prompt-tokens", "300"])
+    with pytest.raises(StopIteration):
+        ws.run_workload(args, "router", tmp_path, {}, rl.Log())
+    ingest = commands[0]
+    assert ingest[2:4] == ["dflash_train", "ingest"] and str(ws.WORKLOADS["router"]) in ingest
+    assert ingest[ingest.index("--max-prompt-tokens") + 1] == "300"
+
+
 def test_experiment_quick_defaults_and_scaled_budget():
     args = experiment.parse_args(["--quick"])
     assert (args.steps, args.limit, args.name, args.out) == (6, 40, "exp-quick", "results/experiment_own_outputs-quick")
