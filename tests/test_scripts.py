@@ -301,9 +301,8 @@ def test_anchor_use_tells_whether_a_drafter_reads_its_anchor_and_its_context(tin
         drafter.fc.weight.zero_()  # the fused context is 0 whatever the states: zeroing them changes nothing
     blind = anchor_use.anchor_use(drafter, embed, embed, samples, anchors=8)
     assert blind["slot1_changed_no_context"] == 0.0 and blind["acc_slot1_no_context"] == blind["acc_slot1"]
-    with torch.no_grad():
-        drafter.fc.weight.copy_(fc)
     with torch.no_grad():  # no attention output: slot 1 sees nothing but its own mask embedding
+        drafter.fc.weight.copy_(fc)
         for layer in drafter.layers:
             layer.self_attn.o_proj.weight.zero_()
     assert anchor_use.anchor_use(drafter, embed, embed, samples, anchors=8)["slot1_changed"] == 0.0
