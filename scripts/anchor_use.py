@@ -37,15 +37,16 @@ def anchor_use(drafter, embed: torch.Tensor, head: torch.Tensor, samples: list[d
         batch = {k: s[k][None] for k in ("input_ids", "loss_mask", "hidden_states")}
         blocks = obj.sample_anchors(batch["loss_mask"], anchors, B, torch.Generator().manual_seed(seed + i))
         labels, weights = obj.block_labels(batch["input_ids"], batch["loss_mask"], blocks, 1.0)
-        real = obj.draft_hidden(drafter, embed, batch, blocks, mask_id, "blockwise")
+
+        def drafts(inputs: dict) -> torch.Tensor:  # greedy drafts of every block, [num_blocks, B]
+            hidden = obj.draft_hidden(drafter, embed, inputs, blocks, mask_id, "blockwise")
+            return (hidden.float() @ head.t()).argmax(-1).view(-1, B)
+
         shuffled_ids = batch["input_ids"].clone()
         shuffled_ids[0, blocks.anchors[0]] = torch.randint(0, embed.shape[0], (blocks.num_blocks,), generator=g)
-        other = obj.draft_hidden(drafter, embed, {**batch, "input_ids": shuffled_ids}, blocks, mask_id, "blockwise")
-        pred = (real.float() @ head.t()).argmax(-1).view(-1, B)
-        pred_other = (other.float() @ head.t()).argmax(-1).view(-1, B)
-        blind = obj.draft_hidden(drafter, embed, {**batch, "hidden_states": torch.zeros_like(batch["hidden_states"])},
-                                 blocks, mask_id, "blockwise")
-        pred_blind = (blind.float() @ head.t()).argmax(-1).view(-1, B)
+        pred = drafts(batch)
+        pred_other = drafts({**batch, "input_ids": shuffled_ids})
+        pred_blind = drafts({**batch, "hidden_states": torch.zeros_like(batch["hidden_states"])})
         ok = weights[0] > 0
         correct += ((pred == labels[0]) & ok).sum(0).float()
         correct_blind += float(((pred_blind[:, 1] == labels[0][:, 1]) & ok[:, 1]).sum())
