@@ -125,6 +125,10 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
              + (f" (in {share:.0%} of the bootstrap resamples of the prompts)" if isinstance(share, float) else "")
              + (f"; not measured within the time budget ({fmt(timing.get('budget_s'))} s): K = {fmt(skipped)}"
                 if skipped else "") + "."]
+    first = timing.get("first_k")
+    if isinstance(first, dict):
+        lines[-1] += (f" Timed first: K = {fmt(first.get('k'))}, the shortest whose expected tau by the "
+                      f"{first.get('from')} is within {fmt(100 * (first.get('slack') or 0))}% of the whole block's.")
     concurrency = [r for r in engine.get("concurrency") or [] if isinstance(r, dict)]
     if any(r.get("requests") != 1 for r in concurrency):
         best = {(r.get("requests"), r.get("k")) for r in engine.get("concurrency_best") or [] if isinstance(r, dict)}

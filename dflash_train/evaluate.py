@@ -87,7 +87,8 @@ class EvalConfig:
     speculative_tokens: list[int] | None = option(
         None, metavar="K,K,...", check=each(at_least(1)),
         help="vLLM: the speculation lengths K to time, in this order (default: 1 to B - 1, the most telling "
-             "first: B - 1, 1, then the middle of the widest gap); the fastest at batch 1 is best_k")
+             "first: the shortest K that keeps tau by the --store's offline estimate, else by the project's loop, "
+             "else B - 1; then 1 and the middle of the widest gap); the fastest at batch 1 is best_k")
     sweep_budget_s: float = option(900.0, check=at_least(0), metavar="S",
                                    help="vLLM: seconds for the timed runs; the first K always runs, each next one "
                                         "while the time left holds the most a K has cost")
@@ -449,15 +450,35 @@ TIMING_PROTOCOL = ("warm engines (one short request each first), plain and specu
                    "prompts (cycled) decoded together, timed the same way")
 
 
-def k_sweep_order(max_k: int) -> list[int]:
-    """The speculation lengths 1..max_k in the order the eval times them: max_k (the whole block, what vLLM ran
-    before the sweep), 1, then again and again the geometric middle of the widest gap left: a sweep that its
-    budget cuts short still spans the range."""
-    order = [max_k] + ([1] if max_k > 1 else [])
-    while len(order) < max_k:
-        done = sorted(order)
-        _, _, a, b = max((math.log(b / a), -a, a, b) for a, b in zip(done, done[1:]) if b - a > 1)
-        order.append(min(max(round(math.sqrt(a * b)), a + 1), b - 1))
+SWEEP_FIRST_SLACK = 0.01  # the sweep's first K keeps tau within 1% of the whole block's, by the acceptance estimate
+
+
+def sweep_first_k(acceptance: list[float] | None, slack: float = SWEEP_FIRST_SLACK) -> int | None:
+    """The shortest speculation length K whose expected tau, 1 + acceptance[0] + ... + acceptance[K-1] (the share of
+    blocks accepting at least k drafts, k <= K), is within `slack` of the whole block's: a verification step costs
+    no less at a longer K, so by this estimate no longer K is more than `slack` faster. None without an estimate."""
+    if not acceptance or not all(math.isfinite(a) for a in acceptance):
+        return None
+    whole, expected = 1 + sum(acceptance), 1.0
+    for k, share in enumerate(acceptance, 1):
+        expected += share
+        if expected * (1 + slack) >= whole:
+            return k
+    return len(acceptance)
+
+
+def k_sweep_order(max_k: int, first: int | None = None) -> list[int]:
+    """The speculation lengths 1..max_k in the order the eval times them: `first` (sweep_first_k; default max_k, the
+    whole block, what vLLM ran before the sweep), 1, then again and again the geometric middle of the widest gap
+    left below `first`; then max_k and the gaps above `first` the same way. A sweep that its budget cuts short has
+    timed the likeliest fastest K and spans the range below it."""
+    first = max_k if first is None else min(first, max_k)
+    order = [first] + ([1] if first > 1 else [])
+    for top in (first, max_k):
+        order += [top] if top not in order else []
+        while len(done := sorted(k for k in order if k <= top)) < top:
+            _, _, a, b = max((math.log(b / a), -a, a, b) for a, b in zip(done, done[1:]) if b - a > 1)
+            order.append(min(max(round(math.sqrt(a * b)), a + 1), b - 1))
     return order
 
 
@@ -576,10 +597,11 @@ def per_batch_size_schedule(best: list[dict[str, Any]]) -> list[list[int]] | Non
 
 
 def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], block_size: int, dtype_name: str,
-                device: str, workdir: Path) -> dict[str, Any]:
+                device: str, workdir: Path, acceptance: tuple[str, list[float]] | None = None) -> dict[str, Any]:
     """What users buy, measured in vLLM: plain decoding and the drafter folder as vLLM's `dflash` speculator at
     each speculation length K (`--speculative-tokens`, else `k_sweep_order` as far as `--sweep-budget-s`
-    affords), timed by engine._timed (fixed lengths, warm, interleaved, engine core and stopwatch), at batch 1
+    affords, first the K that `acceptance`, (its source, the acceptance by block position), says keeps the whole
+    block's tau: sweep_first_k), timed by engine._timed (fixed lengths, warm, interleaved, engine core and stopwatch), at batch 1
     and at `--concurrency`. Per K: tau and acceptance by position, tokens/s and the speedup by both clocks with
     bootstrap intervals over prompts, the lossless check (greedy: speculative token ids equal plain ones, prompt by
     prompt). The fastest K at batch 1 is best_k: the entry's headline figures (what push's gate and the card read)
@@ -588,7 +610,9 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
 
     from dflash_train import engine
 
-    ks = cfg.speculative_tokens or k_sweep_order(block_size - 1)
+    source, shares = acceptance or (None, None)
+    first = None if cfg.speculative_tokens else sweep_first_k(shares)
+    ks = cfg.speculative_tokens or k_sweep_order(block_size - 1, first)
     if too_long := [k for k in ks if k > block_size - 1]:
         raise UserError(f"--speculative-tokens {too_long[0]} is more than the verify block holds (B - 1 = "
                         f"{block_size - 1}: the drafter's block size, or --block-size)")
@@ -606,6 +630,8 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
                                engine_args=cfg.engine_args, speculative_tokens=ks, concurrency=concurrency,
                                repeats=cfg.repeats, budget_s=budget_s)
         budget = f", {budget_s:.0f} s budget" if budget_s is not None and len(ks) > 1 else ""
+        if first is not None and mode == "timed":
+            budget += f"; K = {first} first, the shortest that keeps tau by the {source}"
         print(f"engine: vLLM, plain and with drafter {cfg.drafter} at K = {', '.join(map(str, ks))} "
               f"({len(requests)} prompts, concurrency 1{''.join(f', {c}' for c in concurrency)}, {dtype}{budget}"
               f"{', the lossless check alone' if mode == 'check' else ''})",
@@ -662,6 +688,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         "per_batch_size_schedule": per_batch_size_schedule(fastest),
         "timing": {"protocol": TIMING_PROTOCOL, "repeats": cfg.repeats, "budget_s": cfg.sweep_budget_s,
                    "measured_k": [row["k"] for row in sweep], "skipped_k": result.timed["skipped"],
+                   "first_k": None if first is None else {"k": first, "from": source, "slack": SWEEP_FIRST_SLACK},
                    "concurrency": [1, *cfg.concurrency], "seconds": result.load_s + result.wall_s,
                    "load_average_after": [round(x, 2) for x in os.getloadavg()]},
         "per_prompt": best["per_prompt"],
@@ -745,15 +772,6 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
         "target": target.identity().to_dict(),
         "held_out_check": held_out,
     }
-    if own:
-        own_prompts = dict(list(prompts.items())[:cfg.own_limit])
-        report["settings"]["own_prompts"] = len(own_prompts)
-        report.update(own_loop_eval(cfg, device, methods, target, own_prompts, dtype))
-        report["engines"]["own"] = own_engine_summary(report)
-    if in_engine:
-        if workdir is None:
-            raise ValueError("evaluate(..., workdir) is needed when the engine takes part")
-        report["engines"]["vllm"] = engine_eval(cfg, target, prompts, B, dtype_name, device, Path(workdir))
     if store is not None:
         n = len(store) if cfg.limit is None else min(cfg.limit, len(store))
         offline = offline_estimate((store[i] for i in range(n)), main.drafter,
@@ -763,8 +781,22 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
         offline["samples_of_eval_prompts"] = sum(r["id"] in prompts for r in offline["per_sample"])
         report["offline"] = offline
         report["tau_offline"] = offline["tau"]
+    if own:
+        own_prompts = dict(list(prompts.items())[:cfg.own_limit])
+        report["settings"]["own_prompts"] = len(own_prompts)
+        report.update(own_loop_eval(cfg, device, methods, target, own_prompts, dtype))
+        report["engines"]["own"] = own_engine_summary(report)
+    if in_engine:
+        if workdir is None:
+            raise ValueError("evaluate(..., workdir) is needed when the engine takes part")
+        acceptance = (("offline estimate", report["offline"]["per_position_acceptance"]) if report["offline"] else
+                      ("project's loop", report["per_position_acceptance"]) if own else None)
+        report["engines"]["vllm"] = engine_eval(cfg, target, prompts, B, dtype_name, device, Path(workdir),
+                                                acceptance)
+    if report["offline"]:
         online = report["tau"] if report["tau"] is not None else report["engines"]["vllm"]["tau"]
-        report["tau_gap"] = online - offline["tau"] if online is not None and offline["tau"] is not None else None
+        offline_tau = report["offline"]["tau"]
+        report["tau_gap"] = online - offline_tau if online is not None and offline_tau is not None else None
     return report
 
 

@@ -108,9 +108,9 @@ SPEC_ENGINE_START_S = 5.0  # one more engine inside that child: the drafter's, p
 STAGE_START_S = 25.0  # a stage command's own start: python, torch, transformers, the target
 DRAFT_SLOWDOWN = 2.6  # speculative decode time / plain in the project's loop for a weak drafter (the AVX2 demo at
 #                      tau 1.18: 0.39x; 2.0 planned its eval 99 s short)
-ENGINE_SLOWDOWN = 1.7  # the same in vLLM at the sweep's first K, B - 1, the slowest at a low tau (0.59x at tau 1.31
-#                       in the AVX2 router demo; 1.3, the mean of the first two K, planned a sweep that ran K = 15
-#                       only: the next K starts only while the budget still holds the first one's cost again)
+ENGINE_SLOWDOWN = 1.7  # the same in vLLM at the slowest K, B - 1 at a low tau (0.59x at tau 1.31 in the AVX2
+#                       router demo; 1.3, the mean of two K, planned a sweep that ran one K only: the next K starts
+#                       only while the budget still holds the costliest one's again)
 FP32_RECHECK_SHARE = {"own": 1.0, "vllm": 0.6}  # of the eval's prompts that differ from plain decoding in bf16
 #                      and are rerun in fp32 (near-ties rounded differently): 5 of 5 in the project's loop and 12 of
 #                      20 in vLLM in the AVX-512 rewrite demo (unplanned, 143 s over its eval's plan), 2 of 5 and 11
@@ -571,7 +571,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts, eval_store, "eval", eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens, target,
         args.batch_size), log)
     # How many prompts the project's loop decodes and how long vLLM's K sweep runs: the plan's; without a plan
-    # (--no-plan) the first OWN_EVAL_PROMPTS and one K (a budget of 0 still times the sweep's first K, B - 1)
+    # (--no-plan) the first OWN_EVAL_PROMPTS and one K (a budget of 0 still times the sweep's first K: the shortest
+    # that keeps the held-out store's offline tau)
     eval_sizes = []
     if args.engine != "vllm":
         eval_sizes += ["--own-limit", str(max(1, plan["own_eval_prompts"]) if plan else OWN_EVAL_PROMPTS)]

@@ -140,7 +140,7 @@ def run_workload(args: argparse.Namespace, name: str, work: Path, env: dict[str,
         args.eval_max_new_tokens, heldout, own_eval, "own"), log)
     for label in main:
         rl.run_stage(f"{name}: eval ({label}) in vLLM", runs / f"eval-vllm-{label}", rl.eval_command(
-            [drafters[label]], prompts, args.eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens, None,
+            [drafters[label]], prompts, args.eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens, heldout,
             runs / f"eval-vllm-{label}", "vllm", ["--sweep-budget-s", f"{args.sweep_budget_s:g}"]), log)
     return {"prompts": str(prompts), "plan": {k: (r, str(d), o) for k, (r, d, o) in plan.items()},
             "sizes": sizes, "main": main, "own_eval": str(own_eval),

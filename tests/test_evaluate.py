@@ -54,6 +54,21 @@ def test_k_sweep_order_spans_the_block_before_filling_it_in():
     assert k_sweep_order(1) == [1] and k_sweep_order(2) == [2, 1] and sorted(k_sweep_order(7)) == list(range(1, 8))
 
 
+def test_the_sweep_times_first_the_shortest_k_that_keeps_the_whole_blocks_tau():
+    """Longer K cost no less to verify, so past the K whose expected tau is within 1% of the whole block's no K can
+    be more than 1% faster: that K runs first, then the range below it, then the longer ones."""
+    from dflash_train.evaluate import k_sweep_order, sweep_first_k
+
+    weak = [0.27, 0.05, 0.005] + [0.0] * 12  # the rewrite demo's drafter: nothing accepted past position 3
+    assert sweep_first_k(weak) == 2  # tau 1.32 of 1.325: K = 3 would add 0.4%
+    assert sweep_first_k([0.27, 0.05, 0.02] + [0.0] * 12) == 3  # 1.5% more at K = 3: keep it
+    assert sweep_first_k([0.9] * 15) == 15 and sweep_first_k([0.0] * 15) == 1
+    assert sweep_first_k(None) is None and sweep_first_k([0.3, math.nan]) is None  # no estimate: the old order
+    order = k_sweep_order(15, 2)
+    assert sorted(order) == list(range(1, 16)) and order[:4] == [2, 1, 15, 5]
+    assert k_sweep_order(15, 15) == k_sweep_order(15) and k_sweep_order(7, 3)[:3] == [3, 1, 2]
+
+
 def test_where_speculation_stops_paying_and_vllms_per_batch_size_k():
     from dflash_train.evaluate import best_per_concurrency, pays_up_to, per_batch_size_schedule
 
@@ -148,6 +163,17 @@ def test_the_engine_eval_reports_the_fastest_k_with_its_figures_and_intervals(ti
     assert [(r["requests"], r["k"]) for r in v["concurrency"]] == [(1, 1), (1, 3), (2, 1), (2, 3)]
     assert [(r["requests"], r["k"]) for r in v["concurrency_best"]] == [(1, 3), (2, 1)]
     assert v["pays_up_to_concurrency"] == 1 and v["per_batch_size_schedule"] == [[1, 1, 3], [2, 2, 0]]
+    assert v["timing"]["first_k"] is None  # the user's K, in the user's order
+    # without --speculative-tokens the sweep starts at the K the acceptance estimate keeps tau with, and says so
+    calls.clear()
+    ordered = engine_eval(EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12,
+                                     concurrency=[2]), tiny_target, prompts, 4, "fp32", "cpu", tmp_path,
+                          ("offline estimate", [0.5, 0.0, 0.0]))
+    assert calls[0].speculative_tokens == [1, 3, 2]
+    assert ordered["timing"]["first_k"] == {"k": 1, "from": "offline estimate", "slack": 0.01}
+    first = "\n".join(serving_tables(ordered, {"cpu": "Some CPU", "cores": 2, "load_average": [0.5, 0.5, 0.5]}))
+    assert ("Timed first: K = 1, the shortest whose expected tau by the offline estimate is within 1% of the whole "
+            "block's.") in first
     with pytest.raises(UserError, match="--speculative-tokens 4 is more than the verify block holds "
                                         r"\(B - 1 = 3"):
         engine_eval(EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", speculative_tokens=[4]), tiny_target,
@@ -328,6 +354,30 @@ def test_eval_command_writes_the_report(tiny_target, tiny_target_dir, drafters, 
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["config"]["drafter"] == str(drafters[0]) and prov["target"]["name"] == str(tiny_target_dir)
     assert "| method |" in capsys.readouterr().out
+
+
+def test_the_vllm_sweep_starts_where_the_held_out_estimate_keeps_tau(tiny_target_dir, drafters, prompts_dir,
+                                                                      store_dir, tmp_path, monkeypatch):
+    """The offline estimate runs before the engine, and its acceptance by position picks the sweep's first K."""
+    from dflash_train import engine
+    from dflash_train.evaluate import sweep_first_k
+
+    calls: list = []
+
+    def run_engine(job, workdir, what):
+        natural = {r.id: [7] * 9 for r in job.requests}
+        return fake_engine(calls, natural, dict.fromkeys((1, 2, 3), 0.5), dict.fromkeys((1, 2, 3), 2.0), [])(
+            job, workdir, what)
+
+    monkeypatch.setattr(engine, "check_vllm", lambda: None)
+    monkeypatch.setattr(engine, "run_engine", run_engine)
+    out = tmp_path / "eval"
+    assert eval_cli("--engine", "vllm", "--drafter", drafters[0], "--target", tiny_target_dir, "--prompts",
+                    prompts_dir, "--split", "eval", "--store", store_dir, "--out", out) == 0
+    report = json.loads((out / "report.json").read_text())
+    first = report["engines"]["vllm"]["timing"]["first_k"]
+    assert first["k"] == sweep_first_k(report["offline"]["per_position_acceptance"]) == calls[0].speculative_tokens[0]
+    assert first["from"] == "offline estimate" and sorted(calls[0].speculative_tokens) == [1, 2, 3]
 
 
 @pytest.mark.parametrize("edit, message", [
