@@ -482,6 +482,26 @@ def k_sweep_order(max_k: int, first: int | None = None) -> list[int]:
     return order
 
 
+HOST_DRIFT_LIMIT = 0.15  # plain decoding's own speed may move this much over a sweep before the report says the
+#                        machine changed speed while it measured (quiet 2-core hosts: 3-10%; 30% and 72% where a
+#                        speedup above 1 at tau 1.26-1.30 proved to be noise: BENCHMARKS.md)
+
+
+def plain_rates(natural: dict[str, Any], sweep: list[dict[str, Any]]) -> list[float | None]:
+    """Plain decoding's decode-phase tokens/s in the reference pass (every prompt to its natural stop, before any
+    K) and in each K's timed runs: the same engine on the same prompts at the same lengths, so on a steady machine
+    the same figure; how far they move apart is how far the machine's speed moved while the sweep measured."""
+    seconds = sum(o.decode_s for o in natural.values())
+    reference = sum(len(o.token_ids) - 1 for o in natural.values()) / seconds if seconds > 0 else None
+    return [reference, *(row["tokens_per_s_baseline_decode"] for row in sweep)]
+
+
+def host_drift(rates: list[float | None]) -> float | None:
+    """The fastest of plain decoding's rates over the slowest, less 1; None with fewer than two."""
+    rates = [r for r in rates if r]
+    return max(rates) / min(rates) - 1 if len(rates) > 1 else None
+
+
 def timing_figures(rows: list[dict[str, Any]], intervals: bool = True) -> dict[str, Any]:
     """Tokens/s of both sides and the speedup over timed runs (`rows`: new_tokens, requests and the mean seconds of
     each side by each clock), by the engine core over the whole request (every new token, prefill included: the
@@ -658,6 +678,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         recheck_s = time.perf_counter() - t0
     table = concurrency_rows(sweep, result.timed["runs"])
     fastest = best_per_concurrency(table)
+    rates = plain_rates(natural, sweep)
     return {
         "engine": "vllm",
         "version": result.version,
@@ -689,6 +710,9 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         "timing": {"protocol": TIMING_PROTOCOL, "repeats": cfg.repeats, "budget_s": cfg.sweep_budget_s,
                    "measured_k": [row["k"] for row in sweep], "skipped_k": result.timed["skipped"],
                    "first_k": None if first is None else {"k": first, "from": source, "slack": SWEEP_FIRST_SLACK},
+                   "plain_tokens_per_s_decode": {"reference": rates[0], **{str(r["k"]): v for r, v in
+                                                                             zip(sweep, rates[1:])}},
+                   "host_drift": host_drift(rates), "host_drift_limit": HOST_DRIFT_LIMIT,
                    "concurrency": [1, *cfg.concurrency], "seconds": result.load_s + result.wall_s,
                    "load_average_after": [round(x, 2) for x in os.getloadavg()]},
         "per_prompt": best["per_prompt"],

@@ -87,11 +87,11 @@ def test_where_speculation_stops_paying_and_vllms_per_batch_size_k():
 
 
 def fake_engine(calls: list, natural: dict[str, list[int]], spec_s: dict[int, float], together_s: dict[int, float],
-                skipped: list[int]):
+                skipped: list[int], plain_s: dict[int, float] | None = None):
     """A stand-in for engine.run_engine that answers a timed job the way the child does (engine._timed): plain
-    outputs to the natural stop, and per K the timings (plain 1 s per prompt and 2 s per batch, speculative
-    spec_s[K] and together_s[K]; the decode phase 0.2 s less, the stopwatch 0.1 s more, on both sides) and the
-    speculative outputs (K=3: the first prompt differs from plain in bf16)."""
+    outputs to the natural stop (decode phase 0.8 s), and per K the timings (plain 1 s per prompt, or plain_s[K],
+    and 2 s per batch, speculative spec_s[K] and together_s[K]; the decode phase 0.2 s less, the stopwatch 0.1 s
+    more, on both sides) and the speculative outputs (K=3: the first prompt differs from plain in bf16)."""
     from dflash_train.engine import EngineOutput, EngineResult
 
     def run_engine(job, workdir, what):
@@ -111,12 +111,13 @@ def fake_engine(calls: list, natural: dict[str, list[int]], spec_s: dict[int, fl
                 return {"requests": n, "tokens": tokens, "plain_core_s": [plain], "spec_core_s": [spec],
                         "plain_decode_s": [plain - 0.2], "spec_decode_s": [spec - 0.2],
                         "plain_wall_s": [plain + 0.1], "spec_wall_s": [spec + 0.1]}
-            timed = [{"id": rid, **times(1, len(natural[rid]), 1.0, spec_s[k])} for rid in ids]
+            timed = [{"id": rid, **times(1, len(natural[rid]), (plain_s or {}).get(k, 1.0), spec_s[k])}
+                     for rid in ids]
             together = [times(c, c * 9, 2.0, together_s[k]) for c in job.concurrency]
             runs.append({"k": k, "llm_kwargs": job.llm_kwargs(k), "load_s": 30.0, "seconds": 60.0,
                          "outputs": outputs, "batch1": timed, "concurrency": together})
         return EngineResult(version="0.32.0", llm_kwargs=job.llm_kwargs(), load_s=30.0, wall_s=100.0,
-                            outputs=[EngineOutput(id=rid, token_ids=natural[rid], finish_reason="stop", decode_s=1.0)
+                            outputs=[EngineOutput(id=rid, token_ids=natural[rid], finish_reason="stop", decode_s=0.8)
                                      for rid in ids], environment={},
                             timed={"runs": runs, "skipped": [k for k in job.speculative_tokens if k in skipped]})
     return run_engine
@@ -164,6 +165,8 @@ def test_the_engine_eval_reports_the_fastest_k_with_its_figures_and_intervals(ti
     assert [(r["requests"], r["k"]) for r in v["concurrency_best"]] == [(1, 3), (2, 1)]
     assert v["pays_up_to_concurrency"] == 1 and v["per_batch_size_schedule"] == [[1, 1, 3], [2, 2, 0]]
     assert v["timing"]["first_k"] is None  # the user's K, in the user's order
+    assert v["timing"]["host_drift"] == pytest.approx(0.0)  # plain decoding as fast in every pass: a steady machine
+    assert "speed changed" not in "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
     # without --speculative-tokens the sweep starts at the K the acceptance estimate keeps tau with, and says so
     calls.clear()
     ordered = engine_eval(EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12,
@@ -182,6 +185,29 @@ def test_the_engine_eval_reports_the_fastest_k_with_its_figures_and_intervals(ti
     assert "best_k = 3: the fastest at batch 1 (in 100% of the bootstrap" in text and "K = 2" in text
     assert "| **3** | 4 [4, 4] | 9 / 18 | 2 [2, 2]× |" in text and "Some CPU (2 cores), bf16" in text
     assert "Speculation pays up to 1 requests" in text and "[[1, 1, 3], [2, 2, 0]]" in text
+
+
+def test_a_sweep_on_a_machine_whose_speed_changed_says_so(tiny_target, drafters, monkeypatch, tmp_path):
+    """Plain decoding runs the same prompts at the same lengths in the reference pass and in every K's runs: when
+    its own speed moves more than HOST_DRIFT_LIMIT between them, the report says the speedups are not to be
+    believed (a demo's 1.10x at tau 1.26 was plain decoding at 12.6 tokens/s in one K's runs and 22 in the next)."""
+    from dflash_train import engine
+    from dflash_train.card import serving_tables
+    from dflash_train.evaluate import EvalConfig, engine_eval
+
+    prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
+    natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
+    monkeypatch.setattr(engine, "run_engine", fake_engine([], natural, {1: 0.9, 3: 1.2}, {1: 2.0, 3: 2.0}, [],
+                                                          plain_s={3: 1.8}))
+    v = engine_eval(EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12,
+                               speculative_tokens=[3, 1], concurrency=[]), tiny_target, prompts, 4, "fp32", "cpu",
+                    tmp_path)
+    rates = v["timing"]["plain_tokens_per_s_decode"]
+    assert rates == pytest.approx({"reference": 10.0, "3": 5.0, "1": 10.0})  # 8 tokens after the first in 0.8 s
+    assert v["timing"]["host_drift"] == pytest.approx(1.0) and v["best_k"] == 3  # 1.5x "faster": plain slowed
+    text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
+    assert ("**The machine's speed changed while it was measured**: plain decoding ran at 5 to 10 tokens/s (decode "
+            "phase) over the reference pass and the K's runs, 100% apart") in text
 
 
 class OracleDrafter(torch.nn.Module):

@@ -92,6 +92,19 @@ def test_the_warm_start_experiment_ingests_only_prompts_under_its_prompt_limit(t
     assert ingest[ingest.index("--max-prompt-tokens") + 1] == "300"
 
 
+def test_the_demo_summary_flags_a_speedup_measured_while_the_machine_changed_speed():
+    import demo
+
+    args = demo.parse_args(["--logs", "data/workloads/router.jsonl.gz"])
+    vllm = {"tau": 1.26, "best_k": 2, "speedup": 1.096, "speedup_interval": [1.018, 1.177], "lossless_mismatches": 0,
+            "timing": {"host_drift": 0.72, "host_drift_limit": 0.15}}
+    steady = {**vllm, "timing": {"host_drift": 0.05, "host_drift_limit": 0.15}}
+    summaries = [demo.demo_summary(args, None, rl.Log(), {"engines": {"vllm": e}}, 1.0, []) for e in (vllm, steady)]
+    assert ("- vllm: tau 1.26, best K 2, speedup over plain decoding 1.10x [1.02, 1.18] (95% interval over prompts; "
+            "the machine's speed changed by 72% while it was measured: not to be believed)") in summaries[0]
+    assert "(95% interval over prompts), lossless" in summaries[1]
+
+
 def test_experiment_quick_defaults_and_scaled_budget():
     args = experiment.parse_args(["--quick"])
     assert (args.steps, args.limit, args.name, args.out) == (6, 40, "exp-quick", "results/experiment_own_outputs-quick")
