@@ -129,14 +129,14 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
     if isinstance(first, dict):
         lines[-1] += (f" Timed first: K = {fmt(first.get('k'))}, the shortest whose expected tau by the "
                       f"{first.get('from')} is within {fmt(100 * (first.get('slack') or 0))}% of the whole block's.")
-    drift, plain = timing.get("host_drift"), timing.get("plain_tokens_per_s_decode")
-    if isinstance(drift, float) and isinstance(plain, dict) and drift > (timing.get("host_drift_limit") or 0):
+    plain = timing.get("plain_tokens_per_s_decode")
+    if timing.get("host_unsteady") is True and isinstance(plain, dict):
         rates = [v for v in plain.values() if isinstance(v, (int, float))]
         lines += ["", f"**The machine's speed changed while it was measured**: plain decoding ran at "
                       f"{fmt(min(rates))} to {fmt(max(rates))} tokens/s (decode phase) over the reference pass and "
-                      f"the K's runs, {drift:.0%} apart, on the same prompts at the same lengths. A speedup here can "
-                      f"be off by about as much, and K measured at different times are not comparable: measure "
-                      f"again on a quiet machine (`--repeats 2` pairs each prompt twice)."]
+                      f"the K's runs, {timing.get('host_drift'):.0%} apart, on the same prompts at the same lengths. "
+                      f"A speedup here can be off by about as much, and K measured at different times are not "
+                      f"comparable: measure again on a quiet machine (`--repeats 2` pairs each prompt twice)."]
     concurrency = [r for r in engine.get("concurrency") or [] if isinstance(r, dict)]
     if any(r.get("requests") != 1 for r in concurrency):
         best = {(r.get("requests"), r.get("k")) for r in engine.get("concurrency_best") or [] if isinstance(r, dict)}

@@ -620,12 +620,13 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
                 device: str, workdir: Path, acceptance: tuple[str, list[float]] | None = None) -> dict[str, Any]:
     """What users buy, measured in vLLM: plain decoding and the drafter folder as vLLM's `dflash` speculator at
     each speculation length K (`--speculative-tokens`, else `k_sweep_order` as far as `--sweep-budget-s`
-    affords, first the K that `acceptance`, (its source, the acceptance by block position), says keeps the whole
-    block's tau: sweep_first_k), timed by engine._timed (fixed lengths, warm, interleaved, engine core and stopwatch), at batch 1
-    and at `--concurrency`. Per K: tau and acceptance by position, tokens/s and the speedup by both clocks with
-    bootstrap intervals over prompts, the lossless check (greedy: speculative token ids equal plain ones, prompt by
-    prompt). The fastest K at batch 1 is best_k: the entry's headline figures (what push's gate and the card read)
-    are its own, and its mismatches in a low-precision dtype are rerun in fp32 through the engine."""
+    affords, first the K that keeps the whole block's tau by `acceptance`, (its source, the acceptance by block
+    position): sweep_first_k), timed by engine._timed (fixed lengths, warm, interleaved, engine core and stopwatch),
+    at batch 1 and at `--concurrency`. Per K: tau and acceptance by position, tokens/s and the speedup by both
+    clocks with bootstrap intervals over prompts, the lossless check (greedy: speculative token ids equal plain
+    ones, prompt by prompt). The fastest K at batch 1 is best_k: the entry's headline figures (what push's gate and
+    the card read) are its own, and its mismatches in a low-precision dtype are rerun in fp32 through the engine.
+    Plain decoding's own speed over the sweep (plain_rates) says whether the machine held still while it measured."""
     import os
 
     from dflash_train import engine
@@ -712,7 +713,8 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
                    "first_k": None if first is None else {"k": first, "from": source, "slack": SWEEP_FIRST_SLACK},
                    "plain_tokens_per_s_decode": {"reference": rates[0], **{str(r["k"]): v for r, v in
                                                                              zip(sweep, rates[1:])}},
-                   "host_drift": host_drift(rates), "host_drift_limit": HOST_DRIFT_LIMIT,
+                   "host_drift": (drift := host_drift(rates)), "host_drift_limit": HOST_DRIFT_LIMIT,
+                   "host_unsteady": drift is not None and drift > HOST_DRIFT_LIMIT,
                    "concurrency": [1, *cfg.concurrency], "seconds": result.load_s + result.wall_s,
                    "load_average_after": [round(x, 2) for x in os.getloadavg()]},
         "per_prompt": best["per_prompt"],

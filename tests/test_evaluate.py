@@ -166,6 +166,7 @@ def test_the_engine_eval_reports_the_fastest_k_with_its_figures_and_intervals(ti
     assert v["pays_up_to_concurrency"] == 1 and v["per_batch_size_schedule"] == [[1, 1, 3], [2, 2, 0]]
     assert v["timing"]["first_k"] is None  # the user's K, in the user's order
     assert v["timing"]["host_drift"] == pytest.approx(0.0)  # plain decoding as fast in every pass: a steady machine
+    assert v["timing"]["host_unsteady"] is False
     assert "speed changed" not in "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
     # without --speculative-tokens the sweep starts at the K the acceptance estimate keeps tau with, and says so
     calls.clear()
@@ -204,7 +205,8 @@ def test_a_sweep_on_a_machine_whose_speed_changed_says_so(tiny_target, drafters,
                     tmp_path)
     rates = v["timing"]["plain_tokens_per_s_decode"]
     assert rates == pytest.approx({"reference": 10.0, "3": 5.0, "1": 10.0})  # 8 tokens after the first in 0.8 s
-    assert v["timing"]["host_drift"] == pytest.approx(1.0) and v["best_k"] == 3  # 1.5x "faster": plain slowed
+    assert v["timing"]["host_drift"] == pytest.approx(1.0) and v["timing"]["host_unsteady"] is True
+    assert v["best_k"] == 3  # "faster" because plain decoding slowed down in its runs
     text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
     assert ("**The machine's speed changed while it was measured**: plain decoding ran at 5 to 10 tokens/s (decode "
             "phase) over the reference pass and the K's runs, 100% apart") in text

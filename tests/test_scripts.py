@@ -97,8 +97,8 @@ def test_the_demo_summary_flags_a_speedup_measured_while_the_machine_changed_spe
 
     args = demo.parse_args(["--logs", "data/workloads/router.jsonl.gz"])
     vllm = {"tau": 1.26, "best_k": 2, "speedup": 1.096, "speedup_interval": [1.018, 1.177], "lossless_mismatches": 0,
-            "timing": {"host_drift": 0.72, "host_drift_limit": 0.15}}
-    steady = {**vllm, "timing": {"host_drift": 0.05, "host_drift_limit": 0.15}}
+            "timing": {"host_drift": 0.72, "host_unsteady": True}}
+    steady = {**vllm, "timing": {"host_drift": 0.05, "host_unsteady": False}}
     summaries = [demo.demo_summary(args, None, rl.Log(), {"engines": {"vllm": e}}, 1.0, []) for e in (vllm, steady)]
     assert ("- vllm: tau 1.26, best K 2, speedup over plain decoding 1.10x [1.02, 1.18] (95% interval over prompts; "
             "the machine's speed changed by 72% while it was measured: not to be believed)") in summaries[0]
