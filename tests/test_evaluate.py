@@ -208,8 +208,8 @@ def test_a_sweep_on_a_machine_whose_speed_changed_says_so(tiny_target, drafters,
     assert v["timing"]["host_drift"] == pytest.approx(1.0) and v["timing"]["host_unsteady"] is True
     assert v["best_k"] == 3  # "faster" because plain decoding slowed down in its runs
     text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
-    assert ("**The machine's speed changed while it was measured**: plain decoding ran at 5 to 10 tokens/s (decode "
-            "phase) over the reference pass and the K's runs, 100% apart") in text
+    assert ("**The machine's speed changed while it was measured**: plain decoding ran at 5.0 to 10.0 tokens/s "
+            "(decode phase) over the reference pass and the K's runs, 100% apart") in text
 
 
 class OracleDrafter(torch.nn.Module):
