@@ -146,7 +146,7 @@ def write_report(args: argparse.Namespace, out: Path, plan: dict[str, tuple[Path
         "![simulated tau vs time](sim_tau_vs_time.png)",
         rl.commands_section(log)]) + "\n"
     rl.write_results(out, md, {"base": base, "variants": rows, "curves": curves, "eval_report": str(report_dir)},
-                     [png], log)
+                     [png], log, work=Path(args.workdir))
 
 
 if __name__ == "__main__":

@@ -291,8 +291,10 @@ def main(argv: list[str] | None = None) -> int:
                       + (f"\n  `{e['command']}`" if "command" in e else "") for e in log)
     markdown = "\n\n".join([rl.header("Serving: speculation length and concurrency", "bench_serving.py"), body,
                             "Load on the machine (uptime) around each part:\n\n" + loads]) + "\n"
+    markdown = rl.portable(markdown)
     (out / "bench.md").write_text(markdown)
-    (out / "bench.json").write_text(json.dumps({"own_loop": own, "stopwatch": watch, "parts": log}, indent=1))
+    (out / "bench.json").write_text(json.dumps(rl.portable({"own_loop": own, "stopwatch": watch, "parts": log}),
+                                               indent=1))
     print("\n" + markdown)
     print(f"bench: {out / 'bench.md'}, {out / 'bench.json'}")
     return 0

@@ -179,7 +179,8 @@ def write_report(args: argparse.Namespace, out: Path, plan: dict[str, tuple[Path
         "![tau vs samples](tau_vs_samples.png)",
         rl.commands_section(log)]) + "\n"
     rl.write_results(out, md, {"ids": ids, "runs": rows, "sizes": {str(n): label for n, label in sizes.items()},
-                               "curves": curves, "eval_report": str(report_dir)}, pngs, log)
+                               "curves": curves, "eval_report": str(report_dir)}, pngs, log,
+                     work=Path(args.workdir))
 
 
 if __name__ == "__main__":

@@ -306,7 +306,8 @@ def write_report(args: argparse.Namespace, out: Path, results: dict[str, dict[st
         f"{args.time_budget:.0f} s of training. Held-out prompts: the first {args.eval_limit} of each workload's "
         f"eval split under {args.max_prompt_tokens} prompt tokens, {args.eval_max_new_tokens} new tokens, greedy.",
         *sections, "![tau vs tokens](tau_vs_tokens.png)", rl.commands_section(log)]) + "\n"
-    rl.write_results(out, md, {"workloads": data, "hub_commit": commits, "settings": vars(args)}, [png], log)
+    rl.write_results(out, md, {"workloads": data, "hub_commit": commits, "settings": vars(args)}, [png], log,
+                     work=Path(args.workdir))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from dflash_train.card import without_local_paths
 from dflash_train.errors import UserError
 from dflash_train.evaluate import by_role
 from dflash_train.provenance import is_complete, write_json_atomic
@@ -431,11 +432,43 @@ def commands_section(log: Log) -> str:
     return "\n".join(lines)
 
 
-def write_results(out: Path, markdown: str, data: dict[str, Any], pngs: list[Path], log: Log) -> None:
-    """OUT/results.md + OUT/results.json (with the stages run and the machine), and print them."""
+WORKDIR = "WORKDIR"  # how results name the --workdir
+
+
+def portable(obj: Any, work: Path | None = None) -> Any:
+    """`obj` (a string, or JSON-like data at any depth) as results are committed and published: paths inside the
+    repo relative to its root, the --workdir written as WORKDIR, any other absolute local path cut to its last
+    component (card.without_local_paths). Nothing in results names a folder of the machine it was made on."""
+    roots = sorted({REPO: "", **({Path(work).resolve(): WORKDIR} if work else {})}.items(),
+                   key=lambda item: -len(str(item[0])))
+
+    def relative(text: str) -> str:
+        for root, name in roots:  # the longest first: a workdir inside the repo is still WORKDIR
+            text = re.sub(re.escape(str(root)) + r"(/|(?![\w.-]))",
+                          lambda m: (f"{name}/" if name else "") if m.group(1) else (name or "."), text)
+        return text
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, str):
+            return relative(value)
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        return value
+
+    return without_local_paths(walk(obj))
+
+
+def write_results(out: Path, markdown: str, data: dict[str, Any], pngs: list[Path], log: Log,
+                  work: Path | None = None) -> None:
+    """OUT/results.md + OUT/results.json (with the stages run and the machine), portable (no local folder named),
+    and print them."""
     out.mkdir(parents=True, exist_ok=True)
+    markdown = portable(markdown, work)
     (out / "results.md").write_text(markdown)
-    write_json_atomic(out / "results.json", {**data, "stages": log.stages, "machine": machine_description()})
+    write_json_atomic(out / "results.json",
+                      portable({**data, "stages": log.stages, "machine": machine_description()}, work))
     print("\n" + "=" * 80 + "\n" + markdown)
     print(f"results: {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in pngs))
 

@@ -212,6 +212,27 @@ def test_variant_rows_and_markdown_table(tmp_path):
                                   "| init | 3.000 | 0.900 / 0.400 / 0.250 |", "| x | - | 7 |"]
 
 
+def test_results_name_no_folder_of_the_machine_they_were_made_on(tmp_path, monkeypatch):
+    """Results are committed and published: the repo's paths relative, the --workdir as WORKDIR (even one whose name
+    starts like another folder's), any other local folder cut to its last component."""
+    work = tmp_path / "exp"
+    monkeypatch.setattr(sys, "argv", ["experiment_warm_start.py", "--workdir", str(work)])
+    log = rl.Log()
+    log.add("train", [rl.PY, "train.py", f"{rl.REPO}/recipes/smollm2-135m-adapt.yaml",
+                      f"data.stores=[{work}/data/store/own]"], 12.0, skipped=False)
+    data = {"general": f"{rl.REPO}/drafters/smollm2-135m-instruct-general", "workdir": str(work),
+            "other": [f"{tmp_path}/exp-sg/data/store/own", "64 tokens/s"]}
+    rl.write_results(tmp_path / "out", rl.header("t", "experiment_warm_start.py") + "\n\n" + rl.commands_section(log),
+                     data, [], log, work=work)
+    md = (tmp_path / "out" / "results.md").read_text()
+    got = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert "--workdir WORKDIR" in md and "data.stores=[WORKDIR/data/store/own]" in md
+    assert "recipes/smollm2-135m-adapt.yaml" in md
+    assert got["general"] == "drafters/smollm2-135m-instruct-general" and got["workdir"] == "WORKDIR"
+    assert got["other"] == ["own", "64 tokens/s"]
+    assert str(tmp_path) not in md + json.dumps(got) and str(rl.REPO) not in md + json.dumps(got)
+
+
 def test_cpu_model():
     assert rl.cpu_model("processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags: x\n") == "AMD EPYC 9654"
 
