@@ -1,7 +1,7 @@
 """Can the drafter learn to copy from its context, and does what it learns carry over to the target's own loops?
 
     python scripts/copy_probe.py STORE --out DIR [--start drafters/smollm2-135m-instruct-general] [--steps 300]
-        [--period 4-40] [--copy-weight 1]
+        [--period 4-40] [--copy-weight 1] [--eval-every N]
     python scripts/ngram_baseline.py STORE --eval-store HELD_OUT --drafter DIR/drafter    # on the real responses
 
 Copy sequences are made of the store's own training responses: P + X + F + X + X, where X is a span of one response
@@ -74,9 +74,10 @@ def copy_sequences(texts: list[list[int]], n: int, period: tuple[int, int], seed
 def with_states(target, layers: list[int], seqs: list[tuple[list[int], int]]) -> list[dict[str, torch.Tensor]]:
     """Samples as the store gives them: ids, loss mask (the last two X), the tapped states of one prefill."""
     from dflash_train.capture import prefill_capture
+    from tqdm import tqdm
 
     out, pad = [], target.tokenizer.pad_token_id
-    for at in range(0, len(seqs), 16):
+    for at in tqdm(range(0, len(seqs), 16), desc="copy sequences' states", unit="batch of 16"):
         chunk = seqs[at:at + 16]
         for (ids, start), c in zip(chunk, prefill_capture(target.model, [s for s, _ in chunk], [s for _, s in chunk],
                                                           layers, pad)):
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-samples", type=int, default=16, help="held-out copy sequences")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--eval-fraction", type=float, default=0.02, help="the recipe's data.eval_fraction")
+    p.add_argument("--eval-every", type=int, default=0, help="held-out copy tau every N steps too (0: at the end)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     period = parse_period(args.period)
@@ -159,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
         history.append({"step": step, **losses})
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+            history[-1]["copy_tau"] = copy_tau(drafter, embed, head, held)
+            tqdm.write(f"step {step}: held-out copy tau {history[-1]['copy_tau']:.3f}")
     after = copy_tau(drafter, embed, head, held)
     print(f"step {args.steps}: held-out copy tau {after:.3f} (from {before:.3f})", flush=True)
     out = Path(args.out)

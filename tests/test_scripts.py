@@ -452,9 +452,12 @@ def test_copy_probe_trains_a_drafter_on_copy_and_real_batches_and_records_both_l
             writer.add(ids, torch.arange(70) >= 6, torch.randn(70, 64 * len(layers), generator=g), id=f"s{i}")
     assert copy_probe.main([str(tmp_path / "st"), "--out", str(tmp_path / "out"), "--start", str(tmp_path / "start"),
                             "--target", str(tiny_target_dir), "--steps", "3", "--period", "4-8", "--samples", "6",
-                            "--eval-samples", "3", "--eval-fraction", "0.3", "--anchors", "4"]) == 0
+                            "--eval-samples", "3", "--eval-fraction", "0.3", "--anchors", "4",
+                            "--eval-every", "2"]) == 0
     record = json.loads((tmp_path / "out" / PROVENANCE_FILE).read_text())
-    assert [sorted(h) for h in record["history"]] == [["copy", "real", "step"]] * 3
+    assert [sorted(h) for h in record["history"]] == [["copy", "real", "step"], ["copy", "copy_tau", "real", "step"],
+                                                      ["copy", "real", "step"]]  # step 3's eval is copy_tau_after
+    assert 1.0 <= record["history"][1]["copy_tau"] <= 4
     assert 1.0 <= record["copy_tau_before"] <= 4 and 1.0 <= record["copy_tau_after"] <= 4
     assert (tmp_path / "out" / "drafter" / "model.safetensors").exists()
     assert "held-out copy tau" in capsys.readouterr().out
