@@ -1108,7 +1108,12 @@ def run(args: argparse.Namespace) -> int:
     with OutputClaim(out, STAGE, legacy=lambda folder: (folder / "report.json").exists()):
         # engine runs (jobs, logs) go to a scratch folder: a failed eval leaves its logs there and no report behind
         workdir = Path(tempfile.mkdtemp(prefix="dflash-eval-engine-"))
-        report = evaluate(cfg, workdir)  # all checks and decoding first: a bad input leaves no half-written folder
+        try:
+            report = evaluate(cfg, workdir)  # all checks and decoding first: a bad input leaves no half-written folder
+        except BaseException:
+            if not any(workdir.iterdir()):  # refused before any engine ran: no log to keep
+                workdir.rmdir()
+            raise
         with writing(out):
             start_output(out, STAGE)
             write_report(report, out)

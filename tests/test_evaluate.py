@@ -415,9 +415,13 @@ def test_the_vllm_sweep_starts_where_the_held_out_estimate_keeps_tau(tiny_target
     ({"dflash_train": {"target": {"name": "other", "tokenizer_hash": "0" * 64}}}, "tokenizer differs"),
 ])
 def test_mismatched_drafter_is_refused_before_decoding(tiny_target_dir, drafters, prompts_dir, tmp_path, capsys,
-                                                       edit, message):
+                                                       edit, message, monkeypatch):
     import shutil
+    import tempfile
 
+    scratch = tmp_path / "scratch"  # where the eval's engine folder goes: a refused eval leaves nothing there
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     bad = tmp_path / "bad"
     shutil.copytree(drafters[0], bad)
     config = json.loads((bad / "config.json").read_text())
@@ -431,7 +435,7 @@ def test_mismatched_drafter_is_refused_before_decoding(tiny_target_dir, drafters
     rc = eval_cli("--drafter", bad, "--target", tiny_target_dir, "--prompts", prompts_dir, "--out", out)
     err = capsys.readouterr().err
     assert rc == 2 and message in err and str(bad) in err, err
-    assert not out.exists()
+    assert not out.exists() and not any(scratch.iterdir())
 
 
 def test_empty_prompt_set_is_refused(tiny_target_dir, drafters, tmp_path, capsys):
