@@ -106,14 +106,17 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
         return []
     timing = engine.get("timing") if isinstance(engine.get("timing"), dict) else {}
     best_k = engine.get("best_k")
-    rows = [(f"**{r.get('k')}**" if r.get("k") == best_k else fmt(r.get("k")),
+    lookup = engine.get("ngram") if isinstance(engine.get("ngram"), dict) else None
+    rows = [(f"{fmt(r.get('k'))}, prompt lookup" if looked_up else
+             f"**{r.get('k')}**" if r.get("k") == best_k else fmt(r.get("k")),
              with_interval(r.get("tau"), r.get("tau_interval")),
              f"{fmt(r.get('tokens_per_s_baseline'))} / {fmt(r.get('tokens_per_s'))}",
              with_interval(r.get("speedup"), r.get("speedup_interval")) + "×",
              f"{fmt(r.get('tokens_per_s_baseline_wall'))} / {fmt(r.get('tokens_per_s_wall'))}",
              with_interval(r.get("speedup_wall"), r.get("speedup_wall_interval")) + "×",
              f"{fmt(r.get('lossless_mismatches'))} of {fmt(r.get('lossless_checked'))}")
-            for r in sorted(sweep, key=lambda r: r.get("k") or 0)]
+            for looked_up, r in [(False, r) for r in sorted(sweep, key=lambda r: r.get("k") or 0)]
+            + ([(True, lookup)] if lookup else [])]
     share = engine.get("best_k_share")
     skipped = timing.get("skipped_k") or []
     lines = ["Speculation length K (`num_speculative_tokens`), one request at a time; τ and speedups with 95% "
@@ -125,6 +128,14 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
              + (f" (in {share:.0%} of the bootstrap resamples of the prompts)" if isinstance(share, float) else "")
              + (f"; not measured within the time budget ({fmt(timing.get('budget_s'))} s): K = {fmt(skipped)}"
                 if skipped else "") + "."]
+    if lookup:
+        mine = next((r for r in sweep if r.get("k") == best_k), {})
+        config = lookup.get("engine_args") if isinstance(lookup.get("engine_args"), dict) else {}
+        lines[-1] += (f" Prompt lookup: vLLM's own `ngram` speculator, no model (the tokens that followed an earlier "
+                      f"occurrence of the context's last n tokens, n from {fmt(config.get('prompt_lookup_max'))} "
+                      f"down to {fmt(config.get('prompt_lookup_min'))}), timed the same way on the same prompts: "
+                      f"the baseline a drafter has to beat: {fmt(lookup.get('speedup'))}× at K = "
+                      f"{fmt(lookup.get('k'))} against the drafter's {fmt(mine.get('speedup'))}× at best_k.")
     first = timing.get("first_k")
     if isinstance(first, dict):
         lines[-1] += (f" Timed first: K = {fmt(first.get('k'))}, the shortest whose expected tau by the "

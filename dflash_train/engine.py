@@ -57,6 +57,9 @@ TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/us
 # timed protocol waits this long before each timed request, so that the other engine's worker is asleep. On CPU the
 # workers run in the child (`engine_environment`) and nothing polls; the wait stays, one protocol on every device.
 IDLE_S = 1.2
+# vLLM's own prompt-lookup speculator (`ngram`: no model, no training), the baseline a drafter has to beat: it
+# drafts the tokens that followed an earlier occurrence of the context's last 3, else 2, else 1 tokens.
+NGRAM_LOOKUP = {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 @dataclass
@@ -94,18 +97,26 @@ class EngineJob:
     concurrency: list[int] = field(default_factory=list)
     repeats: int = 1
     budget_s: float | None = None
+    # timed mode: the K at which vLLM's prompt lookup (NGRAM_LOOKUP) is timed after the drafter's K, the same way,
+    # whatever the budget (a baseline asked for is measured). One K, last: vLLM 0.32 cannot start another engine in
+    # a process after a prompt-lookup one (its CPU kernel overrides trip over an object llvmlite, imported by the
+    # lookup, leaves in sys.modules: AttributeError '_lib_fn_wrapper' object has no attribute 'get').
+    ngram_tokens: int | None = None
 
     def max_num_seqs(self) -> int | None:
         """timed, check: the largest concurrency (one engine serves batch 1 and every concurrency); batch: vLLM's."""
         return None if self.mode == "batch" else max([1, *self.concurrency])
 
-    def llm_kwargs(self, k: int | None = None) -> dict[str, Any]:
+    def llm_kwargs(self, k: int | None = None, method: str = "dflash") -> dict[str, Any]:
         """The `vllm.LLM(...)` arguments (the same names as `vllm serve` flags) of plain decoding, or with the
-        drafter as vLLM's dflash speculator proposing `k` tokens per step; the user's engine arguments last."""
+        drafter as vLLM's dflash speculator proposing `k` tokens per step (method "ngram": vLLM's prompt lookup
+        instead); the user's engine arguments last."""
         kwargs: dict[str, Any] = {"model": str(self.target), "dtype": self.dtype, "max_model_len": self.max_model_len,
                                   "seed": self.seed, "enforce_eager": self.device == "cpu",
                                   "max_num_seqs": self.max_num_seqs()}
-        if k:
+        if k and method == "ngram":
+            kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k, **NGRAM_LOOKUP}
+        elif k:
             kwargs["speculative_config"] = {"method": "dflash", "model": str(self.drafter),
                                             "num_speculative_tokens": k}
         if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & self.engine_args.keys():
@@ -236,14 +247,18 @@ class EngineResult:
         return {o.id: o for o in self.outputs}
 
 
-def engine_steps(output: EngineOutput) -> tuple[list, int]:
+def engine_steps(output: EngineOutput, undrafted_steps: bool = False) -> tuple[list, int]:
     """The verification steps of one speculative request as `spec_decode.Step`s, and how many output tokens no
     step accounts for (should be 0).
 
     The prefill gives the first token; verification step i commits its accepted drafts plus the target's own
     next token, except where the output ends (stop token or max_tokens), where the last step's committed count
     is what remains of the output. Its tau still counts every draft vLLM accepted before the cut, as vLLM itself,
-    the reference DFlash loop and `Step.tau` do."""
+    the reference DFlash loop and `Step.tau` do.
+
+    vLLM records no step where the speculator drafted nothing (prompt lookup without a match: a plain decoding
+    step). With `undrafted_steps`, each token no recorded step accounts for is such a step (accepted 0, committed
+    1), so that tau stays tokens per target forward; a DFlash drafter drafts at every step."""
     from dflash_train.spec_decode import Step
 
     remaining = max(len(output.token_ids) - 1, 0)
@@ -255,6 +270,9 @@ def engine_steps(output: EngineOutput) -> tuple[list, int]:
         committed = min(accepted + 1, remaining)
         steps.append(Step(accepted=accepted, committed=committed))
         remaining -= committed
+    if undrafted_steps:
+        steps += [Step(accepted=0, committed=1)] * remaining
+        remaining = 0
     return steps, remaining
 
 
@@ -404,9 +422,10 @@ def _child(workdir: Path) -> None:
     job = EngineJob(**{**job_raw, "requests": [EngineRequest(**r) for r in job_raw["requests"]]})
     from vllm import LLM, SamplingParams
 
-    def start(k: int | None) -> tuple[Any, dict[str, Any], float]:
-        """An engine of plain decoding (k None) or with the drafter proposing k tokens: (LLM, its kwargs, load s)."""
-        kwargs = job.llm_kwargs(k)
+    def start(k: int | None, method: str = "dflash") -> tuple[Any, dict[str, Any], float]:
+        """An engine of plain decoding (k None) or with the drafter (or, method "ngram", prompt lookup) proposing
+        k tokens: (LLM, its kwargs, load s)."""
+        kwargs = job.llm_kwargs(k, method)
         metrics = {"per_request_spec_decode_metrics": "detailed"} if k else {}
         t0 = time.perf_counter()
         llm = LLM(**kwargs, **metrics, disable_log_stats=False)
@@ -508,7 +527,9 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
        of load on the machine hits both alike, each run IDLE_S after the last; then each concurrency c: the first
        c prompts (cycled), decoded together, the same way. Every run is timed by the engine core (from the arrival of its first request to its
        last token: `core_s`; from its first token to its last: `decode_s`) and by a stopwatch around the call
-       (`wall_s`). The speculative engine is shut down before the next K starts."""
+       (`wall_s`). The speculative engine is shut down before the next K starts.
+    3. Then vLLM's prompt lookup at K = `job.ngram_tokens`, the same way at batch 1 (whatever the budget: a
+       baseline asked for is measured); its run says `"method": "ngram"`."""
     import gc
 
     first = job.requests[0]
@@ -521,21 +542,24 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
     runs: list[dict[str, Any]] = []
     skipped: list[int] = []
     most = 0.0  # the most any K has cost so far, seconds
-    for i, k in enumerate(job.speculative_tokens):
-        if i and job.budget_s is not None and time.perf_counter() - started + most > job.budget_s:
+    todo = [("dflash", k) for k in job.speculative_tokens]
+    todo += [("ngram", job.ngram_tokens)] if job.ngram_tokens else []
+    for i, (method, k) in enumerate(todo):
+        if i and method == "dflash" and job.budget_s is not None and \
+                time.perf_counter() - started + most > job.budget_s:
             skipped.append(k)
             continue
         if i:
             t0 = time.perf_counter()
-            opened = start(k)
+            opened = start(k, method)
         spec, kwargs, load_s = opened
         generate(spec, warm_up)
         sides = {"plain": plain, "spec": spec}
-        run: dict[str, Any] = {"k": k, "llm_kwargs": kwargs, "load_s": load_s, "outputs": [], "batch1": [],
-                               "concurrency": []}
+        run: dict[str, Any] = {"k": k, "method": method, "llm_kwargs": kwargs, "load_s": load_s, "outputs": [],
+                               "batch1": [], "concurrency": []}
         for n, batch in [(1, [r]) for r in fixed] + [
                 (c, [replace(fixed[j % len(fixed)], id=f"{fixed[j % len(fixed)].id}#{j}") for j in range(c)])
-                for c in job.concurrency]:
+                for c in (job.concurrency if method == "dflash" else [])]:
             times: dict[str, Any] = {"requests": n, "tokens": sum(r.max_tokens for r in batch)}
             if n == 1:
                 times["id"] = batch[0].id
@@ -554,8 +578,8 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
         gc.collect()
         run["seconds"] = time.perf_counter() - t0
         most = max(most, run["seconds"])
-        print(f"timed: K={k} done in {run['seconds']:.0f} s ({time.perf_counter() - started:.0f} s in all)",
-              flush=True)
+        print(f"timed: {'prompt lookup ' if method == 'ngram' else ''}K={k} done in {run['seconds']:.0f} s "
+              f"({time.perf_counter() - started:.0f} s in all)", flush=True)
         runs.append(run)
     return natural, {"runs": runs, "skipped": skipped, "repeats": job.repeats, "budget_s": job.budget_s,
                      "concurrency": job.concurrency}

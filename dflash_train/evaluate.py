@@ -97,6 +97,10 @@ class EvalConfig:
                                          "('' for batch 1 only)")
     repeats: int = option(1, check=at_least(1), help="vLLM: timed runs per prompt and side (plain, speculative), "
                                                     "alternating which goes first")
+    ngram: int | None = option(None, metavar="K", check=at_least(1),
+                               help="vLLM: also time the engine's own prompt lookup (method ngram: no model, no "
+                                    "training) at this K, the same way, after the drafter's: the baseline it has to "
+                                    "beat")
     engine_args: dict[str, Any] = option(default_factory=dict, metavar="JSON", check=engine_args_problem,
                                          help='vLLM engine arguments as JSON, e.g. \'{"tensor_parallel_size": 8}\' '
                                               '(vllm serve\'s flags, _ for -), checked by vLLM\'s own parser')
@@ -534,7 +538,7 @@ def k_row(run: dict[str, Any], natural: dict[str, Any], greedy: bool) -> dict[st
     step_logs, per_prompt, unaccounted, spreads = [], [], 0, []
     for timed in run["batch1"]:
         out = spec[timed["id"]]
-        steps, left = engine_steps(out)
+        steps, left = engine_steps(out, undrafted_steps=run.get("method") == "ngram")
         step_logs.append(steps)
         unaccounted += left
         times = _mean_times(timed)
@@ -649,10 +653,13 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
                                dtype=engine.VLLM_DTYPES[dtype], drafter=cfg.drafter, max_model_len=max_len,
                                mode=mode, seed=cfg.seed, device=torch.device(device).type,
                                engine_args=cfg.engine_args, speculative_tokens=ks, concurrency=concurrency,
-                               repeats=cfg.repeats, budget_s=budget_s)
+                               repeats=cfg.repeats, budget_s=budget_s,
+                               ngram_tokens=cfg.ngram if mode == "timed" else None)
         budget = f", {budget_s:.0f} s budget" if budget_s is not None and len(ks) > 1 else ""
         if first is not None and mode == "timed":
             budget += f"; K = {first} first, the shortest that keeps tau by the {source}"
+        if cfg.ngram and mode == "timed":
+            budget += f"; then vLLM's prompt lookup at K = {cfg.ngram}"
         print(f"engine: vLLM, plain and with drafter {cfg.drafter} at K = {', '.join(map(str, ks))} "
               f"({len(requests)} prompts, concurrency 1{''.join(f', {c}' for c in concurrency)}, {dtype}{budget}"
               f"{', the lossless check alone' if mode == 'check' else ''})",
@@ -661,8 +668,11 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
 
     result = run(prompts, dtype_name, "timed", ks, cfg.concurrency, cfg.sweep_budget_s)
     natural, greedy = result.by_id(), cfg.temperature == 0
-    runs = {r["k"]: r for r in result.timed["runs"]}
-    sweep = [k_row(r, natural, greedy) for r in result.timed["runs"]]
+    drafted = [r for r in result.timed["runs"] if r.get("method", "dflash") == "dflash"]
+    runs = {r["k"]: r for r in drafted}
+    sweep = [k_row(r, natural, greedy) for r in drafted]
+    lookup = next((k_row(r, natural, greedy) | {"engine_args": r["llm_kwargs"]["speculative_config"]}
+                   for r in result.timed["runs"] if r.get("method") == "ngram"), None)
     best = max(sweep, key=lambda row: row["speedup"] if math.isfinite(row["speedup"] or math.nan) else -1.0)
     best_k = best["k"]
     spec = {o["id"]: o["token_ids"] for o in runs[best_k]["outputs"]}
@@ -677,7 +687,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         for d in mismatches:
             d["fp32_spec_equals_plain"] = spec32[d["id"]] == plain32[d["id"]].token_ids
         recheck_s = time.perf_counter() - t0
-    table = concurrency_rows(sweep, result.timed["runs"])
+    table = concurrency_rows(sweep, drafted)
     fastest = best_per_concurrency(table)
     rates = plain_rates(natural, sweep)
     return {
@@ -708,6 +718,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         "concurrency_best": fastest,
         "pays_up_to_concurrency": pays_up_to(fastest),
         "per_batch_size_schedule": per_batch_size_schedule(fastest),
+        "ngram": lookup,  # vLLM's prompt lookup at --ngram's K, the same protocol: the baseline (None: not asked)
         "timing": {"protocol": TIMING_PROTOCOL, "repeats": cfg.repeats, "budget_s": cfg.sweep_budget_s,
                    "measured_k": [row["k"] for row in sweep], "skipped_k": result.timed["skipped"],
                    "first_k": None if first is None else {"k": first, "from": source, "slack": SWEEP_FIRST_SLACK},

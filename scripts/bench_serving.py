@@ -3,13 +3,13 @@ beside a stopwatch.
 
     python scripts/bench_serving.py DRAFTER [--prompts data/prompts/sharegpt] [--limit 40] [--max-prompt-tokens 384]
         [--max-new-tokens 128] [--speculative-tokens 1,2,3,5,7,15] [--concurrency 4,16] [--sweep-budget-s 3600]
-        [--out results/bench_serving]
+        [--ngram 15] [--out results/bench_serving]
 
 One command, three measurements of the same held-out prompts, printed side by side (OUT/bench.md, OUT/bench.json):
 
 1. the eval stage itself, `dflash-train eval --engine vllm` (--eval-out): vLLM's K table at batch 1 (tau, tokens/s
    and speedup with bootstrap intervals, by the engine core and by a stopwatch around each request), the
-   concurrency table and best_k;
+   concurrency table and best_k (with --ngram K, vLLM's prompt lookup at that K beside it: the baseline);
 2. the project's loop (spec_decode) at the same K (a verify block of K + 1) on the same prompts at the same fixed
    lengths, plain and speculative alternating, by its own decode clock and by a stopwatch around each generation;
 3. an independent stopwatch: a fresh process, fresh vLLM engines with the eval's arguments, plain alone then
@@ -52,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="4,16")
     p.add_argument("--sweep-budget-s", type=float, default=3600.0)
     p.add_argument("--repeats", type=int, default=1, help="the eval's timed runs per prompt and side")
+    p.add_argument("--ngram", default=None, help="the K at which the eval also times vLLM's prompt lookup, e.g. 15")
     p.add_argument("--stopwatch-rounds", type=int, default=2, help="plain-then-speculative engine pairs")
     p.add_argument("--own-k", default=None, help="the K to time in the project's loop, e.g. 1,3,15 (default: every K "
                                                  "the eval measured; '' skips the project's loop)")
@@ -72,6 +73,8 @@ def run_eval(args: argparse.Namespace, out: Path, log: list[dict[str, Any]]) -> 
              str(args.repeats), "--target", args.target]
     if args.speculative_tokens:
         extra += ["--speculative-tokens", args.speculative_tokens]
+    if args.ngram:
+        extra += ["--ngram", args.ngram]
     command = rl.eval_command([Path(args.drafter)], Path(args.prompts), args.limit, args.max_prompt_tokens,
                               args.max_new_tokens, None, out, engine="vllm", extra=extra)
     entry = {"part": "eval (vLLM)", "command": shlex.join(command), "uptime_before": uptime()}
@@ -240,6 +243,11 @@ def tables(report: dict[str, Any], own: list[dict[str, Any]], watch: dict[str, A
                      fmt(o.get("tau")), f"{fmt(o.get('tokens_per_s_baseline'))} / {fmt(o.get('tokens_per_s'))}"
                      if o else "", with_interval(o.get("speedup"), o.get("speedup_interval")) + "×" if o else "",
                      with_interval(o.get("speedup_wall"), o.get("speedup_wall_interval")) + "×" if o else ""))
+    if r := v.get("ngram"):  # vLLM's prompt lookup (eval --ngram): the baseline, in vLLM only
+        rows.append((f"{r['k']}, prompt lookup", with_interval(r["tau"], r["tau_interval"]),
+                     f"{fmt(r['tokens_per_s_baseline'])} / {fmt(r['tokens_per_s'])}",
+                     with_interval(r["speedup"], r["speedup_interval"]) + "×",
+                     with_interval(r["speedup_wall"], r["speedup_wall_interval"]) + "×", "", "", "", "", ""))
     k_table = table(rows, ("K", "vLLM τ", "vLLM tokens/s plain / spec (engine)", "vLLM speedup (engine)",
                            "vLLM speedup (stopwatch, same runs)", "vLLM speedup (independent stopwatch)",
                            "loop τ", "loop tokens/s plain / spec", "loop speedup (loop clock)",

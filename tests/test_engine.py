@@ -43,6 +43,16 @@ def test_engine_steps_keep_the_drafts_vllm_accepted_before_the_cut():
     assert no_steps == [] and left == 2  # tokens no verification step accounts for are reported, not hidden
 
 
+def test_prompt_lookup_steps_without_a_match_count_as_plain_steps():
+    """vLLM records no step where prompt lookup drafted nothing: each token no recorded step accounts for is a
+    plain decoding step (tau 1), so tau stays tokens per target forward instead of skipping the misses."""
+    out = EngineOutput(id="a", token_ids=list(range(1 + 3 + 1 + 1 + 1)), finish_reason="length", decode_s=1.0,
+                       accepted=[2, 0], drafted=[4, 4])
+    steps, left = engine_steps(out, undrafted_steps=True)
+    assert [(s.accepted, s.committed) for s in steps] == [(2, 3), (0, 1), (0, 1), (0, 1)] and left == 0
+    assert sum(s.tau for s in steps) / len(steps) == 1.5  # 6 tokens in 4 forwards, not 4 in 2 (2.0)
+
+
 def test_serve_command_names_the_hub_repos_not_local_folders():
     kwargs = {"model": "/home/me/target", "dtype": "float32", "max_model_len": 512, "seed": 0, "enforce_eager": True,
               "speculative_config": {"method": "dflash", "model": "/home/me/run/drafter", "num_speculative_tokens": 15}}
@@ -178,7 +188,7 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
     out = tmp_path / "eval"
     assert eval_cli("--engine", "both", "--drafter", overfit_drafter, "--target", engine_target,
                     "--prompts", prompts_file, "--out", out, "--speculative-tokens", "7,1", "--concurrency", "2",
-                    "--engine-args", '{"max_num_seqs": 4}') == 0
+                    "--engine-args", '{"max_num_seqs": 4}', "--ngram", "3") == 0
     report = json.loads((out / "report.json").read_text())
     vllm, own = report["engines"]["vllm"], report["engines"]["own"]
     assert vllm["version"] == vllm_version()
@@ -210,10 +220,17 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
     assert rows[7]["tau"] == pytest.approx(own["tau"], rel=0.1), (rows[7]["tau"], own["tau"])
     assert vllm["drafter_weights_sha256"] == report["drafter"]["weights_sha256"]
     assert [(r["requests"], r["k"]) for r in vllm["concurrency"]] == [(1, 1), (1, 7), (2, 1), (2, 7)]
+    # vLLM's prompt lookup, timed the same way after the drafter's K: lossless, every token in a step
+    lookup = vllm["ngram"]
+    assert lookup["k"] == 3 and lookup["engine_args"]["method"] == "ngram", lookup
+    assert lookup["lossless_checked"] == len(PROMPTS) and lookup["lossless_mismatches"] == 0, lookup
+    assert lookup["tokens_unaccounted_by_steps"] == 0 and 1 <= lookup["tau"] <= 4, lookup
+    assert sum(p["new_tokens"] - 1 for p in lookup["per_prompt"]) == sum(
+        row["new_tokens"] - 1 for row in rows[7]["per_prompt"])  # the same prompts at the same fixed lengths
     assert vllm["serve_command"].startswith("vllm serve ") and report["settings"]["machine"]["cores"] >= 1
     md = (out / "report.md").read_text()
     assert "The drafter in the engine and in the project's loop" in md and f"vLLM {vllm_version()}" in md
-    assert f"best_k = {best['k']}: the fastest at batch 1" in md
+    assert f"best_k = {best['k']}: the fastest at batch 1" in md and "| 3, prompt lookup |" in md
     assert {p.name for p in (out / "engine").iterdir()} == {"timed.log"}
 
 
