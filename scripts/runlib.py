@@ -23,7 +23,6 @@ from typing import Any, Callable
 
 from dflash_train.card import without_local_paths
 from dflash_train.errors import UserError
-from dflash_train.evaluate import by_role
 from dflash_train.provenance import is_complete, write_json_atomic
 
 REPO = Path(__file__).resolve().parent.parent
@@ -333,7 +332,7 @@ def method_for(report: dict[str, Any], drafter: Path) -> dict[str, Any]:
 
 
 def plain_tokens_per_s(report: dict[str, Any]) -> float | None:
-    plain = by_role(report["methods"], "plain")
+    plain = [m for m in report["methods"] if m.get("role") == "plain"]  # not evaluate.by_role: it imports torch
     return plain[0].get("tokens_per_s") if plain else None
 
 
