@@ -287,7 +287,7 @@ def test_missing_vllm_is_one_line_naming_the_install(tmp_path, prompts_file):
     """An interpreter where vLLM cannot be imported: eval and capture say how to get it, before loading anything."""
     hide = ("import json, sys; sys.modules['vllm'] = None  # as if it were not installed: import vllm fails\n"
             "from dflash_train.cli import main\n"
-            "for args in json.loads(sys.argv[1]):  # one interpreter for both commands: its start-up is most of the cost\n"
+            "for args in json.loads(sys.argv[1]):  # both commands in one interpreter: its start is most of the cost\n"
             "    print(f'exit {main(args)}', file=sys.stderr)\n")
     commands = [["eval", "--drafter", str(tmp_path), "--prompts", str(prompts_file), "--out", str(tmp_path / "e")],
                 ["capture", "--engine", "vllm", "--prompts", str(prompts_file), "--out", str(tmp_path / "s")]]
