@@ -493,8 +493,9 @@ HOST_DRIFT_LIMIT = 0.15  # plain decoding's own speed may move this much over a 
 
 def plain_rates(natural: dict[str, Any], sweep: list[dict[str, Any]]) -> list[float | None]:
     """Plain decoding's decode-phase tokens/s in the reference pass (every prompt to its natural stop, before any
-    K) and in each K's timed runs: the same engine on the same prompts at the same lengths, so on a steady machine
-    the same figure; how far they move apart is how far the machine's speed moved while the sweep measured."""
+    K) and in each row's timed runs (each K's, then prompt lookup's): the same engine on the same prompts at the
+    same lengths, so on a steady machine the same figure; how far they move apart is how far the machine's speed
+    moved while the sweep measured."""
     seconds = sum(o.decode_s for o in natural.values())
     reference = sum(len(o.token_ids) - 1 for o in natural.values()) / seconds if seconds > 0 else None
     return [reference, *(row["tokens_per_s_baseline_decode"] for row in sweep)]
@@ -689,7 +690,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         recheck_s = time.perf_counter() - t0
     table = concurrency_rows(sweep, drafted)
     fastest = best_per_concurrency(table)
-    rates = plain_rates(natural, sweep)
+    rates = plain_rates(natural, sweep + ([lookup] if lookup else []))
     return {
         "engine": "vllm",
         "version": result.version,
@@ -723,7 +724,8 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
                    "measured_k": [row["k"] for row in sweep], "skipped_k": result.timed["skipped"],
                    "first_k": None if first is None else {"k": first, "from": source, "slack": SWEEP_FIRST_SLACK},
                    "plain_tokens_per_s_decode": {"reference": rates[0], **{str(r["k"]): v for r, v in
-                                                                             zip(sweep, rates[1:])}},
+                                                                             zip(sweep, rates[1:])},
+                                                 **({"prompt lookup": rates[-1]} if lookup else {})},
                    "host_drift": (drift := host_drift(rates)), "host_drift_limit": HOST_DRIFT_LIMIT,
                    "host_unsteady": drift is not None and drift > HOST_DRIFT_LIMIT,
                    "concurrency": [1, *cfg.concurrency], "seconds": result.load_s + result.wall_s,

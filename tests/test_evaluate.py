@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -91,28 +92,34 @@ def fake_engine(calls: list, natural: dict[str, list[int]], spec_s: dict[int, fl
     """A stand-in for engine.run_engine that answers a timed job the way the child does (engine._timed): plain
     outputs to the natural stop (decode phase 0.8 s), and per K the timings (plain 1 s per prompt, or plain_s[K],
     and 2 s per batch, speculative spec_s[K] and together_s[K]; the decode phase 0.2 s less, the stopwatch 0.1 s
-    more, on both sides) and the speculative outputs (K=3: the first prompt differs from plain in bf16)."""
+    more, on both sides) and the speculative outputs (K=3: the first prompt differs from plain in bf16). A job with
+    ngram_tokens then times prompt lookup at that K, its timings under the key "ngram"."""
     from dflash_train.engine import EngineOutput, EngineResult
 
     def run_engine(job, workdir, what):
         calls.append(job)
         ids = [r.id for r in job.requests]
         runs = []
-        for k in [k for k in job.speculative_tokens if k not in skipped]:
+        todo = [("dflash", k, k) for k in job.speculative_tokens if k not in skipped]
+        for method, k, key in todo + ([("ngram", job.ngram_tokens, "ngram")] if job.ngram_tokens else []):
             outputs = []
             for i, rid in enumerate(ids):
                 tokens = list(natural[rid])
-                if k == 3 and i == 0 and job.dtype != "float32":
+                if key == 3 and i == 0 and job.dtype != "float32":
                     tokens[-1] += 1
                 accepted = [k] * ((len(tokens) - 1) // (k + 1))  # every draft accepted: tau = 1 + k
-                outputs.append({"id": rid, "token_ids": tokens, "finish_reason": "length", "decode_s": spec_s[k],
+                outputs.append({"id": rid, "token_ids": tokens, "finish_reason": "length", "decode_s": spec_s[key],
                                 "accepted": accepted, "drafted": [k] * len(accepted)})
             def times(n: int, tokens: int, plain: float, spec: float) -> dict:
                 return {"requests": n, "tokens": tokens, "plain_core_s": [plain], "spec_core_s": [spec],
                         "plain_decode_s": [plain - 0.2], "spec_decode_s": [spec - 0.2],
                         "plain_wall_s": [plain + 0.1], "spec_wall_s": [spec + 0.1]}
-            timed = [{"id": rid, **times(1, len(natural[rid]), (plain_s or {}).get(k, 1.0), spec_s[k])}
+            timed = [{"id": rid, **times(1, len(natural[rid]), (plain_s or {}).get(key, 1.0), spec_s[key])}
                      for rid in ids]
+            if method == "ngram":  # batch 1 only, as the child times it
+                runs.append({"method": "ngram", "k": k, "llm_kwargs": job.llm_kwargs(k, "ngram"), "load_s": 30.0,
+                             "seconds": 60.0, "outputs": outputs, "batch1": timed, "concurrency": []})
+                continue
             together = [times(c, c * 9, 2.0, together_s[k]) for c in job.concurrency]
             runs.append({"k": k, "llm_kwargs": job.llm_kwargs(k), "load_s": 30.0, "seconds": 60.0,
                          "outputs": outputs, "batch1": timed, "concurrency": together})
@@ -210,6 +217,31 @@ def test_a_sweep_on_a_machine_whose_speed_changed_says_so(tiny_target, drafters,
     text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
     assert ("**The machine's speed changed while it was measured**: plain decoding ran at 5.0 to 10.0 tokens/s "
             "(decode phase) over the reference pass and the K's runs, 100% apart") in text
+
+
+def test_a_machine_that_slowed_while_prompt_lookup_was_timed_is_flagged_too(tiny_target, drafters, monkeypatch,
+                                                                           tmp_path):
+    """Prompt lookup is timed after the drafter's K, against plain runs of its own: those join the drift check."""
+    from dflash_train import engine
+    from dflash_train.card import serving_tables
+    from dflash_train.evaluate import EvalConfig, engine_eval
+
+    prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
+    natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
+    monkeypatch.setattr(engine, "run_engine", fake_engine([], natural, {1: 0.9, "ngram": 1.5}, {1: 2.0}, [],
+                                                          plain_s={"ngram": 1.8}))
+    config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1],
+                        concurrency=[])
+    steady = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
+    assert steady["ngram"] is None and steady["timing"]["host_unsteady"] is False  # the drafter's K alone: steady
+    v = engine_eval(dataclasses.replace(config, ngram=2), tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
+    assert v["ngram"]["k"] == 2 and v["ngram"]["speedup"] == pytest.approx(1.8 / 1.5)  # against its own plain runs
+    rates = v["timing"]["plain_tokens_per_s_decode"]
+    assert rates == pytest.approx({"reference": 10.0, "1": 10.0, "prompt lookup": 5.0})
+    assert v["timing"]["host_drift"] == pytest.approx(1.0) and v["timing"]["host_unsteady"] is True
+    text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
+    assert ("plain decoding ran at 5.0 to 10.0 tokens/s (decode phase) over the reference pass and the K's runs and "
+            "prompt lookup's, 100% apart") in text
 
 
 class OracleDrafter(torch.nn.Module):
