@@ -332,7 +332,9 @@ def method_for(report: dict[str, Any], drafter: Path) -> dict[str, Any]:
 
 
 def plain_tokens_per_s(report: dict[str, Any]) -> float | None:
-    plain = [m for m in report["methods"] if m.get("role") == "plain"]  # not evaluate.by_role: it imports torch
+    from dflash_train.evaluate import by_role  # here, not at the top: it imports torch, which a script's start need not
+
+    plain = by_role(report["methods"], "plain")
     return plain[0].get("tokens_per_s") if plain else None
 
 
