@@ -107,16 +107,16 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
     timing = engine.get("timing") if isinstance(engine.get("timing"), dict) else {}
     best_k = engine.get("best_k")
     lookup = engine.get("ngram") if isinstance(engine.get("ngram"), dict) else None
-    rows = [(f"{fmt(r.get('k'))}, prompt lookup" if looked_up else
-             f"**{r.get('k')}**" if r.get("k") == best_k else fmt(r.get("k")),
-             with_interval(r.get("tau"), r.get("tau_interval")),
+    labelled = [(f"**{r.get('k')}**" if r.get("k") == best_k else fmt(r.get("k")), r)
+                for r in sorted(sweep, key=lambda r: r.get("k") or 0)]
+    labelled += [(f"{fmt(lookup.get('k'))}, prompt lookup", lookup)] if lookup else []
+    rows = [(label, with_interval(r.get("tau"), r.get("tau_interval")),
              f"{fmt(r.get('tokens_per_s_baseline'))} / {fmt(r.get('tokens_per_s'))}",
              with_interval(r.get("speedup"), r.get("speedup_interval")) + "×",
              f"{fmt(r.get('tokens_per_s_baseline_wall'))} / {fmt(r.get('tokens_per_s_wall'))}",
              with_interval(r.get("speedup_wall"), r.get("speedup_wall_interval")) + "×",
              f"{fmt(r.get('lossless_mismatches'))} of {fmt(r.get('lossless_checked'))}")
-            for looked_up, r in [(False, r) for r in sorted(sweep, key=lambda r: r.get("k") or 0)]
-            + ([(True, lookup)] if lookup else [])]
+            for label, r in labelled]
     share = engine.get("best_k_share")
     skipped = timing.get("skipped_k") or []
     lines = ["Speculation length K (`num_speculative_tokens`), one request at a time; τ and speedups with 95% "
