@@ -136,6 +136,9 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
                       f"down to {fmt(config.get('prompt_lookup_min'))}), timed the same way on the same prompts: "
                       f"the baseline a drafter has to beat: {fmt(lookup.get('speedup'))}× at K = "
                       f"{fmt(lookup.get('k'))} against the drafter's {fmt(mine.get('speedup'))}× at best_k.")
+        if (lookup.get("speedup") or 0) > (mine.get("speedup") or 0):  # what to serve: the faster of the two
+            lines[-1] += (f" Prompt lookup is the faster here: serve it with `--speculative-config "
+                          f"'{json.dumps(config, separators=(',', ':'))}'` in place of the drafter's.")
     first = timing.get("first_k")
     if isinstance(first, dict):
         lines[-1] += (f" Timed first: K = {fmt(first.get('k'))}, the shortest whose expected tau by the "

@@ -13,8 +13,9 @@ One command, three measurements of the same held-out prompts, printed side by si
 2. the project's loop (spec_decode) at the same K (a verify block of K + 1) on the same prompts at the same fixed
    lengths, plain and speculative alternating, by its own decode clock and by a stopwatch around each generation;
 3. an independent stopwatch: a fresh process, fresh vLLM engines with the eval's arguments, plain alone then
-   speculative at best_k alone, twice (ABAB), every prompt at the same fixed length (ignore_eos), a plain
-   perf_counter around each request. The eval's speedup at best_k is believed when this agrees (within 5%).
+   speculative at best_k alone (then prompt lookup alone, with --ngram), twice, the second time in the reverse
+   order, every prompt at the same fixed length (ignore_eos), a plain perf_counter around each request. The eval's
+   speedup at best_k (and prompt lookup's) is believed when this agrees (within 5%).
 
 The eval's folder is reused when it is complete (delete it to measure again). `uptime` is recorded before and after
 each part: other jobs on the machine slow everything, and the tables say how loaded it was.
@@ -173,12 +174,17 @@ def stopwatch(args: argparse.Namespace, report: dict[str, Any], out: Path, log: 
 
     v = report["engines"]["vllm"]
     target = load_target(args.target)
-    job = {"plain": v["engine_args_plain"], "spec": v["engine_args"], "rounds": args.stopwatch_rounds,
+    sides = {"plain": v["engine_args_plain"], "spec": v["engine_args"]}
+    if v.get("ngram"):  # prompt lookup: plain decoding's arguments with the eval's ngram speculative config
+        sides["lookup"] = {**v["engine_args_plain"], "speculative_config": v["ngram"]["engine_args"]}
+    job = {"sides": sides, "rounds": args.stopwatch_rounds,
            "prompts": [(ids, length) for _, ids, length in held_out_prompts(args, report, target)]}
     out.mkdir(parents=True, exist_ok=True)
     job_file = out / "stopwatch-job.json"
     job_file.write_text(json.dumps(job))
-    entry = {"part": f"independent stopwatch (vLLM, K = {v['best_k']})", "uptime_before": uptime()}
+    entry = {"part": f"independent stopwatch (vLLM, K = {v['best_k']}"
+                     + (f"; prompt lookup, K = {v['ngram']['k']})" if "lookup" in sides else ")"),
+             "uptime_before": uptime()}
     started = time.perf_counter()
     with open(out / "stopwatch.log", "w") as f:
         proc = subprocess.run([sys.executable, __file__, args.drafter, "--stopwatch-child", str(job_file)],
@@ -189,23 +195,28 @@ def stopwatch(args: argparse.Namespace, report: dict[str, Any], out: Path, log: 
     log.append(entry)
     times = json.loads((out / "stopwatch-result.json").read_text())
     tokens = sum(length for _, length in job["prompts"])
-    rounds = [sum(p) / sum(s) for p, s in zip(times["plain"], times["spec"])]
-    plain, spec = sum(map(sum, times["plain"])), sum(map(sum, times["spec"]))
-    return {"k": v["best_k"], "speedup": plain / spec, "speedup_by_round": rounds,
-            "tokens_per_s_baseline": tokens * len(times["plain"]) / plain,
-            "tokens_per_s": tokens * len(times["spec"]) / spec, "times": times}
+    plain = sum(map(sum, times["plain"]))
+
+    def against_plain(side: str) -> dict[str, Any]:
+        spec = sum(map(sum, times[side]))
+        return {"speedup": plain / spec, "tokens_per_s": tokens * len(times[side]) / spec,
+                "speedup_by_round": [sum(p) / sum(s) for p, s in zip(times["plain"], times[side])]}
+    return {"k": v["best_k"], **against_plain("spec"), "tokens_per_s_baseline": tokens * len(times["plain"]) / plain,
+            "lookup": ({"k": v["ngram"]["k"], **against_plain("lookup")} if "lookup" in sides else None),
+            "times": times}
 
 
 def stopwatch_child(job_file: Path) -> None:
-    """Fresh engines, one at a time: plain, then speculative, `rounds` times (alternating which goes first), each
-    warmed up, each prompt timed alone with a perf_counter around `generate` at its fixed length."""
+    """Fresh engines, one at a time: plain, then speculative (then prompt lookup), `rounds` times (every other round
+    in the reverse order), each warmed up, each prompt timed alone with a perf_counter around `generate` at its
+    fixed length."""
     from vllm import LLM, SamplingParams
 
     job = json.loads(job_file.read_text())
-    times: dict[str, list[list[float]]] = {"plain": [], "spec": []}
+    times: dict[str, list[list[float]]] = {side: [] for side in job["sides"]}
     for r in range(job["rounds"]):
-        for side in ("plain", "spec") if r % 2 == 0 else ("spec", "plain"):
-            llm = LLM(**job[side])
+        for side in list(job["sides"])[::1 if r % 2 == 0 else -1]:
+            llm = LLM(**job["sides"][side])
             warm = [{"prompt_token_ids": job["prompts"][0][0]}]
             llm.generate(warm, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False),
                          use_tqdm=False)
@@ -247,7 +258,8 @@ def tables(report: dict[str, Any], own: list[dict[str, Any]], watch: dict[str, A
         rows.append((f"{r['k']}, prompt lookup", with_interval(r["tau"], r["tau_interval"]),
                      f"{fmt(r['tokens_per_s_baseline'])} / {fmt(r['tokens_per_s'])}",
                      with_interval(r["speedup"], r["speedup_interval"]) + "×",
-                     with_interval(r["speedup_wall"], r["speedup_wall_interval"]) + "×", "", "", "", "", ""))
+                     with_interval(r["speedup_wall"], r["speedup_wall_interval"]) + "×",
+                     f"{fmt(watch['lookup']['speedup'])}×" if watch.get("lookup") else "", "", "", "", ""))
     k_table = table(rows, ("K", "vLLM τ", "vLLM tokens/s plain / spec (engine)", "vLLM speedup (engine)",
                            "vLLM speedup (stopwatch, same runs)", "vLLM speedup (independent stopwatch)",
                            "loop τ", "loop tokens/s plain / spec", "loop speedup (loop clock)",
@@ -258,7 +270,16 @@ def tables(report: dict[str, Any], own: list[dict[str, Any]], watch: dict[str, A
                f"{fmt(r['speedup_wall'])}×") for r in v["concurrency"]]
     c_table = table(c_rows, ("requests together", "K", "tokens/s plain / spec (engine)", "speedup (engine)",
                              "tokens/s plain / spec (stopwatch)", "speedup (stopwatch)"))
-    agree = watch["speedup"] and v["speedup"] / watch["speedup"] - 1
+    def agreement(what: str, eval_row: dict[str, Any], watched: dict[str, Any]) -> str:
+        agree = eval_row["speedup"] / watched["speedup"] - 1
+        return (f"Agreement {what}: the eval's speedup {fmt(eval_row['speedup'])}× (engine core; "
+                f"{fmt(eval_row['speedup_wall'])}× by the stopwatch around the same runs) against the independent "
+                f"stopwatch's {fmt(watched['speedup'])}× (rounds: "
+                f"{', '.join(fmt(x) for x in watched['speedup_by_round'])}): {agree:+.1%}, "
+                f"{'within' if abs(agree) <= AGREEMENT else 'NOT within'} {AGREEMENT:.0%}.")
+    agreements = [agreement("at best_k", v, watch)]
+    if watch.get("lookup"):
+        agreements.append(agreement(f"for prompt lookup (K = {watch['lookup']['k']})", v["ngram"], watch["lookup"]))
     s = report["settings"]
     return "\n".join([
         f"Drafter `{s['drafter']}` on `{report['target']['name']}`, {s['num_prompts']} held-out prompts, up to "
@@ -270,10 +291,7 @@ def tables(report: dict[str, Any], own: list[dict[str, Any]], watch: dict[str, A
                                      if v.get("best_k_share") is not None else "")
         + (f"; not measured for the time budget: K = {v['timing']['skipped_k']}" if v["timing"]["skipped_k"] else "")
         + ".", "",
-        f"Agreement at best_k: the eval's speedup {fmt(v['speedup'])}× (engine core; "
-        f"{fmt(v['speedup_wall'])}× by the stopwatch around the same runs) against the independent stopwatch's "
-        f"{fmt(watch['speedup'])}× (rounds: {', '.join(fmt(x) for x in watch['speedup_by_round'])}): "
-        f"{agree:+.1%}, {'within' if abs(agree) <= AGREEMENT else 'NOT within'} {AGREEMENT:.0%}.", "",
+        " ".join(agreements), "",
         "Requests decoded together (vLLM; the fastest K at each in bold):", "", c_table, "",
         ("Speculation does not pay here, even one request at a time." if not v["pays_up_to_concurrency"] else
          f"Speculation pays up to {v['pays_up_to_concurrency']} requests decoded together.")

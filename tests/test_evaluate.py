@@ -244,6 +244,27 @@ def test_a_machine_that_slowed_while_prompt_lookup_was_timed_is_flagged_too(tiny
             "prompt lookup's, 100% apart") in text
 
 
+def test_where_prompt_lookup_is_faster_than_the_drafter_the_tables_say_how_to_serve_it(tiny_target, drafters,
+                                                                                      monkeypatch, tmp_path):
+    """The eval measures both; the user serves the faster: its speculative config, ready to paste, only when it wins."""
+    from dflash_train import engine
+    from dflash_train.card import serving_tables
+    from dflash_train.evaluate import EvalConfig, engine_eval
+
+    prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
+    natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
+    config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1],
+                        concurrency=[], ngram=4)
+    advice = ("Prompt lookup is the faster here: serve it with `--speculative-config '{\"method\":\"ngram\","
+              "\"num_speculative_tokens\":4,\"prompt_lookup_min\":1,\"prompt_lookup_max\":3}'` in place of the "
+              "drafter's.")
+    for lookup_s, faster in ((0.8, True), (0.95, False)):  # the drafter's K = 1 at 0.9 s against plain's 1 s
+        monkeypatch.setattr(engine, "run_engine", fake_engine([], natural, {1: 0.9, "ngram": lookup_s}, {}, []))
+        v = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
+        text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
+        assert (advice in text) is faster, text
+
+
 class OracleDrafter(torch.nn.Module):
     """A drafter-shaped stub that knows the answer: its hidden state for the block slot at absolute position q
     is the one-hot of the target's own token there (`references[current]`, the prompt being decoded), so
