@@ -12,7 +12,7 @@ One command, three measurements of the same held-out prompts, printed side by si
    concurrency table and best_k (with --ngram K, vLLM's prompt lookup at that K beside it: the baseline);
 2. the project's loop (spec_decode) at the same K (a verify block of K + 1) on the same prompts at the same fixed
    lengths, plain and speculative alternating, by its own decode clock and by a stopwatch around each generation;
-3. an independent stopwatch: a fresh process, fresh vLLM engines with the eval's arguments, plain alone then
+3. an independent stopwatch: fresh vLLM engines with the eval's arguments, each in a fresh process, plain alone then
    speculative at best_k alone (then prompt lookup alone, with --ngram), twice, the second time in the reverse
    order, every prompt at the same fixed length (ignore_eos), a plain perf_counter around each request. The eval's
    speedup at best_k (and prompt lookup's) is believed when this agrees (within 5%).
@@ -24,7 +24,6 @@ each part: other jobs on the machine slow everything, and the tables say how loa
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shlex
@@ -167,8 +166,11 @@ def own_loop(args: argparse.Namespace, report: dict[str, Any], log: list[dict[st
 
 def stopwatch(args: argparse.Namespace, report: dict[str, Any], out: Path, log: list[dict[str, Any]]
               ) -> dict[str, Any]:
-    """The independent stopwatch, in its own process (vLLM's CPU environment is set before vLLM is imported); its
-    job (the prompts' token ids), log and timings go to `out` (beside the eval: never to results/)."""
+    """The independent stopwatch: fresh engines, one at a time, each in a process of its own (vLLM's CPU
+    environment is set before vLLM is imported; vLLM 0.32 on CPU cannot start another engine in a process after a
+    prompt-lookup one): plain, then speculative (then prompt lookup), `rounds` times, every other round in the
+    reverse order. Its job (the prompts' token ids), log and timings go to `out` (beside the eval: never to
+    results/)."""
     from dflash_train.engine import engine_environment
     from dflash_train.target import load_target
 
@@ -177,24 +179,28 @@ def stopwatch(args: argparse.Namespace, report: dict[str, Any], out: Path, log: 
     sides = {"plain": v["engine_args_plain"], "spec": v["engine_args"]}
     if v.get("ngram"):  # prompt lookup: plain decoding's arguments with the eval's ngram speculative config
         sides["lookup"] = {**v["engine_args_plain"], "speculative_config": v["ngram"]["engine_args"]}
-    job = {"sides": sides, "rounds": args.stopwatch_rounds,
-           "prompts": [(ids, length) for _, ids, length in held_out_prompts(args, report, target)]}
+    prompts = [(ids, length) for _, ids, length in held_out_prompts(args, report, target)]
     out.mkdir(parents=True, exist_ok=True)
-    job_file = out / "stopwatch-job.json"
-    job_file.write_text(json.dumps(job))
     entry = {"part": f"independent stopwatch (vLLM, K = {v['best_k']}"
                      + (f"; prompt lookup, K = {v['ngram']['k']})" if "lookup" in sides else ")"),
              "uptime_before": uptime()}
     started = time.perf_counter()
+    times: dict[str, list[list[float]]] = {side: [] for side in sides}
     with open(out / "stopwatch.log", "w") as f:
-        proc = subprocess.run([sys.executable, __file__, args.drafter, "--stopwatch-child", str(job_file)],
-                              env={**os.environ, **engine_environment("cpu")}, stdout=f, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise SystemExit(f"bench: the stopwatch process failed; its log: {out / 'stopwatch.log'}")
+        for r in range(args.stopwatch_rounds):
+            for side in list(sides)[::1 if r % 2 == 0 else -1]:
+                job_file = out / "stopwatch-job.json"
+                job_file.write_text(json.dumps({"engine_args": sides[side], "prompts": prompts}))
+                proc = subprocess.run([sys.executable, __file__, args.drafter, "--stopwatch-child", str(job_file)],
+                                      env={**os.environ, **engine_environment("cpu")}, stdout=f,
+                                      stderr=subprocess.STDOUT)
+                if proc.returncode != 0:
+                    raise SystemExit(f"bench: the stopwatch's {side} engine failed; its log: {out / 'stopwatch.log'}")
+                times[side].append(json.loads((out / "stopwatch-result.json").read_text()))
+                print(f"bench: stopwatch round {r + 1}, {side}: {sum(times[side][-1]):.1f} s", flush=True)
     entry.update(seconds=time.perf_counter() - started, uptime_after=uptime())
     log.append(entry)
-    times = json.loads((out / "stopwatch-result.json").read_text())
-    tokens = sum(length for _, length in job["prompts"])
+    tokens = sum(length for _, length in prompts)
     plain = sum(map(sum, times["plain"]))
 
     def against_plain(side: str) -> dict[str, Any]:
@@ -207,32 +213,22 @@ def stopwatch(args: argparse.Namespace, report: dict[str, Any], out: Path, log: 
 
 
 def stopwatch_child(job_file: Path) -> None:
-    """Fresh engines, one at a time: plain, then speculative (then prompt lookup), `rounds` times (every other round
-    in the reverse order), each warmed up, each prompt timed alone with a perf_counter around `generate` at its
-    fixed length."""
+    """One fresh engine, warmed up, each prompt timed alone with a perf_counter around `generate` at its fixed
+    length; the seconds go to stopwatch-result.json beside the job."""
     from vllm import LLM, SamplingParams
 
     job = json.loads(job_file.read_text())
-    times: dict[str, list[list[float]]] = {side: [] for side in job["sides"]}
-    for r in range(job["rounds"]):
-        for side in list(job["sides"])[::1 if r % 2 == 0 else -1]:
-            llm = LLM(**job["sides"][side])
-            warm = [{"prompt_token_ids": job["prompts"][0][0]}]
-            llm.generate(warm, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False),
-                         use_tqdm=False)
-            seconds = []
-            for ids, length in job["prompts"]:
-                params = SamplingParams(max_tokens=length, temperature=0, ignore_eos=True, detokenize=False)
-                t0 = time.perf_counter()
-                got = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-                seconds.append(time.perf_counter() - t0)
-                assert len(got[0].outputs[0].token_ids) == length, (len(got[0].outputs[0].token_ids), length)
-            times[side].append(seconds)
-            print(f"stopwatch: round {r + 1}, {side}: {sum(seconds):.1f} s", flush=True)
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
-    (job_file.parent / "stopwatch-result.json").write_text(json.dumps(times))
+    llm = LLM(**job["engine_args"])
+    warm = [{"prompt_token_ids": job["prompts"][0][0]}]
+    llm.generate(warm, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False), use_tqdm=False)
+    seconds = []
+    for ids, length in job["prompts"]:
+        params = SamplingParams(max_tokens=length, temperature=0, ignore_eos=True, detokenize=False)
+        t0 = time.perf_counter()
+        got = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        seconds.append(time.perf_counter() - t0)
+        assert len(got[0].outputs[0].token_ids) == length, (len(got[0].outputs[0].token_ids), length)
+    (job_file.parent / "stopwatch-result.json").write_text(json.dumps(seconds))
 
 
 # ------------------------------------------------------------------------------------------------ the tables
