@@ -267,6 +267,7 @@ def tables(report: dict[str, Any], own: list[dict[str, Any]], watch: dict[str, A
                f"{fmt(r['speedup_wall'])}×") for r in v["concurrency"]]
     c_table = table(c_rows, ("requests together", "K", "tokens/s plain / spec (engine)", "speedup (engine)",
                              "tokens/s plain / spec (stopwatch)", "speedup (stopwatch)"))
+
     def agreement(what: str, eval_row: dict[str, Any], watched: dict[str, Any]) -> str:
         agree = eval_row["speedup"] / watched["speedup"] - 1
         return (f"Agreement {what}: the eval's speedup {fmt(eval_row['speedup'])}× (engine core; "
