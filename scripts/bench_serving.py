@@ -187,14 +187,13 @@ def stopwatch(args: argparse.Namespace, report: dict[str, Any], out: Path, log: 
              "uptime_before": uptime()}
     started = time.perf_counter()
     times: dict[str, list[list[float]]] = {side: [] for side in sides}
+    job_file, env = out / "stopwatch-job.json", {**os.environ, **engine_environment("cpu")}
     with open(out / "stopwatch.log", "w") as f:
         for r in range(args.stopwatch_rounds):
             for side in list(sides)[::1 if r % 2 == 0 else -1]:
-                job_file = out / "stopwatch-job.json"
                 job_file.write_text(json.dumps({"engine_args": sides[side], "prompts": prompts}))
                 proc = subprocess.run([sys.executable, __file__, args.drafter, "--stopwatch-child", str(job_file)],
-                                      env={**os.environ, **engine_environment("cpu")}, stdout=f,
-                                      stderr=subprocess.STDOUT)
+                                      env=env, stdout=f, stderr=subprocess.STDOUT)
                 if proc.returncode != 0:
                     raise SystemExit(f"bench: the stopwatch's {side} engine failed; its log: {out / 'stopwatch.log'}")
                 times[side].append(json.loads((out / "stopwatch-result.json").read_text()))
