@@ -152,23 +152,7 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
                       f"{runs}, {timing.get('host_drift'):.0%} apart, on the same prompts at the same lengths. "
                       f"A speedup here can be off by about as much, and K measured at different times are not "
                       f"comparable: measure again on a quiet machine (`--repeats 2` pairs each prompt twice)."]
-    concurrency = [r for r in engine.get("concurrency") or [] if isinstance(r, dict)]
-    if any(r.get("requests") != 1 for r in concurrency):
-        best = {(r.get("requests"), r.get("k")) for r in engine.get("concurrency_best") or [] if isinstance(r, dict)}
-        rows = [(fmt(r.get("requests")), f"**{r.get('k')}**" if (r.get("requests"), r.get("k")) in best
-                 else fmt(r.get("k")), f"{fmt(r.get('tokens_per_s_baseline'))} / {fmt(r.get('tokens_per_s'))}",
-                 f"{fmt(r.get('speedup'))}×", f"{fmt(r.get('tokens_per_s_baseline_wall'))} / "
-                 f"{fmt(r.get('tokens_per_s_wall'))}", f"{fmt(r.get('speedup_wall'))}×") for r in concurrency]
-        paid = engine.get("pays_up_to_concurrency")
-        schedule = engine.get("per_batch_size_schedule")
-        lines += ["", "Requests decoded together (the fastest K at each in bold; tokens/s of all requests):", "",
-                  table(rows, ("Requests", "K", "Tokens/s plain / speculative", "Speedup",
-                               "Stopwatch: tokens/s plain / speculative", "Stopwatch: speedup")), "",
-                  ("Speculation does not pay here, even one request at a time." if not paid else
-                   f"Speculation pays up to {fmt(paid)} requests decoded together (of those measured).")
-                  + (f" The fastest K per batch size as vLLM's `num_speculative_tokens_per_batch_size` (inclusive "
-                     f"batch-size ranges and their K, 0 = no drafts; derived from these runs, not itself timed): "
-                     f"`{json.dumps(schedule)}`." if schedule else "")]
+    lines += concurrency_table(engine, lookup)
     lines += ["", f"Measured on {describe_machine(machine, engine.get('dtype'))}"
               + (f" ({fmt(timing['load_average_after'][0])} at the end)"
                  if isinstance(timing.get("load_average_after"), list) and timing["load_average_after"] else "")
@@ -176,6 +160,36 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
               f"{fmt(timing.get('repeats'))} timed run(s) per prompt and side. Tokens/s and the best K are a "
               f"measurement of this machine: on another one, measure again (`dflash-train eval`)."]
     return lines
+
+
+def concurrency_table(engine: dict[str, Any], lookup: dict[str, Any] | None = None) -> list[str]:
+    """The eval's runs of several requests decoded together (`engines.vllm`; `lookup`: its `ngram` entry), the
+    drafter's K and prompt lookup's side by side at each concurrency, and how far each pays; [] where none ran."""
+    concurrency = [r for r in engine.get("concurrency") or [] if isinstance(r, dict)]
+    if not any(r.get("requests") != 1 for r in concurrency):
+        return []
+    looked = [r for r in (lookup or {}).get("concurrency") or [] if isinstance(r, dict)]
+    best = {(r.get("requests"), r.get("k")) for r in engine.get("concurrency_best") or [] if isinstance(r, dict)}
+    labelled = [(f"**{r.get('k')}**" if (r.get("requests"), r.get("k")) in best else fmt(r.get("k")), r)
+                for r in concurrency] + [(f"{fmt(r.get('k'))}, prompt lookup", r) for r in looked]
+    rows = [(fmt(r.get("requests")), label, f"{fmt(r.get('tokens_per_s_baseline'))} / {fmt(r.get('tokens_per_s'))}",
+             f"{fmt(r.get('speedup'))}×", f"{fmt(r.get('tokens_per_s_baseline_wall'))} / "
+             f"{fmt(r.get('tokens_per_s_wall'))}", f"{fmt(r.get('speedup_wall'))}×")
+            for label, r in sorted(labelled, key=lambda lr: lr[1].get("requests") or 0)]  # stable: lookup last
+    schedule = engine.get("per_batch_size_schedule")
+
+    def pays(who: str, paid: Any) -> str:
+        return (f"{who} does not pay here, even one request at a time." if not paid else
+                f"{who} pays one request at a time only." if paid == 1 else
+                f"{who} pays up to {fmt(paid)} requests decoded together (of those measured).")
+    return ["", "Requests decoded together (the drafter's fastest K at each in bold; tokens/s of all requests):", "",
+            table(rows, ("Requests", "K", "Tokens/s plain / speculative", "Speedup",
+                         "Stopwatch: tokens/s plain / speculative", "Stopwatch: speedup")), "",
+            pays("Speculation", engine.get("pays_up_to_concurrency"))
+            + (f" The fastest K per batch size as vLLM's `num_speculative_tokens_per_batch_size` (inclusive "
+               f"batch-size ranges and their K, 0 = no drafts; derived from these runs, not itself timed): "
+               f"`{json.dumps(schedule)}`." if schedule else "")
+            + (" " + pays("Prompt lookup", (lookup or {}).get("pays_up_to_concurrency")) if looked else "")]
 
 
 def table(rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> str:

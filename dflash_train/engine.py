@@ -528,8 +528,8 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
        c prompts (cycled), decoded together, the same way. Every run is timed by the engine core (from the arrival of its first request to its
        last token: `core_s`; from its first token to its last: `decode_s`) and by a stopwatch around the call
        (`wall_s`). The speculative engine is shut down before the next K starts.
-    3. Then vLLM's prompt lookup at K = `job.ngram_tokens`, the same way at batch 1 (whatever the budget: a
-       baseline asked for is measured); its run says `"method": "ngram"`."""
+    3. Then vLLM's prompt lookup at K = `job.ngram_tokens`, the same way, at batch 1 and at each concurrency
+       (whatever the budget: a baseline asked for is measured); its run says `"method": "ngram"`."""
     import gc
 
     first = job.requests[0]
@@ -559,7 +559,7 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
                                "batch1": [], "concurrency": []}
         for n, batch in [(1, [r]) for r in fixed] + [
                 (c, [replace(fixed[j % len(fixed)], id=f"{fixed[j % len(fixed)].id}#{j}") for j in range(c)])
-                for c in (job.concurrency if method == "dflash" else [])]:
+                for c in job.concurrency]:
             times: dict[str, Any] = {"requests": n, "tokens": sum(r.max_tokens for r in batch)}
             if n == 1:
                 times["id"] = batch[0].id

@@ -672,8 +672,12 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     drafted = [r for r in result.timed["runs"] if r.get("method", "dflash") == "dflash"]
     runs = {r["k"]: r for r in drafted}
     sweep = [k_row(r, natural, greedy) for r in drafted]
-    lookup = next((k_row(r, natural, greedy) | {"engine_args": r["llm_kwargs"]["speculative_config"]}
-                   for r in result.timed["runs"] if r.get("method") == "ngram"), None)
+    lookup_run = next((r for r in result.timed["runs"] if r.get("method") == "ngram"), None)
+    lookup = None
+    if lookup_run:  # one K: its rows are its best at each concurrency
+        lookup = k_row(lookup_run, natural, greedy) | {"engine_args": lookup_run["llm_kwargs"]["speculative_config"]}
+        lookup["concurrency"] = concurrency_rows([lookup], [lookup_run])
+        lookup["pays_up_to_concurrency"] = pays_up_to(lookup["concurrency"])
     best = max(sweep, key=lambda row: row["speedup"] if math.isfinite(row["speedup"] or math.nan) else -1.0)
     best_k = best["k"]
     spec = {o["id"]: o["token_ids"] for o in runs[best_k]["outputs"]}

@@ -234,7 +234,7 @@ def stopwatch_child(job_file: Path) -> None:
 # ------------------------------------------------------------------------------------------------ the tables
 
 def tables(report: dict[str, Any], own: list[dict[str, Any]], watch: dict[str, Any]) -> str:
-    from dflash_train.card import describe_machine, fmt, table, with_interval
+    from dflash_train.card import concurrency_table, describe_machine, fmt, table, with_interval
 
     v = report["engines"]["vllm"]
     mine = {r["k"]: r for r in own}
@@ -260,12 +260,6 @@ def tables(report: dict[str, Any], own: list[dict[str, Any]], watch: dict[str, A
                            "vLLM speedup (stopwatch, same runs)", "vLLM speedup (independent stopwatch)",
                            "loop τ", "loop tokens/s plain / spec", "loop speedup (loop clock)",
                            "loop speedup (stopwatch)"))
-    c_rows = [(fmt(r["requests"]), f"**{r['k']}**" if r in v["concurrency_best"] else fmt(r["k"]),
-               f"{fmt(r['tokens_per_s_baseline'])} / {fmt(r['tokens_per_s'])}", f"{fmt(r['speedup'])}×",
-               f"{fmt(r['tokens_per_s_baseline_wall'])} / {fmt(r['tokens_per_s_wall'])}",
-               f"{fmt(r['speedup_wall'])}×") for r in v["concurrency"]]
-    c_table = table(c_rows, ("requests together", "K", "tokens/s plain / spec (engine)", "speedup (engine)",
-                             "tokens/s plain / spec (stopwatch)", "speedup (stopwatch)"))
 
     def agreement(what: str, eval_row: dict[str, Any], watched: dict[str, Any]) -> str:
         agree = eval_row["speedup"] / watched["speedup"] - 1
@@ -289,12 +283,7 @@ def tables(report: dict[str, Any], own: list[dict[str, Any]], watch: dict[str, A
         + (f"; not measured for the time budget: K = {v['timing']['skipped_k']}" if v["timing"]["skipped_k"] else "")
         + ".", "",
         " ".join(agreements), "",
-        "Requests decoded together (vLLM; the fastest K at each in bold):", "", c_table, "",
-        ("Speculation does not pay here, even one request at a time." if not v["pays_up_to_concurrency"] else
-         f"Speculation pays up to {v['pays_up_to_concurrency']} requests decoded together.")
-        + (f" vLLM's `num_speculative_tokens_per_batch_size` from this: `{v['per_batch_size_schedule']}`."
-           if v.get("per_batch_size_schedule") else "")])
-
+        *concurrency_table(v, v.get("ngram"))[1:]])
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)

@@ -227,10 +227,12 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
     assert lookup["lossless_checked"] == len(PROMPTS) and lookup["lossless_mismatches"] == 0, lookup
     assert 1 <= lookup["tau"] <= 4 and len(lookup["per_position_acceptance"]) == 3, lookup
     assert [p["id"] for p in lookup["per_prompt"]] == [p["id"] for p in rows[7]["per_prompt"]]
+    assert [(r["requests"], r["k"]) for r in lookup["concurrency"]] == [(1, 3), (2, 3)]  # at the drafter's batches
     assert vllm["serve_command"].startswith("vllm serve ") and report["settings"]["machine"]["cores"] >= 1
     md = (out / "report.md").read_text()
     assert "The drafter in the engine and in the project's loop" in md and f"vLLM {vllm_version()}" in md
     assert f"best_k = {best['k']}: the fastest at batch 1" in md and "| 3, prompt lookup |" in md
+    assert "| 2 | 3, prompt lookup |" in md
     assert {p.name for p in (out / "engine").iterdir()} == {"timed.log"}
 
 

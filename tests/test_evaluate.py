@@ -93,7 +93,7 @@ def fake_engine(calls: list, natural: dict[str, list[int]], spec_s: dict[int, fl
     outputs to the natural stop (decode phase 0.8 s), and per K the timings (plain 1 s per prompt, or plain_s[K],
     and 2 s per batch, speculative spec_s[K] and together_s[K]; the decode phase 0.2 s less, the stopwatch 0.1 s
     more, on both sides) and the speculative outputs (K=3: the first prompt differs from plain in bf16). A job with
-    ngram_tokens then times prompt lookup at that K, its timings under the key "ngram"."""
+    ngram_tokens then times prompt lookup at that K the same way, its timings under the key "ngram"."""
     from dflash_train.engine import EngineOutput, EngineResult
 
     def run_engine(job, workdir, what):
@@ -116,13 +116,9 @@ def fake_engine(calls: list, natural: dict[str, list[int]], spec_s: dict[int, fl
                         "plain_wall_s": [plain + 0.1], "spec_wall_s": [spec + 0.1]}
             timed = [{"id": rid, **times(1, len(natural[rid]), (plain_s or {}).get(key, 1.0), spec_s[key])}
                      for rid in ids]
-            if method == "ngram":  # batch 1 only, as the child times it
-                runs.append({"method": "ngram", "k": k, "llm_kwargs": job.llm_kwargs(k, "ngram"), "load_s": 30.0,
-                             "seconds": 60.0, "outputs": outputs, "batch1": timed, "concurrency": []})
-                continue
-            together = [times(c, c * 9, 2.0, together_s[k]) for c in job.concurrency]
-            runs.append({"k": k, "llm_kwargs": job.llm_kwargs(k), "load_s": 30.0, "seconds": 60.0,
-                         "outputs": outputs, "batch1": timed, "concurrency": together})
+            together = [times(c, c * 9, 2.0, together_s[key]) for c in job.concurrency]
+            runs.append({"method": method, "k": k, "llm_kwargs": job.llm_kwargs(k, method), "load_s": 30.0,
+                         "seconds": 60.0, "outputs": outputs, "batch1": timed, "concurrency": together})
         return EngineResult(version="0.32.0", llm_kwargs=job.llm_kwargs(), load_s=30.0, wall_s=100.0,
                             outputs=[EngineOutput(id=rid, token_ids=natural[rid], finish_reason="stop", decode_s=0.8)
                                      for rid in ids], environment={},
@@ -192,7 +188,7 @@ def test_the_engine_eval_reports_the_fastest_k_with_its_figures_and_intervals(ti
     text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2, "load_average": [0.5, 0.5, 0.5]}))
     assert "best_k = 3: the fastest at batch 1 (in 100% of the bootstrap" in text and "K = 2" in text
     assert "| **3** | 4 [4, 4] | 9 / 18 | 2 [2, 2]× |" in text and "Some CPU (2 cores), bf16" in text
-    assert "Speculation pays up to 1 requests" in text and "[[1, 1, 3], [2, 2, 0]]" in text
+    assert "Speculation pays one request at a time only." in text and "[[1, 1, 3], [2, 2, 0]]" in text
 
 
 def test_a_sweep_on_a_machine_whose_speed_changed_says_so(tiny_target, drafters, monkeypatch, tmp_path):
@@ -263,6 +259,36 @@ def test_where_prompt_lookup_is_faster_than_the_drafter_the_tables_say_how_to_se
         v = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
         text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
         assert (advice in text) is faster, text
+
+
+def test_prompt_lookup_is_timed_with_requests_together_and_the_tables_say_how_far_it_pays(tiny_target, drafters,
+                                                                                         monkeypatch, tmp_path):
+    """A user serving many requests at once serves the faster of the two at their batch: prompt lookup is timed at
+    every concurrency the drafter is, its rows beside the drafter's, and how far each pays."""
+    from dflash_train import engine
+    from dflash_train.card import serving_tables
+    from dflash_train.evaluate import EvalConfig, engine_eval
+
+    prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
+    natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
+    calls: list = []
+    # batch 1: the drafter 0.9 s and lookup 0.8 s against plain's 1 s; 4 together: the drafter 1.6 s and lookup
+    # 2.5 s against plain's 2 s (lookup loses there); 16 together: both lose
+    monkeypatch.setattr(engine, "run_engine", fake_engine(calls, natural, {1: 0.9, "ngram": 0.8},
+                                                          {1: 1.6, "ngram": 2.5}, []))
+    config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1],
+                        concurrency=[4], ngram=3)
+    v = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
+    assert calls[0].ngram_tokens == 3 and calls[0].concurrency == [4]
+    lookup = v["ngram"]
+    assert [(r["requests"], r["k"]) for r in lookup["concurrency"]] == [(1, 3), (4, 3)]
+    assert lookup["concurrency"][1]["speedup"] == pytest.approx(2.0 / 2.5)
+    assert lookup["pays_up_to_concurrency"] == 1 and v["pays_up_to_concurrency"] == 4
+    assert [(r["requests"], r["k"]) for r in v["concurrency"]] == [(1, 1), (4, 1)]  # the drafter's own, unchanged
+    text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
+    assert "| 4 | **1** | 18 / 22.5 | 1.25× |" in text and "| 4 | 3, prompt lookup | 18 / 14.4 | 0.8× |" in text
+    assert ("Speculation pays up to 4 requests decoded together (of those measured). Prompt lookup pays one "
+            "request at a time only.") in text
 
 
 class OracleDrafter(torch.nn.Module):
