@@ -446,7 +446,8 @@ def _child(workdir: Path) -> None:
         last = max(m.last_token_ts for m in stats) if timed else float("nan")
         return Generated([_output(r, res) for r, res in zip(requests, results)],
                          last - min(m.queued_ts for m in stats) if timed else float("nan"),
-                         last - min(m.first_token_ts for m in stats) if timed else float("nan"), wall_s)
+                         last - min(m.first_token_ts for m in stats) if timed else float("nan"), wall_s,
+                         sum(res.num_cached_tokens or 0 for res in results))
 
     plain, kwargs, load_s = start(None)
     t0 = time.perf_counter()
@@ -507,11 +508,13 @@ STREAM_EVERY_S = 10.0
 @dataclass
 class Generated:
     """One `generate` call: its outputs and its seconds, by the engine core from the first request's arrival to the
-    last token (`core_s`) and from the first token to the last (`decode_s`), and by a stopwatch around the call."""
+    last token (`core_s`) and from the first token to the last (`decode_s`), and by a stopwatch around the call;
+    and the prompt tokens its prefix cache served instead of a prefill (`cached_tokens`)."""
     outputs: list[dict[str, Any]]
     core_s: float
     decode_s: float
     wall_s: float
+    cached_tokens: int = 0
 
 
 def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple[list[dict], dict[str, Any]]:
@@ -524,7 +527,8 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
        beside the plain one and warms up; every prompt is decoded `repeats` times by each side, alone, at its
        natural length with `ignore_eos` (both sides decode the same number of tokens; greedy: the same tokens),
        alternating which side goes first from prompt to prompt and from repeat to repeat (ABBA), so that a change
-       of load on the machine hits both alike, each run IDLE_S after the last; then each concurrency c: the first
+       of load on the machine hits both alike, each run IDLE_S after the last and after both engines' prefix caches
+       are emptied (no prompt is served from an earlier request's cache); then each concurrency c: the first
        c prompts (cycled), decoded together, the same way. Every run is timed by the engine core (from the arrival of its first request to its
        last token: `core_s`; from its first token to its last: `decode_s`) and by a stopwatch around the call
        (`wall_s`). The speculative engine is shut down before the next K starts.
@@ -567,8 +571,12 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
                 parity = (len(run["batch1"]) + len(run["concurrency"]) + repeat) % 2
                 for side in ("plain", "spec") if parity == 0 else ("spec", "plain"):
                     time.sleep(IDLE_S)
+                    # Every timed run prefills cold: the plain engine holds the prompts of its natural pass, the
+                    # speculative one has not seen them, and with room for several sequences (--concurrency) plain's
+                    # prefill would be a cache hit (BENCHMARKS "A prompt cached on one side only").
+                    sides[side].reset_prefix_cache()
                     got = generate(sides[side], batch)
-                    for clock in ("core_s", "decode_s", "wall_s"):
+                    for clock in ("core_s", "decode_s", "wall_s", "cached_tokens"):
                         times.setdefault(f"{side}_{clock}", []).append(getattr(got, clock))
                     if side == "spec" and repeat == 0 and n == 1:
                         run["outputs"] += got.outputs

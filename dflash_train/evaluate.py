@@ -448,7 +448,8 @@ HEADLINE = ("tau", "tau_interval", "tau_steps", "per_position_acceptance", "tau_
 TIMING_PROTOCOL = ("warm engines (one short request each first), plain and speculative side by side in one process; "
                    "each prompt decoded alone to its natural stop by plain decoding, then timed plain and speculative "
                    "at that length with ignore_eos (the same number of new tokens on both sides), alternating which "
-                   f"side goes first, each request {IDLE_S} s after the last (the idle engine stops polling); timed "
+                   f"side goes first, each request {IDLE_S} s after the last (the idle engine stops polling) with "
+                   "both engines' prefix caches emptied (every timed prompt prefilled in full); timed "
                    "by the engine core from the request's arrival to its last token (the decode phase alone: from "
                    "its first token) and by a stopwatch around the whole request; concurrency c: the first c "
                    "prompts (cycled) decoded together, timed the same way")
@@ -545,6 +546,8 @@ def k_row(run: dict[str, Any], natural: dict[str, Any], greedy: bool) -> dict[st
         times = _mean_times(timed)
         per_prompt.append({"id": timed["id"], "new_tokens": timed["tokens"], "requests": 1, "tau": mean_tau(steps),
                            "mismatch": greedy and out.token_ids != natural[timed["id"]].token_ids, **times,
+                           **{f"{side}_cached_tokens": max(timed.get(f"{side}_cached_tokens") or [0])
+                              for side in ("plain", "spec")},  # 0: both prefilled every prompt in full
                            **{f"speedup{suffix}": times[f"plain_{clock}"] / times[f"spec_{clock}"]
                               for suffix, clock in zip(("", "_decode", "_wall"), CLOCKS)}})
         spreads += [(max(v) - min(v)) / (sum(v) / len(v)) for key in TIMING if len(v := timed[key]) > 1]

@@ -214,7 +214,7 @@ def stopwatch(args: argparse.Namespace, report: dict[str, Any], out: Path, log: 
 
 def stopwatch_child(job_file: Path) -> None:
     """One fresh engine, warmed up, each prompt timed alone with a perf_counter around `generate` at its fixed
-    length; the seconds go to stopwatch-result.json beside the job."""
+    length, its prefix cache emptied first; the seconds go to stopwatch-result.json beside the job."""
     from vllm import LLM, SamplingParams
 
     job = json.loads(job_file.read_text())
@@ -224,6 +224,7 @@ def stopwatch_child(job_file: Path) -> None:
     seconds = []
     for ids, length in job["prompts"]:
         params = SamplingParams(max_tokens=length, temperature=0, ignore_eos=True, detokenize=False)
+        llm.reset_prefix_cache()  # every prompt prefilled in full, as in the eval (the warm-up cached the first)
         t0 = time.perf_counter()
         got = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
         seconds.append(time.perf_counter() - t0)

@@ -187,9 +187,12 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
     as the headline, the engine's speedup agreeing with a stopwatch around the same runs, the concurrency runs, the
     user's engine arguments recorded; and at the whole block the same acceptance as the project's loop."""
     out = tmp_path / "eval"
+    # a KV cache with room for every prompt, in blocks shorter than they are: plain decoding's natural pass leaves
+    # them all in its prefix cache
+    engine_args = json.dumps({"max_num_seqs": 4, "kv_cache_memory_bytes": 64 << 20, "block_size": 32})
     assert eval_cli("--engine", "both", "--drafter", overfit_drafter, "--target", engine_target,
                     "--prompts", prompts_file, "--out", out, "--speculative-tokens", "7,1", "--concurrency", "2",
-                    "--engine-args", '{"max_num_seqs": 4}', "--ngram", "3") == 0
+                    "--engine-args", engine_args, "--ngram", "3") == 0
     report = json.loads((out / "report.json").read_text())
     vllm, own = report["engines"]["vllm"], report["engines"]["own"]
     assert vllm["version"] == vllm_version()
@@ -203,6 +206,9 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
         for p in row["per_prompt"]:  # the decode phase lies in the engine's request time, that in the stopwatch's
             for side in ("plain", "spec"):
                 assert 0 < p[f"{side}_decode_s"] < p[f"{side}_core_s"] < p[f"{side}_wall_s"], p
+                # both prefill every prompt in full: the plain engine's cache, room for several sequences here,
+                # holds them all from its natural pass
+                assert p[f"{side}_cached_tokens"] == 0, p
         # both sides decode the same tokens: the engine's speedup and the stopwatch's around the same requests
         # agree, within their noise (the intervals over prompts overlap) and within 10%
         (lo, hi), (wall_lo, wall_hi) = row["speedup_interval"], row["speedup_wall_interval"]
@@ -212,7 +218,7 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
     assert vllm["best_k"] == best["k"] and (vllm["speedup"], vllm["tau"]) == (best["speedup"], best["tau"])
     assert vllm["engine_args"]["speculative_config"] == {"method": "dflash", "model": str(overfit_drafter),
                                                           "num_speculative_tokens": best["k"]}
-    assert vllm["engine_args"]["max_num_seqs"] == 4 and report["settings"]["engine_args"] == {"max_num_seqs": 4}
+    assert vllm["engine_args"]["max_num_seqs"] == 4 and report["settings"]["engine_args"] == json.loads(engine_args)
     assert vllm["lossless_mismatches"] == 0 and own["lossless_mismatches"] == 0
     assert rows[7]["tau"] > 2 and rows[7]["per_position_acceptance"][0] > 0.5, rows[7]
     assert 1.5 < rows[1]["tau"] <= 2
