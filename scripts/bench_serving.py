@@ -286,6 +286,7 @@ def tables(report: dict[str, Any], own: list[dict[str, Any]], watch: dict[str, A
         " ".join(agreements), "",
         *concurrency_table(v, v.get("ngram"))[1:]])
 
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.stopwatch_child:

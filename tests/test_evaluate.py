@@ -273,7 +273,7 @@ def test_prompt_lookup_is_timed_with_requests_together_and_the_tables_say_how_fa
     natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
     calls: list = []
     # batch 1: the drafter 0.9 s and lookup 0.8 s against plain's 1 s; 4 together: the drafter 1.6 s and lookup
-    # 2.5 s against plain's 2 s (lookup loses there); 16 together: both lose
+    # 2.5 s against plain's 2 s (lookup loses there)
     monkeypatch.setattr(engine, "run_engine", fake_engine(calls, natural, {1: 0.9, "ngram": 0.8},
                                                           {1: 1.6, "ngram": 2.5}, []))
     config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1],
