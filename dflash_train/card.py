@@ -152,7 +152,7 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
                       f"{runs}, {timing.get('host_drift'):.0%} apart, on the same prompts at the same lengths. "
                       f"A speedup here can be off by about as much, and K measured at different times are not "
                       f"comparable: measure again on a quiet machine (`--repeats 2` pairs each prompt twice)."]
-    lines += concurrency_table(engine, lookup)
+    lines += concurrency_table(engine)
     lines += ["", f"Measured on {describe_machine(machine, engine.get('dtype'))}"
               + (f" ({fmt(timing['load_average_after'][0])} at the end)"
                  if isinstance(timing.get("load_average_after"), list) and timing["load_average_after"] else "")
@@ -162,13 +162,14 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
     return lines
 
 
-def concurrency_table(engine: dict[str, Any], lookup: dict[str, Any] | None = None) -> list[str]:
-    """The eval's runs of several requests decoded together (`engines.vllm`; `lookup`: its `ngram` entry), the
-    drafter's K and prompt lookup's side by side at each concurrency, and how far each pays; [] where none ran."""
+def concurrency_table(engine: dict[str, Any]) -> list[str]:
+    """The eval's runs of several requests decoded together (`engines.vllm`), the drafter's K and prompt lookup's
+    (its `ngram` entry) side by side at each concurrency, and how far each pays; [] where none ran."""
     concurrency = [r for r in engine.get("concurrency") or [] if isinstance(r, dict)]
     if not any(r.get("requests") != 1 for r in concurrency):
         return []
-    looked = [r for r in (lookup or {}).get("concurrency") or [] if isinstance(r, dict)]
+    lookup = engine.get("ngram") if isinstance(engine.get("ngram"), dict) else {}
+    looked = [r for r in lookup.get("concurrency") or [] if isinstance(r, dict)]
     best = {(r.get("requests"), r.get("k")) for r in engine.get("concurrency_best") or [] if isinstance(r, dict)}
     labelled = [(f"**{r.get('k')}**" if (r.get("requests"), r.get("k")) in best else fmt(r.get("k")), r)
                 for r in concurrency] + [(f"{fmt(r.get('k'))}, prompt lookup", r) for r in looked]
@@ -189,7 +190,7 @@ def concurrency_table(engine: dict[str, Any], lookup: dict[str, Any] | None = No
             + (f" The fastest K per batch size as vLLM's `num_speculative_tokens_per_batch_size` (inclusive "
                f"batch-size ranges and their K, 0 = no drafts; derived from these runs, not itself timed): "
                f"`{json.dumps(schedule)}`." if schedule else "")
-            + (" " + pays("Prompt lookup", (lookup or {}).get("pays_up_to_concurrency")) if looked else "")]
+            + (" " + pays("Prompt lookup", lookup.get("pays_up_to_concurrency")) if looked else "")]
 
 
 def table(rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> str:

@@ -514,7 +514,7 @@ class Generated:
     core_s: float
     decode_s: float
     wall_s: float
-    cached_tokens: int = 0
+    cached_tokens: int
 
 
 def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple[list[dict], dict[str, Any]]:

@@ -284,7 +284,7 @@ def tables(report: dict[str, Any], own: list[dict[str, Any]], watch: dict[str, A
         + (f"; not measured for the time budget: K = {v['timing']['skipped_k']}" if v["timing"]["skipped_k"] else "")
         + ".", "",
         " ".join(agreements), "",
-        *concurrency_table(v, v.get("ngram"))[1:]])
+        *concurrency_table(v)[1:]])
 
 
 def main(argv: list[str] | None = None) -> int:
