@@ -109,7 +109,9 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
     lookup = engine.get("ngram") if isinstance(engine.get("ngram"), dict) else None
     labelled = [(f"**{r.get('k')}**" if r.get("k") == best_k else fmt(r.get("k")), r)
                 for r in sorted(sweep, key=lambda r: r.get("k") or 0)]
-    labelled += [(f"{fmt(lookup.get('k'))}, prompt lookup", lookup)] if lookup else []
+    looked = sorted((r for r in engine.get("ngram_sweep") or ([lookup] if lookup else []) if isinstance(r, dict)),
+                    key=lambda r: r.get("k") or 0)  # every lookup K timed (older reports: the one in ngram)
+    labelled += [(f"{fmt(r.get('k'))}, prompt lookup", r) for r in looked]
     rows = [(label, with_interval(r.get("tau"), r.get("tau_interval")),
              f"{fmt(r.get('tokens_per_s_baseline'))} / {fmt(r.get('tokens_per_s'))}",
              with_interval(r.get("speedup"), r.get("speedup_interval")) + "×",
@@ -135,7 +137,9 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
                       f"occurrence of the context's last n tokens, n from {fmt(config.get('prompt_lookup_max'))} "
                       f"down to {fmt(config.get('prompt_lookup_min'))}), timed the same way on the same prompts: "
                       f"the baseline a drafter has to beat: {fmt(lookup.get('speedup'))}× at K = "
-                      f"{fmt(lookup.get('k'))} against the drafter's {fmt(mine.get('speedup'))}× at best_k.")
+                      f"{fmt(lookup.get('k'))}"
+                      + (f" (the fastest of K = {', '.join(fmt(r.get('k')) for r in looked)})" if len(looked) > 1
+                         else "") + f" against the drafter's {fmt(mine.get('speedup'))}× at best_k.")
         if (lookup.get("speedup") or 0) > (mine.get("speedup") or 0):  # what to serve: the faster of the two
             lines[-1] += (f" Prompt lookup is the faster here: serve it with `--speculative-config "
                           f"'{json.dumps(config, separators=(',', ':'))}'` in place of the drafter's.")

@@ -100,7 +100,8 @@ class EngineJob:
     # timed mode: the K at which vLLM's prompt lookup (NGRAM_LOOKUP) is timed after the drafter's K, the same way,
     # whatever the budget (a baseline asked for is measured). One K, last: vLLM 0.32 cannot start another engine in
     # a process after a prompt-lookup one (its CPU kernel overrides trip over an object llvmlite, imported by the
-    # lookup, leaves in sys.modules: AttributeError '_lib_fn_wrapper' object has no attribute 'get').
+    # lookup, leaves in sys.modules: AttributeError '_lib_fn_wrapper' object has no attribute 'get'); each further
+    # lookup K is a job of its own (no drafter K, its requests already at their timed lengths: `lookup_job`).
     ngram_tokens: int | None = None
 
     def max_num_seqs(self) -> int | None:
@@ -122,6 +123,19 @@ class EngineJob:
         if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & self.engine_args.keys():
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes or kv_cache_bytes_for(self)
         return {**{key: value for key, value in kwargs.items() if value is not None}, **self.engine_args}
+
+
+def at_length(request: EngineRequest, tokens: int) -> EngineRequest:
+    """A timed run's request: decoded to exactly `tokens` (its natural length), whatever the stop tokens say, so
+    that both sides decode the same tokens."""
+    return replace(request, max_tokens=max(1, tokens), ignore_eos=True)
+
+
+def lookup_job(job: EngineJob, natural: dict[str, EngineOutput], k: int) -> EngineJob:
+    """A further prompt-lookup K of the timed `job`, in a process of its own (see EngineJob.ngram_tokens): the
+    same prompts at the lengths the job's reference pass found (`natural`, by id), no drafter K."""
+    return replace(job, requests=[at_length(r, len(natural[r.id].token_ids)) for r in job.requests],
+                   speculative_tokens=[], ngram_tokens=k, budget_s=None)
 
 
 GiB = 1 << 30
@@ -521,7 +535,8 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
     """The eval's speedup protocol (runs in the child). Returns the plain outputs to each prompt's natural stop
     (the reference: the lossless check and each prompt's length) and, per speculation length K, the timings.
 
-    1. Plain decoding warms up (one short request), then decodes every prompt alone to its natural stop.
+    1. Plain decoding warms up (one short request), then decodes every prompt alone to its natural stop (skipped
+       where every request already has its timed length and `ignore_eos`: a `lookup_job`; no outputs then).
     2. For each K of `job.speculative_tokens` in order (the first always; each next one only while the budget,
        counted from the child's start, still holds the most any K has cost so far): a speculative engine starts
        beside the plain one and warms up; every prompt is decoded `repeats` times by each side, alone, at its
@@ -529,25 +544,28 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
        alternating which side goes first from prompt to prompt and from repeat to repeat (ABBA), so that a change
        of load on the machine hits both alike, each run IDLE_S after the last and after both engines' prefix caches
        are emptied (no prompt is served from an earlier request's cache); then each concurrency c: the first
-       c prompts (cycled), decoded together, the same way. Every run is timed by the engine core (from the arrival of its first request to its
-       last token: `core_s`; from its first token to its last: `decode_s`) and by a stopwatch around the call
-       (`wall_s`). The speculative engine is shut down before the next K starts.
+       c prompts (cycled), decoded together, the same way. Every run is timed by the engine core (from the
+       arrival of its first request to its last token: `core_s`; from its first token to its last: `decode_s`)
+       and by a stopwatch around the call (`wall_s`). The speculative engine is shut down before the next K starts.
     3. Then vLLM's prompt lookup at K = `job.ngram_tokens`, the same way, at batch 1 and at each concurrency
        (whatever the budget: a baseline asked for is measured); its run says `"method": "ngram"`."""
     import gc
 
     first = job.requests[0]
     warm_up = [replace(first, id="warm-up", max_tokens=min(8, first.max_tokens))]
-    opened = start(job.speculative_tokens[0])  # before minutes of decoding: a drafter vLLM refuses fails first
+    todo = [("dflash", k) for k in job.speculative_tokens]
+    todo += [("ngram", job.ngram_tokens)] if job.ngram_tokens else []
+    opened = start(todo[0][1], todo[0][0])  # before minutes of decoding: a drafter vLLM refuses fails first
     generate(plain, warm_up)
-    natural = [generate(plain, [r]).outputs[0] for r in job.requests]
+    if all(r.ignore_eos for r in job.requests):  # lengths fixed by an earlier job's reference pass (`lookup_job`)
+        natural, fixed = [], job.requests
+    else:
+        natural = [generate(plain, [r]).outputs[0] for r in job.requests]
+        fixed = [at_length(r, len(o["token_ids"])) for r, o in zip(job.requests, natural)]
     t0 = time.perf_counter() - opened[2]  # the first K's cost: its engine's start, and its runs
-    fixed = [replace(r, max_tokens=max(1, len(o["token_ids"])), ignore_eos=True) for r, o in zip(job.requests, natural)]
     runs: list[dict[str, Any]] = []
     skipped: list[int] = []
     most = 0.0  # the most any K has cost so far, seconds
-    todo = [("dflash", k) for k in job.speculative_tokens]
-    todo += [("ngram", job.ngram_tokens)] if job.ngram_tokens else []
     for i, (method, k) in enumerate(todo):
         if i and method == "dflash" and job.budget_s is not None and \
                 time.perf_counter() - started + most > job.budget_s:

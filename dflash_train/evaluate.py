@@ -97,10 +97,10 @@ class EvalConfig:
                                          "('' for batch 1 only)")
     repeats: int = option(1, check=at_least(1), help="vLLM: timed runs per prompt and side (plain, speculative), "
                                                     "alternating which goes first")
-    ngram: int | None = option(None, metavar="K", check=at_least(1),
-                               help="vLLM: also time the engine's own prompt lookup (method ngram: no model, no "
-                                    "training) at this K, the same way, after the drafter's: the baseline it has to "
-                                    "beat")
+    ngram: list[int] = option(default_factory=list, metavar="K,K,...", check=each(at_least(1)),
+                              help="vLLM: also time the engine's own prompt lookup (method ngram: no model, no "
+                                   "training) at these K, the same way, after the drafter's, whatever the budget: "
+                                   "the baseline it has to beat (its fastest K at batch 1 is the one compared)")
     engine_args: dict[str, Any] = option(default_factory=dict, metavar="JSON", check=engine_args_problem,
                                          help='vLLM engine arguments as JSON, e.g. \'{"tensor_parallel_size": 8}\' '
                                               '(vllm serve\'s flags, _ for -), checked by vLLM\'s own parser')
@@ -560,6 +560,11 @@ def k_row(run: dict[str, Any], natural: dict[str, Any], greedy: bool) -> dict[st
     return row
 
 
+def fastest_at_batch_1(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The row of the fastest K at batch 1, by the engine's speedup (a K without a finite one comes last)."""
+    return max(rows, key=lambda row: row["speedup"] if math.isfinite(row["speedup"] or math.nan) else -1.0)
+
+
 def best_k_share(sweep: list[dict[str, Any]], best: int) -> float | None:
     """How often `best` is the fastest K at batch 1 when the prompts are resampled (the bootstrap of the
     intervals): near 1, another set of prompts would pick it too."""
@@ -649,7 +654,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     max_len = max(len(ids) for ids in prompts.values()) + cfg.max_new_tokens + block_size
 
     def run(ids: dict[str, list[int]], dtype: str, tag: str, ks: list[int], concurrency: list[int],
-            budget_s: float | None, mode: str = "timed") -> engine.EngineResult:
+            budget_s: float | None, mode: str = "timed") -> tuple[engine.EngineJob, engine.EngineResult]:
         requests = [engine.EngineRequest(id=rid, prompt_token_ids=p, max_tokens=cfg.max_new_tokens,
                                          temperature=cfg.temperature, seed=prompt_seed(cfg.seed, rid))
                     for rid, p in ids.items()]
@@ -658,30 +663,40 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
                                mode=mode, seed=cfg.seed, device=torch.device(device).type,
                                engine_args=cfg.engine_args, speculative_tokens=ks, concurrency=concurrency,
                                repeats=cfg.repeats, budget_s=budget_s,
-                               ngram_tokens=cfg.ngram if mode == "timed" else None)
+                               ngram_tokens=lookup_ks[0] if lookup_ks and mode == "timed" else None)
         budget = f", {budget_s:.0f} s budget" if budget_s is not None and len(ks) > 1 else ""
         if first is not None and mode == "timed":
             budget += f"; K = {first} first, the shortest that keeps tau by the {source}"
-        if cfg.ngram and mode == "timed":
-            budget += f"; then vLLM's prompt lookup at K = {cfg.ngram}"
+        if lookup_ks and mode == "timed":
+            budget += f"; then vLLM's prompt lookup at K = {', '.join(map(str, lookup_ks))}"
         print(f"engine: vLLM, plain and with drafter {cfg.drafter} at K = {', '.join(map(str, ks))} "
               f"({len(requests)} prompts, concurrency 1{''.join(f', {c}' for c in concurrency)}, {dtype}{budget}"
               f"{', the lossless check alone' if mode == 'check' else ''})",
               flush=True)
-        return engine.run_engine(job, workdir / tag, f"vLLM with drafter {cfg.drafter}")
+        return job, engine.run_engine(job, workdir / tag, f"vLLM with drafter {cfg.drafter}")
 
-    result = run(prompts, dtype_name, "timed", ks, cfg.concurrency, cfg.sweep_budget_s)
+    lookup_ks = list(dict.fromkeys(cfg.ngram))  # in the order asked, each once
+    job, result = run(prompts, dtype_name, "timed", ks, cfg.concurrency, cfg.sweep_budget_s)
     natural, greedy = result.by_id(), cfg.temperature == 0
     drafted = [r for r in result.timed["runs"] if r.get("method", "dflash") == "dflash"]
     runs = {r["k"]: r for r in drafted}
     sweep = [k_row(r, natural, greedy) for r in drafted]
-    lookup_run = next((r for r in result.timed["runs"] if r.get("method") == "ngram"), None)
-    lookup = None
-    if lookup_run:  # one K: its rows are its best at each concurrency
-        lookup = k_row(lookup_run, natural, greedy) | {"engine_args": lookup_run["llm_kwargs"]["speculative_config"]}
-        lookup["concurrency"] = concurrency_rows([lookup], [lookup_run])
-        lookup["pays_up_to_concurrency"] = pays_up_to(lookup["concurrency"])
-    best = max(sweep, key=lambda row: row["speedup"] if math.isfinite(row["speedup"] or math.nan) else -1.0)
+    looked_up = [r for r in result.timed["runs"] if r.get("method") == "ngram"]
+    seconds = result.load_s + result.wall_s
+    for k in lookup_ks[1:]:  # each further lookup K in an engine process of its own (EngineJob.ngram_tokens)
+        print(f"engine: vLLM, plain and prompt lookup at K = {k} ({len(prompts)} prompts at their lengths above)",
+              flush=True)
+        again = engine.run_engine(engine.lookup_job(job, natural, k), workdir / f"lookup-{k}",
+                                  f"vLLM with prompt lookup at K = {k}")
+        looked_up += again.timed["runs"]
+        seconds += again.load_s + again.wall_s
+    lookup_rows = [k_row(r, natural, greedy) | {"engine_args": r["llm_kwargs"]["speculative_config"]}
+                   for r in looked_up]
+    lookup = dict(fastest_at_batch_1(lookup_rows)) if lookup_rows else None
+    if lookup:  # the fastest lookup K at batch 1, and every lookup K's rows at each concurrency
+        lookup["concurrency"] = concurrency_rows(lookup_rows, looked_up)
+        lookup["pays_up_to_concurrency"] = pays_up_to(best_per_concurrency(lookup["concurrency"]))
+    best = fastest_at_batch_1(sweep)
     best_k = best["k"]
     spec = {o["id"]: o["token_ids"] for o in runs[best_k]["outputs"]}
     mismatches = [{"id": p["id"], **diagnose_mismatch(target, prompts[p["id"]], natural[p["id"]].token_ids,
@@ -690,14 +705,14 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     recheck_s = None
     if mismatches and dtype_name != "fp32":
         t0 = time.perf_counter()
-        again = run({d["id"]: prompts[d["id"]] for d in mismatches}, "fp32", "fp32", [best_k], [], None, "check")
+        _, again = run({d["id"]: prompts[d["id"]] for d in mismatches}, "fp32", "fp32", [best_k], [], None, "check")
         spec32, plain32 = {o["id"]: o["token_ids"] for o in again.timed["runs"][0]["outputs"]}, again.by_id()
         for d in mismatches:
             d["fp32_spec_equals_plain"] = spec32[d["id"]] == plain32[d["id"]].token_ids
         recheck_s = time.perf_counter() - t0
     table = concurrency_rows(sweep, drafted)
     fastest = best_per_concurrency(table)
-    rates = plain_rates(natural, sweep + ([lookup] if lookup else []))
+    rates = plain_rates(natural, sweep + lookup_rows)
     return {
         "engine": "vllm",
         "version": result.version,
@@ -726,16 +741,19 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         "concurrency_best": fastest,
         "pays_up_to_concurrency": pays_up_to(fastest),
         "per_batch_size_schedule": per_batch_size_schedule(fastest),
-        "ngram": lookup,  # vLLM's prompt lookup at --ngram's K, the same protocol: the baseline (None: not asked)
+        "ngram": lookup,  # vLLM's prompt lookup at --ngram's fastest K, the same protocol: the baseline (None: not
+        #                   asked)
+        "ngram_sweep": lookup_rows,  # every --ngram K's row (batch 1)
         "timing": {"protocol": TIMING_PROTOCOL, "repeats": cfg.repeats, "budget_s": cfg.sweep_budget_s,
                    "measured_k": [row["k"] for row in sweep], "skipped_k": result.timed["skipped"],
                    "first_k": None if first is None else {"k": first, "from": source, "slack": SWEEP_FIRST_SLACK},
                    "plain_tokens_per_s_decode": {"reference": rates[0], **{str(r["k"]): v for r, v in
                                                                              zip(sweep, rates[1:])},
-                                                 **({"prompt lookup": rates[-1]} if lookup else {})},
+                                                 **{f"prompt lookup {r['k']}": v for r, v in
+                                                    zip(lookup_rows, rates[1 + len(sweep):])}},
                    "host_drift": (drift := host_drift(rates)), "host_drift_limit": HOST_DRIFT_LIMIT,
                    "host_unsteady": drift is not None and drift > HOST_DRIFT_LIMIT,
-                   "concurrency": [1, *cfg.concurrency], "seconds": result.load_s + result.wall_s,
+                   "concurrency": [1, *cfg.concurrency], "seconds": seconds,
                    "load_average_after": [round(x, 2) for x in os.getloadavg()]},
         "per_prompt": best["per_prompt"],
     }

@@ -9,12 +9,13 @@ One command, three measurements of the same held-out prompts, printed side by si
 
 1. the eval stage itself, `dflash-train eval --engine vllm` (--eval-out): vLLM's K table at batch 1 (tau, tokens/s
    and speedup with bootstrap intervals, by the engine core and by a stopwatch around each request), the
-   concurrency table and best_k (with --ngram K, vLLM's prompt lookup at that K beside it: the baseline);
+   concurrency table and best_k (with --ngram K,..., vLLM's prompt lookup at those K beside it: the baseline);
 2. the project's loop (spec_decode) at the same K (a verify block of K + 1) on the same prompts at the same fixed
    lengths, plain and speculative alternating, by its own decode clock and by a stopwatch around each generation;
 3. an independent stopwatch: fresh vLLM engines with the eval's arguments, each in a fresh process, plain alone then
-   speculative at best_k alone (then prompt lookup alone, with --ngram), four times, every other time in the
-   reverse order, every prompt at the same fixed length (ignore_eos), a plain perf_counter around each request.
+   speculative at best_k alone (then prompt lookup at its fastest K alone, with --ngram), four times, every other
+   time in the reverse order, every prompt at the same fixed length (ignore_eos), a plain perf_counter around each
+   request.
    The eval's speedup at best_k (and prompt lookup's) is believed when this agrees (within 5%).
 
 The eval's folder is reused when it is complete (delete it to measure again). `uptime` is recorded before and after
@@ -52,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="4,16")
     p.add_argument("--sweep-budget-s", type=float, default=3600.0)
     p.add_argument("--repeats", type=int, default=1, help="the eval's timed runs per prompt and side")
-    p.add_argument("--ngram", default=None, help="the K at which the eval also times vLLM's prompt lookup, e.g. 15")
+    p.add_argument("--ngram", default=None, help="the K at which the eval also times vLLM's prompt lookup, e.g. 4 "
+                                                 "or 2,3,4 (its fastest is stopwatched)")
     p.add_argument("--stopwatch-rounds", type=int, default=4,  # 2 missed by 6-11% on a host drifting 20%
                    help="rounds of fresh engines, plain then speculative (then prompt lookup)")
     p.add_argument("--own-k", default=None, help="the K to time in the project's loop, e.g. 1,3,15 (default: every K "

@@ -192,7 +192,7 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
     engine_args = json.dumps({"max_num_seqs": 4, "kv_cache_memory_bytes": 64 << 20, "block_size": 32})
     assert eval_cli("--engine", "both", "--drafter", overfit_drafter, "--target", engine_target,
                     "--prompts", prompts_file, "--out", out, "--speculative-tokens", "7,1", "--concurrency", "2",
-                    "--engine-args", engine_args, "--ngram", "3") == 0
+                    "--engine-args", engine_args, "--ngram", "3,2") == 0
     report = json.loads((out / "report.json").read_text())
     vllm, own = report["engines"]["vllm"], report["engines"]["own"]
     assert vllm["version"] == vllm_version()
@@ -227,19 +227,25 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
     assert rows[7]["tau"] == pytest.approx(own["tau"], rel=0.1), (rows[7]["tau"], own["tau"])
     assert vllm["drafter_weights_sha256"] == report["drafter"]["weights_sha256"]
     assert [(r["requests"], r["k"]) for r in vllm["concurrency"]] == [(1, 1), (1, 7), (2, 1), (2, 7)]
-    # vLLM's prompt lookup, timed the same way after the drafter's K, on the same prompts: lossless
-    lookup = vllm["ngram"]
-    assert lookup["k"] == 3 and lookup["engine_args"]["method"] == "ngram", lookup
-    assert lookup["lossless_checked"] == len(PROMPTS) and lookup["lossless_mismatches"] == 0, lookup
-    assert 1 <= lookup["tau"] <= 4 and len(lookup["per_position_acceptance"]) == 3, lookup
-    assert [p["id"] for p in lookup["per_prompt"]] == [p["id"] for p in rows[7]["per_prompt"]]
-    assert [(r["requests"], r["k"]) for r in lookup["concurrency"]] == [(1, 3), (2, 3)]  # at the drafter's batches
+    # vLLM's prompt lookup, timed the same way after the drafter's K (K = 2 in an engine process of its own), on the
+    # same prompts at the same lengths: lossless
+    looked = {row["k"]: row for row in vllm["ngram_sweep"]}
+    assert sorted(looked) == [2, 3] and vllm["ngram"]["k"] in looked
+    for k, lookup in looked.items():
+        assert lookup["engine_args"]["method"] == "ngram" and lookup["engine_args"]["num_speculative_tokens"] == k
+        assert lookup["lossless_checked"] == len(PROMPTS) and lookup["lossless_mismatches"] == 0, lookup
+        assert 1 <= lookup["tau"] <= k + 1 and len(lookup["per_position_acceptance"]) == k, lookup
+        assert [(p["id"], p["new_tokens"]) for p in lookup["per_prompt"]] == \
+            [(p["id"], p["new_tokens"]) for p in rows[7]["per_prompt"]]
+        assert all(p[f"{side}_cached_tokens"] == 0 for p in lookup["per_prompt"] for side in ("plain", "spec"))
+    # at the drafter's batches
+    assert [(r["requests"], r["k"]) for r in vllm["ngram"]["concurrency"]] == [(1, 2), (1, 3), (2, 2), (2, 3)]
     assert vllm["serve_command"].startswith("vllm serve ") and report["settings"]["machine"]["cores"] >= 1
     md = (out / "report.md").read_text()
     assert "The drafter in the engine and in the project's loop" in md and f"vLLM {vllm_version()}" in md
     assert f"best_k = {best['k']}: the fastest at batch 1" in md and "| 3, prompt lookup |" in md
-    assert "| 2 | 3, prompt lookup |" in md
-    assert {p.name for p in (out / "engine").iterdir()} == {"timed.log"}
+    assert "| 2 | 3, prompt lookup |" in md and "| 2, prompt lookup |" in md
+    assert {p.name for p in (out / "engine").iterdir()} == {"timed.log", "lookup-2.log"}
 
 
 @needs_vllm

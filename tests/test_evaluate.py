@@ -93,7 +93,8 @@ def fake_engine(calls: list, natural: dict[str, list[int]], spec_s: dict[int, fl
     outputs to the natural stop (decode phase 0.8 s), and per K the timings (plain 1 s per prompt, or plain_s[K],
     and 2 s per batch, speculative spec_s[K] and together_s[K]; the decode phase 0.2 s less, the stopwatch 0.1 s
     more, on both sides) and the speculative outputs (K=3: the first prompt differs from plain in bf16). A job with
-    ngram_tokens then times prompt lookup at that K the same way, its timings under the key "ngram"."""
+    ngram_tokens then times prompt lookup at that K the same way, its timings under the key ("ngram", K), else
+    "ngram"."""
     from dflash_train.engine import EngineOutput, EngineResult
 
     def run_engine(job, workdir, what):
@@ -101,7 +102,10 @@ def fake_engine(calls: list, natural: dict[str, list[int]], spec_s: dict[int, fl
         ids = [r.id for r in job.requests]
         runs = []
         todo = [("dflash", k, k) for k in job.speculative_tokens if k not in skipped]
-        for method, k, key in todo + ([("ngram", job.ngram_tokens, "ngram")] if job.ngram_tokens else []):
+        if job.ngram_tokens:
+            todo.append(("ngram", job.ngram_tokens, ("ngram", job.ngram_tokens) if ("ngram", job.ngram_tokens)
+                         in spec_s else "ngram"))
+        for method, k, key in todo:
             outputs = []
             for i, rid in enumerate(ids):
                 tokens = list(natural[rid])
@@ -230,10 +234,10 @@ def test_a_machine_that_slowed_while_prompt_lookup_was_timed_is_flagged_too(tiny
                         concurrency=[])
     steady = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
     assert steady["ngram"] is None and steady["timing"]["host_unsteady"] is False  # the drafter's K alone: steady
-    v = engine_eval(dataclasses.replace(config, ngram=2), tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
+    v = engine_eval(dataclasses.replace(config, ngram=[2]), tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
     assert v["ngram"]["k"] == 2 and v["ngram"]["speedup"] == pytest.approx(1.8 / 1.5)  # against its own plain runs
     rates = v["timing"]["plain_tokens_per_s_decode"]
-    assert rates == pytest.approx({"reference": 10.0, "1": 10.0, "prompt lookup": 5.0})
+    assert rates == pytest.approx({"reference": 10.0, "1": 10.0, "prompt lookup 2": 5.0})
     assert v["timing"]["host_drift"] == pytest.approx(1.0) and v["timing"]["host_unsteady"] is True
     text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
     assert ("plain decoding ran at 5.0 to 10.0 tokens/s (decode phase) over the reference pass and the K's runs and "
@@ -250,7 +254,7 @@ def test_where_prompt_lookup_is_faster_than_the_drafter_the_tables_say_how_to_se
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
     natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
     config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1],
-                        concurrency=[], ngram=4)
+                        concurrency=[], ngram=[4])
     advice = ("Prompt lookup is the faster here: serve it with `--speculative-config '{\"method\":\"ngram\","
               "\"num_speculative_tokens\":4,\"prompt_lookup_min\":1,\"prompt_lookup_max\":3}'` in place of the "
               "drafter's.")
@@ -277,7 +281,7 @@ def test_prompt_lookup_is_timed_with_requests_together_and_the_tables_say_how_fa
     monkeypatch.setattr(engine, "run_engine", fake_engine(calls, natural, {1: 0.9, "ngram": 0.8},
                                                           {1: 1.6, "ngram": 2.5}, []))
     config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1],
-                        concurrency=[4], ngram=3)
+                        concurrency=[4], ngram=[3])
     v = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
     assert calls[0].ngram_tokens == 3 and calls[0].concurrency == [4]
     lookup = v["ngram"]
@@ -289,6 +293,44 @@ def test_prompt_lookup_is_timed_with_requests_together_and_the_tables_say_how_fa
     assert "| 4 | **1** | 18 / 22.5 | 1.25× |" in text and "| 4 | 3, prompt lookup | 18 / 14.4 | 0.8× |" in text
     assert ("Speculation pays up to 4 requests decoded together (of those measured). Prompt lookup pays one "
             "request at a time only.") in text
+
+
+def test_each_prompt_lookup_k_is_timed_in_an_engine_of_its_own_and_the_fastest_is_the_baseline(
+        tiny_target, drafters, monkeypatch, tmp_path):
+    """--ngram 2,4: vLLM starts no engine after a prompt-lookup one in the same process, so the first lookup K is
+    timed after the drafter's and each further K in a job of its own, on the same prompts at the lengths the first
+    job's reference pass found (no second reference pass); the fastest lookup K at batch 1 is the baseline."""
+    from dflash_train import engine
+    from dflash_train.card import serving_tables
+    from dflash_train.evaluate import EvalConfig, engine_eval
+
+    prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
+    natural = {rid: [7 + i] * (9 + i) for i, rid in enumerate(prompts)}
+    calls: list = []
+    # batch 1 against plain's 1 s: the drafter 0.9 s, lookup K = 2 0.8 s, K = 4 0.7 s; 4 together against 2 s:
+    # the drafter 1.6 s, lookup K = 2 1.9 s, K = 4 2.5 s
+    monkeypatch.setattr(engine, "run_engine", fake_engine(
+        calls, natural, {1: 0.9, ("ngram", 2): 0.8, ("ngram", 4): 0.7},
+        {1: 1.6, ("ngram", 2): 1.9, ("ngram", 4): 2.5}, []))
+    config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1],
+                        concurrency=[4], ngram=[2, 4, 2])
+    v = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
+    assert [(c.speculative_tokens, c.ngram_tokens) for c in calls] == [([1], 2), ([], 4)]
+    again = calls[1]
+    assert [(r.max_tokens, r.ignore_eos) for r in again.requests] == [(9, True), (10, True), (11, True), (12, True)]
+    assert [r.prompt_token_ids for r in again.requests] == list(prompts.values())
+    assert again.concurrency == [4] and again.drafter == calls[0].drafter and again.budget_s is None
+    assert [row["k"] for row in v["ngram_sweep"]] == [2, 4]
+    assert v["ngram"]["k"] == 4 and v["ngram"]["speedup"] == pytest.approx(1 / 0.7)
+    assert v["ngram"]["engine_args"]["num_speculative_tokens"] == 4
+    assert [(r["requests"], r["k"]) for r in v["ngram"]["concurrency"]] == [(1, 2), (1, 4), (4, 2), (4, 4)]
+    assert v["ngram"]["pays_up_to_concurrency"] == 4  # K = 2 pays at 4 together, K = 4 does not
+    assert set(v["timing"]["plain_tokens_per_s_decode"]) == {"reference", "1", "prompt lookup 2", "prompt lookup 4"}
+    assert v["best_k"] == 1 and [row["k"] for row in v["sweep"]] == [1]  # the drafter's own, unchanged
+    text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
+    assert "| 2, prompt lookup |" in text and "| 4, prompt lookup |" in text
+    assert "1.429× at K = 4 (the fastest of K = 2, 4) against the drafter's 1.111× at best_k." in text
+    assert "| 4 | 2, prompt lookup | 18 / 18.947 | 1.053× |" in text
 
 
 class OracleDrafter(torch.nn.Module):
