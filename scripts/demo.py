@@ -37,6 +37,7 @@ from pathlib import Path
 import runlib as rl  # scripts/, beside this file: how every script runs a stage
 from dflash_train.engine import IDLE_S
 from dflash_train.errors import UserError
+from dflash_train.options import int_list
 from dflash_train.provenance import is_complete
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,11 +81,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the drafter's input states: captured with the responses (stored), computed by the target "
                         "in every training step from a token-only store (online), or auto: whichever the probe "
                         "measures to train on more data in the budget (scripts/bench_online.py's rule)")
+    p.add_argument("--ngram", type=int_list, default=[], metavar="K,K,...",
+                   help="vLLM: also time the engine's own prompt lookup (no model, no training) at these K, beside "
+                        "the drafter: the baseline it has to beat, and which of the two to serve (the plan counts "
+                        "its time; e.g. 3)")
     p.add_argument("--budget-min", type=float, default=30.0,
                    help="wall-time budget of the whole demo in minutes: capture and training are sized to it")
     p.add_argument("--no-plan", dest="plan", action="store_false",
                    help="skip the probe: use --capture-limit and the recipe's steps as given")
     args = p.parse_args(argv)
+    if args.ngram and (args.engine == "own" or min(args.ngram) < 1):
+        p.error("--ngram: K of at least 1, timed in vLLM (--engine vllm or both)")
     workload = workload_name(args.logs[0]) if len(args.logs) == 1 else None  # several logs: no one application
     args.name = args.name or workload or "smollm2-demo"
     args.prompts_name = args.prompts_name or (args.name if args.logs else "sharegpt")
@@ -351,7 +358,9 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     drafter and block-size-1 passes), all of them in vLLM (plain to each prompt's natural stop, then per K a
     speculative engine's start and each prompt timed plain and speculative at that length, and EVAL_CONCURRENCY
     requests together), and in a low-precision eval the fp32 rerun of FP32_RECHECK_SHARE of them at the probe's
-    fp32 decode rate: the K sweep gets what the share leaves (`eval --sweep-budget-s`), at least two K."""
+    fp32 decode rate: the K sweep gets what the share leaves (`eval --sweep-budget-s`), at least two K. Prompt
+    lookup's K (--ngram) run whatever the budget: each costs what a K does, and each after the first an engine
+    child's start too (`lookup_s`)."""
     T = args.eval_max_new_tokens
     own, engine = args.engine != "vllm", args.engine != "own"
     engine_start_s = rates.get("engine_start_s", VLLM_START_S)
@@ -365,6 +374,7 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     own_s = n_own * decode_s * (2 + DRAFT_SLOWDOWN)
     per_k_s = SPEC_ENGINE_START_S + (n_eval + EVAL_CONCURRENCY / 2) * (decode_s * (1 + ENGINE_SLOWDOWN) + 2 * IDLE_S)
     least_sweep_s = n_eval * decode_s + 2 * per_k_s  # plain's natural lengths, then two K
+    lookup_s = (len(args.ngram) * per_k_s + (len(args.ngram) - 1) * engine_start_s) if engine and args.ngram else 0.0
     recheck_s = 0.0
     if "fp32_decode_tok_s" in rates:  # a low-precision eval: its mismatches are rerun in fp32, plain and speculative
         decode32_s = T / rates["fp32_decode_tok_s"]
@@ -372,7 +382,7 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
         if engine:  # one more engine child at the chosen K, untimed: plain, then speculative, to the natural stop
             recheck_s += engine_start_s + SPEC_ENGINE_START_S + FP32_RECHECK_SHARE["vllm"] * n_eval * (
                 decode32_s * (1 + ENGINE_SLOWDOWN))
-    fixed_s = own_s + n_eval * heldout_s + recheck_s  # the eval's parts that do not shrink with the budget
+    fixed_s = own_s + n_eval * heldout_s + recheck_s + lookup_s  # the eval's parts no budget shrinks
 
     def split(budget_min: float) -> tuple[float, float]:
         """(vLLM's K sweep, what is left for capture and training) in a budget of budget_min: the sweep gets what
@@ -390,7 +400,8 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
                         f"prompts x {T} tokens (~{fixed_s + sweep_s:.0f} s); "
                         f"{measured_line(rates)}; --budget-min {fits} fits")
     return {"starts": starts, "n_eval": n_eval, "n_own": n_own, "own_s": own_s, "heldout_s": heldout_s,
-            "recheck_s": recheck_s, "eval_kept": eval_kept, "sweep_s": sweep_s, "flexible": flexible}
+            "recheck_s": recheck_s, "lookup_s": lookup_s, "eval_kept": eval_kept, "sweep_s": sweep_s,
+            "flexible": flexible}
 
 
 def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: float) -> dict:
@@ -403,6 +414,7 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     e = eval_plan(args, prompts, rates, spent_s)
     starts, n_eval, n_own, sweep_s, flexible = e["starts"], e["n_eval"], e["n_own"], e["sweep_s"], e["flexible"]
     own_s, heldout_s, recheck_s, eval_kept = e["own_s"], e["heldout_s"], e["recheck_s"], e["eval_kept"]
+    lookup_s = e["lookup_s"]
     kept = kept_prompts(prompts, "train", args.capture_limit, args.target, args.max_prompt_tokens)
     measured = "train_online_step_s" in rates or args.hidden_states == "online"
     options = {mode: size_capture_and_training(args, rates, flexible, recipe.train.max_steps, kept, mode)
@@ -417,10 +429,11 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
             "capture_kept": chosen["capture_kept"], "train_budget_s": round(train_s),
             "expected_steps": chosen["expected_steps"], "max_steps": recipe.train.max_steps,
             "eval_limit": read_for(eval_kept, n_eval), "eval_prompts": n_eval, "own_eval_prompts": n_own,
-            "sweep_budget_s": round(sweep_s), "fp32_recheck_s": round(recheck_s),
+            "sweep_budget_s": round(sweep_s), "fp32_recheck_s": round(recheck_s), "lookup_s": round(lookup_s),
             "stage_s": {"capture": starts["capture"] + capture_s, "train": starts["train"] + train_s,
                         "held-out capture": starts["held-out capture"] + n_eval * heldout_s,
-                        "eval": starts["eval"] + own_s + sweep_s + recheck_s, "push (dry run)": starts["push (dry run)"]}}
+                        "eval": starts["eval"] + own_s + sweep_s + recheck_s + lookup_s,
+                        "push (dry run)": starts["push (dry run)"]}}
 
 
 def size_capture_and_training(args: argparse.Namespace, rates: dict, flexible: float, cap: int | None,
@@ -512,6 +525,8 @@ def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
           f"tokens, engine {args.engine}: vLLM's K sweep {plan['sweep_budget_s']} s, the project's loop on the first "
           f"{plan['own_eval_prompts']}"
           + (f", the fp32 rerun of bf16 mismatches ~{plan['fp32_recheck_s']} s" if plan.get("fp32_recheck_s") else "")
+          + (f", prompt lookup at K = {','.join(map(str, args.ngram))} ~{plan['lookup_s']} s"
+             if plan.get("lookup_s") else "")
           + f" (~{plan['stage_s']['eval']:.0f} s in all; their capture for the offline "
           f"estimate ~{plan['stage_s']['held-out capture']:.0f} s)", flush=True)
 
@@ -580,7 +595,8 @@ def main(argv: list[str] | None = None) -> int:
         eval_sizes += ["--sweep-budget-s", str(plan["sweep_budget_s"] if plan else 0)]
     rl.run_stage("eval", report, rl.eval_command(
         [drafter], prompts, eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens, eval_store, report, args.engine,
-        [*target, "--concurrency", str(EVAL_CONCURRENCY), *eval_sizes]), log)
+        [*target, "--concurrency", str(EVAL_CONCURRENCY), *eval_sizes,
+         *(["--ngram", ",".join(map(str, args.ngram))] if args.ngram else [])]), log)
     rl.run_stage("push (dry run)", push, rl.push_command(drafter, args.repo, report, push, ["--dry-run"]), log,
                  rerun=True)
 
@@ -611,14 +627,17 @@ def demo_summary(args: argparse.Namespace, plan: dict | None, log: rl.Log, repor
              + ".", ""]
     for name, e in (report.get("engines") or {}).items():
         best = f", best K {e['best_k']}" if e.get("best_k") is not None else ""
-        speedup = _num(e.get("speedup")) + "x" + (f" [{_num(e['speedup_interval'][0])}, "
-                                                 f"{_num(e['speedup_interval'][1])}]"
-                                                 if e.get("speedup_interval") else "")
         timing = e.get("timing") or {}
         unsteady = (f"; the machine's speed changed by {timing['host_drift']:.0%} while it was measured: not to be "
                     f"believed" if timing.get("host_unsteady") else "")
-        lines.append(f"- {name}: tau {_num(e.get('tau'))}{best}, speedup over plain decoding {speedup} (95% "
+        lines.append(f"- {name}: tau {_num(e.get('tau'))}{best}, speedup over plain decoding {_speedup(e)} (95% "
                      f"interval over prompts{unsteady}), lossless mismatches {e.get('lossless_mismatches')}")
+        if isinstance(lookup := e.get("ngram"), dict):  # --ngram: the engine's own prompt lookup beside it
+            faster = (lookup.get("speedup") or 0) > (e.get("speedup") or 0)
+            lines.append(f"- {name}, prompt lookup (no model): tau {_num(lookup.get('tau'))}, K {lookup.get('k')}, "
+                         f"speedup {_speedup(lookup)}" + (": faster than the drafter here, serve it instead (the "
+                                                          "eval report gives its --speculative-config)" if faster
+                                                          else ": the drafter is the faster"))
     lines.append(f"- offline (simulated) tau {_num(report.get('tau_offline'))}")
     planned = plan["stage_s"] if plan else {}
     lines += ["", "| stage | planned | wall time |", "|---|---|---|"]
@@ -644,6 +663,12 @@ def check_store(store: Path) -> None:
 
 def _num(x) -> str:
     return f"{x:.2f}" if isinstance(x, (int, float)) else "-"
+
+
+def _speedup(e: dict) -> str:
+    """An engine entry's speedup with its interval: 1.10x [1.02, 1.18]."""
+    interval = e.get("speedup_interval")
+    return _num(e.get("speedup")) + "x" + (f" [{_num(interval[0])}, {_num(interval[1])}]" if interval else "")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ def test_shrunken_demo_end_to_end_and_rerun_skips(tmp_path):
                "--logs", *[str(REPO_ROOT / "data" / "examples" / name) for name in EXAMPLE_LOGS],
                "--capture-limit", "12", "--max-new-tokens", "16", "--eval-max-new-tokens", "16", "--no-plan",
                "--train-override", "train.max_steps=4", "--train-override", "eval.every=0",
-               "--train-override", "checkpoint.every=2", "--eval-limit", "2"]
+               "--train-override", "checkpoint.every=2", "--eval-limit", "2", "--ngram", "2"]
     first = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     for stage in ("ingest", "capture", "train", "capture (held-out)", "eval", "push (dry run)"):
@@ -29,6 +29,9 @@ def test_shrunken_demo_end_to_end_and_rerun_skips(tmp_path):
     # there, when rerun in fp32 (the warm-started drafter accepts drafts from its first step)
     assert report["lossless_mismatches"] == 0 or report["lossless_mismatches_fp32"] == 0, report["mismatches"]
     assert 1.0 <= report["tau"] <= 16
+    lookup = report["engines"]["vllm"]["ngram"]  # --ngram 2: the engine's own prompt lookup beside the drafter
+    assert lookup["k"] == 2 and lookup["lossless_mismatches"] == 0, lookup
+    assert "- vllm, prompt lookup (no model): tau " in (tmp_path / "eval" / "smollm2-demo.demo.md").read_text()
     card = (tmp_path / "push" / "smollm2-demo" / "README.md").read_text()
     assert "HuggingFaceTB/SmolLM2-135M-Instruct" in card
     assert {"config.json", "model.safetensors", "dflash.py"} <= {

@@ -550,6 +550,45 @@ def test_a_low_precision_eval_plans_the_fp32_rerun_of_its_mismatches(demo_prompt
         assert 214.0 + sum(plan["stage_s"].values()) <= args.budget_min * 60 * (1 - demo.MARGIN) + 1e-6
 
 
+def test_prompt_lookup_in_the_demo_is_planned_and_its_summary_says_which_to_serve(demo_prompts, tiny_target_dir):
+    """demo --ngram K,...: the eval times vLLM's prompt lookup beside the drafter whatever its budget, so the plan
+    counts it in the eval's stage (each K what a drafter K costs, each after the first an engine start more), out
+    of the eval's share first (the K sweep shrinks to its two K), then out of training; the summary gives lookup's figures and which of the two to serve."""
+    import demo
+
+    rates = {"capture_s_per_prompt": 1.88, "decode_tok_s": 18.0, "train_step_s": 1.93, "engine_start_s": 43.1}
+    base = ["--target", str(tiny_target_dir), "--max-prompt-tokens", "60", "--budget-min", "40"]
+    plans = [demo.make_plan(demo.parse_args([*base, *extra]), demo_prompts, rates, 214.0)
+             for extra in ([], ["--ngram", "3"], ["--ngram", "2,3"])]
+    assert [plan["lookup_s"] for plan in plans][0] == 0 < plans[1]["lookup_s"]
+    assert plans[2]["lookup_s"] == pytest.approx(2 * plans[1]["lookup_s"] + 43.1, abs=1)
+    for plain, looked in zip(plans, plans[1:]):
+        assert looked["stage_s"]["eval"] - plain["stage_s"]["eval"] == pytest.approx(
+            looked["lookup_s"] - plain["lookup_s"] + looked["sweep_budget_s"] - plain["sweep_budget_s"], abs=1)
+    # one lookup K: out of the K sweep's time; two: the sweep is down to its two K, training pays the rest
+    assert plans[1]["sweep_budget_s"] < plans[0]["sweep_budget_s"]
+    assert plans[2]["sweep_budget_s"] == plans[1]["sweep_budget_s"]
+    assert plans[2]["train_budget_s"] < plans[1]["train_budget_s"] <= plans[0]["train_budget_s"]
+    for plan in plans:
+        assert 214.0 + sum(plan["stage_s"].values()) <= 40 * 60 * (1 - demo.MARGIN) + 1e-6
+    for bad in (["--ngram", "0"], ["--ngram", "3", "--engine", "own"], ["--ngram", "x"]):
+        with pytest.raises(SystemExit) as exit_:
+            demo.parse_args([*base, *bad])
+        assert exit_.value.code == 2
+
+    args = demo.parse_args(["--logs", "data/workloads/router.jsonl.gz", "--ngram", "3"])
+    vllm = {"tau": 1.29, "best_k": 2, "speedup": 0.98, "speedup_interval": [0.94, 1.04], "lossless_mismatches": 0,
+            "timing": {}}
+    lookup = {"k": 3, "tau": 1.46, "speedup": 1.171, "speedup_interval": [1.057, 1.311]}
+    summary = demo.demo_summary(args, None, rl.Log(), {"engines": {"vllm": {**vllm, "ngram": lookup}}}, 1.0, [])
+    assert ("- vllm, prompt lookup (no model): tau 1.46, K 3, speedup 1.17x [1.06, 1.31]: faster than the drafter "
+            "here, serve it instead (the eval report gives its --speculative-config)") in summary
+    slower = {**lookup, "speedup": 0.9, "speedup_interval": None}
+    summary = demo.demo_summary(args, None, rl.Log(), {"engines": {"vllm": {**vllm, "ngram": slower}}}, 1.0, [])
+    assert "K 3, speedup 0.90x: the drafter is the faster" in summary
+    assert "prompt lookup" not in demo.demo_summary(args, None, rl.Log(), {"engines": {"vllm": vllm}}, 1.0, [])
+
+
 def test_time_training_cannot_use_goes_to_capture(demo_prompts, tiny_target_dir):
     """Where the recipe's max_steps take less than training's share, the rest of it captures more conversations."""
     import demo
