@@ -652,6 +652,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
                         f"{block_size - 1}: the drafter's block size, or --block-size)")
     stop = target.stop_token_ids()
     max_len = max(len(ids) for ids in prompts.values()) + cfg.max_new_tokens + block_size
+    lookup_ks = list(dict.fromkeys(cfg.ngram))  # prompt lookup's K in the order asked, each once
 
     def run(ids: dict[str, list[int]], dtype: str, tag: str, ks: list[int], concurrency: list[int],
             budget_s: float | None, mode: str = "timed") -> tuple[engine.EngineJob, engine.EngineResult]:
@@ -675,7 +676,6 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
               flush=True)
         return job, engine.run_engine(job, workdir / tag, f"vLLM with drafter {cfg.drafter}")
 
-    lookup_ks = list(dict.fromkeys(cfg.ngram))  # in the order asked, each once
     job, result = run(prompts, dtype_name, "timed", ks, cfg.concurrency, cfg.sweep_budget_s)
     natural, greedy = result.by_id(), cfg.temperature == 0
     drafted = [r for r in result.timed["runs"] if r.get("method", "dflash") == "dflash"]
@@ -741,8 +741,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         "concurrency_best": fastest,
         "pays_up_to_concurrency": pays_up_to(fastest),
         "per_batch_size_schedule": per_batch_size_schedule(fastest),
-        "ngram": lookup,  # vLLM's prompt lookup at --ngram's fastest K, the same protocol: the baseline (None: not
-        #                   asked)
+        "ngram": lookup,  # vLLM's prompt lookup at --ngram's fastest K, timed the same way: the baseline (or None)
         "ngram_sweep": lookup_rows,  # every --ngram K's row (batch 1)
         "timing": {"protocol": TIMING_PROTOCOL, "repeats": cfg.repeats, "budget_s": cfg.sweep_budget_s,
                    "measured_k": [row["k"] for row in sweep], "skipped_k": result.timed["skipped"],
