@@ -553,14 +553,15 @@ def test_a_low_precision_eval_plans_the_fp32_rerun_of_its_mismatches(demo_prompt
 def test_prompt_lookup_in_the_demo_is_planned_and_its_summary_says_which_to_serve(demo_prompts, tiny_target_dir):
     """demo --ngram K,...: the eval times vLLM's prompt lookup beside the drafter whatever its budget, so the plan
     counts it in the eval's stage (each K what a drafter K costs, each after the first an engine start more), out
-    of the eval's share first (the K sweep shrinks to its two K), then out of training; the summary gives lookup's figures and which of the two to serve."""
+    of the eval's share first (the K sweep shrinks to its two K), then out of training; the summary gives lookup's
+    figures and which of the two to serve."""
     import demo
 
     rates = {"capture_s_per_prompt": 1.88, "decode_tok_s": 18.0, "train_step_s": 1.93, "engine_start_s": 43.1}
     base = ["--target", str(tiny_target_dir), "--max-prompt-tokens", "60", "--budget-min", "40"]
     plans = [demo.make_plan(demo.parse_args([*base, *extra]), demo_prompts, rates, 214.0)
              for extra in ([], ["--ngram", "3"], ["--ngram", "2,3"])]
-    assert [plan["lookup_s"] for plan in plans][0] == 0 < plans[1]["lookup_s"]
+    assert plans[0]["lookup_s"] == 0 < plans[1]["lookup_s"]
     assert plans[2]["lookup_s"] == pytest.approx(2 * plans[1]["lookup_s"] + 43.1, abs=1)
     for plain, looked in zip(plans, plans[1:]):
         assert looked["stage_s"]["eval"] - plain["stage_s"]["eval"] == pytest.approx(
