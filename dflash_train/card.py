@@ -140,7 +140,7 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
                       f"{fmt(lookup.get('k'))}"
                       + (f" (the fastest of K = {', '.join(fmt(r.get('k')) for r in looked)})" if len(looked) > 1
                          else "") + f" against the drafter's {fmt(mine.get('speedup'))}× at best_k.")
-        if (lookup.get("speedup") or 0) > (mine.get("speedup") or 0):  # what to serve: the faster of the two
+        if lookup_is_faster(engine):  # what to serve: the faster of the two
             lines[-1] += (f" Prompt lookup is the faster here: serve it with `--speculative-config "
                           f"'{json.dumps(config, separators=(',', ':'))}'` in place of the drafter's.")
     first = timing.get("first_k")
@@ -164,6 +164,13 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
               f"{fmt(timing.get('repeats'))} timed run(s) per prompt and side. Tokens/s and the best K are a "
               f"measurement of this machine: on another one, measure again (`dflash-train eval`)."]
     return lines
+
+
+def lookup_is_faster(engine: dict[str, Any]) -> bool:
+    """Whether vLLM's prompt lookup (the entry's `ngram`, its fastest K) beat the drafter at best_k one request at
+    a time (the entry's headline speedup): then it is the one to serve."""
+    lookup = engine.get("ngram") if isinstance(engine.get("ngram"), dict) else {}
+    return bool(lookup) and (lookup.get("speedup") or 0) > (engine.get("speedup") or 0)
 
 
 def concurrency_table(engine: dict[str, Any]) -> list[str]:
