@@ -225,8 +225,9 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
         first["fp32_decode_tok_s"] = decode_tok_s(load_target(args.target, dtype=torch.float32, device=device).model)
     if demo_started is not None:
         # the engine's start is not measured yet: counted as 0 here, so that what this check refuses, the plan
-        # (with the measured start) refuses too
-        eval_plan(args, prompts, {**first, "engine_start_s": 0.0}, time.perf_counter() - demo_started)
+        # (with the measured start) refuses too; the budget it names counts the rest of the probe, estimated
+        eval_plan(args, prompts, {**first, "engine_start_s": 0.0}, time.perf_counter() - demo_started,
+                  unmeasured_s=probe_rest_s(args, first))
 
     recipe = demo_recipe(args)
     cfg = target.config
@@ -268,6 +269,22 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
 
 
 ENGINE_PROBE_PROMPTS = 48
+PROBE_STEP_CAPTURES = {"stored": 2.0, "online": 3.0}  # a probe's training step in one-pass captures of a prompt, at
+#                      most: 7.83 s (12.2 online) against 4.08 s on the AVX2 host, 0.97 (1.50) against 0.73 on the
+#                      AVX-512 BF16 one (BENCHMARKS "... on a 2-core AVX2 host")
+SLOW_VLLM_START_S = 100.0  # the slowest engine start a probe measured (99.8 s on the AVX2 host, 43-45 s on the
+#                           AVX-512 one): the early check's estimate, so that the budget it names errs long
+
+
+def probe_rest_s(args: argparse.Namespace, first: dict) -> float:
+    """What the probe still runs after its early check, and the eval engine's start that check counts as 0,
+    estimated from the one-pass capture it has timed: seven training steps (four stored, three online) and, with
+    the capture in vLLM, an engine start and ENGINE_PROBE_PROMPTS prompts, each no slower than a one-pass capture
+    (3.22 s against 4.08 on the AVX2 host, 0.41 against 0.73 on the AVX-512 one)."""
+    capture_s = first["capture_s_per_prompt"]
+    steps_s = capture_s * (4 * PROBE_STEP_CAPTURES["stored"] + 3 * PROBE_STEP_CAPTURES["online"])
+    engine_s = SLOW_VLLM_START_S + ENGINE_PROBE_PROMPTS * capture_s if args.capture_engine != "own" else 0.0
+    return steps_s + engine_s + (SLOW_VLLM_START_S if args.engine != "own" else 0.0)
 
 
 def probe_engine_capture(args: argparse.Namespace, target, rendered: list[list[int]], layers: list[int],
@@ -348,10 +365,12 @@ def read_for(kept: list[int], wanted: int) -> int:
     return next((i + 1 for i, k in enumerate(kept) if k >= wanted), len(kept))
 
 
-def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: float) -> dict:
+def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: float,
+              unmeasured_s: float = 0.0) -> dict:
     """The eval's part of the plan, and what it leaves capture and training (`flexible`), or a UserError naming the
     --budget-min that fits. Needs only the capture and decode rates, so the probe checks it before its slower
-    measurements (a budget refused then is refused later too: the spent time only grows).
+    measurements (a budget refused then is refused later too: the spent time only grows); the budget it names
+    counts `unmeasured_s` more, the probe's estimate of what it has still to run (`probe_rest_s`).
 
     Start-ups are fixed costs (the engine's child as the probe's engine capture measured it, else VLLM_START_S;
     one more engine in it per K); the eval gets EVAL_SHARE of the rest: at least MIN_EVAL_PROMPTS held-out prompts
@@ -385,7 +404,7 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
                 decode32_s * (1 + ENGINE_SLOWDOWN))
     fixed_s = own_s + n_eval * heldout_s + recheck_s + lookup_s  # the eval's parts no budget shrinks
 
-    def split(budget_min: float) -> tuple[float, float]:
+    def split(budget_min: float, spent_s: float = spent_s) -> tuple[float, float]:
         """(vLLM's K sweep, what is left for capture and training) in a budget of budget_min: the sweep gets what
         the eval's share leaves, at least two K."""
         available = budget_min * 60 * (1 - MARGIN) - spent_s - sum(starts.values())
@@ -395,11 +414,12 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     sweep_s, flexible = split(args.budget_min)
     if flexible < MIN_CAPTURE_AND_TRAIN_S:
         fits = next(m for m in itertools.count(math.ceil(args.budget_min) + 1)
-                    if split(m)[1] >= MIN_CAPTURE_AND_TRAIN_S)
+                    if split(m, spent_s + unmeasured_s)[1] >= MIN_CAPTURE_AND_TRAIN_S)
+        rest = f" (counting ~{unmeasured_s:.0f} s of probe and engine start to come)" if unmeasured_s else ""
         raise UserError(f"--budget-min {args.budget_min:g}: the budget leaves {flexible:.0f} s for capture and "
                         f"training on this machine after {spent_s:.0f} s of ingest and probe and an eval of {n_eval} "
                         f"prompts x {T} tokens (~{fixed_s + sweep_s:.0f} s); "
-                        f"{measured_line(rates)}; --budget-min {fits} fits")
+                        f"{measured_line(rates)}; --budget-min {fits} fits{rest}")
     return {"starts": starts, "n_eval": n_eval, "n_own": n_own, "own_s": own_s, "heldout_s": heldout_s,
             "recheck_s": recheck_s, "lookup_s": lookup_s, "eval_kept": eval_kept, "sweep_s": sweep_s,
             "flexible": flexible}
