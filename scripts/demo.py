@@ -272,9 +272,9 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
 
 
 ENGINE_PROBE_PROMPTS = 48
-PROBE_STEP_CAPTURES = {"stored": 2.0, "online": 3.0}  # a probe's training step in one-pass captures of a prompt, at
-#                      most: 7.83 s (12.2 online) against 4.08 s on the AVX2 host, 0.97 (1.50) against 0.73 on the
-#                      AVX-512 BF16 one (BENCHMARKS "... on a 2-core AVX2 host")
+PROBE_STEP_CAPTURES = {"stored": 2.1, "online": 3.5}  # a probe's training step in one-pass captures of a prompt, at
+#                      most: 8.09 s (13.26 online) against 3.88 s and 7.83 (12.2) against 4.08 on the AVX2 host,
+#                      0.97 (1.50) against 0.73 on the AVX-512 BF16 one (BENCHMARKS "... on a 2-core AVX2 host")
 SLOW_VLLM_START_S = 100.0  # the slowest engine start a probe measured (99.8 s on the AVX2 host, 43-45 s on the
 #                           AVX-512 one): the early check's estimate, so that the budget it names errs long
 
@@ -282,8 +282,8 @@ SLOW_VLLM_START_S = 100.0  # the slowest engine start a probe measured (99.8 s o
 def probe_rest_s(args: argparse.Namespace, first: dict) -> float:
     """What the probe still runs after its early check, and the eval engine's start that check counts as 0,
     estimated from the one-pass capture it has timed: seven training steps (four stored, three online) and, with
-    the capture in vLLM, an engine start and ENGINE_PROBE_PROMPTS prompts, each no slower than a one-pass capture
-    (3.22 s against 4.08 on the AVX2 host, 0.41 against 0.73 on the AVX-512 one)."""
+    the capture in vLLM, an engine start and ENGINE_PROBE_PROMPTS prompts, each about a one-pass capture (3.91 s
+    against 3.88 and 3.22 against 4.08 on the AVX2 host, 0.41 against 0.73 on the AVX-512 one)."""
     capture_s = first["capture_s_per_prompt"]
     steps_s = capture_s * (4 * PROBE_STEP_CAPTURES["stored"] + 3 * PROBE_STEP_CAPTURES["online"])
     engine_s = SLOW_VLLM_START_S + ENGINE_PROBE_PROMPTS * capture_s if args.capture_engine != "own" else 0.0
