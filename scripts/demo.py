@@ -275,8 +275,9 @@ ENGINE_PROBE_PROMPTS = 48
 PROBE_STEP_CAPTURES = {"stored": 2.1, "online": 3.5}  # a probe's training step in one-pass captures of a prompt, at
 #                      most: 8.09 s (13.26 online) against 3.88 s and 7.83 (12.2) against 4.08 on the AVX2 host,
 #                      0.97 (1.50) against 0.73 on the AVX-512 BF16 one (BENCHMARKS "... on a 2-core AVX2 host")
-SLOW_VLLM_START_S = 100.0  # the slowest engine start a probe measured (99.8 s on the AVX2 host, 43-45 s on the
-#                           AVX-512 one): the early check's estimate, so that the budget it names errs long
+SLOW_VLLM_START_S = 100.0  # the slowest engine start a probe measured (99.8 s on the AVX2 host, 36 s there on
+#                           2026-12-05, 43-45 s on the AVX-512 one): the early check's estimate, so that the budget it
+#                           names errs long
 
 
 def probe_rest_s(args: argparse.Namespace, first: dict) -> float:

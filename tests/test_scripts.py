@@ -726,6 +726,7 @@ def test_the_early_refusal_names_a_budget_the_whole_probe_leaves_room_in(demo_pr
 
     early = {"precision": "fp32", "capture_batch": 16, "capture_s_per_prompt": 3.80,
              "capture_s_per_prompt_by_quantile": [3.36, 4.25], "decode_tok_s": 10.7}
+    # the rest as a probe on that host measured it on 2026-12-02 (vLLM's slowest start)
     rates = {**early, "engine_start_s": 99.8, "engine_capture_s_per_prompt": 3.22, "engine_prefill_s_per_prompt": 1.73,
              "capture_new_tok_s": 28.9, "capture_mean_new_tokens": 118.0, "capture_mean_tokens": 277.5,
              "state_bytes_per_token": 5760.0, "train_step_s": 7.46, "train_online_step_s": 12.27}
