@@ -658,10 +658,10 @@ def demo_summary(args: argparse.Namespace, plan: dict | None, log: rl.Log, repor
         lines.append(f"- {name}: tau {_num(e.get('tau'))}{best}, speedup over plain decoding {_speedup(e)} (95% "
                      f"interval over prompts{unsteady}), lossless mismatches {e.get('lossless_mismatches')}")
         if isinstance(lookup := e.get("ngram"), dict):  # --ngram: the engine's own prompt lookup beside it
+            verdict = (": faster than the drafter here, serve it instead (the eval report gives its "
+                       "--speculative-config)" if lookup_is_faster(e) else ": the drafter is the faster")
             lines.append(f"- {name}, prompt lookup (no model): tau {_num(lookup.get('tau'))}, K {lookup.get('k')}, "
-                         f"speedup {_speedup(lookup)}" + (": faster than the drafter here, serve it instead (the "
-                                                          "eval report gives its --speculative-config)" if lookup_is_faster(e)
-                                                          else ": the drafter is the faster"))
+                         f"speedup {_speedup(lookup)}{verdict}")
     lines.append(f"- offline (simulated) tau {_num(report.get('tau_offline'))}")
     planned = plan["stage_s"] if plan else {}
     lines += ["", "| stage | planned | wall time |", "|---|---|---|"]
