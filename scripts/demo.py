@@ -227,10 +227,7 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
     if precision.dtype != torch.float32:  # the eval reruns its mismatches in fp32: the plan counts that rerun
         first["fp32_decode_tok_s"] = decode_tok_s(load_target(args.target, dtype=torch.float32, device=device).model)
     if demo_started is not None:
-        # the engine's start is not measured yet: counted as 0 here, so that what this check refuses, the plan
-        # (with the measured start) refuses too; the budget it names counts the rest of the probe, estimated
-        eval_plan(args, prompts, {**first, "engine_start_s": 0.0}, time.perf_counter() - demo_started,
-                  unmeasured_s=probe_rest_s(args, first))
+        early_check(args, prompts, first, time.perf_counter() - demo_started)
 
     recipe = demo_recipe(args)
     cfg = target.config
@@ -280,15 +277,27 @@ SLOW_VLLM_START_S = 100.0  # the slowest engine start a probe measured (99.8 s o
 #                           names errs long
 
 
+def early_check(args: argparse.Namespace, prompts: Path, first: dict, spent_s: float) -> None:
+    """Refuse, before the probe's slower measurements, a budget the eval alone overruns. Engine starts are not
+    measured yet: the refusal counts each as 0, so that what it refuses the full plan refuses too; the budget it
+    names is the one the plan fits with each start at SLOW_VLLM_START_S (the eval's engine, one more per further
+    lookup K, the fp32 recheck's) and the rest of the probe spent (`probe_rest_s`), an estimate that errs long."""
+    try:
+        eval_plan(args, prompts, {**first, "engine_start_s": 0.0}, spent_s)
+    except UserError:
+        estimated = {**first, "engine_start_s": SLOW_VLLM_START_S}  # only adds time: this plan refuses too
+        eval_plan(args, prompts, estimated, spent_s, unmeasured_s=probe_rest_s(args, first))
+        raise
+
+
 def probe_rest_s(args: argparse.Namespace, first: dict) -> float:
-    """What the probe still runs after its early check, and the eval engine's start that check counts as 0,
-    estimated from the one-pass capture it has timed: seven training steps (four stored, three online) and, with
-    the capture in vLLM, an engine start and ENGINE_PROBE_PROMPTS prompts, each about a one-pass capture (3.91 s
-    against 3.88 and 3.22 against 4.08 on the AVX2 host, 0.41 against 0.73 on the AVX-512 one)."""
+    """What the probe still runs after its early check, estimated from the one-pass capture it has timed: seven
+    training steps (four stored, three online) and, with the capture in vLLM, an engine start and
+    ENGINE_PROBE_PROMPTS prompts, each about a one-pass capture (3.91 s against 3.88 and 3.22 against 4.08 on the
+    AVX2 host, 0.41 against 0.73 on the AVX-512 one)."""
     capture_s = first["capture_s_per_prompt"]
     steps_s = capture_s * (4 * PROBE_STEP_CAPTURES["stored"] + 3 * PROBE_STEP_CAPTURES["online"])
-    engine_s = SLOW_VLLM_START_S + ENGINE_PROBE_PROMPTS * capture_s if args.capture_engine != "own" else 0.0
-    return steps_s + engine_s + (SLOW_VLLM_START_S if args.engine != "own" else 0.0)
+    return steps_s + (SLOW_VLLM_START_S + ENGINE_PROBE_PROMPTS * capture_s if args.capture_engine != "own" else 0.0)
 
 
 def probe_engine_capture(args: argparse.Namespace, target, rendered: list[list[int]], layers: list[int],
@@ -419,7 +428,8 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     if flexible < MIN_CAPTURE_AND_TRAIN_S:
         fits = next(m for m in itertools.count(math.ceil(args.budget_min) + 1)
                     if split(m, spent_s + unmeasured_s)[1] >= MIN_CAPTURE_AND_TRAIN_S)
-        rest = f" (counting ~{unmeasured_s:.0f} s of probe and engine start to come)" if unmeasured_s else ""
+        starts_at = f", each engine start at {engine_start_s:.0f} s" if engine else ""
+        rest = f" (counting ~{unmeasured_s:.0f} s of probe to come{starts_at})" if unmeasured_s else ""
         raise UserError(f"--budget-min {args.budget_min:g}: the budget leaves {flexible:.0f} s for capture and "
                         f"training on this machine after {spent_s:.0f} s of ingest and probe and an eval of {n_eval} "
                         f"prompts x {T} tokens (~{fixed_s + sweep_s:.0f} s); "
