@@ -213,19 +213,23 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
     capture_s_per_prompt = sum(timings) / len(timings)
     median_prompt = rendered[len(rendered) // 2]
 
-    def decode_tok_s(model) -> float:
-        """Plain decoding at batch 1, the prefill taken out: 24 new tokens against 4, the median of three such pairs
-        (one pair read 7.2 to 10.8 tokens/s within a minute on the AVX2 host, and the eval's plan scales with it)."""
-        def once() -> float:
-            short, long_ = (timed_call(plain_generate, model, median_prompt, n, [])[1] for n in (4, 24))
-            return 20 / max(2e-3, long_ - short)
-        return statistics.median(once() for _ in range(3))
+    def plain_rates(model, prefix: str = "") -> dict[str, float]:
+        """Plain decoding of the median prompt at batch 1: new tokens/s, the prefill taken out (24 new tokens
+        against 4), and the prompt's prefill, which every request the eval times runs once more (1.0 s against
+        6.2 s for 64 tokens on the AVX2 host); the median of three such pairs (one pair read 7.2 to 10.8 tokens/s
+        within a minute on that host, and the eval's plan scales with it)."""
+        pairs = []
+        for _ in range(3):
+            (_, short), (long_, long_s) = (timed_call(plain_generate, model, median_prompt, n, []) for n in (4, 24))
+            pairs.append((20 / max(2e-3, long_s - short), long_.prefill_s))
+        return {f"{prefix}decode_tok_s": statistics.median(rate for rate, _ in pairs),
+                f"{prefix}prefill_s": statistics.median(prefill for _, prefill in pairs)}
 
     first = {"precision": precision.describe(), "capture_batch": len(batch),
              "capture_s_per_prompt": capture_s_per_prompt, "capture_s_per_prompt_by_quantile": timings,
-             "decode_tok_s": decode_tok_s(target.model)}
+             **plain_rates(target.model)}
     if precision.dtype != torch.float32:  # the eval reruns its mismatches in fp32: the plan counts that rerun
-        first["fp32_decode_tok_s"] = decode_tok_s(load_target(args.target, dtype=torch.float32, device=device).model)
+        first.update(plain_rates(load_target(args.target, dtype=torch.float32, device=device).model, "fp32_"))
     if demo_started is not None:
         early_check(args, prompts, first, time.perf_counter() - demo_started)
 
@@ -391,7 +395,9 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     drafter and block-size-1 passes), all of them in vLLM (plain to each prompt's natural stop, then per K a
     speculative engine's start and each prompt timed plain and speculative at that length, and EVAL_CONCURRENCY
     requests together), and in a low-precision eval the fp32 rerun of FP32_RECHECK_SHARE of them at the probe's
-    fp32 decode rate: the K sweep gets what the share leaves (`eval --sweep-budget-s`), at least two K. Prompt
+    fp32 rates. Every request is timed cold: the probe's prefill of the median prompt, then its tokens at the
+    decode rate (without the prefill, the AVX2 router demo's reference pass was planned 124 s and took ~160). The
+    K sweep gets what the share leaves (`eval --sweep-budget-s`), at least two K. Prompt
     lookup's K (--ngram) run whatever the budget: each costs what a K does, and each after the first an engine
     child's start too (`lookup_s`)."""
     T = args.eval_max_new_tokens
@@ -399,22 +405,23 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     engine_start_s = rates.get("engine_start_s", VLLM_START_S)
     starts = {"held-out capture": STAGE_START_S, "eval": STAGE_START_S + (engine_start_s if engine else 0.0),
               "push (dry run)": 10.0, "capture": STAGE_START_S, "train": STAGE_START_S}
-    decode_s = T / rates["decode_tok_s"]  # one response at batch 1
+    prefill_s, decode_s = rates["prefill_s"], T / rates["decode_tok_s"]  # one request at batch 1: its prompt, T tokens
     heldout_s = rates["capture_s_per_prompt"]  # one pass: whole batches as capture runs them, prefill included
     eval_kept = kept_prompts(prompts, "eval", args.eval_limit, args.target, args.max_prompt_tokens)
     n_eval = min(eval_kept[-1], MIN_EVAL_PROMPTS)
     n_own = min(n_eval, OWN_EVAL_PROMPTS) if own else 0
-    own_s = n_own * decode_s * (2 + DRAFT_SLOWDOWN)
-    per_k_s = SPEC_ENGINE_START_S + (n_eval + EVAL_CONCURRENCY / 2) * (decode_s * (1 + ENGINE_SLOWDOWN) + 2 * IDLE_S)
-    least_sweep_s = n_eval * decode_s + 2 * per_k_s  # plain's natural lengths, then two K
+    own_s = n_own * (3 * prefill_s + decode_s * (2 + DRAFT_SLOWDOWN))
+    per_k_s = SPEC_ENGINE_START_S + (n_eval + EVAL_CONCURRENCY / 2) * (
+        2 * prefill_s + decode_s * (1 + ENGINE_SLOWDOWN) + 2 * IDLE_S)
+    least_sweep_s = n_eval * (prefill_s + decode_s) + 2 * per_k_s  # plain's natural lengths, then two K
     lookup_s = (len(args.ngram) * per_k_s + (len(args.ngram) - 1) * engine_start_s) if engine and args.ngram else 0.0
     recheck_s = 0.0
     if "fp32_decode_tok_s" in rates:  # a low-precision eval: its mismatches are rerun in fp32, plain and speculative
-        decode32_s = T / rates["fp32_decode_tok_s"]
-        recheck_s += FP32_RECHECK_SHARE["own"] * n_own * decode32_s * (1 + DRAFT_SLOWDOWN)
+        prefill32_s, decode32_s = rates["fp32_prefill_s"], T / rates["fp32_decode_tok_s"]
+        recheck_s += FP32_RECHECK_SHARE["own"] * n_own * (2 * prefill32_s + decode32_s * (1 + DRAFT_SLOWDOWN))
         if engine:  # one more engine child at the chosen K, untimed: plain, then speculative, to the natural stop
             recheck_s += engine_start_s + SPEC_ENGINE_START_S + FP32_RECHECK_SHARE["vllm"] * n_eval * (
-                decode32_s * (1 + ENGINE_SLOWDOWN))
+                2 * prefill32_s + decode32_s * (1 + ENGINE_SLOWDOWN))
     fixed_s = own_s + n_eval * heldout_s + recheck_s + lookup_s  # the eval's parts no budget shrinks
 
     def split(budget_min: float, spent_s: float = spent_s) -> tuple[float, float]:
@@ -535,7 +542,8 @@ def measured_line(rates: dict) -> str:
             + (f"; a training step of the recipe {rates['train_step_s']:.2f} s" if "train_step_s" in rates else "")
             + (f" ({rates['train_online_step_s']:.2f} s online)" if "train_online_step_s" in rates else "")
             + f"; plain decoding {rates['decode_tok_s']:.1f} tokens/s (batch 1)"
-            + (f", {rates['fp32_decode_tok_s']:.1f} in fp32" if "fp32_decode_tok_s" in rates else ""))
+            + (f", {rates['fp32_decode_tok_s']:.1f} in fp32" if "fp32_decode_tok_s" in rates else "")
+            + f" after a {rates['prefill_s']:.2f} s prefill of the median prompt")
 
 
 def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
