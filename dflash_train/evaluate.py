@@ -652,7 +652,6 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
                         f"{block_size - 1}: the drafter's block size, or --block-size)")
     stop = target.stop_token_ids()
     max_len = max(len(ids) for ids in prompts.values()) + cfg.max_new_tokens + block_size
-    lookup_ks = list(dict.fromkeys(cfg.ngram))  # prompt lookup's K in the order asked, each once
 
     def run(ids: dict[str, list[int]], dtype: str, tag: str, ks: list[int], concurrency: list[int],
             budget_s: float | None, mode: str = "timed") -> tuple[engine.EngineJob, engine.EngineResult]:
@@ -664,12 +663,12 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
                                mode=mode, seed=cfg.seed, device=torch.device(device).type,
                                engine_args=cfg.engine_args, speculative_tokens=ks, concurrency=concurrency,
                                repeats=cfg.repeats, budget_s=budget_s,
-                               ngram_tokens=lookup_ks[0] if lookup_ks and mode == "timed" else None)
+                               ngram_tokens=cfg.ngram[0] if cfg.ngram and mode == "timed" else None)
         budget = f", {budget_s:.0f} s budget" if budget_s is not None and len(ks) > 1 else ""
         if first is not None and mode == "timed":
             budget += f"; K = {first} first, the shortest that keeps tau by the {source}"
-        if lookup_ks and mode == "timed":
-            budget += f"; then vLLM's prompt lookup at K = {', '.join(map(str, lookup_ks))}"
+        if cfg.ngram and mode == "timed":
+            budget += f"; then vLLM's prompt lookup at K = {', '.join(map(str, cfg.ngram))}"
         print(f"engine: vLLM, plain and with drafter {cfg.drafter} at K = {', '.join(map(str, ks))} "
               f"({len(requests)} prompts, concurrency 1{''.join(f', {c}' for c in concurrency)}, {dtype}{budget}"
               f"{', the lossless check alone' if mode == 'check' else ''})",
@@ -683,7 +682,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     sweep = [k_row(r, natural, greedy) for r in drafted]
     looked_up = [r for r in result.timed["runs"] if r.get("method") == "ngram"]
     seconds = result.load_s + result.wall_s
-    for k in lookup_ks[1:]:  # each further lookup K in an engine process of its own (EngineJob.ngram_tokens)
+    for k in cfg.ngram[1:]:  # each further lookup K in an engine process of its own (EngineJob.ngram_tokens)
         print(f"engine: vLLM, plain and prompt lookup at K = {k} ({len(prompts)} prompts at their lengths above)",
               flush=True)
         again = engine.run_engine(engine.lookup_job(job, natural, k), workdir / f"lookup-{k}",

@@ -71,11 +71,14 @@ def in_range(low: float, high: float, *, low_open: bool = False, high_open: bool
 
 
 def each(check: Check) -> Check:
-    """A list option's check: `check` on every element (None passes)."""
+    """A list option's check: `check` on every element, and every element once (a K or a concurrency named twice
+    would be timed twice; None passes)."""
     def check_all(values: Any) -> str | None:
-        for value in values or []:
+        for i, value in enumerate(values or []):
             if problem := check(value):
                 return f"has {value!r}, which {problem}"
+            if value in values[:i]:
+                return f"has {value!r} twice"
         return None
     return check_all
 

@@ -38,7 +38,7 @@ import runlib as rl  # scripts/, beside this file: how every script runs a stage
 from dflash_train.card import lookup_is_faster
 from dflash_train.engine import IDLE_S
 from dflash_train.errors import UserError
-from dflash_train.options import int_list
+from dflash_train.options import at_least, each, int_list
 from dflash_train.provenance import is_complete
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,8 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plan", dest="plan", action="store_false",
                    help="skip the probe: use --capture-limit and the recipe's steps as given")
     args = p.parse_args(argv)
-    if args.ngram and (args.engine == "own" or min(args.ngram) < 1):
-        p.error("--ngram: K of at least 1, timed in vLLM (--engine vllm or both)")
+    if problem := each(at_least(1))(args.ngram):  # the eval's own check of its --ngram
+        p.error(f"--ngram {problem}")
+    if args.ngram and args.engine == "own":
+        p.error("--ngram: prompt lookup is timed in vLLM (--engine vllm or both)")
     workload = workload_name(args.logs[0]) if len(args.logs) == 1 else None  # several logs: no one application
     args.name = args.name or workload or "smollm2-demo"
     args.prompts_name = args.prompts_name or (args.name if args.logs else "sharegpt")

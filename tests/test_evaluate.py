@@ -313,7 +313,7 @@ def test_each_prompt_lookup_k_is_timed_in_an_engine_of_its_own_and_the_fastest_i
         calls, natural, {1: 0.9, ("ngram", 2): 0.8, ("ngram", 4): 0.7},
         {1: 1.6, ("ngram", 2): 1.9, ("ngram", 4): 2.5}, []))
     config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1],
-                        concurrency=[4], ngram=[2, 4, 2])
+                        concurrency=[4], ngram=[2, 4])
     v = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
     assert [(c.speculative_tokens, c.ngram_tokens) for c in calls] == [([1], 2), ([], 4)]
     again = calls[1]

@@ -70,6 +70,7 @@ def test_configs_built_in_code_are_checked_the_same_way():
      "--speculative-tokens [3, 0] has 0, which must be a number >= 1"),
     (["eval", "--drafter", "d", "--prompts", "p", "--out", "o", "--concurrency", "4,1"],
      "--concurrency [4, 1] has 1, which must be a number >= 2"),
+    (["eval", "--drafter", "d", "--prompts", "p", "--out", "o", "--ngram", "3,2,3"], "--ngram [3, 2, 3] has 3 twice"),
     (["eval", "--drafter", "d", "--prompts", "p", "--out", "o", "--sweep-budget-s", "-1"],
      "--sweep-budget-s -1.0 must be a number >= 0"),
     (["ingest", "--out", "o", "--eval-fraction", "1"], "--eval-fraction 1.0 must be in (0, 1)"),

@@ -574,7 +574,7 @@ def test_prompt_lookup_in_the_demo_is_planned_and_its_summary_says_which_to_serv
     assert plans[2]["train_budget_s"] < plans[1]["train_budget_s"] <= plans[0]["train_budget_s"]
     for plan in plans:
         assert 214.0 + sum(plan["stage_s"].values()) <= 45 * 60 * (1 - demo.MARGIN) + 1e-6
-    for bad in (["--ngram", "0"], ["--ngram", "3", "--engine", "own"], ["--ngram", "x"]):
+    for bad in (["--ngram", "0"], ["--ngram", "3,3"], ["--ngram", "3", "--engine", "own"], ["--ngram", "x"]):
         with pytest.raises(SystemExit) as exit_:
             demo.parse_args([*base, *bad])
         assert exit_.value.code == 2
