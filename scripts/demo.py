@@ -217,9 +217,9 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
 
     def plain_rates(model, prefix: str = "") -> dict[str, float]:
         """Plain decoding of the median prompt at batch 1: new tokens/s, the prefill taken out (24 new tokens
-        against 4), and the prompt's prefill, which every request the eval times runs once more (1.0 s against
-        6.2 s for 64 tokens on the AVX2 host); the median of three such pairs (one pair read 7.2 to 10.8 tokens/s
-        within a minute on that host, and the eval's plan scales with it)."""
+        against 4), and the prompt's prefill, which every request the eval times runs once more (0.7-1.2 s against
+        6.2-6.6 s for 64 tokens on the AVX2 host); the median of three such pairs (one pair read 7.2 to 10.8
+        tokens/s within a minute on that host, and the eval's plan scales with it)."""
         pairs = []
         for _ in range(3):
             (_, short), (long_, long_s) = (timed_call(plain_generate, model, median_prompt, n, []) for n in (4, 24))

@@ -740,8 +740,7 @@ def test_the_early_refusal_names_a_budget_the_whole_probe_leaves_room_in(demo_pr
             "--ngram", "2,3" if host.endswith("two lookup K") else "3"]
     rest = demo.probe_rest_s(demo.parse_args(argv), early)
     spent = 17.0 + 428.0  # ingest, then the whole probe at 35 minutes (the early check came at 160 s)
-    assert spent - 160.0 + rates["engine_start_s"] - demo.SLOW_VLLM_START_S <= rest  # the rest measured against
-    #                                                       the estimate, the measured start against the one assumed
+    assert spent - 160.0 <= rest  # the rest measured, vLLM's start in it, against the estimate
 
     def named(check) -> int:
         with pytest.raises(UserError) as refused:
@@ -760,8 +759,8 @@ def test_the_eval_plan_holds_two_k_as_the_avx2_router_demo_timed_them(demo_promp
     reference pass at the probe's decode rate (124 s) and two K. The pass took ~163 s and K = 2 428 s, so K = 1
     never started: the next K starts only while the budget, counted from the engine's start, still holds the
     costliest one's again (7.6 s plain engine load + 163 + 428 + 428). Every request it times prefills its prompt
-    first (1.0 s for the median router prompt there, against 6.2 s for 64 tokens): counted, the plan holds it, at
-    a minute more of budget."""
+    first (0.7-1.2 s for the median router prompt on that host, against 6.2 s for 64 tokens; 1.0 here): counted,
+    the plan holds it, at a minute more of budget."""
     import demo
 
     rates = json.loads((Path(__file__).parent.parent / "results" / "demo_router_avx2_lookup" /
