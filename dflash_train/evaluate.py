@@ -34,7 +34,7 @@ import torch
 
 from dflash_train import sampling
 from dflash_train.card import serving_tables, with_interval
-from dflash_train.engine import IDLE_S, engine_args_problem
+from dflash_train.engine import IDLE_S, SPECULATION_LENGTHS, engine_args_problem
 from dflash_train.errors import UserError, writing
 from dflash_train.options import add_options, at_least, each, from_args, option, validate
 from dflash_train.provenance import (OutputClaim, complete_output, read_json, sha256_file, start_output,
@@ -85,7 +85,7 @@ class EvalConfig:
     training_prompts: bool = option(False, help="evaluate even prompts the drafter was trained on (an overfit "
                                     "check); the report counts them and push refuses such a report")
     speculative_tokens: list[int] | None = option(
-        None, metavar="K,K,...", check=each(at_least(1)),
+        None, metavar="K,K,...", check=SPECULATION_LENGTHS,
         help="vLLM: the speculation lengths K to time, in this order (default: 1 to B - 1, the most telling "
              "first: the shortest K that keeps tau by the --store's offline estimate, else by the project's loop, "
              "else B - 1; then 1 and the middle of the widest gap); the fastest at batch 1 is best_k")
@@ -97,7 +97,7 @@ class EvalConfig:
                                          "('' for batch 1 only)")
     repeats: int = option(1, check=at_least(1), help="vLLM: timed runs per prompt and side (plain, speculative), "
                                                     "alternating which goes first")
-    ngram: list[int] = option(default_factory=list, metavar="K,K,...", check=each(at_least(1)),
+    ngram: list[int] = option(default_factory=list, metavar="K,K,...", check=SPECULATION_LENGTHS,
                               help="vLLM: also time the engine's own prompt lookup (method ngram: no model, no "
                                    "training) at these K, the same way, after the drafter's, whatever the budget: "
                                    "the baseline it has to beat (its fastest K at batch 1 is the one compared)")

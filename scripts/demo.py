@@ -36,9 +36,9 @@ from pathlib import Path
 
 import runlib as rl  # scripts/, beside this file: how every script runs a stage
 from dflash_train.card import lookup_is_faster
-from dflash_train.engine import IDLE_S
+from dflash_train.engine import IDLE_S, SPECULATION_LENGTHS
 from dflash_train.errors import UserError
-from dflash_train.options import at_least, each, int_list
+from dflash_train.options import int_list
 from dflash_train.provenance import is_complete
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plan", dest="plan", action="store_false",
                    help="skip the probe: use --capture-limit and the recipe's steps as given")
     args = p.parse_args(argv)
-    if problem := each(at_least(1))(args.ngram):  # the eval's own check of its --ngram
+    if problem := SPECULATION_LENGTHS(args.ngram):  # the eval's check of its --ngram
         p.error(f"--ngram {problem}")
     if args.ngram and args.engine == "own":
         p.error("--ngram: prompt lookup is timed in vLLM (--engine vllm or both)")
@@ -412,18 +412,23 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     eval_kept = kept_prompts(prompts, "eval", args.eval_limit, args.target, args.max_prompt_tokens)
     n_eval = min(eval_kept[-1], MIN_EVAL_PROMPTS)
     n_own = min(n_eval, OWN_EVAL_PROMPTS) if own else 0
-    own_s = n_own * (3 * prefill_s + decode_s * (2 + DRAFT_SLOWDOWN))
+
+    def pair_s(prefill: float, decode: float, slowdown: float) -> float:
+        """One prompt decoded plain, then speculatively, each from its own prefill."""
+        return 2 * prefill + decode * (1 + slowdown)
+
+    own_s = n_own * (pair_s(prefill_s, decode_s, DRAFT_SLOWDOWN) + prefill_s + decode_s)  # and block size 1
     per_k_s = SPEC_ENGINE_START_S + (n_eval + EVAL_CONCURRENCY / 2) * (
-        2 * prefill_s + decode_s * (1 + ENGINE_SLOWDOWN) + 2 * IDLE_S)
+        pair_s(prefill_s, decode_s, ENGINE_SLOWDOWN) + 2 * IDLE_S)
     least_sweep_s = n_eval * (prefill_s + decode_s) + 2 * per_k_s  # plain's natural lengths, then two K
     lookup_s = (len(args.ngram) * per_k_s + (len(args.ngram) - 1) * engine_start_s) if engine and args.ngram else 0.0
     recheck_s = 0.0
     if "fp32_decode_tok_s" in rates:  # a low-precision eval: its mismatches are rerun in fp32, plain and speculative
         prefill32_s, decode32_s = rates["fp32_prefill_s"], T / rates["fp32_decode_tok_s"]
-        recheck_s += FP32_RECHECK_SHARE["own"] * n_own * (2 * prefill32_s + decode32_s * (1 + DRAFT_SLOWDOWN))
+        recheck_s += FP32_RECHECK_SHARE["own"] * n_own * pair_s(prefill32_s, decode32_s, DRAFT_SLOWDOWN)
         if engine:  # one more engine child at the chosen K, untimed: plain, then speculative, to the natural stop
-            recheck_s += engine_start_s + SPEC_ENGINE_START_S + FP32_RECHECK_SHARE["vllm"] * n_eval * (
-                2 * prefill32_s + decode32_s * (1 + ENGINE_SLOWDOWN))
+            recheck_s += engine_start_s + SPEC_ENGINE_START_S + FP32_RECHECK_SHARE["vllm"] * n_eval * pair_s(
+                prefill32_s, decode32_s, ENGINE_SLOWDOWN)
     fixed_s = own_s + n_eval * heldout_s + recheck_s + lookup_s  # the eval's parts no budget shrinks
 
     def split(budget_min: float, spent_s: float = spent_s) -> tuple[float, float]:
