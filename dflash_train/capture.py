@@ -127,7 +127,8 @@ def load_prompt_records(path: str | Path, split: str = "train", limit: int | Non
     """Records of a finished ingest output folder (its `split`) or of one raw log file, and the ingest report.
 
     A raw log is parsed and scrubbed by the ingest module and deduplicated here (weight = count); it has no
-    held-out split, so prefer an ingest folder for anything that is evaluated later."""
+    held-out split, so prefer an ingest folder for anything that is evaluated later. No record at all is one line:
+    every caller has nothing to do then."""
     from dflash_train import ingest
 
     path = Path(path)
@@ -148,6 +149,9 @@ def load_prompt_records(path: str | Path, split: str = "train", limit: int | Non
             raise UserError(f"{path}: duplicate record id {record.id!r}")
         seen.add(record.id)
         records.append(record)
+    if not records:
+        counts = f" (ingest kept {report['kept']}: {report['train']} train, {report['eval']} eval)" if report else ""
+        raise UserError(f"no prompts in {path}" + (f", split {split!r}" if path.is_dir() else "") + counts)
     return records, report
 
 

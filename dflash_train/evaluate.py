@@ -786,8 +786,6 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
 
         check_vllm()  # before anything is loaded: a missing engine is one line, not a late failure
     records, _ = load_prompt_records(cfg.prompts, cfg.split, cfg.limit)
-    if not records:
-        raise UserError(f"no prompts in {cfg.prompts} (split {cfg.split!r}): nothing to evaluate")
     from dflash_train.capture import prompt_set
 
     held_out = {"prompts": check_held_out(cfg.drafter, {r.id for r in records},

@@ -907,7 +907,8 @@ def _ingest_into(out: Path, paths: list[Path], config: IngestConfig, limit: "_To
                 gen_kwargs={"records_file": str(records_file), "want_eval": split == "eval",
                             "weights": collector.occurrences, "eval_fraction": config.eval_fraction,
                             "seed": config.seed, "fallback_id": fallback_id})
-        DatasetDict(splits).save_to_disk(str(out))
+        # an empty split gets one (empty) shard: saved with none, `load_from_disk` cannot read it back
+        DatasetDict(splits).save_to_disk(str(out), num_shards={k: 1 for k, d in splits.items() if not len(d)})
         report = _report(sources, paths, config, splits, fallback_id, collector.full(), collector.weight_stats(),
                          time.time() - t0)
     finally:

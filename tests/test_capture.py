@@ -306,6 +306,21 @@ def test_tool_traffic_is_captured_as_served(tmp_path, tiny_target, tiny_target_d
     assert tiny_target.tokenizer.decode(prompt) == served
 
 
+def test_an_empty_split_is_refused_in_one_line(tmp_path, capsys):
+    from dflash_train.cli import main as cli_main
+    from dflash_train.ingest import IngestConfig, ingest
+
+    log = tmp_path / "one.jsonl"
+    log.write_text(json.dumps({"prompt": "Hello"}) + "\n")
+    ingest([log], tmp_path / "prompts", IngestConfig(max_prompt_tokens=0, progress=False))  # 0 train, 1 eval
+    out, _ = tmp_path / "store", capsys.readouterr()  # what ingest printed
+    assert cli_main(["capture", "--prompts", str(tmp_path / "prompts"), "--out", str(out)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err == [f"dflash-train capture: error: no prompts in {tmp_path / 'prompts'}, split 'train' "
+                   f"(ingest kept 1: 0 train, 1 eval)"]
+    assert not out.exists()
+
+
 def test_prompt_folders_written_before_tool_support_still_load(prompts_dir):
     """prompts_dir is written the old way: turns of {role, content} only and no `tools` column."""
     from dflash_train.capture import load_prompt_records

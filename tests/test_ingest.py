@@ -277,6 +277,14 @@ def test_at_least_one_eval_record(tmp_path):
     assert eval_ == {lowest} and report["eval_fallback"] == lowest
 
 
+def test_a_log_of_one_prompt_leaves_an_empty_train_split_that_loads(tmp_path):
+    """The one prompt is the held-out one; the empty train split used to be saved with no shard, and reading it
+    back (capture, eval) died in `datasets` with an IndexError."""
+    report = run_ingest([write_jsonl(tmp_path / "one.jsonl", [{"prompt": "p0"}])], tmp_path / "out")
+    assert (report["train"], report["eval"]) == (0, 1)
+    assert len(load_prompts(tmp_path / "out", "train")) == 0 and len(load_prompts(tmp_path / "out", "eval")) == 1
+
+
 # --- bad input --------------------------------------------------------------------------------------------
 
 def test_bad_lines_are_counted_by_reason(tmp_path):
