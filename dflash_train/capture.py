@@ -40,10 +40,11 @@ from typing import Any, Iterable, Literal
 import torch
 
 from dflash_train import sampling
-from dflash_train.device import default_device, resolve_precision
+from dflash_train.device import default_device, device_problem, resolve_precision
 from dflash_train.errors import UserError, decided_by_rank0
 from dflash_train.engine import engine_args_problem
 from dflash_train.options import add_options, at_least, from_args, in_range, option, validate
+from dflash_train.provenance import read_json
 from dflash_train.sampling import Sampling
 from dflash_train.store import DEFAULT_SHARD_BYTES, NO_STATES, StoreWriter, finalize_store
 from dflash_train.target import (DEFAULT_TARGET, Target, cache_keyword, chat_text, check_layer_ids,
@@ -90,7 +91,8 @@ class CaptureConfig:
     engine: Literal["own", "vllm"] = option(
         "own", help="own: transformers generates and records the states in one pass; vllm: vLLM generates the "
                     "responses (continuous batching), then one batched prefill records the states")
-    device: str | None = option(None, help="default: cuda (this rank's GPU) if available, else cpu")
+    device: str | None = option(None, help="default: cuda (this rank's GPU) if available, else cpu",
+                                check=device_problem)
     device_map: str | None = option(None, help="e.g. auto: spread a large target over the GPUs")
     threads: int | None = option(None, check=at_least(1), help="torch CPU threads per process")
     store_topk: int = option(0, check=at_least(0), metavar="K",
@@ -134,7 +136,7 @@ def load_prompt_records(path: str | Path, split: str = "train", limit: int | Non
     path = Path(path)
     if path.is_dir():
         rows, report_path = ingest.load_prompts(path, split), path / "report.json"
-        report = json.loads(report_path.read_text()) if report_path.exists() else None
+        report = read_json(report_path, "the ingest report") if report_path.exists() else None
     elif path.exists():
         rows, report = _dedup(ingest.iter_records(path)), None
     else:
@@ -150,7 +152,8 @@ def load_prompt_records(path: str | Path, split: str = "train", limit: int | Non
         seen.add(record.id)
         records.append(record)
     if not records:
-        counts = f" (ingest kept {report['kept']}: {report['train']} train, {report['eval']} eval)" if report else ""
+        counts = (f" (ingest kept {report.get('kept')}: {report.get('train')} train, {report.get('eval')} eval)"
+                  if report else "")
         raise UserError(f"no prompts in {path}" + (f", split {split!r}" if path.is_dir() else "") + counts)
     return records, report
 

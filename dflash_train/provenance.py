@@ -146,17 +146,20 @@ def write_provenance(out_dir: str | Path, config: dict[str, Any] | None = None, 
     return path
 
 
-def read_json(path: str | Path, what: str) -> Any:
-    """A JSON file, or a UserError naming it and what it should hold."""
+def read_json(path: str | Path, what: str) -> dict[str, Any]:
+    """A JSON file holding an object, or a UserError naming it and what it should hold."""
     from dflash_train.errors import UserError
 
     path = Path(path)
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except FileNotFoundError:
         raise UserError(f"{path} is missing ({what})") from None
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"{path} is not valid JSON ({what}): {err}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} holds a JSON {type(value).__name__}, not an object ({what})")
+    return value
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:

@@ -59,10 +59,13 @@ def flag_check(name: str):
     return check_flag
 
 
+MAX_TOKENS_LIMIT = 2**63 - 1  # the prompt table's int64 column
+
+
 def check_max_tokens(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value != int(value) or value < 1:
-        raise ValueError(f"max_tokens must be an integer >= 1, got {value!r}")
+            or value != int(value) or not 1 <= value <= MAX_TOKENS_LIMIT:
+        raise ValueError(f"max_tokens must be an integer in [1, 2**63 - 1], got {value!r}")
     return int(value)
 
 

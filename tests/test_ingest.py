@@ -117,11 +117,11 @@ def test_sampling_out_of_the_api_range_is_a_counted_bad_record(tmp_path):
     rows = [{"request": {"messages": [user(f"q{i}")], **settings}} for i, settings in enumerate([
         {"temperature": 0.7, "top_p": 0}, {"temperature": 0, "top_p": 1}, {"temperature": "0.5"},
         {"temperature": 2.5}, {"top_p": 1.2}, {"temperature": -1}, {"temperature": "hot"}, {"max_tokens": 0},
-        {"top_p": float("nan")}])]
+        {"top_p": float("nan")}, {"max_tokens": 1e30}])]  # 1e30: over the int64 column (it crashed the save)
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in rows))  # json.dumps writes NaN, as some loggers do
     report = run_ingest([log], tmp_path / "out", max_bad_fraction=0.9)
-    assert report["kept"] == 3 and report["bad_sampling"] == 6
+    assert report["kept"] == 3 and report["bad_sampling"] == 7
     examples = report["sources"][0]["examples"]
     assert examples[0] == "line 4: bad_sampling (temperature must be a finite number in [0, 2], got 2.5)"
     kept = {r["messages"][0]["content"]: r["sampling"] for s in ("train", "eval") for r in load_prompts(tmp_path / "out", s)}
@@ -277,6 +277,19 @@ def test_at_least_one_eval_record(tmp_path):
     assert eval_ == {lowest} and report["eval_fallback"] == lowest
 
 
+def test_a_damaged_split_or_another_stages_folder_is_one_line(tmp_path):
+    from dflash_train.provenance import start_output, write_provenance
+
+    out = tmp_path / "out"
+    run_ingest([EXAMPLES / "prompts.jsonl"], out)
+    next((out / "train").glob("data-*.arrow")).unlink()
+    with pytest.raises(UserError, match=r"out/train is damaged \(FileNotFoundError: .*\): rerun `dflash-train ingest"):
+        load_prompts(out, "train")
+    write_provenance(start_output(tmp_path / "store", "capture"), stage="capture")
+    with pytest.raises(UserError, match=r"store holds the output of `dflash-train capture`, not of ingest"):
+        load_prompts(tmp_path / "store", "eval")
+
+
 def test_a_log_of_one_prompt_leaves_an_empty_train_split_that_loads(tmp_path):
     """The one prompt is the held-out one; the empty train split used to be saved with no shard, and reading it
     back (capture, eval) died in `datasets` with an IndexError."""
@@ -335,11 +348,35 @@ def test_all_garbage_file_is_a_clear_error(tmp_path, capsys):
     message = str(err.value)
     assert "garbage.jsonl" in message and "4 of 4" in message and "malformed 1" in message
     assert "non_utf8 1" in message and "unknown_format 2" in message
-    assert not is_complete(tmp_path / "out") and (tmp_path / "out" / "INCOMPLETE").exists()
+    assert not (tmp_path / "out").exists()  # the folder it created is gone again
     # the CLI prints it as one line and exits 2
     assert cli_main(["ingest", str(garbage), "--out", str(tmp_path / "out2"), "--max-prompt-tokens", "0"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash-train")]
     assert len(errors) == 1 and "error:" in errors[0] and "garbage.jsonl" in errors[0]
+
+
+def test_a_bad_log_leaves_the_earlier_output_of_its_folder_as_it_was(tmp_path):
+    """The earlier output used to be deleted before the logs were read: a bad log left an empty INCOMPLETE
+    folder."""
+    out = tmp_path / "out"
+    run_ingest([EXAMPLES / "prompts.jsonl"], out)
+    files = lambda: {p.relative_to(out): p.read_bytes() for p in out.rglob("*")  # noqa: E731
+                     if p.is_file() and p.name != ".dflash-train.lock"}
+    before = files()
+    garbage = write_jsonl(tmp_path / "garbage.jsonl", [{"text": 1}, {"text": 2}])
+    with pytest.raises(UserError, match="garbage.jsonl: 2 of 2 records are unusable"):
+        run_ingest([garbage], out)
+    assert files() == before and is_complete(out)
+
+
+def test_a_log_inside_the_output_folder_is_refused_untouched(tmp_path):
+    """ingest replaces report.json and train/ of its --out: a log of that name inside it was deleted, then read."""
+    out = tmp_path / "out"
+    out.mkdir()
+    log = write_jsonl(out / "report.json", [{"prompt": "hi"}])
+    with pytest.raises(UserError, match="is inside --out"):
+        run_ingest([log], out)
+    assert log.read_text() == '{"prompt": "hi"}\n'
 
 
 def test_out_folder_with_foreign_files_is_refused(tmp_path):
