@@ -50,8 +50,8 @@ import torch
 
 from dflash_train.errors import UserError, write_error
 from dflash_train.provenance import (INCOMPLETE_MARKER, OutputClaim, complete_output, config_differences,
-                                     known_sha256, remember_sha256, sha256_file, shown_pair, start_output,
-                                     write_json_atomic, write_provenance)
+                                     known_sha256, remember_sha256, sha256_file, shown_pair, stage_of,
+                                     start_output, write_json_atomic, write_provenance)
 
 FORMAT = "dflash-train-store"
 FORMAT_VERSION = 1
@@ -601,21 +601,57 @@ REQUIRED_KEYS = ("format", "target", "target_layer_ids", "hidden_size", "num_tap
 
 
 def _load_manifest(root: Path) -> dict[str, Any]:
-    if not root.is_dir():
+    if not root.exists():
         raise UserError(f"store {root} does not exist (run `dflash-train capture --out {root}` first)")
-    if (root / INCOMPLETE_MARKER).exists() or not (root / MANIFEST).exists():
+    if not root.is_dir():
+        raise UserError(f"store {root} is a file: a store is the folder `dflash-train capture --out` writes")
+    owner = stage_of(root)
+    if owner not in (None, STAGE):
+        raise UserError(f"{root} holds the output of `dflash-train {owner}`, not a capture store")
+    if (root / INCOMPLETE_MARKER).exists() or (not (root / MANIFEST).exists() and is_store_folder(root)):
         raise UserError(f"store {root} is incomplete (no manifest.json, or an {INCOMPLETE_MARKER} marker): "
                         f"rerun the capture command that wrote it to finish it")
+    if not (root / MANIFEST).exists():
+        raise UserError(f"{root} is not a capture store (no {MANIFEST}): pass a folder `dflash-train capture --out` "
+                        f"wrote")
     manifest = _read_json(root / MANIFEST)
-    missing = [k for k in REQUIRED_KEYS if k not in manifest]
+    missing = [k for k in REQUIRED_KEYS if k not in manifest] if isinstance(manifest, dict) else list(REQUIRED_KEYS)
     if missing or manifest.get("format") != FORMAT:
         raise UserError(f"{root / MANIFEST} is not a {FORMAT} manifest (missing keys: {', '.join(missing)})")
+    if problem := _manifest_problem(manifest):
+        raise UserError(f"{root / MANIFEST}: {problem}")
     if manifest["storage_dtype"] not in STORAGE_CHOICES:
         raise UserError(f"{root / MANIFEST}: unknown storage_dtype {manifest['storage_dtype']!r}")
     topk = manifest.get("topk", 0)
     if not isinstance(topk, int) or isinstance(topk, bool) or topk < 0:
         raise UserError(f"{root / MANIFEST}: 'topk' must be an integer >= 0, got {topk!r}")
     return manifest
+
+
+def _manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """What is wrong with the values the readers take from a manifest (a hand-edited or damaged one), or None."""
+    def count(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    for key in ("hidden_size", "num_tapped", "num_samples", "num_tokens"):
+        if not count(manifest[key]):
+            return f"{key!r} must be an integer >= 0, got {manifest[key]!r}"
+    if not isinstance(manifest["target_layer_ids"], list) or not all(map(count, manifest["target_layer_ids"])):
+        return f"'target_layer_ids' must be a list of layer numbers, got {manifest['target_layer_ids']!r}"
+    if not isinstance(manifest["shards"], list):
+        return f"'shards' must be a list, got {type(manifest['shards']).__name__}"
+    for i, entry in enumerate(manifest["shards"]):
+        if not isinstance(entry, dict):
+            return f"shards[{i}] is not an object"
+        name = entry.get("file")
+        if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+            return f"shards[{i}] 'file' must be a file name inside the store, got {name!r}"
+        for key in ("num_samples", "num_tokens", "bytes"):
+            if not count(entry.get(key)):
+                return f"shards[{i}] ({name}) {key!r} must be an integer >= 0, got {entry.get(key)!r}"
+        if not isinstance(entry.get("sha256"), str):
+            return f"shards[{i}] ({name}) has no 'sha256' string"
+    return None
 
 
 def _read_shard(root: Path, entry: dict[str, Any], manifest: dict[str, Any]) -> _Shard:
@@ -769,10 +805,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"verify {args.store}: {len(problems)} problem(s)")
         return 1
     m = _load_manifest(Path(args.store))
-    per_token = m["bytes"] / m["num_tokens"] if m.get("num_tokens") else 0.0
+    size = sum(entry["bytes"] for entry in m["shards"])  # what verify_store checked, file by file
+    per_token = size / m["num_tokens"] if m["num_tokens"] else 0.0
+    floor = m.get("floor_bytes_per_token")
+    floor = floor if isinstance(floor, (int, float)) and floor > 0 else None
     print(f"verify {args.store}: OK: {m['num_samples']} samples, {m['num_tokens']} tokens, {len(m['shards'])} "
-          f"shard(s), {m['bytes'] / 2**20:.1f} MiB, {per_token:.1f} bytes/token vs floor "
-          f"{m['floor_bytes_per_token']} ({100 * (per_token / m['floor_bytes_per_token'] - 1):+.2f}%), "
+          f"shard(s), {size / 2**20:.1f} MiB, {per_token:.1f} bytes/token"
+          + (f" vs floor {floor} ({100 * (per_token / floor - 1):+.2f}%)" if floor else "")
+          + ", "
           f"{m['storage_dtype'] if holds_states(m) else 'token-only (no hidden states)'}, layers "
           f"{m['target_layer_ids']}, dropped {m.get('dropped') or 'none'}")
     return 0

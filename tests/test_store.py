@@ -173,6 +173,38 @@ def test_missing_or_incomplete_store_is_a_user_error(tmp_path):
     assert cli_main(["verify", str(tmp_path / "st")]) == 2
 
 
+def test_a_folder_that_is_no_store_is_named_as_such(tmp_path):
+    from dflash_train.provenance import start_output, write_provenance
+
+    (tmp_path / "a.txt").write_text("x")
+    with pytest.raises(UserError, match=r"a.txt is a file: a store is the folder"):
+        open_store(tmp_path / "a.txt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=r"empty is not a capture store \(no manifest.json\)"):
+        open_store(tmp_path / "empty")
+    write_provenance(start_output(tmp_path / "prompts", "ingest"), stage="ingest")
+    with pytest.raises(UserError, match=r"prompts holds the output of `dflash-train ingest`, not a capture store"):
+        open_store(tmp_path / "prompts")
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda m: m["shards"][0].pop("sha256"), r"shards\[0\] \(shard-r000-00000.safetensors\) has no 'sha256'"),
+    (lambda m: m["shards"][0].pop("bytes"), r"shards\[0\] \(shard-r000-00000.safetensors\) 'bytes' must be an integer"),
+    (lambda m: m["shards"][0].update(file="../elsewhere.safetensors"), r"'file' must be a file name inside the store"),
+    (lambda m: m.update(shards=None), r"'shards' must be a list, got NoneType"),
+    (lambda m: m.update(hidden_size="big"), r"'hidden_size' must be an integer >= 0, got 'big'"),
+])
+def test_a_damaged_manifest_is_one_line_naming_the_key(tmp_path, capsys, edit, message):
+    write(tmp_path / "st", make_samples(2, 24))
+    manifest = json.loads((tmp_path / "st" / "manifest.json").read_text())
+    edit(manifest)
+    (tmp_path / "st" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match=message):
+        open_store(tmp_path / "st")
+    assert cli_main(["verify", str(tmp_path / "st")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
 def test_resume_after_kill_keeps_finished_shards_and_redoes_the_partial_one(tmp_path):
     samples = make_samples(20, 24)
     out = tmp_path / "st"
