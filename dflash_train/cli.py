@@ -6,11 +6,10 @@ command runs, so `dflash-train ingest` never pays for importing the trainer.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
-from dflash_train.errors import run_as_command
+from dflash_train.errors import CommandParser, run_as_command
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -42,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module_name, help_ = COMMANDS[command]
     module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"dflash-train {command}", description=help_)
+    parser = CommandParser(prog=f"dflash-train {command}", description=help_)
     module.add_arguments(parser)
     args = parser.parse_args(rest)
     return run_as_command(f"dflash-train {command}", lambda: module.run(args))

@@ -48,6 +48,23 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def device_problem(name: str | None) -> str | None:
+    """A --device option's check (options.Check): what is wrong with `name` on this machine, or None."""
+    if name is None:
+        return None
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        return "is not a device (cpu, cuda or cuda:N)"
+    if device.type not in ("cpu", "cuda"):
+        return "is not a device this tool computes on (cpu, cuda or cuda:N)"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "names a GPU, and no CUDA device is available here"
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        return f"names GPU {device.index}, and this machine has {torch.cuda.device_count()}"
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def _cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (x86 `flags`, Arm `Features`) from /proc/cpuinfo; empty where there is none."""

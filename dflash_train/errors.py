@@ -6,6 +6,7 @@ folder (`write_failure`), and a check that rank 0 makes for every process of a r
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import os
@@ -20,6 +21,14 @@ class UserError(Exception):
     from_rank0: bool = False
 
 
+class CommandParser(argparse.ArgumentParser):
+    """argparse with a bad argument (unknown, missing, not a number, not a choice) in one line and exit 2, as a
+    UserError is: no usage block above it (`--help` shows the usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
 WRITE_ERRNOS = {
     errno.ENOSPC: "disk full (no space left on device)",
     errno.EDQUOT: "disk quota exceeded",
@@ -27,6 +36,7 @@ WRITE_ERRNOS = {
     errno.EROFS: "read-only file system",
     errno.EACCES: "permission denied",
     errno.EPERM: "operation not permitted",
+    errno.ENOTDIR: "a part of the path is a file, not a folder",
 }
 # Libraries that write in native code report the OS error in their message: Rust's io::Error as "... (os error 28)"
 # or, debug-printed (safetensors), "Os { code: 28, ... }"; torch's checkpoint writer (C++ streams) without the errno.

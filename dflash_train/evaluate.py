@@ -23,6 +23,7 @@ set it recorded) are compared with the prompts to evaluate. `--store` is re-hash
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import time
@@ -34,6 +35,7 @@ import torch
 
 from dflash_train import sampling
 from dflash_train.card import serving_tables, with_interval
+from dflash_train.device import device_problem
 from dflash_train.engine import IDLE_S, SPECULATION_LENGTHS, engine_args_problem
 from dflash_train.errors import UserError, writing
 from dflash_train.options import add_options, at_least, each, from_args, option, validate
@@ -73,7 +75,7 @@ class EvalConfig:
     dtype: Literal["auto", "bf16", "fp32"] = option(
         "auto", help="target and drafter compute dtype (auto: bf16 where the device runs it natively, else fp32); "
                      "in bf16, prompts that differ from plain decoding are rerun in fp32 to tell rounding from errors")
-    device: str | None = option(None, help="default: cuda if available, else cpu")
+    device: str | None = option(None, help="default: cuda if available, else cpu", check=device_problem)
     threads: int | None = option(None, check=at_least(1), help="torch CPU threads")
     warmup: bool = option(True, help="skip the untimed warm-up run")
     engine: Literal["own", "vllm", "both"] = option(
@@ -1131,6 +1133,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, EvalConfig)
 
 
+def is_eval_folder(folder: Path) -> bool:
+    """An eval's output from before folders recorded their stage: its report.json holds a tau and the settings (a
+    report.json alone may be anyone's)."""
+    try:
+        report = json.loads((folder / "report.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and {"tau", "settings"} <= report.keys()
+
+
 def run(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
@@ -1139,7 +1151,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(cfg.out)
     # claimed first: a folder that is not an eval's, or that another eval is writing, is refused before minutes of
     # decoding; a run that fails leaves no folder behind when it created it
-    with OutputClaim(out, STAGE, legacy=lambda folder: (folder / "report.json").exists()):
+    with OutputClaim(out, STAGE, legacy=is_eval_folder):
         # engine runs (jobs, logs) go to a scratch folder: a failed eval leaves its logs there and no report behind
         workdir = Path(tempfile.mkdtemp(prefix="dflash-eval-engine-"))
         try:

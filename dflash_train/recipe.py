@@ -166,9 +166,11 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     if not path.is_file():
         raise UserError(f"recipe {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise UserError(f"recipe {path} is not UTF-8 text (byte {err.start})") from None
     except yaml.YAMLError as err:
-        raise UserError(f"recipe {path} is not valid YAML: {err}") from None
+        raise UserError(f"recipe {path} is not valid YAML: {yaml_problem(err)}") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -180,6 +182,13 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     return recipe
 
 
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: its message spans several, with a drawing of the line and a caret."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).strip().splitlines()[0]
+    return problem + (f" (line {mark.line + 1}, column {mark.column + 1})" if mark else "")
+
+
 def apply_override(raw: dict[str, Any], item: str, source: str | Path) -> None:
     """Apply one `dotted.key=value` override to the raw mapping (value parsed as a YAML scalar or list)."""
     key, sep, text = item.partition("=")
@@ -189,7 +198,8 @@ def apply_override(raw: dict[str, Any], item: str, source: str | Path) -> None:
     try:
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError as err:
-        raise UserError(f"override {item!r} for recipe {source}: the value is not valid YAML: {err}") from None
+        raise UserError(f"override {item!r} for recipe {source}: the value is not valid YAML: {yaml_problem(err)}"
+                        ) from None
     node = raw
     parts = key.split(".")
     for i, part in enumerate(parts[:-1]):

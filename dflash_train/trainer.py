@@ -52,7 +52,7 @@ import yaml
 
 from dflash_train import objective as obj
 from dflash_train.data import OnlineStates, StoreSet, anchor_generator, collate, context_scale, prepare_data
-from dflash_train.errors import UserError, decided_by_rank0, run_as_command, write_error, writing
+from dflash_train.errors import CommandParser, UserError, decided_by_rank0, run_as_command, write_error, writing
 from dflash_train.model.masks import resolve_attention
 from dflash_train.provenance import (OutputClaim, complete_output, config_differences, shown_pair, start_output,
                                      write_json_atomic, write_provenance)
@@ -210,8 +210,7 @@ class DFlashTrainer:
         """Rank 0, before anything is written: claim and lock the run folder, and refuse a resume whose recipe
         changed what matters."""
         recipe = self.recipe
-        claim = OutputClaim(self.run_dir, STAGE, legacy=lambda out: (out / "recipe.yaml").exists()
-                            or (out / "checkpoints").is_dir())
+        claim = OutputClaim(self.run_dir, STAGE, legacy=is_run_folder)
         try:
             checkpoint = find_resume_checkpoint(recipe, self.run_dir)
             if checkpoint is not None:
@@ -278,10 +277,17 @@ class DFlashTrainer:
             if self.main and self.metrics.path.exists():
                 self.metrics.path.unlink()
             return TrainState(), None
-        self.accelerator.load_state(str(resume_from))
+        try:
+            self.accelerator.load_state(str(resume_from))
+        except Exception as err:  # truncated or overwritten files: safetensors', torch's or DeepSpeed's own errors
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            raise UserError(f"checkpoint {resume_from} cannot be loaded ({type(err).__name__}: {first}): delete it to "
+                            f"resume from an earlier one, or set checkpoint.resume: never to start over") from None
         saved = json.loads((resume_from / STATE_FILE).read_text())
         state = TrainState(step=saved["step"], bad_in_a_row=saved["bad_in_a_row"], bad_total=saved["bad_total"])
         self.clock.spent_s = float(saved.get("train_time_s", 0.0))
+        if saved.get("last_loss") is not None:  # a rerun of a finished run takes no step: its loss is the saved one
+            self.last_loss = float(saved["last_loss"])
         if saved.get("total_steps") != self.total_steps and self.main:
             print(f"note: the checkpoint was written for {saved.get('total_steps')} total steps, this run has "
                   f"{self.total_steps}; the learning-rate schedule follows this run", flush=True)
@@ -459,12 +465,16 @@ class DFlashTrainer:
         digests = check_replicas(self.accelerator, self.model, step, self.zero_stage)
         trainer_state = {
             **dataclasses.asdict(self.state), "total_steps": self.total_steps, "epoch": step / plan.steps_per_epoch,
-            "world_size": self.world, "train_time_s": self.clock.elapsed,
+            "world_size": self.world, "train_time_s": self.clock.elapsed, "last_loss": self.final_loss(),
             "data_position": {"epoch": step // plan.steps_per_epoch, "step_in_epoch": step % plan.steps_per_epoch},
             "rank_parameter_digests": digests, "recipe": self.recipe.to_dict()}
         path = save_checkpoint(self.accelerator, self.run_dir, step, trainer_state, self.recipe.checkpoint.keep_last)
         self.last_checkpoint_step = step
         return path
+
+    def final_loss(self) -> float | None:
+        """The last step's training loss; None before any step (NaN is not JSON)."""
+        return None if math.isnan(self.last_loss) else self.last_loss
 
     def save_drafter(self) -> dict[str, Any]:
         """drafter/: the final drafter in the public DFlash format, in the target's dtype (what engines serve the
@@ -473,7 +483,7 @@ class DFlashTrainer:
         state = self.state
         self.check_weights_finite("drafter")
         state_dict = self.accelerator.get_state_dict(self.model)
-        summary = {"steps": state.step, "final_train_loss": self.last_loss,
+        summary = {"steps": state.step, "final_train_loss": self.final_loss(),
                    "train_time_s": round(self.clock.elapsed, 1),
                    **{f"final_{k}": v for k, v in self.last_eval.items()},
                    "bad_steps": state.bad_total, "wall_time_s": round(time.time() - self.started, 1),
@@ -751,6 +761,12 @@ def nonfinite_parameters(model) -> list[str]:
     return bad
 
 
+def is_run_folder(out: Path) -> bool:
+    """A run folder train wrote before folders recorded their stage: a checkpoint's trainer state or the drafter's
+    training_args.json (a recipe.yaml alone may be the user's own)."""
+    return any(out.glob(f"checkpoints/step-*/{STATE_FILE}")) or (out / "drafter" / "training_args.json").exists()
+
+
 def check_resumable(checkpoint: Path, recipe: Recipe, run_dir: Path, world: int) -> None:
     """Refuse to resume `checkpoint` under a recipe that changed what matters (anything outside RESUMABLE_KEYS) or
     with another number of processes; a UserError listing every such change, raised before anything is written."""
@@ -759,6 +775,9 @@ def check_resumable(checkpoint: Path, recipe: Recipe, run_dir: Path, world: int)
         saved = json.loads(state_file.read_text())
     except (OSError, ValueError) as err:
         raise UserError(f"cannot read {state_file} ({err}): the checkpoint cannot be resumed") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"{state_file} holds a JSON {type(saved).__name__}, not an object: the checkpoint cannot be "
+                        f"resumed")
     old = saved.get("recipe")
     source = state_file
     written_by = checkpoint.parent.parent / "recipe.yaml"  # checkpoints written before they kept their recipe
@@ -977,8 +996,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="train.py", description="train a DFlash drafter from a recipe "
-                                     "(run under `accelerate launch`)")
+    parser = CommandParser(prog="train.py", description="train a DFlash drafter from a recipe (run under "
+                           "`accelerate launch`)")
     add_arguments(parser)
     args = parser.parse_args(argv)
     return run_as_command("train", lambda: run(args))

@@ -37,7 +37,7 @@ from pathlib import Path
 import runlib as rl  # scripts/, beside this file: how every script runs a stage
 from dflash_train.card import lookup_is_faster
 from dflash_train.engine import IDLE_S, SPECULATION_LENGTHS
-from dflash_train.errors import UserError
+from dflash_train.errors import CommandParser, UserError
 from dflash_train.options import int_list
 from dflash_train.provenance import is_complete
 
@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default=".", help="where data/, runs/, eval/ and push/ go (default: repo root)")
     p.add_argument("--name", default=None, help="names the store, run, eval and push folders (default: "
                                                  "the log's name with one log, e.g. router for router.jsonl; else smollm2-demo)")

@@ -33,6 +33,14 @@ def test_dispatch_and_user_error_is_one_line(fake_stage, capsys):
     assert err.strip() == "dflash-train fake: error: prompts folder /x/y has no train split"
 
 
+def test_a_bad_argument_is_one_line_without_the_usage_block(fake_stage, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["fake", "--nope"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "dflash-train fake: error: unrecognized arguments: --nope (dflash-train fake --help lists the options)"]
+
+
 def test_help_and_unknown_command(capsys):
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out

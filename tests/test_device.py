@@ -8,8 +8,25 @@ import sys
 import pytest
 import torch
 
-from dflash_train.device import _cpu_flags, native_bf16, resolve_precision
+from dflash_train.device import _cpu_flags, device_problem, native_bf16, resolve_precision
 from dflash_train.errors import UserError
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+@pytest.mark.parametrize("command", ["capture", "eval"])
+def test_a_device_this_machine_lacks_is_one_line_before_any_work(command, tmp_path, capsys):
+    """--device bogus and --device cuda on a CPU machine ended in torch's traceback after the target had loaded."""
+    from dflash_train.cli import main as cli_main
+
+    assert device_problem(None) is None and device_problem("cpu") is None
+    assert device_problem("bogus") == "is not a device (cpu, cuda or cuda:N)"
+    required = {"capture": ["--prompts", "p", "--out", str(tmp_path / "o")],
+                "eval": ["--drafter", "d", "--prompts", "p", "--out", str(tmp_path / "o")]}[command]
+    for device, problem in (("bogus", "is not a device"), ("cuda", "no CUDA device is available here")):
+        assert cli_main([command, *required, "--device", device]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"error: --device {device!r} " in err[0] and problem in err[0], err
+    assert not (tmp_path / "o").exists()
 
 
 def test_explicit_dtypes_are_honoured_and_unknown_ones_named():

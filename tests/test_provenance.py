@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from dflash_train.errors import UserError
-from dflash_train.provenance import (LOCK_FILE, OutputClaim, config_differences, shown_pair, stage_of, start_output,
-                                     write_provenance)
+from dflash_train.provenance import (LOCK_FILE, OutputClaim, config_differences, read_json, shown_pair, stage_of,
+                                     start_output, write_provenance)
 
 
 def test_a_second_run_into_a_folder_being_written_is_refused_naming_it(tmp_path):
@@ -44,6 +44,39 @@ def test_a_folder_of_another_stage_or_of_someone_else_is_refused_untouched(tmp_p
     assert [p.name for p in foreign.iterdir()] == ["shard-r000-00000.safetensors"]
     # what the stage recognises as its own output from before folders recorded their stage is still accepted
     OutputClaim(foreign, "capture", legacy=lambda folder: True).release()
+
+
+def test_the_outputs_of_train_and_eval_are_told_from_a_users_files_of_the_same_name(tmp_path):
+    """Their folders from before stages were recorded were recognised by a recipe.yaml or a report.json alone, and a
+    user's own file of that name was overwritten."""
+    from dflash_train.evaluate import is_eval_folder
+    from dflash_train.trainer import STATE_FILE, is_run_folder
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "recipe.yaml").write_text("# my recipe\n")
+    (mine / "report.json").write_text('{"mine": 1}')
+    assert not is_run_folder(mine) and not is_eval_folder(mine)
+    for stage, legacy in (("train", is_run_folder), ("eval", is_eval_folder)):
+        with pytest.raises(UserError, match="already holds files that .* did not write"):
+            OutputClaim(mine, stage, legacy=legacy)
+    assert sorted(p.name for p in mine.iterdir()) == ["recipe.yaml", "report.json"]
+    (mine / "checkpoints" / "step-0000002").mkdir(parents=True)
+    (mine / "checkpoints" / "step-0000002" / STATE_FILE).write_text("{}")
+    (mine / "report.json").write_text('{"tau": 1.3, "settings": {}}')
+    assert is_run_folder(mine) and is_eval_folder(mine)
+
+
+def test_a_json_record_that_is_not_an_object_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match=r"config.json holds a JSON list, not an object \(a drafter's config\)$"):
+        read_json(tmp_path / "config.json", "a drafter's config")
+
+
+def test_an_output_folder_below_a_file_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("data")
+    with pytest.raises(UserError, match=r"afile/sub: a part of the path is a file, not a folder"):
+        OutputClaim(tmp_path / "afile" / "sub", "ingest")
 
 
 def test_a_new_folder_is_marked_with_its_stage_and_removed_when_the_run_fails_early(tmp_path):

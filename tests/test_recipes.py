@@ -104,6 +104,8 @@ def _write(tmp_path, text: str) -> Path:
     ("data: {stores: [s]}\ntrain: {deepspeed: nowhere.json}\n", r"'train.deepspeed' names nowhere.json"),
     ("- a\n- b\n", r"top level must be a mapping"),
     ("data: [\n", r"not valid YAML"),
+    ("name: x\ndata: [unclosed\n  foo: :\n",  # PyYAML's own message spans lines: one line, where it is
+     r"not valid YAML: expected ',' or '\]', but got ':' \(line 3, column 6\)$"),
 ])
 def test_validation_errors_name_the_key_and_the_file(tmp_path, text, message):
     path = _write(tmp_path, text)
@@ -124,10 +126,19 @@ def test_overrides_are_typed_dotted_and_validated(tmp_path):
         load_recipe(path, ["train.max_steps=ten"])
     with pytest.raises(UserError, match="not of the form key=value"):
         load_recipe(path, ["train.max_steps"])
+    with pytest.raises(UserError, match=r"the value is not valid YAML: .* \(line 1, column 3\)$"):
+        load_recipe(path, ["train.max_steps=[1"])
     with pytest.raises(UserError, match=r"key 'seed' must be int"):
         load_recipe(path, ["seed.x=1"])
     with pytest.raises(UserError, match=r"'seed' is not a section"):
         load_recipe(_write(tmp_path, "seed: 0\ndata: {stores: [s]}\n"), ["seed.x=1"])
+
+
+def test_a_recipe_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_bytes(b"name: \xff\xfe\n")
+    with pytest.raises(UserError, match=r"r.yaml is not UTF-8 text \(byte 6\)$"):
+        load_recipe(path)
 
 
 def test_missing_recipe_file(tmp_path):

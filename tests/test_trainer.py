@@ -131,6 +131,11 @@ def launch(recipe: Path, processes: int = 1, *overrides: str, timeout: int = 300
                           text=True, timeout=timeout)
 
 
+def proc_ok(proc: subprocess.CompletedProcess) -> bool:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return True
+
+
 def read_metrics(run: Path, kind: str = "train") -> list[dict]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r for r in rows if r["kind"] == kind]
@@ -638,6 +643,23 @@ def test_resume_with_a_changed_recipe_is_refused_before_anything_is_written(chai
     # RuntimeError of its own after the line, so the check names torch's load error, not the exception type)
     assert "Error(s) in loading state_dict" not in proc.stderr and "size mismatch" not in proc.stderr
     assert {name: (run / name).read_bytes() for name in written} == written
+
+    # the same command again: the finished run resumes at its last step and takes none; the drafter keeps its loss
+    # (it was rewritten with NaN, not JSON, as the final training loss)
+    loss = json.loads((run / "drafter" / "training_args.json").read_text())["run"]["final_train_loss"]
+    assert proc_ok(launch(recipe_file)) and isinstance(loss, float)
+    assert json.loads((run / "drafter" / "training_args.json").read_text())["run"]["final_train_loss"] == loss
+
+    # a checkpoint cut short (a full disk, a copy that stopped) is one line naming it, not torch's traceback
+    weights = checkpoint / "pytorch_model" / "mp_rank_00_model_states.pt"  # DeepSpeed's model states
+    weights.write_bytes(weights.read_bytes()[:500])
+    proc = launch(recipe_file)
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("train: error:"))
+    assert f"checkpoint {checkpoint} cannot be loaded (" in line and "delete it to resume from an earlier" in line
+    # and a trainer state that is not an object
+    (checkpoint / tr.STATE_FILE).write_text("[1]")
+    with pytest.raises(UserError, match=r"holds a JSON list, not an object: the checkpoint cannot be resumed"):
+        tr.check_resumable(checkpoint, load_recipe(recipe_file), run, 1)
 
 
 @pytest.mark.slow
