@@ -21,6 +21,14 @@ class UserError(Exception):
     from_rank0: bool = False
 
 
+def in_brief(err: BaseException, limit: int = 200) -> str:
+    """A library's exception for a one-line message: its type and the first line of its text, cut at `limit`
+    characters with "..." where it was cut."""
+    text = (str(err).strip().splitlines() or [""])[0]
+    text = text if len(text) <= limit else text[:limit].rstrip() + "..."
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
 class CommandParser(argparse.ArgumentParser):
     """argparse with a bad argument (unknown, missing, not a number, not a choice) in one line and exit 2, as a
     UserError is: no usage block above it (`--help` shows the usage)."""

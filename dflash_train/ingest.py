@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from dflash_train import sampling
-from dflash_train.errors import UserError, writing
+from dflash_train.errors import UserError, in_brief, writing
 from dflash_train.options import add_options, at_least, from_args, in_range, option, validate
 from dflash_train.pii import KINDS as PII_KINDS
 from dflash_train.pii import scrub_text
@@ -442,6 +442,9 @@ def parse_record(value: Any) -> Parsed:
         response = value.get("response", value.get("completion"))
         return Parsed("prompt", [{"role": "user", "content": prompt}], _sampling(value),
                       response if isinstance(response, str) and response else None)
+    null = [k for k in ("request", "messages", "conversations", "prompt") if k in value and value[k] is None]
+    if null:
+        raise Skip("empty", f"{'/'.join(null)} is null")
     keys = ", ".join(sorted(map(str, value))[:8]) or "none"
     raise Skip("unknown_format", f"no request/messages/conversations/prompt key (keys: {keys})")
 
@@ -850,7 +853,9 @@ def ingest(paths: Iterable[str | Path], out_dir: str | Path, config: IngestConfi
     t0 = time.time()
     paths = [Path(p) for p in paths] or default_logs()
     out = Path(out_dir)
-    for path in paths:
+    for i, path in enumerate(paths):
+        if path.resolve() in (p.resolve() for p in paths[:i]):
+            raise UserError(f"log file {path} is given twice: its prompts would count twice in their weights")
         if not path.is_file():
             raise UserError(f"log file {path} does not exist" if not path.exists() else f"{path} is not a file")
         if path.resolve().is_relative_to(out.resolve()):
@@ -1029,9 +1034,8 @@ def load_prompts(prompts_dir: str | Path, split: str = "train"):
     try:
         return load_from_disk(str(prompts_dir / split))
     except (OSError, ValueError, IndexError, KeyError) as err:  # a file of the split deleted or cut short
-        first = (str(err).strip().splitlines() or [""])[0][:200]
-        raise UserError(f"{prompts_dir / split} is damaged ({type(err).__name__}: {first}): rerun "
-                        f"`dflash-train ingest ... --out {prompts_dir}`") from None
+        raise UserError(f"{prompts_dir / split} is damaged ({in_brief(err)}): rerun `dflash-train ingest ... --out "
+                        f"{prompts_dir}`") from None
 
 
 # ----------------------------------------------------------------------------------------------------------

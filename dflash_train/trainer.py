@@ -52,7 +52,8 @@ import yaml
 
 from dflash_train import objective as obj
 from dflash_train.data import OnlineStates, StoreSet, anchor_generator, collate, context_scale, prepare_data
-from dflash_train.errors import CommandParser, UserError, decided_by_rank0, run_as_command, write_error, writing
+from dflash_train.errors import (CommandParser, UserError, decided_by_rank0, in_brief, run_as_command, write_error,
+                                 writing)
 from dflash_train.model.masks import resolve_attention
 from dflash_train.provenance import (OutputClaim, complete_output, config_differences, shown_pair, start_output,
                                      write_json_atomic, write_provenance)
@@ -280,9 +281,8 @@ class DFlashTrainer:
         try:
             self.accelerator.load_state(str(resume_from))
         except Exception as err:  # truncated or overwritten files: safetensors', torch's or DeepSpeed's own errors
-            first = (str(err).strip().splitlines() or [""])[0][:200]
-            raise UserError(f"checkpoint {resume_from} cannot be loaded ({type(err).__name__}: {first}): delete it to "
-                            f"resume from an earlier one, or set checkpoint.resume: never to start over") from None
+            raise UserError(f"checkpoint {resume_from} cannot be loaded ({in_brief(err)}): delete it to resume from "
+                            f"an earlier one, or set checkpoint.resume: never to start over") from None
         saved = json.loads((resume_from / STATE_FILE).read_text())
         state = TrainState(step=saved["step"], bad_in_a_row=saved["bad_in_a_row"], bad_total=saved["bad_total"])
         self.clock.spent_s = float(saved.get("train_time_s", 0.0))

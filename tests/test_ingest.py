@@ -107,6 +107,7 @@ def test_parse_record_shapes_and_reasons():
                           ({"messages": [user("x")], "tools": [{"type": "function"}]}, "unknown_format"),
                           ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "unknown_format"),
                           ({"prompt": 3}, "unknown_format"), ({"prompt": " \n"}, "empty"), ({"messages": []}, "empty"),
+                          ({"messages": None}, "empty"),  # the key is there, empty: not "no messages key"
                           ({"conversations": [{"from": "gpt", "value": "only a reply"}]}, "empty")]:
         with pytest.raises(ing.Skip) as err:
             parse_record(value)
@@ -367,6 +368,14 @@ def test_a_bad_log_leaves_the_earlier_output_of_its_folder_as_it_was(tmp_path):
     with pytest.raises(UserError, match="garbage.jsonl: 2 of 2 records are unusable"):
         run_ingest([garbage], out)
     assert files() == before and is_complete(out)
+
+
+def test_a_log_given_twice_is_refused(tmp_path):
+    """Its every prompt would be a duplicate of itself: each weight doubled."""
+    log = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "hi"}])
+    with pytest.raises(UserError, match=r"a.jsonl is given twice"):
+        run_ingest([log, tmp_path / "." / "a.jsonl"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_log_inside_the_output_folder_is_refused_untouched(tmp_path):

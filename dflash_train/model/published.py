@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from dflash_train.errors import UserError
+from dflash_train.errors import UserError, in_brief
 from dflash_train.model.configuration import ARCHITECTURE, DFlashConfig, expected_tensor_shapes
 
 LAYOUTS = ("dflash-train", "z-lab", "SpecForge", "speculators")
@@ -91,10 +91,9 @@ def fetch_drafter(source: str, revision: str | None = None, what: str = "drafter
     except Exception as err:  # any Hub failure (missing repo, revision, network, offline cache miss) is one line
         endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
         offline = os.environ.get("HF_HUB_OFFLINE", "unset")
-        detail = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
         raise UserError(f"{what} {source!r}{f' at revision {revision}' if revision else ''} is not a folder on this "
-                        f"machine and could not be fetched from the Hub at {endpoint} ({type(err).__name__}"
-                        f"{': ' + detail if detail else ''}); HF_HUB_OFFLINE={offline}") from None
+                        f"machine and could not be fetched from the Hub at {endpoint} ({in_brief(err)}); "
+                        f"HF_HUB_OFFLINE={offline}") from None
     return DrafterSource(name=source, folder=folder, repo=source, revision=folder.name)
 
 
