@@ -902,8 +902,9 @@ def _ingest_into(out: Path, paths: list[Path], config: IngestConfig, limit: "_To
                 done_bytes += path.stat().st_size
                 bar.update(done_bytes - bar.n)
         if collector.kept == 0:
+            stopped = "".join(f"; {s.name} stopped at {s.stopped_at}" for s in sources if s.stopped_at)
             raise UserError(f"no usable prompt in {', '.join(map(str, paths))}: "
-                            + _format_counts(_totals(sources)))
+                            + _format_counts(_totals(sources)) + stopped)
         _prepare_out(out)
         n_eval = max(collector.eval_count, 1)
         fallback_id = collector.lowest[1] if collector.eval_count == 0 else None

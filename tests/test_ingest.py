@@ -370,6 +370,14 @@ def test_a_bad_log_leaves_the_earlier_output_of_its_folder_as_it_was(tmp_path):
     assert files() == before and is_complete(out)
 
 
+def test_a_gzip_log_cut_before_its_first_record_says_where_it_stopped(tmp_path):
+    """All the counts were 0, and the message did not say the file was cut."""
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes((EXAMPLES.parent / "workloads" / "router.jsonl.gz").read_bytes()[:200])
+    with pytest.raises(UserError, match=r"no usable prompt in .*; cut.jsonl.gz stopped at line 1: Compressed file"):
+        run_ingest([cut], tmp_path / "out")
+
+
 def test_a_log_given_twice_is_refused(tmp_path):
     """Its every prompt would be a duplicate of itself: each weight doubled."""
     log = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "hi"}])
