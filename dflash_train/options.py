@@ -94,9 +94,12 @@ def one_of(*choices: Any) -> Check:
 
 def int_list(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        values = []
+    if not values:  # a list option given with nothing in it is a mistake, not "none"
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    return values
 
 
 def json_object(text: str) -> dict[str, Any]:

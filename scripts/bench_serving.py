@@ -36,12 +36,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runlib as rl  # noqa: E402
+from dflash_train.errors import CommandParser  # noqa: E402
+from dflash_train.options import int_list  # noqa: E402
 
 AGREEMENT = 0.05  # the eval's speedup and the independent stopwatch's may differ by this much
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = CommandParser(description=__doc__.split("\n\n")[0])
     p.add_argument("drafter", help="a drafter folder (runs/NAME/drafter)")
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--prompts", default="data/prompts/sharegpt", help="an ingest folder; its eval split is used")
@@ -62,7 +64,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="results/bench_serving", help="bench.md and bench.json")
     p.add_argument("--eval-out", default="eval/bench_serving", help="the eval's folder (reused when complete)")
     p.add_argument("--stopwatch-child", help=argparse.SUPPRESS)  # internal: the independent stopwatch's process
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.own_k:  # the rest is checked by the eval it runs first; --own-k is read after it
+        try:
+            int_list(args.own_k)
+        except argparse.ArgumentTypeError as err:
+            p.error(f"--own-k: {err}")
+    if args.stopwatch_rounds < 1:
+        p.error(f"--stopwatch-rounds {args.stopwatch_rounds} must be >= 1")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        p.error(f"--out {args.out} is a file, not a folder")
+    return args
 
 
 def uptime() -> str:
@@ -91,8 +103,9 @@ def run_eval(args: argparse.Namespace, out: Path, log: list[dict[str, Any]]) -> 
     else:
         print(f"bench: {entry['command']}", flush=True)
         started = time.perf_counter()
-        if subprocess.run(command).returncode != 0:
-            raise SystemExit(f"bench: the eval failed (command above); its folder: {out}")
+        if code := subprocess.run(command).returncode:  # the eval printed why; its exit code goes on (2: bad input)
+            print(f"bench: the eval failed (command above); its folder: {out}", file=sys.stderr, flush=True)
+            raise SystemExit(code)
         entry["seconds"] = time.perf_counter() - started
     entry["uptime_after"] = uptime()
     log.append(entry)

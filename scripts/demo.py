@@ -38,7 +38,7 @@ import runlib as rl  # scripts/, beside this file: how every script runs a stage
 from dflash_train.card import lookup_is_faster
 from dflash_train.engine import IDLE_S, SPECULATION_LENGTHS
 from dflash_train.errors import CommandParser, UserError
-from dflash_train.options import int_list
+from dflash_train.options import at_least, in_range, int_list
 from dflash_train.provenance import is_complete
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,6 +91,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plan", dest="plan", action="store_false",
                    help="skip the probe: use --capture-limit and the recipe's steps as given")
     args = p.parse_args(argv)
+    checks = {"--budget-min": in_range(0, 7 * 24 * 60, low_open=True), "--store-topk": at_least(0),
+              **{flag: at_least(1) for flag in ("--capture-limit", "--max-prompt-tokens", "--max-new-tokens",
+                                                "--eval-max-new-tokens", "--batch-size", "--eval-limit")}}
+    for flag, check in checks.items():  # before minutes of ingest and probe
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if problem := check(value):
+            p.error(f"{flag} {value!r} {problem}")
+    for flag in ("--name", "--prompts-name"):  # each names a folder under --workdir
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not rl.NAME_RE.match(value):
+            p.error(f"{flag} {value!r} must be letters, digits, '_', '-' or '.' (it names folders under --workdir)")
     if problem := SPECULATION_LENGTHS(args.ngram):  # the eval's check of its --ngram
         p.error(f"--ngram {problem}")
     if args.ngram and args.engine == "own":
@@ -187,6 +198,9 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
     target = load_target(args.target, dtype=precision.dtype, device=device)
     rendered = sorted((ids for ids in rendered_prompts(prompts, "train", args.capture_limit, args.target)
                        if len(ids) <= args.max_prompt_tokens), key=len)  # what the capture stage keeps
+    if not rendered:
+        raise UserError(f"no training prompt of the first {args.capture_limit} in {prompts} fits --max-prompt-tokens "
+                        f"{args.max_prompt_tokens}: raise it (or --capture-limit)")
     stop, pad = target.stop_token_ids(), target.tokenizer.pad_token_id
     layers = resolve_layer_ids(target.num_layers, None, 5)  # capture's default taps
     generate_and_capture(target.model, rendered[:2], layers, 2, stop, pad)  # warm-up

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import runlib as rl
+from dflash_train.errors import CommandParser
 
 OUT = "results/experiment_own_outputs"
 QUICK = {"limit": 40, "steps": 6, "eval_every": 3, "eval_limit": 12, "eval_max_new_tokens": 16,
@@ -32,7 +33,7 @@ FULL = {"limit": 600, "steps": 400, "eval_every": 50, "eval_limit": 40, "eval_ma
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     rl.add_common_arguments(p, "exp", OUT)
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 400)")
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "it must have been captured with this run's --limit, --max-prompt-tokens, --max-new-tokens")
     args = p.parse_args(argv)
     timed = {"steps": None} if args.time_budget is not None else {}  # a time budget: no step count
-    rl.fill_defaults(args, {**FULL, **timed}, {**QUICK, **timed}, "exp", OUT)
+    rl.fill_defaults(p, args, {**FULL, **timed}, {**QUICK, **timed}, "exp", OUT)
     if not 0 < args.adapt_fraction <= 1 or not 0 < args.adapt_steps_fraction <= 1:
         p.error("--adapt-fraction and --adapt-steps-fraction must be in (0, 1]")
     return args

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import runlib as rl
+from dflash_train.errors import CommandParser
 
 OUT = "results/experiment_warm_start"
 GENERAL = rl.REPO / "drafters" / "smollm2-135m-instruct-general"
@@ -48,7 +49,7 @@ FULL = {"limit": 600, "max_new_tokens": 128, "time_budget": 450.0, "eval_limit":
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     rl.add_common_arguments(p, "exp", OUT)
     p.add_argument("--workloads", default=None, help="comma-separated, of " + ", ".join(WORKLOADS))
     p.add_argument("--time-budget", type=float, default=None,
@@ -57,7 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep-budget-s", type=float, default=None,
                    help="each vLLM eval's K sweep (eval --sweep-budget-s; default 900, as the eval's; 0: K = 15 only)")
     p.add_argument("--general", default=str(GENERAL), help="the general drafter folder to publish and start from")
-    args = rl.fill_defaults(p.parse_args(argv), FULL, QUICK, "exp", OUT)
+    args = rl.fill_defaults(p, p.parse_args(argv), FULL, QUICK, "exp", OUT)
+    if not 0 < args.time_budget < float("inf"):  # nan fails too
+        p.error(f"--time-budget {args.time_budget} must be a number of seconds > 0")
+    if not 0 <= args.sweep_budget_s < float("inf"):
+        p.error(f"--sweep-budget-s {args.sweep_budget_s} must be a number of seconds >= 0")
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown or not names:

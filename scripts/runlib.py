@@ -101,15 +101,25 @@ def add_common_arguments(p: argparse.ArgumentParser, name: str, out: str) -> Non
     p.add_argument("--out", default=None, help=f"results folder (default {out}, or {out}-quick)")
 
 
-def fill_defaults(args: argparse.Namespace, full: dict[str, Any], quick: dict[str, Any], name: str,
-                  out: str) -> argparse.Namespace:
-    """Options left unset take the --quick or the full default; --quick also renames the stores, runs and OUT."""
+def fill_defaults(p: argparse.ArgumentParser, args: argparse.Namespace, full: dict[str, Any], quick: dict[str, Any],
+                  name: str, out: str) -> argparse.Namespace:
+    """Options left unset take the --quick or the full default; --quick also renames the stores, runs and OUT.
+    Then the shared options are checked (one line, exit 2, before any stage runs)."""
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     suffix = "-quick" if args.quick else ""
     args.name = args.name or f"{name}{suffix}"
     args.out = args.out or f"{out}{suffix}"
+    if not NAME_RE.match(args.name):
+        p.error(f"--name {args.name!r} must be letters, digits, '_', '-' or '.' (it names folders under --workdir)")
+    for key in ("limit", "max_prompt_tokens", "max_new_tokens", "eval_limit", "eval_max_new_tokens"):
+        if getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')} {getattr(args, key)} must be >= 1")
+    try:
+        parse_sizes(args.sizes)
+    except UserError as err:
+        p.error(str(err))
     return args
 
 

@@ -114,6 +114,23 @@ def test_experiment_quick_defaults_and_scaled_budget():
     assert experiment.scaled_budget(args, 0.5)[2] == "train.time_budget_s=50.0"
 
 
+@pytest.mark.parametrize("bad,named", [
+    (["--sizes", "a,b"], "--sizes 'a,b': 'a' is neither"),  # checked only after ingest and three captures
+    (["--time-budget", "nan"], "--time-budget nan must be"),  # not checked: the recipe refused it stages later
+    (["--sweep-budget-s", "-5"], "--sweep-budget-s -5.0 must be"),
+    (["--name", "../../x"], "--name '../../x' must be letters"),
+    (["--limit", "0"], "--limit 0 must be >= 1"),
+])
+def test_the_warm_start_experiment_refuses_a_bad_option_before_any_stage(bad, named, capsys):
+    import experiment_warm_start as ws
+
+    with pytest.raises(SystemExit) as exit_:
+        ws.parse_args(["--quick", *bad])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f": error: {named}" in err[0], err
+
+
 def test_compare_ids():
     ids = experiment.compare_ids(["a", "b", "c"], ["a", "c", "d"])
     assert ids == {"own": 3, "logged": 3, "common": 2, "only_own": 1, "only_logged": 1, "same_order": True}
@@ -574,10 +591,38 @@ def test_prompt_lookup_in_the_demo_is_planned_and_its_summary_says_which_to_serv
     assert plans[2]["train_budget_s"] < plans[1]["train_budget_s"] <= plans[0]["train_budget_s"]
     for plan in plans:
         assert 214.0 + sum(plan["stage_s"].values()) <= 45 * 60 * (1 - demo.MARGIN) + 1e-6
-    for bad in (["--ngram", "0"], ["--ngram", "3,3"], ["--ngram", "3", "--engine", "own"], ["--ngram", "x"]):
+    for bad in (["--ngram", "0"], ["--ngram", "3,3"], ["--ngram", "3", "--engine", "own"], ["--ngram", "x"],
+                ["--ngram", ","]):
         with pytest.raises(SystemExit) as exit_:
             demo.parse_args([*base, *bad])
         assert exit_.value.code == 2
+
+
+@pytest.mark.parametrize("bad,named", [
+    (["--budget-min", "nan"], "--budget-min nan must be in (0, 10080]"),  # it ran ingest and died in the plan
+    (["--budget-min", "0"], "--budget-min 0.0 must be in (0, 10080]"),  # refused only after the probe
+    (["--batch-size", "0"], "--batch-size 0 must be a number >= 1"),  # died in the probe's capture
+    (["--capture-limit", "0"], "--capture-limit 0 must be a number >= 1"),  # was called 'no prompts in ...'
+    (["--name", "../../outside"], "--name '../../outside' must be letters"),  # wrote outside --workdir
+    (["--prompts-name", "a/b"], "--prompts-name 'a/b' must be letters"),
+])
+def test_the_demo_refuses_a_bad_option_before_any_work(bad, named, capsys):
+    import demo
+
+    with pytest.raises(SystemExit) as exit_:
+        demo.parse_args(["--logs", "data/workloads/router.jsonl.gz", *bad])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f": error: {named}" in err[0], err  # the program name is pytest's here
+
+
+def test_the_probe_names_max_prompt_tokens_when_no_training_prompt_fits(demo_prompts, tiny_target_dir):
+    """It died in the capture's padding (`max() arg is an empty sequence`)."""
+    import demo
+
+    args = demo.parse_args(["--target", str(tiny_target_dir), "--max-prompt-tokens", "2", "--capture-limit", "40"])
+    with pytest.raises(UserError, match=r"no training prompt of the first 40 in .* fits --max-prompt-tokens 2"):
+        demo.probe(args, demo_prompts)
 
     args = demo.parse_args(["--logs", "data/workloads/router.jsonl.gz", "--ngram", "3"])
     vllm = {"tau": 1.29, "best_k": 2, "speedup": 0.98, "speedup_interval": [0.94, 1.04], "lossless_mismatches": 0,
@@ -846,6 +891,21 @@ def test_probe_measures_both_captures_and_both_training_steps(tiny_target):
         assert 0 < rates[key] < float("inf"), key
     assert rates["state_bytes_per_token"] == 3 * 64 * 2 and rates["token_bytes_per_token"] == 5
     assert bench_online.choose_hidden_states(rates, 1)[0] in ("stored", "online")
+
+
+@pytest.mark.parametrize("bad,named", [
+    (["--own-k", "a"], "--own-k: expected comma-separated integers"),  # a traceback after the whole vLLM eval
+    (["--stopwatch-rounds", "0"], "--stopwatch-rounds 0 must be >= 1"),
+    (["--out", "README.md"], "--out README.md is a file, not a folder"),  # a traceback at its mkdir
+])
+def test_bench_serving_refuses_a_bad_option_before_the_eval(bad, named, capsys):
+    import bench_serving
+
+    with pytest.raises(SystemExit) as exit_:
+        bench_serving.parse_args(["drafter", *bad])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f": error: {named}" in err[0], err
 
 
 def test_bench_serving_reusing_an_eval_names_the_command_that_made_it(tmp_path):
