@@ -772,13 +772,13 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     """Run the eval; `workdir` holds the engine runs (jobs and logs) when the engine takes part."""
     from dflash_train.capture import load_prompt_records
     from dflash_train.device import default_device, machine, resolve_precision
+    from dflash_train.model.checkpoint import check_finished
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     validate(cfg)
     for path in [cfg.drafter, *cfg.baseline_drafters]:
-        if not Path(path).is_dir():
-            raise UserError(f"drafter folder {path} does not exist (train one with `make train`)")
+        check_finished(path)
     own, in_engine = cfg.engine in ("own", "both"), cfg.engine in ("vllm", "both")
     if cfg.engine_args and not in_engine:
         raise UserError(f"--engine-args configures vLLM, and --engine {cfg.engine} does not run it: pass --engine "

@@ -288,6 +288,7 @@ class DFlashTrainer:
         self.clock.spent_s = float(saved.get("train_time_s", 0.0))
         if saved.get("last_loss") is not None:  # a rerun of a finished run takes no step: its loss is the saved one
             self.last_loss = float(saved["last_loss"])
+        self.last_eval = saved.get("last_eval") or {}  # and its eval: not run (and logged) a second time
         if saved.get("total_steps") != self.total_steps and self.main:
             print(f"note: the checkpoint was written for {saved.get('total_steps')} total steps, this run has "
                   f"{self.total_steps}; the learning-rate schedule follows this run", flush=True)
@@ -466,6 +467,7 @@ class DFlashTrainer:
         trainer_state = {
             **dataclasses.asdict(self.state), "total_steps": self.total_steps, "epoch": step / plan.steps_per_epoch,
             "world_size": self.world, "train_time_s": self.clock.elapsed, "last_loss": self.final_loss(),
+            "last_eval": self.last_eval,
             "data_position": {"epoch": step // plan.steps_per_epoch, "step_in_epoch": step % plan.steps_per_epoch},
             "rank_parameter_digests": digests, "recipe": self.recipe.to_dict()}
         path = save_checkpoint(self.accelerator, self.run_dir, step, trainer_state, self.recipe.checkpoint.keep_last)

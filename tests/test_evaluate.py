@@ -18,6 +18,20 @@ from test_spec_decode import PROMPTS, prompt_ids, reference
 REPO = Path(__file__).resolve().parent.parent
 
 
+def test_a_drafter_folder_its_training_did_not_finish_is_refused(tmp_path, capsys):
+    """A training killed while it exported the drafter leaves the old files beside the INCOMPLETE marker: eval
+    measured them as if they were the run's drafter (push refused the folder)."""
+    from dflash_train.cli import main as cli_main
+
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "INCOMPLETE").write_text("{}")
+    assert cli_main(["eval", "--drafter", str(drafter), "--prompts", str(tmp_path), "--out", str(tmp_path / "e")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"dflash-train eval: error: drafter folder {drafter} is marked incomplete: its training run did not finish "
+        f"writing it (rerun the training command to finish it)"]
+
+
 def test_tau_and_per_position_on_hand_made_step_logs():
     logs = [
         [Step(accepted=3, committed=4), Step(accepted=0, committed=1), Step(accepted=1, committed=2)],  # 4, 1, 2

@@ -616,7 +616,7 @@ def test_resume_with_a_changed_recipe_is_refused_before_anything_is_written(chai
 
     run = tmp_path / "run"
     recipe_file = write_recipe(tmp_path / "r.yaml", chain_store, run, train={"max_steps": 2, "micro_batch_size": 1},
-                               checkpoint={"every": 1}, eval={"at_end": False})
+                               checkpoint={"every": 1}, eval={"at_end": True})
     proc = launch(recipe_file)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (step, checkpoint), = tr.checkpoint_dirs(run)[-1:]
@@ -645,10 +645,13 @@ def test_resume_with_a_changed_recipe_is_refused_before_anything_is_written(chai
     assert {name: (run / name).read_bytes() for name in written} == written
 
     # the same command again: the finished run resumes at its last step and takes none; the drafter keeps its loss
-    # (it was rewritten with NaN, not JSON, as the final training loss)
+    # (it was rewritten with NaN, not JSON, as the final training loss) and its eval at the end (a rerun ran and
+    # logged it again)
     loss = json.loads((run / "drafter" / "training_args.json").read_text())["run"]["final_train_loss"]
-    assert proc_ok(launch(recipe_file)) and isinstance(loss, float)
+    assert isinstance(loss, float) and len(read_metrics(run, "eval")) == 1
+    assert proc_ok(launch(recipe_file))
     assert json.loads((run / "drafter" / "training_args.json").read_text())["run"]["final_train_loss"] == loss
+    assert len(read_metrics(run, "eval")) == 1
 
     # a checkpoint cut short (a full disk, a copy that stopped) is one line naming it, not torch's traceback
     weights = checkpoint / "pytorch_model" / "mp_rank_00_model_states.pt"  # DeepSpeed's model states

@@ -176,15 +176,22 @@ def check_weights_fit_config(folder: Path, config: DFlashConfig, files: list[Pat
                         f"{'; '.join(problems)}")
 
 
-def read_drafter_folder(folder: str | Path) -> DrafterFolder:
-    """A finished drafter folder's config, weight summary and records, checked the way a push needs them: its
-    weights' names and shapes must be the ones config.json implies (check_weights_fit_config)."""
+def check_finished(folder: str | Path) -> Path:
+    """A drafter folder that exists and that its training run finished writing (no INCOMPLETE marker: a run killed
+    while exporting leaves the old files beside it), or a UserError."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise UserError(f"drafter folder {folder} does not exist")
+        raise UserError(f"drafter folder {folder} does not exist (train one with `make train`)")
     if (folder / INCOMPLETE_MARKER).exists():
         raise UserError(f"drafter folder {folder} is marked incomplete: its training run did not finish "
                         f"writing it (rerun the training command to finish it)")
+    return folder
+
+
+def read_drafter_folder(folder: str | Path) -> DrafterFolder:
+    """A finished drafter folder's config, weight summary and records, checked the way a push needs them: its
+    weights' names and shapes must be the ones config.json implies (check_weights_fit_config)."""
+    folder = check_finished(folder)
     config_json = read_json(folder / "config.json", "the drafter config the trainer writes")
     config = DFlashConfig.from_config_json(config_json, str(folder / "config.json"))
     for module in {str(v).split(".")[0] for v in (config_json.get("auto_map") or {}).values()}:
