@@ -114,6 +114,15 @@ def test_experiment_quick_defaults_and_scaled_budget():
     assert experiment.scaled_budget(args, 0.5)[2] == "train.time_budget_s=50.0"
 
 
+def refused_in_one_line(parse_args, argv: list[str], named: str, capsys) -> None:
+    """A script's option check: exit 2 with one line naming the option (the program name is pytest's here)."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f": error: {named}" in err[0], err
+
+
 @pytest.mark.parametrize("bad,named", [
     (["--sizes", "a,b"], "--sizes 'a,b': 'a' is neither"),  # checked only after ingest and three captures
     (["--time-budget", "nan"], "--time-budget nan must be"),  # not checked: the recipe refused it stages later
@@ -124,11 +133,7 @@ def test_experiment_quick_defaults_and_scaled_budget():
 def test_the_warm_start_experiment_refuses_a_bad_option_before_any_stage(bad, named, capsys):
     import experiment_warm_start as ws
 
-    with pytest.raises(SystemExit) as exit_:
-        ws.parse_args(["--quick", *bad])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f": error: {named}" in err[0], err
+    refused_in_one_line(ws.parse_args, ["--quick", *bad], named, capsys)
 
 
 def test_compare_ids():
@@ -609,11 +614,7 @@ def test_prompt_lookup_in_the_demo_is_planned_and_its_summary_says_which_to_serv
 def test_the_demo_refuses_a_bad_option_before_any_work(bad, named, capsys):
     import demo
 
-    with pytest.raises(SystemExit) as exit_:
-        demo.parse_args(["--logs", "data/workloads/router.jsonl.gz", *bad])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f": error: {named}" in err[0], err  # the program name is pytest's here
+    refused_in_one_line(demo.parse_args, ["--logs", "data/workloads/router.jsonl.gz", *bad], named, capsys)
 
 
 def test_the_probe_names_max_prompt_tokens_when_no_training_prompt_fits(demo_prompts, tiny_target_dir):
@@ -901,11 +902,7 @@ def test_probe_measures_both_captures_and_both_training_steps(tiny_target):
 def test_bench_serving_refuses_a_bad_option_before_the_eval(bad, named, capsys):
     import bench_serving
 
-    with pytest.raises(SystemExit) as exit_:
-        bench_serving.parse_args(["drafter", *bad])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f": error: {named}" in err[0], err
+    refused_in_one_line(bench_serving.parse_args, ["drafter", *bad], named, capsys)
 
 
 def test_bench_serving_reusing_an_eval_names_the_command_that_made_it(tmp_path):
