@@ -48,7 +48,7 @@ from dflash_train.errors import UserError, in_brief, writing
 from dflash_train.options import add_options, at_least, from_args, in_range, option, validate
 from dflash_train.pii import KINDS as PII_KINDS
 from dflash_train.pii import scrub_text
-from dflash_train.provenance import (LOCK_FILE, OutputClaim, complete_output, is_complete, stage_of,
+from dflash_train.provenance import (LOCK_FILE, OutputClaim, check_made_by, complete_output, is_complete,
                                      start_output, write_json_atomic, write_provenance)
 from dflash_train.target import DEFAULT_TARGET
 
@@ -853,12 +853,13 @@ def ingest(paths: Iterable[str | Path], out_dir: str | Path, config: IngestConfi
     t0 = time.time()
     paths = [Path(p) for p in paths] or default_logs()
     out = Path(out_dir)
+    resolved = [path.resolve() for path in paths]
     for i, path in enumerate(paths):
-        if path.resolve() in (p.resolve() for p in paths[:i]):
+        if resolved[i] in resolved[:i]:
             raise UserError(f"log file {path} is given twice: its prompts would count twice in their weights")
         if not path.is_file():
             raise UserError(f"log file {path} does not exist" if not path.exists() else f"{path} is not a file")
-        if path.resolve().is_relative_to(out.resolve()):
+        if resolved[i].is_relative_to(out.resolve()):
             raise UserError(f"log file {path} is inside --out {out}, whose contents ingest replaces: move the log "
                             f"or choose another --out (nothing was changed)")
     limit = _TokenLimit(config.target, config.max_prompt_tokens) if config.max_prompt_tokens else None
@@ -1024,9 +1025,7 @@ def load_prompts(prompts_dir: str | Path, split: str = "train"):
     from datasets import load_from_disk
 
     prompts_dir = Path(prompts_dir)
-    if stage_of(prompts_dir) not in (None, STAGE):
-        raise UserError(f"{prompts_dir} holds the output of `dflash-train {stage_of(prompts_dir)}`, not of ingest: "
-                        f"pass the folder `dflash-train ingest --out` wrote")
+    check_made_by(prompts_dir, STAGE)
     if not is_complete(prompts_dir):
         raise UserError(f"{prompts_dir} is not a finished ingest output (missing, or marked incomplete): "
                         f"run `dflash-train ingest ... --out {prompts_dir}`")

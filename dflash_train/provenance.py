@@ -200,6 +200,17 @@ def is_complete(out_dir: str | Path) -> bool:
 LOCK_FILE = ".dflash-train.lock"  # in every output folder: held (flock, via filelock) while a run writes it
 
 
+def check_made_by(folder: str | Path, stage: str) -> None:
+    """A reader's check of the folder it was given: a UserError when another stage made it (an ingest folder
+    passed as a store, a store as prompts); folders that record no stage pass."""
+    from dflash_train.errors import UserError
+
+    owner = stage_of(folder)
+    if owner not in (None, stage):
+        raise UserError(f"{folder} holds the output of `dflash-train {owner}`, not of {stage}: pass a folder "
+                        f"`dflash-train {stage} --out` wrote")
+
+
 def stage_of(out_dir: str | Path) -> str | None:
     """The stage that marked `out_dir` as its own (the INCOMPLETE marker while it writes, provenance.json after),
     or None when neither records one (an empty folder, someone else's, or one written before stages were

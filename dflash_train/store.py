@@ -49,8 +49,8 @@ import numpy as np
 import torch
 
 from dflash_train.errors import UserError, write_error
-from dflash_train.provenance import (INCOMPLETE_MARKER, OutputClaim, complete_output, config_differences,
-                                     known_sha256, remember_sha256, sha256_file, shown_pair, stage_of,
+from dflash_train.provenance import (INCOMPLETE_MARKER, OutputClaim, check_made_by, complete_output,
+                                     config_differences, known_sha256, remember_sha256, sha256_file, shown_pair,
                                      start_output, write_json_atomic, write_provenance)
 
 FORMAT = "dflash-train-store"
@@ -605,9 +605,7 @@ def _load_manifest(root: Path) -> dict[str, Any]:
         raise UserError(f"store {root} does not exist (run `dflash-train capture --out {root}` first)")
     if not root.is_dir():
         raise UserError(f"store {root} is a file: a store is the folder `dflash-train capture --out` writes")
-    owner = stage_of(root)
-    if owner not in (None, STAGE):
-        raise UserError(f"{root} holds the output of `dflash-train {owner}`, not a capture store")
+    check_made_by(root, STAGE)
     if (root / INCOMPLETE_MARKER).exists() or (not (root / MANIFEST).exists() and is_store_folder(root)):
         raise UserError(f"store {root} is incomplete (no manifest.json, or an {INCOMPLETE_MARKER} marker): "
                         f"rerun the capture command that wrote it to finish it")

@@ -37,7 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runlib as rl  # noqa: E402
 from dflash_train.errors import CommandParser  # noqa: E402
-from dflash_train.options import int_list  # noqa: E402
+from dflash_train.options import at_least, int_list  # noqa: E402
 
 AGREEMENT = 0.05  # the eval's speedup and the independent stopwatch's may differ by this much
 
@@ -70,8 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             int_list(args.own_k)
         except argparse.ArgumentTypeError as err:
             p.error(f"--own-k: {err}")
-    if args.stopwatch_rounds < 1:
-        p.error(f"--stopwatch-rounds {args.stopwatch_rounds} must be >= 1")
+    rl.check_options(p, args, {"--stopwatch-rounds": at_least(1)})
     if Path(args.out).exists() and not Path(args.out).is_dir():
         p.error(f"--out {args.out} is a file, not a folder")
     return args

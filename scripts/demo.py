@@ -91,19 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plan", dest="plan", action="store_false",
                    help="skip the probe: use --capture-limit and the recipe's steps as given")
     args = p.parse_args(argv)
-    checks = {"--budget-min": in_range(0, 7 * 24 * 60, low_open=True), "--store-topk": at_least(0),
-              **{flag: at_least(1) for flag in ("--capture-limit", "--max-prompt-tokens", "--max-new-tokens",
-                                                "--eval-max-new-tokens", "--batch-size", "--eval-limit")}}
-    for flag, check in checks.items():  # before minutes of ingest and probe
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if problem := check(value):
-            p.error(f"{flag} {value!r} {problem}")
-    for flag in ("--name", "--prompts-name"):  # each names a folder under --workdir
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None and not rl.NAME_RE.match(value):
-            p.error(f"{flag} {value!r} must be letters, digits, '_', '-' or '.' (it names folders under --workdir)")
-    if problem := SPECULATION_LENGTHS(args.ngram):  # the eval's check of its --ngram
-        p.error(f"--ngram {problem}")
+    rl.check_options(p, args, {  # before minutes of ingest and probe
+        "--budget-min": in_range(0, 7 * 24 * 60, low_open=True), "--store-topk": at_least(0),
+        **{flag: at_least(1) for flag in ("--capture-limit", "--max-prompt-tokens", "--max-new-tokens",
+                                          "--eval-max-new-tokens", "--batch-size", "--eval-limit")},
+        "--name": rl.folder_name, "--prompts-name": rl.folder_name,
+        "--ngram": SPECULATION_LENGTHS})  # the eval's check of its --ngram
     if args.ngram and args.engine == "own":
         p.error("--ngram: prompt lookup is timed in vLLM (--engine vllm or both)")
     workload = workload_name(args.logs[0]) if len(args.logs) == 1 else None  # several logs: no one application

@@ -26,6 +26,7 @@ rerun; stores and runs go under WORKDIR/data/store and WORKDIR/runs.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from typing import Any
 
 import runlib as rl
 from dflash_train.errors import CommandParser
+from dflash_train.options import at_least, in_range
 
 OUT = "results/experiment_warm_start"
 GENERAL = rl.REPO / "drafters" / "smollm2-135m-instruct-general"
@@ -59,10 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="each vLLM eval's K sweep (eval --sweep-budget-s; default 900, as the eval's; 0: K = 15 only)")
     p.add_argument("--general", default=str(GENERAL), help="the general drafter folder to publish and start from")
     args = rl.fill_defaults(p, p.parse_args(argv), FULL, QUICK, "exp", OUT)
-    if not 0 < args.time_budget < float("inf"):  # nan fails too
-        p.error(f"--time-budget {args.time_budget} must be a number of seconds > 0")
-    if not 0 <= args.sweep_budget_s < float("inf"):
-        p.error(f"--sweep-budget-s {args.sweep_budget_s} must be a number of seconds >= 0")
+    rl.check_options(p, args, {"--time-budget": in_range(0, math.inf, low_open=True, high_open=True),
+                               "--sweep-budget-s": at_least(0)})
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown or not names:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from dflash_train.card import without_local_paths
 from dflash_train.errors import UserError
+from dflash_train.options import at_least
 from dflash_train.provenance import is_complete, write_json_atomic
 
 REPO = Path(__file__).resolve().parent.parent
@@ -101,6 +102,21 @@ def add_common_arguments(p: argparse.ArgumentParser, name: str, out: str) -> Non
     p.add_argument("--out", default=None, help=f"results folder (default {out}, or {out}-quick)")
 
 
+def folder_name(value: str | None) -> str | None:
+    """A --name's check (dflash_train.options.Check): it names folders under --workdir, so no path in it."""
+    if value is None or NAME_RE.match(value):
+        return None
+    return "must be letters, digits, '_', '-' or '.' (it names folders under --workdir)"
+
+
+def check_options(p: argparse.ArgumentParser, args: argparse.Namespace, checks: dict[str, Callable]) -> None:
+    """Each flag's check (dflash_train.options) before any stage runs: one line naming the flag, exit 2."""
+    for flag, check in checks.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if problem := check(value):
+            p.error(f"{flag} {value!r} {problem}")
+
+
 def fill_defaults(p: argparse.ArgumentParser, args: argparse.Namespace, full: dict[str, Any], quick: dict[str, Any],
                   name: str, out: str) -> argparse.Namespace:
     """Options left unset take the --quick or the full default; --quick also renames the stores, runs and OUT.
@@ -111,11 +127,8 @@ def fill_defaults(p: argparse.ArgumentParser, args: argparse.Namespace, full: di
     suffix = "-quick" if args.quick else ""
     args.name = args.name or f"{name}{suffix}"
     args.out = args.out or f"{out}{suffix}"
-    if not NAME_RE.match(args.name):
-        p.error(f"--name {args.name!r} must be letters, digits, '_', '-' or '.' (it names folders under --workdir)")
-    for key in ("limit", "max_prompt_tokens", "max_new_tokens", "eval_limit", "eval_max_new_tokens"):
-        if getattr(args, key) < 1:
-            p.error(f"--{key.replace('_', '-')} {getattr(args, key)} must be >= 1")
+    check_options(p, args, {"--name": folder_name, **{flag: at_least(1) for flag in (
+        "--limit", "--max-prompt-tokens", "--max-new-tokens", "--eval-limit", "--eval-max-new-tokens")}})
     try:
         parse_sizes(args.sizes)
     except UserError as err:

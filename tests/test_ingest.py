@@ -287,7 +287,8 @@ def test_a_damaged_split_or_another_stages_folder_is_one_line(tmp_path):
     with pytest.raises(UserError, match=r"out/train is damaged \(FileNotFoundError: .*\): rerun `dflash-train ingest"):
         load_prompts(out, "train")
     write_provenance(start_output(tmp_path / "store", "capture"), stage="capture")
-    with pytest.raises(UserError, match=r"store holds the output of `dflash-train capture`, not of ingest"):
+    with pytest.raises(UserError, match=r"store holds the output of `dflash-train capture`, not of ingest: pass a "
+                                        r"folder `dflash-train ingest --out`"):
         load_prompts(tmp_path / "store", "eval")
 
 

@@ -128,7 +128,7 @@ def refused_in_one_line(parse_args, argv: list[str], named: str, capsys) -> None
     (["--time-budget", "nan"], "--time-budget nan must be"),  # not checked: the recipe refused it stages later
     (["--sweep-budget-s", "-5"], "--sweep-budget-s -5.0 must be"),
     (["--name", "../../x"], "--name '../../x' must be letters"),
-    (["--limit", "0"], "--limit 0 must be >= 1"),
+    (["--limit", "0"], "--limit 0 must be a number >= 1"),
 ])
 def test_the_warm_start_experiment_refuses_a_bad_option_before_any_stage(bad, named, capsys):
     import experiment_warm_start as ws
@@ -896,7 +896,7 @@ def test_probe_measures_both_captures_and_both_training_steps(tiny_target):
 
 @pytest.mark.parametrize("bad,named", [
     (["--own-k", "a"], "--own-k: expected comma-separated integers"),  # a traceback after the whole vLLM eval
-    (["--stopwatch-rounds", "0"], "--stopwatch-rounds 0 must be >= 1"),
+    (["--stopwatch-rounds", "0"], "--stopwatch-rounds 0 must be a number >= 1"),
     (["--out", "README.md"], "--out README.md is a file, not a folder"),  # a traceback at its mkdir
 ])
 def test_bench_serving_refuses_a_bad_option_before_the_eval(bad, named, capsys):

@@ -183,7 +183,8 @@ def test_a_folder_that_is_no_store_is_named_as_such(tmp_path):
     with pytest.raises(UserError, match=r"empty is not a capture store \(no manifest.json\)"):
         open_store(tmp_path / "empty")
     write_provenance(start_output(tmp_path / "prompts", "ingest"), stage="ingest")
-    with pytest.raises(UserError, match=r"prompts holds the output of `dflash-train ingest`, not a capture store"):
+    with pytest.raises(UserError, match=r"prompts holds the output of `dflash-train ingest`, not of capture: pass a "
+                                        r"folder `dflash-train capture --out`"):
         open_store(tmp_path / "prompts")
 
 
