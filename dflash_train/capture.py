@@ -39,6 +39,7 @@ from typing import Any, Iterable, Literal
 
 import torch
 
+from dflash_train import constraints as request_constraints
 from dflash_train import sampling
 from dflash_train.device import default_device, device_problem, resolve_precision
 from dflash_train.errors import UserError, decided_by_rank0
@@ -111,6 +112,7 @@ class PromptRecord:
     sampling: dict[str, Any] | None = None
     response: str | None = None
     tools: list[dict[str, Any]] | None = None  # the request's tool definitions, rendered by the chat template
+    constraints: dict[str, Any] | None = None  # what else the request asked of its answer (`constraints`)
 
 
 @dataclass
@@ -120,6 +122,11 @@ class Captured:
     hidden_states: torch.Tensor | None  # [S, n*H]; None when no layer is tapped (a token-only store)
     topk_ids: torch.Tensor | None = None  # [S, K] int32: the target's top-k tokens for position t (from t-1)
     topk_logprobs: torch.Tensor | None = None  # [S, K] float32: their log-probs; row 0: ids 0, -inf
+    ended: str | None = None  # why the answer ended (ENDINGS); None for a response not generated here
+
+
+# Why an answer ended: the target's own stop token, a stop token id or a stop string of the request, or its length cap
+ENDINGS = ("eos", "stop_token", "stop_string", "length")
 
 
 # ------------------------------------------------------------------------------------------------ prompts
@@ -188,9 +195,16 @@ def _to_record(row: dict[str, Any], path: Path) -> PromptRecord:
     for m in messages:
         if not isinstance(m.get("tool_calls", []), list):
             raise UserError(f"{path}: record {rid!r}: a turn's 'tool_calls' is not a list")
+    try:
+        constraints = request_constraints.loads(row.get("constraints"))
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: record {rid!r}: 'constraints' is not JSON ({err})") from None
+    if constraints is not None and not isinstance(constraints, dict):
+        raise UserError(f"{path}: record {rid!r}: 'constraints' is not a JSON object")
     weight = row.get("weight")
     return PromptRecord(id=rid, messages=messages, weight=int(weight) if weight is not None else 1,
-                        sampling=row.get("sampling") or None, response=row.get("response"), tools=tools or None)
+                        sampling=row.get("sampling") or None, response=row.get("response"), tools=tools or None,
+                        constraints=constraints)
 
 
 def prompt_set(prompts: str | Path, split: str, ingest_report: dict[str, Any] | None) -> dict[str, Any]:
@@ -298,17 +312,32 @@ def sample_next(logits: torch.Tensor, samplings: list[Sampling], generators: lis
     return out
 
 
+def _choose(logits: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator],
+            rules: list[Any], rows: list[int]) -> torch.Tensor:
+    """The next token of every row; the rows in `rows` that have `constraints.Rules` choose from the logits those
+    rules leave (bias, penalties, the grammar's mask)."""
+    ruled = [r for r in rows if rules[r] is not None]
+    if ruled:
+        logits = logits.float().clone()
+        for r in ruled:
+            logits[r] = rules[r].process(logits[r])
+    return sample_next(logits, samplings, generators)
+
+
 @torch.no_grad()
 def generate_and_capture(model, prompts: list[list[int]], layer_ids: list[int], max_new_tokens: int | list[int],
                          stop_ids: list[int], pad_id: int, samplings: list[Sampling] | None = None,
-                         seeds: list[int] | None = None, topk: int = 0) -> list[Captured]:
+                         seeds: list[int] | None = None, topk: int = 0, rules: list[Any] | None = None
+                         ) -> list[Captured]:
     """Batched decoding with a KV cache that records the tapped states of every position in the same pass.
 
     Left padding; the attention mask and position ids come from it, so each row sees exactly what a
     single-sample forward would. Decode step k feeds generated token k and records its states; a row stops
     after its stop token (kept, with states) or after its max_new_tokens tokens (one cap, or one per row). With
     topk > 0 every position also gets the target's top-k log-probs of the distribution that predicts it (see the
-    module docstring). With no `layer_ids` (a token-only store) no states are kept: hidden_states is None."""
+    module docstring; the target's own, before any constraint). With no `layer_ids` (a token-only store) no states
+    are kept: hidden_states is None. `rules` (one `constraints.Rules` or None per row) decode a row under its
+    request's constraints: the token completing a stop string, or one of the request's stop token ids, ends it."""
     device = next(model.parameters()).device
     b = len(prompts)
     caps = torch.tensor(max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * b, device=device)
@@ -328,18 +357,28 @@ def generate_and_capture(model, prompts: list[list[int]], layer_ids: list[int], 
         for r, p in enumerate(prompts):
             top_chunks[r] += [_no_prediction(topk), (ids_k[r, width - len(p):], logp_k[r, width - len(p):])]
     tokens: list[list[int]] = [[] for _ in range(b)]
+    rules = rules or [None] * b
+    row_stops = [set(stop_ids) | set((r.constraints.get("stop_token_ids") or []) if r else []) for r in rules]
+    ended: list[str | None] = [None] * b
     next_pos = positions[:, -1] + 1
     finished = torch.zeros(b, dtype=torch.bool, device=device)
-    stop = torch.tensor(stop_ids, device=device)
-    nxt = sample_next(logits, samplings, generators)
+    nxt = _choose(logits, samplings, generators, rules, list(range(b)))
     for step in range(int(caps.max())):
         active = ~finished
         step_top = topk_logprobs(logits, topk) if topk else None  # of the logits nxt was decoded from
         for r in active.nonzero().flatten().tolist():
-            tokens[r].append(int(nxt[r]))
+            token = int(nxt[r])
+            tokens[r].append(token)
             if step_top is not None:
                 top_chunks[r].append((step_top[0][r:r + 1].cpu(), step_top[1][r:r + 1].cpu()))
-        finished = finished | torch.isin(nxt, stop) | (caps <= step + 1)
+            by_string = rules[r] is not None and rules[r].accept(token)
+            if token in row_stops[r]:
+                ended[r] = "eos" if token in stop_ids else "stop_token"
+            elif by_string:
+                ended[r] = "stop_string"
+            elif len(tokens[r]) >= int(caps[r]):
+                ended[r] = "length"
+        finished = torch.tensor([e is not None for e in ended], device=device)
         feed = torch.where(active, nxt, torch.full_like(nxt, pad_id))
         mask = torch.cat([mask, active[:, None].long()], dim=1)  # rows already done only add masked keys
         logits, hidden, cache = _forward(model, feed[:, None], mask, next_pos[:, None], cache)
@@ -350,9 +389,10 @@ def generate_and_capture(model, prompts: list[list[int]], layer_ids: list[int], 
         next_pos = next_pos + 1
         if bool(finished.all()):
             break
-        nxt = sample_next(logits, samplings, generators)
+        nxt = _choose(logits, samplings, generators, rules, (~finished).nonzero().flatten().tolist())
     return [Captured(input_ids=list(p) + tokens[r], num_prompt_tokens=len(p),
-                     hidden_states=torch.cat(chunks[r]) if layer_ids else None, **_joined_topk(top_chunks[r]))
+                     hidden_states=torch.cat(chunks[r]) if layer_ids else None, **_joined_topk(top_chunks[r]),
+                     ended=ended[r])
             for r, p in enumerate(prompts)]
 
 
@@ -416,21 +456,28 @@ def logged_response_ids(target: Target, record: PromptRecord, prompt_ids: list[i
 ENGINE_RESPONSES = "engine-responses.jsonl"  # in the store folder: a killed capture keeps what vLLM generated
 
 
+def request_seed(seed: int, record: PromptRecord) -> int:
+    """A prompt's sampling seed: the one its request logged, else a hash of the command's seed and its id."""
+    return int((record.constraints or {}).get("seed", prompt_seed(seed, record.id)))
+
+
 def engine_responses(cfg: CaptureConfig, target: Target, rendered: list[tuple[PromptRecord, list[int]]],
-                     stop_ids: list[int]) -> dict[str, list[int]]:
-    """The target's responses to `rendered`, generated by vLLM with continuous batching (sampling per request
-    as `sampling_for` decides, seeded per prompt). Responses a killed run already generated are read back from
-    OUT/engine-responses.jsonl instead of being generated again."""
-    from dflash_train.engine import VLLM_DTYPES, EngineJob, EngineRequest, run_engine
+                     stop_ids: list[int]) -> dict[str, tuple[list[int], str | None]]:
+    """The target's responses to `rendered` and why each ended (ENDINGS), generated by vLLM with continuous
+    batching (sampling per request as `sampling_for` decides, seeded per prompt, under the request's own
+    constraints). Responses a killed run already generated are read back from OUT/engine-responses.jsonl instead of
+    being generated again."""
+    from dflash_train.engine import VLLM_DTYPES, EngineJob, EngineRequest, ending, run_engine
 
     out = Path(cfg.out)
     path = out / ENGINE_RESPONSES
-    done: dict[str, list[int]] = {}
+    done: dict[str, tuple[list[int], str | None]] = {}
     if path.exists():
         for line in path.read_text().splitlines():
             try:
                 row = json.loads(line)
-                done[row["id"]] = row["token_ids"]
+                done[row["id"]] = (row["token_ids"], ending(row.get("finish_reason"), row.get("stop_reason"),
+                                                            stop_ids))
             except (json.JSONDecodeError, KeyError, TypeError):
                 continue  # a line cut by a kill: that prompt is generated again
     todo = [(r, ids) for r, ids in rendered if r.id not in done]
@@ -441,7 +488,7 @@ def engine_responses(cfg: CaptureConfig, target: Target, rendered: list[tuple[Pr
             requests.append(EngineRequest(id=record.id, prompt_token_ids=ids,
                                           max_tokens=sampling.response_cap(cfg.max_new_tokens, record.sampling),
                                           temperature=chosen.temperature, top_p=chosen.top_p,
-                                          seed=prompt_seed(cfg.seed, record.id)))
+                                          seed=request_seed(cfg.seed, record), constraints=record.constraints))
         device = torch.device(cfg.device or default_device()).type
         job = EngineJob(target=str(target.path), requests=requests, stop_token_ids=stop_ids,
                         dtype=VLLM_DTYPES[resolve_precision(cfg.dtype, device).name],
@@ -449,7 +496,7 @@ def engine_responses(cfg: CaptureConfig, target: Target, rendered: list[tuple[Pr
                         seed=cfg.seed, device=device, stream_to=str(path), engine_args=cfg.engine_args)
         print(f"capture: vLLM generates {len(todo)} responses ({len(done)} kept from an earlier run)", flush=True)
         result = run_engine(job, out / "engine", f"vLLM generating the responses of {cfg.prompts}")
-        done.update({o.id: o.token_ids for o in result.outputs})
+        done.update({o.id: (o.token_ids, ending(o.finish_reason, o.stop_reason, stop_ids)) for o in result.outputs})
     return done
 
 # ------------------------------------------------------------------------------------------------ the stage
@@ -504,6 +551,12 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
     started = time.time()
     records, ingest_report = load_prompt_records(cfg.prompts, cfg.split, cfg.limit)
     samplings = {r.id: sampling_for(r, cfg.temperature, cfg.top_p) for r in records}  # all checked up front
+    if cfg.engine == "own" and cfg.responses == "generate":
+        for r in records:
+            try:
+                request_constraints.check_replayable(r.constraints, samplings[r.id].greedy, f"prompt {r.id}")
+            except ValueError as err:
+                raise UserError(str(err)) from None
     model_kwargs = {"device_map": cfg.device_map} if cfg.device_map else {}
     if rank == 0:
         print(f"capture: compute dtype {precision.describe()}", flush=True)
@@ -582,14 +635,19 @@ def _capture_into(writer: StoreWriter, cfg: CaptureConfig, target: Target, recor
         for start in range(0, len(rendered), cfg.batch_size):
             batch = rendered[start:start + cfg.batch_size]
             if cfg.engine == "vllm":  # the engine's responses; their states from one prefill
-                captured = prefill_capture(target.model, [ids + responses[r.id] for r, ids in batch],
+                captured = prefill_capture(target.model, [ids + responses[r.id][0] for r, ids in batch],
                                            [len(ids) for _, ids in batch], taps, pad_id, topk=cfg.store_topk)
+                for (r, _), sample in zip(batch, captured):
+                    sample.ended = responses[r.id][1]
             elif cfg.responses == "generate":
                 captured = generate_and_capture(
                     target.model, [ids for _, ids in batch], taps,
                     [sampling.response_cap(cfg.max_new_tokens, r.sampling) for r, _ in batch], stop_ids, pad_id,
                     samplings=[samplings[r.id] for r, _ in batch],
-                    seeds=[prompt_seed(cfg.seed, r.id) for r, _ in batch], topk=cfg.store_topk)
+                    seeds=[request_seed(cfg.seed, r) for r, _ in batch], topk=cfg.store_topk,
+                    rules=[request_constraints.Rules(r.constraints, target.tokenizer, target.config.vocab_size, stop_ids,
+                                                     ids)
+                           if r.constraints else None for r, ids in batch])
             else:
                 responses = [logged_response_ids(target, r, ids, cfg.template_kwargs)[0][
                                  :sampling.response_cap(cfg.max_new_tokens, r.sampling)] for r, ids in batch]
@@ -600,7 +658,8 @@ def _capture_into(writer: StoreWriter, cfg: CaptureConfig, target: Target, recor
                 loss_mask = torch.zeros(n, dtype=torch.bool)
                 loss_mask[sample.num_prompt_tokens:] = True
                 writer.add(torch.tensor(sample.input_ids), loss_mask, sample.hidden_states, id=record.id,
-                           weight=record.weight, topk_ids=sample.topk_ids, topk_logprobs=sample.topk_logprobs)
+                           weight=record.weight, topk_ids=sample.topk_ids, topk_logprobs=sample.topk_logprobs,
+                           note=answer_note(record, sample, target.tokenizer))
                 tokens_done += n
                 generated += n - sample.num_prompt_tokens
             bar.update(len(batch))
@@ -622,6 +681,20 @@ def _capture_into(writer: StoreWriter, cfg: CaptureConfig, target: Target, recor
     return manifest
 
 
+def answer_note(record: PromptRecord, sample: Captured, tokenizer) -> dict[str, Any] | None:
+    """What the store records of one answer beside its tokens: its request's constraint kind, why it ended, and,
+    for an answer under a structured constraint that ended by itself, what is wrong with it under that constraint
+    (null: valid). None for an unconstrained answer whose ending is not known (a logged response)."""
+    kind = request_constraints.kind(record.constraints)
+    if kind == "none" and sample.ended is None:
+        return None
+    note: dict[str, Any] = {"constraint": kind, "ended": sample.ended}
+    if kind in request_constraints.STRUCTURED_KINDS and sample.ended in ("eos", "stop_token"):
+        text = tokenizer.decode(sample.input_ids[sample.num_prompt_tokens:], skip_special_tokens=True)
+        note["problem"] = request_constraints.answer_problem(record.constraints, text)
+    return note
+
+
 def _print_summary(m: dict[str, Any], seconds: float, out: str) -> None:
     per_token = m["bytes"] / m["num_tokens"] if m["num_tokens"] else 0.0
     over = 100 * (per_token / m["floor_bytes_per_token"] - 1) if m["num_tokens"] else 0.0
@@ -629,6 +702,14 @@ def _print_summary(m: dict[str, Any], seconds: float, out: str) -> None:
     print(f"capture {out}: {m['num_samples']} prompts, {m['num_tokens']} tokens, {m['bytes'] / 2**20:.1f} MiB in "
           f"{len(m['shards'])} shard(s), {per_token:.1f} bytes/token vs floor {m['floor_bytes_per_token']} "
           f"({over:+.2f}%), dropped: {dropped}, {seconds:.1f} s", flush=True)
+    answers = m.get("answers") or {}
+    constrained = {k: v for k, v in (answers.get("constraint") or {}).items() if k != "none"}
+    if constrained:
+        kinds = ", ".join(f"{k} {v}" for k, v in constrained.items())
+        ended = ", ".join(f"{k} {v}" for k, v in answers["ended"].items())
+        print(f"  constrained answers: {kinds}; ended by {ended}; under a structured constraint and ended by "
+              f"themselves: {answers['structured_checked']}, of which not valid: "
+              f"{len(answers['structured_invalid'])}", flush=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

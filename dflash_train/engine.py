@@ -72,7 +72,8 @@ class EngineRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
-    ignore_eos: bool = False  # decode exactly max_tokens tokens: no stop token ends the request
+    ignore_eos: bool = False  # decode exactly max_tokens tokens: no stop token or stop string ends the request
+    constraints: dict[str, Any] | None = None  # the request's own (`constraints`): structured outputs, stop, ...
 
 
 @dataclass
@@ -128,9 +129,37 @@ class EngineJob:
 
 
 def at_length(request: EngineRequest, tokens: int) -> EngineRequest:
-    """A timed run's request: decoded to exactly `tokens` (its natural length), whatever the stop tokens say, so
-    that both sides decode the same tokens."""
+    """A timed run's request: decoded to exactly `tokens` (its natural length), whatever the stop tokens and stop
+    strings say, so that both sides decode the same tokens (under the same grammar, which a natural stop ended)."""
     return replace(request, max_tokens=max(1, tokens), ignore_eos=True)
+
+
+def sampling_params(request: EngineRequest, stop_token_ids: list[int]) -> dict[str, Any]:
+    """The `vllm.SamplingParams` arguments of one request (structured outputs as a dict of
+    `StructuredOutputsParams` fields): the job's stop tokens and the request's own constraints, except that a
+    request decoded to a fixed length (`ignore_eos`) has no stop token or stop string."""
+    from dflash_train.constraints import sampling_kwargs
+
+    extra = sampling_kwargs(request.constraints)
+    own_stops = list((request.constraints or {}).get("stop_token_ids") or [])
+    if request.ignore_eos:
+        extra.pop("stop", None)
+    return {"max_tokens": request.max_tokens, "temperature": request.temperature, "top_p": request.top_p,
+            "seed": request.seed, "ignore_eos": request.ignore_eos,
+            "stop_token_ids": [] if request.ignore_eos else list(dict.fromkeys(stop_token_ids + own_stops)),
+            "detokenize": bool(extra.get("stop")), **extra}
+
+
+def ending(finish_reason: str | None, stop_reason: Any, stop_token_ids: list[int]) -> str | None:
+    """Why vLLM ended an answer, in capture's words (`capture.ENDINGS`): the target's stop token (eos), one of the
+    request's stop token ids, a stop string, or the length cap."""
+    if finish_reason == "length":
+        return "length"
+    if finish_reason != "stop":
+        return None
+    if isinstance(stop_reason, str):
+        return "stop_string"
+    return "stop_token" if isinstance(stop_reason, int) and stop_reason not in stop_token_ids else "eos"
 
 
 def lookup_job(job: EngineJob, natural: dict[str, EngineOutput], k: int) -> EngineJob:
@@ -245,6 +274,7 @@ class EngineOutput:
     token_ids: list[int]
     finish_reason: str | None
     decode_s: float  # engine-core time from the first to the last generated token
+    stop_reason: Any = None  # vLLM's: None (its EOS), the stop token id or the stop string that ended it
     accepted: list[int] = field(default_factory=list)  # accepted drafts per verification step (speculative only)
     drafted: list[int] = field(default_factory=list)  # drafts proposed per verification step
 
@@ -448,9 +478,12 @@ def _child(workdir: Path) -> None:
         return llm, kwargs, time.perf_counter() - t0
 
     def params(r: EngineRequest) -> Any:
-        return SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, seed=r.seed,
-                              stop_token_ids=[] if r.ignore_eos else list(job.stop_token_ids), detokenize=False,
-                              ignore_eos=r.ignore_eos)
+        from vllm.sampling_params import StructuredOutputsParams
+
+        kwargs = sampling_params(r, list(job.stop_token_ids))
+        if "structured_outputs" in kwargs:
+            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+        return SamplingParams(**kwargs)
 
     def generate(llm: Any, requests: list[EngineRequest]) -> Generated:
         t0 = time.perf_counter()
@@ -510,7 +543,8 @@ def _continuous_batch(llm, job: EngineJob, params: Callable[[EngineRequest], Any
             if job.stream_to and unsaved and (time.monotonic() - saved_at > STREAM_EVERY_S
                                               or not llm.llm_engine.has_unfinished_requests()):
                 with open(job.stream_to, "a") as f:
-                    f.write("".join(json.dumps({"id": o["id"], "token_ids": o["token_ids"]}) + "\n" for o in unsaved))
+                    f.write("".join(json.dumps({k: o[k] for k in ("id", "token_ids", "finish_reason", "stop_reason")})
+                                    + "\n" for o in unsaved))
                     f.flush()
                     os.fsync(f.fileno())
                 unsaved, saved_at = [], time.monotonic()
@@ -632,7 +666,8 @@ def _output(request: EngineRequest, result: Any) -> dict[str, Any]:
     decode_s = (stats.last_token_ts - stats.first_token_ts) if stats is not None else float("nan")
     return asdict(EngineOutput(id=request.id, token_ids=list(out.token_ids), finish_reason=out.finish_reason,
                                decode_s=decode_s, accepted=list(spec.per_step_accepted) if spec is not None else [],
-                               drafted=list(spec.per_step_drafted) if spec is not None else []))
+                               drafted=list(spec.per_step_drafted) if spec is not None else [],
+                               stop_reason=out.stop_reason))
 
 
 def engine_environment_keys() -> tuple[str, ...]:

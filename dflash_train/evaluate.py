@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Literal
 
 import torch
 
+from dflash_train import constraints as request_constraints
 from dflash_train import sampling
 from dflash_train.card import serving_tables, with_interval
 from dflash_train.device import device_problem
@@ -283,11 +284,17 @@ def _load_proposer(path: str, target: Target, block_size: int | None, dtype: tor
     return DFlashProposer(drafter, target.model.get_input_embeddings(), head, block_size)
 
 
-def _run_one(method: Method, target: Target, ids: list[int], max_new_tokens: int, chooser: TokenChooser) -> Generation:
+def _run_one(method: Method, target: Target, ids: list[int], max_new_tokens: int, chooser: TokenChooser,
+             constraints: dict[str, Any] | None = None) -> Generation:
+    """One prompt through one method, under its request's constraints (fresh rules: they follow this output)."""
     stop = target.stop_token_ids()
+    rules = None
+    if constraints:
+        rules = request_constraints.Rules(constraints, target.tokenizer, target.config.vocab_size, stop, ids)
+        stop = stop + [t for t in constraints.get("stop_token_ids") or [] if t not in stop]
     if method.proposer is None:
-        return plain_generate(target.model, ids, max_new_tokens, stop, chooser)
-    return speculative_generate(target.model, ids, method.proposer, max_new_tokens, stop, chooser)
+        return plain_generate(target.model, ids, max_new_tokens, stop, chooser, rules)
+    return speculative_generate(target.model, ids, method.proposer, max_new_tokens, stop, chooser, rules)
 
 
 @torch.inference_mode()
@@ -306,7 +313,8 @@ def diagnose_mismatch(target: Target, ids: list[int], plain: list[int], spec: li
 
 
 def recheck_in_fp32(cfg: EvalConfig, device: str, methods: list["Method"], mismatches: list[dict[str, Any]],
-                    prompts: dict[str, list[int]], plain_outputs: dict[str, list[int]]) -> None:
+                    prompts: dict[str, list[int]], plain_outputs: dict[str, list[int]],
+                    constraints: dict[str, dict[str, Any] | None]) -> None:
     """Rerun every mismatching prompt in fp32, plain and speculative. Records whether they agree there (the
     loop is exact; the low-precision mismatch was rounding) and whether low-precision plain decoding itself
     departs from fp32 plain decoding (it is rounding-dependent too, without any speculation)."""
@@ -318,11 +326,11 @@ def recheck_in_fp32(cfg: EvalConfig, device: str, methods: list["Method"], misma
         if d["method"] not in proposers:
             proposers[d["method"]] = NoDraft() if m.drafter_path is None else \
                 _load_proposer(m.drafter_path, target, cfg.block_size, torch.float32)
-        ids, stop = prompts[d["id"]], target.stop_token_ids()
+        ids, c = prompts[d["id"]], constraints.get(d["id"])
         chooser = TokenChooser(cfg.temperature, prompt_seed(cfg.seed, d["id"]))
-        plain = plain_generate(target.model, ids, cfg.max_new_tokens, stop, chooser).tokens
-        spec = speculative_generate(target.model, ids, proposers[d["method"]], cfg.max_new_tokens, stop,
-                                    chooser).tokens
+        plain = _run_one(Method(PLAIN, "plain", None), target, ids, cfg.max_new_tokens, chooser, c).tokens
+        spec = _run_one(Method(d["method"], "drafter", proposers[d["method"]]), target, ids, cfg.max_new_tokens,
+                        chooser, c).tokens
         d["fp32_spec_equals_plain"] = spec == plain
         d["plain_equals_fp32_plain"] = plain_outputs[d["id"]] == plain
 
@@ -339,23 +347,25 @@ def load_methods(cfg: EvalConfig, target: Target, dtype: torch.dtype) -> list[Me
     return methods
 
 
-def decode_all(methods: list[Method], target: Target, prompts: dict[str, list[int]], cfg: EvalConfig):
+def decode_all(methods: list[Method], target: Target, prompts: dict[str, list[int]], cfg: EvalConfig,
+               constraints: dict[str, dict[str, Any] | None]):
     """Every method on every prompt, prompt by prompt and in a rotating order (so that load changes on the
     machine hit all methods alike), each speculative output compared with the plain one. Returns the per-prompt rows,
     the mismatch details and the plain outputs of the mismatching prompts."""
     from tqdm import tqdm
 
     if cfg.warmup:  # first calls pay one-off costs (allocator, kernels): keep them out of the timings
-        first = next(iter(prompts.values()))
+        rid, first = next(iter(prompts.items()))
         for m in methods:
-            _run_one(m, target, first, min(8, cfg.max_new_tokens), TokenChooser(cfg.temperature, cfg.seed))
+            _run_one(m, target, first, min(8, cfg.max_new_tokens), TokenChooser(cfg.temperature, cfg.seed),
+                     constraints.get(rid))
     per_prompt, mismatches, plain_of_mismatching = [], [], {}
     mine = by_role(methods, "drafter")[0].name
     bar = tqdm(prompts.items(), desc="eval", unit="prompt")
     for i, (rid, ids) in enumerate(bar):
         chooser = TokenChooser(cfg.temperature, prompt_seed(cfg.seed, rid))
         order = methods[i % len(methods):] + methods[:i % len(methods)]  # no method always runs first
-        outputs = {m.name: _run_one(m, target, ids, cfg.max_new_tokens, chooser) for m in order}
+        outputs = {m.name: _run_one(m, target, ids, cfg.max_new_tokens, chooser, constraints.get(rid)) for m in order}
         for m in methods:
             m.generations.append(outputs[m.name])
         plain = outputs[PLAIN].tokens
@@ -407,13 +417,16 @@ def unresolved_in_fp32(mismatches: list[dict[str, Any]], method: str) -> int:
 
 
 def own_loop_eval(cfg: EvalConfig, device: str, methods: list[Method], target: Target,
-                  prompts: dict[str, list[int]], dtype: torch.dtype) -> dict[str, Any]:
-    """Every method through the project's own decoding loop; the headline fields of the report."""
-    per_prompt, mismatch_details, plain_of_mismatching = decode_all(methods, target, prompts, cfg)
+                  prompts: dict[str, list[int]], dtype: torch.dtype,
+                  constraints: dict[str, dict[str, Any] | None] | None = None) -> dict[str, Any]:
+    """Every method through the project's own decoding loop, each prompt under its request's `constraints` (by
+    id); the headline fields of the report."""
+    constraints = constraints or {}
+    per_prompt, mismatch_details, plain_of_mismatching = decode_all(methods, target, prompts, cfg, constraints)
     fp32_mismatches = recheck_s = None
     if mismatch_details and dtype != torch.float32:
         t0 = time.perf_counter()
-        recheck_in_fp32(cfg, device, methods, mismatch_details, prompts, plain_of_mismatching)
+        recheck_in_fp32(cfg, device, methods, mismatch_details, prompts, plain_of_mismatching, constraints)
         recheck_s = time.perf_counter() - t0
         fp32_mismatches = unresolved_in_fp32(mismatch_details, by_role(methods, "drafter")[0].name)
     plain = by_role(methods, "plain")[0].generations
@@ -632,7 +645,8 @@ def per_batch_size_schedule(best: list[dict[str, Any]]) -> list[list[int]] | Non
 
 
 def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], block_size: int, dtype_name: str,
-                device: str, workdir: Path, acceptance: tuple[str, list[float]] | None = None) -> dict[str, Any]:
+                device: str, workdir: Path, acceptance: tuple[str, list[float]] | None = None,
+                constraints: dict[str, dict[str, Any] | None] | None = None) -> dict[str, Any]:
     """What users buy, measured in vLLM: plain decoding and the drafter folder as vLLM's `dflash` speculator at
     each speculation length K (`--speculative-tokens`, else `k_sweep_order` as far as `--sweep-budget-s`
     affords, first the K that keeps the whole block's tau by `acceptance`, (its source, the acceptance by block
@@ -658,7 +672,8 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     def run(ids: dict[str, list[int]], dtype: str, tag: str, ks: list[int], concurrency: list[int],
             budget_s: float | None, mode: str = "timed") -> tuple[engine.EngineJob, engine.EngineResult]:
         requests = [engine.EngineRequest(id=rid, prompt_token_ids=p, max_tokens=cfg.max_new_tokens,
-                                         temperature=cfg.temperature, seed=prompt_seed(cfg.seed, rid))
+                                         temperature=cfg.temperature, seed=prompt_seed(cfg.seed, rid),
+                                         constraints=(constraints or {}).get(rid))
                     for rid, p in ids.items()]
         job = engine.EngineJob(target=str(target.path), requests=requests, stop_token_ids=stop,
                                dtype=engine.VLLM_DTYPES[dtype], drafter=cfg.drafter, max_model_len=max_len,
@@ -817,6 +832,7 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     if not prompts:
         raise UserError(f"all {len(too_long)} prompts of {cfg.prompts} (split {cfg.split!r}) are longer than "
                         f"--max-prompt-tokens {cfg.max_prompt_tokens}: nothing to evaluate")
+    constraints, constrained = eval_constraints([r for r in records if r.id in prompts], cfg, own)
     report: dict[str, Any] = {
         "tau": None, "tau_interval": None, "tau_steps": None, "tau_offline": None, "tau_gap": None,
         "lossless_mismatches": None, "lossless_checked": 0, "lossless_mismatches_fp32": None,
@@ -825,7 +841,7 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
         "block_size": B, "methods": [], "mismatches": [], "offline": None, "per_prompt": [], "engines": {},
         "settings": {**asdict(cfg), "template_kwargs": template_kwargs, "device": str(device),
                      "dtype": dtype_name, "dtype_reason": precision.reason, "block_size": B,
-                     "num_prompts": len(prompts), "skipped_long_prompts": len(too_long),
+                     "num_prompts": len(prompts), "skipped_long_prompts": len(too_long), "constraints": constrained,
                      "threads": torch.get_num_threads(), "machine": where,
                      "sampling": "greedy" if cfg.temperature == 0 else
                      f"temperature {cfg.temperature}, Gumbel-max noise keyed on (seed, prompt id, position)"},
@@ -846,7 +862,7 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     if own:
         own_prompts = dict(list(prompts.items())[:cfg.own_limit])
         report["settings"]["own_prompts"] = len(own_prompts)
-        report.update(own_loop_eval(cfg, device, methods, target, own_prompts, dtype))
+        report.update(own_loop_eval(cfg, device, methods, target, own_prompts, dtype, constraints))
         report["engines"]["own"] = own_engine_summary(report)
     if in_engine:
         if workdir is None:
@@ -854,12 +870,37 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
         acceptance = (("offline estimate", report["offline"]["per_position_acceptance"]) if report["offline"] else
                       ("project's loop", report["per_position_acceptance"]) if own else None)
         report["engines"]["vllm"] = engine_eval(cfg, target, prompts, B, dtype_name, device, Path(workdir),
-                                                acceptance)
+                                                acceptance, constraints)
     if report["offline"]:
         online = report["tau"] if report["tau"] is not None else report["engines"]["vllm"]["tau"]
         offline_tau = report["offline"]["tau"]
         report["tau_gap"] = online - offline_tau if online is not None and offline_tau is not None else None
     return report
+
+
+def eval_constraints(records: list, cfg: EvalConfig, own: bool
+                     ) -> tuple[dict[str, dict[str, Any] | None], dict[str, Any]]:
+    """Each prompt's constraints as the eval decodes it (plain and speculative alike), and what the report says of
+    them: how many prompts were constrained, by kind, and how many were decoded without a setting vLLM refuses with
+    speculative decoding (min_p, logit_bias: left out on both sides, never silently). The eval samples by its own
+    --temperature and --seed, so a request's seed and n are not used."""
+    by_id: dict[str, dict[str, Any] | None] = {}
+    kinds: dict[str, int] = {}
+    without = {key: 0 for key in request_constraints.NOT_WITH_SPECULATION}
+    for r in records:
+        for key in without:
+            without[key] += key in (r.constraints or {})
+        c = request_constraints.without(r.constraints, request_constraints.NOT_WITH_SPECULATION + ("seed", "n"))
+        if own:
+            try:
+                request_constraints.check_replayable(c, cfg.temperature == 0, f"prompt {r.id}")
+            except ValueError as err:
+                raise UserError(str(err)) from None
+        by_id[r.id] = c
+        kind = request_constraints.kind(c)
+        kinds[kind] = kinds.get(kind, 0) + 1
+    constrained = sum(n for kind, n in kinds.items() if kind != "none")
+    return by_id, {"constrained": constrained, "of": len(records), "by_kind": kinds, "decoded_without": without}
 
 
 def open_eval_store(cfg: EvalConfig, target: Target):
@@ -919,6 +960,7 @@ def markdown(report: dict[str, Any]) -> str:
              f"({s['threads']} threads), block size {report['block_size']}."
              + (f" The project's loop decoded the first {s['own_prompts']} of them (--own-limit)."
                 if s.get("own_prompts", s["num_prompts"]) < s["num_prompts"] else ""), ""]
+    lines += constraints_markdown(s.get("constraints"))
     lines += _engines_markdown(report)
     if report["methods"]:
         lines += _own_loop_markdown(report)
@@ -934,6 +976,20 @@ def markdown(report: dict[str, Any]) -> str:
               "request every new token; speedup = tokens/s over plain decoding's on the same prompts in the same "
               "run.", ""]
     return "\n".join(lines)
+
+
+def constraints_markdown(c: dict[str, Any] | None) -> list[str]:
+    """The report's (and the card's) line on constrained traffic: what share of the prompts was decoded under
+    their requests' own constraints, of which kinds, and what was left out."""
+    if not c or not c.get("constrained"):
+        return []
+    kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(c["by_kind"].items(), key=lambda kv: -kv[1])
+                      if kind != "none")
+    left = [f"{n} without their {key}" for key, n in c["decoded_without"].items() if n]
+    return [f"Constrained traffic: {c['constrained']} of {c['of']} prompts ({100 * c['constrained'] / c['of']:.0f}%) "
+            f"decoded under their requests' own constraints ({kinds}; 'settings': stop strings, penalties and the "
+            f"like), plain and speculative alike" + (f"; {', '.join(left)} (vLLM refuses them with speculative "
+                                                       f"decoding)" if left else "") + ".", ""]
 
 
 # (label, the project's loop's key, vLLM's key, digits): the same quantity in both columns, or "-" where one has none

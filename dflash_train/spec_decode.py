@@ -11,6 +11,10 @@ Every committed token is the target's own choice given the committed prefix, so 
 decoding: greedy at temperature 0; at temperature > 0 the choice at absolute position p is a Gumbel-max sample
 whose noise depends only on (seed, p), so plain and speculative sampling with one seed give the same tokens too.
 
+A request's own constraints (`constraints.Rules`: a grammar, stop strings, penalties, logit bias) are applied to
+the target's logits of each position in order, in both loops alike: in a verification step, slot j's logits are
+processed with the rules advanced by the block's committed tokens before it, which are the accepted drafts.
+
 Anything that drafts is a `Proposer`: the DFlash drafter, `NoDraft` (block size 1, plain decoding through the
 same loop) and the oracle stubs of the tests.
 """
@@ -145,29 +149,60 @@ def _check(max_new_tokens: int) -> None:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
+def _ruled_choices(chooser: TokenChooser, logits: torch.Tensor, first: int, rules, drafts: list[int]
+                   ) -> tuple[list[int], int | None]:
+    """The target's choices for the positions first, first + 1, ... under a request's `rules`, slot by slot, each
+    made after the rules have taken the choices before it; as long as the choices equal `drafts` (the last is the
+    first that differs, or the bonus token). Returns them and the index of the one that completes a stop string."""
+    choices: list[int] = []
+    ended_at = None
+    for j in range(logits.shape[0]):
+        choice = chooser(rules.process(logits[j])[None], [first + j])[0]
+        choices.append(choice)
+        if rules.accept(choice) and ended_at is None:
+            ended_at = j
+        if j >= len(drafts) or drafts[j] != choice:
+            break
+    return choices, ended_at
+
+
 @torch.inference_mode()
 def plain_generate(model, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int],
-                   chooser: TokenChooser | None = None) -> Generation:
-    """One token per target forward with a KV cache: the reference speculative decoding must reproduce."""
+                   chooser: TokenChooser | None = None, rules=None) -> Generation:
+    """One token per target forward with a KV cache: the reference speculative decoding must reproduce. With
+    `rules` (`constraints.Rules`) every token is chosen under the request's constraints; a stop string ends it."""
     _check(max_new_tokens)
     chooser = chooser or TokenChooser()
     stop = set(stop_ids)
     cache, n = new_cache(model), len(prompt_ids)
     t0 = _clock(model.device)
     logits, _ = target_forward(model, prompt_ids, cache, 0, [], last_logits_only=True)
-    tokens = chooser(logits, [n])
+    tokens, ended = _first_choice(chooser, logits, n, rules)
     t1 = _clock(model.device)
-    while tokens[-1] not in stop and len(tokens) < max_new_tokens:
+    while tokens[-1] not in stop and len(tokens) < max_new_tokens and not ended:
         logits, _ = target_forward(model, tokens[-1:], cache, n + len(tokens) - 1, [])
-        tokens += chooser(logits, [n + len(tokens)])
+        if rules is None:
+            tokens += chooser(logits, [n + len(tokens)])
+        else:
+            choices, ended_at = _ruled_choices(chooser, logits, n + len(tokens), rules, [])
+            tokens += choices
+            ended = ended_at is not None
     return Generation(tokens=tokens, prefill_s=t1 - t0, decode_s=_clock(model.device) - t1,
-                      stopped=tokens[-1] in stop)
+                      stopped=tokens[-1] in stop or ended)
+
+
+def _first_choice(chooser: TokenChooser, logits: torch.Tensor, n: int, rules) -> tuple[list[int], bool]:
+    """The token the prefill's logits give, and whether it completes a stop string."""
+    if rules is None:
+        return chooser(logits, [n]), False
+    choices, ended_at = _ruled_choices(chooser, logits, n, rules, [])
+    return choices, ended_at is not None
 
 
 @torch.inference_mode()
 def speculative_generate(model, prompt_ids: list[int], proposer: Proposer, max_new_tokens: int,
-                         stop_ids: list[int], chooser: TokenChooser | None = None) -> Generation:
-    """Draft-then-verify decoding; the output equals `plain_generate`'s with the same chooser."""
+                         stop_ids: list[int], chooser: TokenChooser | None = None, rules=None) -> Generation:
+    """Draft-then-verify decoding; the output equals `plain_generate`'s with the same chooser (and rules)."""
     _check(max_new_tokens)
     chooser = chooser or TokenChooser()
     stop, block_size, layers = set(stop_ids), proposer.block_size, list(proposer.layer_ids)
@@ -176,13 +211,13 @@ def speculative_generate(model, prompt_ids: list[int], proposer: Proposer, max_n
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     t0 = _clock(device)
     logits, tapped = target_forward(model, ids, cache, 0, layers, last_logits_only=True)
-    tokens = chooser(logits, [n])
+    tokens, ended = _first_choice(chooser, logits, n, rules)
     proposer.begin(ids, tapped)
     t1 = _clock(device)
     steps: list[Step] = []
     draft_s = 0.0
     ids = torch.cat([ids, torch.tensor(tokens, dtype=torch.long, device=device)])
-    while tokens[-1] not in stop and len(tokens) < max_new_tokens:
+    while tokens[-1] not in stop and len(tokens) < max_new_tokens and not ended:
         anchor = len(ids) - 1  # position of the last committed token, not yet in the target's cache
         started = _clock(device)
         drafts = [int(t) for t in proposer.propose(ids)]
@@ -190,22 +225,27 @@ def speculative_generate(model, prompt_ids: list[int], proposer: Proposer, max_n
         if len(drafts) != block_size - 1:
             raise RuntimeError(f"proposer returned {len(drafts)} drafts for block size {block_size}")
         logits, tapped = target_forward(model, [int(ids[-1])] + drafts, cache, anchor, layers)
-        choices = chooser(logits, list(range(anchor + 1, anchor + 1 + block_size)))
+        ended_at = None
+        if rules is None:
+            choices = chooser(logits, list(range(anchor + 1, anchor + 1 + block_size)))
+        else:
+            choices, ended_at = _ruled_choices(chooser, logits, anchor + 1, rules, drafts)
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == choices[accepted]:
             accepted += 1
         committed = 0
-        for token in drafts[:accepted] + [choices[accepted]]:
+        for j, token in enumerate(drafts[:accepted] + [choices[accepted]]):
             tokens.append(token)
             committed += 1
-            if token in stop or len(tokens) >= max_new_tokens:
+            if token in stop or len(tokens) >= max_new_tokens or j == ended_at:
+                ended = j == ended_at
                 break
         steps.append(Step(accepted=accepted, committed=committed))
         ids = torch.cat([ids, torch.tensor(tokens[-committed:], dtype=torch.long, device=device)])
         crop_cache(cache, anchor + accepted + 1)
         proposer.advance(None if tapped is None else tapped[: accepted + 1])
     return Generation(tokens=tokens, steps=steps, prefill_s=t1 - t0, decode_s=_clock(device) - t1,
-                      draft_s=draft_s, stopped=tokens[-1] in stop)
+                      draft_s=draft_s, stopped=tokens[-1] in stop or ended)
 
 
 class DFlashProposer:

@@ -40,6 +40,7 @@ import bisect
 import functools
 import json
 import os
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,6 +159,7 @@ class _Pending:
     topk_ids: list[torch.Tensor] = field(default_factory=list)
     topk_logprobs: list[torch.Tensor] = field(default_factory=list)
     dropped: list[tuple[str, str]] = field(default_factory=list)  # (id, reason)
+    notes: list[dict[str, Any] | None] = field(default_factory=list)  # capture's note on each answer, or None
     nbytes: int = 0
 
     @property
@@ -298,9 +300,11 @@ class StoreWriter:
     # appending ---------------------------------------------------------------------------------------
     def add(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden_states: torch.Tensor | None, id: str,
             weight: int = 1, topk_ids: torch.Tensor | None = None,
-            topk_logprobs: torch.Tensor | None = None) -> bool:
+            topk_logprobs: torch.Tensor | None = None, note: dict[str, Any] | None = None) -> bool:
         """Buffer one sample; returns False (and counts it) when its states hold NaN/inf (or its top-k log-probs
         NaN/+inf) and it was dropped. `topk_ids`/`topk_logprobs` [S, K] are required iff the writer has topk=K;
+        `note` is what capture says of the answer (its constraint kind, why it ended, its validity), journaled
+        beside its id and counted in the manifest's `answers`;
         `hidden_states` is None iff the store is token-only."""
         if self._closed:
             raise RuntimeError("StoreWriter is closed")
@@ -322,6 +326,7 @@ class StoreWriter:
         self.done_ids.add(id)
         p = self._pending
         p.ids.append(id)
+        p.notes.append(note)
         p.weights.append(int(weight))
         p.input_ids.append(input_ids.detach().to("cpu", torch.int32))
         p.loss_mask.append(loss_mask.detach().to("cpu", torch.bool))
@@ -400,6 +405,8 @@ class StoreWriter:
             raise
         entry = {"file": name, "num_samples": len(p.ids), "num_tokens": int(offsets[-1]),
                  "bytes": final.stat().st_size, "sha256": digest, "ids": p.ids, "dropped": p.dropped}
+        if any(n is not None for n in p.notes):
+            entry["notes"] = p.notes
         self._journal["shards"].append(entry)
         self._write_json(self.out / journal_name(self.rank), self._journal)
         self._next_index += 1
@@ -484,6 +491,7 @@ def finalize_store(out_dir: str | Path, ingest_report: dict[str, Any] | None = N
         "dropped": dropped,
         "dropped_ids": dropped_ids,
         "num_dropped_nonfinite": dropped.get("nonfinite", 0),
+        "answers": answer_counts(shards),
         "bytes": shard_bytes,
         "floor_bytes_per_token": floor,
         "bytes_per_token": shard_bytes / num_tokens if num_tokens else None,
@@ -505,6 +513,25 @@ def finalize_store(out_dir: str | Path, ingest_report: dict[str, Any] | None = N
         raise
     complete_output(out)
     return manifest
+
+
+def answer_counts(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest's `answers`: the stored answers by constraint kind and by why they ended, and those under a
+    structured constraint that ended by themselves: how many, and which are not valid under it (id: why)."""
+    by_kind: Counter = Counter()
+    ended: Counter = Counter()
+    checked, invalid = 0, {}
+    for entry in shards:
+        for id_, note in zip(entry["ids"], entry.get("notes") or [None] * len(entry["ids"])):
+            note = note or {}
+            by_kind[note.get("constraint") or "none"] += 1
+            ended[note.get("ended") or "unknown"] += 1
+            if "problem" in note:
+                checked += 1
+                if note["problem"]:
+                    invalid[id_] = note["problem"]
+    return {"constraint": dict(by_kind), "ended": dict(ended), "structured_checked": checked,
+            "structured_invalid": invalid}
 
 
 # --------------------------------------------------------------------------------------------------- reading

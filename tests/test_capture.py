@@ -555,3 +555,100 @@ def test_read_only_output_folder_is_one_line(prompts_dir, tiny_target_dir, tmp_p
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last == f"dflash-train capture: error: cannot write {ro}: read-only file system. Choose a writable folder"
+
+
+# --- requests decoded under their own constraints, as production decoded them ------------------------------------
+
+ROUTE_SCHEMA = {"type": "object", "properties": {"intent": {"type": "string", "enum": ["question", "other"]},
+                                                 "summary": {"type": "string"}},
+                "required": ["intent", "summary"], "additionalProperties": False}
+# kind: (the logged request's extra fields, the user's message, the SamplingParams a vLLM user writes for it)
+CONSTRAINED = {
+    "json_schema": ({"response_format": {"type": "json_schema", "json_schema": {"name": "route", "schema": ROUTE_SCHEMA}}},
+                    "Route this message: how do I reset my password?",
+                    {"structured_outputs": {"json": ROUTE_SCHEMA}}),
+    "json_object": ({"response_format": {"type": "json_object"}}, "Give me a JSON object describing a cat.",
+                    {"structured_outputs": {"json_object": True}}),
+    "regex": ({"structured_outputs": {"regex": "(Yes|No), because [a-z ]+\\."}}, "Is the sea salty?",
+              {"structured_outputs": {"regex": "(Yes|No), because [a-z ]+\\."}}),
+    "choice": ({"guided_choice": ["positive", "negative", "neutral"]}, "Sentiment of: I love this phone!",
+               {"structured_outputs": {"choice": ["positive", "negative", "neutral"]}}),
+    "grammar": ({"extra_body": {"guided_grammar": 'root ::= "The answer is " [0-9]+ "."'}}, "What is 12 + 30?",
+                {"structured_outputs": {"grammar": 'root ::= "The answer is " [0-9]+ "."'}}),
+    "tool_call": ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+                  "What's the weather in Paris?",
+                  {"structured_outputs": {"json": WEATHER_TOOL["function"]["parameters"]}}),
+    "stop": ({"stop": [". ", "\n"]}, "Tell me about the sea.", {"stop": [". ", "\n"], "detokenize": True}),
+    "penalties": ({"repetition_penalty": 1.3, "presence_penalty": 0.6, "frequency_penalty": 0.4,
+                   "logit_bias": {"30": -50}, "seed": 11},
+                  "List ten fruits.", {"repetition_penalty": 1.3, "presence_penalty": 0.6, "frequency_penalty": 0.4,
+                                       "logit_bias": {30: -50.0}, "seed": 11}),
+}
+CONSTRAINED_TOKENS = 40
+
+DIRECT_GENERATE = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.sampling_params import StructuredOutputsParams
+job = json.load(open(sys.argv[1]))
+llm = LLM(model=job["target"], dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
+          kv_cache_memory_bytes=1 << 28)
+params = []
+for p in job["params"]:
+    if "structured_outputs" in p:
+        p["structured_outputs"] = StructuredOutputsParams(**p["structured_outputs"])
+    if "logit_bias" in p:
+        p["logit_bias"] = {int(k): v for k, v in p["logit_bias"].items()}
+    params.append(SamplingParams(temperature=0, max_tokens=job["max_tokens"],
+                                 stop_token_ids=job["stop_token_ids"], **p))
+outputs = llm.generate([{"prompt_token_ids": ids} for ids in job["prompts"]], params, use_tqdm=False)
+json.dump([list(o.outputs[0].token_ids) for o in outputs], open(sys.argv[2], "w"))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+@pytest.mark.skipif(__import__("dflash_train.engine", fromlist=["x"]).vllm_version() is None,
+                    reason="vLLM is not installed (make install installs it)")
+def test_capture_replays_each_constraint_as_vllm_generate_decodes_it(smollm2, tmp_path):
+    """The one-pass capture and the vLLM capture of requests under each kind of constraint both equal
+    `vllm.LLM.generate` with the SamplingParams a user writes for those requests, token for token (fp32)."""
+    from dflash_train.engine import engine_environment
+
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"request": {"messages": [{"role": "user", "content": text}], "temperature": 0,
+                                                    "max_tokens": CONSTRAINED_TOKENS, **extra}}) + "\n"
+                           for extra, text, _ in CONSTRAINED.values()))
+    stores = {}
+    for engine in ("own", "vllm"):
+        stores[engine] = tmp_path / engine
+        assert capture(CaptureConfig(prompts=str(log), out=str(stores[engine]), engine=engine, dtype="fp32",
+                                     storage="none", max_new_tokens=64, batch_size=4)) is not None
+    own, vllm = ({s["id"]: s for s in open_store(stores[e])} for e in ("own", "vllm"))
+    from dflash_train.capture import load_prompt_records
+
+    records = {r.messages[0]["content"]: r for r in load_prompt_records(log)[0]}
+    ids = [records[text].id for _, text, _ in CONSTRAINED.values()]
+    job = {"target": str(smollm2.path), "max_tokens": CONSTRAINED_TOKENS, "stop_token_ids": smollm2.stop_token_ids(),
+           "prompts": [smollm2.render(records[text].messages, records[text].tools) for _, text, _ in CONSTRAINED.values()],
+           "params": [params for _, _, params in CONSTRAINED.values()]}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    script = tmp_path / "direct.py"
+    script.write_text(DIRECT_GENERATE)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "job.json"), str(tmp_path / "out.json")],
+                          env={**os.environ, **engine_environment("cpu")}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    direct = json.loads((tmp_path / "out.json").read_text())
+    for kind, rid, expected in zip(CONSTRAINED, ids, direct):
+        for engine, store in (("own", own), ("vllm", vllm)):
+            sample = store[rid]
+            answer = sample["input_ids"][sample["loss_mask"]].tolist()
+            assert answer == expected, f"{kind}: {engine} capture differs from vLLM's generate"
+    answers = open_store(stores["own"]).manifest["answers"]
+    assert answers == open_store(stores["vllm"]).manifest["answers"]
+    assert answers["constraint"] == {"json_schema": 2, "json_object": 1, "regex": 1, "choice": 1, "grammar": 1,
+                                     "settings": 2}
+    assert answers["structured_invalid"] == {} and answers["structured_checked"] >= 4
+    stop_answer = own[ids[list(CONSTRAINED).index("stop")]]
+    text = smollm2.tokenizer.decode(stop_answer["input_ids"][stop_answer["loss_mask"]].tolist())
+    assert answers["ended"].get("stop_string") and (". " in text or "\n" in text)

@@ -130,6 +130,37 @@ def test_sampling_out_of_the_api_range_is_a_counted_bad_record(tmp_path):
     assert kept["q2"]["temperature"] == 0.5
 
 
+ROUTE = {"type": "object", "properties": {"intent": {"type": "string"}}, "required": ["intent"]}
+
+
+def test_each_constraint_the_api_refuses_is_a_counted_bad_record_named_in_the_report(tmp_path):
+    bad = [{"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
+           {"guided_regex": "(unclosed"}, {"stop": {"a": 1}}, {"n": 0}, {"presence_penalty": 9},
+           {"repetition_penalty": -1}, {"logit_bias": {"x": 1}}, {"min_p": 2},
+           {"tool_choice": "required"}, {"guided_choice": ["a"], "guided_regex": "a"}]
+    good = [{"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": ROUTE}}},
+            {"stop": ["\n"], "seed": 7}, {}]
+    rows = [{"request": {"messages": [user(f"q{i}")], **extra}} for i, extra in enumerate(good + bad)]
+    report = run_ingest([write_jsonl(tmp_path / "log.jsonl", rows)], tmp_path / "out", max_bad_fraction=0.9)
+    assert report["kept"] == 3 and report["bad_constraint"] == len(bad)
+    assert report["sources"][0]["examples"][0].startswith("line 4: bad_constraint (response_format's schema is not a "
+                                                          "valid JSON Schema")
+    assert report["constrained"] == 2 and report["constraints"] == {"json_schema": 1, "stop": 1, "seed": 1}
+    kept = {r["messages"][0]["content"]: r["constraints"] for s in ("train", "eval") for r in load_prompts(tmp_path / "out", s)}
+    assert json.loads(kept["q0"]) == {"structured": {"kind": "json_schema", "spec": ROUTE}}
+    assert json.loads(kept["q1"]) == {"stop": ["\n"], "seed": 7} and kept["q2"] is None
+    assert "constrained traffic: 2 record(s)" in ing.format_report(report)
+
+
+def test_one_prompt_under_two_schemas_is_two_prompts_and_under_two_seeds_one(tmp_path):
+    schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": ROUTE}}}
+    rows = [{"request": {"messages": [user("same")], **extra}}
+            for extra in ({}, schema, {**schema, "seed": 1}, {**schema, "seed": 2}, {"guided_regex": "a+"})]
+    report = run_ingest([write_jsonl(tmp_path / "log.jsonl", rows)], tmp_path / "out")
+    assert report["kept"] == 3 and report["duplicates"] == 2
+    assert prompt_id([user("same")]) in {r["id"] for s in ("train", "eval") for r in load_prompts(tmp_path / "out", s)}
+
+
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -567,7 +598,8 @@ def test_cli_end_to_end_on_the_examples(tmp_path, tiny_target_dir, capsys):
     assert set(report["pii"]) == set(ing.PII_KINDS)
     train, eval_ = load_prompts(out, "train"), load_prompts(out, "eval")
     assert len(train) == report["train"] and len(eval_) == report["eval"] >= 1
-    assert set(train.column_names) == {"id", "messages", "sampling", "response", "source", "weight", "tools"}
+    assert set(train.column_names) == {"id", "messages", "sampling", "response", "source", "weight", "tools",
+                                       "constraints"}
     assert sum(train["weight"]) + sum(eval_["weight"]) == report["kept"] + report["duplicates"]
     provenance = json.loads((out / "provenance.json").read_text())
     assert provenance["config"]["eval_fraction"] == 0.2 and len(provenance["inputs"]) == len(EXAMPLE_FILES)

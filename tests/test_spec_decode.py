@@ -247,3 +247,44 @@ def test_a_step_cut_by_a_stop_token_counts_1_plus_its_accepted_drafts_in_both_lo
                                 stop_token_ids=stop, acceptance_lengths=lengths)
     assert out[0, len(ids):].tolist() == spec.tokens
     assert lengths == [s.tau for s in spec.steps]
+
+
+
+@pytest.mark.parametrize("constraints", [
+    {"structured": {"kind": "regex", "spec": "([a-z]+ ){3,8}[a-z]+\\."}},
+    {"structured": {"kind": "json_schema", "spec": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                                    "required": ["n"]}}},
+    {"stop": None, "repetition_penalty": 1.5, "presence_penalty": 0.5, "logit_bias": {"5": 3.0}},
+], ids=["regex", "json_schema", "settings"])
+def test_speculative_decoding_under_a_requests_constraints_equals_plain_decoding_under_them(tiny_target,
+                                                                                        constraints):
+    from dflash_train.constraints import Rules
+
+    if "structured" in constraints:
+        pytest.importorskip("xgrammar")
+    model, tok, stop = tiny_target.model, tiny_target.tokenizer, tiny_target.stop_token_ids()
+    drafter, _ = tiny_drafter(tiny_target)
+    accepted, stopped_by_string = 0, 0
+    for text in PROMPTS:
+        ids = prompt_ids(tiny_target, text)
+        c = dict(constraints)
+        if "stop" in c:  # a stop string from the middle of what the target says under the rest
+            rest = {k: v for k, v in c.items() if k != "stop"}
+            rest_rules = Rules(rest, tok, tiny_target.config.vocab_size, stop, ids)
+            said = tok.decode(plain_generate(model, ids, 40, stop, rules=rest_rules).tokens, skip_special_tokens=True)
+            c["stop"] = [said[len(said) // 3: len(said) // 3 + 3]]
+
+        def rules():
+            return Rules(c, tok, tiny_target.config.vocab_size, stop, ids)
+
+        plain = plain_generate(model, ids, 40, stop, rules=rules())
+        stopped_by_string += "stop" in c and plain.stopped and plain.tokens[-1] not in stop
+        continuation = ids + plain.tokens + [0] * 8  # drafts: the constrained answer, a third of the slots wrong
+        oracle = Oracle(continuation, 4, model.config.vocab_size, noise=0.3, strict=False)
+        for proposer in (oracle, DFlashProposer(drafter, model.get_input_embeddings(), model.lm_head)):
+            spec = speculative_generate(model, ids, proposer, 40, stop, rules=rules())
+            assert spec.tokens == plain.tokens and spec.stopped == plain.stopped
+            assert sum(s.committed for s in spec.steps) == len(spec.tokens) - 1
+            accepted += sum(s.accepted for s in spec.steps) if proposer is oracle else 0
+    assert accepted > 0
+    assert stopped_by_string == (len(PROMPTS) if "stop" in constraints else 0)

@@ -11,16 +11,21 @@ as such applications are served, and the application's `max_tokens`.
   router.jsonl.gz    structured output: a chat product's request router classifies every incoming message into a
                      JSON object (intent, topic, language, whether code is needed, a one-line summary) before
                      deciding which model or tool answers it
+  router_json.jsonl.gz  the same router as a production router runs it: the same 3,000 requests (system prompt and
+                     messages), each with the router's JSON Schema in `response_format` (`json_schema`, strict), so
+                     that the server decodes every answer under it (structured outputs)
   rewrite.jsonl.gz   free text that rewrites its input: a "polish my message" button that rewrites the user's text
                      to be clear, polite and concise, keeping its meaning
 
 The logs hold the requests only (the applications do not log their users' responses), each line
-`{"id", "created", "request": {"model", "messages": [system, user], "temperature", "max_tokens"}}`.
+`{"id", "created", "request": {"model", "messages": [system, user], "temperature", "max_tokens"}}` (router_json:
+and "response_format").
 
 Inputs come from conversations 8,000 and later of the ShareGPT file: the shipped general drafter was trained on the
 target's answers to prompts from the first 5,000 records of the ingested train split (conversations 0 to about
 5,100), so no input text of these workloads is in its training data. Both workloads were chosen, and their system
-prompts written, before any drafter was measured on them.
+prompts written, before any drafter was measured on them; router_json's schema too (it says what the router's system
+prompt asks for, and nothing more: no length limits, which a router's developer rarely writes).
 """
 
 from __future__ import annotations
@@ -45,11 +50,28 @@ REWRITE_SYSTEM = (
     "You rewrite messages. Rewrite the user's message so that it is clear, polite and concise, and keep its meaning. "
     "Reply with the rewritten message only.")
 
+ROUTER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "intent": {"type": "string", "enum": ["question", "coding", "writing", "analysis", "chitchat", "other"]},
+        "topic": {"type": "string"},
+        "language": {"type": "string"},
+        "needs_code": {"type": "boolean"},
+        "summary": {"type": "string"},
+    },
+    "required": ["intent", "topic", "language", "needs_code", "summary"],
+    "additionalProperties": False,
+}
+ROUTER_FORMAT = {"type": "json_schema", "json_schema": {"name": "route", "strict": True, "schema": ROUTER_SCHEMA}}
+ROUTER_TEXTS = lambda text: 20 <= len(text) <= 2000  # noqa: E731
+
 WORKLOADS = {
-    # name: (system prompt, max_tokens, how many requests, which opening messages the application receives)
-    "router": (ROUTER_SYSTEM, 128, 3000, lambda text: 20 <= len(text) <= 2000),
+    # name: (system prompt, max_tokens, how many requests, which opening messages the application receives,
+    #        response_format, the workload whose requests it draws: the same name draws the same messages)
+    "router": (ROUTER_SYSTEM, 128, 3000, ROUTER_TEXTS, None, "router"),
+    "router_json": (ROUTER_SYSTEM, 128, 3000, ROUTER_TEXTS, ROUTER_FORMAT, "router"),
     "rewrite": (REWRITE_SYSTEM, 256, 3000,
-                lambda text: 40 <= len(text) <= 1000 and "```" not in text and len(text.split()) >= 8),
+                lambda text: 40 <= len(text) <= 1000 and "```" not in text and len(text.split()) >= 8, None, "rewrite"),
 }
 
 
@@ -76,9 +98,9 @@ def _read_sharegpt(path: Path) -> list[dict]:
 
 
 def write(name: str, texts: list[str]) -> Path:
-    system, max_tokens, count, accepts = WORKLOADS[name]
+    system, max_tokens, count, accepts, response_format, draws = WORKLOADS[name]
     pool = [t for t in texts if accepts(t)]
-    picked = random.Random(name).sample(pool, min(count, len(pool)))
+    picked = random.Random(draws).sample(pool, min(count, len(pool)))
     out = HERE / f"{name}.jsonl.gz"
     lines = []
     for i, text in enumerate(picked):
@@ -86,6 +108,8 @@ def write(name: str, texts: list[str]) -> Path:
                 "request": {"model": MODEL, "messages": [{"role": "system", "content": system},
                                                           {"role": "user", "content": text}],
                             "temperature": 0, "max_tokens": max_tokens}}
+        if response_format:
+            line["request"]["response_format"] = response_format
         lines.append(json.dumps(line, ensure_ascii=False) + "\n")
     with open(out, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as f:
         f.write("".join(lines).encode("utf-8"))  # mtime 0: the same bytes on every run

@@ -1,0 +1,465 @@
+"""What a logged request asked of its answer besides temperature, top_p and max_tokens: the one place that reads it
+from a log, checks it, hands it to vLLM and applies it in the project's own decoding loops.
+
+A request's constraints are one JSON object, absent (null) for a request that set none, with these keys:
+
+    structured         {"kind", "spec"}: the answer must match a grammar (vLLM's structured outputs)
+                         json_schema  spec = the JSON Schema      response_format {"type": "json_schema",
+                                                                  "json_schema": {"schema", ...}}, or a forced tool
+                                                                  call (see below), or vLLM's `json` / `guided_json`
+                         json_object  spec = null                 response_format {"type": "json_object"}
+                         regex        spec = the pattern          vLLM's `regex` / `guided_regex`
+                         choice       spec = the list of strings  vLLM's `choice` / `guided_choice`
+                         grammar      spec = EBNF or Lark text    vLLM's `grammar` / `guided_grammar`
+    stop               strings that end the answer (the token completing one is the last kept, as vLLM keeps it)
+    stop_token_ids     token ids that end the answer, besides the target's own stop tokens
+    seed               the request's sampling seed
+    presence_penalty, frequency_penalty   in [-2, 2] (OpenAI), on the answer's tokens
+    repetition_penalty > 0 (vLLM), on the prompt's and the answer's tokens
+    min_p              in [0, 1] (vLLM)
+    logit_bias         {token id: bias in [-100, 100]} (OpenAI)
+    n                  answers asked for, 1..128 (OpenAI); one answer is replayed per request
+
+Settings left at the API's default (no stop, penalties 0, repetition 1, min_p 0, no bias, n 1) are not recorded,
+so a request that set nothing has no constraints. vLLM's extras are read from the request body or from its
+`extra_body`, under their current name (`structured_outputs`) or their older `guided_*` names. A forced tool call
+(`tool_choice` "required", or a named function) is decoded under the JSON Schema vLLM builds for it: a named
+function's parameters; for "required", a non-empty list of {name, parameters} objects, one of the tools each
+(at most one with `parallel_tool_calls: false`). `tool_choice` "auto" or "none" constrains nothing.
+
+Anything the API would refuse (a schema that is not a JSON Schema, a regex that does not compile, a stop that is not
+a string or list of strings, a penalty or n out of range, two structured constraints at once, a forced tool that is
+not among the tools) raises ValueError naming the key: ingest counts such a record as `bad_constraint`.
+
+In vLLM, `sampling_kwargs` gives the `SamplingParams` arguments. In the project's loops, `Rules` applies the same
+settings to the target's logits in vLLM's order (logit bias, penalties, then the grammar's mask) and ends the answer
+where vLLM would; the grammar is compiled by xgrammar, the library vLLM decodes structured outputs with, exactly as
+vLLM's xgrammar backend compiles it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from typing import Any
+
+import torch
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# vLLM's structured-output fields -> our kinds (the request's `structured_outputs` object, or `guided_<field>`)
+VLLM_FIELDS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
+               "grammar": "grammar"}
+PENALTIES = {"presence_penalty": (-2.0, 2.0, 0.0), "frequency_penalty": (-2.0, 2.0, 0.0)}
+NOT_WITH_SPECULATION = ("min_p", "logit_bias")  # vLLM 0.32 refuses these with speculative decoding
+MAX_N = 128
+
+
+# ------------------------------------------------------------------------------------------------ reading a log
+
+def from_request(request: dict[str, Any]) -> dict[str, Any] | None:
+    """The constraints of one logged request (the chat-completions body), canonical, or None; ValueError naming
+    the key that is not valid."""
+    body = {**(request.get("extra_body") if isinstance(request.get("extra_body"), dict) else {}), **request}
+    out: dict[str, Any] = {}
+    structured = _structured(body)
+    if structured is not None:
+        out["structured"] = structured
+    stop = body.get("stop")
+    if stop is not None and stop != [] and stop != "":
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not stops or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {_shown(stop)}")
+        out["stop"] = stops
+    ids = body.get("stop_token_ids")
+    if ids:
+        if not isinstance(ids, list) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {_shown(ids)}")
+        out["stop_token_ids"] = [int(i) for i in ids]
+    if body.get("seed") is not None:
+        if not _is_int(body["seed"]):
+            raise ValueError(f"seed must be an integer, got {_shown(body['seed'])}")
+        out["seed"] = int(body["seed"])
+    for key, (low, high, default) in PENALTIES.items():
+        value = _number(body, key, low, high)
+        if value is not None and value != default:
+            out[key] = value
+    repetition = _number(body, "repetition_penalty", 0.0, math.inf)
+    if repetition is not None:
+        if repetition <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {_shown(body['repetition_penalty'])}")
+        if repetition != 1.0:
+            out["repetition_penalty"] = repetition
+    min_p = _number(body, "min_p", 0.0, 1.0)
+    if min_p:
+        out["min_p"] = min_p
+    bias = body.get("logit_bias")
+    if bias:
+        out["logit_bias"] = _logit_bias(bias)
+    n = body.get("n")
+    if n is not None:
+        if not _is_int(n) or not 1 <= n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {_shown(n)}")
+        if n != 1:
+            out["n"] = int(n)
+    return out or None
+
+
+def _structured(body: dict[str, Any]) -> dict[str, Any] | None:
+    found: list[tuple[str, dict[str, Any]]] = []
+    rf = body.get("response_format")
+    if rf is not None:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
+            if schema is None:
+                raise ValueError("response_format json_schema has no json_schema.schema")
+            found.append(("response_format", {"kind": "json_schema", "spec": _schema(schema, "response_format")}))
+        elif kind == "json_object":
+            found.append(("response_format", {"kind": "json_object", "spec": None}))
+        elif kind != "text":
+            raise ValueError(f"response_format type must be text, json_object or json_schema, got {_shown(kind)}")
+    extras = body.get("structured_outputs")
+    if extras is not None and not isinstance(extras, dict):
+        raise ValueError(f"structured_outputs must be an object, got {_shown(extras)}")
+    for name, kind in VLLM_FIELDS.items():
+        for key, value in (((f"structured_outputs.{name}", (extras or {}).get(name)),)
+                           + ((f"guided_{name}", body.get(f"guided_{name}")),)):
+            if value is None or value is False:
+                continue
+            found.append((key, {"kind": kind, "spec": _spec(kind, value, key)}))
+    tool = _forced_tool(body)
+    if tool is not None:
+        found.append(("tool_choice", tool))
+    if len(found) > 1:
+        raise ValueError(f"{found[0][0]} and {found[1][0]} both constrain the answer (vLLM takes one)")
+    return found[0][1] if found else None
+
+
+def _spec(kind: str, value: Any, key: str) -> Any:
+    if kind == "json_schema":
+        return _schema(value, key)
+    if kind == "json_object":
+        if value is not True:
+            raise ValueError(f"{key} must be true, got {_shown(value)}")
+        return None
+    if kind == "regex":
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{key} must be a regular expression, got {_shown(value)}")
+        try:
+            re.compile(value)
+        except re.error as err:
+            raise ValueError(f"{key} does not compile: {err}") from None
+        return value
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise ValueError(f"{key} must be a non-empty list of strings, got {_shown(value)}")
+        return value
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{key} must be a grammar text, got {_shown(value)}")
+    return value
+
+
+def _schema(value: Any, key: str) -> dict[str, Any]:
+    import jsonschema
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f"{key}'s schema is not JSON") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{key}'s schema must be a JSON object, got {_shown(value)}")
+    try:
+        jsonschema.validators.validator_for(value).check_schema(value)
+    except jsonschema.SchemaError as err:
+        where = "/".join(map(str, err.absolute_path)) or "the top"
+        raise ValueError(f"{key}'s schema is not a valid JSON Schema at {where}: {err.message[:120]}") from None
+    return value
+
+
+def _forced_tool(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The JSON Schema vLLM decodes a forced tool call under (`tool_choice` required or a named function)."""
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("auto", "none"):
+        return None
+    tools = body.get("tools")
+    functions = {t["function"]["name"]: t["function"].get("parameters")
+                 for t in tools or [] if isinstance(t, dict) and isinstance(t.get("function"), dict)
+                 and isinstance(t["function"].get("name"), str)}
+    if choice == "required":
+        if not functions:
+            raise ValueError("tool_choice is 'required' but the request has no tools")
+        items = [{"properties": {"name": {"type": "string", "enum": [name]},
+                                 "parameters": _parameters(params, name)},
+                  "required": ["name", "parameters"]} for name, params in functions.items()]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+        if body.get("parallel_tool_calls") is False:
+            schema["maxItems"] = 1
+        return {"kind": "json_schema", "spec": schema}
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str):
+        raise ValueError(f"tool_choice must be auto, none, required or a named function, got {_shown(choice)}")
+    if name not in functions:
+        raise ValueError(f"tool_choice names the function {name!r}, which is not among the request's tools")
+    return {"kind": "json_schema", "spec": _parameters(functions[name], name)}
+
+
+def _parameters(params: Any, name: str) -> dict[str, Any]:
+    return _schema(params, f"tools[{name}].parameters") if params else {"type": "object", "properties": {}}
+
+
+def _logit_bias(bias: Any) -> dict[str, float]:
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be an object of token id -> bias, got {_shown(bias)}")
+    out = {}
+    for token, value in bias.items():
+        if not str(token).isdigit():
+            raise ValueError(f"logit_bias key {token!r} is not a token id")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ValueError(f"logit_bias[{token}] must be a number in [-100, 100], got {_shown(value)}")
+        out[str(int(token))] = float(value)
+    return out
+
+
+def _number(body: dict[str, Any], key: str, low: float, high: float) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low <= value <= high:
+        bounds = f"[{low:g}, {high:g}]" if math.isfinite(high) else f"a finite number >= {low:g}"
+        raise ValueError(f"{key} must be a number in {bounds}, got {_shown(value)}")
+    return float(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ------------------------------------------------------------------------------------------------ the record
+
+def dumps(constraints: dict[str, Any] | None) -> str | None:
+    """The stored form (the prompt record's `constraints` column): canonical JSON, null for none."""
+    return json.dumps(constraints, sort_keys=True, ensure_ascii=False) if constraints else None
+
+
+def loads(text: str | dict | None) -> dict[str, Any] | None:
+    if text is None or isinstance(text, dict):
+        return text or None
+    return json.loads(text) or None
+
+
+def identity(constraints: dict[str, Any] | None) -> str:
+    """What of the constraints makes two requests with the same turns two prompts (ingest's dedup key): everything
+    that shapes the answer, not the seed or n."""
+    shaping = {k: v for k, v in (constraints or {}).items() if k not in ("seed", "n")}
+    return json.dumps(shaping, sort_keys=True, ensure_ascii=False) if shaping else ""
+
+
+def kinds(constraints: dict[str, Any] | None) -> list[str]:
+    """The report's labels of one request's constraints: the structured kind and each other setting it has."""
+    if not constraints:
+        return []
+    out = [constraints["structured"]["kind"]] if "structured" in constraints else []
+    return out + [k for k in constraints if k != "structured"]
+
+
+def kind(constraints: dict[str, Any] | None) -> str:
+    """One label per request: its structured kind, else 'settings' (stop, penalties, ...), else 'none'."""
+    if not constraints:
+        return "none"
+    return constraints["structured"]["kind"] if "structured" in constraints else "settings"
+
+
+def without(constraints: dict[str, Any] | None, keys: tuple[str, ...]) -> dict[str, Any] | None:
+    return {k: v for k, v in (constraints or {}).items() if k not in keys} or None
+
+
+# ------------------------------------------------------------------------------------------------ vLLM
+
+def sampling_kwargs(constraints: dict[str, Any] | None) -> dict[str, Any]:
+    """`vllm.SamplingParams` keyword arguments for the constraints (structured outputs as the dict of
+    `StructuredOutputsParams` fields, to be built where vLLM is imported)."""
+    c = constraints or {}
+    out: dict[str, Any] = {k: c[k] for k in ("stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                            "min_p") if k in c}
+    if "logit_bias" in c:
+        out["logit_bias"] = {int(k): v for k, v in c["logit_bias"].items()}
+    if "structured" in c:
+        kind, spec = c["structured"]["kind"], c["structured"]["spec"]
+        field = {v: k for k, v in VLLM_FIELDS.items()}[kind]
+        out["structured_outputs"] = {field: True if kind == "json_object" else spec}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ checking answers
+
+def answer_problem(constraints: dict[str, Any] | None, text: str) -> str | None:
+    """Why an answer that ended by itself does not satisfy its request's structured constraint, or None (also for
+    a grammar, which only the grammar's own matcher checks)."""
+    structured = (constraints or {}).get("structured")
+    if structured is None:
+        return None
+    kind, spec = structured["kind"], structured["spec"]
+    if kind in ("json_schema", "json_object"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as err:
+            return f"not JSON ({err.msg} at character {err.pos})"
+        if kind == "json_object":
+            return None if isinstance(value, dict) else "not a JSON object"
+        import jsonschema
+
+        error = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(spec)(spec).iter_errors(value))
+        return None if error is None else f"not valid under the schema: {error.message[:120]}"
+    if kind == "regex":
+        return None if re.fullmatch(spec, text) else "does not match the regex"
+    if kind == "choice":
+        return None if text in spec else "not one of the choices"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ the own loops
+
+class Rules:
+    """One request's constraints in the project's decoding loops, applied as vLLM applies them: `process` turns the
+    target's logits for the next position into the ones the choice is made from (logit bias, then the repetition,
+    frequency and presence penalties over the prompt and the answer so far, then the grammar's mask of the tokens
+    that keep the answer valid); `accept` records a chosen token and says whether the answer ends with it (a stop
+    string completed: the target's stop tokens end it in the loop itself). Call them in token order: the grammar
+    follows the accepted tokens."""
+
+    def __init__(self, constraints: dict[str, Any] | None, tokenizer, vocab_size: int, stop_ids: list[int],
+                 prompt_ids: list[int]):
+        c = constraints or {}
+        self.constraints = c
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop = list(c.get("stop") or [])
+        self.output: list[int] = []
+        self.prompt_ids = prompt_ids
+        self.bias = {int(k): v for k, v in (c.get("logit_bias") or {}).items() if int(k) < vocab_size}
+        self.penalized = any(k in c for k in ("presence_penalty", "frequency_penalty", "repetition_penalty"))
+        self.matcher = None
+        if "structured" in c:
+            self.matcher = _matcher(tokenizer, vocab_size, tuple(stop_ids) + tuple(c.get("stop_token_ids") or ()),
+                                    c["structured"]["kind"], json.dumps(c["structured"]["spec"]))
+            import xgrammar as xgr
+
+            self._xgr = xgr
+            self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.bias or self.penalized or self.matcher is not None or self.stop)
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """[V] logits of the next position -> the ones to choose from (a new tensor)."""
+        logits = logits.float().clone()
+        for token, value in self.bias.items():
+            logits[token] += value
+        if self.penalized:
+            logits = self._penalize(logits)
+        if self.matcher is not None and not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(self.bitmask)
+            row = logits[None, : self.vocab_size].cpu()
+            self._xgr.apply_token_bitmask_inplace(row, self.bitmask)
+            logits[: self.vocab_size] = row[0].to(logits.device)
+            logits[self.vocab_size:] = float("-inf")
+        return logits
+
+    def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        c, vocab = self.constraints, logits.shape[-1]
+        counts = torch.bincount(torch.tensor(self.output, dtype=torch.long), minlength=vocab)[:vocab].to(logits.device)
+        seen_out = counts > 0
+        rep = c.get("repetition_penalty", 1.0)
+        if rep != 1.0:
+            seen = seen_out.clone()
+            prompt = torch.tensor([t for t in self.prompt_ids if t < vocab], dtype=torch.long, device=logits.device)
+            seen[prompt] = True
+            logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        logits = logits - c.get("frequency_penalty", 0.0) * counts.float()
+        return logits - c.get("presence_penalty", 0.0) * seen_out.float()
+
+    def accept(self, token: int) -> bool:
+        """Record the chosen `token`; True when the answer ends with it (a stop string is complete)."""
+        self.output.append(int(token))
+        if self.matcher is not None and not self.matcher.is_terminated():
+            if not self.matcher.accept_token(int(token)):
+                raise RuntimeError(f"token {token} breaks the request's {self.constraints['structured']['kind']} "
+                                   f"constraint: it was chosen outside the grammar's mask")
+        if self.stop:
+            text = self.tokenizer.decode(self.output, skip_special_tokens=True)
+            return any(s in text for s in self.stop)
+        return False
+
+    def ended_by_stop_string(self) -> bool:
+        return bool(self.stop) and any(
+            s in self.tokenizer.decode(self.output, skip_special_tokens=True) for s in self.stop)
+
+
+def check_replayable(constraints: dict[str, Any] | None, greedy: bool, where: str) -> None:
+    """The project's loops replay every constraint but min_p in sampling (at temperature 0 it changes nothing, as
+    in vLLM); ValueError saying so otherwise, and when the grammar library is missing."""
+    c = constraints or {}
+    if "min_p" in c and not greedy:
+        raise ValueError(f"{where}: min_p {c['min_p']} at temperature > 0 is replayed by vLLM only: pass --engine vllm")
+    if "structured" in c:
+        import importlib.util
+
+        if importlib.util.find_spec("xgrammar") is None:
+            raise ValueError(f"{where}: its {c['structured']['kind']} constraint needs xgrammar (installed with vLLM: "
+                             f"`make install`), or pass --engine vllm")
+
+
+def _matcher(tokenizer, vocab_size: int, stop_ids: tuple[int, ...], kind: str, spec_json: str):
+    import xgrammar as xgr
+
+    compiled = _compiled(tokenizer, vocab_size, kind, spec_json)
+    return xgr.GrammarMatcher(compiled, override_stop_tokens=list(dict.fromkeys(stop_ids)) or None)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(tokenizer, vocab_size: int, kind: str, spec_json: str):
+    """The compiled grammar of one constraint, as vLLM's xgrammar backend compiles it (any whitespace in JSON;
+    a choice as an EBNF alternation of its strings; a grammar without '::=' read as Lark)."""
+    compiler = _compiler(tokenizer, vocab_size)
+    spec = json.loads(spec_json)
+    if kind == "json_schema":
+        return compiler.compile_json_schema(json.dumps(spec), any_whitespace=True)
+    if kind == "json_object":
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
+    if kind == "regex":
+        return compiler.compile_regex(spec)
+    if kind == "choice":
+        return compiler.compile_grammar(choice_grammar(spec))
+    if any("::=" in re.sub(r"(#|//).*$", "", line) for line in spec.split("\n")):
+        return compiler.compile_grammar(spec)
+    return compiler.compile_lark(spec)
+
+
+@functools.lru_cache(maxsize=4)
+def _compiler(tokenizer, vocab_size: int):
+    import xgrammar as xgr
+
+    return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """A choice constraint as the EBNF grammar vLLM builds for it: the strings as alternatives, escaped."""
+    escapes = {"\\": r"\\", '"': r"\"", "\n": r"\n", "\r": r"\r", "\t": r"\t"}
+
+    def escape(ch: str) -> str:
+        if ch in escapes:
+            return escapes[ch]
+        return f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch
+
+    return "root ::= " + " | ".join('"' + "".join(map(escape, c)) + '"' for c in choices)

@@ -1,0 +1,169 @@
+import json
+
+import pytest
+import torch
+
+from dflash_train import constraints as rc
+
+SCHEMA = {"type": "object", "properties": {"label": {"type": "string", "enum": ["bug", "question"]}},
+          "required": ["label"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "now"}}]
+
+
+# --- reading a request ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("request_, structured", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": SCHEMA}}},
+     {"kind": "json_schema", "spec": SCHEMA}),
+    ({"response_format": {"type": "json_object"}}, {"kind": "json_object", "spec": None}),
+    ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, {"kind": "json_schema", "spec": SCHEMA}),
+    ({"guided_json": SCHEMA}, {"kind": "json_schema", "spec": SCHEMA}),
+    ({"extra_body": {"guided_regex": "[0-9]{3}"}}, {"kind": "regex", "spec": "[0-9]{3}"}),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, {"kind": "choice", "spec": ["yes", "no"]}),
+    ({"guided_grammar": 'root ::= "a" | "b"'}, {"kind": "grammar", "spec": 'root ::= "a" | "b"'}),
+    ({"structured_outputs": {"json_object": True}}, {"kind": "json_object", "spec": None}),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "lookup"}}},
+     {"kind": "json_schema", "spec": TOOLS[0]["function"]["parameters"]}),
+])
+def test_every_way_a_request_asks_for_structured_output_reads_as_one_constraint(request_, structured):
+    assert rc.from_request(request_) == {"structured": structured}
+
+
+def test_a_required_tool_call_is_decoded_under_the_schema_vllm_builds_for_it():
+    got = rc.from_request({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False})
+    schema = got["structured"]["spec"]
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
+    names = [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]]
+    assert names == [["lookup"], ["now"]]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+    assert rc.from_request({"tools": TOOLS, "tool_choice": "auto"}) is None
+
+
+def test_settings_are_kept_and_those_left_at_the_apis_default_are_not_constraints():
+    assert rc.from_request({"stop": [], "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1,
+                            "min_p": 0, "n": 1, "logit_bias": {}, "response_format": {"type": "text"}}) is None
+    got = rc.from_request({"stop": "\n\n", "stop_token_ids": [7], "seed": 3, "presence_penalty": 0.5,
+                           "frequency_penalty": -1, "repetition_penalty": 1.2, "min_p": 0.1,
+                           "logit_bias": {"42": -100}, "n": 2})
+    assert got == {"stop": ["\n\n"], "stop_token_ids": [7], "seed": 3, "presence_penalty": 0.5,
+                   "frequency_penalty": -1.0, "repetition_penalty": 1.2, "min_p": 0.1, "logit_bias": {"42": -100.0},
+                   "n": 2}
+    assert rc.kinds(got) == ["stop", "stop_token_ids", "seed", "presence_penalty", "frequency_penalty",
+                             "repetition_penalty", "min_p", "logit_bias", "n"]
+    assert rc.kind(got) == "settings" and rc.kind(None) == "none"
+
+
+@pytest.mark.parametrize("request_, named", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strng"}}}}, "not a valid JSON"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format type"),
+    ({"guided_regex": "([a-z]"}, "guided_regex does not compile"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": "json"}, "structured_outputs must be an object"),
+    ({"stop": 5}, "stop must be"), ({"stop": ["a", 1]}, "stop must be"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"n": 0}, "n must be"), ({"n": 129}, "n must be"), ({"n": 1.5}, "n must be"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": "1"}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
+    ({"logit_bias": {"a": 1}}, "logit_bias key"), ({"logit_bias": {"5": 200}}, "logit_bias[5]"),
+    ({"seed": "x"}, "seed"),
+    ({"guided_json": SCHEMA, "response_format": {"type": "json_object"}}, "both constrain"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "'missing'"),
+    ({"tool_choice": "required"}, "no tools"),
+])
+def test_a_setting_the_api_refuses_is_an_error_naming_its_key(request_, named):
+    with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("(", r"\(")):
+        rc.from_request(request_)
+
+
+def test_the_dedup_identity_is_what_shapes_the_answer_not_the_seed_or_n():
+    schema = {"structured": {"kind": "regex", "spec": "a+"}}
+    assert rc.identity(None) == rc.identity({"seed": 1, "n": 3}) == ""
+    assert rc.identity({**schema, "seed": 1}) == rc.identity(schema) != rc.identity({"stop": ["x"]})
+    assert rc.loads(rc.dumps(schema)) == schema and rc.dumps(None) is None
+
+
+def test_sampling_kwargs_are_what_vllms_sampling_params_take():
+    got = rc.sampling_kwargs({"structured": {"kind": "choice", "spec": ["a", "b"]}, "stop": ["."],
+                              "logit_bias": {"3": 1.0}, "repetition_penalty": 1.1, "seed": 5})
+    assert got == {"stop": ["."], "repetition_penalty": 1.1, "logit_bias": {3: 1.0},
+                   "structured_outputs": {"choice": ["a", "b"]}}
+    assert rc.sampling_kwargs({"structured": {"kind": "json_object", "spec": None}}) == {
+        "structured_outputs": {"json_object": True}}
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    got["structured_outputs"] = StructuredOutputsParams(**got["structured_outputs"])
+    params = SamplingParams(temperature=0, max_tokens=8, **got)
+    assert params.structured_outputs.choice == ["a", "b"] and params.stop == ["."]
+
+
+@pytest.mark.parametrize("constraints, text, problem", [
+    ({"structured": {"kind": "json_schema", "spec": SCHEMA}}, '{"label": "bug"}', None),
+    ({"structured": {"kind": "json_schema", "spec": SCHEMA}}, '{"label": "other"}', "not valid under the schema"),
+    ({"structured": {"kind": "json_schema", "spec": SCHEMA}}, '{"label": ', "not JSON"),
+    ({"structured": {"kind": "json_object", "spec": None}}, "[1]", "not a JSON object"),
+    ({"structured": {"kind": "regex", "spec": "[0-9]{3}"}}, "123", None),
+    ({"structured": {"kind": "regex", "spec": "[0-9]{3}"}}, "1234", "does not match"),
+    ({"structured": {"kind": "choice", "spec": ["yes", "no"]}}, "maybe", "not one of"),
+    ({"stop": ["x"]}, "anything", None),
+])
+def test_an_answer_is_checked_against_its_structured_constraint(constraints, text, problem):
+    got = rc.answer_problem(constraints, text)
+    assert (got is None) if problem is None else problem in got
+
+
+# --- the own loops ----------------------------------------------------------------------------------------------
+
+def test_logit_bias_and_penalties_apply_as_vllm_defines_them():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    rules = rc.Rules({"logit_bias": {"4": 10.0}, "repetition_penalty": 2.0, "frequency_penalty": 0.5,
+                      "presence_penalty": 0.25}, tokenizer=None, vocab_size=5, stop_ids=[], prompt_ids=[0])
+    rules.output = [1, 1, 3]
+    expected = logits.clone()
+    expected[4] += 10.0
+    expected[0] /= 2.0  # in the prompt: positive logit divided
+    expected[1] *= 2.0  # in the answer: negative logit multiplied
+    expected[3] /= 2.0
+    expected[1] -= 0.5 * 2 + 0.25  # frequency x count + presence
+    expected[3] -= 0.5 * 1 + 0.25
+    torch.testing.assert_close(rules.process(logits), expected)
+    assert rules.accept(2) is False and rules.output == [1, 1, 3, 2]
+
+
+def test_the_grammar_mask_leaves_only_tokens_that_keep_the_answer_valid(tiny_target):
+    pytest.importorskip("xgrammar")
+    tok, vocab = tiny_target.tokenizer, tiny_target.config.vocab_size
+    stop = tiny_target.stop_token_ids()
+    rules = rc.Rules({"structured": {"kind": "choice", "spec": ["yes", "no"]}}, tok, vocab, stop, [1, 2])
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(8):
+        logits = rules.process(torch.randn(vocab, generator=generator))
+        token = int(logits.argmax())
+        out.append(token)
+        rules.accept(token)
+        if token in stop:
+            break
+    assert out[-1] in stop and tok.decode(out[:-1]) in ("yes", "no")
+    with pytest.raises(RuntimeError, match="outside the grammar"):
+        fresh = rc.Rules({"structured": {"kind": "regex", "spec": "[0-9]+"}}, tok, vocab, stop, [1])
+        fresh.accept(tok.encode("abc", add_special_tokens=False)[0])
+
+
+def test_a_stop_string_ends_the_answer_at_the_token_that_completes_it(tiny_target):
+    tok = tiny_target.tokenizer
+    ids = tok.encode("one two. three", add_special_tokens=False)
+    rules = rc.Rules({"stop": [". t"]}, tok, tiny_target.config.vocab_size, [], [])
+    ended = [rules.accept(t) for t in ids]
+    first = ended.index(True)
+    assert ". t" in tok.decode(ids[:first + 1]) and ". t" not in tok.decode(ids[:first])
+
+
+def test_min_p_in_sampling_is_left_to_vllm_in_one_line():
+    rc.check_replayable({"min_p": 0.1}, greedy=True, where="prompt a")  # greedy: changes nothing, as in vLLM
+    with pytest.raises(ValueError, match="prompt a: min_p 0.1 .* --engine vllm"):
+        rc.check_replayable({"min_p": 0.1}, greedy=False, where="prompt a")
