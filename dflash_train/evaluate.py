@@ -37,7 +37,7 @@ from dflash_train import constraints as request_constraints
 from dflash_train import sampling
 from dflash_train.card import serving_tables, with_interval
 from dflash_train.device import device_problem
-from dflash_train.engine import IDLE_S, SPECULATION_LENGTHS, engine_args_problem
+from dflash_train.engine import IDLE_S, LOOKUP_METHODS, SPECULATION_LENGTHS, engine_args_problem
 from dflash_train.errors import UserError, writing
 from dflash_train.options import add_options, at_least, each, from_args, option, validate
 from dflash_train.provenance import (OutputClaim, complete_output, read_json, sha256_file, start_output,
@@ -104,6 +104,10 @@ class EvalConfig:
                               help="vLLM: also time the engine's own prompt lookup (method ngram: no model, no "
                                    "training) at these K, the same way, after the drafter's, whatever the budget: "
                                    "the baseline it has to beat (its fastest K at batch 1 is the one compared)")
+    suffix: list[int] = option(default_factory=list, metavar="K,K,...", check=SPECULATION_LENGTHS,
+                               help="vLLM: also time the engine's suffix decoding (method suffix: drafts from a suffix "
+                                    "tree over the prompt and the answers it gave before; no model) at these K, the "
+                                    "same way, each K in an engine of its own (needs arctic-inference: make install)")
     engine_args: dict[str, Any] = option(default_factory=dict, metavar="JSON", check=engine_args_problem,
                                          help='vLLM engine arguments as JSON, e.g. \'{"tensor_parallel_size": 8}\' '
                                               '(vllm serve\'s flags, _ for -), checked by vLLM\'s own parser')
@@ -314,7 +318,7 @@ def diagnose_mismatch(target: Target, ids: list[int], plain: list[int], spec: li
 
 def recheck_in_fp32(cfg: EvalConfig, device: str, methods: list["Method"], mismatches: list[dict[str, Any]],
                     prompts: dict[str, list[int]], plain_outputs: dict[str, list[int]],
-                    constraints: dict[str, dict[str, Any] | None]) -> None:
+                    constraints: dict[str, dict[str, Any] | None] | None = None) -> None:
     """Rerun every mismatching prompt in fp32, plain and speculative. Records whether they agree there (the
     loop is exact; the low-precision mismatch was rounding) and whether low-precision plain decoding itself
     departs from fp32 plain decoding (it is rounding-dependent too, without any speculation)."""
@@ -326,7 +330,7 @@ def recheck_in_fp32(cfg: EvalConfig, device: str, methods: list["Method"], misma
         if d["method"] not in proposers:
             proposers[d["method"]] = NoDraft() if m.drafter_path is None else \
                 _load_proposer(m.drafter_path, target, cfg.block_size, torch.float32)
-        ids, c = prompts[d["id"]], constraints.get(d["id"])
+        ids, c = prompts[d["id"]], (constraints or {}).get(d["id"])
         chooser = TokenChooser(cfg.temperature, prompt_seed(cfg.seed, d["id"]))
         plain = _run_one(Method(PLAIN, "plain", None), target, ids, cfg.max_new_tokens, chooser, c).tokens
         spec = _run_one(Method(d["method"], "drafter", proposers[d["method"]]), target, ids, cfg.max_new_tokens,
@@ -555,7 +559,7 @@ def k_row(run: dict[str, Any], natural: dict[str, Any], greedy: bool) -> dict[st
     step_logs, per_prompt, unaccounted, spreads = [], [], 0, []
     for timed in run["batch1"]:
         out = spec[timed["id"]]
-        steps, left = engine_steps(out, undrafted_steps=run.get("method") == "ngram")
+        steps, left = engine_steps(out, undrafted_steps=run.get("method") in LOOKUP_METHODS)
         step_logs.append(steps)
         unaccounted += left
         times = _mean_times(timed)
@@ -644,6 +648,30 @@ def per_batch_size_schedule(best: list[dict[str, Any]]) -> list[list[int]] | Non
     return schedule
 
 
+def free_speculator(runs: list[dict[str, Any]], natural: dict[str, Any], greedy: bool
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The rows of one of the engine's model-free speculators (prompt lookup, suffix decoding), a row per K timed,
+    and its entry: the fastest K at batch 1, with every K's rows at each concurrency (None where none ran)."""
+    rows = [k_row(r, natural, greedy) | {"engine_args": r["llm_kwargs"]["speculative_config"]} for r in runs]
+    if not rows:
+        return rows, None
+    best = dict(fastest_at_batch_1(rows))
+    best["concurrency"] = concurrency_rows(rows, runs)
+    best["pays_up_to_concurrency"] = pays_up_to(best_per_concurrency(best["concurrency"]))
+    return rows, best
+
+
+def ranking(drafter: dict[str, Any], lookup: dict[str, Any] | None, suffix: dict[str, Any] | None
+            ) -> list[dict[str, Any]]:
+    """The drafter, prompt lookup and suffix decoding at each one's fastest K, fastest first at batch 1 (by the
+    engine's speedup over plain decoding on the same prompts), with tau and the intervals: what to serve."""
+    rows = [{"speculator": name, "k": row["k"], "tau": row["tau"], "tau_interval": row.get("tau_interval"),
+             "speedup": row["speedup"], "speedup_interval": row.get("speedup_interval"),
+             "lossless_mismatches": row.get("lossless_mismatches")}
+            for name, row in (("drafter", drafter), ("prompt lookup", lookup), ("suffix decoding", suffix)) if row]
+    return sorted(rows, key=lambda r: -(r["speedup"] if math.isfinite(r["speedup"] or math.nan) else -1.0))
+
+
 def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], block_size: int, dtype_name: str,
                 device: str, workdir: Path, acceptance: tuple[str, list[float]] | None = None,
                 constraints: dict[str, dict[str, Any] | None] | None = None) -> dict[str, Any]:
@@ -706,12 +734,16 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
                                   f"vLLM with prompt lookup at K = {k}")
         looked_up += again.timed["runs"]
         seconds += again.load_s + again.wall_s
-    lookup_rows = [k_row(r, natural, greedy) | {"engine_args": r["llm_kwargs"]["speculative_config"]}
-                   for r in looked_up]
-    lookup = dict(fastest_at_batch_1(lookup_rows)) if lookup_rows else None
-    if lookup:  # the fastest lookup K at batch 1, and every lookup K's rows at each concurrency
-        lookup["concurrency"] = concurrency_rows(lookup_rows, looked_up)
-        lookup["pays_up_to_concurrency"] = pays_up_to(best_per_concurrency(lookup["concurrency"]))
+    suffixed = []
+    for k in cfg.suffix:  # suffix decoding, each K in an engine process of its own, the same way
+        print(f"engine: vLLM, plain and suffix decoding at K = {k} ({len(prompts)} prompts at their lengths above)",
+              flush=True)
+        again = engine.run_engine(engine.lookup_job(job, natural, k, "suffix"), workdir / f"suffix-{k}",
+                                  f"vLLM with suffix decoding at K = {k}")
+        suffixed += again.timed["runs"]
+        seconds += again.load_s + again.wall_s
+    lookup_rows, lookup = free_speculator(looked_up, natural, greedy)
+    suffix_rows, suffix = free_speculator(suffixed, natural, greedy)
     best = fastest_at_batch_1(sweep)
     best_k = best["k"]
     spec = {o["id"]: o["token_ids"] for o in runs[best_k]["outputs"]}
@@ -728,7 +760,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         recheck_s = time.perf_counter() - t0
     table = concurrency_rows(sweep, drafted)
     fastest = best_per_concurrency(table)
-    rates = plain_rates(natural, sweep + lookup_rows)
+    rates = plain_rates(natural, sweep + lookup_rows + suffix_rows)
     return {
         "engine": "vllm",
         "version": result.version,
@@ -759,13 +791,18 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         "per_batch_size_schedule": per_batch_size_schedule(fastest),
         "ngram": lookup,  # vLLM's prompt lookup at --ngram's fastest K, timed the same way: the baseline (or None)
         "ngram_sweep": lookup_rows,  # every --ngram K's row (batch 1)
+        "suffix": suffix,  # vLLM's suffix decoding at --suffix's fastest K, timed the same way (or None)
+        "suffix_sweep": suffix_rows,
+        "ranking": ranking(best, lookup, suffix),
         "timing": {"protocol": TIMING_PROTOCOL, "repeats": cfg.repeats, "budget_s": cfg.sweep_budget_s,
                    "measured_k": [row["k"] for row in sweep], "skipped_k": result.timed["skipped"],
                    "first_k": None if first is None else {"k": first, "from": source, "slack": SWEEP_FIRST_SLACK},
                    "plain_tokens_per_s_decode": {"reference": rates[0], **{str(r["k"]): v for r, v in
                                                                              zip(sweep, rates[1:])},
                                                  **{f"prompt lookup {r['k']}": v for r, v in
-                                                    zip(lookup_rows, rates[1 + len(sweep):])}},
+                                                    zip(lookup_rows, rates[1 + len(sweep):])},
+                                                 **{f"suffix decoding {r['k']}": v for r, v in
+                                                    zip(suffix_rows, rates[1 + len(sweep) + len(lookup_rows):])}},
                    "host_drift": (drift := host_drift(rates)), "host_drift_limit": HOST_DRIFT_LIMIT,
                    "host_unsteady": drift is not None and drift > HOST_DRIFT_LIMIT,
                    "concurrency": [1, *cfg.concurrency], "seconds": seconds,
@@ -795,13 +832,15 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     for path in [cfg.drafter, *cfg.baseline_drafters]:
         check_finished(path)
     own, in_engine = cfg.engine in ("own", "both"), cfg.engine in ("vllm", "both")
-    if cfg.engine_args and not in_engine:
-        raise UserError(f"--engine-args configures vLLM, and --engine {cfg.engine} does not run it: pass --engine "
-                        f"vllm or both")
+    if (cfg.engine_args or cfg.suffix) and not in_engine:
+        raise UserError(f"{'--engine-args' if cfg.engine_args else '--suffix'} configures vLLM, and --engine "
+                        f"{cfg.engine} does not run it: pass --engine vllm or both")
     if in_engine:
-        from dflash_train.engine import check_vllm
+        from dflash_train.engine import check_vllm, suffix_problem
 
         check_vllm()  # before anything is loaded: a missing engine is one line, not a late failure
+        if cfg.suffix and (problem := suffix_problem()):
+            raise UserError(f"--suffix: {problem}")
     records, _ = load_prompt_records(cfg.prompts, cfg.split, cfg.limit)
     from dflash_train.capture import prompt_set
 

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import runlib as rl  # scripts/, beside this file: how every script runs a stage
-from dflash_train.card import lookup_is_faster
+from dflash_train.card import free_speculator_to_serve
 from dflash_train.engine import IDLE_S, SPECULATION_LENGTHS
 from dflash_train.errors import CommandParser, UserError
 from dflash_train.options import at_least, in_range, int_list
@@ -689,11 +689,15 @@ def demo_summary(args: argparse.Namespace, plan: dict | None, log: rl.Log, repor
                     f"believed" if timing.get("host_unsteady") else "")
         lines.append(f"- {name}: tau {_num(e.get('tau'))}{best}, speedup over plain decoding {_speedup(e)} (95% "
                      f"interval over prompts{unsteady}), lossless mismatches {e.get('lossless_mismatches')}")
-        if isinstance(lookup := e.get("ngram"), dict):  # --ngram: the engine's own prompt lookup beside it
-            verdict = (": faster than the drafter here, serve it instead (the eval report gives its "
-                       "--speculative-config)" if lookup_is_faster(e) else ": the drafter is the faster")
-            lines.append(f"- {name}, prompt lookup (no model): tau {_num(lookup.get('tau'))}, K {lookup.get('k')}, "
-                         f"speedup {_speedup(lookup)}{verdict}")
+        served = free_speculator_to_serve(e)
+        for key, what in (("ngram", "prompt lookup"), ("suffix", "suffix decoding")):  # the engine's own, beside it
+            if isinstance(free := e.get(key), dict):
+                verdict = (": faster than the drafter here, serve it instead (the eval report gives its "
+                           "--speculative-config)" if served and served["name"] == what else
+                           f": faster than the drafter, slower than {served['name']}" if served and
+                           (free.get("speedup") or 0) > (e.get("speedup") or 0) else ": the drafter is the faster")
+                lines.append(f"- {name}, {what} (no model): tau {_num(free.get('tau'))}, K {free.get('k')}, "
+                             f"speedup {_speedup(free)}{verdict}")
     lines.append(f"- offline (simulated) tau {_num(report.get('tau_offline'))}")
     planned = plan["stage_s"] if plan else {}
     lines += ["", "| stage | planned | wall time |", "|---|---|---|"]

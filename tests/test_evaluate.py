@@ -107,8 +107,8 @@ def fake_engine(calls: list, natural: dict[str, list[int]], spec_s: dict[int, fl
     outputs to the natural stop (decode phase 0.8 s), and per K the timings (plain 1 s per prompt, or plain_s[K],
     and 2 s per batch, speculative spec_s[K] and together_s[K]; the decode phase 0.2 s less, the stopwatch 0.1 s
     more, on both sides) and the speculative outputs (K=3: the first prompt differs from plain in bf16). A job with
-    ngram_tokens then times prompt lookup at that K the same way, its timings under the key ("ngram", K), else
-    "ngram"."""
+    ngram_tokens then times prompt lookup (or its lookup_method, suffix) at that K the same way, its timings under the
+    key (method, K), else the method."""
     from dflash_train.engine import EngineOutput, EngineResult
 
     def run_engine(job, workdir, what):
@@ -117,8 +117,9 @@ def fake_engine(calls: list, natural: dict[str, list[int]], spec_s: dict[int, fl
         runs = []
         todo = [("dflash", k, k) for k in job.speculative_tokens if k not in skipped]
         if job.ngram_tokens:
-            todo.append(("ngram", job.ngram_tokens, ("ngram", job.ngram_tokens) if ("ngram", job.ngram_tokens)
-                         in spec_s else "ngram"))
+            method = job.lookup_method
+            todo.append((method, job.ngram_tokens, (method, job.ngram_tokens) if (method, job.ngram_tokens)
+                         in spec_s else method))
         for method, k, key in todo:
             outputs = []
             for i, rid in enumerate(ids):
@@ -269,7 +270,7 @@ def test_where_prompt_lookup_is_faster_than_the_drafter_the_tables_say_how_to_se
     natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
     config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1],
                         concurrency=[], ngram=[4])
-    advice = ("Prompt lookup is the faster here: serve it with `--speculative-config '{\"method\":\"ngram\","
+    advice = ("Prompt lookup is the fastest here: serve it with `--speculative-config '{\"method\":\"ngram\","
               "\"num_speculative_tokens\":4,\"prompt_lookup_min\":1,\"prompt_lookup_max\":3}'` in place of the "
               "drafter's.")
     for lookup_s, faster in ((0.8, True), (0.95, False)):  # the drafter's K = 1 at 0.9 s against plain's 1 s
@@ -277,6 +278,35 @@ def test_where_prompt_lookup_is_faster_than_the_drafter_the_tables_say_how_to_se
         v = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
         text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
         assert (advice in text) is faster, text
+
+
+def test_suffix_decoding_is_timed_beside_lookup_and_the_fastest_of_the_three_is_the_one_to_serve(
+        tiny_target, drafters, monkeypatch, tmp_path):
+    """Each free speculator at its own fastest K, each K of suffix decoding in an engine of its own; the report ranks
+    drafter, lookup and suffix, and the tables name the winner's config."""
+    from dflash_train import engine
+    from dflash_train.card import free_speculator_to_serve, serving_tables
+    from dflash_train.evaluate import EvalConfig, engine_eval
+
+    prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
+    natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
+    calls: list = []
+    monkeypatch.setattr(engine, "run_engine", fake_engine(calls, natural, {
+        1: 0.9, "ngram": 0.8, ("suffix", 4): 0.75, ("suffix", 8): 0.6}, {}, []))
+    config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1],
+                        concurrency=[], ngram=[3], suffix=[4, 8])
+    v = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
+    assert [(c.lookup_method, c.ngram_tokens) for c in calls] == [("ngram", 3), ("suffix", 4), ("suffix", 8)]
+    assert calls[1].llm_kwargs(4, "suffix")["speculative_config"] == {"method": "suffix", "num_speculative_tokens": 4}
+    assert v["suffix"]["k"] == 8 and [r["k"] for r in v["suffix_sweep"]] == [4, 8]
+    assert [(r["speculator"], r["k"]) for r in v["ranking"]] == [("suffix decoding", 8), ("prompt lookup", 3),
+                                                                 ("drafter", 1)]
+    assert v["ranking"][0]["speedup"] == pytest.approx(1 / 0.6)
+    assert free_speculator_to_serve(v)["name"] == "suffix decoding"
+    text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
+    assert ("Suffix decoding is the fastest here: serve it with `--speculative-config "
+            "'{\"method\":\"suffix\",\"num_speculative_tokens\":8}'`") in text
+    assert "| 1 | suffix decoding | 8 |" in text and "8, suffix decoding" in text
 
 
 def test_prompt_lookup_is_timed_with_requests_together_and_the_tables_say_how_far_it_pays(tiny_target, drafters,
