@@ -158,7 +158,7 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
     plain = timing.get("plain_tokens_per_s_decode")
     if timing.get("host_unsteady") is True and isinstance(plain, dict):
         rates = [v for v in plain.values() if isinstance(v, (int, float))]
-        runs = "the K's runs" + (" and prompt lookup's" if lookup else "")
+        runs = "the K's runs" + (" and prompt lookup's" if lookup else "") + (" and suffix decoding's" if suffix else "")
         lines += ["", f"**The machine's speed changed while it was measured**: plain decoding ran at "
                       f"{min(rates):.1f} to {max(rates):.1f} tokens/s (decode phase) over the reference pass and "
                       f"{runs}, {timing.get('host_drift'):.0%} apart, on the same prompts at the same lengths. "

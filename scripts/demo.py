@@ -36,7 +36,7 @@ from pathlib import Path
 
 import runlib as rl  # scripts/, beside this file: how every script runs a stage
 from dflash_train.card import free_speculator_to_serve
-from dflash_train.engine import IDLE_S, SPECULATION_LENGTHS
+from dflash_train.engine import IDLE_S, SPECULATION_LENGTHS, suffix_problem
 from dflash_train.errors import CommandParser, UserError
 from dflash_train.options import at_least, in_range, int_list
 from dflash_train.provenance import is_complete
@@ -86,6 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="vLLM: also time the engine's own prompt lookup (no model, no training) at these K, beside "
                         "the drafter: the baseline it has to beat, and which of the two to serve (the plan counts "
                         "its time; e.g. 3)")
+    p.add_argument("--suffix", type=int_list, default=[], metavar="K,K,...",
+                   help="vLLM: also time the engine's suffix decoding (no model: a suffix tree over the prompt and "
+                        "earlier answers) at these K, beside the drafter and prompt lookup (each K an engine of its "
+                        "own; the plan counts it; e.g. 8)")
     p.add_argument("--budget-min", type=float, default=30.0,
                    help="wall-time budget of the whole demo in minutes: capture and training are sized to it")
     p.add_argument("--no-plan", dest="plan", action="store_false",
@@ -96,9 +100,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         **{flag: at_least(1) for flag in ("--capture-limit", "--max-prompt-tokens", "--max-new-tokens",
                                           "--eval-max-new-tokens", "--batch-size", "--eval-limit")},
         "--name": rl.folder_name, "--prompts-name": rl.folder_name,
-        "--ngram": SPECULATION_LENGTHS})  # the eval's check of its --ngram
-    if args.ngram and args.engine == "own":
-        p.error("--ngram: prompt lookup is timed in vLLM (--engine vllm or both)")
+        "--ngram": SPECULATION_LENGTHS, "--suffix": SPECULATION_LENGTHS})  # the eval's check of its lists
+    for flag, chosen in (("--ngram", args.ngram), ("--suffix", args.suffix)):
+        if chosen and args.engine == "own":
+            p.error(f"{flag}: the engine's own speculators are timed in vLLM (--engine vllm or both)")
+    if args.suffix and (problem := suffix_problem()):
+        p.error(f"--suffix: {problem}")
     workload = workload_name(args.logs[0]) if len(args.logs) == 1 else None  # several logs: no one application
     args.name = args.name or workload or "smollm2-demo"
     args.prompts_name = args.prompts_name or (args.name if args.logs else "sharegpt")
@@ -429,6 +436,7 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
         pair_s(prefill_s, decode_s, ENGINE_SLOWDOWN) + 2 * IDLE_S)
     least_sweep_s = n_eval * (prefill_s + decode_s) + 2 * per_k_s  # plain's natural lengths, then two K
     lookup_s = (len(args.ngram) * per_k_s + (len(args.ngram) - 1) * engine_start_s) if engine and args.ngram else 0.0
+    lookup_s += len(args.suffix) * (per_k_s + engine_start_s) if engine else 0.0  # each suffix K: an engine child
     recheck_s = 0.0
     if "fp32_decode_tok_s" in rates:  # a low-precision eval: its mismatches are rerun in fp32, plain and speculative
         prefill32_s, decode32_s = rates["fp32_prefill_s"], T / rates["fp32_decode_tok_s"]
@@ -582,8 +590,10 @@ def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
           f"tokens, engine {args.engine}: vLLM's K sweep {plan['sweep_budget_s']} s, the project's loop on the first "
           f"{plan['own_eval_prompts']}"
           + (f", the fp32 rerun of bf16 mismatches ~{plan['fp32_recheck_s']} s" if plan.get("fp32_recheck_s") else "")
-          + (f", prompt lookup at K = {','.join(map(str, args.ngram))} ~{plan['lookup_s']} s"
-             if plan.get("lookup_s") else "")
+          + (f", {' and '.join(free)} ~{plan['lookup_s']} s" if plan.get("lookup_s") and (free := [
+              f"{what} at K = {','.join(map(str, ks))}" for what, ks in (("prompt lookup", args.ngram),
+                                                                          ("suffix decoding", args.suffix)) if ks])
+             else "")
           + f" (~{plan['stage_s']['eval']:.0f} s in all; their capture for the offline "
           f"estimate ~{plan['stage_s']['held-out capture']:.0f} s)", flush=True)
 
@@ -653,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
     rl.run_stage("eval", report, rl.eval_command(
         [drafter], prompts, eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens, eval_store, report, args.engine,
         [*target, "--concurrency", str(EVAL_CONCURRENCY), *eval_sizes,
-         *(["--ngram", ",".join(map(str, args.ngram))] if args.ngram else [])]), log)
+         *(["--ngram", ",".join(map(str, args.ngram))] if args.ngram else []),
+         *(["--suffix", ",".join(map(str, args.suffix))] if args.suffix else [])]), log)
     rl.run_stage("push (dry run)", push, rl.push_command(drafter, args.repo, report, push, ["--dry-run"]), log,
                  rerun=True)
 
