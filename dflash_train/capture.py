@@ -33,7 +33,7 @@ import datetime
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
@@ -82,6 +82,10 @@ class CaptureConfig:
                      "about 5 bytes per token), whose states training computes (data.hidden_states: online)")
     responses: Literal["generate", "logged"] = option("generate", help="the target's own responses, or the logged "
                                                                        "ones (one prefill)")
+    constraints: Literal["replay", "ignore"] = option(
+        "replay", help="replay: decode each request under its own constraints as production did (structured "
+                       "outputs, stop, penalties, ...: `dflash_train.constraints`); ignore: without them (only to "
+                       "measure what replaying them is worth)")
     shard_size_mb: float = option(DEFAULT_SHARD_BYTES / 2**20, check=in_range(0, 1e6, low_open=True),
                                   help="shard size in MiB")
     template_kwargs: dict[str, Any] = option(default_factory=dict, metavar="JSON",
@@ -550,6 +554,8 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     started = time.time()
     records, ingest_report = load_prompt_records(cfg.prompts, cfg.split, cfg.limit)
+    if cfg.constraints == "ignore":
+        records = [replace(r, constraints=None) for r in records]
     samplings = {r.id: sampling_for(r, cfg.temperature, cfg.top_p) for r in records}  # all checked up front
     if cfg.engine == "own" and cfg.responses == "generate":
         for r in records:
@@ -579,6 +585,7 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
         "stop_token_ids": stop_ids,
         "compute_dtype": precision.name,
         "engine": cfg.engine,
+        "constraints": cfg.constraints,
     }
     if cfg.engine == "vllm":
         from dflash_train.engine import vllm_version

@@ -174,6 +174,22 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
     return lines
 
 
+def constraints_markdown(c: dict[str, Any] | None) -> list[str]:
+    """The report's and the card's line on constrained traffic: what share of the prompts was decoded under
+    their requests' own constraints, of which kinds, and what was left out."""
+    if not isinstance(c, dict) or not isinstance(c.get("constrained"), int) or not c["constrained"]:
+        return []
+    by_kind = c.get("by_kind") if isinstance(c.get("by_kind"), dict) else {}
+    without = c.get("decoded_without") if isinstance(c.get("decoded_without"), dict) else {}
+    kinds = ", ".join(f"{fmt(n)} {kind}" for kind, n in by_kind.items() if kind != "none")
+    left = [f"{fmt(n)} without their {key}" for key, n in without.items() if n]
+    share = (f" ({100 * c['constrained'] / c['of']:.0f}%)" if isinstance(c.get("of"), int) and c["of"] > 0 else "")
+    return [f"Constrained traffic: {c['constrained']} of {fmt(c.get('of'))} prompts{share} decoded under their "
+            f"requests' own constraints ({kinds}; 'settings': stop strings, penalties and the like), plain and "
+            f"speculative alike" + (f"; {', '.join(left)} (vLLM refuses them with speculative decoding)" if left
+                                    else "") + ".", ""]
+
+
 def free_speculator_to_serve(engine: dict[str, Any]) -> dict[str, Any] | None:
     """The engine's model-free speculator to serve instead of the drafter, or None: vLLM's prompt lookup (the entry's
     `ngram`) or suffix decoding (`suffix`), at its fastest K, where the faster of them beat the drafter at best_k one
@@ -536,6 +552,7 @@ def _evaluation(inp: CardInputs) -> str:
         "",
         table(rows, ("Metric", "Value")),
     ]
+    lines += [""] + constraints_markdown(settings.get("constraints"))[:1]
     lines += _engine_evaluation(inp)
     methods = [m for m in report.get("methods") or [] if isinstance(m, dict)]
     if len(methods) > 1:

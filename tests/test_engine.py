@@ -248,6 +248,55 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
     assert {p.name for p in (out / "engine").iterdir()} == {"timed.log", "lookup-2.log"}
 
 
+CONSTRAINED = [  # one per prompt: what each request of a structured application asks of its answer
+    {"guided_regex": "(Yes|No)[a-z ,.]{0,40}"},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "poem", "schema": {
+        "type": "object", "properties": {"title": {"type": "string"}, "lines": {"type": "integer"}},
+        "required": ["title", "lines"]}}}},
+    {"guided_choice": ["add", "sum", "plus"]},
+    {"stop": [" the", "."], "repetition_penalty": 1.3, "min_p": 0.05},
+    {"frequency_penalty": 0.5, "logit_bias": {"11": -20}},
+    {},
+]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_constrained_requests_are_decoded_under_them_losslessly_in_both_engines_beside_lookup_and_suffix(
+        overfit_drafter, engine_target, tmp_path):
+    """Each held-out request decoded under its own constraint, plain and speculative, in vLLM and the project's loop
+    alike (both stop each answer at the same token); what vLLM refuses with speculation (min_p, logit_bias) is left
+    out on both sides and counted; suffix decoding and prompt lookup timed the same way, all ranked."""
+    from dflash_train.engine import suffix_problem
+
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}], **c}) + "\n"
+                           for p, c in zip(PROMPTS, CONSTRAINED)))
+    out = tmp_path / "eval"
+    suffix = [] if suffix_problem() else ["--suffix", "4"]
+    assert eval_cli("--engine", "both", "--drafter", overfit_drafter, "--target", engine_target, "--prompts", log,
+                    "--out", out, "--speculative-tokens", "7", "--concurrency", "2", "--ngram", "3", *suffix) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["constraints"] == {
+        "constrained": 5, "of": 6, "by_kind": {"regex": 1, "json_schema": 1, "choice": 1, "settings": 2, "none": 1},
+        "decoded_without": {"min_p": 1, "logit_bias": 1}}
+    vllm, own = report["engines"]["vllm"], report["engines"]["own"]
+    assert vllm["lossless_mismatches"] == 0 and own["lossless_mismatches"] == 0
+    lengths = {p["id"]: p["new_tokens"] for p in vllm["per_prompt"]}
+    assert lengths == {p["id"]: p["new_tokens"] for p in report["per_prompt"]}  # the same answers' lengths
+    from dflash_train.capture import load_prompt_records
+
+    ids = [r.id for r in load_prompt_records(log)[0]]
+    assert lengths[ids[2]] <= 3 and lengths[ids[5]] == NEW_TOKENS  # a choice ends at once; no constraint: the cap
+    ranked = [r["speculator"] for r in vllm["ranking"]]
+    assert sorted(ranked) == sorted(["drafter", "prompt lookup"] + (["suffix decoding"] if suffix else []))
+    if suffix:
+        assert vllm["suffix"]["k"] == 4 and vllm["suffix"]["lossless_mismatches"] == 0
+        assert vllm["suffix"]["engine_args"] == {"method": "suffix", "num_speculative_tokens": 4}
+    md = (out / "report.md").read_text()
+    assert "Constrained traffic: 5 of 6 prompts (83%)" in md and "1 without their min_p" in md
+
+
 @needs_vllm
 @pytest.mark.slow
 def test_the_lossless_check_alone_decodes_each_prompt_plain_and_speculative_to_its_stop(overfit_drafter,
