@@ -597,10 +597,35 @@ def test_prompt_lookup_in_the_demo_is_planned_and_its_summary_says_which_to_serv
     for plan in plans:
         assert 214.0 + sum(plan["stage_s"].values()) <= 45 * 60 * (1 - demo.MARGIN) + 1e-6
     for bad in (["--ngram", "0"], ["--ngram", "3,3"], ["--ngram", "3", "--engine", "own"], ["--ngram", "x"],
-                ["--ngram", ","]):
+                ["--ngram", ","], ["--suffix", "0"], ["--suffix", "8", "--engine", "own"]):
         with pytest.raises(SystemExit) as exit_:
             demo.parse_args([*base, *bad])
         assert exit_.value.code == 2
+
+
+def test_suffix_decoding_in_the_demo_is_planned_as_an_engine_of_its_own_per_k(demo_prompts, tiny_target_dir,
+                                                                             monkeypatch):
+    """demo --suffix K,...: each suffix K costs what a drafter K does plus an engine start (its own process), in the
+    eval's stage; the summary ranks it beside the drafter and prompt lookup and names the fastest to serve."""
+    import demo
+
+    monkeypatch.setattr(demo, "suffix_problem", lambda: None)  # the plan does not need the package
+    rates = {"capture_s_per_prompt": 1.88, "decode_tok_s": 18.0, "prefill_s": 0.4, "train_step_s": 1.93,
+             "engine_start_s": 43.1}
+    base = ["--target", str(tiny_target_dir), "--max-prompt-tokens", "60", "--budget-min", "45", "--ngram", "3"]
+    looked, both = (demo.make_plan(demo.parse_args([*base, *extra]), demo_prompts, rates, 214.0)
+                    for extra in ([], ["--suffix", "8"]))
+    per_k = looked["lookup_s"]  # one lookup K: what a drafter K costs, in the drafter's engine process
+    assert both["lookup_s"] == pytest.approx(2 * per_k + 43.1, abs=1.5)
+    assert 214.0 + sum(both["stage_s"].values()) <= 45 * 60 * (1 - demo.MARGIN) + 1e-6
+    args = demo.parse_args(["--logs", "data/workloads/router_json.jsonl.gz", "--ngram", "4", "--suffix", "8"])
+    vllm = {"tau": 1.5, "best_k": 2, "speedup": 0.98, "speedup_interval": [0.94, 1.04], "lossless_mismatches": 0,
+            "timing": {}, "ngram": {"k": 4, "tau": 1.4, "speedup": 1.2, "speedup_interval": None},
+            "suffix": {"k": 8, "tau": 1.7, "speedup": 1.35, "speedup_interval": None}}
+    summary = demo.demo_summary(args, None, rl.Log(), {"engines": {"vllm": vllm}}, 1.0, [])
+    assert "- vllm, suffix decoding (no model): tau 1.70, K 8, speedup 1.35x: faster than the drafter here" in summary
+    assert "- vllm, prompt lookup (no model): tau 1.40, K 4, speedup 1.20x: faster than the drafter, slower than " \
+           "suffix decoding" in summary
 
 
 @pytest.mark.parametrize("bad,named", [
