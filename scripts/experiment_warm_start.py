@@ -42,7 +42,7 @@ from typing import Any
 import runlib as rl
 from dflash_train.engine import SPECULATION_LENGTHS, suffix_problem
 from dflash_train.errors import CommandParser
-from dflash_train.options import at_least, in_range, int_list
+from dflash_train.options import at_least, each, in_range, int_list
 
 OUT = "results/experiment_warm_start"
 GENERAL = rl.REPO / "drafters" / "smollm2-135m-instruct-general"
@@ -71,17 +71,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--general", default=str(GENERAL), help="the general drafter folder to publish and start from")
     p.add_argument("--speculative-tokens", default=None, metavar="K,K,...",
                    help="each vLLM eval times these K only (eval --speculative-tokens), instead of its sweep")
+    p.add_argument("--concurrency", default=None, metavar="C,C,...",
+                   help="each vLLM eval's --concurrency (default: the eval's, 4 and 16)")
     p.add_argument("--no-own-eval", dest="own_eval", action="store_false",
                    help="skip the project's-loop eval of the drafters (vLLM's alone: minutes shorter)")
     args = rl.fill_defaults(p, p.parse_args(argv), FULL, QUICK, "exp", OUT)
     rl.check_options(p, args, {"--time-budget": in_range(0, math.inf, low_open=True, high_open=True),
                                "--sweep-budget-s": at_least(0)})
+    for flag, check in (("--speculative-tokens", SPECULATION_LENGTHS), ("--concurrency", each(at_least(2)))):
+        key = flag[2:].replace("-", "_")
+        if getattr(args, key) is not None:
+            try:
+                values = int_list(getattr(args, key))
+            except argparse.ArgumentTypeError as err:
+                p.error(f"{flag}: {err}")
+            if problem := check(values):
+                p.error(f"{flag} {values} {problem}")
+    if args.concurrency is not None:
+        args.concurrency = ",".join(map(str, int_list(args.concurrency)))
     if args.speculative_tokens is not None:
-        try:
-            args.speculative_tokens = int_list(args.speculative_tokens)
-        except argparse.ArgumentTypeError as err:
-            p.error(f"--speculative-tokens: {err}")
-        rl.check_options(p, args, {"--speculative-tokens": SPECULATION_LENGTHS})
+        args.speculative_tokens = int_list(args.speculative_tokens)
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown or not names:
@@ -172,6 +181,7 @@ def run_workload(args: argparse.Namespace, name: str, work: Path, env: dict[str,
             [drafters[label] for label in main], prompts, args.eval_limit, args.max_prompt_tokens,
             args.eval_max_new_tokens, heldout, own_eval, "own"), log)
     ks = ["--speculative-tokens", ",".join(map(str, args.speculative_tokens))] if args.speculative_tokens else []
+    ks += ["--concurrency", args.concurrency] if args.concurrency else []
     for label in main:
         free = (["--ngram", str(LOOKUP_K)] + ([] if suffix_problem() else ["--suffix", str(SUFFIX_K)])
                 if label == "a" else [])
