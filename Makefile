@@ -57,10 +57,14 @@ test:
 	$(PYTHON) -m pytest -q -n auto --dist loadfile
 
 # The whole pipeline on the embedded target: ingest -> capture -> train -> eval -> push --dry-run, planned to 30
-# minutes. LOGS=one application's log (e.g. data/workloads/router.jsonl.gz; default: broad ShareGPT traffic).
+# minutes. By default one application's traffic as production serves it: the request router, each answer under the
+# router's JSON schema (structured outputs); evaluated in vLLM beside its prompt lookup and suffix decoding.
+# LOGS=another log (e.g. data/workloads/rewrite.jsonl.gz), LOGS=sharegpt: broad ShareGPT chat, the hard case.
 # Stages whose output is complete and valid are skipped on a rerun.
+LOGS ?= data/workloads/router_json.jsonl.gz
+DEMO_ARGS ?= --engine vllm --ngram 4 --suffix 8
 demo:
-	$(PYTHON) scripts/demo.py $(if $(LOGS),--logs $(LOGS)) $(DEMO_ARGS)
+	$(PYTHON) scripts/demo.py $(if $(filter-out sharegpt,$(LOGS)),--logs $(LOGS)) $(DEMO_ARGS)
 
 # The general drafter as is, adapted to each example workload's own outputs, and trained from scratch, on one
 # wall-clock budget (+ logged responses, and the data-size curve); the older own-outputs experiment; ablation of the
