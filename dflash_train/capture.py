@@ -585,8 +585,9 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
         "stop_token_ids": stop_ids,
         "compute_dtype": precision.name,
         "engine": cfg.engine,
-        "constraints": cfg.constraints,
     }
+    if cfg.constraints == "ignore":  # recorded only then: a store from before replayed nothing else either
+        generation["constraints"] = cfg.constraints
     if cfg.engine == "vllm":
         from dflash_train.engine import vllm_version
 
