@@ -350,7 +350,8 @@ def write_report(args: argparse.Namespace, out: Path, results: dict[str, dict[st
             [[r["drafter"], r["steps"], r["sim_tau"], interval(r["own_tau"], r["own_tau_interval"]), r["own_speedup"],
               r["vllm_best_k"], interval(r["vllm_tau"], r["vllm_tau_interval"]),
               interval(r["vllm_speedup"], r["vllm_speedup_interval"]), r["vllm_speedup_wall"],
-              ", ".join(f"{m} / {m32}" for m, m32 in zip(r["lossless_mismatches"], r["lossless_mismatches_fp32"]))]
+              ", ".join(f"{'-' if m is None else m} / {'-' if m32 is None else m32}"
+                        for m, m32 in zip(r["lossless_mismatches"], r["lossless_mismatches_fp32"]))]
              for r in rows])
         diffs = rl.markdown_table(
             ["comparison", "engine", "prompts", "mean per-prompt tau difference", "relative tau gain"],
