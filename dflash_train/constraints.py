@@ -401,10 +401,6 @@ class Rules:
             return any(s in text for s in self.stop)
         return False
 
-    def ended_by_stop_string(self) -> bool:
-        return bool(self.stop) and any(
-            s in self.tokenizer.decode(self.output, skip_special_tokens=True) for s in self.stop)
-
 
 def check_replayable(constraints: dict[str, Any] | None, greedy: bool, where: str) -> None:
     """The project's loops replay every constraint but min_p in sampling (at temperature 0 it changes nothing, as
