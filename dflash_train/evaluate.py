@@ -648,6 +648,9 @@ def per_batch_size_schedule(best: list[dict[str, Any]]) -> list[list[int]] | Non
     return schedule
 
 
+FREE_SPECULATORS = {"ngram": ("prompt lookup", "lookup"), "suffix": ("suffix decoding", "suffix")}  # name, log tag
+
+
 def free_speculator(runs: list[dict[str, Any]], natural: dict[str, Any], greedy: bool
                     ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """The rows of one of the engine's model-free speculators (prompt lookup, suffix decoding), a row per K timed,
@@ -725,25 +728,18 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     drafted = [r for r in result.timed["runs"] if r.get("method", "dflash") == "dflash"]
     runs = {r["k"]: r for r in drafted}
     sweep = [k_row(r, natural, greedy) for r in drafted]
-    looked_up = [r for r in result.timed["runs"] if r.get("method") == "ngram"]
+    free = {"ngram": [r for r in result.timed["runs"] if r.get("method") == "ngram"], "suffix": []}
     seconds = result.load_s + result.wall_s
-    for k in cfg.ngram[1:]:  # each further lookup K in an engine process of its own (EngineJob.ngram_tokens)
-        print(f"engine: vLLM, plain and prompt lookup at K = {k} ({len(prompts)} prompts at their lengths above)",
-              flush=True)
-        again = engine.run_engine(engine.lookup_job(job, natural, k), workdir / f"lookup-{k}",
-                                  f"vLLM with prompt lookup at K = {k}")
-        looked_up += again.timed["runs"]
+    # each further lookup K, and each suffix decoding K, in an engine process of its own (EngineJob.ngram_tokens)
+    for method, k in [("ngram", k) for k in cfg.ngram[1:]] + [("suffix", k) for k in cfg.suffix]:
+        what, tag = FREE_SPECULATORS[method]
+        print(f"engine: vLLM, plain and {what} at K = {k} ({len(prompts)} prompts at their lengths above)", flush=True)
+        again = engine.run_engine(engine.lookup_job(job, natural, k, method), workdir / f"{tag}-{k}",
+                                  f"vLLM with {what} at K = {k}")
+        free[method] += again.timed["runs"]
         seconds += again.load_s + again.wall_s
-    suffixed = []
-    for k in cfg.suffix:  # suffix decoding, each K in an engine process of its own, the same way
-        print(f"engine: vLLM, plain and suffix decoding at K = {k} ({len(prompts)} prompts at their lengths above)",
-              flush=True)
-        again = engine.run_engine(engine.lookup_job(job, natural, k, "suffix"), workdir / f"suffix-{k}",
-                                  f"vLLM with suffix decoding at K = {k}")
-        suffixed += again.timed["runs"]
-        seconds += again.load_s + again.wall_s
-    lookup_rows, lookup = free_speculator(looked_up, natural, greedy)
-    suffix_rows, suffix = free_speculator(suffixed, natural, greedy)
+    lookup_rows, lookup = free_speculator(free["ngram"], natural, greedy)
+    suffix_rows, suffix = free_speculator(free["suffix"], natural, greedy)
     best = fastest_at_batch_1(sweep)
     best_k = best["k"]
     spec = {o["id"]: o["token_ids"] for o in runs[best_k]["outputs"]}

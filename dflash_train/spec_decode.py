@@ -177,25 +177,22 @@ def plain_generate(model, prompt_ids: list[int], max_new_tokens: int, stop_ids: 
     cache, n = new_cache(model), len(prompt_ids)
     t0 = _clock(model.device)
     logits, _ = target_forward(model, prompt_ids, cache, 0, [], last_logits_only=True)
-    tokens, ended = _first_choice(chooser, logits, n, rules)
+    tokens, ended = _next_choice(chooser, logits, n, rules)
     t1 = _clock(model.device)
     while tokens[-1] not in stop and len(tokens) < max_new_tokens and not ended:
         logits, _ = target_forward(model, tokens[-1:], cache, n + len(tokens) - 1, [])
-        if rules is None:
-            tokens += chooser(logits, [n + len(tokens)])
-        else:
-            choices, ended_at = _ruled_choices(chooser, logits, n + len(tokens), rules, [])
-            tokens += choices
-            ended = ended_at is not None
+        choice, ended = _next_choice(chooser, logits, n + len(tokens), rules)
+        tokens += choice
     return Generation(tokens=tokens, prefill_s=t1 - t0, decode_s=_clock(model.device) - t1,
                       stopped=tokens[-1] in stop or ended)
 
 
-def _first_choice(chooser: TokenChooser, logits: torch.Tensor, n: int, rules) -> tuple[list[int], bool]:
-    """The token the prefill's logits give, and whether it completes a stop string."""
+def _next_choice(chooser: TokenChooser, logits: torch.Tensor, position: int, rules) -> tuple[list[int], bool]:
+    """The target's choice for `position` from the one row of `logits` before it (under `rules`, when given), and
+    whether it completes a stop string."""
     if rules is None:
-        return chooser(logits, [n]), False
-    choices, ended_at = _ruled_choices(chooser, logits, n, rules, [])
+        return chooser(logits, [position]), False
+    choices, ended_at = _ruled_choices(chooser, logits, position, rules, [])
     return choices, ended_at is not None
 
 
@@ -211,7 +208,7 @@ def speculative_generate(model, prompt_ids: list[int], proposer: Proposer, max_n
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     t0 = _clock(device)
     logits, tapped = target_forward(model, ids, cache, 0, layers, last_logits_only=True)
-    tokens, ended = _first_choice(chooser, logits, n, rules)
+    tokens, ended = _next_choice(chooser, logits, n, rules)
     proposer.begin(ids, tapped)
     t1 = _clock(device)
     steps: list[Step] = []
