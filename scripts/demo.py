@@ -14,7 +14,8 @@ each stage against the plan, and where every artefact is.
 Machines differ several-fold (an AVX2 CPU emulates bf16; a GPU is another world), so after ingest the demo
 measures this one for a minute or two (the one-pass capture of two batches of training prompts, at the 0.21 and
 0.79 quantiles of their lengths; training steps of the demo recipe's shape, with stored states and with the
-states computed online; plain decoding at batch 1; all in the compute dtype the stages will pick) and sizes the
+states computed online; plain decoding at batch 1; with the eval in vLLM, a few requests timed there as the eval
+times them, plain and with the starting drafter; all in the compute dtype the stages will pick) and sizes the
 stages to the budget: the eval gets at most a share of it, the rest goes to capture (prompts read) and training
 (`train.time_budget_s`, at most the recipe's max_steps; after the capture, plus what it saved against its plan or
 less what it overran). It stores the states with the responses, or captures token-only and trains online
@@ -133,6 +134,9 @@ DRAFT_SLOWDOWN = 2.6  # speculative decode time / plain in the project's loop fo
 ENGINE_SLOWDOWN = 1.7  # the same in vLLM at the slowest K, B - 1 at a low tau (0.59x at tau 1.31 in the AVX2
 #                       router demo; 1.3, the mean of two K, planned a sweep that ran one K only: the next K starts
 #                       only while the budget still holds the costliest one's again)
+FREE_SLOWDOWN = 1.0  # the same for prompt lookup and suffix decoding (no model to run: a K costs the verification
+#                     of its drafts): 1.14x at K = 3 on the AVX2 host, where 1.7 planned 482 s for 372; 1.29x at K = 4
+#                     and suffix 1.63x at K = 8 on the AVX-512 one, where 1.7 planned 544 s for about 250
 FP32_RECHECK_SHARE = {"own": 1.0, "vllm": 0.6}  # of the eval's prompts that differ from plain decoding in bf16
 #                      and are rerun in fp32 (near-ties rounded differently): 5 of 5 in the project's loop and 12 of
 #                      20 in vLLM in the AVX-512 rewrite demo (unplanned, 143 s over its eval's plan), 2 of 5 and 11
@@ -280,6 +284,8 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
         bench_train.step_fn(step_args, drafter, embed, embed, batch_data, optimizer, step)
         times[source].append(time.perf_counter() - t0)
     engine = probe_engine_capture(args, target, rendered, layers, precision) if args.capture_engine != "own" else {}
+    if args.engine != "own" and recipe.drafter.init_from is not None:
+        engine.update(probe_engine_decoding(args, target, rendered, precision, recipe))
     return {**first, "cpu_capability": torch.backends.cpu.get_cpu_capability(), **engine,
             "capture_new_tok_s": new_tokens / (capture_s_per_prompt * len(batch) * len(timings)),
             "capture_mean_new_tokens": new_tokens / (len(batch) * len(timings)),
@@ -318,7 +324,13 @@ def probe_rest_s(args: argparse.Namespace, first: dict) -> float:
     AVX2 host, 0.41 against 0.73 on the AVX-512 one)."""
     capture_s = first["capture_s_per_prompt"]
     steps_s = capture_s * (4 * PROBE_STEP_CAPTURES["stored"] + 3 * PROBE_STEP_CAPTURES["online"])
-    return steps_s + (SLOW_VLLM_START_S + ENGINE_PROBE_PROMPTS * capture_s if args.capture_engine != "own" else 0.0)
+    rest_s = steps_s + (SLOW_VLLM_START_S + ENGINE_PROBE_PROMPTS * capture_s if args.capture_engine != "own" else 0.0)
+    if args.engine != "own" and demo_recipe(args).drafter.init_from is not None:  # `probe_engine_decoding`: each
+        #   prompt to its natural stop, then plain and speculative, at the project's loop's rate and the worst slowdown
+        request_s = first["prefill_s"] + args.eval_max_new_tokens / first["decode_tok_s"]
+        rest_s += SLOW_VLLM_START_S + SPEC_ENGINE_START_S + ENGINE_DECODE_PROBE_PROMPTS * (
+            request_s * (2 + ENGINE_SLOWDOWN) + 2 * IDLE_S)
+    return rest_s
 
 
 def probe_engine_capture(args: argparse.Namespace, target, rendered: list[list[int]], layers: list[int],
@@ -353,6 +365,43 @@ def probe_engine_capture(args: argparse.Namespace, target, rendered: list[list[i
     prefill_s = time.perf_counter() - started
     return {"engine_start_s": start_s, "engine_capture_s_per_prompt": (result.wall_s + prefill_s) / len(picked),
             "engine_prefill_s_per_prompt": prefill_s / len(picked)}
+
+
+ENGINE_DECODE_PROBE_PROMPTS = 3
+PROBE_K = 4  # the speculation length the probe times the starting drafter at (the router demos' best K)
+
+
+def probe_engine_decoding(args: argparse.Namespace, target, rendered: list[list[int]], precision,
+                          recipe) -> dict[str, float]:
+    """The eval's own protocol (`eval --engine vllm`'s timed job) on ENGINE_DECODE_PROBE_PROMPTS training prompts
+    of the median length, up to the eval's --eval-max-new-tokens: plain decoding and the recipe's starting drafter
+    at K = PROBE_K, each request alone and cold. Returns vLLM's whole-request rate at batch 1 (new tokens over each
+    plain request's stopwatch, its prefill in it), the starting drafter's time over plain's (the drafter the demo
+    trains starts there and accepts more: the plan errs long) and its engine's start. Without it the plan counted
+    the project's own loop's decode rate and ENGINE_SLOWDOWN for every K: on the AVX-512 BF16 host 265 s a K for
+    about 130, so the router demo's eval took 901 s of its planned 1,326 and training got 139 s.
+    The prompts are decoded without their requests' constraints (a grammar only shortens answers)."""
+    import tempfile
+
+    from dflash_train.engine import VLLM_DTYPES, EngineJob, EngineRequest, run_engine
+    from dflash_train.model.published import fetch_drafter
+
+    middle = len(rendered) // 2
+    picked = rendered[max(0, middle - ENGINE_DECODE_PROBE_PROMPTS // 2):][:ENGINE_DECODE_PROBE_PROMPTS]
+    requests = [EngineRequest(id=str(i), prompt_token_ids=ids, max_tokens=args.eval_max_new_tokens)
+                for i, ids in enumerate(picked)]
+    drafter = fetch_drafter(recipe.drafter.init_from, recipe.drafter.init_revision).folder
+    job = EngineJob(target=str(target.path), requests=requests, stop_token_ids=target.stop_token_ids(),
+                    dtype=VLLM_DTYPES[precision.name], drafter=str(drafter),
+                    max_model_len=max(map(len, picked)) + args.eval_max_new_tokens, mode="timed",
+                    speculative_tokens=[PROBE_K])
+    with tempfile.TemporaryDirectory(prefix="demo-probe-engine-") as work:
+        result = run_engine(job, work, f"demo probe: vLLM decoding at batch 1, plain and at K = {PROBE_K}")
+    run = result.timed["runs"][0]
+    tokens = sum(t["tokens"] for t in run["batch1"])
+    plain_s, spec_s = (sum(sum(t[f"{side}_wall_s"]) for t in run["batch1"]) for side in ("plain", "spec"))
+    return {"engine_plain_tok_s": tokens / plain_s, "engine_spec_slowdown": spec_s / plain_s,
+            "engine_spec_start_s": run["load_s"]}
 
 
 def capture_costs(rates: dict, token_only: bool = False, topk: int = 0) -> dict[str, tuple[float, float]]:
@@ -414,9 +463,10 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     requests together), and in a low-precision eval the fp32 rerun of FP32_RECHECK_SHARE of them at the probe's
     fp32 rates. Every request is timed cold: the probe's prefill of the median prompt, then its tokens at the
     decode rate (without the prefill, the AVX2 router demo's reference pass was planned 124 s and took ~160). The
-    K sweep gets what the share leaves (`eval --sweep-budget-s`), at least two K. Prompt
-    lookup's K (--ngram) run whatever the budget: each costs what a K does, and each after the first an engine
-    child's start too (`lookup_s`)."""
+    K sweep gets what the share leaves (`eval --sweep-budget-s`), at least two K, each at the drafter's worst
+    slowdown (ENGINE_SLOWDOWN). Prompt lookup's K (--ngram) and suffix decoding's (--suffix) run whatever the
+    budget: each costs a K at FREE_SLOWDOWN, and each but the first lookup K an engine child's start too
+    (`lookup_s`)."""
     T = args.eval_max_new_tokens
     own, engine = args.engine != "vllm", args.engine != "own"
     engine_start_s = rates.get("engine_start_s", VLLM_START_S)
@@ -433,18 +483,32 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
         return 2 * prefill + decode * (1 + slowdown)
 
     own_s = n_own * (pair_s(prefill_s, decode_s, DRAFT_SLOWDOWN) + prefill_s + decode_s)  # and block size 1
-    per_k_s = SPEC_ENGINE_START_S + (n_eval + EVAL_CONCURRENCY / 2) * (
-        pair_s(prefill_s, decode_s, ENGINE_SLOWDOWN) + 2 * IDLE_S)
-    least_sweep_s = n_eval * (prefill_s + decode_s) + 2 * per_k_s  # plain's natural lengths, then two K
-    lookup_s = (len(args.ngram) * per_k_s + (len(args.ngram) - 1) * engine_start_s) if engine and args.ngram else 0.0
-    lookup_s += len(args.suffix) * (per_k_s + engine_start_s) if engine else 0.0  # each suffix K: an engine child
+    # vLLM's requests: at its measured batch-1 rate and the starting drafter's slowdown where the probe timed them
+    # (`probe_engine_decoding`), else at the project's loop's rate and the worst slowdown
+    measured = "engine_plain_tok_s" in rates
+    engine_prefill_s, engine_decode_s = (0.0, T / rates["engine_plain_tok_s"]) if measured else (prefill_s, decode_s)
+    drafter_slowdown = rates["engine_spec_slowdown"] if measured else ENGINE_SLOWDOWN
+    spec_start_s = rates["engine_spec_start_s"] if measured else SPEC_ENGINE_START_S
+
+    def per_k_s(slowdown: float) -> float:
+        """One K in vLLM: its speculative engine's start, then each prompt and the concurrent requests timed."""
+        return spec_start_s + (n_eval + EVAL_CONCURRENCY / 2) * (
+            pair_s(engine_prefill_s, engine_decode_s, slowdown) + 2 * IDLE_S)
+
+    least_sweep_s = n_eval * (engine_prefill_s + engine_decode_s) + 2 * per_k_s(drafter_slowdown)  # plain's
+    #               natural lengths, then two K
+    free_k_s = per_k_s(FREE_SLOWDOWN)
+    lookup_s = (len(args.ngram) * free_k_s + (len(args.ngram) - 1) * engine_start_s) if engine and args.ngram else 0.0
+    lookup_s += len(args.suffix) * (free_k_s + engine_start_s) if engine else 0.0  # each suffix K: an engine child
     recheck_s = 0.0
     if "fp32_decode_tok_s" in rates:  # a low-precision eval: its mismatches are rerun in fp32, plain and speculative
         prefill32_s, decode32_s = rates["fp32_prefill_s"], T / rates["fp32_decode_tok_s"]
         recheck_s += FP32_RECHECK_SHARE["own"] * n_own * pair_s(prefill32_s, decode32_s, DRAFT_SLOWDOWN)
         if engine:  # one more engine child at the chosen K, untimed: plain, then speculative, to the natural stop
-            recheck_s += engine_start_s + SPEC_ENGINE_START_S + FP32_RECHECK_SHARE["vllm"] * n_eval * pair_s(
-                prefill32_s, decode32_s, ENGINE_SLOWDOWN)
+            fp32 = rates["decode_tok_s"] / rates["fp32_decode_tok_s"]  # vLLM's requests slow down as the loop's do
+            request32_s = (engine_prefill_s * fp32, engine_decode_s * fp32) if measured else (prefill32_s, decode32_s)
+            recheck_s += engine_start_s + spec_start_s + FP32_RECHECK_SHARE["vllm"] * n_eval * pair_s(
+                *request32_s, drafter_slowdown)
     fixed_s = own_s + n_eval * heldout_s + recheck_s + lookup_s  # the eval's parts no budget shrinks
 
     def split(budget_min: float, spent_s: float = spent_s) -> tuple[float, float]:
@@ -566,7 +630,10 @@ def measured_line(rates: dict) -> str:
             + (f" ({rates['train_online_step_s']:.2f} s online)" if "train_online_step_s" in rates else "")
             + f"; plain decoding {rates['decode_tok_s']:.1f} tokens/s (batch 1)"
             + (f", {rates['fp32_decode_tok_s']:.1f} in fp32" if "fp32_decode_tok_s" in rates else "")
-            + f" after a {rates['prefill_s']:.2f} s prefill of the median prompt")
+            + f" after a {rates['prefill_s']:.2f} s prefill of the median prompt"
+            + (f"; in vLLM at batch 1 {rates['engine_plain_tok_s']:.1f} tokens/s (whole requests), the starting "
+               f"drafter at K = {PROBE_K} {1 / rates['engine_spec_slowdown']:.2f}x that"
+               if "engine_plain_tok_s" in rates else ""))
 
 
 def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:

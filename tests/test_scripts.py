@@ -573,6 +573,38 @@ def test_a_low_precision_eval_plans_the_fp32_rerun_of_its_mismatches(demo_prompt
         assert 214.0 + sum(plan["stage_s"].values()) <= args.budget_min * 60 * (1 - demo.MARGIN) + 1e-6
 
 
+def test_vllm_requests_are_planned_at_the_rate_and_slowdown_the_probe_measured_in_the_engine(demo_prompts,
+                                                                                              tiny_target_dir):
+    """Where the probe timed vLLM at batch 1 (plain, and the starting drafter at PROBE_K: the eval's own protocol),
+    every vLLM request of the plan costs what it measured: each K its engine's measured start and, per prompt and
+    concurrent request, a plain request at the measured rate plus the drafter's (the measured slowdown; prompt
+    lookup and suffix decoding at FREE_SLOWDOWN) and the idle before each. An engine measured faster than the
+    project's loop leaves the time to training; one measured slower takes it (the plan errs long, never short)."""
+    import demo
+
+    base = ["--target", str(tiny_target_dir), "--max-prompt-tokens", "60", "--budget-min", "45", "--engine", "vllm",
+            "--ngram", "3"]
+    args = demo.parse_args(base)
+    unmeasured = {**THIS_CPU, "decode_tok_s": 18.0, "prefill_s": 0.4}
+    fast = {**unmeasured, "engine_plain_tok_s": 30.0, "engine_spec_slowdown": 0.8, "engine_spec_start_s": 3.0}
+    slow = {**fast, "engine_plain_tok_s": 9.0, "engine_spec_slowdown": 2.5, "engine_spec_start_s": 30.0}
+    plans = {name: demo.make_plan(args, demo_prompts, rates, 214.0)
+             for name, rates in (("unmeasured", unmeasured), ("fast", fast), ("slow", slow))}
+    T, n = args.eval_max_new_tokens, plans["fast"]["eval_prompts"]
+    per_prompt = n + demo.EVAL_CONCURRENCY / 2
+    request_s = T / fast["engine_plain_tok_s"]
+    assert plans["fast"]["lookup_s"] == pytest.approx(3.0 + per_prompt * (
+        request_s * (1 + demo.FREE_SLOWDOWN) + 2 * demo.IDLE_S), abs=1)
+    least_sweep_s = n * request_s + 2 * (3.0 + per_prompt * (request_s * 1.8 + 2 * demo.IDLE_S))
+    assert plans["fast"]["sweep_budget_s"] >= least_sweep_s - 1
+    assert plans["fast"]["stage_s"]["eval"] < plans["unmeasured"]["stage_s"]["eval"] < plans["slow"]["stage_s"]["eval"]
+    assert plans["fast"]["train_budget_s"] > plans["unmeasured"]["train_budget_s"] > plans["slow"]["train_budget_s"]
+    for plan in plans.values():
+        assert 214.0 + sum(plan["stage_s"].values()) <= 45 * 60 * (1 - demo.MARGIN) + 1e-6
+    assert "in vLLM at batch 1 30.0 tokens/s (whole requests), the starting drafter at K = 4 1.25x that" in \
+        demo.measured_line({**fast, "precision": "fp32", "capture_batch": 16})
+
+
 def test_prompt_lookup_in_the_demo_is_planned_and_its_summary_says_which_to_serve(demo_prompts, tiny_target_dir):
     """demo --ngram K,...: the eval times vLLM's prompt lookup beside the drafter whatever its budget, so the plan
     counts it in the eval's stage (each K what a drafter K costs, each after the first an engine start more), out
@@ -760,7 +792,7 @@ def test_demo_probe_times_a_training_step_with_online_states(demo_prompts, tiny_
     import demo
 
     args = demo.parse_args(["--target", str(tiny_target_dir), "--max-prompt-tokens", "60", "--max-new-tokens", "4",
-                            "--batch-size", "2", "--capture-engine", "own", "--capture-limit", "40"])
+                            "--batch-size", "2", "--capture-engine", "own", "--capture-limit", "40", "--engine", "own"])
     rates = demo.probe(args, demo_prompts)
     assert 0 < rates["train_step_s"] and 0 < rates["train_online_step_s"] and 0 < rates["prefill_s"]
     assert rates["capture_mean_tokens"] > rates["capture_mean_new_tokens"] == 4
@@ -831,17 +863,19 @@ def test_the_eval_plan_holds_two_k_as_the_avx2_router_demo_timed_them(demo_promp
     never started: the next K starts only while the budget, counted from the engine's start, still holds the
     costliest one's again (7.6 s plain engine load + 163 + 428 + 428). Every request it times prefills its prompt
     first (0.7-1.2 s for the median router prompt on that host, against 6.2 s for 64 tokens; 1.0 here): counted,
-    the plan holds it, at a minute more of budget."""
+    the plan holds it, and prompt lookup at K = 3 (372 s there), in the budget the refusal of a shorter one names."""
     import demo
 
     rates = json.loads((Path(__file__).parent.parent / "results" / "demo_router_avx2_lookup" /
                         "demo-plan.json").read_text())["rates"]
     argv = ["--target", str(tiny_target_dir), "--max-prompt-tokens", "60", "--ngram", "3", "--budget-min"]
     rates = {**rates, "prefill_s": 1.0}
-    with pytest.raises(UserError, match="--budget-min 44 fits$"):
-        demo.make_plan(demo.parse_args([*argv, "43"]), demo_prompts, rates, 450.0)
-    plan = demo.make_plan(demo.parse_args([*argv, "44"]), demo_prompts, rates, 450.0)
+    with pytest.raises(UserError, match=r"--budget-min (\d+) fits$") as refused:
+        demo.make_plan(demo.parse_args([*argv, "35"]), demo_prompts, rates, 450.0)
+    fits = re.search(r"--budget-min (\d+) fits$", str(refused.value)).group(1)
+    plan = demo.make_plan(demo.parse_args([*argv, fits]), demo_prompts, rates, 450.0)
     assert plan["eval_prompts"] == 20 and plan["sweep_budget_s"] >= 7.6 + 163 + 2 * 428
+    assert plan["lookup_s"] >= 372
 
 
 @pytest.mark.parametrize("hidden_states", ["stored", "online"])
