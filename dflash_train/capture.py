@@ -43,7 +43,7 @@ from dflash_train import constraints as request_constraints
 from dflash_train import sampling
 from dflash_train.device import default_device, device_problem, resolve_precision
 from dflash_train.errors import UserError, decided_by_rank0
-from dflash_train.engine import engine_args_problem
+from dflash_train.engine import ENGINE_ARGS_HELP, engine_args_problem
 from dflash_train.options import add_options, at_least, from_args, in_range, option, validate
 from dflash_train.provenance import read_json
 from dflash_train.sampling import Sampling
@@ -104,8 +104,7 @@ class CaptureConfig:
                              help="also store the target's top-K token log-probs per position, soft labels for "
                                   "objective.soft_label_weight (6*K bytes per token; 0 = off)")
     engine_args: dict[str, Any] = option(default_factory=dict, metavar="JSON", check=engine_args_problem,
-                                         help='--engine vllm: vLLM engine arguments as JSON, e.g. '
-                                              '\'{"tensor_parallel_size": 8}\', checked by vLLM\'s own parser')
+                                         help=f"--engine vllm: {ENGINE_ARGS_HELP}")
 
 
 @dataclass

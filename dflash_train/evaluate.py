@@ -37,7 +37,8 @@ from dflash_train import constraints as request_constraints
 from dflash_train import sampling
 from dflash_train.card import constraints_markdown, serving_tables, with_interval
 from dflash_train.device import device_problem
-from dflash_train.engine import IDLE_S, LOOKUP_METHODS, SPECULATION_LENGTHS, engine_args_problem
+from dflash_train.engine import (ENGINE_ARGS_HELP, IDLE_S, LOOKUP_METHODS, SPECULATION_LENGTHS,
+                                 engine_args_problem)
 from dflash_train.errors import UserError, writing
 from dflash_train.options import add_options, at_least, each, from_args, option, validate
 from dflash_train.provenance import (OutputClaim, complete_output, read_json, sha256_file, start_output,
@@ -109,8 +110,7 @@ class EvalConfig:
                                     "tree over the prompt and the answers it gave before; no model) at these K, the "
                                     "same way, each K in an engine of its own (needs arctic-inference: make install)")
     engine_args: dict[str, Any] = option(default_factory=dict, metavar="JSON", check=engine_args_problem,
-                                         help='vLLM engine arguments as JSON, e.g. \'{"tensor_parallel_size": 8}\' '
-                                              '(vllm serve\'s flags, _ for -), checked by vLLM\'s own parser')
+                                         help=ENGINE_ARGS_HELP)
 
 
 # ------------------------------------------------------------------------------------------------ metrics

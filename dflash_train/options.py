@@ -59,6 +59,16 @@ def at_least(low: float) -> Check:
     return check
 
 
+def integer_at_least(low: int) -> Check:
+    def check(value: Any) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            return f"must be an integer >= {low}"
+        return None
+    return check
+
+
 def in_range(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Check:
     def check(value: Any) -> str | None:
         if value is None:

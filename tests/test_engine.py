@@ -370,27 +370,74 @@ def test_missing_vllm_is_one_line_naming_the_install(tmp_path, prompts_file):
     assert not (tmp_path / "e").exists() and not (tmp_path / "s").exists()
 
 
-@needs_vllm
-def test_engine_args_are_checked_by_vllms_own_parser_before_anything_runs(tmp_path, prompts_file, capsys):
-    from dflash_train.cli import main
-    from dflash_train.engine import engine_args_problem
+# --engine-args an adversarial user might pass, and what each must get: the key, and the words of its refusal
+REFUSED_ENGINE_ARGS = [
+    ({"trust_remote_code": True}, "has 'trust_remote_code', which dflash-train does not pass to vLLM"),
+    ({"download_dir": "/tmp/elsewhere"}, "has 'download_dir', which dflash-train does not pass to vLLM"),
+    ({"tokenizer": "/home/me/other"}, "has 'tokenizer', which dflash-train does not pass to vLLM"),
+    ({"worker_extension_cls": "os.system"}, "has 'worker_extension_cls', which dflash-train does not pass to vLLM"),
+    ({"kv_cache_memory_bytes": -1}, "has kv_cache_memory_bytes=-1, which must be an integer >= 1"),
+    ({"max_model_len": -1}, "sets 'max_model_len', which dflash-train sets itself"),
+    ({"max_num_seqs": -4}, "has max_num_seqs=-4, which must be an integer >= 1"),
+    ({"tensor_parallel_size": 0}, "has tensor_parallel_size=0, which must be an integer >= 1"),
+    ({"gpu_memory_utilization": 7}, "has gpu_memory_utilization=7, which must be in (0, 1]"),
+    ({"max_num_seqs": "8"}, 'has max_num_seqs="8", which must be an integer >= 1'),
+    ({"enforce_eager": 1}, "has enforce_eager=1, which must be true or false"),
+    ({"tensor_paralel_size": 8}, "has 'tensor_paralel_size', which dflash-train does not pass to vLLM (did you "
+                                 "mean 'tensor_parallel_size'?)"),
+    ({"dtype": "half"}, "sets 'dtype', which dflash-train sets itself (use --dtype)"),
+]
 
+
+def test_engine_args_outside_the_allow_list_or_their_range_are_one_line_before_any_engine_or_folder(
+        tmp_path, prompts_file, capsys):
+    """Code-loading and path keys, keys the project sets, unknown keys and values out of vLLM's ranges: one line
+    naming --engine-args and the key, exit 2, in eval and capture alike, before any engine starts (none is
+    installed-checked, let alone started: the option check runs first) and before the output folder exists."""
+    from dflash_train.cli import main
+
+    for args, words in REFUSED_ENGINE_ARGS:
+        for stage in (["eval", "--drafter", str(tmp_path)], ["capture", "--engine", "vllm"]):
+            out = tmp_path / stage[0]
+            rc = main([*stage, "--prompts", str(prompts_file), "--out", str(out), "--engine-args", json.dumps(args)])
+            err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+            assert rc == 2 and len(err) == 1, (args, err)
+            assert err[0].startswith(f"dflash-train {stage[0]}: error: --engine-args {args!r} {words}"), err
+            assert not out.exists()
+
+
+@needs_vllm
+def test_the_engine_args_ranges_are_vllms_own_and_what_they_allow_passes():
+    """Each allowed key is a vLLM engine argument, its range refuses what vLLM's config class refuses (the value
+    just past each bound it states), and the names a key takes are vLLM's own."""
+    import annotated_types
+    from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from dflash_train.engine import ENGINE_ARGS, engine_args_problem
+
+    assert set(ENGINE_ARGS) <= set(EngineArgs.__dataclass_fields__)
+    owners = {ParallelConfig: ["tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"],
+              CacheConfig: ["gpu_memory_utilization", "kv_cache_memory_bytes", "block_size"],
+              SchedulerConfig: ["max_num_seqs", "max_num_batched_tokens"]}
+    bounded = 0
+    for owner, keys in owners.items():
+        for key in keys:
+            for bound in owner.__pydantic_fields__[key].metadata:  # annotated_types' Ge, Gt, Le, Lt
+                edge = next(getattr(bound, name) for name in ("ge", "gt", "le", "lt") if hasattr(bound, name))
+                past = {annotated_types.Ge: edge - 1, annotated_types.Le: edge * 1.001}.get(type(bound), edge)
+                assert engine_args_problem({key: past}) is not None, (key, bound)
+                if isinstance(bound, (annotated_types.Ge, annotated_types.Le)):  # the edge itself is vLLM's
+                    assert engine_args_problem({key: edge}) is None, (key, bound)
+                bounded += 1
+    assert bounded == 8  # every bound vLLM states for these keys was tried
     assert engine_args_problem({"tensor_parallel_size": 8, "pipeline_parallel_size": 2, "data_parallel_size": 2,
-                                "gpu_memory_utilization": 0.8, "quantization": "fp8", "max_num_seqs": 64,
-                                "enforce_eager": False}) is None
-    assert "did you mean 'tensor_parallel_size'?" in engine_args_problem({"tensor_paralel_size": 8})
-    assert "invalid int value: 'x'" in engine_args_problem({"max_num_seqs": "x"})
-    assert engine_args_problem({"max_num_seqs": "8"}) == 'has max_num_seqs="8", which vLLM reads as 8: write that'
-    assert "use --dtype" in engine_args_problem({"dtype": "half"})
-    for stage in (["eval", "--drafter", str(tmp_path)], ["capture", "--engine", "vllm"]):
-        out = tmp_path / stage[0]
-        rc = main([*stage, "--prompts", str(prompts_file), "--out", str(out),
-                   "--engine-args", '{"tensor_paralel_size": 8}'])
-        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-        assert rc == 2 and len(err) == 1, err
-        assert err[0].startswith(f"dflash-train {stage[0]}: error: --engine-args {{'tensor_paralel_size': 8}} has "
-                                 f"'tensor_paralel_size', which is not a vLLM"), err
-        assert not out.exists()
+                                "gpu_memory_utilization": 1.0, "kv_cache_memory_bytes": 64 << 20, "block_size": 32,
+                                "kv_cache_dtype": "fp8", "enable_prefix_caching": False, "max_num_seqs": 1,
+                                "max_num_batched_tokens": 4096, "enable_chunked_prefill": True,
+                                "enforce_eager": False, "quantization": "fp8"}) is None
+    assert engine_args_problem({"quantization": "fp9"}).startswith('has quantization="fp9", which must be one of awq')
+    assert engine_args_problem({"kv_cache_dtype": "fp9"}).startswith('has kv_cache_dtype="fp9", which must be one of')
 
 
 @needs_vllm
