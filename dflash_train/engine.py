@@ -248,9 +248,9 @@ ENGINE_ARGS: dict[str, Check] = {
     "quantization": _vllm_choices("vllm.model_executor.layers.quantization", "QuantizationMethods"),  # ModelConfig
 }
 
-ENGINE_ARGS_HELP = ('vLLM engine arguments as JSON, e.g. \'{"tensor_parallel_size": 8}\' (vllm serve\'s flags, _ for -): '
-                    'parallelism, memory, scheduling and quantization only, each in its range (README: Engine '
-                    'arguments)')
+ENGINE_ARGS_HELP = ('vLLM engine arguments as JSON, e.g. \'{"tensor_parallel_size": 8}\' (vllm serve\'s flags, '
+                    '_ for -): parallelism, memory, scheduling and quantization only, each in its range (README: '
+                    'Engine arguments)')
 
 
 def engine_args_problem(args: dict[str, Any] | None) -> str | None:
