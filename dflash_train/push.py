@@ -45,16 +45,47 @@ LOCAL_ONLY = [PROVENANCE_FILE, INCOMPLETE_MARKER, LOCK_FILE, "*.tmp"]  # written
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 TRANSIENT_ERRORS = {"TransportError", "TimeoutException", "NetworkError", "ConnectError", "ReadError",
                     "WriteError", "RemoteProtocolError", "ConnectionError", "Timeout", "ReadTimeout"}
-REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# What a git branch name may not hold (git check-ref-format --branch; the Hub's branches are git refs, and
+# huggingface_hub has no validator of its own for them): spaces and control characters, ~ ^ : ? * [ \, ".." or "@{"
+_NOT_IN_A_BRANCH = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{")
+
+
+def repo_id_problem(repo_id: str) -> str | None:
+    """Why `repo_id` is not a Hub model repo id of the form ORG/NAME, or None: huggingface_hub's own validator
+    (the characters the Hub takes, no "--" or "..", at most 96 characters a part, ...). The check of --repo, made
+    before anything is read or written, dry run included."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if repo_id.count("/") != 1:
+        return "is not a Hub repo id of the form ORG/NAME"
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        return f"is not a Hub repo id: {err}"
+    return None
+
+
+def branch_problem(name: str | None) -> str | None:
+    """Why `name` is not a branch name git accepts (git check-ref-format --branch), or None. The check of
+    --revision, made before anything is read or written."""
+    if name is None:
+        return None
+    if (_NOT_IN_A_BRANCH.search(name) or name.startswith("-") or name.endswith(".")
+            or any(not part or part.startswith(".") or part.endswith(".lock") for part in name.split("/"))):
+        return ('is not a branch name git accepts (git check-ref-format: no space, control character, ~ ^ : ? * [ '
+                '\\, ".." or "@{"; no empty part, none starting with "." or ending in ".lock"; not starting with "-" '
+                'or ending in ".")')
+    return None
 
 
 @dataclass
 class PushConfig:
     """The push stage's options; the `dflash-train push` arguments are derived from these fields."""
     drafter: str = option(metavar="DRAFTER_DIR", help="a trained drafter folder (runs/NAME/drafter)")
-    repo: str = option(metavar="ORG/NAME", help="Hub model repo to push to")
+    repo: str = option(metavar="ORG/NAME", check=repo_id_problem, help="Hub model repo to push to")
     private: bool = option(False, help="create the repo private (if it does not exist)")
-    revision: str | None = option(None, metavar="BRANCH", help="push to this branch (created from main if needed)")
+    revision: str | None = option(None, metavar="BRANCH", check=branch_problem,
+                                  help="push to this branch (created from main if needed)")
     eval_report: str | None = option(None, metavar="DIR",
                                      help="the eval folder (or its report.json) for this drafter")
     min_tau: float | None = option(None, check=at_least(1), metavar="X",
@@ -411,9 +442,7 @@ def upload(out: Path, args: PushConfig, run_name: str, gate: Gate) -> str:
 
 
 def run(namespace: argparse.Namespace) -> int:
-    args = from_args(PushConfig, namespace)
-    if not REPO_ID_RE.match(args.repo):
-        raise UserError(f"--repo {args.repo!r} is not a Hub repo id of the form ORG/NAME")
+    args = from_args(PushConfig, namespace)  # --repo and --revision checked first: nothing read or written yet
     drafter = read_drafter_folder(args.drafter)
     report, report_file = load_report(args.eval_report)
     target = drafter.target or (report or {}).get("target")

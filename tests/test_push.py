@@ -145,8 +145,9 @@ def test_dry_run_writes_the_card_and_never_touches_the_network(drafter_dir, tmp_
     listener.listen(8)
     listener.setblocking(False)
     out = tmp_path / "out"
+    # (huggingface_hub's validators check --repo; its client, which talks to the Hub, is never imported)
     code = ("import sys; from dflash_train.cli import main; rc = main(sys.argv[1:]); "
-            "assert 'huggingface_hub' not in sys.modules, 'dry run imported huggingface_hub'; sys.exit(rc)")
+            "assert 'huggingface_hub.hf_api' not in sys.modules, 'dry run imported the Hub client'; sys.exit(rc)")
     env = hub_env(f"http://127.0.0.1:{listener.getsockname()[1]}", tmp_path)
     result = subprocess.run([sys.executable, "-c", code, "push", str(drafter_dir), "--repo", REPO, "--eval-report",
                              str(report), "--dry-run", "--out", str(out)], env=env, cwd=REPO_ROOT,
@@ -386,6 +387,44 @@ def test_dry_run_with_a_failing_gate_writes_a_preview_and_says_a_push_would_be_r
     rc = main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(out)])
     assert rc == 0 and "a real push would be REFUSED: no eval report" in capsys.readouterr().out
     assert "No eval report was attached" in (out / "README.md").read_text()
+
+
+def test_repo_ids_and_branches_the_hub_refuses_are_one_line_before_anything_is_written(drafter_dir, tmp_path,
+                                                                                       capsys):
+    """huggingface_hub's own validator for --repo and git's branch rules for --revision, before the drafter is read
+    or a folder written: a dry run with a repo id the Hub would refuse on upload writes nothing."""
+    report = str(write_report(tmp_path / "eval", drafter_dir))
+    refused = [("--repo", "org/x..y", "is not a Hub repo id: Cannot have -- or .. in repo_id: 'org/x..y'."),
+               ("--repo", "org/x--y", "is not a Hub repo id: Cannot have -- or .. in repo_id: 'org/x--y'."),
+               ("--repo", "org/" + "n" * 200, "is not a Hub repo id: Repo id must use alphanumeric chars"),
+               ("--repo", "org/x.git", "is not a Hub repo id: Repo_id cannot end by '.git'"),
+               ("--repo", "tiny-dflash", "is not a Hub repo id of the form ORG/NAME"),
+               ("--revision", "v1..2", "is not a branch name git accepts"),
+               ("--revision", "my branch", "is not a branch name git accepts"),
+               ("--revision", "-f", "is not a branch name git accepts")]
+    out = tmp_path / "out"
+    for flag, value, words in refused:
+        given = [f"{flag}={value}"] if flag == "--revision" else []  # (= : a value that starts with -)
+        rc = main(["push", str(drafter_dir), "--repo", value if flag == "--repo" else REPO, *given, "--eval-report",
+                   report, "--dry-run", "--out", str(out)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and err[0].startswith(f"dflash-train push: error: {flag} {value!r} {words}"), \
+            err
+        assert not out.exists()
+    assert main(["push", str(drafter_dir), "--repo", REPO, "--revision", "release/v1.0", "--eval-report", report,
+                 "--dry-run", "--out", str(out)]) == 0 and (out / "README.md").is_file()
+
+
+@pytest.mark.skipif(subprocess.run(["git", "--version"], capture_output=True).returncode != 0, reason="no git")
+def test_the_revision_check_is_gits_own_branch_rule(tmp_path):
+    from dflash_train.push import branch_problem
+
+    names = ["main", "release/v1.0", "feature/x-2", "a@b", "\u00fc", "-x", "a b", "a..b", "a/.b", "a.lock",
+             "a/b.lock/c", "a/", "/a", "a//b", "a@{b", "a.", ".a", "x~1", "x^", "x:y", "x?", "x*", "x[", "x\\y",
+             "tab\there", ""]
+    for name in names:
+        by_git = subprocess.run(["git", "check-ref-format", "--branch", name], cwd=tmp_path, capture_output=True)
+        assert (branch_problem(name) is None) == (by_git.returncode == 0), name
 
 
 def test_out_folder_of_someone_else_is_never_wiped(drafter_dir, tmp_path, capsys):
