@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds of training per run (default 450, the 30-minute demo's training time)")
     p.add_argument("--sizes", default=None, help="(b)'s data-size curve: sample counts, 'all' = every sample")
+    p.add_argument("--size-steps", type=int, default=None,
+                   help="the data-size curve's runs train this many steps (give (b)'s), not --time-budget: the "
+                        "same on a machine other jobs share")
     p.add_argument("--sweep-budget-s", type=float, default=None,
                    help="each vLLM eval's K sweep (eval --sweep-budget-s; default 900, as the eval's; 0: K = 15 only)")
     p.add_argument("--general", default=str(GENERAL), help="the general drafter folder to publish and start from")
@@ -77,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip the project's-loop eval of the drafters (vLLM's alone: minutes shorter)")
     args = rl.fill_defaults(p, p.parse_args(argv), FULL, QUICK, "exp", OUT)
     rl.check_options(p, args, {"--time-budget": in_range(0, math.inf, low_open=True, high_open=True),
-                               "--sweep-budget-s": at_least(0)})
+                               "--sweep-budget-s": at_least(0), "--size-steps": at_least(1)})
     for flag, check in (("--speculative-tokens", SPECULATION_LENGTHS), ("--concurrency", each(at_least(2)))):
         key = flag[2:].replace("-", "_")
         if getattr(args, key) is not None:
@@ -161,6 +164,9 @@ def run_workload(args: argparse.Namespace, name: str, work: Path, env: dict[str,
     if constrained:
         plan["e"] = (ADAPT, runs / "e-unconstrained", [f"data.stores=[{unconstrained}]", *start, *budget])
     samples = rl.store_ids(own)
+    # the curve's runs: the time budget, or (--size-steps) the steps (b) took in it, which a shared machine's load
+    # does not change
+    size_budget = rl.budget_overrides(args.size_steps, None, 10 ** 6) if args.size_steps else budget
     sizes = {}
     for n in rl.parse_sizes(args.sizes):
         if n is None or n >= len(samples):
@@ -168,7 +174,7 @@ def run_workload(args: argparse.Namespace, name: str, work: Path, env: dict[str,
         else:
             sizes[n] = f"b-n{n}"
             plan[sizes[n]] = (ADAPT, runs / f"b-n{n}", [f"data.stores=[{own}]", f"data.max_samples={n}", *start,
-                                                       *budget])
+                                                       *size_budget])
     for label, (recipe, run_dir, overrides) in plan.items():
         rl.run_stage(f"{name}: train ({label})", run_dir / "drafter", rl.train_command(
             recipe, run_dir, [*overrides, f"data.eval_store={heldout}", "eval.at_end=true"]), log,
