@@ -727,6 +727,11 @@ def config_from_args(args: argparse.Namespace) -> CaptureConfig:
     return from_args(CaptureConfig, args)
 
 
+# what a Ctrl-C leaves (errors.run_as_command prints it)
+INTERRUPTED = ("the samples of the shards already written are kept (the store stays marked INCOMPLETE); rerun the "
+               "same command to resume")
+
+
 def run(args: argparse.Namespace) -> int:
     capture(config_from_args(args))
     return 0

@@ -1,7 +1,8 @@
 """The `dflash-train` command: a thin dispatcher over the stage modules.
 
-Each stage module exposes `add_arguments(parser)` and `run(args) -> int`; it is imported only when its
-command runs, so `dflash-train ingest` never pays for importing the trainer.
+Each stage module exposes `add_arguments(parser)`, `run(args) -> int` and INTERRUPTED (what a Ctrl-C leaves and
+how to resume: errors.run_as_command prints it); it is imported only when its command runs, so `dflash-train
+ingest` never pays for importing the trainer.
 """
 
 from __future__ import annotations
@@ -40,8 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dflash-train: unknown command {command!r}\n\n{_top_level_help()}", file=sys.stderr)
         return 2
     module_name, help_ = COMMANDS[command]
-    module = importlib.import_module(module_name)
-    parser = CommandParser(prog=f"dflash-train {command}", description=help_)
-    module.add_arguments(parser)
-    args = parser.parse_args(rest)
-    return run_as_command(f"dflash-train {command}", lambda: module.run(args))
+
+    def run() -> int:  # the import too: Ctrl-C while it loads torch is the same one line
+        module = importlib.import_module(module_name)
+        parser = CommandParser(prog=f"dflash-train {command}", description=help_)
+        module.add_arguments(parser)
+        return module.run(parser.parse_args(rest))
+
+    return run_as_command(f"dflash-train {command}", run, module_name)

@@ -12,6 +12,7 @@ import errno
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -163,18 +164,30 @@ def decided_by_rank0(check: Callable[[], Any], rank: int, world: int) -> Any:
 
 def print_user_error(prefix: str, err: UserError) -> None:
     """The one line of a UserError on stderr; a rank that only repeats rank 0's error stays silent."""
-    import sys
-
     if err.from_rank0 and os.environ.get("RANK", "0") != "0":
         return
     print(f"{prefix}: error: {err}", file=sys.stderr, flush=True)
 
 
-def run_as_command(prefix: str, run: Callable[[], Any]) -> int:
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+# what an interrupted command says when its stage module was not imported yet (it had changed nothing)
+NOT_STARTED = "it had not started: nothing was changed"
+
+
+def run_as_command(prefix: str, run: Callable[[], Any], stage_module: str | None = None) -> int:
     """A stage's entry point: `run()`'s exit code, or 2 after the one line of a UserError (or of an OSError that
-    os_error_line recognises) printed under `prefix`; any other exception keeps its traceback."""
+    os_error_line recognises) printed under `prefix`; any other exception keeps its traceback.
+
+    Ctrl-C (KeyboardInterrupt) is one line too, and exit 130: "PREFIX: interrupted: " and what the stage kept and
+    how to resume, in the words of the INTERRUPTED of the stage's module `stage_module` (NOT_STARTED while that
+    module is not imported: `run` may import it)."""
     try:
         return int(run() or 0)
+    except KeyboardInterrupt:
+        what = getattr(sys.modules.get(stage_module or ""), "INTERRUPTED", NOT_STARTED)
+        if os.environ.get("RANK", "0") == "0":  # every process of a run gets the Ctrl-C: rank 0 speaks for them
+            print(f"{prefix}: interrupted: {what}", file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT
     except UserError as err:
         print_user_error(prefix, err)
         return 2

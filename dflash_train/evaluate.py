@@ -48,6 +48,9 @@ from dflash_train.spec_decode import (DFlashProposer, Generation, NoDraft, Step,
 from dflash_train.target import DEFAULT_TARGET, Features, Target, check_fits, load_target, prompt_seed
 
 STAGE = "eval"
+# what a Ctrl-C leaves (errors.run_as_command prints it)
+INTERRUPTED = ("no report was written (an eval writes its folder only once every run has finished); rerun the same "
+               "command to evaluate again")
 BOOTSTRAP_RESAMPLES = 2000
 PLAIN = "plain (target only)"
 NO_SPECULATION = "block size 1"

@@ -785,6 +785,9 @@ def _features():
 
 
 STAGE = "ingest"
+# what a Ctrl-C leaves (errors.run_as_command prints it)
+INTERRUPTED = ("ingest writes its output only after reading every log, so --out holds an earlier ingest's output "
+               "as it was, or is marked INCOMPLETE if writing had begun; rerun the same command to ingest again")
 
 
 def is_ingest_folder(out: Path) -> bool:

@@ -41,6 +41,9 @@ from dflash_train.target import TargetIdentity
 # not worth a release. Recipes set their own bar with push.min_tau; --min-tau overrides both.
 DEFAULT_MIN_TAU = 1.5
 STAGE = "push"
+# what a Ctrl-C leaves (errors.run_as_command prints it)
+INTERRUPTED = ("the upload is one commit, so the Hub has all of this push or none of it; rerun the same command to "
+               "push (it writes the folder again)")
 LOCAL_ONLY = [PROVENANCE_FILE, INCOMPLETE_MARKER, LOCK_FILE, "*.tmp"]  # written next to the upload, never uploaded
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 TRANSIENT_ERRORS = {"TransportError", "TimeoutException", "NetworkError", "ConnectError", "ReadError",

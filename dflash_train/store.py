@@ -73,6 +73,8 @@ DEFAULT_SHARD_BYTES = 1 << 30
 TOPK_LOGPROB_DTYPE = torch.float16
 BYTES_PER_TOPK = 4 + 2  # int32 id + float16 log-prob
 STAGE = "capture"
+# what a Ctrl-C leaves in `dflash-train verify`, this module's command (errors.run_as_command prints it)
+INTERRUPTED = "verify only reads the store: nothing was changed; rerun the same command to verify"
 # writer settings added after the first stores were written, with the value those stores implicitly have
 SETTING_DEFAULTS = {"topk": 0}
 # ... and those that older stores did not record at all: not compared when a journal lacks them

@@ -63,6 +63,9 @@ from dflash_train.target import Features, check_fits
 CHECKPOINT_PREFIX = "step-"
 STATE_FILE = "trainer_state.json"
 STAGE = "train"
+# what a Ctrl-C leaves (errors.run_as_command prints it)
+INTERRUPTED = ("the checkpoints already saved in the run folder are kept; rerun the same command to resume from the "
+               "newest (checkpoint.resume: auto, the default)")
 # Recipe keys that may change when a run resumes: how it is named, logged, validated, checkpointed and published,
 # how long it runs (the schedule then follows the new length, and the run says so), and settings that change speed
 # or memory but not the result (threads, gradient checkpointing, the LM-head chunk). Any other change (data, drafter,
@@ -1002,4 +1005,4 @@ def main(argv: list[str] | None = None) -> int:
                            "`accelerate launch`)")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    return run_as_command("train", lambda: run(args))
+    return run_as_command("train", lambda: run(args), __name__)
