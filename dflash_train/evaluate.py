@@ -1232,26 +1232,29 @@ def run(args: argparse.Namespace) -> int:
     # claimed first: a folder that is not an eval's, or that another eval is writing, is refused before minutes of
     # decoding; a run that fails leaves no folder behind when it created it
     with OutputClaim(out, STAGE, legacy=is_eval_folder):
-        # engine runs (jobs, logs) go to a scratch folder: a failed eval leaves its logs there and no report behind
+        # engine runs (jobs, logs) go to a scratch folder, removed when the eval ends: kept only when the error's
+        # line names an engine log in it (engine.run_engine's "full log: PATH"), for the failure report
         workdir = Path(tempfile.mkdtemp(prefix="dflash-eval-engine-"))
+        keep = False
         try:
             report = evaluate(cfg, workdir)  # all checks and decoding first: a bad input leaves no half-written folder
-        except BaseException:
-            if not any(workdir.iterdir()):  # refused before any engine ran: no log to keep
-                workdir.rmdir()
+            with writing(out):
+                start_output(out, STAGE)
+                write_report(report, out)
+                if report["engines"].get("vllm"):
+                    logs = out / "engine"
+                    logs.mkdir(exist_ok=True)
+                    for log in sorted(workdir.glob("*/engine.log")):
+                        shutil.copyfile(log, logs / f"{log.parent.name}.log")
+                write_provenance(out, config=asdict(cfg), stage=STAGE, drafter=report["drafter"],
+                                 target=report["target"])
+                complete_output(out)
+        except UserError as err:
+            keep = str(workdir) in str(err)
             raise
-        with writing(out):
-            start_output(out, STAGE)
-            write_report(report, out)
-            if report["engines"].get("vllm"):
-                logs = out / "engine"
-                logs.mkdir(exist_ok=True)
-                for log in sorted(workdir.glob("*/engine.log")):
-                    shutil.copyfile(log, logs / f"{log.parent.name}.log")
-            shutil.rmtree(workdir, ignore_errors=True)
-            write_provenance(out, config=asdict(cfg), stage=STAGE, drafter=report["drafter"],
-                             target=report["target"])
-            complete_output(out)
+        finally:
+            if not keep:
+                shutil.rmtree(workdir, ignore_errors=True)
     print(markdown(report))
     print(f"eval report: {out / 'report.json'}, {out / 'report.md'}, {out / 'acceptance_by_position.png'}, "
           f"{out / 'tau_histogram.png'}")

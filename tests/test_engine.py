@@ -329,10 +329,13 @@ def test_the_lossless_check_alone_decodes_each_prompt_plain_and_speculative_to_i
 @needs_vllm
 @pytest.mark.slow
 def test_a_drafter_the_engine_rejects_is_one_line_and_writes_nothing(overfit_drafter, engine_target, prompts_file,
-                                                                     tmp_path, capsys):
+                                                                     tmp_path, capsys, monkeypatch):
     """Mixed sliding/full attention layers (a config our loader reads as all full attention) are refused by this
-    vLLM's model runner."""
+    vLLM's model runner. The engine's log named in the line is kept (in the temporary folder, here tmp_path's)."""
     import shutil
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
     bad = tmp_path / "bad"
     shutil.copytree(overfit_drafter, bad)
@@ -348,6 +351,8 @@ def test_a_drafter_the_engine_rejects_is_one_line_and_writes_nothing(overfit_dra
     assert str(bad) in err[0] and "the vLLM engine exited with 1" in err[0] and "full log:" in err[0], err
     assert "mixed sliding/full" in err[0]  # the engine's own reason
     assert not out.exists()
+    log = Path(err[0].rsplit("full log: ", 1)[1].rstrip(")"))
+    assert log.is_file() and log.is_relative_to(tmp_path) and log.parent.parent.name.startswith("dflash-eval-engine-")
 
 
 def test_missing_vllm_is_one_line_naming_the_install(tmp_path, prompts_file):
@@ -440,6 +445,18 @@ def test_the_engine_args_ranges_are_vllms_own_and_what_they_allow_passes():
     assert engine_args_problem({"kv_cache_dtype": "fp9"}).startswith('has kv_cache_dtype="fp9", which must be one of')
 
 
+def engine_pid_of(proc: subprocess.Popen, timeout_s: float = 120) -> int:
+    """The pid of the vLLM engine process that `proc` (an eval or a capture) started, once it has started."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and proc.poll() is None:
+        found = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "dflash_train.engine"], capture_output=True,
+                               text=True).stdout.split()
+        if found:
+            return int(found[0])
+        time.sleep(0.2)
+    raise AssertionError("the engine process never started")
+
+
 @needs_vllm
 @pytest.mark.slow
 def test_an_engine_that_dies_is_one_line_and_leaves_no_report(overfit_drafter, engine_target, prompts_file, tmp_path):
@@ -448,17 +465,45 @@ def test_an_engine_that_dies_is_one_line_and_leaves_no_report(overfit_drafter, e
                str(overfit_drafter), "--target", str(engine_target), "--prompts", str(prompts_file), "--out",
                str(out), "--limit", "1", "--training-prompts"]
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    engine_pid = None
-    deadline = time.time() + 120
-    while engine_pid is None and time.time() < deadline:
-        found = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "dflash_train.engine"], capture_output=True,
-                               text=True).stdout.split()
-        engine_pid = int(found[0]) if found else None
-        time.sleep(0.2)
-    assert engine_pid is not None, "the engine process never started"
-    os.kill(engine_pid, signal.SIGKILL)
+                            start_new_session=True, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    os.kill(engine_pid_of(proc), signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     lines = err.strip().splitlines()
     assert proc.returncode == 2 and "the vLLM engine was killed by signal 9" in lines[-1], err[-2000:]
     assert not out.exists()
+    log = Path(lines[-1].rsplit("full log: ", 1)[1].rstrip(")"))  # kept for the failure report, in TMPDIR
+    assert log.is_file() and log.is_relative_to(tmp_path)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_ctrl_c_while_the_engine_runs_is_one_line_and_leaves_no_scratch_folder(engine_target, prompts_file,
+                                                                               tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) once the engine is running: exit 130,
+    one line, no traceback, and neither the eval folder nor its scratch folder of engine runs is left (an eval
+    used to leave a dflash-eval-engine-* folder in the temporary folder whenever it ended after an engine ran)."""
+    from test_spec_decode import tiny_drafter
+
+    from dflash_train.model.checkpoint import save_drafter
+    from dflash_train.target import load_target
+
+    target = load_target(str(engine_target), dtype=torch.float32)
+    model, config = tiny_drafter(target, block_size=4)  # untrained: the engine is stopped before it drafts
+    config.target = target.identity().to_dict()
+    drafter = save_drafter(model, config, tmp_path / "drafter")
+    scratch, out = tmp_path / "tmp", tmp_path / "eval"
+    scratch.mkdir()
+    command = [sys.executable, "-m", "dflash_train", "eval", "--engine", "vllm", "--dtype", "fp32", "--drafter",
+               str(drafter), "--target", str(engine_target), "--prompts", str(prompts_file), "--out", str(out),
+               "--limit", "1"]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=dict(os.environ, TMPDIR=str(scratch)))
+    engine_pid_of(proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err, err[-3000:]
+    assert proc.returncode == 130 and lines[-1] == (
+        "dflash-train eval: interrupted: no report was written (an eval writes its folder only once every run has "
+        "finished); rerun the same command to evaluate again"), err[-3000:]
+    assert not out.exists() and not list(scratch.glob("dflash-eval-engine-*"))
