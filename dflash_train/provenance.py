@@ -6,11 +6,11 @@ completed; a rerun sees the marker and finishes or redoes the work instead of tr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -237,7 +237,9 @@ class OutputClaim:
         output from before stages were recorded);
       - is being written by another run right now (its lock is held: two runs into one folder would mix);
       - cannot be written (read-only file system, permissions, disk full).
-    A folder that did not exist is created; `release(failed=True)` removes it again if the run left nothing in it.
+    A folder that did not exist is created; `release(failed=True)` removes it again if the run left nothing in it:
+    only a folder this claim's own mkdir made, only while its lock is held, and only while empty (os.rmdir), so a
+    folder another run created or claimed meanwhile is never removed.
     Several processes of one run: rank 0 claims (errors.decided_by_rank0), the others write under its lock."""
 
     def __init__(self, out_dir: str | Path, stage: str, legacy: Callable[[Path], bool] | None = None,
@@ -246,15 +248,19 @@ class OutputClaim:
 
         self.out, self.stage = Path(out_dir), stage
         self._lock = None
+        self.created = False  # True only when this claim's own mkdir made the folder
         if self.out.is_symlink() and not allow_symlink:
             raise UserError(f"{self.out} is a symbolic link (to {os.readlink(self.out)}): {stage} replaces its output "
                             f"folder, so pass the folder itself or a new one (nothing was changed)")
         if self.out.exists() and not self.out.is_dir():
             raise UserError(f"{self.out} exists and is not a folder")
-        self.created = not self.out.exists()
         self._check_owner(legacy)
         try:
-            self.out.mkdir(parents=True, exist_ok=True)
+            try:
+                self.out.mkdir(parents=True)
+                self.created = True
+            except FileExistsError:
+                pass
             self._acquire()
             self._check_owner(legacy)  # again under the lock: another stage may have claimed it meanwhile
         except OSError as err:
@@ -287,6 +293,9 @@ class OutputClaim:
         from dflash_train.errors import UserError
 
         path = self.out / LOCK_FILE
+        # the run that held the folder failed and removed it (release) after this one found it: no lock file left
+        removed = UserError(f"{self.out} was removed by the run that was writing it while this one started "
+                            f"(nothing was changed): rerun the same command")
         lock = FileLock(str(path), timeout=0)
         try:
             lock.acquire()
@@ -294,7 +303,11 @@ class OutputClaim:
             holder = _lock_holder(path)
             raise UserError(f"{self.out} is being written by another run right now{holder}: two runs into one folder "
                             f"would mix their outputs. Wait for it to finish or choose another folder") from None
+        except FileNotFoundError:
+            raise removed from None
         self._lock = lock
+        if not path.exists():  # locked the file that run removed: the lock guards nothing
+            raise removed
         try:  # who holds it, for the message above (best effort: an older filelock may truncate it)
             path.write_text(json.dumps({"stage": self.stage, "pid": os.getpid(), "host": platform.node(),
                                         "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -303,13 +316,20 @@ class OutputClaim:
             pass
 
     def release(self, failed: bool = False) -> None:
-        """Unlock; after a failed run, remove the folder if this claim created it and nothing else is in it."""
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
-        if failed and self.created and self.out.is_dir():
-            if all(p.name == LOCK_FILE for p in self.out.iterdir()):
-                shutil.rmtree(self.out, ignore_errors=True)
+        """Unlock; after a failed run, first remove the folder if this claim's mkdir made it and it is empty but for
+        this claim's lock file: the lock file only while the lock is held (no other run can have claimed the folder
+        then), the folder with os.rmdir, which removes only an empty one (a lock file or anything else that another
+        run put there meanwhile keeps it)."""
+        try:
+            if failed and self.created:
+                if self._lock is not None and [p.name for p in self.out.iterdir()] == [LOCK_FILE]:
+                    (self.out / LOCK_FILE).unlink()
+                with contextlib.suppress(OSError):
+                    self.out.rmdir()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     def __enter__(self) -> "OutputClaim":
         return self

@@ -91,6 +91,49 @@ def test_a_new_folder_is_marked_with_its_stage_and_removed_when_the_run_fails_ea
     assert stage_of(out) == "eval" and json.loads((out / "INCOMPLETE").read_text())["stage"] == "eval"
 
 
+def test_a_claim_that_loses_the_race_for_a_new_folder_leaves_the_winners_folder(tmp_path):
+    """Two runs start on one new folder: the second claims it between the first's mkdir and its lock. The first is
+    refused, and its cleanup used to remove the folder (new to it, holding only a lock file) under the winner."""
+    out = tmp_path / "store"
+    winner = []
+
+    class OvertakenClaim(OutputClaim):
+        def _acquire(self):
+            winner.append(OutputClaim(self.out, "capture"))  # the other run, at the worst moment
+            super()._acquire()
+
+    with pytest.raises(UserError, match="is being written by another run right now"):
+        OvertakenClaim(out, "capture")
+    assert (out / LOCK_FILE).exists()
+    start_output(out, "capture")  # the winner writes on
+    assert stage_of(out) == "capture"
+    winner[0].release()
+
+
+def test_a_failed_run_leaving_its_new_folder_never_removes_it_under_a_run_that_claimed_it(tmp_path):
+    """A run that created its folder fails with nothing written and releases it; another run claims the folder the
+    moment the lock is free. Its folder used to be removed after the unlock, under it."""
+    out = tmp_path / "eval"
+    failed = OutputClaim(out, "eval")
+    others = []
+
+    class UnlockThenAnotherRun:
+        def __init__(self, lock):
+            self.lock = lock
+
+        def release(self):
+            self.lock.release()
+            others.append(OutputClaim(out, "eval"))  # the other run, at the worst moment
+
+    failed._lock = UnlockThenAnotherRun(failed._lock)
+    failed.release(failed=True)
+    assert len(others) == 1 and (out / LOCK_FILE).exists()
+    with pytest.raises(UserError, match="is being written by another run right now"):
+        OutputClaim(out, "eval")  # the folder is the other run's, and locked by it
+    others[0].release(failed=True)
+    assert not out.exists()  # the other run created it anew, so its own failure removes it
+
+
 def test_config_differences_name_the_key_path_and_cut_long_values_around_the_difference():
     old = {"a": {"b": [1, 2, {"c": "x" * 300 + "old"}]}, "d": 1}
     new = {"a": {"b": [1, 2, {"c": "x" * 300 + "new"}]}, "d": 1, "e": 2}
