@@ -22,7 +22,8 @@ Dedup is exact on the normalized prompt (whitespace collapsed, case folded) afte
 The split is decided by the id alone: a record is in eval iff sha256(id) / 2**256 < eval_fraction (with a
 seed, sha256(f"{seed}:{id}")), so it never changes when logs are reordered, appended or re-ingested. The one
 exception: when no record falls under the fraction (tiny inputs), the record with the smallest hash becomes
-the single eval record, and the report names it (`eval_fallback`).
+the single eval record, and the report names it (`eval_fallback`). A fraction that puts every kept record (of
+more than one) in eval is refused before anything is written: the train split would be empty.
 """
 
 from __future__ import annotations
@@ -938,6 +939,7 @@ def _ingest_into(out: Path, paths: list[Path], config: IngestConfig, limit: "_To
             stopped = "".join(f"; {s.name} stopped at {s.stopped_at}" for s in sources if s.stopped_at)
             raise UserError(f"no usable prompt in {', '.join(map(str, paths))}: "
                             + _format_counts(_totals(sources)) + stopped)
+        _check_train_split(collector.kept, collector.eval_count, config.eval_fraction)
         _prepare_out(out)
         n_eval = max(collector.eval_count, 1)
         fallback_id = collector.lowest[1] if collector.eval_count == 0 else None
@@ -964,6 +966,15 @@ def _ingest_into(out: Path, paths: list[Path], config: IngestConfig, limit: "_To
         report_counts={k: report[k] for k in ("read", "kept", "train", "eval")})
     complete_output(out)
     return report
+
+
+def _check_train_split(kept: int, under_fraction: int, eval_fraction: float) -> None:
+    """Refuse an --eval-fraction that holds out every kept prompt (before anything is written). A log of one prompt
+    is not refused: that prompt is the held-out one whatever the fraction (eval always holds at least one, so the
+    eval split is never empty)."""
+    if kept > 1 and under_fraction >= kept:
+        raise UserError(f"--eval-fraction {eval_fraction} leaves the train split empty: all {kept} kept prompts fall "
+                        f"under it (0 train, {kept} eval). Lower --eval-fraction (nothing was written)")
 
 
 def _check_bad_fraction(path: Path, stats: SourceStats, max_fraction: float) -> None:

@@ -331,6 +331,24 @@ def test_a_log_of_one_prompt_leaves_an_empty_train_split_that_loads(tmp_path):
     assert len(load_prompts(tmp_path / "out", "train")) == 0 and len(load_prompts(tmp_path / "out", "eval")) == 1
 
 
+def test_an_eval_fraction_that_holds_out_every_prompt_is_one_line_and_writes_nothing(tmp_path, capsys):
+    """It used to leave the train split empty without a word (capture then found no prompts)."""
+    log = write_jsonl(tmp_path / "three.jsonl", [{"prompt": f"question {i}"} for i in range(3)])
+    out, earlier = tmp_path / "new", tmp_path / "earlier"
+    run_ingest([log], earlier)
+    before = {p.relative_to(earlier): p.read_bytes() for p in earlier.rglob("*") if p.is_file()}
+    capsys.readouterr()  # what that ingest printed
+    for folder in (out, earlier):
+        rc = cli_main(["ingest", str(log), "--out", str(folder), "--eval-fraction", "0.999999",
+                       "--max-prompt-tokens", "0"])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash-train")]
+        assert rc == 2 and err == ["dflash-train ingest: error: --eval-fraction 0.999999 leaves the train split empty: "
+                                   "all 3 kept prompts fall under it (0 train, 3 eval). Lower --eval-fraction "
+                                   "(nothing was written)"], err
+    assert not out.exists()
+    assert {p.relative_to(earlier): p.read_bytes() for p in earlier.rglob("*") if p.is_file()} == before
+
+
 # --- bad input --------------------------------------------------------------------------------------------
 
 def test_bad_lines_are_counted_by_reason(tmp_path):
