@@ -322,7 +322,7 @@ class OutputClaim:
         run put there meanwhile keeps it)."""
         try:
             if failed and self.created:
-                if self._lock is not None and [p.name for p in self.out.iterdir()] == [LOCK_FILE]:
+                if self._lock is not None and self.out.is_dir() and [p.name for p in self.out.iterdir()] == [LOCK_FILE]:
                     (self.out / LOCK_FILE).unlink()
                 with contextlib.suppress(OSError):
                     self.out.rmdir()
