@@ -101,7 +101,7 @@ class EvalConfig:
                                         "while the time left holds the most a K has cost")
     concurrency: list[int] = option(default_factory=lambda: [4, 16], metavar="C,C,...", check=each(at_least(2)),
                                     help="vLLM: requests decoded together, timed beside batch 1 for every K "
-                                         "('' for batch 1 only)")
+                                         "(each at least 2)")
     repeats: int = option(1, check=at_least(1), help="vLLM: timed runs per prompt and side (plain, speculative), "
                                                     "alternating which goes first")
     ngram: list[int] = option(default_factory=list, metavar="K,K,...", check=SPECULATION_LENGTHS,

@@ -16,8 +16,11 @@ import ablate_sample_efficiency as ablate  # noqa: E402
 import experiment_own_outputs as experiment  # noqa: E402
 import runlib as rl  # noqa: E402
 
+from dflash_train.engine import vllm_version  # noqa: E402
 from dflash_train.errors import UserError  # noqa: E402
 from dflash_train.provenance import INCOMPLETE_MARKER, PROVENANCE_FILE  # noqa: E402
+
+needs_vllm = pytest.mark.skipif(vllm_version() is None, reason="vLLM is not installed (make install installs it)")
 
 
 # --- parsing ------------------------------------------------------------------------------------------------------
@@ -799,6 +802,35 @@ def test_demo_probe_times_a_training_step_with_online_states(demo_prompts, tiny_
     assert rates["state_bytes_per_token"] == 2 * 5 * 64  # bf16, five taps of the tiny target's 64
     plan = demo.make_plan(args, demo_prompts, rates, 140.0)
     assert plan["hidden_states"] in ("stored", "online") and "break-even" in plan["hidden_states_reason"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_the_probe_times_vllm_requests_plain_and_with_the_starting_drafter_as_the_eval_does(tmp_path):
+    """The probe's vLLM measurement runs the eval's own timed job (each request alone and cold, plain and with the
+    recipe's starting drafter at PROBE_K) on real vLLM and returns the rates the plan reads."""
+    import argparse
+
+    import torch
+    from tiny import make_tiny_drafter, make_tiny_target
+
+    import demo
+    from dflash_train.device import resolve_precision
+    from dflash_train.model.checkpoint import save_drafter
+    from dflash_train.target import load_target
+
+    target = load_target(str(make_tiny_target(tmp_path / "target", num_heads=2, num_kv_heads=1)),
+                         dtype=torch.float32)
+    drafter, config = make_tiny_drafter(target.config, target.tokenizer, num_layers=1, block_size=8,
+                                        target_identity=target.identity().to_dict())
+    save_drafter(drafter, config, tmp_path / "drafter")
+    recipe = argparse.Namespace(drafter=argparse.Namespace(init_from=str(tmp_path / "drafter"), init_revision=None))
+    rendered = [[5 + i, 40, 41 + i, 300, 7 * i + 2] for i in range(5)]
+    rates = demo.probe_engine_decoding(argparse.Namespace(eval_max_new_tokens=8), target, rendered,
+                                       resolve_precision("fp32", "cpu"), recipe)
+    assert set(rates) == {"engine_plain_tok_s", "engine_spec_slowdown", "engine_spec_start_s"}
+    assert rates["engine_plain_tok_s"] > 0 and 0 < rates["engine_spec_slowdown"] < 20
+    assert rates["engine_spec_start_s"] > 0
 
 
 def test_the_probe_refuses_a_budget_the_eval_alone_overruns_before_its_slower_measurements(demo_prompts,
