@@ -617,30 +617,38 @@ def _capture_into(writer: StoreWriter, cfg: CaptureConfig, target: Target, recor
                   world: int, ingest_report: dict[str, Any] | None, started: float) -> dict[str, Any] | None:
     from tqdm import tqdm
 
-    mine = [r for i, r in enumerate(records) if i % world == rank and r.id not in writer.done_ids]
-    if len(mine) < sum(1 for i in range(len(records)) if i % world == rank):
-        print(f"rank {rank}: resuming {cfg.out}: {len(mine)} prompt(s) left", flush=True)
+    mine = [r for i, r in enumerate(records) if i % world == rank]
+    stored = set(writer.done_ids)  # what an earlier, killed run of this command stored (or left out)
+    if any(r.id in stored for r in mine):
+        print(f"rank {rank}: resuming {cfg.out}: {sum(r.id not in stored for r in mine)} prompt(s) left", flush=True)
 
     rendered = []
     for record in mine:
         ids = target.render(record.messages, record.tools, **cfg.template_kwargs)
         if len(ids) > cfg.max_prompt_tokens:
-            writer.skip(record.id, "prompt_too_long")
+            if record.id not in stored:
+                writer.skip(record.id, "prompt_too_long")
         elif cfg.responses == "logged" and not record.response:
-            writer.skip(record.id, "no_logged_response")
+            if record.id not in stored:
+                writer.skip(record.id, "no_logged_response")
         else:
             rendered.append((record, ids))
     rendered.sort(key=lambda item: -len(item[1]))  # similar lengths batch together: less padding
+    # The batches are cut from all of this rank's prompts, stored or not, and a batch is computed whole while any
+    # of its prompts is left to store: a rerun computes every prompt in the batch (the padding, the shapes, so the
+    # rounding) an uninterrupted run computes it in, and stores what it stores, byte for byte.
+    batches = [rendered[start:start + cfg.batch_size] for start in range(0, len(rendered), cfg.batch_size)]
+    batches = [batch for batch in batches if any(r.id not in stored for r, _ in batch)]
 
-    responses = engine_responses(cfg, target, rendered, stop_ids) if cfg.engine == "vllm" and rendered else {}
+    responses = (engine_responses(cfg, target, [item for batch in batches for item in batch], stop_ids)
+                 if cfg.engine == "vllm" and batches else {})
     taps = [] if cfg.storage == NO_STATES else layer_ids  # a token-only store records no states
     tokens_done = generated = 0
-    bar = tqdm(total=len(rendered), desc=f"capture r{rank}" if world > 1 else "capture", unit="prompt",
+    bar = tqdm(total=sum(map(len, batches)), desc=f"capture r{rank}" if world > 1 else "capture", unit="prompt",
                position=rank, dynamic_ncols=True)
     loop_start = time.time()
     try:
-        for start in range(0, len(rendered), cfg.batch_size):
-            batch = rendered[start:start + cfg.batch_size]
+        for batch in batches:
             if cfg.engine == "vllm":  # the engine's responses; their states from one prefill
                 captured = prefill_capture(target.model, [ids + responses[r.id][0] for r, ids in batch],
                                            [len(ids) for _, ids in batch], taps, pad_id, topk=cfg.store_topk)
@@ -660,15 +668,18 @@ def _capture_into(writer: StoreWriter, cfg: CaptureConfig, target: Target, recor
                                  :sampling.response_cap(cfg.max_new_tokens, r.sampling)] for r, ids in batch]
                 captured = prefill_capture(target.model, [ids + resp for (_, ids), resp in zip(batch, responses)],
                                            [len(ids) for _, ids in batch], taps, pad_id, topk=cfg.store_topk)
-            for (record, _), sample in zip(batch, captured):
-                n = len(sample.input_ids)
-                loss_mask = torch.zeros(n, dtype=torch.bool)
-                loss_mask[sample.num_prompt_tokens:] = True
-                writer.add(torch.tensor(sample.input_ids), loss_mask, sample.hidden_states, id=record.id,
-                           weight=record.weight, topk_ids=sample.topk_ids, topk_logprobs=sample.topk_logprobs,
-                           note=answer_note(record, sample, target.tokenizer))
-                tokens_done += n
-                generated += n - sample.num_prompt_tokens
+            with writer.batch():  # a shard closes only after a whole batch
+                for (record, _), sample in zip(batch, captured):
+                    if record.id in stored:
+                        continue
+                    n = len(sample.input_ids)
+                    loss_mask = torch.zeros(n, dtype=torch.bool)
+                    loss_mask[sample.num_prompt_tokens:] = True
+                    writer.add(torch.tensor(sample.input_ids), loss_mask, sample.hidden_states, id=record.id,
+                               weight=record.weight, topk_ids=sample.topk_ids, topk_logprobs=sample.topk_logprobs,
+                               note=answer_note(record, sample, target.tokenizer))
+                    tokens_done += n
+                    generated += n - sample.num_prompt_tokens
             bar.update(len(batch))
             elapsed = max(time.time() - loop_start, 1e-9)
             bar.set_postfix(tok_s=f"{tokens_done / elapsed:.0f}", new_tok_s=f"{generated / elapsed:.1f}")

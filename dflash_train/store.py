@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import functools
 import json
 import os
@@ -223,6 +224,7 @@ class StoreWriter:
         self.ingest_report = ingest_report
         self.extra = extra or {}
         self._pending = _Pending()
+        self._in_batch = False
         self._closed = False
         self._claim = OutputClaim(self.out, STAGE, legacy=is_store_folder) if rank == 0 else None
         try:
@@ -343,9 +345,25 @@ class StoreWriter:
             p.topk_logprobs.append(topk_logprobs.detach().to("cpu", TOPK_LOGPROB_DTYPE))
         p.nbytes += n * (self.width * BYTES_PER_VALUE[self.storage_dtype] + BYTES_PER_TOKEN_ID
                          + (4 if self.storage_dtype == "fp8" else 0) + self.topk * BYTES_PER_TOPK)
-        if p.nbytes >= self.shard_bytes:
-            self.flush()
+        if not self._in_batch:
+            self._flush_if_full()
         return True
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Samples added inside the block share a shard: a shard that fills up closes after the block, not inside
+        it (capture adds a batch at a time, so that a killed capture resumes at a batch boundary). A block left by
+        an exception closes no shard."""
+        self._in_batch = True
+        try:
+            yield
+        finally:
+            self._in_batch = False
+        self._flush_if_full()
+
+    def _flush_if_full(self) -> None:
+        if self._pending.nbytes >= self.shard_bytes:
+            self.flush()
 
     def _check_topk(self, id: str, n: int, topk_ids: torch.Tensor | None,
                     topk_logprobs: torch.Tensor | None) -> None:

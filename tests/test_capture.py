@@ -1,8 +1,10 @@
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -358,6 +360,65 @@ def test_kill_and_resume_gives_every_prompt_exactly_once(prompts_dir, tiny_targe
     reference = {item["id"]: item for item in open_store(one_process_store)}
     for item in st:
         assert torch.equal(item["input_ids"], reference[item["id"]]["input_ids"])
+
+
+def read_into(stream, chunks):
+    for chunk in iter(lambda: stream.read1(4096), b""):
+        chunks.append(chunk.decode(errors="replace"))
+
+
+def shard_contents(out):
+    """Each shard of a store: its metadata and the bytes of each of its tensors (safetensors writes the metadata
+    keys in no fixed order, so the files themselves differ between two processes writing the same shard)."""
+    from safetensors import safe_open
+
+    contents = {}
+    for path in sorted(out.glob("shard-*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            contents[path.name] = (f.metadata(), {key: f.get_tensor(key).contiguous().view(torch.uint8).numpy()
+                                                  .tobytes() for key in f.keys()})
+    return contents
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_capture_killed_mid_shard_resumes_to_the_samples_of_an_uninterrupted_one_byte_for_byte(
+        prompts_dir, tiny_target_dir, tmp_path, dtype):
+    """Batches are fixed by the whole sorted prompt list and shards close at batch boundaries, so the prompts a
+    rerun captures are batched (padded, computed) exactly as in an uninterrupted run: bf16 rounding depends on
+    the batch a prompt is computed in."""
+    whole = tmp_path / "whole"  # 6 batches of 4 prompts; a shard fills up in the 5th prompt, inside the 2nd batch
+    capture(config(prompts_dir, tiny_target_dir, whole, dtype=dtype, batch_size=4, max_new_tokens=40,
+                   shard_size_mb=0.25))
+    assert len(shard_contents(whole)) == 3
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "dflash_train", "capture", "--prompts", str(prompts_dir), "--target",
+           str(tiny_target_dir), "--out", str(out), "--layers", "1,3,5", "--max-new-tokens", "40",
+           "--batch-size", "4", "--dtype", dtype, "--shard-size-mb", "0.25"]
+    every_step = dict(TQDM_MININTERVAL="0", TQDM_MINITERS="1")  # the progress bar prints every batch
+    proc = subprocess.Popen(cmd, env={**cli_env(), **every_step}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    printed = []  # what it prints, the progress bar (prompts captured so far) among it
+    reader = threading.Thread(target=read_into, args=(proc.stdout, printed), daemon=True)
+    reader.start()
+    journal = out / "journal-r000.json"
+    deadline = time.time() + 120
+    stored = 0
+    while time.time() < deadline and proc.poll() is None:
+        if journal.exists():  # kill once a shard is written and a further batch is captured, not yet written
+            stored = sum(s["num_samples"] for s in json.loads(journal.read_text())["shards"])
+            progress = [int(n) for n in re.findall(r"(\d+)/24", "".join(printed))]
+            if stored and progress and stored < max(progress) < 24:
+                break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    reader.join()
+    assert not (out / "manifest.json").exists(), "the capture finished before it could be killed"
+    assert 0 < stored < 24
+    rerun = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "resuming" in rerun.stdout
+    assert shard_contents(out) == shard_contents(whole)
+    assert verify_store(out) == []
 
 
 def test_two_processes_under_accelerate_equal_one_process(prompts_dir, tiny_target_dir, one_process_store,
