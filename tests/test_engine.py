@@ -26,6 +26,11 @@ PROMPTS = ["Tell me about the sea.", "Write a poem about Paris.", "How do I add 
            "What is the capital of Italy?", "Hello! How can you help me today?", "Give me three points about Rome."]
 LAYERS = [1, 3, 5]
 NEW_TOKENS = 24
+# vLLM and the project's loop run the same drafter on the same blocks in fp32: their taus differ only where rounding
+# flips a near tie between two tokens (on a 2-core AMD EPYC: 1.538 and 1.546 at K = 1, 6.37 and 6.67 at K = 7), far
+# less than another block moves them (there slot 1 is accepted 0.91 of the time in the whole block of 8, 0.53 in
+# a block of 2: tau 1.91 against 1.55 at K = 1)
+SAME_DRAFTS = 0.1
 
 
 # --- without an engine ------------------------------------------------------------------------------------------
@@ -221,10 +226,19 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
     assert vllm["engine_args"]["max_num_seqs"] == 4 and report["settings"]["engine_args"] == json.loads(engine_args)
     assert vllm["lossless_mismatches"] == 0 and own["lossless_mismatches"] == 0
     assert rows[7]["tau"] > 2 and rows[7]["per_position_acceptance"][0] > 0.5, rows[7]
-    assert 1.5 < rows[1]["tau"] <= 2
     assert report["held_out_check"]["prompts"]["training_prompts"] == len(PROMPTS)  # counted, so push refuses it
     # the engine and the project's loop decode the same prompts with the same drafter and block: the same acceptance
-    assert rows[7]["tau"] == pytest.approx(own["tau"], rel=0.1), (rows[7]["tau"], own["tau"])
+    assert rows[7]["tau"] == pytest.approx(own["tau"], rel=SAME_DRAFTS), (rows[7]["tau"], own["tau"])
+    # At K = 1 vLLM drafts from the block [anchor, MASK] (vllm/v1/spec_decode/dflash.py: 1 + K query tokens that
+    # attend to each other), not from the drafter's [anchor, MASK x 7]: slot 1 sees one mask token where it was
+    # trained with seven, and is accepted about half the time, against 0.9 for slot 1 of the whole block (so a
+    # fixed bound such as tau > 1.5 fails on some hosts). The project's loop drafts that very block at --block-size
+    # 2; a step commits one or two tokens.
+    assert eval_cli("--engine", "own", "--drafter", overfit_drafter, "--target", engine_target, "--prompts",
+                    prompts_file, "--out", tmp_path / "block-2", "--block-size", "2") == 0
+    short = json.loads((tmp_path / "block-2" / "report.json").read_text())["engines"]["own"]
+    assert 1 <= rows[1]["tau"] <= 2 and short["lossless_mismatches"] == 0
+    assert rows[1]["tau"] == pytest.approx(short["tau"], rel=SAME_DRAFTS), (rows[1]["tau"], short["tau"])
     assert vllm["drafter_weights_sha256"] == report["drafter"]["weights_sha256"]
     assert [(r["requests"], r["k"]) for r in vllm["concurrency"]] == [(1, 1), (1, 7), (2, 1), (2, 7)]
     # vLLM's prompt lookup, timed the same way after the drafter's K (K = 2 in an engine process of its own), on the
