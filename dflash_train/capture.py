@@ -625,14 +625,12 @@ def _capture_into(writer: StoreWriter, cfg: CaptureConfig, target: Target, recor
     rendered = []
     for record in mine:
         ids = target.render(record.messages, record.tools, **cfg.template_kwargs)
-        if len(ids) > cfg.max_prompt_tokens:
-            if record.id not in stored:
-                writer.skip(record.id, "prompt_too_long")
-        elif cfg.responses == "logged" and not record.response:
-            if record.id not in stored:
-                writer.skip(record.id, "no_logged_response")
-        else:
+        left_out = ("prompt_too_long" if len(ids) > cfg.max_prompt_tokens else
+                    "no_logged_response" if cfg.responses == "logged" and not record.response else None)
+        if left_out is None:
             rendered.append((record, ids))
+        elif record.id not in stored:
+            writer.skip(record.id, left_out)
     rendered.sort(key=lambda item: -len(item[1]))  # similar lengths batch together: less padding
     # The batches are cut from all of this rank's prompts, stored or not, and a batch is computed whole while any
     # of its prompts is left to store: a rerun computes every prompt in the batch (the padding, the shapes, so the

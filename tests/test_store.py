@@ -206,6 +206,27 @@ def test_a_damaged_manifest_is_one_line_naming_the_key(tmp_path, capsys, edit, m
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
+def test_a_shard_that_fills_inside_a_batch_closes_after_the_batch(tmp_path):
+    samples = make_samples(6, 24)
+    out = tmp_path / "st"
+    writer = StoreWriter(out, target=IDENTITY, target_layer_ids=[1, 3, 5], hidden_size=8, shard_bytes=1)
+
+    def shards():
+        return [len(shard["ids"]) for shard in json.loads((out / "journal-r000.json").read_text())["shards"]]
+
+    with writer.batch():
+        for s in samples[:3]:
+            writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id=s["id"])
+        assert not (out / "journal-r000.json").exists()  # full since the first sample, still open
+    assert shards() == [3]
+    with pytest.raises(RuntimeError, match="killed"), writer.batch():
+        writer.add(samples[3]["input_ids"], samples[3]["loss_mask"], samples[3]["hidden_states"], id="s3")
+        raise RuntimeError("killed")
+    assert shards() == [3]  # a batch that did not end closes no shard
+    writer.add(samples[4]["input_ids"], samples[4]["loss_mask"], samples[4]["hidden_states"], id="s4")
+    assert shards() == [3, 2]  # outside a batch, as before: a shard closes with the sample that fills it (s3 buffered)
+
+
 def test_resume_after_kill_keeps_finished_shards_and_redoes_the_partial_one(tmp_path):
     samples = make_samples(20, 24)
     out = tmp_path / "st"
