@@ -104,7 +104,7 @@ def test_load_drafter_rejects_bad_folders(tiny_parts, tmp_path):
     cfg["num_hidden_layers"] = 3
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match=r"the weights do not fit .*config.json, so the drafter would not load: "
-                                        r"missing layers\.2\."):
+                                        r"num_hidden_layers is 3, the weights hold 2 layer\(s\)"):
         load_drafter(tmp_path)
 
 
@@ -265,3 +265,75 @@ def test_a_damaged_weights_file_is_one_clear_error(tiny_parts, tmp_path, damage)
     for read in (read_drafter_folder, load_drafter):  # what push reads, and what eval loads
         with pytest.raises(UserError, match=r"model.safetensors is not a readable safetensors file"):
             read(tmp_path / "d")
+
+
+# -- drafter folders from outside: every reader (push, eval, warm start) holds them to the same rules ------------
+
+def readers():
+    """What push reads, what eval loads, and what a warm start (drafter.init_from) reads."""
+    from dflash_train.model.published import fetch_drafter, read_drafter
+
+    return {"push": read_drafter_folder, "eval": load_drafter,
+            "warm start": lambda folder: read_drafter(fetch_drafter(str(folder)))}
+
+
+def test_weights_outside_the_drafter_folder_are_never_opened(tiny_parts, tmp_path):
+    """A sharded drafter's index naming a '../' or an absolute path, and a weights file that is a symbolic link out
+    of the folder, are refused in one line naming the index entry (or the link), though a valid safetensors file of
+    the right shapes lies there."""
+    drafter, dconfig = make_drafter(tiny_parts)
+    outside = save_drafter(drafter, dconfig, tmp_path / "elsewhere") / "model.safetensors"
+    folders = {}
+    for case, entry in (("dotdot", "../elsewhere/model.safetensors"), ("absolute", str(outside))):
+        folder = save_drafter(drafter, dconfig, tmp_path / case)
+        (folder / "model.safetensors").unlink()
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {name: entry for name in expected_tensor_names(2)}}))
+        folders[case] = (folder, f"{folder / 'model.safetensors.index.json'}: weight_map entry "
+                                 f"'layers.0.self_attn.q_proj.weight' ({entry!r}) names a file outside the drafter "
+                                 f"folder {folder}")
+    folder = save_drafter(drafter, dconfig, tmp_path / "link")
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").symlink_to(outside)
+    folders["link"] = (folder, f"{folder / 'model.safetensors'} names a file outside the drafter folder {folder}")
+    for case, (folder, message) in folders.items():
+        for reader, read in readers().items():
+            with pytest.raises(UserError) as err:
+                read(folder)
+            assert message in str(err.value) and "\n" not in str(err.value), (case, reader, str(err.value))
+
+
+def test_non_finite_weights_are_named_with_their_file_and_tensor(tiny_parts, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    drafter, dconfig = make_drafter(tiny_parts)
+    folder = save_drafter(drafter, dconfig, tmp_path / "d")
+    state = load_file(str(folder / "model.safetensors"))
+    state["layers.1.mlp.down_proj.weight"][0, :2] = torch.tensor([float("nan"), float("inf")])
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    for reader, read in readers().items():
+        with pytest.raises(UserError) as err:
+            read(folder)
+        assert (f"{folder / 'model.safetensors'}: tensor layers.1.mlp.down_proj.weight holds 1 NaN and 1 inf "
+                f"value(s): the drafter's weights are damaged") in str(err.value), (reader, str(err.value))
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("num_hidden_layers", 10 ** 9, "num_hidden_layers is 1000000000, not an integer from 1 to 1024"),
+    ("hidden_size", -64, "hidden_size is -64, not an integer from 1 to 65536"),
+    ("vocab_size", 1024.0, "vocab_size is 1024.0, not an integer from 1 to 2097152"),
+    ("num_key_value_heads", 3, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ("rms_norm_eps", -1, "rms_norm_eps is -1, not a positive finite number"),
+])
+def test_a_config_out_of_bounds_is_one_line_naming_the_file_and_key_before_anything_is_built(tiny_parts, tmp_path,
+                                                                                           key, value, message):
+    """A config.json whose dimensions no drafter has (a billion layers would have every reader allocate without
+    bound) is refused by every reader, naming the file and the key, before any table or tensor is built."""
+    drafter, dconfig = make_drafter(tiny_parts)
+    folder = save_drafter(drafter, dconfig, tmp_path / "d")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, key: value}))
+    for reader, read in readers().items():
+        with pytest.raises(UserError) as err:
+            read(folder)
+        assert f"{folder / 'config.json'}: {message}" in str(err.value), (reader, str(err.value))

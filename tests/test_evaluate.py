@@ -782,6 +782,26 @@ def test_a_damaged_drafter_weights_file_is_one_line(tiny_target_dir, drafters, p
     assert f"{bad / 'model.safetensors'} is not a readable safetensors file" in errors[0]
 
 
+def test_a_drafter_with_non_finite_weights_is_one_line_naming_the_file_and_tensor(tiny_target_dir, drafters,
+                                                                                  prompts_dir, tmp_path, capsys):
+    """Not a tau of 1.00 and a slowdown without a word: the NaN is named where it is."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = Path(shutil.copytree(drafters[0], tmp_path / "bad"))
+    state = load_file(str(bad / "model.safetensors"))
+    state["layers.0.mlp.up_proj.weight"][2, 3] = float("nan")
+    save_file(state, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    rc = eval_cli("--drafter", bad, "--target", tiny_target_dir, "--prompts", prompts_dir, "--out", tmp_path / "e")
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("dflash-train eval: error:")]
+    assert rc == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert (f"{bad / 'model.safetensors'}: tensor layers.0.mlp.up_proj.weight holds 1 NaN and 0 inf value(s): the "
+            f"drafter's weights are damaged") in errors[0]
+    assert not (tmp_path / "e").exists()
+
+
 def test_eval_refuses_an_out_folder_it_did_not_write(tiny_target_dir, drafters, prompts_dir, tmp_path, capsys):
     out = tmp_path / "notes"
     out.mkdir()

@@ -605,6 +605,19 @@ def test_push_refuses_a_config_json_that_does_not_fit_the_weights(drafter_dir, t
     assert "model.safetensors is not a readable safetensors file" in capsys.readouterr().err
 
 
+def test_a_config_json_of_a_billion_layers_is_one_line_at_once(drafter_dir, tmp_path, capsys):
+    import shutil
+
+    drafter = Path(shutil.copytree(drafter_dir, tmp_path / "d"))
+    config = json.loads((drafter / "config.json").read_text())
+    (drafter / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10 ** 9}))
+    out = tmp_path / "out"
+    rc = main(["push", str(drafter), "--repo", REPO, "--dry-run", "--force", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and not out.exists(), err
+    assert f"{drafter / 'config.json'}: num_hidden_layers is 1000000000, not an integer from 1 to 1024" in err
+
+
 def test_out_that_is_a_symlink_is_refused_in_one_line(drafter_dir, tmp_path, capsys):
     target = tmp_path / "elsewhere"
     target.mkdir()

@@ -485,6 +485,34 @@ def test_a_warm_start_is_held_against_the_target_and_the_store_in_one_line(chain
                                            num_layers=3), stores, str(tiny_target.path))
 
 
+def test_a_warm_start_from_damaged_or_oversized_weights_is_one_line_naming_the_file(chain_store, tiny_target,
+                                                                                   tiny_parts, tmp_path):
+    """A starting drafter with an inf in its weights is named by file and tensor (not "training diverged ... lower
+    optimizer.lr" at step 0), and one whose config.json claims a billion layers by file and key, at once (not
+    minutes of allocation ending in a MemoryError)."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from tiny import reference_drafter
+
+    zlab = reference_drafter(tmp_path / "zlab", tiny_parts[0], LAYERS, 1000)
+    damaged = Path(shutil.copytree(zlab, tmp_path / "damaged"))
+    state = load_file(str(damaged / "model.safetensors"))
+    state["fc.weight"][3, 5] = float("inf")
+    save_file(state, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    huge = Path(shutil.copytree(zlab, tmp_path / "huge"))
+    config = json.loads((huge / "config.json").read_text())
+    (huge / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10 ** 9}))
+    expected = {damaged: f"{damaged / 'model.safetensors'}: tensor fc.weight holds 0 NaN and 1 inf value(s): the "
+                         f"drafter's weights are damaged",
+                huge: f"{huge / 'config.json'}: num_hidden_layers is 1000000000, not an integer from 1 to 1024"}
+    for folder, message in expected.items():
+        with pytest.raises(UserError) as err:
+            tr.build_drafter(warm_start_recipe(chain_store, str(folder), tmp_path), StoreSet([str(chain_store)]),
+                             str(tiny_target.path))
+        assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
 def speculators_copy(zlab: Path, out: Path) -> Path:
     """The z-lab drafter in speculators' layout (as its DFlash converter writes one): aux ids = z-lab ids + 1."""
     config = json.loads((zlab / "config.json").read_text())

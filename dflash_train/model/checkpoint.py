@@ -10,6 +10,7 @@ provenance.json next to them.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 from dataclasses import dataclass
@@ -57,39 +58,37 @@ def save_drafter(model: DFlashDraftModel, config: DFlashConfig, out_dir: str | P
 
 
 def read_config(folder: str | Path) -> DFlashConfig:
-    path = Path(folder) / "config.json"
-    if not path.exists():
-        raise UserError(f"{path} is missing: {folder} is not a drafter folder")
-    return DFlashConfig.from_config_json(read_json(path, "a drafter's config"), str(path))
+    return config_json(Path(folder))[1]
+
+
+def config_json(folder: Path) -> tuple[dict[str, Any], DFlashConfig]:
+    """A drafter folder's config.json as written and as read (DFlashConfig.from_config_json: its dimensions bounded),
+    the file inside the folder (`folder_file`)."""
+    path = folder_file(folder, "config.json", f"{folder / 'config.json'}")
+    if not path.is_file():
+        raise UserError(f"{path} is missing: {folder} is not a drafter folder (the trainer writes it)")
+    raw = read_json(path, "a drafter's config")
+    return raw, DFlashConfig.from_config_json(raw, str(path))
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype | None = None,
                  device: str | torch.device = "cpu") -> tuple[DFlashDraftModel, DFlashConfig]:
     """A drafter folder written by `save_drafter` (or any public DFlash checkpoint of this architecture), and its
-    config. dtype None keeps the stored dtype."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+    config, read by the one reader of drafter folders (`read_weights`). dtype None keeps the stored dtype."""
     folder = Path(path)
-    config_file, weights_file = folder / "config.json", folder / "model.safetensors"
-    for f in (config_file, weights_file):
-        if not f.exists():
-            raise UserError(f"{f} is missing: {folder} is not a drafter folder (the trainer writes it)")
-    raw = read_json(config_file, "a drafter's config")
-    config = DFlashConfig.from_config_json(raw, str(config_file))
-    check_weights_fit_config(folder, config, [weights_file])
-    try:
-        state = load_file(str(weights_file))
-    except (SafetensorError, OSError) as err:
-        raise damaged_weights(weights_file, f"{type(err).__name__}: {err}") from None
+    raw, config = config_json(folder)
+    files = weight_files(folder)
+    check_weights_fit_config(folder, config, files)
+    state = read_weights(files, expected_tensor_shapes(config))
     model = create_drafter(config)
     model.load_state_dict(state, strict=True)  # names and shapes checked above
     stored = getattr(torch, str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), torch.float32)
+    stored = stored if isinstance(stored, torch.dtype) else torch.float32
     return model.to(device=device, dtype=dtype or stored), config
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Reading a folder for push (no weights loaded)
+# Reading a folder for push (no model built)
 
 
 @dataclass
@@ -108,12 +107,52 @@ class DrafterFolder:
         return self.config.target
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Reading a drafter folder that came from outside (warm start, eval, push, published layouts): every rule once.
+# Its config's dimensions are bounded (configuration.MAX_DIMENSIONS), every file it names stays inside it
+# (`folder_file`), its weights' headers are held against the config before a tensor is read
+# (`check_weights_fit_config`), and every tensor read is finite (`read_weights`).
+
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+def folder_file(folder: Path, name: str, what: str) -> Path:
+    """`folder / name`, or one line naming `what` when it would open a file outside the folder: an absolute name,
+    one with '..', or a symbolic link that resolves elsewhere (a Hugging Face Hub snapshot's links may point into
+    its repo's blob store, where the Hub keeps the files it names)."""
+    path = folder / name
+    real = path.resolve()
+    inside = folder.resolve()
+    roots = [inside] + ([inside.parent.parent / "blobs"] if inside.parent.name == "snapshots" else [])
+    if Path(name).is_absolute() or ".." in Path(name).parts or not any(real.is_relative_to(r) for r in roots):
+        raise UserError(f"{what} names a file outside the drafter folder {folder} ({real}): a drafter's files must "
+                        f"be inside its folder; refused")
+    return path
+
+
 def weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
+    """The drafter's safetensors files, each inside its folder (`folder_file`): the shards its
+    model.safetensors.index.json names, else model.safetensors."""
+    index = folder / WEIGHTS_INDEX
     if index.exists():
-        names = sorted(set(read_json(index, "sharded weights index")["weight_map"].values()))
-        return [folder / n for n in names]
-    return [folder / "model.safetensors"]
+        folder_file(folder, WEIGHTS_INDEX, str(index))
+        weight_map = read_json(index, "sharded weights index").get("weight_map")
+        if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):
+            raise UserError(f"{index}: weight_map is not an object naming each tensor's file")
+        files: dict[str, Path] = {}
+        for tensor, name in weight_map.items():
+            if name not in files:
+                files[name] = folder_file(folder, name, f"{index}: weight_map entry {tensor!r} ({name!r})")
+        paths = [files[name] for name in sorted(files)]
+    else:
+        paths = [folder_file(folder, "model.safetensors", str(folder / "model.safetensors"))]
+    for f in paths:
+        if not f.is_file():
+            pickled = sorted(p.name for p in folder.glob("*.bin"))
+            raise UserError(f"{f} is missing: the drafter folder has no weights" + (
+                f" (found {', '.join(pickled)}: convert it to safetensors; pickled weights are never loaded)"
+                if pickled else ""))
+    return paths
 
 
 def damaged_weights(path: Path, why: str) -> UserError:
@@ -141,8 +180,9 @@ def safetensors_header(path: Path) -> dict[str, Any]:
         raise damaged_weights(path, "the header is not a JSON object")
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     for name, info in tensors.items():
-        if not (isinstance(info, dict) and isinstance(info.get("shape"), list) and isinstance(info.get("dtype"), str)):
-            raise damaged_weights(path, f"tensor {name!r} has no shape and dtype")
+        if not (isinstance(info, dict) and isinstance(info.get("shape"), list) and isinstance(info.get("dtype"), str)
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in info["shape"])):
+            raise damaged_weights(path, f"tensor {name!r} has no shape of sizes and dtype")
     return tensors
 
 
@@ -159,21 +199,59 @@ def safetensors_summary(path: Path) -> tuple[int, str]:
     return count, "/".join(sorted(dtypes))
 
 
-def check_weights_fit_config(folder: Path, config: DFlashConfig, files: list[Path]) -> None:
-    """The weights' tensor names and shapes (from their headers) must be the ones config.json implies
-    (configuration.expected_tensor_shapes): an edited config.json would otherwise ship an unloadable drafter."""
+def check_weights_fit_config(folder: Path, config: DFlashConfig, files: list[Path],
+                             set_aside: tuple[str, ...] = ()) -> dict[str, tuple[int, ...]]:
+    """The weights' tensor names and shapes (from their headers, nothing read) must be the ones config.json implies
+    (configuration.expected_tensor_shapes), its layer count first: an edited config.json would otherwise ship an
+    unloadable drafter, or have a reader allocate for layers that are not there. Tensors named in `set_aside` (the
+    target's, which some layouts store beside the drafter's) are not compared. Returns every {name: shape} found."""
     found: dict[str, tuple[int, ...]] = {}
     for f in files:
         found.update({name: tuple(info["shape"]) for name, info in safetensors_header(f).items()})
-    expected = expected_tensor_shapes(config)
-    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
-    wrong = [f"{name} {list(found[name])} (config.json implies {list(shape)})" for name, shape in expected.items()
-             if name in found and found[name] != shape]
-    if missing or unexpected or wrong:
+    layers = {int(m.group(1)) for name in found if (m := re.match(r"layers\.(\d+)\.", name))}
+    if len(layers) != config.num_hidden_layers:  # before the table of expected names, which grows with it
+        problems = [f"num_hidden_layers is {config.num_hidden_layers}, the weights hold {len(layers)} layer(s)"]
+    else:
+        mine = {name: shape for name, shape in found.items() if name not in set_aside}
+        expected = expected_tensor_shapes(config)
+        missing, unexpected = sorted(set(expected) - set(mine)), sorted(set(mine) - set(expected))
         problems = ([f"missing {', '.join(missing[:3])}"] if missing else []) + \
-                   ([f"unexpected {', '.join(unexpected[:3])}"] if unexpected else []) + wrong[:3]
+                   ([f"tensors this project's drafter does not have: {', '.join(unexpected[:3])}"]
+                    if unexpected else []) + \
+                   [f"{name} {list(mine[name])} (config.json implies {list(shape)})" for name, shape in
+                    expected.items() if name in mine and mine[name] != shape][:3]
+    if problems:
         raise UserError(f"{folder}: the weights do not fit {folder / 'config.json'}, so the drafter would not load: "
                         f"{'; '.join(problems)}")
+    return found
+
+
+def read_weights(files: list[Path], names, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors `names` of the safetensors `files` (checked by check_weights_fit_config first), as stored, each
+    one finite: a NaN or inf is one line naming the file and the tensor (damaged weights, before they are trained
+    from, evaluated or pushed). keep False: only the check, one tensor in memory at a time."""
+    from safetensors import SafetensorError, safe_open
+
+    wanted, state = set(names), {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as reader:
+                for name in sorted(wanted.intersection(reader.keys())):
+                    tensor = reader.get_tensor(name)
+                    check_finite(tensor, f, name)
+                    if keep:
+                        state[name] = tensor
+        except (SafetensorError, OSError) as err:
+            raise damaged_weights(f, f"{type(err).__name__}: {err}") from None
+    return state
+
+
+def check_finite(tensor: torch.Tensor, source: Path, name: str) -> None:
+    """A drafter tensor read from `source` must hold finite numbers only."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+        raise UserError(f"{source}: tensor {name} holds {nan} NaN and {inf} inf value(s): the drafter's weights are "
+                        f"damaged (not a training setting); restore or retrain the drafter")
 
 
 def check_finished(folder: str | Path) -> Path:
@@ -189,30 +267,32 @@ def check_finished(folder: str | Path) -> Path:
 
 
 def read_drafter_folder(folder: str | Path) -> DrafterFolder:
-    """A finished drafter folder's config, weight summary and records, checked the way a push needs them: its
-    weights' names and shapes must be the ones config.json implies (check_weights_fit_config)."""
+    """A finished drafter folder's config, weight summary and records, checked the way a push needs them: every
+    file in it stays inside it (push uploads them all), and its weights' names and shapes must be the ones
+    config.json implies (check_weights_fit_config)."""
     folder = check_finished(folder)
-    config_json = read_json(folder / "config.json", "the drafter config the trainer writes")
-    config = DFlashConfig.from_config_json(config_json, str(folder / "config.json"))
-    for module in {str(v).split(".")[0] for v in (config_json.get("auto_map") or {}).values()}:
-        if not (folder / f"{module}.py").exists():
+    for path in sorted(folder.iterdir()):
+        folder_file(folder, path.name, str(path))
+    raw, config = config_json(folder)
+    auto_map = raw.get("auto_map") if isinstance(raw.get("auto_map"), dict) else {}
+    for module in {str(v).split(".")[0] for v in auto_map.values()}:
+        if not folder_file(folder, f"{module}.py", f"{folder / 'config.json'}'s auto_map entry {module!r}").exists():
             raise UserError(f"{folder / (module + '.py')} is missing: config.json's auto_map needs it "
                             f"for trust_remote_code loading")
     files = weight_files(folder)
-    for f in files:
-        if not f.exists():
-            raise UserError(f"{f} is missing: the drafter folder has no weights")
     summaries = [safetensors_summary(f) for f in files]
     check_weights_fit_config(folder, config, files)
+    read_weights(files, expected_tensor_shapes(config), keep=False)
     training_args = None
-    if (folder / "training_args.json").exists():
-        training_args = read_json(folder / "training_args.json", "the trainer's resolved recipe")
-    made_by = None
-    for candidate in (folder / PROVENANCE_FILE, folder.parent / PROVENANCE_FILE):
+    if (args_file := folder_file(folder, "training_args.json", str(folder / "training_args.json"))).exists():
+        training_args = read_json(args_file, "the trainer's resolved recipe")
+    made_by = None  # the run folder's record when the drafter has none of its own
+    for candidate in (folder_file(folder, PROVENANCE_FILE, str(folder / PROVENANCE_FILE)),
+                      folder.parent / PROVENANCE_FILE):
         if candidate.exists():
             made_by = read_json(candidate, "what made the drafter")
             break
-    return DrafterFolder(dir=folder, config_json=config_json, config=config,
+    return DrafterFolder(dir=folder, config_json=raw, config=config,
                          num_parameters=sum(n for n, _ in summaries),
                          dtype="/".join(sorted({d for _, d in summaries})), training_args=training_args,
                          provenance=made_by)

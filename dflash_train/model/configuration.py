@@ -11,6 +11,7 @@ module itself reads the same file through transformers' Qwen3Config (`qwen3_conf
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,16 @@ LAYER_TENSORS = {"self_attn.q_proj.weight": ("q", "H"), "self_attn.k_proj.weight
                  "post_attention_layernorm.weight": ("H",)}
 # ...and the drafter's own tensors outside the layers (nH: the tapped features, num_target_features x H)
 DRAFTER_TENSORS = {"norm.weight": ("H",), "fc.weight": ("H", "nH"), "hidden_norm.weight": ("H",)}
+
+
+# The largest value each dimension of a drafter's config may take: the largest public models' with room to spare
+# (hidden 16384, MLP 53248, 128 heads, head_dim 256, 126 layers, 262k-token vocabularies, 10M positions). A config
+# past them is broken or hostile: building its tensor-name table or its model would allocate without bound, so
+# `from_config_json` refuses it before anything is built (the weights then bound the rest: `check_weights_fit_config`).
+MAX_DIMENSIONS = {"hidden_size": 1 << 16, "intermediate_size": 1 << 18, "num_hidden_layers": 1 << 10,
+                  "num_attention_heads": 1 << 10, "num_key_value_heads": 1 << 10, "head_dim": 1 << 12,
+                  "vocab_size": 1 << 21, "max_position_embeddings": 1 << 26, "num_target_layers": 1 << 10,
+                  "block_size": 1 << 10}
 
 
 def expected_tensor_names(num_layers: int) -> list[str]:
@@ -68,6 +79,31 @@ def _rope_parameters(cfg: Any) -> dict[str, Any]:
         rope = dict(get("rope_scaling") or {"rope_type": "default"})
         rope["rope_theta"] = get("rope_theta", 10000.0)
     return dict(rope)
+
+
+def _unbuildable(cfg: dict[str, Any], dflash: dict[str, Any], block_size: Any, rope: dict[str, Any]) -> str | None:
+    """What keeps a config.json from being built, naming the key (None: nothing), checked before anything is built
+    from it: every dimension an integer within MAX_DIMENSIONS (head_dim and num_target_layers may be left out),
+    whole key-value head groups, the taps a list of layer ids, a positive finite norm eps and rope theta."""
+    for key, top in MAX_DIMENSIONS.items():
+        value, low = block_size if key == "block_size" else cfg.get(key), 2 if key == "block_size" else 1
+        if value is None and key in ("head_dim", "num_target_layers"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
+            return f"{key} is {value!r}, not an integer from {low} to {top}"
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    if heads % kv_heads:
+        return f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+    if cfg.get("head_dim") is None and cfg["hidden_size"] < heads:
+        return f"hidden_size {cfg['hidden_size']} is smaller than num_attention_heads {heads} (and no head_dim)"
+    ids = dflash["target_layer_ids"]
+    if not (isinstance(ids, list) and 1 <= len(ids) <= MAX_DIMENSIONS["num_target_layers"]
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        return f"dflash_config.target_layer_ids is {ids!r}, not a list of 1 to 1024 layer ids"
+    for key, value in (("rms_norm_eps", cfg["rms_norm_eps"]), ("rope_theta", rope.get("rope_theta"))):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            return f"{key} is {value!r}, not a positive finite number"
+    return None
 
 
 @dataclass
@@ -184,6 +220,9 @@ class DFlashConfig:
         if ARCHITECTURE not in (cfg.get("architectures") or []):
             raise UserError(f"{source}: architectures is {cfg.get('architectures')!r}, not [{ARCHITECTURE!r}]: "
                             f"not a DFlash drafter")
+        for key in ("dflash_config", "dflash_train", "rope_parameters", "rope_scaling"):
+            if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+                raise UserError(f"{source}: {key} is {cfg[key]!r}, not a JSON object")
         dflash = cfg.get("dflash_config") or {}
         required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "vocab_size")
@@ -194,16 +233,19 @@ class DFlashConfig:
         extra = dict(cfg.get("dflash_train") or {})
         extra.pop("format_version", None)
         target = extra.pop("target", None)
+        rope, block_size = _rope_parameters(cfg), dflash.get("block_size", cfg.get("block_size", 16))
+        if problem := _unbuildable(cfg, dflash, block_size, rope):
+            raise UserError(f"{source}: {problem}: not a drafter config this project can read")
         return cls(
             hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
             num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
             num_key_value_heads=cfg["num_key_value_heads"],
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-            rms_norm_eps=cfg["rms_norm_eps"], rope_parameters=_rope_parameters(cfg),
+            rms_norm_eps=cfg["rms_norm_eps"], rope_parameters=rope,
             max_position_embeddings=cfg["max_position_embeddings"], vocab_size=cfg["vocab_size"],
             num_target_layers=cfg.get("num_target_layers", max(dflash["target_layer_ids"]) + 1),
             target_layer_ids=list(dflash["target_layer_ids"]), mask_token_id=dflash["mask_token_id"],
-            block_size=dflash.get("block_size", cfg.get("block_size", 16)), mask_token=dflash.get("mask_token"),
+            block_size=block_size, mask_token=dflash.get("mask_token"),
             initializer_range=cfg.get("initializer_range", 0.02), bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"), pad_token_id=cfg.get("pad_token_id"), target=target,
             extra=extra)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from dflash_train.errors import UserError, in_brief
+from dflash_train.model.checkpoint import check_weights_fit_config, folder_file, read_weights, weight_files
 from dflash_train.model.configuration import ARCHITECTURE, DFlashConfig, expected_tensor_shapes
 
 LAYOUTS = ("dflash-train", "z-lab", "SpecForge", "speculators")
@@ -102,31 +103,22 @@ def read_drafter(source: DrafterSource) -> PublishedDrafter:
     from dflash_train.provenance import file_sha256, read_json
 
     folder = source.folder
-    config_file = folder / "config.json"
+    config_file = folder_file(folder, "config.json", f"{source.name}: config.json")
     if not config_file.is_file():
         raise UserError(f"{source.name}: no config.json in {folder}: not a drafter")
     raw = read_json(config_file, "a drafter's config")
     layout, zlab = _as_zlab(raw, source.name)
-    config = DFlashConfig.from_config_json(zlab, f"{source.name}/config.json")
+    config = DFlashConfig.from_config_json(zlab, str(config_file))
     if layout == "speculators":
         config.num_target_layers = None  # not recorded: the target it meets decides
     config.extra = {}  # our own records of another run (its fine-tuning source, ...) do not carry over
-    files = _weight_files(folder, source.name)
-    state: dict[str, torch.Tensor] = {}
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    for f in files:
-        try:
-            state.update(load_file(str(f)))
-        except (SafetensorError, OSError) as err:
-            raise UserError(f"{source.name}: {f.name} is not a readable safetensors file ({err})") from None
-    set_aside = sorted(k for k in state if k in TARGET_TENSORS)
-    state = {k: v.float() for k, v in state.items() if k not in TARGET_TENSORS}
-    _check_tensors(state, config, source.name)
+    files = weight_files(folder)
+    found = check_weights_fit_config(folder, config, files, set_aside=TARGET_TENSORS)
+    state = {k: v.float() for k, v in read_weights(files, expected_tensor_shapes(config)).items()}
     source.layout = layout
     source.weights_sha256 = {f.name: file_sha256(f) for f in files}
-    return PublishedDrafter(config=config, state=state, source=source, set_aside=set_aside)
+    return PublishedDrafter(config=config, state=state, source=source,
+                            set_aside=sorted(k for k in found if k in TARGET_TENSORS))
 
 
 def _as_zlab(raw: dict[str, Any], name: str) -> tuple[str, dict[str, Any]]:
@@ -149,7 +141,8 @@ def _as_zlab(raw: dict[str, Any], name: str) -> tuple[str, dict[str, Any]]:
             raise UserError(f"{name}: sample_from_anchor is set: this project's drafters predict from the mask slots "
                             f"only (slot 0, the anchor, has no loss)")
         # speculators counts the embedding output as layer 0: its aux layer i is decoder layer i - 1's output
-        zlab = {**layer, "architectures": [ARCHITECTURE], "block_size": raw.get("block_size"),
+        zlab = {**layer, "architectures": [ARCHITECTURE],
+                **({"block_size": raw["block_size"]} if raw.get("block_size") is not None else {}),
                 "dflash_config": {"mask_token_id": raw.get("mask_token_id"),
                                   "target_layer_ids": [int(i) - 1 for i in aux]}}
         _refuse_other_math(zlab, name)
@@ -188,33 +181,6 @@ def _refuse_other_math(cfg: dict[str, Any], name: str) -> None:
         raise UserError(f"{name}: its config has {', '.join(found)}, which this project's drafter does not compute "
                         f"(full-attention Qwen3 layers with SwiGLU, no bias, plain logits): it cannot be fine-tuned "
                         f"here")
-
-
-def _weight_files(folder: Path, name: str) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        from dflash_train.provenance import read_json
-
-        return [folder / f for f in sorted(set(read_json(index, "a sharded weights index")["weight_map"].values()))]
-    if (folder / "model.safetensors").is_file():
-        return [folder / "model.safetensors"]
-    others = sorted(p.name for p in folder.glob("*.bin"))
-    raise UserError(f"{name}: no model.safetensors in {folder}"
-                    + (f" (found {', '.join(others)}: convert it to safetensors)" if others else ""))
-
-
-def _check_tensors(state: dict[str, torch.Tensor], config: DFlashConfig, name: str) -> None:
-    """The drafter's tensors must be exactly those its config implies, with their shapes."""
-    expected = expected_tensor_shapes(config)
-    missing = sorted(set(expected) - set(state))
-    unknown = sorted(set(state) - set(expected))
-    wrong = [f"{k} {list(state[k].shape)} (its config implies {list(v)})" for k, v in expected.items()
-             if k in state and tuple(state[k].shape) != v]
-    if missing or unknown or wrong:
-        parts = ([f"missing {', '.join(missing[:3])}"] if missing else []) + \
-                ([f"tensors this project's drafter does not have: {', '.join(unknown[:3])}"] if unknown else []) + \
-                wrong[:3]
-        raise UserError(f"{name}: the weights do not fit its config.json: {'; '.join(parts)}")
 
 
 def describe(source: dict[str, Any]) -> str:
