@@ -646,7 +646,8 @@ def _gate(inp: CardInputs) -> str:
     k = f" at K = {engine['best_k']}" if engine.get("best_k") else ""
     measured = f"vLLM τ {fmt(engine.get('tau'))}{k}" + (f", online τ {fmt(tau)}" if tau is not None else "")
     return (f"Release gate: passed ({measured} ≥ {fmt(gate.min_tau)}, minimum from {gate.min_tau_source}; "
-            f"lossless check passed; vLLM {fmt(engine.get('version'))} evaluated these very weights).")
+            f"lossless check passed; vLLM {fmt(engine.get('version'))} evaluated this very drafter: its weights and "
+            f"config.json, sha256 `{engine.get('drafter_sha256')}`).")
 
 
 # top-level integers of an ingest report that are not skip counts

@@ -41,7 +41,7 @@ from dflash_train.engine import (ENGINE_ARGS_HELP, IDLE_S, LOOKUP_METHODS, SPECU
                                  engine_args_problem)
 from dflash_train.errors import UserError, writing
 from dflash_train.options import add_options, at_least, each, from_args, option, validate
-from dflash_train.provenance import (OutputClaim, complete_output, read_json, sha256_file, start_output,
+from dflash_train.provenance import (OutputClaim, complete_output, read_json, start_output,
                                      write_json_atomic, write_provenance)
 from dflash_train.spec_decode import (DFlashProposer, Generation, NoDraft, Step, TokenChooser, mean_tau,
                                       plain_generate, speculative_generate)
@@ -693,7 +693,9 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     import os
 
     from dflash_train import engine
+    from dflash_train.model.checkpoint import drafter_identity
 
+    drafter_sha256 = drafter_identity(Path(cfg.drafter))["sha256"]  # the drafter as the engine is about to read it
     source, shares = acceptance or (None, None)
     first = None if cfg.speculative_tokens else sweep_first_k(shares)
     ks = cfg.speculative_tokens or k_sweep_order(block_size - 1, first)
@@ -776,7 +778,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
                                              "target's distribution, not its tokens",
         "mismatches": mismatches,
         "tokens_unaccounted_by_steps": best["tokens_unaccounted_by_steps"],
-        "drafter_weights_sha256": sha256_file(Path(cfg.drafter) / "model.safetensors"),
+        "drafter_sha256": drafter_sha256,  # weights and config.json (checkpoint.drafter_identity)
         "dtype": dtype_name,
         "engine_args": runs[best_k]["llm_kwargs"],
         "engine_args_plain": result.llm_kwargs,
@@ -970,14 +972,15 @@ def _tokens_per_s(generations: list[Generation]) -> float:
 
 
 def _drafter_summary(path: str, proposer: DFlashProposer) -> dict[str, Any]:
-    from dflash_train.model.checkpoint import read_config
+    """The drafter the report measured: its shape, and what decides its outputs (checkpoint.drafter_identity:
+    sha256, weights_sha256 and config), which push holds the folder it releases against."""
+    from dflash_train.model.checkpoint import drafter_identity, read_config
 
     cfg = read_config(path)
     return {"path": str(path), "block_size": cfg.block_size, "num_hidden_layers": cfg.num_hidden_layers,
             "target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id,
             "num_parameters": sum(p.numel() for p in proposer.drafter.parameters()),
-            "weights_sha256": sha256_file(Path(path) / "model.safetensors"),
-            "made_for_target": (cfg.target or {}).get("name")}
+            **drafter_identity(Path(path)), "made_for_target": (cfg.target or {}).get("name")}
 
 
 # ------------------------------------------------------------------------------------------------ report

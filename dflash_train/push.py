@@ -30,11 +30,11 @@ from typing import Any, Callable
 from dflash_train.card import (DEFAULT_LICENSE, CardInputs, Gate, lossless_mismatches, render_card,
                                without_local_paths, without_text)
 from dflash_train.errors import UserError, writing
-from dflash_train.model.checkpoint import DrafterFolder, read_drafter_folder
+from dflash_train.model.checkpoint import DrafterFolder, drafter_identity, read_drafter_folder, weight_files
 from dflash_train.options import add_options, at_least, from_args, option
 from dflash_train.provenance import (INCOMPLETE_MARKER, LOCK_FILE, PROVENANCE_FILE, OutputClaim, complete_output,
-                                     provenance, read_json, sha256_file, start_output, write_json_atomic,
-                                     write_provenance)
+                                     config_differences, provenance, read_json, shown_pair, start_output,
+                                     write_json_atomic, write_provenance)
 from dflash_train.target import TargetIdentity
 
 # A drafter that commits fewer than 1.5 tokens per verification accepts a draft token at most every other step:
@@ -174,22 +174,35 @@ def data_summary(training_args: dict[str, Any] | None, recipe: dict[str, Any] | 
 # ---- the gate -----------------------------------------------------------------------------------------------
 
 
-def drafter_differences(report: dict[str, Any], config: dict[str, Any], drafter_dir: Path) -> list[str]:
-    """Where the drafter the report measured (its `drafter` summary, its block size) differs from this one."""
+def drafter_differences(report: dict[str, Any], drafter: DrafterFolder, identity: dict[str, Any]) -> list[str]:
+    """Where the drafter the report measured (its `drafter` record, its block size) differs from this one, whose
+    `identity` (checkpoint.drafter_identity) is what it is now."""
     measured = report.get("drafter") if isinstance(report.get("drafter"), dict) else {}
+    config = drafter.config_json
     mine = {"block_size": config.get("block_size"), "num_hidden_layers": config.get("num_hidden_layers"),
             "target_layer_ids": config["dflash_config"].get("target_layer_ids"),
             "mask_token_id": config["dflash_config"].get("mask_token_id")}
     differences = [f"{key} {measured[key]} vs {value}" for key, value in mine.items()
                    if measured.get(key) is not None and measured[key] != value]
-    if measured.get("weights_sha256"):
-        weights = drafter_dir / "model.safetensors.index.json"
-        weights = weights if weights.exists() else drafter_dir / "model.safetensors"
-        if sha256_file(weights) != measured["weights_sha256"]:
-            differences.append(f"the weights in {weights} are not the ones evaluated (sha256 differs)")
+    differences += identity_changes(measured, identity, drafter.dir)
     if report.get("block_size") not in (None, config.get("block_size")):
         differences.append(f"eval block size {report['block_size']} vs the drafter's {config.get('block_size')}")
     return differences
+
+
+def identity_changes(measured: dict[str, Any], identity: dict[str, Any], drafter_dir: Path) -> list[str]:
+    """THE rule that binds a release to its eval: the drafter the eval recorded (`measured`, its
+    checkpoint.drafter_identity) must be the one in `drafter_dir` now (`identity`), weights and config.json alike.
+    One phrase per config key changed since the eval, and one for the weights."""
+    if not isinstance(measured.get("config"), dict) or not measured.get("weights_sha256"):
+        return ["it records no config.json and weights sha256 of the drafter (an eval made before both were "
+                "recorded): evaluate this drafter again"]
+    changes = [f"config.json {key} was {was} when evaluated, is {now} now" for key, old, new in
+               config_differences(measured["config"], identity["config"]) for was, now in [shown_pair(old, new)]]
+    if measured["weights_sha256"] != identity["weights_sha256"]:
+        files = ", ".join(str(f) for f in weight_files(drafter_dir))
+        changes.append(f"the weights in {files} are not the ones evaluated (sha256 differs)")
+    return changes
 
 
 def check_gate(report: dict[str, Any] | None, report_file: Path | None, target: dict[str, Any],
@@ -198,11 +211,12 @@ def check_gate(report: dict[str, Any] | None, report_file: Path | None, target: 
     if report is None:
         reasons.append("no eval report (pass --eval-report DIR; run `dflash-train eval` first)")
     else:
+        identity = drafter_identity(drafter.dir)
         engines = report.get("engines") if isinstance(report.get("engines"), dict) else None
         if engines is None or engines.get("own"):  # the project's loop ran (reports before engines: always)
             reasons += measured_reasons(report, f"{report_file}", "online tau", min_tau, min_tau_source)
-        reasons += engine_reasons(report, report_file, drafter.dir, min_tau, min_tau_source)
-        if differences := drafter_differences(report, drafter.config_json, drafter.dir):
+        reasons += engine_reasons(report, report_file, drafter.dir, identity, min_tau, min_tau_source)
+        if differences := drafter_differences(report, drafter, identity):
             reasons.append(f"{report_file} measured a different drafter or block size ({'; '.join(differences)})")
         if trained := training_prompts_evaluated(report):
             reasons.append(f"{report_file} evaluated {trained} prompts or samples the drafter was trained on "
@@ -243,19 +257,20 @@ def measured_reasons(measured: dict[str, Any], where: str, what: str, min_tau: f
     return reasons
 
 
-def engine_reasons(report: dict[str, Any], report_file: Path | None, drafter_dir: Path, min_tau: float,
-                   min_tau_source: str) -> list[str]:
-    """A release needs the serving engine's own eval of this very folder: vLLM loaded these weights as its dflash
-    speculator, decoded losslessly and accepted enough drafts, at the speculation length the card serves it with
-    (the entry's headline figures are its best_k's)."""
+def engine_reasons(report: dict[str, Any], report_file: Path | None, drafter_dir: Path, identity: dict[str, Any],
+                   min_tau: float, min_tau_source: str) -> list[str]:
+    """A release needs the serving engine's own eval of this very drafter (`identity`: checkpoint.drafter_identity,
+    weights and config.json): vLLM loaded it as its dflash speculator, decoded losslessly and accepted enough
+    drafts, at the speculation length the card serves it with (the entry's headline figures are its best_k's)."""
     engine = (report.get("engines") or {}).get("vllm") if isinstance(report.get("engines"), dict) else None
     if not isinstance(engine, dict):
         return [f"{report_file} has no vLLM eval of this drafter (run `dflash-train eval --engine both`: the "
                 f"engine users serve with must load it and accept its drafts)"]
     reasons = []
-    weights = drafter_dir / "model.safetensors"
-    if engine.get("drafter_weights_sha256") != sha256_file(weights):
-        reasons.append(f"the vLLM eval in {report_file} measured other weights than {weights} (sha256 differs)")
+    if engine.get("drafter_sha256") != identity["sha256"]:
+        why = "differs" if engine.get("drafter_sha256") else "not recorded: an eval made before it was"
+        reasons.append(f"the vLLM eval in {report_file} measured another drafter than {drafter_dir} (the sha256 of "
+                       f"its weights and config.json {why})")
     at_k = f" (K = {engine['best_k']})" if engine.get("best_k") else ""  # the K the card serves with
     return reasons + measured_reasons(engine, f"the vLLM eval in {report_file}", f"vLLM tau{at_k}", min_tau,
                                       min_tau_source)

@@ -239,7 +239,7 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
     short = json.loads((tmp_path / "block-2" / "report.json").read_text())["engines"]["own"]
     assert 1 <= rows[1]["tau"] <= 2 and short["lossless_mismatches"] == 0
     assert rows[1]["tau"] == pytest.approx(short["tau"], rel=SAME_DRAFTS), (rows[1]["tau"], short["tau"])
-    assert vllm["drafter_weights_sha256"] == report["drafter"]["weights_sha256"]
+    assert vllm["drafter_sha256"] == report["drafter"]["sha256"]  # the very drafter, weights and config.json
     assert [(r["requests"], r["k"]) for r in vllm["concurrency"]] == [(1, 1), (1, 7), (2, 1), (2, 7)]
     # vLLM's prompt lookup, timed the same way after the drafter's K (K = 2 in an engine process of its own), on the
     # same prompts at the same lengths: lossless

@@ -3,7 +3,6 @@
 Every command that may talk to a Hub runs in a subprocess whose environment points HF_ENDPOINT at the loopback
 server before huggingface_hub is imported (this process may already have imported it through transformers)."""
 
-import hashlib
 import json
 import os
 import socket
@@ -18,6 +17,7 @@ from hub_server import LoopbackHub
 
 from dflash_train.card import safe_summary_rows, serve_commands
 from dflash_train.cli import main
+from dflash_train.model.checkpoint import drafter_identity
 
 TOKEN = "hf_LoopbackToken0123456789abcdefXYZ"
 REPO = "tiny-org/tiny-dflash"
@@ -72,12 +72,12 @@ def drafter_dir(tmp_path_factory, tiny_target):
 
 
 def vllm_entry(drafter_dir: Path | None, **overrides) -> dict:
-    """The `engines.vllm` entry of an eval report, measured on `drafter_dir`'s weights (None: other weights)."""
-    sha = hashlib.sha256((drafter_dir / "model.safetensors").read_bytes()).hexdigest() if drafter_dir else "0" * 64
+    """The `engines.vllm` entry of an eval report, measured on `drafter_dir` (None: another drafter)."""
+    sha = drafter_identity(drafter_dir)["sha256"] if drafter_dir else "0" * 64
     entry = {"engine": "vllm", "version": "0.32.0", "tau": 2.3, "tau_steps": 2.3,
              "per_position_acceptance": [0.75, 0.45, 0.3, 0.1, 0.05, 0.0, 0.0], "tokens_per_s": 25.0,
              "tokens_per_s_baseline": 18.0, "speedup": 25.0 / 18.0, "lossless_checked": 2, "lossless_mismatches": 0,
-             "lossless_mismatches_fp32": None, "mismatches": [], "drafter_weights_sha256": sha, "dtype": "fp32",
+             "lossless_mismatches_fp32": None, "mismatches": [], "drafter_sha256": sha, "dtype": "fp32",
              "engine_args": {"model": "/home/me/.cache/target", "dtype": "float32", "max_model_len": 600,
                              "seed": 0, "enforce_eager": True, "max_num_seqs": 1,
                              "speculative_config": {"method": "dflash", "model": "/home/me/runs/tiny/drafter",
@@ -89,12 +89,12 @@ def vllm_entry(drafter_dir: Path | None, **overrides) -> dict:
 
 
 def write_report(folder: Path, drafter_dir: Path | None = None, **overrides) -> Path:
-    """An eval folder in dflash_train.evaluate's format (report.json, plots, provenance.json); its vLLM entry
-    measured `drafter_dir`'s weights (None: some other weights)."""
+    """An eval folder in dflash_train.evaluate's format (report.json, plots, provenance.json); it measured the drafter
+    in `drafter_dir` (None: some other drafter)."""
     folder.mkdir(parents=True, exist_ok=True)
     acceptance = [0.8, 0.5, 0.3, 0.1, 0.05, 0.01, 0.0]
     drafter = {"path": "runs/tiny/drafter", "block_size": 8, "num_hidden_layers": 2, "target_layer_ids": [1, 5],
-               "mask_token_id": 484, "num_parameters": 82368}
+               "mask_token_id": 484, "num_parameters": 82368, **(drafter_identity(drafter_dir) if drafter_dir else {})}
     methods = [{"method": "plain (target only)", "drafter": None, "block_size": 1, "tokens_per_target_forward": 1.0,
                 "tokens_per_s": 20.0, "speedup": 1.0},
                {"method": "tiny/drafter", "drafter": "runs/tiny/drafter", "block_size": 8, "tau": 2.4,
@@ -240,13 +240,13 @@ def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir
     assert rc == 2 and "online tau 1.100 is below the minimum 1.2 (the training recipe's push.min_tau)" in err
     rc, err = run("--eval-report", str(low), "--min-tau", "1.05", "--dry-run")
     assert rc == 0, err
-    rc, err = run("--eval-report", str(write_report(tmp_path / "other", block_size=4)))
+    rc, err = run("--eval-report", str(write_report(tmp_path / "other", drafter_dir, block_size=4)))
     assert rc == 2 and "measured a different drafter or block size (eval block size 4 vs the drafter's 8)" in err
-    stale = write_report(tmp_path / "stale", drafter={"block_size": 8, "weights_sha256": "0" * 64})
+    record = drafter_identity(drafter_dir)
+    stale = write_report(tmp_path / "stale", drafter={"block_size": 8, **record, "weights_sha256": "0" * 64})
     rc, err = run("--eval-report", str(stale))
     assert rc == 2 and "model.safetensors are not the ones evaluated (sha256 differs)" in err
-    sha = hashlib.sha256((drafter_dir / "model.safetensors").read_bytes()).hexdigest()
-    rc, err = run("--eval-report", str(write_report(tmp_path / "fresh", drafter={"weights_sha256": sha})), "--dry-run")
+    rc, err = run("--eval-report", str(write_report(tmp_path / "fresh", drafter=record)), "--dry-run")
     assert rc == 0, err
     other_target = write_report(tmp_path / "other_target", target={"name": "x", "config_hash": "0" * 64})
     rc, err = run("--eval-report", str(other_target))
@@ -299,8 +299,9 @@ def test_gate_needs_a_passing_vllm_eval_of_these_very_weights(drafter_dir, tmp_p
     del report["engines"]["vllm"]
     (own_only / "report.json").write_text(json.dumps(report))
     assert "has no vLLM eval of this drafter (run `dflash-train eval --engine both`" in refusal(own_only)
-    err = refusal(write_report(tmp_path / "other_weights"))  # vLLM measured some other folder's weights
-    assert "the vLLM eval in" in err and "measured other weights than" in err and "model.safetensors" in err
+    err = refusal(write_report(tmp_path / "other_weights"))  # vLLM measured some other drafter
+    assert f"the vLLM eval in {tmp_path / 'other_weights'}" in err and f"measured another drafter than {drafter_dir}" in err
+    assert "(the sha256 of its weights and config.json differs)" in err
     err = refusal(write_report(tmp_path / "lossy", drafter_dir, engines={"vllm": vllm_entry(
         drafter_dir, lossless_mismatches=1)}))
     assert "the lossless check failed: 1 outputs in the vLLM eval in" in err
@@ -603,6 +604,29 @@ def test_push_refuses_a_config_json_that_does_not_fit_the_weights(drafter_dir, t
     (drafter / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
     assert main(["push", str(drafter), "--repo", REPO, "--dry-run", "--out", str(out)]) == 2
     assert "model.safetensors is not a readable safetensors file" in capsys.readouterr().err
+
+
+def test_a_config_json_edited_after_its_eval_is_refused_naming_the_key(drafter_dir, tmp_path, capsys):
+    """The gate binds the whole drafter, not only its weights: config.json edited after the eval (rope_theta, or
+    rms_norm_eps, which the model reads) is refused in one line naming the key, before any folder is written; the
+    very drafter passes and its card names the sha256 of what vLLM evaluated (weights and config.json)."""
+    import shutil
+
+    drafter = Path(shutil.copytree(drafter_dir, tmp_path / "d"))
+    report = write_report(tmp_path / "eval", drafter)
+    assert main(["push", str(drafter), "--repo", REPO, "--dry-run", "--out", str(tmp_path / "very"),
+                 "--eval-report", str(report)]) == 0
+    assert "REFUSED" not in capsys.readouterr().out
+    assert (f"evaluated this very drafter: its weights and config.json, sha256 "
+            f"`{drafter_identity(drafter)['sha256']}`") in (tmp_path / "very" / "README.md").read_text()
+    config = json.loads((drafter / "config.json").read_text())
+    for key, value in (("rope_theta", 20000.0), ("rms_norm_eps", 0.001)):
+        (drafter / "config.json").write_text(json.dumps({**config, key: value}))
+        out = tmp_path / key
+        rc = main(["push", str(drafter), "--repo", REPO, "--out", str(out), "--eval-report", str(report)])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and not out.exists(), err
+        assert f"config.json {key} was {json.dumps(config[key])} when evaluated, is {json.dumps(value)} now" in err
 
 
 def test_a_config_json_of_a_billion_layers_is_one_line_at_once(drafter_dir, tmp_path, capsys):

@@ -9,6 +9,7 @@ provenance.json next to them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -21,7 +22,7 @@ import torch
 
 from dflash_train.errors import UserError
 from dflash_train.model.configuration import LAYER_TENSORS, DFlashConfig, expected_tensor_shapes
-from dflash_train.provenance import INCOMPLETE_MARKER, PROVENANCE_FILE, read_json, write_json_atomic
+from dflash_train.provenance import INCOMPLETE_MARKER, PROVENANCE_FILE, read_json, sha256_file, write_json_atomic
 
 if TYPE_CHECKING:  # the module loads transformers; reading a folder for push must not
     from dflash_train.model.modeling_dflash import DFlashDraftModel
@@ -252,6 +253,20 @@ def check_finite(tensor: torch.Tensor, source: Path, name: str) -> None:
         nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
         raise UserError(f"{source}: tensor {name} holds {nan} NaN and {inf} inf value(s): the drafter's weights are "
                         f"damaged (not a training setting); restore or retrain the drafter")
+
+
+def drafter_identity(folder: Path) -> dict[str, Any]:
+    """What decides a drafter's outputs, as eval records it and push checks it: the sha256 of its weights (of
+    model.safetensors; of each shard's name and sha256 for a sharded drafter), its config.json but for our own
+    `dflash_train` records (every key an engine may read: vLLM and SGLang read keys this project's model does not,
+    such as layer_types or dflash_config.mask_token, so no shorter list would stay true; the records only say which
+    target it was made for and where it started, and push rewrites local paths in them), and one sha256 over both."""
+    files = weight_files(folder)
+    weights = sha256_file(files[0]) if len(files) == 1 else hashlib.sha256(
+        "".join(f"{f.name}:{sha256_file(f)}\n" for f in files).encode()).hexdigest()
+    config = {k: v for k, v in config_json(folder)[0].items() if k != "dflash_train"}
+    both = json.dumps({"weights_sha256": weights, "config": config}, sort_keys=True).encode()
+    return {"sha256": hashlib.sha256(both).hexdigest(), "weights_sha256": weights, "config": config}
 
 
 def check_finished(folder: str | Path) -> Path:
