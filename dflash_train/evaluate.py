@@ -225,7 +225,9 @@ def check_held_out(drafter: str, ids: set[str], what: str, prompt_set: dict[str,
     is not by the prompt set it recorded (capture.prompt_set: the same source and split). `ids` and `prompt_set` are
     those of `what` (the prompts, or the --store samples). Returns what was checked, for the report; with `allow`
     (--training-prompts) the overlap is counted there ("training_prompts") instead of refused."""
-    args_file = Path(drafter) / "training_args.json"
+    from dflash_train.model.checkpoint import folder_file
+
+    args_file = folder_file(Path(drafter), "training_args.json", str(Path(drafter) / "training_args.json"))
     if not args_file.exists():
         return {"checked": False, "why": f"{args_file} does not exist: the training data is unknown"}
     stores = ((read_json(args_file, "the trainer's record of the run").get("data") or {}).get("stores") or [])

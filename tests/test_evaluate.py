@@ -802,6 +802,20 @@ def test_a_drafter_with_non_finite_weights_is_one_line_naming_the_file_and_tenso
     assert not (tmp_path / "e").exists()
 
 
+def test_a_training_record_linked_out_of_the_drafter_folder_is_never_read(drafters, tmp_path):
+    import shutil
+
+    from dflash_train.errors import UserError
+    from dflash_train.evaluate import check_held_out
+
+    folder = Path(shutil.copytree(drafters[0], tmp_path / "d"))
+    (tmp_path / "elsewhere.json").write_text(json.dumps({"data": {"stores": []}}))
+    (folder / "training_args.json").unlink(missing_ok=True)
+    (folder / "training_args.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(UserError, match=f"{folder / 'training_args.json'} names a file outside the drafter folder"):
+        check_held_out(str(folder), {"p0"}, "prompts", None)
+
+
 def test_eval_refuses_an_out_folder_it_did_not_write(tiny_target_dir, drafters, prompts_dir, tmp_path, capsys):
     out = tmp_path / "notes"
     out.mkdir()
