@@ -463,10 +463,11 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     requests together), and in a low-precision eval the fp32 rerun of FP32_RECHECK_SHARE of them at the probe's
     fp32 rates. Every request is timed cold: the probe's prefill of the median prompt, then its tokens at the
     decode rate (without the prefill, the AVX2 router demo's reference pass was planned 124 s and took ~160). The
-    K sweep gets what the share leaves (`eval --sweep-budget-s`), at least two K, each at the drafter's worst
-    slowdown (ENGINE_SLOWDOWN). Prompt lookup's K (--ngram) and suffix decoding's (--suffix) run whatever the
-    budget: each costs a K at FREE_SLOWDOWN, and each but the first lookup K an engine child's start too
-    (`lookup_s`)."""
+    K sweep gets what the share leaves (`eval --sweep-budget-s`), at least two K. vLLM's requests cost what the
+    probe timed there (`probe_engine_decoding`: its batch-1 rate, each K at the starting drafter's slowdown), else
+    the project's loop's rate and ENGINE_SLOWDOWN. Prompt lookup's K (--ngram) and suffix decoding's (--suffix) run
+    whatever the budget: each costs a K at FREE_SLOWDOWN, and each but the first lookup K an engine child's start
+    too (`lookup_s`)."""
     T = args.eval_max_new_tokens
     own, engine = args.engine != "vllm", args.engine != "own"
     engine_start_s = rates.get("engine_start_s", VLLM_START_S)
