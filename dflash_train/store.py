@@ -465,10 +465,20 @@ class StoreWriter:
 
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> None:
+    """A shard whose bytes depend on its contents only: safetensors writes the metadata keys in a hash map's order,
+    random per process (two captures of the same samples gave shards of different sha256), so the header is
+    rewritten in place with the keys sorted (the same bytes, in another order: the same length)."""
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
-    with open(path, "rb") as f:
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+        ordered = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(ordered) <= size:  # (always: the same characters) padded with spaces as safetensors pads it
+            f.seek(8)
+            f.write(ordered.ljust(size))
         os.fsync(f.fileno())
 
 
