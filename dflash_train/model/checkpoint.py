@@ -299,11 +299,10 @@ def read_drafter_folder(folder: str | Path) -> DrafterFolder:
     check_weights_fit_config(folder, config, files)
     read_weights(files, expected_tensor_shapes(config), keep=False)
     training_args = None
-    if (args_file := folder_file(folder, "training_args.json", str(folder / "training_args.json"))).exists():
-        training_args = read_json(args_file, "the trainer's resolved recipe")
+    if (folder / "training_args.json").exists():  # (every file in the folder was held inside it above)
+        training_args = read_json(folder / "training_args.json", "the trainer's resolved recipe")
     made_by = None  # the run folder's record when the drafter has none of its own
-    for candidate in (folder_file(folder, PROVENANCE_FILE, str(folder / PROVENANCE_FILE)),
-                      folder.parent / PROVENANCE_FILE):
+    for candidate in (folder / PROVENANCE_FILE, folder.parent / PROVENANCE_FILE):
         if candidate.exists():
             made_by = read_json(candidate, "what made the drafter")
             break
