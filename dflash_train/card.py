@@ -537,7 +537,7 @@ def _evaluation(inp: CardInputs) -> str:
     rows = [
         ("Acceptance length τ, online (real speculative decoding with the target)",
          with_interval(report.get("tau"), report.get("tau_interval"))),
-        ("Acceptance length τ, offline (every anchor of held-out captured samples)",
+        ("Acceptance length τ, offline (held-out captured samples, walked as greedy decoding walks them)",
          fmt(offline) if offline is not None else "not measured"),
         ("Lossless check", lossless),
         ("Tokens/s, with the drafter vs the target alone",

@@ -178,23 +178,34 @@ def mean_of(values: list[float | None]) -> Callable[[list[int]], float | None]:
 
 
 def offline_estimate(samples, drafter, embed: torch.Tensor, lm_head: torch.Tensor, block_size: int) -> dict[str, Any]:
-    """Simulated tau from stored samples (the trainer's `simulated_acceptance`: a block at every anchor, greedy
-    drafts checked against the target's own stored tokens), same definition as online: per sample the mean over
-    its anchors, then the mean over samples."""
+    """Simulated tau from stored samples, as greedy decoding would take it (the trainer's `simulated_acceptance` at
+    every anchor, walked as decoding walks it: objective.decoded_steps), with the same definition as online: per
+    sample the mean over its steps, then the mean over samples. tau_by_k[K-1]: the same at speculation length K;
+    tau_every_anchor: the mean over every anchor instead, which overstates tau where easy and hard stretches
+    alternate (objective.decoded_steps)."""
     from tqdm import tqdm
 
-    from dflash_train.objective import simulated_acceptance
+    from dflash_train.objective import decoded_steps, simulated_acceptance
 
-    per_sample, taus, ids = [], [], []
+    per_sample, taus, ids, every_anchor, anchors = [], [], [], [], 0
+    by_k: list[list[float]] = [[] for _ in range(1, block_size)]
     for sample in tqdm(samples, desc="offline tau", unit="sample", leave=False):
         lengths = simulated_acceptance(drafter, embed, lm_head, sample, block_size=block_size).tolist()
         if lengths:
-            per_sample.append(sum(lengths) / len(lengths))
+            for k, taus_at_k in enumerate(by_k, 1):
+                walk = decoded_steps(sample, lengths, block_size, k)
+                taus_at_k.append(sum(walk) / len(walk))
+            steps = decoded_steps(sample, lengths, block_size)
+            per_sample.append(sum(steps) / len(steps))
+            taus += steps
             ids.append(sample["id"])
-            taus += lengths
+            every_anchor.append(sum(lengths) / len(lengths))
+            anchors += len(lengths)
     stats = _stats(per_sample, taus, block_size)
+    stats["tau_by_k"] = [sum(t) / len(t) if t else math.nan for t in by_k]
+    stats["tau_every_anchor"] = sum(every_anchor) / len(every_anchor) if every_anchor else math.nan
     stats["num_samples"] = len(per_sample)
-    stats["num_anchors"] = stats.pop("num_steps")
+    stats["num_anchors"] = anchors
     stats["per_sample"] = [{"id": i, "tau": t} for i, t in zip(ids, per_sample)]
     return stats
 
@@ -482,18 +493,20 @@ TIMING_PROTOCOL = ("warm engines (one short request each first), plain and specu
 SWEEP_FIRST_SLACK = 0.01  # the sweep's first K keeps tau within 1% of the whole block's, by the acceptance estimate
 
 
-def sweep_first_k(acceptance: list[float] | None, slack: float = SWEEP_FIRST_SLACK) -> int | None:
-    """The shortest speculation length K whose expected tau, 1 + acceptance[0] + ... + acceptance[K-1] (the share of
-    blocks accepting at least k drafts, k <= K), is within `slack` of the whole block's: a verification step costs
-    no less at a longer K, so by this estimate no longer K is more than `slack` faster. None without an estimate."""
-    if not acceptance or not all(math.isfinite(a) for a in acceptance):
+def sweep_first_k(tau_by_k: list[float] | None, slack: float = SWEEP_FIRST_SLACK) -> int | None:
+    """The shortest speculation length K whose expected tau (tau_by_k[K-1]) is within `slack` of the best: a
+    verification step costs no less at a longer K, so by this estimate no longer K is more than `slack` faster.
+    None without an estimate."""
+    if not tau_by_k or not all(math.isfinite(t) for t in tau_by_k):
         return None
-    whole, expected = 1 + sum(acceptance), 1.0
-    for k, share in enumerate(acceptance, 1):
-        expected += share
-        if expected * (1 + slack) >= whole:
-            return k
-    return len(acceptance)
+    best = max(tau_by_k)
+    return next(k for k, tau in enumerate(tau_by_k, 1) if tau * (1 + slack) >= best)
+
+
+def tau_by_k_of(acceptance: list[float]) -> list[float]:
+    """Expected tau at each K from the acceptance by block position of steps at the whole block (the share of steps
+    accepting at least k drafts): 1 + acceptance[0] + ... + acceptance[K-1]."""
+    return [1 + sum(acceptance[:k]) for k in range(1, len(acceptance) + 1)]
 
 
 def k_sweep_order(max_k: int, first: int | None = None) -> list[int]:
@@ -681,12 +694,12 @@ def ranking(drafter: dict[str, Any], lookup: dict[str, Any] | None, suffix: dict
 
 
 def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], block_size: int, dtype_name: str,
-                device: str, workdir: Path, acceptance: tuple[str, list[float]] | None = None,
+                device: str, workdir: Path, expected_tau: tuple[str, list[float]] | None = None,
                 constraints: dict[str, dict[str, Any] | None] | None = None) -> dict[str, Any]:
     """What users buy, measured in vLLM: plain decoding and the drafter folder as vLLM's `dflash` speculator at
     each speculation length K (`--speculative-tokens`, else `k_sweep_order` as far as `--sweep-budget-s`
-    affords, first the K that keeps the whole block's tau by `acceptance`, (its source, the acceptance by block
-    position): sweep_first_k), timed by engine._timed (fixed lengths, warm, interleaved, engine core and stopwatch),
+    affords, first the shortest K that keeps the best tau by `expected_tau` (its source, tau at each K):
+    sweep_first_k), timed by engine._timed (fixed lengths, warm, interleaved, engine core and stopwatch),
     at batch 1 and at `--concurrency`. Per K: tau and acceptance by position, tokens/s and the speedup by both
     clocks with bootstrap intervals over prompts, the lossless check (greedy: speculative token ids equal plain
     ones, prompt by prompt). The fastest K at batch 1 is best_k: the entry's headline figures (what push's gate and
@@ -698,8 +711,8 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     from dflash_train.model.checkpoint import drafter_identity
 
     drafter_sha256 = drafter_identity(Path(cfg.drafter))["sha256"]  # the drafter as the engine is about to read it
-    source, shares = acceptance or (None, None)
-    first = None if cfg.speculative_tokens else sweep_first_k(shares)
+    source, tau_by_k = expected_tau or (None, None)
+    first = None if cfg.speculative_tokens else sweep_first_k(tau_by_k)
     ks = cfg.speculative_tokens or k_sweep_order(block_size - 1, first)
     if too_long := [k for k in ks if k > block_size - 1]:
         raise UserError(f"--speculative-tokens {too_long[0]} is more than the verify block holds (B - 1 = "
@@ -909,10 +922,10 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     if in_engine:
         if workdir is None:
             raise ValueError("evaluate(..., workdir) is needed when the engine takes part")
-        acceptance = (("offline estimate", report["offline"]["per_position_acceptance"]) if report["offline"] else
-                      ("project's loop", report["per_position_acceptance"]) if own else None)
+        expected_tau = (("offline estimate", report["offline"]["tau_by_k"]) if report["offline"] else
+                        ("project's loop", tau_by_k_of(report["per_position_acceptance"])) if own else None)
         report["engines"]["vllm"] = engine_eval(cfg, target, prompts, B, dtype_name, device, Path(workdir),
-                                                acceptance, constraints)
+                                                expected_tau, constraints)
     if report["offline"]:
         online = report["tau"] if report["tau"] is not None else report["engines"]["vllm"]["tau"]
         offline_tau = report["offline"]["tau"]
@@ -1011,7 +1024,8 @@ def markdown(report: dict[str, Any]) -> str:
         o = report["offline"]
         lines += [f"Offline estimate (`{o['store']}`, {o['num_samples']} samples, {o['samples_of_eval_prompts']} "
                   f"of them of the prompts above; {o['num_anchors']} anchors, no target forward): tau "
-                  f"{_fmt(o['tau'])} (all anchors {_fmt(o['tau_steps'])}); online - offline = "
+                  f"{_fmt(o['tau'])} as greedy decoding walks the answers (the mean over every anchor: "
+                  f"{_fmt(o['tau_every_anchor'])}); online - offline = "
                   f"{_fmt(report['tau_gap'])}.", ""]
     lines += _acceptance_markdown(report)
     lines += ["", "tau = 1 + accepted drafts (at most B), per verification step; "

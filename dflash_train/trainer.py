@@ -418,7 +418,10 @@ class DFlashTrainer:
     @torch.no_grad()
     def validate(self) -> dict[str, Any]:
         """Held-out loss (anchors drawn with a fixed seed) and simulated acceptance length `eval_sim_tau` (a block
-        at every anchor, objective.simulated_acceptance), logged as an "eval" row of metrics.jsonl."""
+        at every anchor, objective.simulated_acceptance, walked as greedy decoding walks the answer:
+        objective.decoded_steps; per sample the mean over its steps, then over samples, as the eval counts tau),
+        logged as an "eval" row of metrics.jsonl with `eval_anchor_tau`, the mean over every anchor (this
+        project's eval_sim_tau before 2026-12-05, which overstates tau where easy and hard stretches alternate)."""
         drafter, recipe = self.core, self.recipe
         samples = self.data.eval_samples
         was_training = drafter.training
@@ -427,7 +430,7 @@ class DFlashTrainer:
         mask_id = self.drafter_config.mask_token_id
         loss_sum, weight_sum = 0.0, 0.0
         correct, counted = torch.zeros(B), torch.zeros(B)
-        lengths = []
+        lengths, walked = [], []
         for i, sample in enumerate(samples):
             rows = [[sample]] if self.online is None else self.online.add([[sample]])
             batch = {k: v.to(self.device) for k, v in collate(rows, recipe.data.max_length).items()}
@@ -445,11 +448,14 @@ class DFlashTrainer:
             trimmed = {k: batch[k][0] for k in ("input_ids", "loss_mask", "hidden_states")}
             lengths.append(obj.simulated_acceptance(drafter, self.embed, self.head, trimmed, B, mask_id,
                                                     attention=self.attention))
+            if steps := obj.decoded_steps(trimmed, lengths[-1].tolist(), B):
+                walked.append(sum(steps) / len(steps))
         drafter.train(was_training)
         all_lengths = torch.cat(lengths) if lengths else torch.zeros(0, dtype=torch.long)
         result = {
             "eval_loss": loss_sum / weight_sum if weight_sum else math.nan,
-            "eval_sim_tau": float(all_lengths.float().mean()) if all_lengths.numel() else math.nan,
+            "eval_sim_tau": sum(walked) / len(walked) if walked else math.nan,
+            "eval_anchor_tau": float(all_lengths.float().mean()) if all_lengths.numel() else math.nan,
             "eval_acc": [round(float(c / n), 4) if n else None for c, n in zip(correct[1:], counted[1:])],
             "eval_anchors": int(all_lengths.numel()),
             "eval_samples": len(samples),

@@ -778,7 +778,8 @@ def demo_summary(args: argparse.Namespace, plan: dict | None, log: rl.Log, repor
                            (free.get("speedup") or 0) > (e.get("speedup") or 0) else ": the drafter is the faster")
                 lines.append(f"- {name}, {what} (no model): tau {_num(free.get('tau'))}, K {free.get('k')}, "
                              f"speedup {_speedup(free)}{verdict}")
-    lines.append(f"- offline (simulated) tau {_num(report.get('tau_offline'))}")
+    lines.append(f"- offline (simulated) tau {_num(report.get('tau_offline'))}, the held-out answers walked as greedy "
+                 "decoding walks them")
     planned = plan["stage_s"] if plan else {}
     lines += ["", "| stage | planned | wall time |", "|---|---|---|"]
     for stage in log.stages:

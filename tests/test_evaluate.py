@@ -72,13 +72,16 @@ def test_k_sweep_order_spans_the_block_before_filling_it_in():
 def test_the_sweep_times_first_the_shortest_k_that_keeps_the_whole_blocks_tau():
     """Longer K cost no less to verify, so past the K whose expected tau is within 1% of the whole block's no K can
     be more than 1% faster: that K runs first, then the range below it, then the longer ones."""
-    from dflash_train.evaluate import k_sweep_order, sweep_first_k
+    from dflash_train.evaluate import k_sweep_order, sweep_first_k, tau_by_k_of
 
-    weak = [0.27, 0.05, 0.005] + [0.0] * 12  # the rewrite demo's drafter: nothing accepted past position 3
+    weak = tau_by_k_of([0.27, 0.05, 0.005] + [0.0] * 12)  # the rewrite demo's drafter: nothing past position 3
+    assert weak[:3] == pytest.approx([1.27, 1.32, 1.325])
     assert sweep_first_k(weak) == 2  # tau 1.32 of 1.325: K = 3 would add 0.4%
-    assert sweep_first_k([0.27, 0.05, 0.02] + [0.0] * 12) == 3  # 1.5% more at K = 3: keep it
-    assert sweep_first_k([0.9] * 15) == 15 and sweep_first_k([0.0] * 15) == 1
-    assert sweep_first_k(None) is None and sweep_first_k([0.3, math.nan]) is None  # no estimate: the old order
+    assert sweep_first_k(tau_by_k_of([0.27, 0.05, 0.02] + [0.0] * 12)) == 3  # 1.5% more at K = 3: keep it
+    assert sweep_first_k(tau_by_k_of([0.9] * 15)) == 15 and sweep_first_k(tau_by_k_of([0.0] * 15)) == 1
+    triage = [1.485, 1.75, 1.85, 1.901, 1.95, 1.97, 1.99, 1.999, 2.003, 2.005, 2.006, 2.007, 2.01, 2.012, 2.015]
+    assert sweep_first_k(triage) == 8  # the triage log's walked estimate: K = 8 within 1% of the best
+    assert sweep_first_k(None) is None and sweep_first_k([1.3, math.nan]) is None  # no estimate: the old order
     order = k_sweep_order(15, 2)
     assert sorted(order) == list(range(1, 16)) and order[:4] == [2, 1, 15, 5]
     assert k_sweep_order(15, 15) == k_sweep_order(15) and k_sweep_order(7, 3)[:3] == [3, 1, 2]
@@ -404,9 +407,9 @@ class OracleDrafter(torch.nn.Module):
 
 
 def test_offline_estimate_equals_online_tau_for_the_oracle(tiny_target):
-    """At every anchor the decoding visited, offline acceptance equals the online step's; for an oracle whose
-    acceptance does not depend on the anchor (horizon <= 1), the offline estimate over all anchors equals the
-    online tau."""
+    """At every anchor the decoding visited, offline acceptance equals the online step's, and the offline estimate
+    (every anchor, walked as decoding walks it) equals the online tau at every horizon; the mean over every anchor
+    is lower wherever the answer's end cuts the blocks short at anchors decoding does not visit."""
     from dflash_train.objective import simulated_acceptance
 
     model, V, B, n = tiny_target.model, tiny_target.config.vocab_size, 4, 21
@@ -436,11 +439,13 @@ def test_offline_estimate_equals_online_tau_for_the_oracle(tiny_target):
         online = acceptance_stats(online_logs, B)
         offline = offline_estimate(_selecting(samples, oracle), oracle, embed.weight, torch.eye(V), B)
         assert offline["num_samples"] == len(prompts)
+        assert offline["tau"] == pytest.approx(online["tau"])
+        assert offline["per_position_acceptance"] == pytest.approx(online["per_position_acceptance"])
+        assert offline["tau_by_k"][-1] == pytest.approx(online["tau"])
         if horizon <= 1:
-            assert offline["tau"] == pytest.approx(online["tau"]) == pytest.approx(1 + horizon)
-            assert offline["per_position_acceptance"] == pytest.approx(online["per_position_acceptance"])
-        else:  # only the tails differ: offline averages every anchor, decoding visits one in tau
-            assert offline["tau"] < online["tau"] <= 1 + horizon
+            assert offline["tau_every_anchor"] == pytest.approx(online["tau"]) == pytest.approx(1 + horizon)
+        else:  # only the tails differ: every anchor counts the ones the answer's end cuts short
+            assert offline["tau_every_anchor"] < online["tau"] <= 1 + horizon
 
 
 def _selecting(samples, oracle):
@@ -551,7 +556,7 @@ def test_eval_command_writes_the_report(tiny_target, tiny_target_dir, drafters, 
 
 def test_the_vllm_sweep_starts_where_the_held_out_estimate_keeps_tau(tiny_target_dir, drafters, prompts_dir,
                                                                       store_dir, tmp_path, monkeypatch):
-    """The offline estimate runs before the engine, and its acceptance by position picks the sweep's first K."""
+    """The offline estimate runs before the engine, and its tau at each K picks the sweep's first K."""
     from dflash_train import engine
     from dflash_train.evaluate import sweep_first_k
 
@@ -569,7 +574,7 @@ def test_the_vllm_sweep_starts_where_the_held_out_estimate_keeps_tau(tiny_target
                     prompts_dir, "--split", "eval", "--store", store_dir, "--out", out) == 0
     report = json.loads((out / "report.json").read_text())
     first = report["engines"]["vllm"]["timing"]["first_k"]
-    assert first["k"] == sweep_first_k(report["offline"]["per_position_acceptance"]) == calls[0].speculative_tokens[0]
+    assert first["k"] == sweep_first_k(report["offline"]["tau_by_k"]) == calls[0].speculative_tokens[0]
     assert first["from"] == "offline estimate" and sorted(calls[0].speculative_tokens) == [1, 2, 3]
 
 

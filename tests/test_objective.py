@@ -435,3 +435,20 @@ def test_dflash_loss_with_soft_labels_equals_the_full_logits_reference(tiny_targ
     with pytest.raises(ValueError, match="topk"):
         obj.dflash_loss(drafter, embed, head, _synthetic_batch(), blocks, mask_token_id=mask_id, gamma=7.0,
                         soft_label_weight=0.5)
+
+
+def test_decoded_steps_walk_the_anchors_as_greedy_decoding_does():
+    """From the acceptance length at every anchor, decoding's steps: the first at the first response token, the
+    next at the anchor after what the last committed, each cut at K + 1; a second response starts its own walk."""
+    loss_mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)  # two responses
+    sample = {"loss_mask": loss_mask}
+    # anchors: positions 2..7 (response one, 7 tokens) and 11, 12 (response two, 3 tokens)
+    lengths = [3, 1, 1, 4, 2, 1, 2, 1]
+    assert obj.decoded_steps(sample, lengths, block_size=4) == [3, 4, 2]  # 2 -> 5 -> 9 (ends) | 11 -> 13 (ends)
+    assert obj.decoded_steps(sample, lengths, block_size=4, k=1) == [2, 1, 2, 1, 2]  # 2, 4, 5, 7 | 11
+    easy_then_hard = [4, 4, 4, 1, 1, 1, 2, 1]
+    walked = obj.decoded_steps(sample, easy_then_hard, block_size=4)
+    assert walked == [4, 1, 1, 2]  # tau 2.0, where the mean over every anchor says 2.25
+    assert sum(walked) / len(walked) < sum(easy_then_hard) / len(easy_then_hard)
+    with pytest.raises(AssertionError):
+        obj.decoded_steps(sample, lengths[:-1], block_size=4)
