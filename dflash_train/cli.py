@@ -14,12 +14,14 @@ from dflash_train.errors import CommandParser, run_as_command
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "ingest": ("dflash_train.ingest", "parse, dedup, scrub and split production logs into prompts"),
-    "capture": ("dflash_train.capture", "replay prompts through the target; store its responses and hidden states"),
+    "ingest": ("dflash_train.stages.ingest.command", "parse, dedup, scrub and split production logs into prompts"),
+    "capture": ("dflash_train.stages.capture.command",
+                "replay prompts through the target; store its responses and hidden states"),
     "verify": ("dflash_train.store", "re-hash every shard of a capture store and check its manifest"),
-    "train": ("dflash_train.trainer", "train a drafter from a recipe (same as `accelerate launch train.py`)"),
-    "eval": ("dflash_train.evaluate", "measure acceptance length with real speculative decoding"),
-    "push": ("dflash_train.push", "write the model card and upload the drafter to the Hugging Face Hub"),
+    "train": ("dflash_train.stages.train.trainer",
+              "train a drafter from a recipe (same as `accelerate launch train.py`)"),
+    "eval": ("dflash_train.stages.evaluate.command", "measure acceptance length with real speculative decoding"),
+    "push": ("dflash_train.stages.push.command", "write the model card and upload the drafter to the Hugging Face Hub"),
 }
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.capture import (PromptRecord, generate_and_capture, load_prompt_records, prefill_capture,
+from dflash_train.stages.capture.command import (PromptRecord, generate_and_capture, load_prompt_records, prefill_capture,
                                   resolve_layer_ids)
 from dflash_train.device import resolve_precision
 from dflash_train.store import StoreWriter, open_store
@@ -50,7 +50,7 @@ def bench_prompts(path: str | None, n: int, target, max_prompt_tokens: int) -> t
         records, _ = load_prompt_records(path, "train")
         source = path
     else:
-        from dflash_train import ingest
+        from dflash_train.stages.ingest import command as ingest
 
         log = ingest.default_logs()[0]
         records = [PromptRecord(id=r["id"], messages=r["messages"]) for r in

@@ -93,8 +93,8 @@ def probe_rates(target, prompts: list[list[int]], recipe, max_new_tokens: int, b
     import torch
 
     import bench_train  # scripts/, beside this file
-    from dflash_train.capture import generate_and_capture, resolve_layer_ids
-    from dflash_train.data import OnlineStates, collate
+    from dflash_train.stages.capture.command import generate_and_capture, resolve_layer_ids
+    from dflash_train.stages.train.data import OnlineStates, collate
     from dflash_train.store import StoreWriter, floor_bytes_per_token
 
     layers = layer_ids or resolve_layer_ids(target.num_layers, None, 5)
@@ -172,7 +172,7 @@ CAPTURES = {  # label -> capture options
 
 def kept_limit(prompts: str, target: str, wanted: int, max_prompt_tokens: int) -> tuple[int, int]:
     """(--limit to read, prompts kept): how many training prompts to read so that `wanted` of them are kept."""
-    from dflash_train.capture import load_prompt_records
+    from dflash_train.stages.capture.command import load_prompt_records
     from dflash_train.target import load_tokenizer, render_prompt
 
     tokenizer = load_tokenizer(target)
@@ -186,7 +186,7 @@ def kept_limit(prompts: str, target: str, wanted: int, max_prompt_tokens: int) -
 
 
 def run_capture(args, label: str, out: Path, limit: int) -> dict[str, Any]:
-    from dflash_train.capture import CaptureConfig, capture
+    from dflash_train.stages.capture.command import CaptureConfig, capture
 
     cfg = CaptureConfig(prompts=args.prompts, out=str(out), target=args.target, limit=limit,
                         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,

@@ -15,7 +15,7 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from dflash_train import ingest
+from dflash_train.stages.ingest import command as ingest
 
 
 def texts_of(paths: list[Path], limit: int | None) -> list[list[str]]:

@@ -114,7 +114,7 @@ def run_eval(args: argparse.Namespace, out: Path, log: list[dict[str, Any]]) -> 
 def held_out_prompts(args: argparse.Namespace, report: dict[str, Any], target) -> list[tuple[str, list[int], int]]:
     """(id, prompt token ids, fixed length) of the prompts the eval timed, rendered as eval renders them, each with
     the length its timed runs decoded (plain decoding's natural one)."""
-    from dflash_train.capture import load_prompt_records
+    from dflash_train.stages.capture.command import load_prompt_records
 
     lengths = {p["id"]: p["new_tokens"] for p in report["engines"]["vllm"]["per_prompt"]}
     records, _ = load_prompt_records(args.prompts, "eval", args.limit)
@@ -129,7 +129,7 @@ def own_loop(args: argparse.Namespace, report: dict[str, Any], log: list[dict[st
     the eval's fixed lengths (no stop token), by the loop's decode clock and by a stopwatch around each call."""
     import torch
 
-    from dflash_train.evaluate import _load_proposer, acceptance_stats, bootstrap_interval, ratio_of_sums
+    from dflash_train.stages.evaluate.command import _load_proposer, acceptance_stats, bootstrap_interval, ratio_of_sums
     from dflash_train.spec_decode import mean_tau, plain_generate, speculative_generate
     from dflash_train.target import load_target
 
@@ -249,7 +249,7 @@ def stopwatch_child(job_file: Path) -> None:
 # ------------------------------------------------------------------------------------------------ the tables
 
 def tables(report: dict[str, Any], own: list[dict[str, Any]], watch: dict[str, Any]) -> str:
-    from dflash_train.card import concurrency_table, describe_machine, fmt, table, with_interval
+    from dflash_train.stages.push.card import concurrency_table, describe_machine, fmt, table, with_interval
 
     v = report["engines"]["vllm"]
     mine = {r["k"]: r for r in own}

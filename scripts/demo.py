@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import runlib as rl  # scripts/, beside this file: how every script runs a stage
-from dflash_train.card import free_speculator_to_serve
+from dflash_train.stages.push.card import free_speculator_to_serve
 from dflash_train.engine import IDLE_S, SPECULATION_LENGTHS, suffix_problem
 from dflash_train.errors import CommandParser, UserError
 from dflash_train.options import at_least, in_range, int_list
@@ -158,7 +158,7 @@ def demo_recipe(args: argparse.Namespace):
     """The recipe with the demo's overrides, resolved as train.py resolves it (paths relative to the repo)."""
     import os
 
-    from dflash_train.recipe import load_recipe
+    from dflash_train.stages.train.recipe import load_recipe
 
     here = os.getcwd()
     os.chdir(REPO)
@@ -170,7 +170,7 @@ def demo_recipe(args: argparse.Namespace):
 
 def drafter_layers(recipe) -> int:
     """How many layers the drafter this recipe trains has: the starting drafter's under drafter.init_from."""
-    from dflash_train.trainer import NEW_DRAFTER_LAYERS
+    from dflash_train.stages.train.trainer import NEW_DRAFTER_LAYERS
 
     if recipe.drafter.init_from is not None:
         from dflash_train.model.published import fetch_drafter
@@ -190,8 +190,8 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
 
     import torch
 
-    from dflash_train.capture import generate_and_capture, resolve_layer_ids
-    from dflash_train.data import OnlineStates
+    from dflash_train.stages.capture.command import generate_and_capture, resolve_layer_ids
+    from dflash_train.stages.train.data import OnlineStates
     from dflash_train.device import default_device, resolve_precision
     from dflash_train.spec_decode import plain_generate
     from dflash_train.target import load_target
@@ -343,7 +343,7 @@ def probe_engine_capture(args: argparse.Namespace, target, rendered: list[list[i
     requests together in a real capture than in this sample, so it errs on the slow side."""
     import tempfile
 
-    from dflash_train.capture import prefill_capture
+    from dflash_train.stages.capture.command import prefill_capture
     from dflash_train.engine import VLLM_DTYPES, EngineJob, EngineRequest, run_engine
 
     picked = rendered[::max(1, len(rendered) // ENGINE_PROBE_PROMPTS)][:ENGINE_PROBE_PROMPTS]
@@ -426,7 +426,7 @@ def faster_capture(costs: dict[str, tuple[float, float]], seconds: float, allowe
 def rendered_prompts(prompts: Path, split: str, limit: int, target: str) -> tuple[list[int], ...]:
     """The token ids of the first `limit` prompts of `split`, rendered as capture renders them (chat template and
     tool definitions); cached, as the probe and the plan both read the training prompts (2,000 take ~9 s)."""
-    from dflash_train.capture import load_prompt_records
+    from dflash_train.stages.capture.command import load_prompt_records
     from dflash_train.target import load_tokenizer, render_prompt
 
     tokenizer = load_tokenizer(target)

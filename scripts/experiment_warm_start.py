@@ -202,7 +202,7 @@ def run_workload(args: argparse.Namespace, name: str, work: Path, env: dict[str,
 
 def has_constraints(prompts: Path) -> bool:
     """Whether the log's requests carry constraints: most of its training prompts have some."""
-    from dflash_train.ingest import load_prompts
+    from dflash_train.stages.ingest.command import load_prompts
 
     split = load_prompts(prompts, "train")
     found = split["constraints"] if "constraints" in split.column_names else []
@@ -211,7 +211,7 @@ def has_constraints(prompts: Path) -> bool:
 
 def has_logged_responses(prompts: Path) -> bool:
     """Whether the log carried responses: most of its training prompts have one."""
-    from dflash_train.ingest import load_prompts
+    from dflash_train.stages.ingest.command import load_prompts
 
     responses = load_prompts(prompts, "train")["response"]
     return sum(bool(r) for r in responses) > len(responses) / 2
@@ -219,7 +219,7 @@ def has_logged_responses(prompts: Path) -> bool:
 
 def response_tokens(store: Path, sizes: dict[int, str]) -> dict[str, int]:
     """Per data-size run: the response tokens (loss positions) of the samples it trains on."""
-    from dflash_train.data import split_eval
+    from dflash_train.stages.train.data import split_eval
     from dflash_train.store import open_store
 
     st = open_store(store)
@@ -254,7 +254,7 @@ NAMES = {"a": "(a) general, as is", "b": "(b) general, adapted to own outputs", 
 def paired(a: dict[str, float | None], b: dict[str, float | None]) -> dict[str, Any]:
     """b - a per prompt (the prompts both have a value for), its mean and the relative gain mean(b) / mean(a) - 1,
     each with a 95% bootstrap interval over prompts (evaluate.bootstrap_interval)."""
-    from dflash_train.evaluate import bootstrap_interval
+    from dflash_train.stages.evaluate.command import bootstrap_interval
 
     ids = [i for i in a if a[i] is not None and b.get(i) is not None]
     x, y = [a[i] for i in ids], [b[i] for i in ids]
@@ -274,7 +274,7 @@ def paired(a: dict[str, float | None], b: dict[str, float | None]) -> dict[str, 
 
 def workload_rows(result: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One row per main drafter (training, simulated, own-loop and vLLM figures) and the paired comparisons."""
-    from dflash_train.evaluate import unresolved_in_fp32
+    from dflash_train.stages.evaluate.command import unresolved_in_fp32
 
     own = rl.read_report(Path(result["own_eval"])) if result.get("own_eval") else None
     rows, per_prompt = [], {"own": {}, "vllm": {}}

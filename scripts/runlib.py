@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from dflash_train.card import without_local_paths
+from dflash_train.stages.push.card import without_local_paths
 from dflash_train.errors import UserError
 from dflash_train.options import at_least
 from dflash_train.provenance import is_complete, write_json_atomic
@@ -355,7 +355,7 @@ def method_for(report: dict[str, Any], drafter: Path) -> dict[str, Any]:
 
 
 def plain_tokens_per_s(report: dict[str, Any]) -> float | None:
-    from dflash_train.evaluate import by_role  # here, not at the top: it imports torch, which a script's start need not
+    from dflash_train.stages.evaluate.command import by_role  # here, not at the top: it imports torch, which a script's start need not
 
     plain = by_role(report["methods"], "plain")
     return plain[0].get("tokens_per_s") if plain else None

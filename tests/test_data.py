@@ -1,4 +1,4 @@
-"""Training data (dflash_train/data.py): rows with and without packing, the data plan across ranks and micro
+"""Training data (dflash_train/stages/train/data.py): rows with and without packing, the data plan across ranks and micro
 steps, the stable held-out split, collation (positions and doc starts of packed samples, top-k soft labels), and
 stores that must fit together."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.data import DataPlan, StoreSet, check_soft_labels, collate, make_rows, split_eval
+from dflash_train.stages.train.data import DataPlan, StoreSet, check_soft_labels, collate, make_rows, split_eval
 from dflash_train.errors import UserError
 
 
@@ -52,7 +52,7 @@ def test_collate_packs_samples_with_their_own_positions():
 
 
 def test_collate_carries_topk_and_the_trainer_names_a_store_without_it(tmp_path):
-    from dflash_train.recipe import Recipe
+    from dflash_train.stages.train.recipe import Recipe
     from dflash_train.store import StoreWriter
 
     def sample(n, k):
@@ -111,7 +111,7 @@ def test_online_states_of_a_padded_micro_batch_are_each_samples_own_states(tiny_
     them where a store's states go."""
     from tolerance import model_tolerance
 
-    from dflash_train.data import OnlineStates
+    from dflash_train.stages.train.data import OnlineStates
 
     layers = [1, 3, 5]
     samples = [{"input_ids": _tokens(tiny_target, n, n), "loss_mask": torch.ones(n, dtype=torch.bool)}
@@ -134,8 +134,8 @@ def test_online_states_of_a_padded_micro_batch_are_each_samples_own_states(tiny_
 
 
 def test_stored_states_need_a_store_that_holds_them(tmp_path):
-    from dflash_train.data import check_state_source, prepare_data
-    from dflash_train.recipe import Recipe
+    from dflash_train.stages.train.data import check_state_source, prepare_data
+    from dflash_train.stages.train.recipe import Recipe
     from dflash_train.store import StoreWriter
 
     for name, storage in (("states", "bf16"), ("tokens", "none")):

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train import ingest as ing
+from dflash_train.stages.ingest import command as ing
 from dflash_train.cli import main as cli_main
 from dflash_train.errors import UserError
-from dflash_train.ingest import (IngestConfig, SourceStats, iter_records, load_prompts, parse_record, prompt_id,
+from dflash_train.stages.ingest.command import (IngestConfig, SourceStats, iter_records, load_prompts, parse_record, prompt_id,
                                  read_values, split_hash)
 from dflash_train.provenance import is_complete
 

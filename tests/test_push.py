@@ -15,7 +15,7 @@ import yaml
 
 from hub_server import LoopbackHub
 
-from dflash_train.card import safe_summary_rows, serve_commands
+from dflash_train.stages.push.card import safe_summary_rows, serve_commands
 from dflash_train.cli import main
 from dflash_train.model.checkpoint import drafter_identity
 
@@ -40,7 +40,7 @@ def drafter_dir(tmp_path_factory, tiny_target):
     root = tmp_path_factory.mktemp("push_run")
     identity = dict(tiny_target.identity().to_dict(), base_model="tiny-org/tiny-target")
     store = root / "store"
-    ingest_report = {  # the shape dflash_train.ingest writes, with text where the card must not look
+    ingest_report = {  # the shape dflash_train.stages.ingest.command writes, with text where the card must not look
         "read": 120, "kept": 40, "duplicates": 75, "malformed": 3, "non_utf8": 0, "empty": 2, "too_long": 0,
         "blank_lines": 1, "truncated_at_cut": 0, "pii": {"email": 3, "phone": 1, "ipv4": 0},
         "formats": {"sharegpt": 100, "prompt": 20}, "train": 38, "eval": 2, "total_weight": 115, "max_weight": 9,
@@ -89,7 +89,7 @@ def vllm_entry(drafter_dir: Path | None, **overrides) -> dict:
 
 
 def write_report(folder: Path, drafter_dir: Path | None = None, **overrides) -> Path:
-    """An eval folder in dflash_train.evaluate's format (report.json, plots, provenance.json); it measured the drafter
+    """An eval folder in dflash_train.stages.evaluate.command's format (report.json, plots, provenance.json); it measured the drafter
     in `drafter_dir` (None: some other drafter)."""
     folder.mkdir(parents=True, exist_ok=True)
     acceptance = [0.8, 0.5, 0.3, 0.1, 0.05, 0.01, 0.0]
@@ -418,7 +418,7 @@ def test_repo_ids_and_branches_the_hub_refuses_are_one_line_before_anything_is_w
 
 @pytest.mark.skipif(subprocess.run(["git", "--version"], capture_output=True).returncode != 0, reason="no git")
 def test_the_revision_check_is_gits_own_branch_rule(tmp_path):
-    from dflash_train.push import branch_problem
+    from dflash_train.stages.push.command import branch_problem
 
     names = ["main", "release/v1.0", "feature/x-2", "a@b", "\u00fc", "-x", "a b", "a..b", "a/.b", "a.lock",
              "a/b.lock/c", "a/", "/a", "a//b", "a@{b", "a.", ".a", "x~1", "x^", "x:y", "x?", "x*", "x[", "x\\y",
@@ -559,7 +559,7 @@ def test_nothing_uploaded_names_a_local_absolute_path(drafter_dir, tmp_path, tmp
     settings name absolute local folders; none of them reaches an uploaded file."""
     import shutil
 
-    from dflash_train.push import upload_files
+    from dflash_train.stages.push.command import upload_files
 
     drafter = tmp_path / "run" / "drafter"
     shutil.copytree(drafter_dir, drafter)

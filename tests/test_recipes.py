@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from dflash_train.errors import UserError
-from dflash_train.recipe import Recipe, load_recipe
+from dflash_train.stages.train.recipe import Recipe, load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -147,7 +147,7 @@ def test_missing_recipe_file(tmp_path):
 
 
 def test_defaults_are_the_dflash_recipe():
-    from dflash_train.trainer import NEW_DRAFTER_LAYERS
+    from dflash_train.stages.train.trainer import NEW_DRAFTER_LAYERS
 
     r = Recipe()
     assert r.drafter.num_layers is None and NEW_DRAFTER_LAYERS == 5  # unset: a new drafter has 5 layers

@@ -315,7 +315,7 @@ def test_run_stage_failure_stops_with_the_exit_status(tmp_path, capsys):
 
 
 def test_default_variants_are_valid_overrides_of_the_demo_recipe(monkeypatch):
-    from dflash_train.recipe import load_recipe
+    from dflash_train.stages.train.recipe import load_recipe
 
     monkeypatch.chdir(rl.REPO)  # the recipe's paths are relative to the repo root
     base = rl.split_overrides(ablate.PUBLIC)
@@ -411,12 +411,12 @@ def test_prompt_lookup_copies_a_loop_from_the_context_and_counts_tokens_per_step
 
 
 def test_ngram_baseline_reads_stores_without_the_trainer():
-    """Reading a store as the trainer does (dflash_train.data) loads neither the trainer nor accelerate."""
+    """Reading a store as the trainer does (dflash_train.stages.train.data) loads neither the trainer nor accelerate."""
     import subprocess
     import sys
 
     code = ("import sys; sys.path.insert(0, 'scripts'); import ngram_baseline; "
-            "print(sorted(m for m in sys.modules if m in ('dflash_train.trainer', 'accelerate', 'deepspeed', "
+            "print(sorted(m for m in sys.modules if m in ('dflash_train.stages.train.trainer', 'accelerate', 'deepspeed', "
             "'wandb', 'transformers')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
                          capture_output=True, text=True, timeout=120)
@@ -440,7 +440,7 @@ def test_copy_sequences_repeat_one_span_at_a_varying_period_with_loss_on_the_rep
         assert len({ids[first] // 100, ids[0] // 100}) == 2  # P is another response's start
         periods.add(L)
     assert len(periods) > 3  # the period varies: copying cannot be "N positions back"
-    from dflash_train.data import collate  # how the probe batches them: one sample a row, right-padded
+    from dflash_train.stages.train.data import collate  # how the probe batches them: one sample a row, right-padded
 
     batch = collate([[{"input_ids": torch.tensor(ids), "loss_mask": torch.arange(len(ids)) >= start,
                        "hidden_states": torch.ones(len(ids), 3)}] for ids, start in seqs[:2]],
@@ -971,7 +971,7 @@ def test_choose_hidden_states_stores_from_the_break_even_on_unless_the_disk_is_t
 def test_probe_measures_both_captures_and_both_training_steps(tiny_target):
     import bench_online
 
-    from dflash_train.recipe import Recipe
+    from dflash_train.stages.train.recipe import Recipe
 
     recipe = Recipe()
     recipe.drafter.num_layers, recipe.drafter.block_size, recipe.objective.num_anchors = 1, 4, 8

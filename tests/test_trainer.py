@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_train import trainer as tr
-from dflash_train.data import StoreSet
+from dflash_train.stages.train import trainer as tr
+from dflash_train.stages.train.data import StoreSet
 from dflash_train.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -230,7 +230,7 @@ def prefill_stores(target, out: Path, num_samples: int = 4, cycle_len: int = 16)
     """Two stores of the same samples (prompt + a response walking a fixed cycle, as `capture_tiny_store`): one
     with the states `capture --responses logged` records (capture.prefill_capture, one sample at a time, in the
     target's dtype, stored as bf16) and one token-only (`capture --storage none`)."""
-    from dflash_train.capture import prefill_capture
+    from dflash_train.stages.capture.command import prefill_capture
     from dflash_train.store import StoreWriter
 
     g = torch.Generator().manual_seed(0)
@@ -345,7 +345,7 @@ def test_lr_schedule_wsd_and_time_budget_progress():
 
 
 def test_context_warmup_covers_the_first_fraction_of_steps_or_of_the_time_budget():
-    from dflash_train.recipe import Recipe
+    from dflash_train.stages.train.recipe import Recipe
 
     recipe = Recipe()
     recipe.objective.context_warmup_ratio = 0.4
@@ -395,7 +395,7 @@ def test_time_budget_target_init_context_norm_then_fine_tune_from_it(chain_store
 
 
 def test_deepspeed_config_takes_batch_clip_and_precision_from_the_recipe(monkeypatch):
-    from dflash_train.recipe import Recipe
+    from dflash_train.stages.train.recipe import Recipe
 
     monkeypatch.chdir(REPO)
     recipe = Recipe()
@@ -421,7 +421,7 @@ def test_store_from_another_target_is_rejected(chain_store, tmp_path):
 
 
 def test_layer_ids_must_match_the_store(chain_store, tiny_target_dir):
-    from dflash_train.recipe import Recipe
+    from dflash_train.stages.train.recipe import Recipe
 
     recipe = Recipe()
     recipe.drafter.target_layer_ids = [1, 2, 3]
@@ -442,7 +442,7 @@ def shaped_like(config, **changes):
 
 
 def warm_start_recipe(store: Path, init_from: str, tmp_path: Path, **drafter):
-    from dflash_train.recipe import load_recipe
+    from dflash_train.stages.train.recipe import load_recipe
 
     return load_recipe(write_recipe(tmp_path / "warm.yaml", store, tmp_path / "run",
                                     drafter={"num_layers": None, "init_from": init_from, **drafter}))
@@ -569,7 +569,7 @@ def test_a_warm_start_that_trains_zero_steps_reproduces_the_source_drafters_eval
     published folder it started from agree exactly (tau, every prompt's tau, the tokens drafted)."""
     from tiny import reference_drafter
 
-    from dflash_train.evaluate import EvalConfig, evaluate
+    from dflash_train.stages.evaluate.command import EvalConfig, evaluate
 
     zlab = reference_drafter(tmp_path / "zlab", tiny_parts[0], LAYERS, 1000, dtype=torch.bfloat16)
     run = tmp_path / "run"
@@ -613,7 +613,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(tiny_target):
 
 
 def test_a_launch_that_started_fewer_processes_than_asked_is_an_error(monkeypatch):
-    from dflash_train.recipe import Recipe
+    from dflash_train.stages.train.recipe import Recipe
 
     recipe = Recipe()
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -640,7 +640,7 @@ def test_a_training_into_an_output_dir_another_run_is_writing_is_refused(chain_s
 
 @pytest.mark.slow
 def test_resume_with_a_changed_recipe_is_refused_before_anything_is_written(chain_store, tmp_path):
-    from dflash_train.recipe import load_recipe
+    from dflash_train.stages.train.recipe import load_recipe
 
     run = tmp_path / "run"
     recipe_file = write_recipe(tmp_path / "r.yaml", chain_store, run, train={"max_steps": 2, "micro_batch_size": 1},
@@ -710,7 +710,7 @@ def test_a_run_whose_weights_turn_non_finite_writes_no_checkpoint_and_no_drafter
 def test_a_run_may_resume_with_the_states_computed_instead_of_stored(tmp_path):
     """data.hidden_states changes the states only by rounding (the same target's states of the same tokens), so it
     may change on resume (a run that runs out of disk goes on online); the stores themselves may not."""
-    from dflash_train.recipe import Recipe
+    from dflash_train.stages.train.recipe import Recipe
 
     recipe = Recipe()
     recipe.data.stores = ["data/store/a"]

@@ -77,7 +77,7 @@ WORKLOADS = {
 
 def opening_messages() -> list[str]:
     """The first human turn of every ShareGPT conversation from FIRST_CONVERSATION on, in file order."""
-    from dflash_train.ingest import default_logs
+    from dflash_train.stages.ingest.command import default_logs
 
     conversations = _read_sharegpt(default_logs()[0])
     texts = []

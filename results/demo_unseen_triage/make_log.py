@@ -37,7 +37,7 @@ CREATED = 1_767_000_000  # one request every 11 s
 
 
 def main(out: str) -> None:
-    from dflash_train.ingest import default_logs
+    from dflash_train.stages.ingest.command import default_logs
 
     raw = default_logs()[0].read_text(errors="replace")
     conversations = json.loads(raw[:raw.rfind("\n  },") + len("\n  }")] + "\n]")  # whole records before the cut

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from dflash_train.card import (DEFAULT_LICENSE, CardInputs, Gate, lossless_mismatches, render_card,
+from dflash_train.stages.push.card import (DEFAULT_LICENSE, CardInputs, Gate, lossless_mismatches, render_card,
                                without_local_paths, without_text)
 from dflash_train.errors import UserError, writing
 from dflash_train.model.checkpoint import DrafterFolder, drafter_identity, read_drafter_folder, weight_files

@@ -141,7 +141,7 @@ def load_prompt_records(path: str | Path, split: str = "train", limit: int | Non
     A raw log is parsed and scrubbed by the ingest module and deduplicated here (weight = count); it has no
     held-out split, so prefer an ingest folder for anything that is evaluated later. No record at all is one line:
     every caller has nothing to do then."""
-    from dflash_train import ingest
+    from dflash_train.stages.ingest import command as ingest
 
     path = Path(path)
     if path.is_dir():
@@ -179,7 +179,7 @@ def _dedup(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _to_record(row: dict[str, Any], path: Path) -> PromptRecord:
-    from dflash_train.ingest import template_inputs
+    from dflash_train.stages.ingest.command import template_inputs
 
     rid = row.get("id")
     if not isinstance(rid, str) or not rid:

@@ -4,7 +4,7 @@
 
 `DFlashTrainer` is the recipe, read top to bottom: setup, the loop (train), one optimizer step (train_step),
 validation, checkpoints and the final drafter; the helpers it calls follow it. The data it reads (stores, rows,
-batches, the held-out split) is dflash_train/data.py; the loss is dflash_train/objective.py; the drafter is
+batches, the held-out split) is dflash_train/stages/train/data.py; the loss is dflash_train/objective.py; the drafter is
 dflash_train/model/.
 
 Runs under accelerate with DeepSpeed ZeRO-2 by default (ZeRO-3 or plain DDP by recipe), bf16, gradient
@@ -51,13 +51,14 @@ import torch
 import yaml
 
 from dflash_train import objective as obj
-from dflash_train.data import OnlineStates, StoreSet, anchor_generator, collate, context_scale, prepare_data
+from dflash_train.stages.train.data import (OnlineStates, StoreSet, anchor_generator, collate, context_scale,
+                                            prepare_data)
 from dflash_train.errors import (CommandParser, UserError, decided_by_rank0, in_brief, run_as_command, write_error,
                                  writing)
 from dflash_train.model.masks import resolve_attention
 from dflash_train.provenance import (OutputClaim, complete_output, config_differences, shown_pair, start_output,
                                      write_json_atomic, write_provenance)
-from dflash_train.recipe import Recipe, load_recipe
+from dflash_train.stages.train.recipe import Recipe, load_recipe
 from dflash_train.target import Features, check_fits
 
 CHECKPOINT_PREFIX = "step-"

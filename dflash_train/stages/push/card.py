@@ -661,7 +661,7 @@ def _counts(counts: dict[str, Any]) -> str:
 
 
 def _ingest_rows(ingest: dict[str, Any]) -> list[tuple[str, str]]:
-    """The ingest report's counts (dflash_train.ingest's format): read, kept, duplicates, skipped, PII."""
+    """The ingest report's counts (dflash_train.stages.ingest.command's format): read, kept, duplicates, skipped, PII."""
     sources = [src for src in ingest.get("sources") or [] if isinstance(src, dict)]
     formats = ingest.get("formats") if isinstance(ingest.get("formats"), dict) else {}
     rows = [("Log records read", f"{fmt(ingest.get('read'))} from {len(sources)} file(s)"

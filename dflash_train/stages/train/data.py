@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from dflash_train.errors import UserError
-from dflash_train.recipe import Recipe
+from dflash_train.stages.train.recipe import Recipe
 from dflash_train.store import holds_states, store_kind
 from dflash_train.target import Features, check_fits
 
@@ -196,7 +196,7 @@ class OnlineStates:
 
     def add(self, rows: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
         """The same rows of samples, each with its computed `hidden_states` [min(S, max_length), n*H]."""
-        from dflash_train.capture import prefill_capture
+        from dflash_train.stages.capture.command import prefill_capture
 
         flat = [sample for row in rows for sample in row]
         got = prefill_capture(self.target.model, [s["input_ids"][:self.max_length].tolist() for s in flat],

@@ -1,0 +1,1 @@
+"""evaluate: tau, speedup and losslessness, in the project's loop and in vLLM."""

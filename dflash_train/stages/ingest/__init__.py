@@ -1,0 +1,1 @@
+"""ingest: read production logs, normalise each request to a prompt record, dedup, scrub PII, split."""
