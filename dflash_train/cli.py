@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ingest": ("dflash_train.stages.ingest.command", "parse, dedup, scrub and split production logs into prompts"),
     "capture": ("dflash_train.stages.capture.command",
                 "replay prompts through the target; store its responses and hidden states"),
-    "verify": ("dflash_train.store", "re-hash every shard of a capture store and check its manifest"),
+    "verify": ("dflash_train.store.verify", "re-hash every shard of a capture store and check its manifest"),
     "train": ("dflash_train.stages.train.trainer",
               "train a drafter from a recipe (same as `accelerate launch train.py`)"),
     "eval": ("dflash_train.stages.evaluate.command", "measure acceptance length with real speculative decoding"),

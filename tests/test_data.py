@@ -53,7 +53,7 @@ def test_collate_packs_samples_with_their_own_positions():
 
 def test_collate_carries_topk_and_the_trainer_names_a_store_without_it(tmp_path):
     from dflash_train.stages.train.recipe import Recipe
-    from dflash_train.store import StoreWriter
+    from dflash_train.store.writer import StoreWriter
 
     def sample(n, k):
         s = {"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.bool),
@@ -81,7 +81,7 @@ def test_collate_carries_topk_and_the_trainer_names_a_store_without_it(tmp_path)
 
 
 def test_stores_trained_together_must_fit(tmp_path):
-    from dflash_train.store import StoreWriter
+    from dflash_train.store.writer import StoreWriter
 
     def store(name, layers, target):
         with StoreWriter(tmp_path / name, target=target, target_layer_ids=layers, hidden_size=8) as writer:
@@ -136,7 +136,7 @@ def test_online_states_of_a_padded_micro_batch_are_each_samples_own_states(tiny_
 def test_stored_states_need_a_store_that_holds_them(tmp_path):
     from dflash_train.stages.train.data import check_state_source, prepare_data
     from dflash_train.stages.train.recipe import Recipe
-    from dflash_train.store import StoreWriter
+    from dflash_train.store.writer import StoreWriter
 
     for name, storage in (("states", "bf16"), ("tokens", "none")):
         with StoreWriter(tmp_path / name, target={"name": "x"}, target_layer_ids=[1], hidden_size=8,

@@ -39,7 +39,7 @@ def capture_tiny_store(target, out: Path, num_samples: int = 4, response_len: in
     The random tiny target's own greedy output collapses into one repeated token, which a drafter with shifted
     labels would predict just as well; on a cycle, the token k steps after the anchor is a fixed function of the
     anchor, so only correctly aligned labels can reach a high acceptance length."""
-    from dflash_train.store import StoreWriter
+    from dflash_train.store.writer import StoreWriter
 
     g = torch.Generator().manual_seed(seed)
     cycle = torch.arange(6, 484)[torch.randperm(478, generator=g)[:cycle_len]].tolist()
@@ -66,7 +66,8 @@ def poison_store(src: Path, out: Path, bad: list[int]) -> Path:
     from safetensors.torch import save_file
 
     from dflash_train.provenance import sha256_file
-    from dflash_train.store import StoreWriter, open_store
+    from dflash_train.store.reader import open_store
+    from dflash_train.store.writer import StoreWriter
 
     store = open_store(src)
     m = store.manifest
@@ -154,7 +155,7 @@ def test_one_process_zero2_overfit_gate(chain_store, tiny_target, tmp_path):
     right labels and a right mask get there (a shifted label predicts the wrong step of the cycle)."""
     from dflash_train import objective as obj
     from dflash_train.model.checkpoint import load_drafter
-    from dflash_train.store import open_store
+    from dflash_train.store.reader import open_store
 
     run = tmp_path / "run"
     proc = launch(write_recipe(tmp_path / "r.yaml", chain_store, run))
@@ -231,7 +232,7 @@ def prefill_stores(target, out: Path, num_samples: int = 4, cycle_len: int = 16)
     with the states `capture --responses logged` records (capture.prefill_capture, one sample at a time, in the
     target's dtype, stored as bf16) and one token-only (`capture --storage none`)."""
     from dflash_train.stages.capture.command import prefill_capture
-    from dflash_train.store import StoreWriter
+    from dflash_train.store.writer import StoreWriter
 
     g = torch.Generator().manual_seed(0)
     cycle = torch.arange(6, 484)[torch.randperm(478, generator=g)[:cycle_len]].tolist()

@@ -26,7 +26,7 @@ import torch
 
 from dflash_train.errors import UserError
 from dflash_train.stages.train.recipe import Recipe
-from dflash_train.store import holds_states, store_kind
+from dflash_train.store.format import holds_states, store_kind
 from dflash_train.target import Features, check_fits
 
 
@@ -34,7 +34,7 @@ class StoreSet:
     """Several capture stores that must agree on target, tapped layers and hidden size, seen as one list."""
 
     def __init__(self, folders: list[str]):
-        from dflash_train.store import open_store
+        from dflash_train.store.reader import open_store
 
         if not folders:
             raise UserError("no capture store given (recipe key data.stores)")

@@ -735,7 +735,7 @@ def check_store_hashes(folders: list[str], rank: int = 0, world: int = 1) -> Non
     """Re-hash the shards of every store the run reads (store.check_hashes: shards verified before on this machine
     and unchanged since are not hashed again), each rank its share; a corrupted shard stops every rank with one
     error naming it."""
-    from dflash_train.store import check_hashes
+    from dflash_train.store.verify import check_hashes
 
     started, problem = time.time(), None
     totals = {"hashed": 0, "cached": 0, "bytes_hashed": 0}
