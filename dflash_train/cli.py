@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "capture": ("dflash_train.stages.capture.command",
                 "replay prompts through the target; store its responses and hidden states"),
     "verify": ("dflash_train.store.verify", "re-hash every shard of a capture store and check its manifest"),
-    "train": ("dflash_train.stages.train.trainer",
+    "train": ("dflash_train.stages.train.command",
               "train a drafter from a recipe (same as `accelerate launch train.py`)"),
     "eval": ("dflash_train.stages.evaluate.command", "measure acceptance length with real speculative decoding"),
     "push": ("dflash_train.stages.push.command", "write the model card and upload the drafter to the Hugging Face Hub"),

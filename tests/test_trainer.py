@@ -17,9 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_train.stages.train import trainer as tr
-from dflash_train.stages.train.data import StoreSet
 from dflash_train.errors import UserError
+from dflash_train.stages.train.accelerator import _free_port, deepspeed_config, make_accelerator, train_precision
+from dflash_train.stages.train.checkpointing import nonfinite_parameters
+from dflash_train.stages.train.data import StoreSet, anchor_weights, check_store_hashes
+from dflash_train.stages.train.drafter import build_drafter, check_store_against_target
+from dflash_train.stages.train.run_folder import STATE_FILE, check_resumable, checkpoint_dirs
+from dflash_train.stages.train.schedule import TrainClock, in_context_warmup, lr_factor
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = [1, 3, 5]
@@ -127,7 +131,7 @@ def launch_cmd(recipe: Path, processes: int, *overrides: str) -> list[str]:
 
 
 def launch(recipe: Path, processes: int = 1, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(tr._free_port())}
+    env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(_free_port())}
     return subprocess.run(launch_cmd(recipe, processes, *overrides), cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -143,7 +147,7 @@ def read_metrics(run: Path, kind: str = "train") -> list[dict]:
 
 
 def checkpoint_states(run: Path) -> dict[int, dict]:
-    return {step: json.loads((path / tr.STATE_FILE).read_text()) for step, path in tr.checkpoint_dirs(run)}
+    return {step: json.loads((path / STATE_FILE).read_text()) for step, path in checkpoint_dirs(run)}
 
 
 # --- the runs -----------------------------------------------------------------------------------------------
@@ -205,7 +209,7 @@ def test_two_processes_zero2_identical_ranks_and_kill_resume(chain_store, tmp_pa
 
     killed = tmp_path / "killed"
     recipe = write_recipe(tmp_path / "killed.yaml", chain_store, killed, **settings)
-    env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(tr._free_port())}
+    env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(_free_port())}
     proc = subprocess.Popen(launch_cmd(recipe, 2), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 240
@@ -321,28 +325,28 @@ def test_non_finite_steps_are_skipped_then_abort(chain_store, tmp_path):
 
 
 def test_lr_schedule_warmup_then_cosine():
-    f = [tr.lr_factor(s, 100, 0.04, "cosine", 0.0) for s in range(100)]
+    f = [lr_factor(s, 100, 0.04, "cosine", 0.0) for s in range(100)]
     assert f[:4] == [0.25, 0.5, 0.75, 1.0]
     assert all(a >= b for a, b in zip(f[3:], f[4:])) and f[-1] < 0.01
-    assert tr.lr_factor(50, 100, 0.04, "constant", 0.0) == 1.0
-    assert tr.lr_factor(99, 100, 0.0, "cosine", 0.1) >= 0.1
+    assert lr_factor(50, 100, 0.04, "constant", 0.0) == 1.0
+    assert lr_factor(99, 100, 0.0, "cosine", 0.1) >= 0.1
 
 
 def test_lr_schedule_wsd_and_time_budget_progress():
-    f = [tr.lr_factor(s, 100, 0.1, "wsd", 0.0, decay_ratio=0.2) for s in range(100)]
+    f = [lr_factor(s, 100, 0.1, "wsd", 0.0, decay_ratio=0.2) for s in range(100)]
     assert f[9] == 1.0 and all(x == 1.0 for x in f[10:80])  # warmup, then stable
     assert all(a > b for a, b in zip(f[80:], f[81:])) and f[-1] < 0.1  # linear decay over the last 20%
     # with a time budget the same shape runs on the fraction of the budget used, whatever the step
-    assert tr.lr_factor(3, 10_000, 0.1, "wsd", 0.0, decay_ratio=0.2, progress=0.05) == pytest.approx(0.5)
-    assert tr.lr_factor(3, 10_000, 0.1, "wsd", 0.0, decay_ratio=0.2, progress=0.5) == 1.0
-    assert tr.lr_factor(3, 10_000, 0.1, "wsd", 0.1, decay_ratio=0.2, progress=0.9) == pytest.approx(0.55)
-    assert tr.lr_factor(3, 10_000, 0.0, "cosine", 0.0, progress=1.0) == pytest.approx(0.0)
-    clock = tr.TrainClock(budget_s=10.0, already_s=4.0)
+    assert lr_factor(3, 10_000, 0.1, "wsd", 0.0, decay_ratio=0.2, progress=0.05) == pytest.approx(0.5)
+    assert lr_factor(3, 10_000, 0.1, "wsd", 0.0, decay_ratio=0.2, progress=0.5) == 1.0
+    assert lr_factor(3, 10_000, 0.1, "wsd", 0.1, decay_ratio=0.2, progress=0.9) == pytest.approx(0.55)
+    assert lr_factor(3, 10_000, 0.0, "cosine", 0.0, progress=1.0) == pytest.approx(0.0)
+    clock = TrainClock(budget_s=10.0, already_s=4.0)
     assert clock.progress_at(3, 10_000) == pytest.approx(0.4) and not clock.expired
     # a run that reaches its max_steps before its budget is that far along: the schedule decays on steps then
     assert clock.progress_at(90, 100) == pytest.approx(0.9)
     clock.spent_s = 10.0
-    assert clock.expired and tr.TrainClock(None).progress_at(5, 10) is None
+    assert clock.expired and TrainClock(None).progress_at(5, 10) is None
 
 
 def test_context_warmup_covers_the_first_fraction_of_steps_or_of_the_time_budget():
@@ -350,19 +354,19 @@ def test_context_warmup_covers_the_first_fraction_of_steps_or_of_the_time_budget
 
     recipe = Recipe()
     recipe.objective.context_warmup_ratio = 0.4
-    no_budget = tr.TrainClock(None)
-    assert tr.in_context_warmup(recipe, 39, 100, no_budget) and not tr.in_context_warmup(recipe, 40, 100, no_budget)
-    assert tr.in_context_warmup(recipe, 500, 10_000, tr.TrainClock(100.0, already_s=39.0))
-    assert not tr.in_context_warmup(recipe, 5, 10_000, tr.TrainClock(100.0, already_s=41.0))
+    no_budget = TrainClock(None)
+    assert in_context_warmup(recipe, 39, 100, no_budget) and not in_context_warmup(recipe, 40, 100, no_budget)
+    assert in_context_warmup(recipe, 500, 10_000, TrainClock(100.0, already_s=39.0))
+    assert not in_context_warmup(recipe, 5, 10_000, TrainClock(100.0, already_s=41.0))
     recipe.objective.context_warmup_ratio = 0.0
-    assert not tr.in_context_warmup(recipe, 0, 100, no_budget)
+    assert not in_context_warmup(recipe, 0, 100, no_budget)
 
 
 def test_copy_anchor_weight_favours_anchors_the_context_already_holds():
     ids = torch.tensor([[5, 6, 7, 5, 6, 9, 6, 9]])
     batch = {"input_ids": ids, "doc_start": torch.zeros_like(ids)}
-    assert tr.anchor_weights(batch, 1.0) is None  # uniform: the sampler's own path, bit for bit
-    assert tr.anchor_weights(batch, 4.0)[0].tolist() == [1, 1, 1, 1, 4, 1, 1, 4]
+    assert anchor_weights(batch, 1.0) is None  # uniform: the sampler's own path, bit for bit
+    assert anchor_weights(batch, 4.0)[0].tolist() == [1, 1, 1, 1, 4, 1, 1, 4]
 
 
 @pytest.mark.slow
@@ -403,11 +407,11 @@ def test_deepspeed_config_takes_batch_clip_and_precision_from_the_recipe(monkeyp
     recipe.data.stores = ["x"]
     recipe.train.micro_batch_size, recipe.train.grad_accum_steps, recipe.optimizer.grad_clip = 3, 5, 0.5
     recipe.train.precision = "bf16"
-    cfg = tr.deepspeed_config(recipe)
+    cfg = deepspeed_config(recipe)
     assert cfg["train_micro_batch_size_per_gpu"] == 3 and cfg["gradient_accumulation_steps"] == 5
     assert cfg["gradient_clipping"] == 0.5 and cfg["bf16"]["enabled"] is True
     recipe.train.precision, recipe.train.device = "auto", "cpu"  # auto: what this CPU runs natively
-    assert tr.deepspeed_config(recipe)["bf16"]["enabled"] is (tr.train_precision(recipe).name == "bf16")
+    assert deepspeed_config(recipe)["bf16"]["enabled"] is (train_precision(recipe).name == "bf16")
     assert cfg["zero_optimization"]["stage"] == 2
     assert "auto" not in json.dumps(cfg)
 
@@ -418,7 +422,7 @@ def test_store_from_another_target_is_rejected(chain_store, tmp_path):
     other = make_tiny_target(tmp_path / "other", num_layers=6)
     stores = StoreSet([str(chain_store)])
     with pytest.raises(UserError, match="captured from target"):
-        tr.check_store_against_target(stores, str(other))
+        check_store_against_target(stores, str(other))
 
 
 def test_layer_ids_must_match_the_store(chain_store, tiny_target_dir):
@@ -427,7 +431,7 @@ def test_layer_ids_must_match_the_store(chain_store, tiny_target_dir):
     recipe = Recipe()
     recipe.drafter.target_layer_ids = [1, 2, 3]
     with pytest.raises(UserError, match=r"target_layer_ids \[1, 2, 3\] differ .*\[1, 3, 5\]"):
-        tr.build_drafter(recipe, StoreSet([str(chain_store)]), str(tiny_target_dir))
+        build_drafter(recipe, StoreSet([str(chain_store)]), str(tiny_target_dir))
 
 
 # --- warm starts from published drafters ------------------------------------------------------------------------
@@ -478,11 +482,11 @@ def test_a_warm_start_is_held_against_the_target_and_the_store_in_one_line(chain
     stores = StoreSet([str(chain_store)])
     for case, message in expected.items():
         with pytest.raises(UserError, match=re.escape(message)) as err:
-            tr.build_drafter(warm_start_recipe(chain_store, str(folders[case]), tmp_path), stores,
+            build_drafter(warm_start_recipe(chain_store, str(folders[case]), tmp_path), stores,
                              str(tiny_target.path))
         assert "\n" not in str(err.value) and str(err.value).startswith(f"drafter.init_from {case} ")
     with pytest.raises(UserError, match=r"recipe drafter.num_layers is 3, the drafter's is 2"):
-        tr.build_drafter(warm_start_recipe(chain_store, str(folders["vocab"]).replace("vocab", "eos"), tmp_path,
+        build_drafter(warm_start_recipe(chain_store, str(folders["vocab"]).replace("vocab", "eos"), tmp_path,
                                            num_layers=3), stores, str(tiny_target.path))
 
 
@@ -509,7 +513,7 @@ def test_a_warm_start_from_damaged_or_oversized_weights_is_one_line_naming_the_f
                 huge: f"{huge / 'config.json'}: num_hidden_layers is 1000000000, not an integer from 1 to 1024"}
     for folder, message in expected.items():
         with pytest.raises(UserError) as err:
-            tr.build_drafter(warm_start_recipe(chain_store, str(folder), tmp_path), StoreSet([str(chain_store)]),
+            build_drafter(warm_start_recipe(chain_store, str(folder), tmp_path), StoreSet([str(chain_store)]),
                              str(tiny_target.path))
         assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
@@ -553,7 +557,7 @@ def test_warm_starts_from_a_hub_repo_id_and_a_speculators_folder_train_on(chain_
                                   drafter={"num_layers": None, "init_from": source}, eval={"at_end": False})
             proc = subprocess.run(launch_cmd(recipe, 1), cwd=REPO, capture_output=True, text=True, timeout=300,
                                   env={**(run_env or os.environ), "WANDB_MODE": "disabled",
-                                       "MASTER_PORT": str(tr._free_port())})
+                                       "MASTER_PORT": str(_free_port())})
             assert proc.returncode == 0, proc.stderr[-3000:]
             started = json.loads((run / "drafter" / "config.json").read_text())["dflash_train"]["fine_tuned_from"]
             assert started["weights_sha256"] == zlab_sha and len(read_metrics(run)) == 3
@@ -621,7 +625,7 @@ def test_a_launch_that_started_fewer_processes_than_asked_is_an_error(monkeypatc
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # what `accelerate launch --num_processes 2` sets, on CPU,
     monkeypatch.setenv("ACCELERATE_USE_CPU", "False")  # before starting a single process
     with pytest.raises(UserError, match="started a single process"):
-        tr.make_accelerator(recipe)
+        make_accelerator(recipe)
 
 
 # --- the run folder: claimed, resumed only under the same recipe, never written with non-finite weights ----------
@@ -648,21 +652,21 @@ def test_resume_with_a_changed_recipe_is_refused_before_anything_is_written(chai
                                checkpoint={"every": 1}, eval={"at_end": True})
     proc = launch(recipe_file)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (step, checkpoint), = tr.checkpoint_dirs(run)[-1:]
-    assert step == 2 and json.loads((checkpoint / tr.STATE_FILE).read_text())["recipe"]["optimizer"]["lr"] == 0.01
+    (step, checkpoint), = checkpoint_dirs(run)[-1:]
+    assert step == 2 and json.loads((checkpoint / STATE_FILE).read_text())["recipe"]["optimizer"]["lr"] == 0.01
     written = {name: (run / name).read_bytes() for name in ("recipe.yaml", "provenance.json", "metrics.jsonl")}
 
     # what may change: how long it runs, how it logs, validates and checkpoints
-    tr.check_resumable(checkpoint, load_recipe(recipe_file, ["train.max_steps=4", "logging.log_every=2",
+    check_resumable(checkpoint, load_recipe(recipe_file, ["train.max_steps=4", "logging.log_every=2",
                                                              "eval.every=1", "checkpoint.keep_last=5"]), run, 1)
     # what may not: anything that changes what the checkpoint's weights, optimizer state or data order mean
     for override, named in (("optimizer.lr=0.02", "optimizer.lr 0.01 -> 0.02"),
                             ("drafter.num_layers=3", "drafter.num_layers 2 -> 3"),
                             ("seed=1", "seed 0 -> 1")):
         with pytest.raises(UserError, match=re.escape(named)):
-            tr.check_resumable(checkpoint, load_recipe(recipe_file, [override]), run, 1)
+            check_resumable(checkpoint, load_recipe(recipe_file, [override]), run, 1)
     with pytest.raises(UserError, match=r"processes 1 -> 2"):
-        tr.check_resumable(checkpoint, load_recipe(recipe_file), run, 2)
+        check_resumable(checkpoint, load_recipe(recipe_file), run, 2)
 
     proc = launch(recipe_file, 1, "optimizer.lr=0.02", "drafter.num_layers=3")
     assert proc.returncode != 0
@@ -689,9 +693,9 @@ def test_resume_with_a_changed_recipe_is_refused_before_anything_is_written(chai
     line = next(x for x in proc.stderr.splitlines() if x.startswith("train: error:"))
     assert f"checkpoint {checkpoint} cannot be loaded (" in line and "delete it to resume from an earlier" in line
     # and a trainer state that is not an object
-    (checkpoint / tr.STATE_FILE).write_text("[1]")
+    (checkpoint / STATE_FILE).write_text("[1]")
     with pytest.raises(UserError, match=r"holds a JSON list, not an object: the checkpoint cannot be resumed"):
-        tr.check_resumable(checkpoint, load_recipe(recipe_file), run, 1)
+        check_resumable(checkpoint, load_recipe(recipe_file), run, 1)
 
 
 @pytest.mark.slow
@@ -705,7 +709,7 @@ def test_a_run_whose_weights_turn_non_finite_writes_no_checkpoint_and_no_drafter
     assert proc.returncode != 0
     line = next(x for x in proc.stderr.splitlines() if x.startswith("train: error:"))
     assert "step 1: the drafter's weights hold NaN or inf" in line and "no checkpoint was written" in line, line
-    assert tr.checkpoint_dirs(run) == [] and not (run / "drafter").exists()
+    assert checkpoint_dirs(run) == [] and not (run / "drafter").exists()
 
 
 def test_a_run_may_resume_with_the_states_computed_instead_of_stored(tmp_path):
@@ -717,20 +721,20 @@ def test_a_run_may_resume_with_the_states_computed_instead_of_stored(tmp_path):
     recipe.data.stores = ["data/store/a"]
     checkpoint = tmp_path / "checkpoints" / "step-0000002"
     checkpoint.mkdir(parents=True)
-    (checkpoint / tr.STATE_FILE).write_text(json.dumps({"step": 2, "world_size": 1, "recipe": recipe.to_dict()}))
+    (checkpoint / STATE_FILE).write_text(json.dumps({"step": 2, "world_size": 1, "recipe": recipe.to_dict()}))
     recipe.data.hidden_states = "online"
-    tr.check_resumable(checkpoint, recipe, tmp_path, 1)
+    check_resumable(checkpoint, recipe, tmp_path, 1)
     recipe.data.stores = ["data/store/a-tokens"]
     with pytest.raises(UserError, match=r'data.stores.0 "data/store/a" -> "data/store/a-tokens"'):
-        tr.check_resumable(checkpoint, recipe, tmp_path, 1)
+        check_resumable(checkpoint, recipe, tmp_path, 1)
 
 
 def test_nonfinite_parameters_are_named():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    assert tr.nonfinite_parameters(model) == []
+    assert nonfinite_parameters(model) == []
     with torch.no_grad():
         model[1].bias[0] = float("nan")
-    assert tr.nonfinite_parameters(model) == ["1.bias"]
+    assert nonfinite_parameters(model) == ["1.bias"]
 
 
 def test_training_refuses_a_store_with_a_corrupted_shard(chain_store, tmp_path, monkeypatch):
@@ -739,13 +743,13 @@ def test_training_refuses_a_store_with_a_corrupted_shard(chain_store, tmp_path, 
     monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
     copy = tmp_path / "copy"
     shutil.copytree(chain_store, copy)
-    tr.check_store_hashes([str(copy)])  # sound: hashed once, then remembered
+    check_store_hashes([str(copy)])  # sound: hashed once, then remembered
     shard = next(copy.glob("shard-r000-*.safetensors"))
     data = bytearray(shard.read_bytes())
     data[-10] ^= 0x40  # a flip in the states that stays finite: it would have been trained on
     shard.write_bytes(bytes(data))
     with pytest.raises(UserError, match=rf"shard {shard.name} is corrupted"):
-        tr.check_store_hashes([str(copy)])
+        check_store_hashes([str(copy)])
 
 
 def test_store_from_a_fine_tune_of_the_target_is_refused(chain_store, tiny_target_dir, tmp_path):
@@ -761,8 +765,8 @@ def test_store_from_a_fine_tune_of_the_target_is_refused(chain_store, tiny_targe
     weights[key] = weights[key] * 1.01
     save_file(weights, str(tuned / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(UserError, match=r"its target's weights differs"):
-        tr.check_store_against_target(StoreSet([str(chain_store)]), str(tuned))
-    tr.check_store_against_target(StoreSet([str(chain_store)]), str(tiny_target_dir))  # the store's own target
+        check_store_against_target(StoreSet([str(chain_store)]), str(tuned))
+    check_store_against_target(StoreSet([str(chain_store)]), str(tiny_target_dir))  # the store's own target
 
 
 def direct_train_cmd(recipe: Path) -> list[str]:
@@ -779,7 +783,7 @@ def test_disk_full_during_a_checkpoint_save_is_one_line(chain_store, tmp_path):
     disk = tmp_path / "disk"
     recipe = write_recipe(tmp_path / "r.yaml", chain_store, disk / "run", train={"max_steps": 2, "micro_batch_size": 1},
                           checkpoint={"every": 1}, eval={"at_end": False})
-    env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(tr._free_port())}
+    env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(_free_port())}
     proc = run_with_mount(direct_train_cmd(recipe), disk, size="400k", cwd=REPO, env=env, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -793,7 +797,7 @@ def test_read_only_run_folder_is_one_line(chain_store, tmp_path):
 
     ro = tmp_path / "ro"
     recipe = write_recipe(tmp_path / "r.yaml", chain_store, ro, train={"max_steps": 1})
-    env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(tr._free_port())}
+    env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(_free_port())}
     proc = run_with_mount(direct_train_cmd(recipe), ro, read_only=True, cwd=REPO, env=env, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == \
