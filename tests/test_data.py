@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.stages.train.data import DataPlan, StoreSet, check_soft_labels, collate, make_rows, split_eval
+from dflash_train.stages.train.data import (DataPlan, StoreSet, anchor_weights, check_soft_labels, collate, make_rows,
+                                            split_eval)
 from dflash_train.errors import UserError
 
 
@@ -155,3 +156,10 @@ def test_stored_states_need_a_store_that_holds_them(tmp_path):
     assert "hidden_states" not in data.eval_samples[0]
     check_state_source(recipe, [StoreSet([str(tmp_path / "tokens")])])
     assert data.stores.summary()["stores"][0]["kind"] == "states"
+
+
+def test_copy_anchor_weight_favours_anchors_the_context_already_holds():
+    ids = torch.tensor([[5, 6, 7, 5, 6, 9, 6, 9]])
+    batch = {"input_ids": ids, "doc_start": torch.zeros_like(ids)}
+    assert anchor_weights(batch, 1.0) is None  # uniform: the sampler's own path, bit for bit
+    assert anchor_weights(batch, 4.0)[0].tolist() == [1, 1, 1, 1, 4, 1, 1, 4]
