@@ -1,6 +1,6 @@
-"""Training data (dflash_train/stages/train/data.py): rows with and without packing, the data plan across ranks and micro
-steps, the stable held-out split, collation (positions and doc starts of packed samples, top-k soft labels), and
-stores that must fit together."""
+"""Training data (dflash_train/stages/train/data.py): rows with and without packing, the data plan across ranks and
+micro steps, the stable held-out split, collation (positions and doc starts of packed samples, top-k soft labels),
+stores that must fit together, and the anchors' weights."""
 
 from __future__ import annotations
 
