@@ -20,7 +20,7 @@ import torch
 
 from dflash_train import objective as obj
 from dflash_train.model.checkpoint import load_drafter
-from dflash_train.store import open_store
+from dflash_train.store.reader import open_store
 from dflash_train.target import load_embedding_and_head
 
 

@@ -37,7 +37,8 @@ import torch
 from dflash_train.stages.capture.command import (PromptRecord, generate_and_capture, load_prompt_records, prefill_capture,
                                   resolve_layer_ids)
 from dflash_train.device import resolve_precision
-from dflash_train.store import StoreWriter, open_store
+from dflash_train.store.reader import open_store
+from dflash_train.store.writer import StoreWriter
 from dflash_train.target import DEFAULT_TARGET, load_target
 
 DEFAULT_PROMPTS = Path("data/prompts/sharegpt")

@@ -95,7 +95,8 @@ def probe_rates(target, prompts: list[list[int]], recipe, max_new_tokens: int, b
     import bench_train  # scripts/, beside this file
     from dflash_train.stages.capture.command import generate_and_capture, resolve_layer_ids
     from dflash_train.stages.train.data import OnlineStates, collate
-    from dflash_train.store import StoreWriter, floor_bytes_per_token
+    from dflash_train.store.format import floor_bytes_per_token
+    from dflash_train.store.writer import StoreWriter
 
     layers = layer_ids or resolve_layer_ids(target.num_layers, None, 5)
     stop, pad = target.stop_token_ids(), target.tokenizer.pad_token_id
@@ -218,7 +219,8 @@ def run_training(args, store: Path, source: str, out: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_train.store import open_store, verify_store
+    from dflash_train.store.reader import open_store
+    from dflash_train.store.verify import verify_store
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", default="data/prompts/sharegpt", help="an ingest output folder (its train split)")
@@ -317,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def rewrite_fp8(src: Path, out: Path) -> Path:
     """The same samples and states as `src`, written by the store writer in fp8 (one scale per token)."""
-    from dflash_train.store import StoreWriter, open_store
+    from dflash_train.store.reader import open_store
+    from dflash_train.store.writer import StoreWriter
 
     store = open_store(src)
     m = store.manifest

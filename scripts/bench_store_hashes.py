@@ -35,7 +35,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from dflash_train.provenance import DIGEST_CACHE, sha256_file
-    from dflash_train.store import check_hashes, open_store
+    from dflash_train.store.reader import open_store
+    from dflash_train.store.verify import check_hashes
 
     store = open_store(args.store)
     shards = [args.store / s["file"] for s in store.manifest["shards"]]

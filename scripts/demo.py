@@ -170,7 +170,7 @@ def demo_recipe(args: argparse.Namespace):
 
 def drafter_layers(recipe) -> int:
     """How many layers the drafter this recipe trains has: the starting drafter's under drafter.init_from."""
-    from dflash_train.stages.train.trainer import NEW_DRAFTER_LAYERS
+    from dflash_train.stages.train.drafter import NEW_DRAFTER_LAYERS
 
     if recipe.drafter.init_from is not None:
         from dflash_train.model.published import fetch_drafter

@@ -74,7 +74,7 @@ def compare_ids(own: list[str], logged: list[str]) -> dict[str, Any]:
 
 def check_own_store(store: Path, args: argparse.Namespace) -> None:
     """--own-store must hold the target's own responses to the prompts the logged capture will read."""
-    from dflash_train.store import open_store
+    from dflash_train.store.reader import open_store
 
     capture = open_store(store).manifest.get("capture") or {}
     wanted = {"responses": "generate", "split": "train", "limit": args.limit,

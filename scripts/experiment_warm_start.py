@@ -220,7 +220,7 @@ def has_logged_responses(prompts: Path) -> bool:
 def response_tokens(store: Path, sizes: dict[int, str]) -> dict[str, int]:
     """Per data-size run: the response tokens (loss positions) of the samples it trains on."""
     from dflash_train.stages.train.data import split_eval
-    from dflash_train.store import open_store
+    from dflash_train.store.reader import open_store
 
     st = open_store(store)
     train, _ = split_eval(st.ids, 0.1)  # the adapt recipe's data.eval_fraction

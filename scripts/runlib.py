@@ -278,7 +278,7 @@ def train_runs(recipe: str, plan: dict[str, tuple[Path, list[str]]], common: lis
 
 
 def store_ids(store: Path) -> list[str]:
-    from dflash_train.store import open_store
+    from dflash_train.store.reader import open_store
 
     return list(open_store(store).ids)
 

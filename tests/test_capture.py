@@ -18,7 +18,8 @@ from dflash_train.stages.capture.command import (CaptureConfig, PromptRecord, Sa
                                   logged_response_ids, prefill_capture, resolve_layer_ids, sample_next, sampling_for)
 from dflash_train.errors import UserError
 from dflash_train.provenance import write_provenance
-from dflash_train.store import open_store, verify_store
+from dflash_train.store.reader import open_store
+from dflash_train.store.verify import verify_store
 
 from conftest import REPO_ROOT
 

@@ -1,13 +1,14 @@
-"""Training data (dflash_train/stages/train/data.py): rows with and without packing, the data plan across ranks and micro
-steps, the stable held-out split, collation (positions and doc starts of packed samples, top-k soft labels), and
-stores that must fit together."""
+"""Training data (dflash_train/stages/train/data.py): rows with and without packing, the data plan across ranks and
+micro steps, the stable held-out split, collation (positions and doc starts of packed samples, top-k soft labels),
+stores that must fit together, and the anchors' weights."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dflash_train.stages.train.data import DataPlan, StoreSet, check_soft_labels, collate, make_rows, split_eval
+from dflash_train.stages.train.data import (DataPlan, StoreSet, anchor_weights, check_soft_labels, collate, make_rows,
+                                            split_eval)
 from dflash_train.errors import UserError
 
 
@@ -53,7 +54,7 @@ def test_collate_packs_samples_with_their_own_positions():
 
 def test_collate_carries_topk_and_the_trainer_names_a_store_without_it(tmp_path):
     from dflash_train.stages.train.recipe import Recipe
-    from dflash_train.store import StoreWriter
+    from dflash_train.store.writer import StoreWriter
 
     def sample(n, k):
         s = {"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.bool),
@@ -81,7 +82,7 @@ def test_collate_carries_topk_and_the_trainer_names_a_store_without_it(tmp_path)
 
 
 def test_stores_trained_together_must_fit(tmp_path):
-    from dflash_train.store import StoreWriter
+    from dflash_train.store.writer import StoreWriter
 
     def store(name, layers, target):
         with StoreWriter(tmp_path / name, target=target, target_layer_ids=layers, hidden_size=8) as writer:
@@ -136,7 +137,7 @@ def test_online_states_of_a_padded_micro_batch_are_each_samples_own_states(tiny_
 def test_stored_states_need_a_store_that_holds_them(tmp_path):
     from dflash_train.stages.train.data import check_state_source, prepare_data
     from dflash_train.stages.train.recipe import Recipe
-    from dflash_train.store import StoreWriter
+    from dflash_train.store.writer import StoreWriter
 
     for name, storage in (("states", "bf16"), ("tokens", "none")):
         with StoreWriter(tmp_path / name, target={"name": "x"}, target_layer_ids=[1], hidden_size=8,
@@ -155,3 +156,10 @@ def test_stored_states_need_a_store_that_holds_them(tmp_path):
     assert "hidden_states" not in data.eval_samples[0]
     check_state_source(recipe, [StoreSet([str(tmp_path / "tokens")])])
     assert data.stores.summary()["stores"][0]["kind"] == "states"
+
+
+def test_copy_anchor_weight_favours_anchors_the_context_already_holds():
+    ids = torch.tensor([[5, 6, 7, 5, 6, 9, 6, 9]])
+    batch = {"input_ids": ids, "doc_start": torch.zeros_like(ids)}
+    assert anchor_weights(batch, 1.0) is None  # uniform: the sampler's own path, bit for bit
+    assert anchor_weights(batch, 4.0)[0].tolist() == [1, 1, 1, 1, 4, 1, 1, 4]

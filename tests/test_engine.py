@@ -141,7 +141,8 @@ def engine_store(engine_target, prompts_file, tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_engine_capture_equals_the_one_pass_capture_and_a_teacher_forced_forward(engine_target, engine_store,
                                                                                  prompts_file, tmp_path):
-    from dflash_train.store import open_store, verify_store
+    from dflash_train.store.reader import open_store
+    from dflash_train.store.verify import verify_store
     from dflash_train.target import load_target
 
     own = tmp_path / "own"

@@ -490,7 +490,7 @@ def store_dir(tiny_target, prompts_dir, tmp_path_factory):
     """Held-out samples as capture writes them: the target's greedy response and the tapped states."""
     from dflash_train.stages.capture.command import load_prompt_records
     from dflash_train.spec_decode import plain_generate
-    from dflash_train.store import StoreWriter
+    from dflash_train.store.writer import StoreWriter
 
     out = tmp_path_factory.mktemp("store") / "s"
     model = tiny_target.model
@@ -702,7 +702,7 @@ def test_eval_refuses_prompts_the_drafter_was_trained_on(tiny_target_dir, drafte
     from dflash_train.stages.capture.command import load_prompt_records, prompt_set
     from dflash_train.errors import UserError
     from dflash_train.stages.evaluate.command import check_held_out
-    from dflash_train.store import StoreWriter
+    from dflash_train.store.writer import StoreWriter
 
     train, _ = load_prompt_records(prompts_dir, "train")
     held_out, _ = load_prompt_records(prompts_dir, "eval")
@@ -756,7 +756,7 @@ def test_eval_refuses_a_token_only_store_in_one_line(tiny_target, tiny_target_di
     """The offline estimate reads the stored states: a store captured with --storage none is one line, not a
     KeyError from the first sample."""
     from dflash_train.stages.capture.command import load_prompt_records
-    from dflash_train.store import StoreWriter
+    from dflash_train.store.writer import StoreWriter
 
     monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
     tokens = tmp_path / "tokens"

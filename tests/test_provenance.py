@@ -50,7 +50,7 @@ def test_the_outputs_of_train_and_eval_are_told_from_a_users_files_of_the_same_n
     """Their folders from before stages were recorded were recognised by a recipe.yaml or a report.json alone, and a
     user's own file of that name was overwritten."""
     from dflash_train.stages.evaluate.command import is_eval_folder
-    from dflash_train.stages.train.trainer import STATE_FILE, is_run_folder
+    from dflash_train.stages.train.run_folder import STATE_FILE, is_run_folder
 
     mine = tmp_path / "mine"
     mine.mkdir()

@@ -35,7 +35,7 @@ def drafter_dir(tmp_path_factory, tiny_target):
     from tiny import make_tiny_drafter
 
     from dflash_train.model.checkpoint import save_drafter
-    from dflash_train.store import StoreWriter
+    from dflash_train.store.writer import StoreWriter
 
     root = tmp_path_factory.mktemp("push_run")
     identity = dict(tiny_target.identity().to_dict(), base_model="tiny-org/tiny-target")

@@ -147,7 +147,7 @@ def test_missing_recipe_file(tmp_path):
 
 
 def test_defaults_are_the_dflash_recipe():
-    from dflash_train.stages.train.trainer import NEW_DRAFTER_LAYERS
+    from dflash_train.stages.train.drafter import NEW_DRAFTER_LAYERS
 
     r = Recipe()
     assert r.drafter.num_layers is None and NEW_DRAFTER_LAYERS == 5  # unset: a new drafter has 5 layers

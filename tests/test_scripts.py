@@ -371,7 +371,7 @@ def test_ngram_baseline_scores_bigram_and_trigram_tables(tmp_path, capsys):
     import ngram_baseline as ng
     import torch
 
-    from dflash_train.store import StoreWriter
+    from dflash_train.store.writer import StoreWriter
 
     # "a b c" and "d b e": after b the bigram table can only guess, the trigram table knows
     prompt_then_response = [False, True, True, True]
@@ -464,7 +464,7 @@ def test_copy_probe_trains_a_drafter_on_copy_and_real_batches_and_records_both_l
     from transformers import AutoConfig
 
     from dflash_train.model.checkpoint import save_drafter
-    from dflash_train.store import StoreWriter
+    from dflash_train.store.writer import StoreWriter
 
     drafter, config = make_tiny_drafter(AutoConfig.from_pretrained(tiny_target_dir), tiny_target.tokenizer,
                                         block_size=4)

@@ -5,10 +5,13 @@ import pickle
 import pytest
 import torch
 
-from dflash_train import store as store_mod
 from dflash_train.cli import main as cli_main
 from dflash_train.errors import UserError
-from dflash_train.store import StoreWriter, finalize_store, open_store, verify_store
+from dflash_train.store import writer as store_writer
+from dflash_train.store.format import dequantize_fp8, quantize_fp8
+from dflash_train.store.reader import open_store
+from dflash_train.store.verify import check_hashes, verify_store
+from dflash_train.store.writer import StoreWriter, finalize_store
 
 IDENTITY = {"name": "fake", "config_hash": "abc", "tokenizer_hash": "def", "chat_template_hash": "ghi"}
 
@@ -91,9 +94,9 @@ def test_fp8_round_trip(tmp_path):
     size = lambda d: sum(p.stat().st_size for p in (tmp_path / d).glob("shard-*"))  # noqa: E731
     assert 0.45 < size("fp8") / size("bf16") < 0.56
     assert open_store(tmp_path / "fp8").manifest["floor_bytes_per_token"] == width
-    q, scales = store_mod.quantize_fp8(samples[0]["hidden_states"])
+    q, scales = quantize_fp8(samples[0]["hidden_states"])
     assert q.dtype == torch.float8_e4m3fn and scales.shape == (len(q),)
-    assert torch.equal(store_mod.dequantize_fp8(q, scales), (q.float() * scales[:, None]).to(torch.bfloat16))
+    assert torch.equal(dequantize_fp8(q, scales), (q.float() * scales[:, None]).to(torch.bfloat16))
 
 
 def test_a_token_only_store_holds_everything_but_the_states(tmp_path, capsys):
@@ -263,18 +266,18 @@ def test_disk_full_is_a_clear_error_and_leaves_no_manifest(tmp_path, monkeypatch
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    real_save = store_mod._save_safetensors
-    monkeypatch.setattr(store_mod, "_save_safetensors", full)
+    real_save = store_writer._save_safetensors
+    monkeypatch.setattr(store_writer, "_save_safetensors", full)
     with pytest.raises(UserError, match="disk full"):
         write(out, samples)
     assert not (out / "manifest.json").exists() and not list(out.glob("shard-*"))
-    monkeypatch.setattr(store_mod, "_save_safetensors", real_save)
+    monkeypatch.setattr(store_writer, "_save_safetensors", real_save)
     writer = StoreWriter(out, target=IDENTITY, target_layer_ids=[1, 3, 5], hidden_size=8,
                          generation={"temperature": 0.0, "template_kwargs": {}})
     for s in samples:
         writer.add(s["input_ids"], s["loss_mask"], s["hidden_states"], id=s["id"], weight=s["weight"])
     writer.flush()
-    monkeypatch.setattr(store_mod, "write_json_atomic", full)  # full again when the manifest is written
+    monkeypatch.setattr(store_writer, "write_json_atomic", full)  # full again when the manifest is written
     with pytest.raises(UserError, match="disk full"):
         finalize_store(out)
     assert not (out / "manifest.json").exists() and not list(out.glob("*.tmp"))
@@ -424,11 +427,11 @@ def test_shard_hashes_are_checked_on_open_and_verified_shards_are_not_hashed_aga
     write(tmp_path / "st", make_samples(20, 24), shard_bytes=3000)
     n = len(open_store(tmp_path / "st").manifest["shards"])
     # the writer hashed every shard as it wrote it: on this machine nothing needs hashing again
-    assert store_mod.check_hashes(tmp_path / "st") == {"hashed": 0, "cached": n, "bytes_hashed": 0}
+    assert check_hashes(tmp_path / "st") == {"hashed": 0, "cached": n, "bytes_hashed": 0}
     shutil.rmtree(tmp_path / "cache")  # another machine (or a copied store): everything is hashed once
-    assert store_mod.check_hashes(tmp_path / "st")["hashed"] == n
-    assert store_mod.check_hashes(tmp_path / "st") == {"hashed": 0, "cached": n, "bytes_hashed": 0}
-    halves = [store_mod.check_hashes(tmp_path / "st", rank=r, world=2) for r in (0, 1)]
+    assert check_hashes(tmp_path / "st")["hashed"] == n
+    assert check_hashes(tmp_path / "st") == {"hashed": 0, "cached": n, "bytes_hashed": 0}
+    halves = [check_hashes(tmp_path / "st", rank=r, world=2) for r in (0, 1)]
     assert sum(h["cached"] for h in halves) == n  # the ranks of a run split the shards between them
     shard = open_store(tmp_path / "st").manifest["shards"][2]["file"]
     path = tmp_path / "st" / shard
@@ -436,5 +439,5 @@ def test_shard_hashes_are_checked_on_open_and_verified_shards_are_not_hashed_aga
     data[-100] ^= 0x01  # a flip inside the states: finite, same size; only the hash tells
     path.write_bytes(bytes(data))
     with pytest.raises(UserError, match=rf"shard {shard} is corrupted"):
-        store_mod.check_hashes(tmp_path / "st")
+        check_hashes(tmp_path / "st")
     assert len(open_store(tmp_path / "st")) == 20  # open_store alone reads headers only: it would have trained on it

@@ -1,5 +1,5 @@
 """The trainer under `accelerate launch` with DeepSpeed ZeRO-2 on CPU: 1 and 2 processes, kill-and-resume, the
-overfit gate, and the data plumbing (rows, packing, eval split, schedule, store/target checks)."""
+overfit gate, and the data plumbing (rows, packing, eval split, store/target checks; the schedule: test_schedule.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_train.stages.train import trainer as tr
-from dflash_train.stages.train.data import StoreSet
 from dflash_train.errors import UserError
+from dflash_train.stages.train.accelerator import _free_port, deepspeed_config, make_accelerator, train_precision
+from dflash_train.stages.train.checkpointing import nonfinite_parameters
+from dflash_train.stages.train.data import StoreSet, check_store_hashes
+from dflash_train.stages.train.drafter import build_drafter, check_store_against_target
+from dflash_train.stages.train.run_folder import STATE_FILE, check_resumable, checkpoint_dirs
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = [1, 3, 5]
@@ -39,7 +42,7 @@ def capture_tiny_store(target, out: Path, num_samples: int = 4, response_len: in
     The random tiny target's own greedy output collapses into one repeated token, which a drafter with shifted
     labels would predict just as well; on a cycle, the token k steps after the anchor is a fixed function of the
     anchor, so only correctly aligned labels can reach a high acceptance length."""
-    from dflash_train.store import StoreWriter
+    from dflash_train.store.writer import StoreWriter
 
     g = torch.Generator().manual_seed(seed)
     cycle = torch.arange(6, 484)[torch.randperm(478, generator=g)[:cycle_len]].tolist()
@@ -66,7 +69,8 @@ def poison_store(src: Path, out: Path, bad: list[int]) -> Path:
     from safetensors.torch import save_file
 
     from dflash_train.provenance import sha256_file
-    from dflash_train.store import StoreWriter, open_store
+    from dflash_train.store.reader import open_store
+    from dflash_train.store.writer import StoreWriter
 
     store = open_store(src)
     m = store.manifest
@@ -126,7 +130,7 @@ def launch_cmd(recipe: Path, processes: int, *overrides: str) -> list[str]:
 
 
 def launch(recipe: Path, processes: int = 1, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(tr._free_port())}
+    env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(_free_port())}
     return subprocess.run(launch_cmd(recipe, processes, *overrides), cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -142,7 +146,7 @@ def read_metrics(run: Path, kind: str = "train") -> list[dict]:
 
 
 def checkpoint_states(run: Path) -> dict[int, dict]:
-    return {step: json.loads((path / tr.STATE_FILE).read_text()) for step, path in tr.checkpoint_dirs(run)}
+    return {step: json.loads((path / STATE_FILE).read_text()) for step, path in checkpoint_dirs(run)}
 
 
 # --- the runs -----------------------------------------------------------------------------------------------
@@ -154,7 +158,7 @@ def test_one_process_zero2_overfit_gate(chain_store, tiny_target, tmp_path):
     right labels and a right mask get there (a shifted label predicts the wrong step of the cycle)."""
     from dflash_train import objective as obj
     from dflash_train.model.checkpoint import load_drafter
-    from dflash_train.store import open_store
+    from dflash_train.store.reader import open_store
 
     run = tmp_path / "run"
     proc = launch(write_recipe(tmp_path / "r.yaml", chain_store, run))
@@ -204,7 +208,7 @@ def test_two_processes_zero2_identical_ranks_and_kill_resume(chain_store, tmp_pa
 
     killed = tmp_path / "killed"
     recipe = write_recipe(tmp_path / "killed.yaml", chain_store, killed, **settings)
-    env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(tr._free_port())}
+    env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(_free_port())}
     proc = subprocess.Popen(launch_cmd(recipe, 2), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 240
@@ -231,7 +235,7 @@ def prefill_stores(target, out: Path, num_samples: int = 4, cycle_len: int = 16)
     with the states `capture --responses logged` records (capture.prefill_capture, one sample at a time, in the
     target's dtype, stored as bf16) and one token-only (`capture --storage none`)."""
     from dflash_train.stages.capture.command import prefill_capture
-    from dflash_train.store import StoreWriter
+    from dflash_train.store.writer import StoreWriter
 
     g = torch.Generator().manual_seed(0)
     cycle = torch.arange(6, 484)[torch.randperm(478, generator=g)[:cycle_len]].tolist()
@@ -319,51 +323,6 @@ def test_non_finite_steps_are_skipped_then_abort(chain_store, tmp_path):
 # --- plumbing ----------------------------------------------------------------------------------------------
 
 
-def test_lr_schedule_warmup_then_cosine():
-    f = [tr.lr_factor(s, 100, 0.04, "cosine", 0.0) for s in range(100)]
-    assert f[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert all(a >= b for a, b in zip(f[3:], f[4:])) and f[-1] < 0.01
-    assert tr.lr_factor(50, 100, 0.04, "constant", 0.0) == 1.0
-    assert tr.lr_factor(99, 100, 0.0, "cosine", 0.1) >= 0.1
-
-
-def test_lr_schedule_wsd_and_time_budget_progress():
-    f = [tr.lr_factor(s, 100, 0.1, "wsd", 0.0, decay_ratio=0.2) for s in range(100)]
-    assert f[9] == 1.0 and all(x == 1.0 for x in f[10:80])  # warmup, then stable
-    assert all(a > b for a, b in zip(f[80:], f[81:])) and f[-1] < 0.1  # linear decay over the last 20%
-    # with a time budget the same shape runs on the fraction of the budget used, whatever the step
-    assert tr.lr_factor(3, 10_000, 0.1, "wsd", 0.0, decay_ratio=0.2, progress=0.05) == pytest.approx(0.5)
-    assert tr.lr_factor(3, 10_000, 0.1, "wsd", 0.0, decay_ratio=0.2, progress=0.5) == 1.0
-    assert tr.lr_factor(3, 10_000, 0.1, "wsd", 0.1, decay_ratio=0.2, progress=0.9) == pytest.approx(0.55)
-    assert tr.lr_factor(3, 10_000, 0.0, "cosine", 0.0, progress=1.0) == pytest.approx(0.0)
-    clock = tr.TrainClock(budget_s=10.0, already_s=4.0)
-    assert clock.progress_at(3, 10_000) == pytest.approx(0.4) and not clock.expired
-    # a run that reaches its max_steps before its budget is that far along: the schedule decays on steps then
-    assert clock.progress_at(90, 100) == pytest.approx(0.9)
-    clock.spent_s = 10.0
-    assert clock.expired and tr.TrainClock(None).progress_at(5, 10) is None
-
-
-def test_context_warmup_covers_the_first_fraction_of_steps_or_of_the_time_budget():
-    from dflash_train.stages.train.recipe import Recipe
-
-    recipe = Recipe()
-    recipe.objective.context_warmup_ratio = 0.4
-    no_budget = tr.TrainClock(None)
-    assert tr.in_context_warmup(recipe, 39, 100, no_budget) and not tr.in_context_warmup(recipe, 40, 100, no_budget)
-    assert tr.in_context_warmup(recipe, 500, 10_000, tr.TrainClock(100.0, already_s=39.0))
-    assert not tr.in_context_warmup(recipe, 5, 10_000, tr.TrainClock(100.0, already_s=41.0))
-    recipe.objective.context_warmup_ratio = 0.0
-    assert not tr.in_context_warmup(recipe, 0, 100, no_budget)
-
-
-def test_copy_anchor_weight_favours_anchors_the_context_already_holds():
-    ids = torch.tensor([[5, 6, 7, 5, 6, 9, 6, 9]])
-    batch = {"input_ids": ids, "doc_start": torch.zeros_like(ids)}
-    assert tr.anchor_weights(batch, 1.0) is None  # uniform: the sampler's own path, bit for bit
-    assert tr.anchor_weights(batch, 4.0)[0].tolist() == [1, 1, 1, 1, 4, 1, 1, 4]
-
-
 @pytest.mark.slow
 def test_time_budget_target_init_context_norm_then_fine_tune_from_it(chain_store, tmp_path):
     """The sample-efficiency switches in a real launch: a run that stops on its time budget, on the first 2
@@ -402,11 +361,11 @@ def test_deepspeed_config_takes_batch_clip_and_precision_from_the_recipe(monkeyp
     recipe.data.stores = ["x"]
     recipe.train.micro_batch_size, recipe.train.grad_accum_steps, recipe.optimizer.grad_clip = 3, 5, 0.5
     recipe.train.precision = "bf16"
-    cfg = tr.deepspeed_config(recipe)
+    cfg = deepspeed_config(recipe)
     assert cfg["train_micro_batch_size_per_gpu"] == 3 and cfg["gradient_accumulation_steps"] == 5
     assert cfg["gradient_clipping"] == 0.5 and cfg["bf16"]["enabled"] is True
     recipe.train.precision, recipe.train.device = "auto", "cpu"  # auto: what this CPU runs natively
-    assert tr.deepspeed_config(recipe)["bf16"]["enabled"] is (tr.train_precision(recipe).name == "bf16")
+    assert deepspeed_config(recipe)["bf16"]["enabled"] is (train_precision(recipe).name == "bf16")
     assert cfg["zero_optimization"]["stage"] == 2
     assert "auto" not in json.dumps(cfg)
 
@@ -417,7 +376,7 @@ def test_store_from_another_target_is_rejected(chain_store, tmp_path):
     other = make_tiny_target(tmp_path / "other", num_layers=6)
     stores = StoreSet([str(chain_store)])
     with pytest.raises(UserError, match="captured from target"):
-        tr.check_store_against_target(stores, str(other))
+        check_store_against_target(stores, str(other))
 
 
 def test_layer_ids_must_match_the_store(chain_store, tiny_target_dir):
@@ -426,7 +385,7 @@ def test_layer_ids_must_match_the_store(chain_store, tiny_target_dir):
     recipe = Recipe()
     recipe.drafter.target_layer_ids = [1, 2, 3]
     with pytest.raises(UserError, match=r"target_layer_ids \[1, 2, 3\] differ .*\[1, 3, 5\]"):
-        tr.build_drafter(recipe, StoreSet([str(chain_store)]), str(tiny_target_dir))
+        build_drafter(recipe, StoreSet([str(chain_store)]), str(tiny_target_dir))
 
 
 # --- warm starts from published drafters ------------------------------------------------------------------------
@@ -477,11 +436,11 @@ def test_a_warm_start_is_held_against_the_target_and_the_store_in_one_line(chain
     stores = StoreSet([str(chain_store)])
     for case, message in expected.items():
         with pytest.raises(UserError, match=re.escape(message)) as err:
-            tr.build_drafter(warm_start_recipe(chain_store, str(folders[case]), tmp_path), stores,
+            build_drafter(warm_start_recipe(chain_store, str(folders[case]), tmp_path), stores,
                              str(tiny_target.path))
         assert "\n" not in str(err.value) and str(err.value).startswith(f"drafter.init_from {case} ")
     with pytest.raises(UserError, match=r"recipe drafter.num_layers is 3, the drafter's is 2"):
-        tr.build_drafter(warm_start_recipe(chain_store, str(folders["vocab"]).replace("vocab", "eos"), tmp_path,
+        build_drafter(warm_start_recipe(chain_store, str(folders["vocab"]).replace("vocab", "eos"), tmp_path,
                                            num_layers=3), stores, str(tiny_target.path))
 
 
@@ -508,7 +467,7 @@ def test_a_warm_start_from_damaged_or_oversized_weights_is_one_line_naming_the_f
                 huge: f"{huge / 'config.json'}: num_hidden_layers is 1000000000, not an integer from 1 to 1024"}
     for folder, message in expected.items():
         with pytest.raises(UserError) as err:
-            tr.build_drafter(warm_start_recipe(chain_store, str(folder), tmp_path), StoreSet([str(chain_store)]),
+            build_drafter(warm_start_recipe(chain_store, str(folder), tmp_path), StoreSet([str(chain_store)]),
                              str(tiny_target.path))
         assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
@@ -552,7 +511,7 @@ def test_warm_starts_from_a_hub_repo_id_and_a_speculators_folder_train_on(chain_
                                   drafter={"num_layers": None, "init_from": source}, eval={"at_end": False})
             proc = subprocess.run(launch_cmd(recipe, 1), cwd=REPO, capture_output=True, text=True, timeout=300,
                                   env={**(run_env or os.environ), "WANDB_MODE": "disabled",
-                                       "MASTER_PORT": str(tr._free_port())})
+                                       "MASTER_PORT": str(_free_port())})
             assert proc.returncode == 0, proc.stderr[-3000:]
             started = json.loads((run / "drafter" / "config.json").read_text())["dflash_train"]["fine_tuned_from"]
             assert started["weights_sha256"] == zlab_sha and len(read_metrics(run)) == 3
@@ -620,7 +579,7 @@ def test_a_launch_that_started_fewer_processes_than_asked_is_an_error(monkeypatc
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # what `accelerate launch --num_processes 2` sets, on CPU,
     monkeypatch.setenv("ACCELERATE_USE_CPU", "False")  # before starting a single process
     with pytest.raises(UserError, match="started a single process"):
-        tr.make_accelerator(recipe)
+        make_accelerator(recipe)
 
 
 # --- the run folder: claimed, resumed only under the same recipe, never written with non-finite weights ----------
@@ -647,21 +606,21 @@ def test_resume_with_a_changed_recipe_is_refused_before_anything_is_written(chai
                                checkpoint={"every": 1}, eval={"at_end": True})
     proc = launch(recipe_file)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (step, checkpoint), = tr.checkpoint_dirs(run)[-1:]
-    assert step == 2 and json.loads((checkpoint / tr.STATE_FILE).read_text())["recipe"]["optimizer"]["lr"] == 0.01
+    (step, checkpoint), = checkpoint_dirs(run)[-1:]
+    assert step == 2 and json.loads((checkpoint / STATE_FILE).read_text())["recipe"]["optimizer"]["lr"] == 0.01
     written = {name: (run / name).read_bytes() for name in ("recipe.yaml", "provenance.json", "metrics.jsonl")}
 
     # what may change: how long it runs, how it logs, validates and checkpoints
-    tr.check_resumable(checkpoint, load_recipe(recipe_file, ["train.max_steps=4", "logging.log_every=2",
+    check_resumable(checkpoint, load_recipe(recipe_file, ["train.max_steps=4", "logging.log_every=2",
                                                              "eval.every=1", "checkpoint.keep_last=5"]), run, 1)
     # what may not: anything that changes what the checkpoint's weights, optimizer state or data order mean
     for override, named in (("optimizer.lr=0.02", "optimizer.lr 0.01 -> 0.02"),
                             ("drafter.num_layers=3", "drafter.num_layers 2 -> 3"),
                             ("seed=1", "seed 0 -> 1")):
         with pytest.raises(UserError, match=re.escape(named)):
-            tr.check_resumable(checkpoint, load_recipe(recipe_file, [override]), run, 1)
+            check_resumable(checkpoint, load_recipe(recipe_file, [override]), run, 1)
     with pytest.raises(UserError, match=r"processes 1 -> 2"):
-        tr.check_resumable(checkpoint, load_recipe(recipe_file), run, 2)
+        check_resumable(checkpoint, load_recipe(recipe_file), run, 2)
 
     proc = launch(recipe_file, 1, "optimizer.lr=0.02", "drafter.num_layers=3")
     assert proc.returncode != 0
@@ -688,9 +647,9 @@ def test_resume_with_a_changed_recipe_is_refused_before_anything_is_written(chai
     line = next(x for x in proc.stderr.splitlines() if x.startswith("train: error:"))
     assert f"checkpoint {checkpoint} cannot be loaded (" in line and "delete it to resume from an earlier" in line
     # and a trainer state that is not an object
-    (checkpoint / tr.STATE_FILE).write_text("[1]")
+    (checkpoint / STATE_FILE).write_text("[1]")
     with pytest.raises(UserError, match=r"holds a JSON list, not an object: the checkpoint cannot be resumed"):
-        tr.check_resumable(checkpoint, load_recipe(recipe_file), run, 1)
+        check_resumable(checkpoint, load_recipe(recipe_file), run, 1)
 
 
 @pytest.mark.slow
@@ -704,7 +663,7 @@ def test_a_run_whose_weights_turn_non_finite_writes_no_checkpoint_and_no_drafter
     assert proc.returncode != 0
     line = next(x for x in proc.stderr.splitlines() if x.startswith("train: error:"))
     assert "step 1: the drafter's weights hold NaN or inf" in line and "no checkpoint was written" in line, line
-    assert tr.checkpoint_dirs(run) == [] and not (run / "drafter").exists()
+    assert checkpoint_dirs(run) == [] and not (run / "drafter").exists()
 
 
 def test_a_run_may_resume_with_the_states_computed_instead_of_stored(tmp_path):
@@ -716,20 +675,20 @@ def test_a_run_may_resume_with_the_states_computed_instead_of_stored(tmp_path):
     recipe.data.stores = ["data/store/a"]
     checkpoint = tmp_path / "checkpoints" / "step-0000002"
     checkpoint.mkdir(parents=True)
-    (checkpoint / tr.STATE_FILE).write_text(json.dumps({"step": 2, "world_size": 1, "recipe": recipe.to_dict()}))
+    (checkpoint / STATE_FILE).write_text(json.dumps({"step": 2, "world_size": 1, "recipe": recipe.to_dict()}))
     recipe.data.hidden_states = "online"
-    tr.check_resumable(checkpoint, recipe, tmp_path, 1)
+    check_resumable(checkpoint, recipe, tmp_path, 1)
     recipe.data.stores = ["data/store/a-tokens"]
     with pytest.raises(UserError, match=r'data.stores.0 "data/store/a" -> "data/store/a-tokens"'):
-        tr.check_resumable(checkpoint, recipe, tmp_path, 1)
+        check_resumable(checkpoint, recipe, tmp_path, 1)
 
 
 def test_nonfinite_parameters_are_named():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    assert tr.nonfinite_parameters(model) == []
+    assert nonfinite_parameters(model) == []
     with torch.no_grad():
         model[1].bias[0] = float("nan")
-    assert tr.nonfinite_parameters(model) == ["1.bias"]
+    assert nonfinite_parameters(model) == ["1.bias"]
 
 
 def test_training_refuses_a_store_with_a_corrupted_shard(chain_store, tmp_path, monkeypatch):
@@ -738,13 +697,13 @@ def test_training_refuses_a_store_with_a_corrupted_shard(chain_store, tmp_path, 
     monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
     copy = tmp_path / "copy"
     shutil.copytree(chain_store, copy)
-    tr.check_store_hashes([str(copy)])  # sound: hashed once, then remembered
+    check_store_hashes([str(copy)])  # sound: hashed once, then remembered
     shard = next(copy.glob("shard-r000-*.safetensors"))
     data = bytearray(shard.read_bytes())
     data[-10] ^= 0x40  # a flip in the states that stays finite: it would have been trained on
     shard.write_bytes(bytes(data))
     with pytest.raises(UserError, match=rf"shard {shard.name} is corrupted"):
-        tr.check_store_hashes([str(copy)])
+        check_store_hashes([str(copy)])
 
 
 def test_store_from_a_fine_tune_of_the_target_is_refused(chain_store, tiny_target_dir, tmp_path):
@@ -760,8 +719,8 @@ def test_store_from_a_fine_tune_of_the_target_is_refused(chain_store, tiny_targe
     weights[key] = weights[key] * 1.01
     save_file(weights, str(tuned / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(UserError, match=r"its target's weights differs"):
-        tr.check_store_against_target(StoreSet([str(chain_store)]), str(tuned))
-    tr.check_store_against_target(StoreSet([str(chain_store)]), str(tiny_target_dir))  # the store's own target
+        check_store_against_target(StoreSet([str(chain_store)]), str(tuned))
+    check_store_against_target(StoreSet([str(chain_store)]), str(tiny_target_dir))  # the store's own target
 
 
 def direct_train_cmd(recipe: Path) -> list[str]:
@@ -778,7 +737,7 @@ def test_disk_full_during_a_checkpoint_save_is_one_line(chain_store, tmp_path):
     disk = tmp_path / "disk"
     recipe = write_recipe(tmp_path / "r.yaml", chain_store, disk / "run", train={"max_steps": 2, "micro_batch_size": 1},
                           checkpoint={"every": 1}, eval={"at_end": False})
-    env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(tr._free_port())}
+    env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(_free_port())}
     proc = run_with_mount(direct_train_cmd(recipe), disk, size="400k", cwd=REPO, env=env, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -792,7 +751,7 @@ def test_read_only_run_folder_is_one_line(chain_store, tmp_path):
 
     ro = tmp_path / "ro"
     recipe = write_recipe(tmp_path / "r.yaml", chain_store, ro, train={"max_steps": 1})
-    env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(tr._free_port())}
+    env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(_free_port())}
     proc = run_with_mount(direct_train_cmd(recipe), ro, read_only=True, cwd=REPO, env=env, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == \

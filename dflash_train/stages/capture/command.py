@@ -47,7 +47,8 @@ from dflash_train.engine import ENGINE_ARGS_HELP, engine_args_problem
 from dflash_train.options import add_options, at_least, from_args, in_range, option, validate
 from dflash_train.provenance import read_json
 from dflash_train.sampling import Sampling
-from dflash_train.store import DEFAULT_SHARD_BYTES, NO_STATES, StoreWriter, finalize_store
+from dflash_train.store.format import NO_STATES
+from dflash_train.store.writer import DEFAULT_SHARD_BYTES, StoreWriter, finalize_store
 from dflash_train.target import (DEFAULT_TARGET, Target, cache_keyword, chat_text, check_layer_ids,
                                  default_layer_ids, load_target, prompt_seed, tap_layers)
 

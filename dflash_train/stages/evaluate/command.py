@@ -246,7 +246,7 @@ def check_held_out(drafter: str, ids: set[str], what: str, prompt_set: dict[str,
     for entry in stores:
         path = Path(str(entry.get("path")))
         if (path / "manifest.json").exists():
-            from dflash_train.store import open_store
+            from dflash_train.store.reader import open_store
 
             trained = ids.intersection(open_store(path).ids)
             checked["by_id"].append(str(path))
@@ -962,7 +962,9 @@ def open_eval_store(cfg: EvalConfig, target: Target):
     """The --store of the offline estimate, its shards re-hashed, checked to hold no training sample and to hold
     what the drafter reads from this target; returns (store, its held-out check for the report)."""
     from dflash_train.model.checkpoint import read_config
-    from dflash_train.store import check_hashes, holds_states, open_store
+    from dflash_train.store.format import holds_states
+    from dflash_train.store.reader import open_store
+    from dflash_train.store.verify import check_hashes
 
     check_hashes(cfg.store)
     store = open_store(cfg.store)

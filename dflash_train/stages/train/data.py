@@ -7,9 +7,11 @@ and which rows every (step, micro step, rank) reads.
     plan = DataPlan(rows, world, micro_batch, grad_accum, seed)  a seeded permutation of the rows per epoch
     batch = collate([[stores[i] for i in row] for row in plan.rows_for(step, micro, rank)], max_length)
 
-Every choice is a pure function of (recipe, step, micro step, rank), anchors included (`anchor_generator`), so a run
-resumed from a checkpoint reads exactly what an uninterrupted run reads. This module reads stores only: no
-accelerate, no DeepSpeed (scripts/ngram_baseline.py uses it to read a store as the trainer does).
+Every choice is a pure function of (recipe, step, micro step, rank), anchors included (`anchor_generator`; their
+weights: `anchor_weights`), so a run resumed from a checkpoint reads exactly what an uninterrupted run reads. Before
+a run reads its stores, its ranks re-hash their shards between them (`check_store_hashes`). This module reads
+stores only: no accelerate (but for check_store_hashes across ranks), no DeepSpeed (scripts/ngram_baseline.py uses
+it to read a store as the trainer does).
 
 With `data.hidden_states: online` the samples' states come from the target instead (`OnlineStates`, one batched
 prefill per micro batch, the prefill the capture stage stores); token-only stores hold none.
@@ -19,14 +21,16 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from dflash_train import objective as obj
 from dflash_train.errors import UserError
 from dflash_train.stages.train.recipe import Recipe
-from dflash_train.store import holds_states, store_kind
+from dflash_train.store.format import holds_states, store_kind
 from dflash_train.target import Features, check_fits
 
 
@@ -34,7 +38,7 @@ class StoreSet:
     """Several capture stores that must agree on target, tapped layers and hidden size, seen as one list."""
 
     def __init__(self, folders: list[str]):
-        from dflash_train.store import open_store
+        from dflash_train.store.reader import open_store
 
         if not folders:
             raise UserError("no capture store given (recipe key data.stores)")
@@ -241,6 +245,37 @@ class TrainData:
     eval_samples: list[dict[str, Any]]
 
 
+def check_store_hashes(folders: list[str], rank: int = 0, world: int = 1) -> None:
+    """Re-hash the shards of every store the run reads (store.verify.check_hashes: shards verified before on this
+    machine and unchanged since are not hashed again), each rank its share; a corrupted shard stops every rank with
+    one error naming it."""
+    from dflash_train.store.verify import check_hashes
+
+    started, problem = time.time(), None
+    totals = {"hashed": 0, "cached": 0, "bytes_hashed": 0}
+    try:
+        for folder in dict.fromkeys(folders):
+            for key, value in check_hashes(folder, rank=rank, world=world).items():
+                totals[key] += value
+    except UserError as err:
+        problem = str(err)
+    reports = [(problem, totals)]
+    if world > 1:
+        from accelerate.utils import gather_object
+
+        reports = gather_object(reports)
+    problems = [p for p, _ in reports if p]
+    if problems:
+        err = UserError(problems[0])
+        err.from_rank0 = rank != 0  # the same line on every rank: printed once
+        raise err
+    if rank == 0:
+        hashed, cached, nbytes = (sum(t[k] for _, t in reports) for k in ("hashed", "cached", "bytes_hashed"))
+        print(f"train: shard hashes of {len(dict.fromkeys(folders))} store(s) checked: {hashed} shard(s) hashed "
+              f"({nbytes / 2**30:.2f} GiB in {time.time() - started:.1f} s), {cached} unchanged since verified",
+              flush=True)
+
+
 def prepare_data(recipe: Recipe, world: int) -> TrainData:
     """Open the stores, hold out the eval samples, and lay out the rows every step trains on."""
     stores = StoreSet(recipe.data.stores)
@@ -273,6 +308,15 @@ def prepare_data(recipe: Recipe, world: int) -> TrainData:
 def anchor_generator(seed: int, step: int, micro: int, rank: int) -> torch.Generator:
     key = hashlib.sha256(f"anchors:{seed}:{step}:{micro}:{rank}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(key[:8], "big") & (2 ** 63 - 1))
+
+
+def anchor_weights(batch: dict, copy_weight: float) -> torch.Tensor | None:
+    """Anchor sampling weights [b, S]: copy_weight where the context holds the anchor's last two tokens already
+    (objective.repeats_context), 1 elsewhere; None (uniform) when copy_weight is 1."""
+    if copy_weight == 1.0:
+        return None
+    repeats = obj.repeats_context(batch["input_ids"], batch["doc_start"])
+    return 1.0 + (copy_weight - 1.0) * repeats.float()
 
 
 def context_scale(stores: StoreSet, indices: list[int], max_samples: int = 64,

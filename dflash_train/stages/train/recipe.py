@@ -3,7 +3,8 @@
 A recipe is a tree of dataclasses. Every key in the file must name a field, and every value must have the
 field's type (a float field takes finite numbers only: .inf and .nan are refused); anything else is a `UserError`
 naming the dotted key and the file. `key=value` overrides on the command line (`objective.num_anchors=64`,
-`train.max_steps=10`) are parsed as YAML scalars and validated the same way. Relative paths in a recipe are relative to the directory the command runs from (the repo root).
+`train.max_steps=10`) are parsed as YAML scalars and validated the same way. Relative paths in a recipe are
+relative to the directory the command runs from (the repo root).
 """
 
 from __future__ import annotations
