@@ -172,7 +172,7 @@ CAPTURES = {  # label -> capture options
 
 def kept_limit(prompts: str, target: str, wanted: int, max_prompt_tokens: int) -> tuple[int, int]:
     """(--limit to read, prompts kept): how many training prompts to read so that `wanted` of them are kept."""
-    from dflash_train.stages.capture.command import load_prompt_records
+    from dflash_train.prompts import load_prompt_records
     from dflash_train.target import load_tokenizer, render_prompt
 
     tokenizer = load_tokenizer(target)

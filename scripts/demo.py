@@ -426,7 +426,7 @@ def faster_capture(costs: dict[str, tuple[float, float]], seconds: float, allowe
 def rendered_prompts(prompts: Path, split: str, limit: int, target: str) -> tuple[list[int], ...]:
     """The token ids of the first `limit` prompts of `split`, rendered as capture renders them (chat template and
     tool definitions); cached, as the probe and the plan both read the training prompts (2,000 take ~9 s)."""
-    from dflash_train.stages.capture.command import load_prompt_records
+    from dflash_train.prompts import load_prompt_records
     from dflash_train.target import load_tokenizer, render_prompt
 
     tokenizer = load_tokenizer(target)

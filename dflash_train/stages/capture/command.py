@@ -35,7 +35,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -45,7 +45,7 @@ from dflash_train.device import default_device, device_problem, resolve_precisio
 from dflash_train.errors import UserError, decided_by_rank0
 from dflash_train.engine import ENGINE_ARGS_HELP, engine_args_problem
 from dflash_train.options import add_options, at_least, from_args, in_range, option, validate
-from dflash_train.provenance import read_json
+from dflash_train.prompts import PromptRecord, load_prompt_records, prompt_set
 from dflash_train.sampling import Sampling
 from dflash_train.store import DEFAULT_SHARD_BYTES, NO_STATES, StoreWriter, finalize_store
 from dflash_train.target import (DEFAULT_TARGET, Target, cache_keyword, chat_text, check_layer_ids,
@@ -108,17 +108,6 @@ class CaptureConfig:
 
 
 @dataclass
-class PromptRecord:
-    id: str
-    messages: list[dict[str, Any]]  # {role, content} plus tool_calls / tool_call_id / name where the turn has them
-    weight: int = 1
-    sampling: dict[str, Any] | None = None
-    response: str | None = None
-    tools: list[dict[str, Any]] | None = None  # the request's tool definitions, rendered by the chat template
-    constraints: dict[str, Any] | None = None  # what else the request asked of its answer (`constraints`)
-
-
-@dataclass
 class Captured:
     input_ids: list[int]
     num_prompt_tokens: int
@@ -133,92 +122,6 @@ ENDINGS = ("eos", "stop_token", "stop_string", "length")
 
 
 # ------------------------------------------------------------------------------------------------ prompts
-
-def load_prompt_records(path: str | Path, split: str = "train", limit: int | None = None
-                        ) -> tuple[list[PromptRecord], dict[str, Any] | None]:
-    """Records of a finished ingest output folder (its `split`) or of one raw log file, and the ingest report.
-
-    A raw log is parsed and scrubbed by the ingest module and deduplicated here (weight = count); it has no
-    held-out split, so prefer an ingest folder for anything that is evaluated later. No record at all is one line:
-    every caller has nothing to do then."""
-    from dflash_train.stages.ingest import command as ingest
-
-    path = Path(path)
-    if path.is_dir():
-        rows, report_path = ingest.load_prompts(path, split), path / "report.json"
-        report = read_json(report_path, "the ingest report") if report_path.exists() else None
-    elif path.exists():
-        rows, report = _dedup(ingest.iter_records(path)), None
-    else:
-        raise UserError(f"prompts {path} do not exist (run `dflash-train ingest` first, or pass a log file)")
-    records: list[PromptRecord] = []
-    seen: set[str] = set()
-    for row in rows:
-        if limit is not None and len(records) >= limit:
-            break
-        record = _to_record(row, path)
-        if record.id in seen:
-            raise UserError(f"{path}: duplicate record id {record.id!r}")
-        seen.add(record.id)
-        records.append(record)
-    if not records:
-        counts = (f" (ingest kept {report.get('kept')}: {report.get('train')} train, {report.get('eval')} eval)"
-                  if report else "")
-        raise UserError(f"no prompts in {path}" + (f", split {split!r}" if path.is_dir() else "") + counts)
-    return records, report
-
-
-def _dedup(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    by_id: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        if row["id"] in by_id:
-            by_id[row["id"]]["weight"] += row.get("weight") or 1
-        else:
-            by_id[row["id"]] = dict(row)
-    return list(by_id.values())
-
-
-def _to_record(row: dict[str, Any], path: Path) -> PromptRecord:
-    from dflash_train.stages.ingest.command import template_inputs
-
-    rid = row.get("id")
-    if not isinstance(rid, str) or not rid:
-        raise UserError(f"{path}: a record has no string 'id' (keys: {', '.join(row)})")
-    raw = row.get("messages")
-    if (not isinstance(raw, list) or not raw
-            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                       for m in raw)):
-        raise UserError(f"{path}: record {rid!r} has no list of {{role, content}} 'messages'")
-    try:
-        messages, tools = template_inputs(row)
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path}: record {rid!r}: 'tools' is not JSON ({err})") from None
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise UserError(f"{path}: record {rid!r}: 'tools' is not a list of tool definitions")
-    for m in messages:
-        if not isinstance(m.get("tool_calls", []), list):
-            raise UserError(f"{path}: record {rid!r}: a turn's 'tool_calls' is not a list")
-    try:
-        constraints = request_constraints.loads(row.get("constraints"))
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path}: record {rid!r}: 'constraints' is not JSON ({err})") from None
-    if constraints is not None and not isinstance(constraints, dict):
-        raise UserError(f"{path}: record {rid!r}: 'constraints' is not a JSON object")
-    weight = row.get("weight")
-    return PromptRecord(id=rid, messages=messages, weight=int(weight) if weight is not None else 1,
-                        sampling=row.get("sampling") or None, response=row.get("response"), tools=tools or None,
-                        constraints=constraints)
-
-
-def prompt_set(prompts: str | Path, split: str, ingest_report: dict[str, Any] | None) -> dict[str, Any]:
-    """Which prompts a store holds, as its settings record it: the ingest folder (or raw log) they come from, the
-    split, and the split rule (eval fraction and seed) that decided it. A store holds one such set: a capture of
-    another split or source into it is refused, so that eval prompts never reach a training store."""
-    path = Path(prompts)
-    rule = (ingest_report or {}).get("config") or {}
-    return {"source": str(path.resolve()), "split": split if path.is_dir() else None,
-            "eval_fraction": rule.get("eval_fraction"), "seed": rule.get("seed")}
-
 
 def sampling_for(record: PromptRecord, temperature: float | None, top_p: float | None) -> Sampling:
     """The command's settings win; otherwise the logged request's; otherwise greedy (`sampling.resolve`).
