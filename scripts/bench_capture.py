@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from dflash_train.prompts import PromptRecord, load_prompt_records
-from dflash_train.stages.capture.command import generate_and_capture, prefill_capture, resolve_layer_ids
+from dflash_train.stages.capture.command import resolve_layer_ids
+from dflash_train.states import generate_and_capture, prefill_capture
 from dflash_train.device import resolve_precision
 from dflash_train.store import StoreWriter, open_store
 from dflash_train.target import DEFAULT_TARGET, load_target

@@ -93,7 +93,8 @@ def probe_rates(target, prompts: list[list[int]], recipe, max_new_tokens: int, b
     import torch
 
     import bench_train  # scripts/, beside this file
-    from dflash_train.stages.capture.command import generate_and_capture, resolve_layer_ids
+    from dflash_train.stages.capture.command import resolve_layer_ids
+    from dflash_train.states import generate_and_capture
     from dflash_train.stages.train.data import OnlineStates, collate
     from dflash_train.store import StoreWriter, floor_bytes_per_token
 

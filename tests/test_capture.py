@@ -18,8 +18,9 @@ from dflash_train.errors import UserError
 from dflash_train.prompts import PromptRecord
 from dflash_train.provenance import write_provenance
 from dflash_train.sampling import Sampling
-from dflash_train.stages.capture.command import (CaptureConfig, capture, generate_and_capture, logged_response_ids,
-                                                 prefill_capture, resolve_layer_ids, sample_next, sampling_for)
+from dflash_train.stages.capture.command import CaptureConfig, capture, resolve_layer_ids
+from dflash_train.stages.capture.responses import logged_response_ids, sampling_for
+from dflash_train.states import generate_and_capture, prefill_capture, sample_next
 from dflash_train.store import open_store, verify_store
 
 from conftest import REPO_ROOT
@@ -211,11 +212,11 @@ def test_a_token_only_capture_of_given_responses_runs_no_forward(prompts_dir, ti
                                                                  monkeypatch):
     """Logged or engine-generated responses need the target's forward only for states or top-k: a token-only
     capture without --store-topk runs none; with it, the prefill runs for the top-k and still stores no states."""
-    from dflash_train import engine
+    from dflash_train import engine, states
     from dflash_train.stages.capture import command as capture_mod
 
-    real_forward = capture_mod._forward
-    monkeypatch.setattr(capture_mod, "_forward", lambda *a, **k: pytest.fail("the target ran a forward"))
+    real_forward = states._forward
+    monkeypatch.setattr(states, "_forward", lambda *a, **k: pytest.fail("the target ran a forward"))
     capture(config(prompts_dir, tiny_target_dir, tmp_path / "logged", responses="logged", storage="none", limit=6))
     monkeypatch.setattr(engine, "check_vllm", lambda: None)  # the engine's responses, as vLLM would return them
     monkeypatch.setattr(capture_mod, "engine_responses",
@@ -224,7 +225,7 @@ def test_a_token_only_capture_of_given_responses_runs_no_forward(prompts_dir, ti
     engine_store = open_store(tmp_path / "engine")
     assert len(engine_store) == 6 and all(item["input_ids"][-4:-1].tolist() == [7, 8, 9] for item in engine_store)
     assert len(open_store(tmp_path / "logged")) == 6
-    monkeypatch.setattr(capture_mod, "_forward", real_forward)
+    monkeypatch.setattr(states, "_forward", real_forward)
     capture(config(prompts_dir, tiny_target_dir, tmp_path / "topk", responses="logged", storage="none", limit=6,
                    store_topk=3))
     st = open_store(tmp_path / "topk")
