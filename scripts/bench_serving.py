@@ -114,7 +114,7 @@ def run_eval(args: argparse.Namespace, out: Path, log: list[dict[str, Any]]) -> 
 def held_out_prompts(args: argparse.Namespace, report: dict[str, Any], target) -> list[tuple[str, list[int], int]]:
     """(id, prompt token ids, fixed length) of the prompts the eval timed, rendered as eval renders them, each with
     the length its timed runs decoded (plain decoding's natural one)."""
-    from dflash_train.stages.capture.command import load_prompt_records
+    from dflash_train.prompts import load_prompt_records
 
     lengths = {p["id"]: p["new_tokens"] for p in report["engines"]["vllm"]["per_prompt"]}
     records, _ = load_prompt_records(args.prompts, "eval", args.limit)

@@ -73,7 +73,7 @@ def copy_sequences(texts: list[list[int]], n: int, period: tuple[int, int], seed
 
 def with_states(target, layers: list[int], seqs: list[tuple[list[int], int]]) -> list[dict[str, torch.Tensor]]:
     """Samples as the store gives them: ids, loss mask (the last two X), the tapped states of one prefill."""
-    from dflash_train.stages.capture.command import prefill_capture
+    from dflash_train.states import prefill_capture
     from tqdm import tqdm
 
     out, pad = [], target.tokenizer.pad_token_id

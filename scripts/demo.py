@@ -190,7 +190,8 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
 
     import torch
 
-    from dflash_train.stages.capture.command import generate_and_capture, resolve_layer_ids
+    from dflash_train.stages.capture.command import resolve_layer_ids
+    from dflash_train.states import generate_and_capture
     from dflash_train.stages.train.data import OnlineStates
     from dflash_train.device import default_device, resolve_precision
     from dflash_train.spec_decode import plain_generate
@@ -343,7 +344,7 @@ def probe_engine_capture(args: argparse.Namespace, target, rendered: list[list[i
     requests together in a real capture than in this sample, so it errs on the slow side."""
     import tempfile
 
-    from dflash_train.stages.capture.command import prefill_capture
+    from dflash_train.states import prefill_capture
     from dflash_train.engine import VLLM_DTYPES, EngineJob, EngineRequest, run_engine
 
     picked = rendered[::max(1, len(rendered) // ENGINE_PROBE_PROMPTS)][:ENGINE_PROBE_PROMPTS]
@@ -426,7 +427,7 @@ def faster_capture(costs: dict[str, tuple[float, float]], seconds: float, allowe
 def rendered_prompts(prompts: Path, split: str, limit: int, target: str) -> tuple[list[int], ...]:
     """The token ids of the first `limit` prompts of `split`, rendered as capture renders them (chat template and
     tool definitions); cached, as the probe and the plan both read the training prompts (2,000 take ~9 s)."""
-    from dflash_train.stages.capture.command import load_prompt_records
+    from dflash_train.prompts import load_prompt_records
     from dflash_train.target import load_tokenizer, render_prompt
 
     tokenizer = load_tokenizer(target)

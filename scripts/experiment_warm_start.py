@@ -202,7 +202,7 @@ def run_workload(args: argparse.Namespace, name: str, work: Path, env: dict[str,
 
 def has_constraints(prompts: Path) -> bool:
     """Whether the log's requests carry constraints: most of its training prompts have some."""
-    from dflash_train.stages.ingest.command import load_prompts
+    from dflash_train.prompts import load_prompts
 
     split = load_prompts(prompts, "train")
     found = split["constraints"] if "constraints" in split.column_names else []
@@ -211,7 +211,7 @@ def has_constraints(prompts: Path) -> bool:
 
 def has_logged_responses(prompts: Path) -> bool:
     """Whether the log carried responses: most of its training prompts have one."""
-    from dflash_train.stages.ingest.command import load_prompts
+    from dflash_train.prompts import load_prompts
 
     responses = load_prompts(prompts, "train")["response"]
     return sum(bool(r) for r in responses) > len(responses) / 2

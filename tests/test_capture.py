@@ -14,10 +14,13 @@ import torch
 from tiny import TOOL_CALL_REQUEST, WEATHER_TOOL
 from tolerance import model_tolerance
 
-from dflash_train.stages.capture.command import (CaptureConfig, PromptRecord, Sampling, capture, generate_and_capture,
-                                  logged_response_ids, prefill_capture, resolve_layer_ids, sample_next, sampling_for)
 from dflash_train.errors import UserError
+from dflash_train.prompts import PromptRecord
 from dflash_train.provenance import write_provenance
+from dflash_train.sampling import Sampling
+from dflash_train.stages.capture.command import CaptureConfig, capture, resolve_layer_ids
+from dflash_train.stages.capture.responses import logged_response_ids, sampling_for
+from dflash_train.states import generate_and_capture, prefill_capture, sample_next
 from dflash_train.store.reader import open_store
 from dflash_train.store.verify import verify_store
 
@@ -210,11 +213,11 @@ def test_a_token_only_capture_of_given_responses_runs_no_forward(prompts_dir, ti
                                                                  monkeypatch):
     """Logged or engine-generated responses need the target's forward only for states or top-k: a token-only
     capture without --store-topk runs none; with it, the prefill runs for the top-k and still stores no states."""
+    from dflash_train import engine, states
     from dflash_train.stages.capture import command as capture_mod
-    from dflash_train import engine
 
-    real_forward = capture_mod._forward
-    monkeypatch.setattr(capture_mod, "_forward", lambda *a, **k: pytest.fail("the target ran a forward"))
+    real_forward = states._forward
+    monkeypatch.setattr(states, "_forward", lambda *a, **k: pytest.fail("the target ran a forward"))
     capture(config(prompts_dir, tiny_target_dir, tmp_path / "logged", responses="logged", storage="none", limit=6))
     monkeypatch.setattr(engine, "check_vllm", lambda: None)  # the engine's responses, as vLLM would return them
     monkeypatch.setattr(capture_mod, "engine_responses",
@@ -223,7 +226,7 @@ def test_a_token_only_capture_of_given_responses_runs_no_forward(prompts_dir, ti
     engine_store = open_store(tmp_path / "engine")
     assert len(engine_store) == 6 and all(item["input_ids"][-4:-1].tolist() == [7, 8, 9] for item in engine_store)
     assert len(open_store(tmp_path / "logged")) == 6
-    monkeypatch.setattr(capture_mod, "_forward", real_forward)
+    monkeypatch.setattr(states, "_forward", real_forward)
     capture(config(prompts_dir, tiny_target_dir, tmp_path / "topk", responses="logged", storage="none", limit=6,
                    store_topk=3))
     st = open_store(tmp_path / "topk")
@@ -289,7 +292,7 @@ def test_capture_checks_sampling_flags_up_front(prompts_dir, tmp_path, capsys, f
 def test_tool_traffic_is_captured_as_served(tmp_path, tiny_target, tiny_target_dir):
     """Ingest -> capture of tool-calling requests: the stored prompt tokens are the chat template's rendering of
     the tool turns and the request's tool definitions (`apply_chat_template(messages, tools=...)`)."""
-    from dflash_train.stages.capture.command import load_prompt_records
+    from dflash_train.prompts import load_prompt_records
     from dflash_train.stages.ingest.command import IngestConfig, ingest
 
     log = tmp_path / "agents.jsonl"
@@ -327,7 +330,7 @@ def test_an_empty_split_is_refused_in_one_line(tmp_path, capsys):
 
 def test_prompt_folders_written_before_tool_support_still_load(prompts_dir):
     """prompts_dir is written the old way: turns of {role, content} only and no `tools` column."""
-    from dflash_train.stages.capture.command import load_prompt_records
+    from dflash_train.prompts import load_prompt_records
 
     records, _ = load_prompt_records(prompts_dir, "train")
     assert len(records) == 24 and all(r.tools is None for r in records)
@@ -451,7 +454,7 @@ def test_two_processes_under_accelerate_equal_one_process(prompts_dir, tiny_targ
 
 
 def test_raw_log_prompts_and_logged_sampling(tiny_target_dir, tmp_path):
-    from dflash_train.stages.ingest.command import iter_records
+    from dflash_train.logs.records import iter_records
 
     log = tmp_path / "log.jsonl"
     lines = (REPO_ROOT / "data" / "examples" / "messages.jsonl").read_text().splitlines()
@@ -483,7 +486,7 @@ def test_a_logged_max_tokens_caps_that_response_as_served(tiny_target, tiny_targ
     log.write_text("".join(json.dumps({"request": {"messages": [{"role": "user", "content": text}], **extra}}) + "\n"
                            for text, extra in ((TEXTS[1], {"max_tokens": 2}), (TEXTS[3], {}))))
     capture(config(log, tiny_target_dir, tmp_path / "st", max_new_tokens=6))
-    from dflash_train.stages.ingest.command import iter_records
+    from dflash_train.logs.records import iter_records
 
     caps = {r["id"]: r["sampling"]["max_tokens"] for r in iter_records(log)}
     new_tokens = {s["id"]: int(s["loss_mask"].sum()) for s in open_store(tmp_path / "st")}
@@ -693,7 +696,7 @@ def test_capture_replays_each_constraint_as_vllm_generate_decodes_it(smollm2, tm
         assert capture(CaptureConfig(prompts=str(log), out=str(stores[engine]), engine=engine, dtype="fp32",
                                      storage="none", max_new_tokens=64, batch_size=4)) is not None
     own, vllm = ({s["id"]: s for s in open_store(stores[e])} for e in ("own", "vllm"))
-    from dflash_train.stages.capture.command import load_prompt_records
+    from dflash_train.prompts import load_prompt_records
 
     records = {r.messages[0]["content"]: r for r in load_prompt_records(log)[0]}
     ids = [records[text].id for _, text, _ in CONSTRAINED.values()]

@@ -299,7 +299,7 @@ def test_constrained_requests_are_decoded_under_them_losslessly_in_both_engines_
     assert vllm["lossless_mismatches"] == 0 and own["lossless_mismatches"] == 0
     lengths = {p["id"]: p["new_tokens"] for p in vllm["per_prompt"]}
     assert lengths == {p["id"]: p["new_tokens"] for p in report["per_prompt"]}  # the same answers' lengths
-    from dflash_train.stages.capture.command import load_prompt_records
+    from dflash_train.prompts import load_prompt_records
 
     from transformers import AutoTokenizer
 

@@ -488,7 +488,7 @@ def prompts_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def store_dir(tiny_target, prompts_dir, tmp_path_factory):
     """Held-out samples as capture writes them: the target's greedy response and the tapped states."""
-    from dflash_train.stages.capture.command import load_prompt_records
+    from dflash_train.prompts import load_prompt_records
     from dflash_train.spec_decode import plain_generate
     from dflash_train.store.writer import StoreWriter
 
@@ -672,7 +672,7 @@ def test_eval_refuses_a_temperature_out_of_the_api_range(tmp_path, capsys, value
 
 def test_eval_renders_tool_traffic_like_capture(tiny_target, tiny_target_dir, drafters, tmp_path):
     """Eval renders a prompt's tool turns and definitions through the same function as capture."""
-    from dflash_train.stages.capture.command import load_prompt_records
+    from dflash_train.prompts import load_prompt_records
 
     log = tmp_path / "agents.jsonl"
     log.write_text(json.dumps(TOOL_CALL_REQUEST) + "\n")
@@ -699,7 +699,7 @@ def trained_on(drafter: Path, out: Path, store: Path | None, prompt_set: dict | 
 
 
 def test_eval_refuses_prompts_the_drafter_was_trained_on(tiny_target_dir, drafters, prompts_dir, tmp_path, capsys):
-    from dflash_train.stages.capture.command import load_prompt_records, prompt_set
+    from dflash_train.prompts import load_prompt_records, prompt_set
     from dflash_train.errors import UserError
     from dflash_train.stages.evaluate.command import check_held_out
     from dflash_train.store.writer import StoreWriter
@@ -755,7 +755,7 @@ def test_eval_refuses_a_token_only_store_in_one_line(tiny_target, tiny_target_di
                                                      capsys, monkeypatch):
     """The offline estimate reads the stored states: a store captured with --storage none is one line, not a
     KeyError from the first sample."""
-    from dflash_train.stages.capture.command import load_prompt_records
+    from dflash_train.prompts import load_prompt_records
     from dflash_train.store.writer import StoreWriter
 
     monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))

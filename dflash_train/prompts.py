@@ -1,0 +1,206 @@
+"""The prompt record: what `dflash-train ingest` writes and capture, the eval, the demo and the benchmarks read.
+
+A prompt folder is a `datasets.DatasetDict` {train, eval} saved with `save_to_disk` (`features` is its schema),
+plus report.json and provenance.json. Each row is a canonical record: `id` (hash of the normalized prompt,
+`prompt_id`), `messages` (every turn up to and including the last user turn with text), `sampling` (logged
+temperature/top_p/max_tokens or nulls), `response` (the logged assistant reply to that last user turn, or null),
+`source` (file name), `weight` (how often the prompt occurred), `tools` (the request's tool definitions, a JSON
+list, or null) and `constraints` (what else shapes the answer, a JSON object, or null).
+
+A record is in eval iff `split_hash(id, seed)` is below the folder's eval fraction (ingest's split rule).
+
+Readers take `PromptRecord`s: `load_prompt_records` reads one split of a prompt folder, or a raw log file (parsed
+and scrubbed by `dflash_train.logs`, deduplicated here); `prompt_set` names the set a store or an eval holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from dflash_train import constraints as request_constraints
+from dflash_train.errors import UserError, in_brief
+from dflash_train.provenance import check_made_by, is_complete, read_json
+
+STAGE = "ingest"  # the stage whose output a prompt folder is (its provenance records it)
+TURN_KEYS = {"tool_calls": None, "tool_call_id": None, "name": None}  # null in a stored turn that lacks them
+
+
+@dataclass
+class PromptRecord:
+    id: str
+    messages: list[dict[str, Any]]  # {role, content} plus tool_calls / tool_call_id / name where the turn has them
+    weight: int = 1
+    sampling: dict[str, Any] | None = None
+    response: str | None = None
+    tools: list[dict[str, Any]] | None = None  # the request's tool definitions, rendered by the chat template
+    constraints: dict[str, Any] | None = None  # what else the request asked of its answer (`constraints`)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The id, the split and the template inputs
+
+
+def normalize(text: str) -> str:
+    return " ".join(text.split()).casefold()
+
+
+def prompt_id(messages: list[dict[str, Any]], tools: str | None = None,
+              constraints: dict[str, Any] | None = None) -> str:
+    """Stable id of a prompt: sha256 of its turns with whitespace collapsed and case folded (128 bits), plus
+    its tool calls (names and arguments, not their random call ids), tool names and tool definitions where it
+    has them, and the constraints that shape its answer (`constraints.identity`: one prompt under two schemas is
+    two prompts). A prompt of plain turns without constraints has the id it always had."""
+    def turn(m: dict[str, Any]) -> str:
+        text = m["role"] + "\x1f" + normalize(m["content"])
+        calls = [[c["function"]["name"], c["function"]["arguments"]] for c in m.get("tool_calls") or []]
+        if calls or m.get("name"):
+            text += "\x1f" + json.dumps([calls, m.get("name")], ensure_ascii=False)
+        return text
+
+    norm = "\x1e".join(turn(m) for m in messages) + ("\x1d" + tools if tools else "")
+    shaping = request_constraints.identity(constraints)
+    norm += "\x1c" + shaping if shaping else ""
+    return hashlib.sha256(norm.encode("utf-8")).hexdigest()[:32]
+
+
+def template_inputs(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A stored prompt record as `target.chat_text` takes it: its messages without the keys a turn does not have
+    (stored as null: folders written before tool support have no such keys at all) and its tool definitions."""
+    messages = [{k: v for k, v in m.items() if v is not None} for m in row["messages"]]
+    tools = row.get("tools")
+    return messages, json.loads(tools) if isinstance(tools, str) else tools
+
+
+def split_hash(record_id: str, seed: int | None = None) -> float:
+    """Uniform in [0, 1): the record is in eval iff this is below the eval fraction."""
+    key = record_id if seed is None else f"{seed}:{record_id}"
+    return int(hashlib.sha256(key.encode("utf-8")).hexdigest(), 16) / 2**256
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The folder
+
+
+def features():
+    """The schema of a prompt folder's splits (`datasets.Features`)."""
+    from datasets import Features, Value
+
+    return Features({
+        "id": Value("string"),
+        "messages": [{"role": Value("string"), "content": Value("string"),
+                      "tool_calls": [{"id": Value("string"), "type": Value("string"),
+                                      "function": {"name": Value("string"), "arguments": Value("string")}}],
+                      "tool_call_id": Value("string"), "name": Value("string")}],
+        "sampling": {"temperature": Value("float64"), "top_p": Value("float64"), "max_tokens": Value("int64")},
+        "response": Value("string"),
+        "source": Value("string"),
+        "weight": Value("int64"),
+        "tools": Value("string"),  # the request's tool definitions, a JSON list; null without tools
+        "constraints": Value("string"),  # what else shapes the answer, a JSON object (`constraints`); null: none
+    })
+
+
+def load_prompts(prompts_dir: str | Path, split: str = "train"):
+    """One split of an ingest output folder, refusing a folder that ingest did not finish."""
+    from datasets import load_from_disk
+
+    prompts_dir = Path(prompts_dir)
+    check_made_by(prompts_dir, STAGE)
+    if not is_complete(prompts_dir):
+        raise UserError(f"{prompts_dir} is not a finished ingest output (missing, or marked incomplete): "
+                        f"run `dflash-train ingest ... --out {prompts_dir}`")
+    if not (prompts_dir / split).is_dir():
+        raise UserError(f"{prompts_dir} has no split {split!r}: an ingest output has train and eval")
+    try:
+        return load_from_disk(str(prompts_dir / split))
+    except (OSError, ValueError, IndexError, KeyError) as err:  # a file of the split deleted or cut short
+        raise UserError(f"{prompts_dir / split} is damaged ({in_brief(err)}): rerun `dflash-train ingest ... --out "
+                        f"{prompts_dir}`") from None
+
+
+def load_prompt_records(path: str | Path, split: str = "train", limit: int | None = None
+                        ) -> tuple[list[PromptRecord], dict[str, Any] | None]:
+    """Records of a finished ingest output folder (its `split`) or of one raw log file, and the ingest report.
+
+    A raw log is parsed and scrubbed as ingest reads it (`dflash_train.logs.records.iter_records`) and deduplicated
+    here (weight = count); it has no held-out split, so prefer an ingest folder for anything that is evaluated later.
+    No record at all is one line: every caller has nothing to do then."""
+    from dflash_train.logs.records import iter_records
+
+    path = Path(path)
+    if path.is_dir():
+        rows, report_path = load_prompts(path, split), path / "report.json"
+        report = read_json(report_path, "the ingest report") if report_path.exists() else None
+    elif path.exists():
+        rows, report = _dedup(iter_records(path)), None
+    else:
+        raise UserError(f"prompts {path} do not exist (run `dflash-train ingest` first, or pass a log file)")
+    records: list[PromptRecord] = []
+    seen: set[str] = set()
+    for row in rows:
+        if limit is not None and len(records) >= limit:
+            break
+        record = _to_record(row, path)
+        if record.id in seen:
+            raise UserError(f"{path}: duplicate record id {record.id!r}")
+        seen.add(record.id)
+        records.append(record)
+    if not records:
+        counts = (f" (ingest kept {report.get('kept')}: {report.get('train')} train, {report.get('eval')} eval)"
+                  if report else "")
+        raise UserError(f"no prompts in {path}" + (f", split {split!r}" if path.is_dir() else "") + counts)
+    return records, report
+
+
+def _dedup(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_id: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if row["id"] in by_id:
+            by_id[row["id"]]["weight"] += row.get("weight") or 1
+        else:
+            by_id[row["id"]] = dict(row)
+    return list(by_id.values())
+
+
+def _to_record(row: dict[str, Any], path: Path) -> PromptRecord:
+    rid = row.get("id")
+    if not isinstance(rid, str) or not rid:
+        raise UserError(f"{path}: a record has no string 'id' (keys: {', '.join(row)})")
+    raw = row.get("messages")
+    if (not isinstance(raw, list) or not raw
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in raw)):
+        raise UserError(f"{path}: record {rid!r} has no list of {{role, content}} 'messages'")
+    try:
+        messages, tools = template_inputs(row)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: record {rid!r}: 'tools' is not JSON ({err})") from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise UserError(f"{path}: record {rid!r}: 'tools' is not a list of tool definitions")
+    for m in messages:
+        if not isinstance(m.get("tool_calls", []), list):
+            raise UserError(f"{path}: record {rid!r}: a turn's 'tool_calls' is not a list")
+    try:
+        constraints = request_constraints.loads(row.get("constraints"))
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: record {rid!r}: 'constraints' is not JSON ({err})") from None
+    if constraints is not None and not isinstance(constraints, dict):
+        raise UserError(f"{path}: record {rid!r}: 'constraints' is not a JSON object")
+    weight = row.get("weight")
+    return PromptRecord(id=rid, messages=messages, weight=int(weight) if weight is not None else 1,
+                        sampling=row.get("sampling") or None, response=row.get("response"), tools=tools or None,
+                        constraints=constraints)
+
+
+def prompt_set(prompts: str | Path, split: str, ingest_report: dict[str, Any] | None) -> dict[str, Any]:
+    """Which prompts a store holds, as its settings record it: the ingest folder (or raw log) they come from, the
+    split, and the split rule (eval fraction and seed) that decided it. A store holds one such set: a capture of
+    another split or source into it is refused, so that eval prompts never reach a training store."""
+    path = Path(prompts)
+    rule = (ingest_report or {}).get("config") or {}
+    return {"source": str(path.resolve()), "split": split if path.is_dir() else None,
+            "eval_fraction": rule.get("eval_fraction"), "seed": rule.get("seed")}

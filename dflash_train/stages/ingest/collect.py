@@ -1,0 +1,101 @@
+"""Ingest's first pass: dedup the canonical records, apply the token limit (the prompt as the target renders it)
+in batches, and append the kept records to a temporary JSON-lines file, counting everything per source."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from dflash_train.logs.values import SourceStats
+from dflash_train.prompts import split_hash, template_inputs
+
+if TYPE_CHECKING:
+    from dflash_train.stages.ingest.command import IngestConfig
+
+TOKENIZE_BATCH = 256
+
+
+class TokenLimit:
+    """Measures prompts as the target serves them: its chat template with the generation prompt."""
+
+    def __init__(self, target: str, max_tokens: int):
+        from dflash_train.target import load_tokenizer
+
+        self.tokenizer = load_tokenizer(target)
+        self.max_tokens = max_tokens
+
+    def reasons(self, records: list[dict[str, Any]]) -> list[tuple[str, str] | None]:
+        """None for a prompt that fits, else (reason, detail)."""
+        from jinja2.exceptions import TemplateError
+
+        from dflash_train.target import chat_text
+
+        out: list[tuple[str, str] | None] = [None] * len(records)
+        texts, index = [], []
+        for i, record in enumerate(records):
+            try:
+                texts.append(chat_text(self.tokenizer, *template_inputs(record)))
+                index.append(i)
+            except (TemplateError, ValueError, TypeError) as err:
+                out[i] = ("template_error", str(err))
+        if texts:
+            lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+            for i, n in zip(index, lengths):
+                if n > self.max_tokens:
+                    out[i] = ("too_long", f"{n} tokens > {self.max_tokens}")
+        return out
+
+
+class Collector:
+    """The first pass: dedups records, applies the token limit in batches and appends the kept ones to a
+    temporary JSON-lines file, counting everything in the records' SourceStats."""
+
+    def __init__(self, sink, limit: TokenLimit | None, config: IngestConfig):
+        self.sink, self.limit, self.config = sink, limit, config
+        self.occurrences: dict[str, int] = {}  # prompt id -> times seen: the dedup set; its values become weights
+        self.rejected: dict[str, str] = {}  # prompt id -> reason, for prompts the token limit or template refused
+        self.pending: list[tuple[str, dict[str, Any], SourceStats]] = []
+        self.kept = self.eval_count = 0
+        self.lowest: tuple[float, str | None] = (2.0, None)  # the smallest split hash, for the 1-eval fallback
+
+    def full(self) -> bool:
+        return self.config.max_prompts is not None and self.kept >= self.config.max_prompts
+
+    def add(self, where: str, record: dict[str, Any], stats: SourceStats) -> None:
+        rid = record["id"]
+        if rid in self.occurrences:
+            self.occurrences[rid] += 1
+            if rid in self.rejected:
+                stats.skip(where, self.rejected[rid], "same prompt as an earlier one")
+            else:
+                stats.counts["duplicates"] += 1
+            return
+        self.occurrences[rid] = 1
+        self.pending.append((where, record, stats))
+        room = None if self.config.max_prompts is None else self.config.max_prompts - self.kept
+        if len(self.pending) >= TOKENIZE_BATCH or (room is not None and len(self.pending) >= room):
+            self.flush()
+
+    def flush(self) -> None:
+        records = [record for _, record, _ in self.pending]
+        verdicts = self.limit.reasons(records) if self.limit else [None] * len(records)
+        for (where, record, stats), verdict in zip(self.pending, verdicts):
+            rid = record["id"]
+            if verdict is not None:  # duplicates seen while the prompt was pending share its fate
+                n = self.occurrences[rid]
+                self.rejected[rid] = verdict[0]
+                stats.counts["duplicates"] -= n - 1
+                stats.skip(where, verdict[0], verdict[1], count=n)
+                continue
+            self.sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+            self.kept += 1
+            stats.counts["kept"] += 1
+            u = split_hash(rid, self.config.seed)
+            self.eval_count += u < self.config.eval_fraction
+            self.lowest = min(self.lowest, (u, rid))
+        self.pending.clear()
+
+    def weight_stats(self) -> tuple[int, int]:
+        """Total and largest weight of the kept prompts."""
+        kept = [n for rid, n in self.occurrences.items() if rid not in self.rejected]
+        return sum(kept), max(kept)
