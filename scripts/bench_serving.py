@@ -249,7 +249,7 @@ def stopwatch_child(job_file: Path) -> None:
 # ------------------------------------------------------------------------------------------------ the tables
 
 def tables(report: dict[str, Any], own: list[dict[str, Any]], watch: dict[str, Any]) -> str:
-    from dflash_train.stages.push.card import concurrency_table, describe_machine, fmt, table, with_interval
+    from dflash_train.report_tables import concurrency_table, describe_machine, fmt, table, with_interval
 
     v = report["engines"]["vllm"]
     mine = {r["k"]: r for r in own}

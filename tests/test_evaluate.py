@@ -153,7 +153,7 @@ def test_the_engine_eval_reports_the_fastest_k_with_its_figures_and_intervals(ti
     """best_k is the fastest K at batch 1; the entry's headline figures (push's gate, the card) are its own; the
     speedups are ratios of the same runs' seconds by both clocks; only best_k's bf16 mismatches are rerun in fp32."""
     from dflash_train import engine
-    from dflash_train.stages.push.card import serving_tables
+    from dflash_train.report_tables import serving_tables
     from dflash_train.errors import UserError
     from dflash_train.stages.evaluate.command import EvalConfig, engine_eval
 
@@ -218,7 +218,7 @@ def test_a_sweep_on_a_machine_whose_speed_changed_says_so(tiny_target, drafters,
     its own speed moves more than HOST_DRIFT_LIMIT between them, the report says the speedups are not to be
     believed (a demo's 1.10x at tau 1.26 was plain decoding at 12.6 tokens/s in one K's runs and 21.7 in the next)."""
     from dflash_train import engine
-    from dflash_train.stages.push.card import serving_tables
+    from dflash_train.report_tables import serving_tables
     from dflash_train.stages.evaluate.command import EvalConfig, engine_eval
 
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
@@ -241,7 +241,7 @@ def test_a_machine_that_slowed_while_prompt_lookup_was_timed_is_flagged_too(tiny
                                                                            tmp_path):
     """Prompt lookup is timed after the drafter's K, against plain runs of its own: those join the drift check."""
     from dflash_train import engine
-    from dflash_train.stages.push.card import serving_tables
+    from dflash_train.report_tables import serving_tables
     from dflash_train.stages.evaluate.command import EvalConfig, engine_eval
 
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
@@ -266,7 +266,7 @@ def test_where_prompt_lookup_is_faster_than_the_drafter_the_tables_say_how_to_se
                                                                                       monkeypatch, tmp_path):
     """The eval measures both; the user serves the faster: its speculative config, ready to paste, only when it wins."""
     from dflash_train import engine
-    from dflash_train.stages.push.card import serving_tables
+    from dflash_train.report_tables import serving_tables
     from dflash_train.stages.evaluate.command import EvalConfig, engine_eval
 
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
@@ -288,7 +288,7 @@ def test_suffix_decoding_is_timed_beside_lookup_and_the_fastest_of_the_three_is_
     """Each free speculator at its own fastest K, each K of suffix decoding in an engine of its own; the report ranks
     drafter, lookup and suffix, and the tables name the winner's config."""
     from dflash_train import engine
-    from dflash_train.stages.push.card import free_speculator_to_serve, serving_tables
+    from dflash_train.report_tables import free_speculator_to_serve, serving_tables
     from dflash_train.stages.evaluate.command import EvalConfig, engine_eval
 
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
@@ -317,7 +317,7 @@ def test_prompt_lookup_is_timed_with_requests_together_and_the_tables_say_how_fa
     """A user serving many requests at once serves the faster of the two at their batch: prompt lookup is timed at
     every concurrency the drafter is, its rows beside the drafter's, and how far each pays."""
     from dflash_train import engine
-    from dflash_train.stages.push.card import serving_tables
+    from dflash_train.report_tables import serving_tables
     from dflash_train.stages.evaluate.command import EvalConfig, engine_eval
 
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
@@ -348,7 +348,7 @@ def test_each_prompt_lookup_k_is_timed_in_an_engine_of_its_own_and_the_fastest_i
     timed after the drafter's and each further K in a job of its own, on the same prompts at the lengths the first
     job's reference pass found (no second reference pass); the fastest lookup K at batch 1 is the baseline."""
     from dflash_train import engine
-    from dflash_train.stages.push.card import serving_tables
+    from dflash_train.report_tables import serving_tables
     from dflash_train.stages.evaluate.command import EvalConfig, engine_eval
 
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}

@@ -35,7 +35,6 @@ import torch
 
 from dflash_train import constraints as request_constraints
 from dflash_train import sampling
-from dflash_train.stages.push.card import constraints_markdown, serving_tables, with_interval
 from dflash_train.device import device_problem
 from dflash_train.engine import (ENGINE_ARGS_HELP, IDLE_S, LOOKUP_METHODS, SPECULATION_LENGTHS,
                                  engine_args_problem)
@@ -43,6 +42,7 @@ from dflash_train.errors import UserError, writing
 from dflash_train.options import add_options, at_least, each, from_args, option, validate
 from dflash_train.provenance import (OutputClaim, complete_output, read_json, start_output,
                                      write_json_atomic, write_provenance)
+from dflash_train.report_tables import constraints_markdown, serving_tables, with_interval
 from dflash_train.spec_decode import (DFlashProposer, Generation, NoDraft, Step, TokenChooser, mean_tau,
                                       plain_generate, speculative_generate)
 from dflash_train.target import DEFAULT_TARGET, Features, Target, check_fits, load_target, prompt_seed
