@@ -129,7 +129,8 @@ def own_loop(args: argparse.Namespace, report: dict[str, Any], log: list[dict[st
     the eval's fixed lengths (no stop token), by the loop's decode clock and by a stopwatch around each call."""
     import torch
 
-    from dflash_train.stages.evaluate.command import _load_proposer, acceptance_stats, bootstrap_interval, ratio_of_sums
+    from dflash_train.stages.evaluate.metrics import acceptance_stats, bootstrap_interval, ratio_of_sums
+    from dflash_train.stages.evaluate.own_loop import _load_proposer
     from dflash_train.spec_decode import mean_tau, plain_generate, speculative_generate
     from dflash_train.target import load_target
 
