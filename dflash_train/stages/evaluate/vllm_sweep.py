@@ -6,12 +6,15 @@ beside it; plain decoding's own speed over the sweep says whether the machine he
 from __future__ import annotations
 
 import math
+import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dflash_train import engine
 from dflash_train.engine import IDLE_S, LOOKUP_METHODS
 from dflash_train.errors import UserError
 from dflash_train.spec_decode import mean_tau
@@ -253,85 +256,144 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     ones, prompt by prompt). The fastest K at batch 1 is best_k: the entry's headline figures (what push's gate and
     the card read) are its own, and its mismatches in a low-precision dtype are rerun in fp32 through the engine.
     Plain decoding's own speed over the sweep (plain_rates) says whether the machine held still while it measured."""
-    import os
-
-    from dflash_train import engine
     from dflash_train.model.checkpoint import drafter_identity
 
     drafter_sha256 = drafter_identity(Path(cfg.drafter))["sha256"]  # the drafter as the engine is about to read it
     source, tau_by_k = expected_tau or (None, None)
+    first, ks = sweep_plan(cfg, block_size, tau_by_k)
+    max_len = max(len(ids) for ids in prompts.values()) + cfg.max_new_tokens + block_size
+    run = EngineRunner(cfg, target, device, workdir, constraints or {}, max_len, first, source)
+    job, result = run(prompts, dtype_name, "timed", ks, cfg.concurrency, cfg.sweep_budget_s)
+    natural, greedy = result.by_id(), cfg.temperature == 0
+    drafted = [r for r in result.timed["runs"] if r.get("method", "dflash") == "dflash"]
+    sweep = [k_row(r, natural, greedy) for r in drafted]
+    free, seconds = free_speculator_runs(run, job, result, len(prompts))
+    lookup_rows, lookup = free_speculator(free["ngram"], natural, greedy)
+    suffix_rows, suffix = free_speculator(free["suffix"], natural, greedy)
+    best = fastest_at_batch_1(sweep)
+    best_run = {r["k"]: r for r in drafted}[best["k"]]
+    mismatches, recheck_s = lossless_at_best_k(run, best, best_run, natural, prompts, dtype_name)
+    return {
+        "engine": "vllm",
+        "version": result.version,
+        "best_k": best["k"],
+        "num_speculative_tokens": best["k"],
+        "best_k_share": best_k_share(sweep, best["k"]),
+        **{key: best[key] for key in HEADLINE},
+        **lossless_entry(best, mismatches, recheck_s, greedy, dtype_name),
+        "tokens_unaccounted_by_steps": best["tokens_unaccounted_by_steps"],
+        "drafter_sha256": drafter_sha256,  # weights and config.json (checkpoint.drafter_identity)
+        "dtype": dtype_name,
+        "engine_args": best_run["llm_kwargs"],
+        "engine_args_plain": result.llm_kwargs,
+        "serve_command": engine.serve_command(best_run["llm_kwargs"]),
+        "load_s": {"plain": result.load_s, "speculative": best_run["load_s"]},
+        "environment": result.environment,
+        "sweep": sweep,
+        **concurrency_entry(sweep, drafted),
+        "ngram": lookup,  # vLLM's prompt lookup at --ngram's fastest K, timed the same way: the baseline (or None)
+        "ngram_sweep": lookup_rows,  # every --ngram K's row (batch 1)
+        "suffix": suffix,  # vLLM's suffix decoding at --suffix's fastest K, timed the same way (or None)
+        "suffix_sweep": suffix_rows,
+        "ranking": ranking(best, lookup, suffix),
+        "timing": timing_entry(run, result, seconds, natural, sweep, lookup_rows, suffix_rows),
+        "per_prompt": best["per_prompt"],
+    }
+
+
+def sweep_plan(cfg: EvalConfig, block_size: int, tau_by_k: list[float] | None) -> tuple[int | None, list[int]]:
+    """The sweep's first K (sweep_first_k by the expected tau at each K; None with --speculative-tokens) and the K
+    to time, in order (--speculative-tokens, else k_sweep_order up to B - 1)."""
     first = None if cfg.speculative_tokens else sweep_first_k(tau_by_k)
     ks = cfg.speculative_tokens or k_sweep_order(block_size - 1, first)
     if too_long := [k for k in ks if k > block_size - 1]:
         raise UserError(f"--speculative-tokens {too_long[0]} is more than the verify block holds (B - 1 = "
                         f"{block_size - 1}: the drafter's block size, or --block-size)")
-    stop = target.stop_token_ids()
-    max_len = max(len(ids) for ids in prompts.values()) + cfg.max_new_tokens + block_size
+    return first, ks
 
-    def run(ids: dict[str, list[int]], dtype: str, tag: str, ks: list[int], concurrency: list[int],
-            budget_s: float | None, mode: str = "timed") -> tuple[engine.EngineJob, engine.EngineResult]:
+
+@dataclass
+class EngineRunner:
+    """Runs vLLM for the eval (engine.run_engine, a process of its own each time, in workdir/tag): the prompts by id,
+    each under its request's `constraints`, plain and with the drafter at the K given; says what it runs. `first`
+    and `source`: the sweep's first K and the estimate that chose it, for that line."""
+    cfg: EvalConfig
+    target: Target
+    device: str
+    workdir: Path
+    constraints: dict[str, dict[str, Any] | None]
+    max_len: int  # every run's max_model_len: the longest prompt, its new tokens and a block
+    first: int | None = None
+    source: str | None = None
+
+    def __call__(self, ids: dict[str, list[int]], dtype: str, tag: str, ks: list[int], concurrency: list[int],
+                 budget_s: float | None, mode: str = "timed") -> tuple[engine.EngineJob, engine.EngineResult]:
+        cfg = self.cfg
         requests = [engine.EngineRequest(id=rid, prompt_token_ids=p, max_tokens=cfg.max_new_tokens,
                                          temperature=cfg.temperature, seed=prompt_seed(cfg.seed, rid),
-                                         constraints=(constraints or {}).get(rid))
+                                         constraints=self.constraints.get(rid))
                     for rid, p in ids.items()]
-        job = engine.EngineJob(target=str(target.path), requests=requests, stop_token_ids=stop,
-                               dtype=engine.VLLM_DTYPES[dtype], drafter=cfg.drafter, max_model_len=max_len,
-                               mode=mode, seed=cfg.seed, device=torch.device(device).type,
-                               engine_args=cfg.engine_args, speculative_tokens=ks, concurrency=concurrency,
-                               repeats=cfg.repeats, budget_s=budget_s,
+        job = engine.EngineJob(target=str(self.target.path), requests=requests,
+                               stop_token_ids=self.target.stop_token_ids(), dtype=engine.VLLM_DTYPES[dtype],
+                               drafter=cfg.drafter, max_model_len=self.max_len, mode=mode, seed=cfg.seed,
+                               device=torch.device(self.device).type, engine_args=cfg.engine_args,
+                               speculative_tokens=ks, concurrency=concurrency, repeats=cfg.repeats, budget_s=budget_s,
                                ngram_tokens=cfg.ngram[0] if cfg.ngram and mode == "timed" else None)
         budget = f", {budget_s:.0f} s budget" if budget_s is not None and len(ks) > 1 else ""
-        if first is not None and mode == "timed":
-            budget += f"; K = {first} first, the shortest that keeps tau by the {source}"
+        if self.first is not None and mode == "timed":
+            budget += f"; K = {self.first} first, the shortest that keeps tau by the {self.source}"
         if cfg.ngram and mode == "timed":
             budget += f"; then vLLM's prompt lookup at K = {', '.join(map(str, cfg.ngram))}"
         print(f"engine: vLLM, plain and with drafter {cfg.drafter} at K = {', '.join(map(str, ks))} "
               f"({len(requests)} prompts, concurrency 1{''.join(f', {c}' for c in concurrency)}, {dtype}{budget}"
               f"{', the lossless check alone' if mode == 'check' else ''})",
               flush=True)
-        return job, engine.run_engine(job, workdir / tag, f"vLLM with drafter {cfg.drafter}")
+        return job, engine.run_engine(job, self.workdir / tag, f"vLLM with drafter {cfg.drafter}")
 
-    job, result = run(prompts, dtype_name, "timed", ks, cfg.concurrency, cfg.sweep_budget_s)
-    natural, greedy = result.by_id(), cfg.temperature == 0
-    drafted = [r for r in result.timed["runs"] if r.get("method", "dflash") == "dflash"]
-    runs = {r["k"]: r for r in drafted}
-    sweep = [k_row(r, natural, greedy) for r in drafted]
+
+def free_speculator_runs(run: EngineRunner, job: engine.EngineJob, result: engine.EngineResult, num_prompts: int
+                         ) -> tuple[dict[str, list[dict[str, Any]]], float]:
+    """The timed runs of vLLM's model-free speculators by method ("ngram": prompt lookup, "suffix": suffix
+    decoding): --ngram's first K ran beside the drafter (`result`); each further lookup K, and each suffix decoding
+    K, runs in an engine process of its own (EngineJob.ngram_tokens), on the same prompts at their lengths in
+    `result`. Also the seconds of every engine run so far."""
+    cfg = run.cfg
     free = {"ngram": [r for r in result.timed["runs"] if r.get("method") == "ngram"], "suffix": []}
     seconds = result.load_s + result.wall_s
-    # each further lookup K, and each suffix decoding K, in an engine process of its own (EngineJob.ngram_tokens)
+    natural = result.by_id()
     for method, k in [("ngram", k) for k in cfg.ngram[1:]] + [("suffix", k) for k in cfg.suffix]:
         what, tag = FREE_SPECULATORS[method]
-        print(f"engine: vLLM, plain and {what} at K = {k} ({len(prompts)} prompts at their lengths above)", flush=True)
-        again = engine.run_engine(engine.lookup_job(job, natural, k, method), workdir / f"{tag}-{k}",
+        print(f"engine: vLLM, plain and {what} at K = {k} ({num_prompts} prompts at their lengths above)", flush=True)
+        again = engine.run_engine(engine.lookup_job(job, natural, k, method), run.workdir / f"{tag}-{k}",
                                   f"vLLM with {what} at K = {k}")
         free[method] += again.timed["runs"]
         seconds += again.load_s + again.wall_s
-    lookup_rows, lookup = free_speculator(free["ngram"], natural, greedy)
-    suffix_rows, suffix = free_speculator(free["suffix"], natural, greedy)
-    best = fastest_at_batch_1(sweep)
-    best_k = best["k"]
-    spec = {o["id"]: o["token_ids"] for o in runs[best_k]["outputs"]}
-    mismatches = [{"id": p["id"], **diagnose_mismatch(target, prompts[p["id"]], natural[p["id"]].token_ids,
+    return free, seconds
+
+
+def lossless_at_best_k(run: EngineRunner, best: dict[str, Any], best_run: dict[str, Any], natural: dict[str, Any],
+                       prompts: dict[str, list[int]], dtype_name: str) -> tuple[list[dict[str, Any]], float | None]:
+    """The prompts whose output at best_k differs from plain decoding's, each diagnosed (diagnose_mismatch); in a
+    low-precision dtype they are rerun in fp32 through the engine (the lossless check alone), which says whether
+    each was rounding. Returns them and the seconds of that rerun (None where none ran)."""
+    spec = {o["id"]: o["token_ids"] for o in best_run["outputs"]}
+    mismatches = [{"id": p["id"], **diagnose_mismatch(run.target, prompts[p["id"]], natural[p["id"]].token_ids,
                                                       spec[p["id"]])}
                   for p in best["per_prompt"] if p["mismatch"]]
-    recheck_s = None
-    if mismatches and dtype_name != "fp32":
-        t0 = time.perf_counter()
-        _, again = run({d["id"]: prompts[d["id"]] for d in mismatches}, "fp32", "fp32", [best_k], [], None, "check")
-        spec32, plain32 = {o["id"]: o["token_ids"] for o in again.timed["runs"][0]["outputs"]}, again.by_id()
-        for d in mismatches:
-            d["fp32_spec_equals_plain"] = spec32[d["id"]] == plain32[d["id"]].token_ids
-        recheck_s = time.perf_counter() - t0
-    table = concurrency_rows(sweep, drafted)
-    fastest = best_per_concurrency(table)
-    rates = plain_rates(natural, sweep + lookup_rows + suffix_rows)
+    if not mismatches or dtype_name == "fp32":
+        return mismatches, None
+    t0 = time.perf_counter()
+    _, again = run({d["id"]: prompts[d["id"]] for d in mismatches}, "fp32", "fp32", [best["k"]], [], None, "check")
+    spec32, plain32 = {o["id"]: o["token_ids"] for o in again.timed["runs"][0]["outputs"]}, again.by_id()
+    for d in mismatches:
+        d["fp32_spec_equals_plain"] = spec32[d["id"]] == plain32[d["id"]].token_ids
+    return mismatches, time.perf_counter() - t0
+
+
+def lossless_entry(best: dict[str, Any], mismatches: list[dict[str, Any]], recheck_s: float | None, greedy: bool,
+                   dtype_name: str) -> dict[str, Any]:
+    """The entry's lossless check at best_k: prompts checked, mismatches, those the fp32 rerun did not resolve."""
     return {
-        "engine": "vllm",
-        "version": result.version,
-        "best_k": best_k,
-        "num_speculative_tokens": best_k,
-        "best_k_share": best_k_share(sweep, best_k),
-        **{key: best[key] for key in HEADLINE},
         "lossless_checked": best["lossless_checked"],
         "lossless_mismatches": len(mismatches) if greedy else None,
         "lossless_mismatches_fp32": (sum(not d["fp32_spec_equals_plain"] for d in mismatches)
@@ -340,36 +402,38 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         "lossless_note": None if greedy else "not checked: at temperature > 0 vLLM's rejection sampler keeps the "
                                              "target's distribution, not its tokens",
         "mismatches": mismatches,
-        "tokens_unaccounted_by_steps": best["tokens_unaccounted_by_steps"],
-        "drafter_sha256": drafter_sha256,  # weights and config.json (checkpoint.drafter_identity)
-        "dtype": dtype_name,
-        "engine_args": runs[best_k]["llm_kwargs"],
-        "engine_args_plain": result.llm_kwargs,
-        "serve_command": engine.serve_command(runs[best_k]["llm_kwargs"]),
-        "load_s": {"plain": result.load_s, "speculative": runs[best_k]["load_s"]},
-        "environment": result.environment,
-        "sweep": sweep,
+    }
+
+
+def concurrency_entry(sweep: list[dict[str, Any]], drafted: list[dict[str, Any]]) -> dict[str, Any]:
+    """The entry's figures of requests decoded together: every (concurrency, K), the fastest K at each, how far
+    speculation pays and vLLM's per-batch-size K."""
+    table = concurrency_rows(sweep, drafted)
+    fastest = best_per_concurrency(table)
+    return {
         "concurrency": table,
         "concurrency_best": fastest,
         "pays_up_to_concurrency": pays_up_to(fastest),
         "per_batch_size_schedule": per_batch_size_schedule(fastest),
-        "ngram": lookup,  # vLLM's prompt lookup at --ngram's fastest K, timed the same way: the baseline (or None)
-        "ngram_sweep": lookup_rows,  # every --ngram K's row (batch 1)
-        "suffix": suffix,  # vLLM's suffix decoding at --suffix's fastest K, timed the same way (or None)
-        "suffix_sweep": suffix_rows,
-        "ranking": ranking(best, lookup, suffix),
-        "timing": {"protocol": TIMING_PROTOCOL, "repeats": cfg.repeats, "budget_s": cfg.sweep_budget_s,
-                   "measured_k": [row["k"] for row in sweep], "skipped_k": result.timed["skipped"],
-                   "first_k": None if first is None else {"k": first, "from": source, "slack": SWEEP_FIRST_SLACK},
-                   "plain_tokens_per_s_decode": {"reference": rates[0], **{str(r["k"]): v for r, v in
-                                                                             zip(sweep, rates[1:])},
-                                                 **{f"prompt lookup {r['k']}": v for r, v in
-                                                    zip(lookup_rows, rates[1 + len(sweep):])},
-                                                 **{f"suffix decoding {r['k']}": v for r, v in
-                                                    zip(suffix_rows, rates[1 + len(sweep) + len(lookup_rows):])}},
-                   "host_drift": (drift := host_drift(rates)), "host_drift_limit": HOST_DRIFT_LIMIT,
-                   "host_unsteady": drift is not None and drift > HOST_DRIFT_LIMIT,
-                   "concurrency": [1, *cfg.concurrency], "seconds": seconds,
-                   "load_average_after": [round(x, 2) for x in os.getloadavg()]},
-        "per_prompt": best["per_prompt"],
     }
+
+
+def timing_entry(run: EngineRunner, result: engine.EngineResult, seconds: float, natural: dict[str, Any],
+                 sweep: list[dict[str, Any]], lookup_rows: list[dict[str, Any]], suffix_rows: list[dict[str, Any]]
+                 ) -> dict[str, Any]:
+    """How the sweep was timed (the entry's `timing`): the protocol, the K measured and those the budget left out,
+    the first K and the estimate that chose it, plain decoding's own speed in the reference pass and in each row's
+    runs and how far apart they are (host_drift; above HOST_DRIFT_LIMIT the machine's speed changed while it
+    measured), the engine's seconds and the load average at the end."""
+    rates = plain_rates(natural, sweep + lookup_rows + suffix_rows)
+    labels = ["reference", *(str(r["k"]) for r in sweep), *(f"prompt lookup {r['k']}" for r in lookup_rows),
+              *(f"suffix decoding {r['k']}" for r in suffix_rows)]
+    drift = host_drift(rates)
+    return {"protocol": TIMING_PROTOCOL, "repeats": run.cfg.repeats, "budget_s": run.cfg.sweep_budget_s,
+            "measured_k": [row["k"] for row in sweep], "skipped_k": result.timed["skipped"],
+            "first_k": None if run.first is None else {"k": run.first, "from": run.source, "slack": SWEEP_FIRST_SLACK},
+            "plain_tokens_per_s_decode": dict(zip(labels, rates)),
+            "host_drift": drift, "host_drift_limit": HOST_DRIFT_LIMIT,
+            "host_unsteady": drift is not None and drift > HOST_DRIFT_LIMIT,
+            "concurrency": [1, *run.cfg.concurrency], "seconds": seconds,
+            "load_average_after": [round(x, 2) for x in os.getloadavg()]}
