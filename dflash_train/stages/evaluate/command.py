@@ -109,23 +109,8 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     """Run the eval; `workdir` holds the engine runs (jobs and logs) when the engine takes part."""
     from dflash_train.stages.capture.command import load_prompt_records
     from dflash_train.device import default_device, machine, resolve_precision
-    from dflash_train.model.checkpoint import check_finished
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    validate(cfg)
-    for path in [cfg.drafter, *cfg.baseline_drafters]:
-        check_finished(path)
-    own, in_engine = cfg.engine in ("own", "both"), cfg.engine in ("vllm", "both")
-    if (cfg.engine_args or cfg.suffix) and not in_engine:
-        raise UserError(f"{'--engine-args' if cfg.engine_args else '--suffix'} configures vLLM, and --engine "
-                        f"{cfg.engine} does not run it: pass --engine vllm or both")
-    if in_engine:
-        from dflash_train.engine import check_vllm, suffix_problem
-
-        check_vllm()  # before anything is loaded: a missing engine is one line, not a late failure
-        if cfg.suffix and (problem := suffix_problem()):
-            raise UserError(f"--suffix: {problem}")
+    own, in_engine = check_options(cfg)
     records, _ = load_prompt_records(cfg.prompts, cfg.split, cfg.limit)
     from dflash_train.stages.capture.command import prompt_set
 
@@ -148,14 +133,7 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
         if template_kwargs is None:
             template_kwargs = (store.manifest.get("generation") or {}).get("template_kwargs") or {}
     template_kwargs = template_kwargs or {}
-
-    prompts = {r.id: target.render(r.messages, r.tools, **template_kwargs) for r in records}
-    too_long = [rid for rid, ids in prompts.items() if cfg.max_prompt_tokens and len(ids) > cfg.max_prompt_tokens]
-    for rid in too_long:
-        del prompts[rid]
-    if not prompts:
-        raise UserError(f"all {len(too_long)} prompts of {cfg.prompts} (split {cfg.split!r}) are longer than "
-                        f"--max-prompt-tokens {cfg.max_prompt_tokens}: nothing to evaluate")
+    prompts, too_long = render_prompts(cfg, records, target, template_kwargs)
     constraints, constrained = eval_constraints([r for r in records if r.id in prompts], cfg, own)
     report: dict[str, Any] = {
         "tau": None, "tau_interval": None, "tau_steps": None, "tau_offline": None, "tau_gap": None,
@@ -166,23 +144,15 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
         "settings": {**asdict(cfg), "template_kwargs": template_kwargs, "device": str(device),
                      "dtype": dtype_name, "dtype_reason": precision.reason, "block_size": B,
                      "num_prompts": len(prompts), "skipped_long_prompts": len(too_long), "constraints": constrained,
-                     "threads": torch.get_num_threads(), "machine": where,
-                     "sampling": "greedy" if cfg.temperature == 0 else
-                     f"temperature {cfg.temperature}, Gumbel-max noise keyed on (seed, prompt id, position)"},
+                     "threads": torch.get_num_threads(), "machine": where, "sampling": sampling_of(cfg)},
         "drafter": _drafter_summary(cfg.drafter, main),
         "baseline_drafters": [_drafter_summary(m.drafter_path, m.proposer) for m in by_role(methods, "baseline")],
         "target": target.identity().to_dict(),
         "held_out_check": held_out,
     }
     if store is not None:
-        n = len(store) if cfg.limit is None else min(cfg.limit, len(store))
-        offline = offline_estimate((store[i] for i in range(n)), main.drafter,
-                                   target.model.get_input_embeddings().weight,
-                                   target.model.get_output_embeddings().weight, B)
-        offline["store"] = str(cfg.store)
-        offline["samples_of_eval_prompts"] = sum(r["id"] in prompts for r in offline["per_sample"])
-        report["offline"] = offline
-        report["tau_offline"] = offline["tau"]
+        report["offline"] = offline_entry(cfg, store, main, target, B, prompts)
+        report["tau_offline"] = report["offline"]["tau"]
     if own:
         own_prompts = dict(list(prompts.items())[:cfg.own_limit])
         report["settings"]["own_prompts"] = len(own_prompts)
@@ -191,15 +161,81 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     if in_engine:
         if workdir is None:
             raise ValueError("evaluate(..., workdir) is needed when the engine takes part")
-        expected_tau = (("offline estimate", report["offline"]["tau_by_k"]) if report["offline"] else
-                        ("project's loop", tau_by_k_of(report["per_position_acceptance"])) if own else None)
         report["engines"]["vllm"] = engine_eval(cfg, target, prompts, B, dtype_name, device, Path(workdir),
-                                                expected_tau, constraints)
-    if report["offline"]:
-        online = report["tau"] if report["tau"] is not None else report["engines"]["vllm"]["tau"]
-        offline_tau = report["offline"]["tau"]
-        report["tau_gap"] = online - offline_tau if online is not None and offline_tau is not None else None
+                                                expected_tau(report, own), constraints)
+    report["tau_gap"] = tau_gap(report)
     return report
+
+
+def check_options(cfg: EvalConfig) -> tuple[bool, bool]:
+    """The flags, the drafters and the engine checked before anything is loaded; returns whether the project's loop
+    and the engine take part."""
+    from dflash_train.model.checkpoint import check_finished
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    validate(cfg)
+    for path in [cfg.drafter, *cfg.baseline_drafters]:
+        check_finished(path)
+    own, in_engine = cfg.engine in ("own", "both"), cfg.engine in ("vllm", "both")
+    if (cfg.engine_args or cfg.suffix) and not in_engine:
+        raise UserError(f"{'--engine-args' if cfg.engine_args else '--suffix'} configures vLLM, and --engine "
+                        f"{cfg.engine} does not run it: pass --engine vllm or both")
+    if in_engine:
+        from dflash_train.engine import check_vllm, suffix_problem
+
+        check_vllm()  # before anything is loaded: a missing engine is one line, not a late failure
+        if cfg.suffix and (problem := suffix_problem()):
+            raise UserError(f"--suffix: {problem}")
+    return own, in_engine
+
+
+def render_prompts(cfg: EvalConfig, records: list, target: Target, template_kwargs: dict[str, Any]
+                   ) -> tuple[dict[str, list[int]], list[str]]:
+    """The prompts' token ids by id, rendered with the target's chat template, and the ids of those longer than
+    --max-prompt-tokens (left out); none left is an error."""
+    prompts = {r.id: target.render(r.messages, r.tools, **template_kwargs) for r in records}
+    too_long = [rid for rid, ids in prompts.items() if cfg.max_prompt_tokens and len(ids) > cfg.max_prompt_tokens]
+    for rid in too_long:
+        del prompts[rid]
+    if not prompts:
+        raise UserError(f"all {len(too_long)} prompts of {cfg.prompts} (split {cfg.split!r}) are longer than "
+                        f"--max-prompt-tokens {cfg.max_prompt_tokens}: nothing to evaluate")
+    return prompts, too_long
+
+
+def sampling_of(cfg: EvalConfig) -> str:
+    """How the eval samples, in words (the report's settings.sampling)."""
+    return ("greedy" if cfg.temperature == 0 else
+            f"temperature {cfg.temperature}, Gumbel-max noise keyed on (seed, prompt id, position)")
+
+
+def offline_entry(cfg: EvalConfig, store, main: DFlashProposer, target: Target, block_size: int,
+                  prompts: dict[str, list[int]]) -> dict[str, Any]:
+    """The offline estimate on the --store's samples (its first --limit), and how many of them are of the prompts
+    evaluated online."""
+    n = len(store) if cfg.limit is None else min(cfg.limit, len(store))
+    offline = offline_estimate((store[i] for i in range(n)), main.drafter, target.model.get_input_embeddings().weight,
+                               target.model.get_output_embeddings().weight, block_size)
+    offline["store"] = str(cfg.store)
+    offline["samples_of_eval_prompts"] = sum(r["id"] in prompts for r in offline["per_sample"])
+    return offline
+
+
+def expected_tau(report: dict[str, Any], own: bool) -> tuple[str, list[float]] | None:
+    """What the engine sweep starts from (vllm_sweep.sweep_first_k): the expected tau at each K by the offline
+    estimate, else by the project's loop's acceptance by position, else nothing."""
+    return (("offline estimate", report["offline"]["tau_by_k"]) if report["offline"] else
+            ("project's loop", tau_by_k_of(report["per_position_acceptance"])) if own else None)
+
+
+def tau_gap(report: dict[str, Any]) -> float | None:
+    """Online tau (the project's loop's, else vLLM's) less the offline estimate; None without both."""
+    if not report["offline"]:
+        return None
+    online = report["tau"] if report["tau"] is not None else report["engines"]["vllm"]["tau"]
+    offline_tau = report["offline"]["tau"]
+    return online - offline_tau if online is not None and offline_tau is not None else None
 
 
 def eval_constraints(records: list, cfg: EvalConfig, own: bool
