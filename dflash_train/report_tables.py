@@ -49,65 +49,20 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
     if not sweep:
         return []
     timing = engine.get("timing") if isinstance(engine.get("timing"), dict) else {}
-    best_k = engine.get("best_k")
     lookup = engine.get("ngram") if isinstance(engine.get("ngram"), dict) else None
-    labelled = [(f"**{r.get('k')}**" if r.get("k") == best_k else fmt(r.get("k")), r)
-                for r in sorted(sweep, key=lambda r: r.get("k") or 0)]
+    suffix = engine.get("suffix") if isinstance(engine.get("suffix"), dict) else None
     looked = sorted((r for r in engine.get("ngram_sweep") or ([lookup] if lookup else []) if isinstance(r, dict)),
                     key=lambda r: r.get("k") or 0)  # every lookup K timed (older reports: the one in ngram)
-    labelled += [(f"{fmt(r.get('k'))}, prompt lookup", r) for r in looked]
-    suffixed = sorted((r for r in engine.get("suffix_sweep") or [] if isinstance(r, dict)), key=lambda r: r.get("k") or 0)
-    labelled += [(f"{fmt(r.get('k'))}, suffix decoding", r) for r in suffixed]
-    rows = [(label, with_interval(r.get("tau"), r.get("tau_interval")),
-             f"{fmt(r.get('tokens_per_s_baseline'))} / {fmt(r.get('tokens_per_s'))}",
-             with_interval(r.get("speedup"), r.get("speedup_interval")) + "×",
-             f"{fmt(r.get('tokens_per_s_baseline_wall'))} / {fmt(r.get('tokens_per_s_wall'))}",
-             with_interval(r.get("speedup_wall"), r.get("speedup_wall_interval")) + "×",
-             f"{fmt(r.get('lossless_mismatches'))} of {fmt(r.get('lossless_checked'))}")
-            for label, r in labelled]
-    share = engine.get("best_k_share")
-    skipped = timing.get("skipped_k") or []
     lines = ["Speculation length K (`num_speculative_tokens`), one request at a time; τ and speedups with 95% "
              "bootstrap intervals over prompts; tokens/s of whole requests (every new token, prefill included), by "
              "the engine core (from the request's arrival to its last token) and by a stopwatch around each:", "",
-             table(rows, ("K", "τ", "Tokens/s plain / speculative", "Speedup", "Stopwatch: tokens/s plain / "
-                          "speculative", "Stopwatch: speedup", "Lossless mismatches")), "",
-             f"best_k = {fmt(best_k)}: the fastest at batch 1"
-             + (f" (in {share:.0%} of the bootstrap resamples of the prompts)" if isinstance(share, float) else "")
-             + (f"; not measured within the time budget ({fmt(timing.get('budget_s'))} s): K = {fmt(skipped)}"
-                if skipped else "") + "."]
-    if lookup:
-        mine = next((r for r in sweep if r.get("k") == best_k), {})
-        config = lookup.get("engine_args") if isinstance(lookup.get("engine_args"), dict) else {}
-        lines[-1] += (f" Prompt lookup: vLLM's own `ngram` speculator, no model (the tokens that followed an earlier "
-                      f"occurrence of the context's last n tokens, n from {fmt(config.get('prompt_lookup_max'))} "
-                      f"down to {fmt(config.get('prompt_lookup_min'))}), timed the same way on the same prompts: "
-                      f"the baseline a drafter has to beat: {fmt(lookup.get('speedup'))}× at K = "
-                      f"{fmt(lookup.get('k'))}"
-                      + (f" (the fastest of K = {', '.join(fmt(r.get('k')) for r in looked)})" if len(looked) > 1
-                         else "") + f" against the drafter's {fmt(mine.get('speedup'))}× at best_k.")
-    suffix = engine.get("suffix") if isinstance(engine.get("suffix"), dict) else None
-    if suffix:
-        lines[-1] += (f" Suffix decoding: vLLM's `suffix` speculator, no model (drafts from a suffix tree over the "
-                      f"prompt and the answers the engine gave before), timed the same way: "
-                      f"{fmt(suffix.get('speedup'))}× at K = {fmt(suffix.get('k'))}.")
-    if (served := free_speculator_to_serve(engine)) is not None:  # what to serve: the fastest of them
-        lines[-1] += (f" {served['name'].capitalize()} is the fastest here: serve it with `--speculative-config "
-                      f"'{json.dumps(served['config'], separators=(',', ':'))}'` in place of the drafter's.")
+             sweep_table(engine, sweep, looked), "", best_k_line(engine, sweep, timing, lookup, looked, suffix)]
     lines += ranking_lines(engine)
     first = timing.get("first_k")
     if isinstance(first, dict):
         lines[-1] += (f" Timed first: K = {fmt(first.get('k'))}, the shortest whose expected tau by the "
                       f"{first.get('from')} is within {fmt(100 * (first.get('slack') or 0))}% of the whole block's.")
-    plain = timing.get("plain_tokens_per_s_decode")
-    if timing.get("host_unsteady") is True and isinstance(plain, dict):
-        rates = [v for v in plain.values() if isinstance(v, (int, float))]
-        runs = "the K's runs" + (" and prompt lookup's" if lookup else "") + (" and suffix decoding's" if suffix else "")
-        lines += ["", f"**The machine's speed changed while it was measured**: plain decoding ran at "
-                      f"{min(rates):.1f} to {max(rates):.1f} tokens/s (decode phase) over the reference pass and "
-                      f"{runs}, {timing.get('host_drift'):.0%} apart, on the same prompts at the same lengths. "
-                      f"A speedup here can be off by about as much, and K measured at different times are not "
-                      f"comparable: measure again on a quiet machine (`--repeats 2` pairs each prompt twice)."]
+    lines += host_drift_lines(timing, lookup, suffix)
     lines += concurrency_table(engine)
     lines += ["", f"Measured on {describe_machine(machine, engine.get('dtype'))}"
               + (f" ({fmt(timing['load_average_after'][0])} at the end)"
@@ -116,6 +71,71 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
               f"{fmt(timing.get('repeats'))} timed run(s) per prompt and side. Tokens/s and the best K are a "
               f"measurement of this machine: on another one, measure again (`dflash-train eval`)."]
     return lines
+
+
+def sweep_table(engine: dict[str, Any], sweep: list[dict[str, Any]], looked: list[dict[str, Any]]) -> str:
+    """One row per K timed at batch 1: the drafter's (best_k in bold), then prompt lookup's and suffix decoding's."""
+    best_k = engine.get("best_k")
+    labelled = [(f"**{r.get('k')}**" if r.get("k") == best_k else fmt(r.get("k")), r)
+                for r in sorted(sweep, key=lambda r: r.get("k") or 0)]
+    labelled += [(f"{fmt(r.get('k'))}, prompt lookup", r) for r in looked]
+    suffixed = sorted((r for r in engine.get("suffix_sweep") or [] if isinstance(r, dict)),
+                      key=lambda r: r.get("k") or 0)
+    labelled += [(f"{fmt(r.get('k'))}, suffix decoding", r) for r in suffixed]
+    rows = [(label, with_interval(r.get("tau"), r.get("tau_interval")),
+             f"{fmt(r.get('tokens_per_s_baseline'))} / {fmt(r.get('tokens_per_s'))}",
+             with_interval(r.get("speedup"), r.get("speedup_interval")) + "×",
+             f"{fmt(r.get('tokens_per_s_baseline_wall'))} / {fmt(r.get('tokens_per_s_wall'))}",
+             with_interval(r.get("speedup_wall"), r.get("speedup_wall_interval")) + "×",
+             f"{fmt(r.get('lossless_mismatches'))} of {fmt(r.get('lossless_checked'))}")
+            for label, r in labelled]
+    return table(rows, ("K", "τ", "Tokens/s plain / speculative", "Speedup", "Stopwatch: tokens/s plain / "
+                        "speculative", "Stopwatch: speedup", "Lossless mismatches"))
+
+
+def best_k_line(engine: dict[str, Any], sweep: list[dict[str, Any]], timing: dict[str, Any],
+                lookup: dict[str, Any] | None, looked: list[dict[str, Any]], suffix: dict[str, Any] | None) -> str:
+    """The line under the K table: best_k, how often the resampled prompts pick it, the K the time budget left out;
+    prompt lookup and suffix decoding against the drafter, and how to serve the one of them that is faster."""
+    best_k, share, skipped = engine.get("best_k"), engine.get("best_k_share"), timing.get("skipped_k") or []
+    line = (f"best_k = {fmt(best_k)}: the fastest at batch 1"
+            + (f" (in {share:.0%} of the bootstrap resamples of the prompts)" if isinstance(share, float) else "")
+            + (f"; not measured within the time budget ({fmt(timing.get('budget_s'))} s): K = {fmt(skipped)}"
+               if skipped else "") + ".")
+    if lookup:
+        mine = next((r for r in sweep if r.get("k") == best_k), {})
+        config = lookup.get("engine_args") if isinstance(lookup.get("engine_args"), dict) else {}
+        line += (f" Prompt lookup: vLLM's own `ngram` speculator, no model (the tokens that followed an earlier "
+                 f"occurrence of the context's last n tokens, n from {fmt(config.get('prompt_lookup_max'))} "
+                 f"down to {fmt(config.get('prompt_lookup_min'))}), timed the same way on the same prompts: "
+                 f"the baseline a drafter has to beat: {fmt(lookup.get('speedup'))}× at K = "
+                 f"{fmt(lookup.get('k'))}"
+                 + (f" (the fastest of K = {', '.join(fmt(r.get('k')) for r in looked)})" if len(looked) > 1
+                    else "") + f" against the drafter's {fmt(mine.get('speedup'))}× at best_k.")
+    if suffix:
+        line += (f" Suffix decoding: vLLM's `suffix` speculator, no model (drafts from a suffix tree over the "
+                 f"prompt and the answers the engine gave before), timed the same way: "
+                 f"{fmt(suffix.get('speedup'))}× at K = {fmt(suffix.get('k'))}.")
+    if (served := free_speculator_to_serve(engine)) is not None:  # what to serve: the fastest of them
+        line += (f" {served['name'].capitalize()} is the fastest here: serve it with `--speculative-config "
+                 f"'{json.dumps(served['config'], separators=(',', ':'))}'` in place of the drafter's.")
+    return line
+
+
+def host_drift_lines(timing: dict[str, Any], lookup: dict[str, Any] | None, suffix: dict[str, Any] | None
+                     ) -> list[str]:
+    """The warning where plain decoding's own speed moved while the sweep measured (the entry's
+    timing.host_unsteady); [] on a steady machine."""
+    plain = timing.get("plain_tokens_per_s_decode")
+    if not (timing.get("host_unsteady") is True and isinstance(plain, dict)):
+        return []
+    rates = [v for v in plain.values() if isinstance(v, (int, float))]
+    runs = "the K's runs" + (" and prompt lookup's" if lookup else "") + (" and suffix decoding's" if suffix else "")
+    return ["", f"**The machine's speed changed while it was measured**: plain decoding ran at "
+                f"{min(rates):.1f} to {max(rates):.1f} tokens/s (decode phase) over the reference pass and "
+                f"{runs}, {timing.get('host_drift'):.0%} apart, on the same prompts at the same lengths. "
+                f"A speedup here can be off by about as much, and K measured at different times are not "
+                f"comparable: measure again on a quiet machine (`--repeats 2` pairs each prompt twice)."]
 
 
 def constraints_markdown(c: dict[str, Any] | None) -> list[str]:
