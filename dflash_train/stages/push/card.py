@@ -252,22 +252,8 @@ def _how_to_serve(inp: CardInputs) -> str:
     else:
         measured = f"`num_speculative_tokens` counts drafted tokens: B - 1 = {block - 1}"
     schedule = engine.get("per_batch_size_schedule")
-    lines = [
-        "## How to serve",
-        "",
-        "SGLang (`--speculative-num-draft-tokens` is the verify block size B):",
-        "",
-        "```bash",
-        sglang,
-        "```",
-        "",
-        f"vLLM ({measured}):",
-        "",
-        "```bash",
-        vllm,
-        "```",
-        "",
-    ]
+    lines = ["## How to serve", "", "SGLang (`--speculative-num-draft-tokens` is the verify block size B):", "",
+             "```bash", sglang, "```", "", f"vLLM ({measured}):", "", "```bash", vllm, "```", ""]
     if isinstance(schedule, list) and schedule:
         lines += [f"Serving many requests at once, speculation paid up to {fmt(engine.get('pays_up_to_concurrency'))} "
                   f"requests decoded together in the eval: vLLM can change K with the batch size, e.g. add "
@@ -286,25 +272,31 @@ def _how_to_serve(inp: CardInputs) -> str:
         + (f', revision="{inp.revision}"' if inp.revision else "") + ")",
         "```",
     ]
-    gen = inp.generation or {}
+    return "\n".join(lines + _as_generated(inp.generation or {}))
+
+
+def _as_generated(gen: dict[str, Any]) -> list[str]:
+    """How the training data was generated (capture's chat template options and decoding settings): serve the
+    target the same way."""
+    if not gen:
+        return []
     template_kwargs = gen.get("template_kwargs")
     settings = {k: v for k, v in gen.items() if k != "template_kwargs" and _is_safe_scalar(v) and v is not None}
     # capture's convention: no temperature / top_p = each logged request's own, greedy where the log has none
     per_request = [k for k in ("temperature", "top_p") if k in gen and gen[k] is None]
     if per_request:
         settings["sampling"] = "per logged request (greedy where unset)"
-    if gen:
-        lines += [
-            "",
-            "Serve the target the way the training data was generated: a drafter trained in one thinking mode "
-            "or chat template drafts poorly in another.",
-            "",
-            f"- chat template options: `{json.dumps(template_kwargs or {})}`",
-        ]
-        if settings:
-            lines.append("- decoding settings of the captured responses: "
-                         + ", ".join(f"`{k}={fmt(v)}`" for k, v in settings.items()))
-    return "\n".join(lines)
+    lines = [
+        "",
+        "Serve the target the way the training data was generated: a drafter trained in one thinking mode "
+        "or chat template drafts poorly in another.",
+        "",
+        f"- chat template options: `{json.dumps(template_kwargs or {})}`",
+    ]
+    if settings:
+        lines.append("- decoding settings of the captured responses: "
+                     + ", ".join(f"`{k}={fmt(v)}`" for k, v in settings.items()))
+    return lines
 
 
 def _acceptance(report: dict[str, Any]) -> list[float]:
@@ -331,6 +323,22 @@ def lossless_mismatches(report: dict[str, Any]) -> int | None:
     return in_fp32 if in_dtype and in_fp32 is not None else in_dtype
 
 
+def _lossless_verdict(report: dict[str, Any], dtype: str) -> str:
+    """The project's loop's lossless check in words: passed, passed once near-ties were rerun in fp32, or failed."""
+    mismatches = lossless_mismatches(report)
+    in_dtype = _count(report.get("lossless_mismatches"))
+    checked = report.get("lossless_checked")
+    of = f" of {fmt(checked)} prompts" if isinstance(checked, int) else ""
+    if mismatches is None:
+        return "not recorded"
+    if mismatches == 0 and in_dtype:
+        return (f"passed: {in_dtype}{of} differed in {dtype} by rounding near-ties in the verify forward, "
+                f"and all were token-for-token identical when rerun in fp32")
+    if mismatches == 0:
+        return f"passed: 0{of} differ, every output is token-for-token the target's own"
+    return f"FAILED: {mismatches}{of} differ from the target's own decoding"
+
+
 def _evaluation(inp: CardInputs) -> str:
     report = inp.report
     lines = ["## Evaluation", ""]
@@ -338,27 +346,13 @@ def _evaluation(inp: CardInputs) -> str:
         return "\n".join(lines + ["No eval report was attached to this push: its acceptance was not measured."])
     settings = report.get("settings") or {}
     block = inp.drafter_config.get("block_size")
-    mismatches = lossless_mismatches(report)
-    in_dtype = _count(report.get("lossless_mismatches"))
-    checked = report.get("lossless_checked")
-    of = f" of {fmt(checked)} prompts" if isinstance(checked, int) else ""
-    dtype = settings.get("dtype", "the eval dtype")
-    if mismatches is None:
-        lossless = "not recorded"
-    elif mismatches == 0 and in_dtype:
-        lossless = (f"passed: {in_dtype}{of} differed in {dtype} by rounding near-ties in the verify forward, "
-                    f"and all were token-for-token identical when rerun in fp32")
-    elif mismatches == 0:
-        lossless = f"passed: 0{of} differ, every output is token-for-token the target's own"
-    else:
-        lossless = f"FAILED: {mismatches}{of} differ from the target's own decoding"
     offline = report.get("tau_offline")
     rows = [
         ("Acceptance length τ, online (real speculative decoding with the target)",
          with_interval(report.get("tau"), report.get("tau_interval"))),
         ("Acceptance length τ, offline (held-out captured samples, walked as greedy decoding walks them)",
          fmt(offline) if offline is not None else "not measured"),
-        ("Lossless check", lossless),
+        ("Lossless check", _lossless_verdict(report, settings.get("dtype", "the eval dtype"))),
         ("Tokens/s, with the drafter vs the target alone",
          f"{fmt(report.get('tokens_per_s'))} vs {fmt(report.get('tokens_per_s_baseline'))}"),
         ("Speedup (tokens/s ratio)", with_interval(report.get("speedup"), report.get("speedup_interval")) + "×"
