@@ -105,6 +105,8 @@ def check_held_out(drafter: str, ids: set[str], what: str, prompt_set: dict[str,
     return checked
 
 
+# ------------------------------------------------------------------------------------------------ the run
+
 def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     """Run the eval; `workdir` holds the engine runs (jobs and logs) when the engine takes part."""
     from dflash_train.stages.capture.command import load_prompt_records
