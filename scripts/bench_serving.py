@@ -129,7 +129,8 @@ def own_loop(args: argparse.Namespace, report: dict[str, Any], log: list[dict[st
     the eval's fixed lengths (no stop token), by the loop's decode clock and by a stopwatch around each call."""
     import torch
 
-    from dflash_train.stages.evaluate.command import _load_proposer, acceptance_stats, bootstrap_interval, ratio_of_sums
+    from dflash_train.stages.evaluate.metrics import acceptance_stats, bootstrap_interval, ratio_of_sums
+    from dflash_train.stages.evaluate.own_loop import _load_proposer
     from dflash_train.spec_decode import mean_tau, plain_generate, speculative_generate
     from dflash_train.target import load_target
 
@@ -249,7 +250,7 @@ def stopwatch_child(job_file: Path) -> None:
 # ------------------------------------------------------------------------------------------------ the tables
 
 def tables(report: dict[str, Any], own: list[dict[str, Any]], watch: dict[str, Any]) -> str:
-    from dflash_train.stages.push.card import concurrency_table, describe_machine, fmt, table, with_interval
+    from dflash_train.report_tables import concurrency_table, describe_machine, fmt, table, with_interval
 
     v = report["engines"]["vllm"]
     mine = {r["k"]: r for r in own}

@@ -36,11 +36,11 @@ import time
 from pathlib import Path
 
 import runlib as rl  # scripts/, beside this file: how every script runs a stage
-from dflash_train.stages.push.card import free_speculator_to_serve
 from dflash_train.engine import IDLE_S, SPECULATION_LENGTHS, suffix_problem
 from dflash_train.errors import CommandParser, UserError
 from dflash_train.options import at_least, in_range, int_list
 from dflash_train.provenance import is_complete
+from dflash_train.report_tables import free_speculator_to_serve
 
 REPO = Path(__file__).resolve().parent.parent
 

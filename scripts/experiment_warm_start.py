@@ -254,7 +254,7 @@ NAMES = {"a": "(a) general, as is", "b": "(b) general, adapted to own outputs", 
 def paired(a: dict[str, float | None], b: dict[str, float | None]) -> dict[str, Any]:
     """b - a per prompt (the prompts both have a value for), its mean and the relative gain mean(b) / mean(a) - 1,
     each with a 95% bootstrap interval over prompts (evaluate.bootstrap_interval)."""
-    from dflash_train.stages.evaluate.command import bootstrap_interval
+    from dflash_train.stages.evaluate.metrics import bootstrap_interval
 
     ids = [i for i in a if a[i] is not None and b.get(i) is not None]
     x, y = [a[i] for i in ids], [b[i] for i in ids]
@@ -274,7 +274,7 @@ def paired(a: dict[str, float | None], b: dict[str, float | None]) -> dict[str, 
 
 def workload_rows(result: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One row per main drafter (training, simulated, own-loop and vLLM figures) and the paired comparisons."""
-    from dflash_train.stages.evaluate.command import unresolved_in_fp32
+    from dflash_train.stages.evaluate.own_loop import unresolved_in_fp32
 
     own = rl.read_report(Path(result["own_eval"])) if result.get("own_eval") else None
     rows, per_prompt = [], {"own": {}, "vllm": {}}

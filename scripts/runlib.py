@@ -355,7 +355,7 @@ def method_for(report: dict[str, Any], drafter: Path) -> dict[str, Any]:
 
 
 def plain_tokens_per_s(report: dict[str, Any]) -> float | None:
-    from dflash_train.stages.evaluate.command import by_role  # here, not at the top: it imports torch, which a script's start need not
+    from dflash_train.stages.evaluate.own_loop import by_role  # here, not at the top: it imports torch, which a script's start need not
 
     plain = by_role(report["methods"], "plain")
     return plain[0].get("tokens_per_s") if plain else None

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiny import TOOL_CALL_REQUEST
 
-from dflash_train.stages.evaluate.command import acceptance_stats, offline_estimate
+from dflash_train.stages.evaluate.metrics import acceptance_stats, offline_estimate
 from dflash_train.spec_decode import DFlashProposer, Step, speculative_generate
 from test_spec_decode import PROMPTS, prompt_ids, reference
 
@@ -49,7 +49,7 @@ def test_tau_and_per_position_on_hand_made_step_logs():
 
 
 def test_bootstrap_interval_is_seeded_and_holds_the_whole_sample_figure():
-    from dflash_train.stages.evaluate.command import bootstrap_interval, mean_of, ratio_of_sums
+    from dflash_train.stages.evaluate.metrics import bootstrap_interval, mean_of, ratio_of_sums
 
     taus = [1.0, 2.0, 4.0, 1.5, 3.0]
     lo, hi = bootstrap_interval(mean_of(taus), len(taus))
@@ -62,7 +62,7 @@ def test_bootstrap_interval_is_seeded_and_holds_the_whole_sample_figure():
 
 def test_k_sweep_order_spans_the_block_before_filling_it_in():
     """A sweep cut short by its budget has still timed the whole block, K = 1 and the middle."""
-    from dflash_train.stages.evaluate.command import k_sweep_order
+    from dflash_train.stages.evaluate.vllm_sweep import k_sweep_order
 
     order = k_sweep_order(15)
     assert sorted(order) == list(range(1, 16)) and order[:4] == [15, 1, 4, 2]
@@ -72,7 +72,7 @@ def test_k_sweep_order_spans_the_block_before_filling_it_in():
 def test_the_sweep_times_first_the_shortest_k_that_keeps_the_whole_blocks_tau():
     """Longer K cost no less to verify, so past the K whose expected tau is within 1% of the whole block's no K can
     be more than 1% faster: that K runs first, then the range below it, then the longer ones."""
-    from dflash_train.stages.evaluate.command import k_sweep_order, sweep_first_k, tau_by_k_of
+    from dflash_train.stages.evaluate.vllm_sweep import k_sweep_order, sweep_first_k, tau_by_k_of
 
     weak = tau_by_k_of([0.27, 0.05, 0.005] + [0.0] * 12)  # the rewrite demo's drafter: nothing past position 3
     assert weak[:3] == pytest.approx([1.27, 1.32, 1.325])
@@ -88,7 +88,7 @@ def test_the_sweep_times_first_the_shortest_k_that_keeps_the_whole_blocks_tau():
 
 
 def test_where_speculation_stops_paying_and_vllms_per_batch_size_k():
-    from dflash_train.stages.evaluate.command import best_per_concurrency, pays_up_to, per_batch_size_schedule
+    from dflash_train.stages.evaluate.vllm_sweep import best_per_concurrency, pays_up_to, per_batch_size_schedule
 
     rows = [{"requests": 1, "k": 3, "speedup": 1.4}, {"requests": 1, "k": 1, "speedup": 1.2},
             {"requests": 4, "k": 3, "speedup": 0.9}, {"requests": 4, "k": 1, "speedup": 1.1},
@@ -153,9 +153,10 @@ def test_the_engine_eval_reports_the_fastest_k_with_its_figures_and_intervals(ti
     """best_k is the fastest K at batch 1; the entry's headline figures (push's gate, the card) are its own; the
     speedups are ratios of the same runs' seconds by both clocks; only best_k's bf16 mismatches are rerun in fp32."""
     from dflash_train import engine
-    from dflash_train.stages.push.card import serving_tables
+    from dflash_train.report_tables import serving_tables
     from dflash_train.errors import UserError
-    from dflash_train.stages.evaluate.command import EvalConfig, engine_eval
+    from dflash_train.stages.evaluate.config import EvalConfig
+    from dflash_train.stages.evaluate.vllm_sweep import engine_eval
 
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
     natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
@@ -218,8 +219,9 @@ def test_a_sweep_on_a_machine_whose_speed_changed_says_so(tiny_target, drafters,
     its own speed moves more than HOST_DRIFT_LIMIT between them, the report says the speedups are not to be
     believed (a demo's 1.10x at tau 1.26 was plain decoding at 12.6 tokens/s in one K's runs and 21.7 in the next)."""
     from dflash_train import engine
-    from dflash_train.stages.push.card import serving_tables
-    from dflash_train.stages.evaluate.command import EvalConfig, engine_eval
+    from dflash_train.report_tables import serving_tables
+    from dflash_train.stages.evaluate.config import EvalConfig
+    from dflash_train.stages.evaluate.vllm_sweep import engine_eval
 
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
     natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
@@ -241,8 +243,9 @@ def test_a_machine_that_slowed_while_prompt_lookup_was_timed_is_flagged_too(tiny
                                                                            tmp_path):
     """Prompt lookup is timed after the drafter's K, against plain runs of its own: those join the drift check."""
     from dflash_train import engine
-    from dflash_train.stages.push.card import serving_tables
-    from dflash_train.stages.evaluate.command import EvalConfig, engine_eval
+    from dflash_train.report_tables import serving_tables
+    from dflash_train.stages.evaluate.config import EvalConfig
+    from dflash_train.stages.evaluate.vllm_sweep import engine_eval
 
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
     natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
@@ -266,8 +269,9 @@ def test_where_prompt_lookup_is_faster_than_the_drafter_the_tables_say_how_to_se
                                                                                       monkeypatch, tmp_path):
     """The eval measures both; the user serves the faster: its speculative config, ready to paste, only when it wins."""
     from dflash_train import engine
-    from dflash_train.stages.push.card import serving_tables
-    from dflash_train.stages.evaluate.command import EvalConfig, engine_eval
+    from dflash_train.report_tables import serving_tables
+    from dflash_train.stages.evaluate.config import EvalConfig
+    from dflash_train.stages.evaluate.vllm_sweep import engine_eval
 
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
     natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
@@ -288,8 +292,9 @@ def test_suffix_decoding_is_timed_beside_lookup_and_the_fastest_of_the_three_is_
     """Each free speculator at its own fastest K, each K of suffix decoding in an engine of its own; the report ranks
     drafter, lookup and suffix, and the tables name the winner's config."""
     from dflash_train import engine
-    from dflash_train.stages.push.card import free_speculator_to_serve, serving_tables
-    from dflash_train.stages.evaluate.command import EvalConfig, engine_eval
+    from dflash_train.report_tables import free_speculator_to_serve, serving_tables
+    from dflash_train.stages.evaluate.config import EvalConfig
+    from dflash_train.stages.evaluate.vllm_sweep import engine_eval
 
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
     natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
@@ -317,8 +322,9 @@ def test_prompt_lookup_is_timed_with_requests_together_and_the_tables_say_how_fa
     """A user serving many requests at once serves the faster of the two at their batch: prompt lookup is timed at
     every concurrency the drafter is, its rows beside the drafter's, and how far each pays."""
     from dflash_train import engine
-    from dflash_train.stages.push.card import serving_tables
-    from dflash_train.stages.evaluate.command import EvalConfig, engine_eval
+    from dflash_train.report_tables import serving_tables
+    from dflash_train.stages.evaluate.config import EvalConfig
+    from dflash_train.stages.evaluate.vllm_sweep import engine_eval
 
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
     natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
@@ -348,8 +354,9 @@ def test_each_prompt_lookup_k_is_timed_in_an_engine_of_its_own_and_the_fastest_i
     timed after the drafter's and each further K in a job of its own, on the same prompts at the lengths the first
     job's reference pass found (no second reference pass); the fastest lookup K at batch 1 is the baseline."""
     from dflash_train import engine
-    from dflash_train.stages.push.card import serving_tables
-    from dflash_train.stages.evaluate.command import EvalConfig, engine_eval
+    from dflash_train.report_tables import serving_tables
+    from dflash_train.stages.evaluate.config import EvalConfig
+    from dflash_train.stages.evaluate.vllm_sweep import engine_eval
 
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
     natural = {rid: [7 + i] * (9 + i) for i, rid in enumerate(prompts)}
@@ -558,7 +565,7 @@ def test_the_vllm_sweep_starts_where_the_held_out_estimate_keeps_tau(tiny_target
                                                                       store_dir, tmp_path, monkeypatch):
     """The offline estimate runs before the engine, and its tau at each K picks the sweep's first K."""
     from dflash_train import engine
-    from dflash_train.stages.evaluate.command import sweep_first_k
+    from dflash_train.stages.evaluate.vllm_sweep import sweep_first_k
 
     calls: list = []
 
@@ -619,8 +626,9 @@ def test_empty_prompt_set_is_refused(tiny_target_dir, drafters, tmp_path, capsys
 
 def test_mismatch_diagnosis_and_fp32_recheck(tiny_target, tiny_target_dir, drafters):
     """The path a bf16 tie takes: where the outputs part, the margin there, and the fp32 rerun of both."""
-    from dflash_train.stages.evaluate.command import (NO_SPECULATION, PLAIN, EvalConfig, Method, _load_proposer,
-                                       diagnose_mismatch, recheck_in_fp32)
+    from dflash_train.stages.evaluate.config import EvalConfig
+    from dflash_train.stages.evaluate.own_loop import (NO_SPECULATION, PLAIN, Method, _load_proposer, diagnose_mismatch,
+                                                       recheck_in_fp32)
     from dflash_train.spec_decode import NoDraft, plain_generate
 
     ids = prompt_ids(tiny_target, PROMPTS[0])

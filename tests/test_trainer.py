@@ -528,7 +528,8 @@ def test_a_warm_start_that_trains_zero_steps_reproduces_the_source_drafters_eval
     published folder it started from agree exactly (tau, every prompt's tau, the tokens drafted)."""
     from tiny import reference_drafter
 
-    from dflash_train.stages.evaluate.command import EvalConfig, evaluate
+    from dflash_train.stages.evaluate.command import evaluate
+    from dflash_train.stages.evaluate.config import EvalConfig
 
     zlab = reference_drafter(tmp_path / "zlab", tiny_parts[0], LAYERS, 1000, dtype=torch.bfloat16)
     run = tmp_path / "run"

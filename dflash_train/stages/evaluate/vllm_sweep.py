@@ -1,0 +1,439 @@
+"""The eval in vLLM, the serving engine itself: plain decoding and the drafter as vLLM's `dflash` speculator at each
+speculation length K, timed (engine._timed) at batch 1 and with requests decoded together; the fastest K at batch 1
+(best_k) is the entry's headline; vLLM's model-free speculators (prompt lookup, suffix decoding) timed the same way
+beside it; plain decoding's own speed over the sweep says whether the machine held still while it measured."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_train import engine
+from dflash_train.engine import IDLE_S, LOOKUP_METHODS
+from dflash_train.errors import UserError
+from dflash_train.spec_decode import mean_tau
+from dflash_train.stages.evaluate.config import EvalConfig
+from dflash_train.stages.evaluate.metrics import (acceptance_stats, bootstrap_interval, bootstrap_resamples, mean_of,
+                                                  ratio_of_sums)
+from dflash_train.stages.evaluate.own_loop import diagnose_mismatch
+from dflash_train.target import Target, prompt_seed
+
+
+CLOCKS = ("core_s", "decode_s", "wall_s")  # engine core: arrival to last token, first to last token; stopwatch
+TIMING = tuple(f"{side}_{clock}" for side in ("plain", "spec") for clock in CLOCKS)
+FIGURES = tuple(f"{figure}{clock}" for clock in ("", "_decode", "_wall")
+                for figure in ("tokens_per_s", "tokens_per_s_baseline", "speedup"))
+HEADLINE = ("tau", "tau_interval", "tau_steps", "per_position_acceptance", "tau_histogram", "num_steps", *FIGURES,
+            "speedup_interval", "speedup_decode_interval", "speedup_wall_interval")
+TIMING_PROTOCOL = ("warm engines (one short request each first), plain and speculative side by side in one process; "
+                   "each prompt decoded alone to its natural stop by plain decoding, then timed plain and speculative "
+                   "at that length with ignore_eos (the same number of new tokens on both sides), alternating which "
+                   f"side goes first, each request {IDLE_S} s after the last (the idle engine stops polling) with "
+                   "both engines' prefix caches emptied (every timed prompt prefilled in full); timed "
+                   "by the engine core from the request's arrival to its last token (the decode phase alone: from "
+                   "its first token) and by a stopwatch around the whole request; concurrency c: the first c "
+                   "prompts (cycled) decoded together, timed the same way")
+
+
+SWEEP_FIRST_SLACK = 0.01  # the sweep's first K keeps tau within 1% of the whole block's, by the acceptance estimate
+
+
+def sweep_first_k(tau_by_k: list[float] | None, slack: float = SWEEP_FIRST_SLACK) -> int | None:
+    """The shortest speculation length K whose expected tau (tau_by_k[K-1]) is within `slack` of the best: a
+    verification step costs no less at a longer K, so by this estimate no longer K is more than `slack` faster.
+    None without an estimate."""
+    if not tau_by_k or not all(math.isfinite(t) for t in tau_by_k):
+        return None
+    best = max(tau_by_k)
+    return next(k for k, tau in enumerate(tau_by_k, 1) if tau * (1 + slack) >= best)
+
+
+def tau_by_k_of(acceptance: list[float]) -> list[float]:
+    """Expected tau at each K from the acceptance by block position of steps at the whole block (the share of steps
+    accepting at least k drafts): 1 + acceptance[0] + ... + acceptance[K-1]."""
+    return [1 + sum(acceptance[:k]) for k in range(1, len(acceptance) + 1)]
+
+
+def k_sweep_order(max_k: int, first: int | None = None) -> list[int]:
+    """The speculation lengths 1..max_k in the order the eval times them: `first` (sweep_first_k; default max_k, the
+    whole block, what vLLM ran before the sweep), 1, then again and again the geometric middle of the widest gap
+    left below `first`; then max_k and the gaps above `first` the same way. A sweep that its budget cuts short has
+    timed the likeliest fastest K and spans the range below it."""
+    first = max_k if first is None else min(first, max_k)
+    order = [first] + ([1] if first > 1 else [])
+    for top in (first, max_k):
+        order += [top] if top not in order else []
+        while len(done := sorted(k for k in order if k <= top)) < top:
+            _, _, a, b = max((math.log(b / a), -a, a, b) for a, b in zip(done, done[1:]) if b - a > 1)
+            order.append(min(max(round(math.sqrt(a * b)), a + 1), b - 1))
+    return order
+
+
+HOST_DRIFT_LIMIT = 0.15  # plain decoding's own speed may move this much over a sweep before the report says the
+#                        machine changed speed while it measured (quiet 2-core hosts: 3-10%; 30% and 72% where a
+#                        speedup above 1 at tau 1.26-1.30 proved to be noise: BENCHMARKS.md)
+
+
+def plain_rates(natural: dict[str, Any], sweep: list[dict[str, Any]]) -> list[float | None]:
+    """Plain decoding's decode-phase tokens/s in the reference pass (every prompt to its natural stop, before any
+    K) and in each row's timed runs (each K's, then prompt lookup's): the same engine on the same prompts at the
+    same lengths, so on a steady machine the same figure; how far they move apart is how far the machine's speed
+    moved while the sweep measured."""
+    seconds = sum(o.decode_s for o in natural.values())
+    reference = sum(len(o.token_ids) - 1 for o in natural.values()) / seconds if seconds > 0 else None
+    return [reference, *(row["tokens_per_s_baseline_decode"] for row in sweep)]
+
+
+def host_drift(rates: list[float | None]) -> float | None:
+    """The fastest of plain decoding's rates over the slowest, less 1; None with fewer than two."""
+    rates = [r for r in rates if r]
+    return max(rates) / min(rates) - 1 if len(rates) > 1 else None
+
+
+def timing_figures(rows: list[dict[str, Any]], intervals: bool = True) -> dict[str, Any]:
+    """Tokens/s of both sides and the speedup over timed runs (`rows`: new_tokens, requests and the mean seconds of
+    each side by each clock), by the engine core over the whole request (every new token, prefill included: the
+    headline), over the decode phase alone (tokens after each request's first, as the project's loop counts:
+    `_decode`) and by the stopwatch (`_wall`); ratios of sums, with bootstrap intervals over the rows."""
+    figures: dict[str, Any] = {}
+    for suffix, clock in zip(("", "_decode", "_wall"), CLOCKS):
+        tokens = [r["new_tokens"] - (r["requests"] if clock == "decode_s" else 0) for r in rows]
+        plain, spec = [r[f"plain_{clock}"] for r in rows], [r[f"spec_{clock}"] for r in rows]
+        everything = list(range(len(rows)))
+        figures[f"tokens_per_s{suffix}"] = ratio_of_sums(tokens, spec)(everything)
+        figures[f"tokens_per_s_baseline{suffix}"] = ratio_of_sums(tokens, plain)(everything)
+        figures[f"speedup{suffix}"] = ratio_of_sums(plain, spec)(everything)
+        if intervals:
+            figures[f"speedup{suffix}_interval"] = bootstrap_interval(ratio_of_sums(plain, spec), len(rows))
+    return figures
+
+
+def _mean_times(run: dict[str, Any]) -> dict[str, float]:
+    return {key: sum(run[key]) / len(run[key]) for key in TIMING}
+
+
+def k_row(run: dict[str, Any], natural: dict[str, Any], greedy: bool) -> dict[str, Any]:
+    """One speculation length's figures from its timed runs (engine._timed): tau and acceptance by position from
+    vLLM's verification steps, tokens/s and speedup by each clock with intervals, the lossless check against the
+    plain outputs, and the per-prompt figures."""
+    from dflash_train.engine import EngineOutput, engine_steps
+
+    spec = {o["id"]: EngineOutput(**o) for o in run["outputs"]}
+    step_logs, per_prompt, unaccounted, spreads = [], [], 0, []
+    for timed in run["batch1"]:
+        out = spec[timed["id"]]
+        steps, left = engine_steps(out, undrafted_steps=run.get("method") in LOOKUP_METHODS)
+        step_logs.append(steps)
+        unaccounted += left
+        times = _mean_times(timed)
+        per_prompt.append({"id": timed["id"], "new_tokens": timed["tokens"], "requests": 1, "tau": mean_tau(steps),
+                           "mismatch": greedy and out.token_ids != natural[timed["id"]].token_ids, **times,
+                           **{f"{side}_cached_tokens": max(timed.get(f"{side}_cached_tokens") or [0])
+                              for side in ("plain", "spec")},  # 0: both prefilled every prompt in full
+                           **{f"speedup{suffix}": times[f"plain_{clock}"] / times[f"spec_{clock}"]
+                              for suffix, clock in zip(("", "_decode", "_wall"), CLOCKS)}})
+        spreads += [(max(v) - min(v)) / (sum(v) / len(v)) for key in TIMING if len(v := timed[key]) > 1]
+    row = {"k": run["k"], **acceptance_stats(step_logs, run["k"] + 1),
+           "tau_interval": bootstrap_interval(mean_of([p["tau"] for p in per_prompt]), len(per_prompt)),
+           **timing_figures(per_prompt), "lossless_checked": len(per_prompt) if greedy else 0,
+           "lossless_mismatches": sum(p["mismatch"] for p in per_prompt) if greedy else None,
+           "tokens_unaccounted_by_steps": unaccounted, "load_s": run["load_s"], "seconds": run["seconds"],
+           "repeat_spread": sorted(spreads)[len(spreads) // 2] if spreads else None, "per_prompt": per_prompt}
+    return row
+
+
+def fastest_at_batch_1(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The row of the fastest K at batch 1, by the engine's speedup (a K without a finite one comes last)."""
+    return max(rows, key=lambda row: row["speedup"] if math.isfinite(row["speedup"] or math.nan) else -1.0)
+
+
+def best_k_share(sweep: list[dict[str, Any]], best: int) -> float | None:
+    """How often `best` is the fastest K at batch 1 when the prompts are resampled (the bootstrap of the
+    intervals): near 1, another set of prompts would pick it too."""
+    if len(sweep) < 2:
+        return None
+    stats = [(row["k"], ratio_of_sums([p["plain_core_s"] for p in row["per_prompt"]],
+                                      [p["spec_core_s"] for p in row["per_prompt"]])) for row in sweep]
+    n = len(sweep[0]["per_prompt"])
+    wins = [max(stats, key=lambda ks: ks[1](idx) or 0.0)[0] == best for idx in bootstrap_resamples(n)]
+    return sum(wins) / len(wins)
+
+
+def concurrency_rows(sweep: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every (concurrency, K) measured: batch 1 from the sweep, the others from the concurrency runs."""
+    rows = [{"requests": 1, "k": row["k"], **{key: row[key] for key in FIGURES}} for row in sweep]
+    for run in runs:
+        for timed in run["concurrency"]:
+            mean = {"new_tokens": timed["tokens"], "requests": timed["requests"], **_mean_times(timed)}
+            rows.append({"requests": timed["requests"], "k": run["k"], **timing_figures([mean], intervals=False)})
+    return sorted(rows, key=lambda r: (r["requests"], r["k"]))
+
+
+def best_per_concurrency(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each concurrency, its fastest K (by the engine's speedup) and its figures."""
+    best: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        if row["requests"] not in best or (row["speedup"] or 0) > (best[row["requests"]]["speedup"] or 0):
+            best[row["requests"]] = row
+    return [best[c] for c in sorted(best)]
+
+
+def pays_up_to(best: list[dict[str, Any]]) -> int:
+    """The largest measured concurrency up to which speculation (at its best K) beats plain decoding at every
+    measured concurrency; 0 when it does not even at batch 1."""
+    paid = 0
+    for row in best:
+        if not (row["speedup"] or 0) > 1:
+            break
+        paid = row["requests"]
+    return paid
+
+
+def per_batch_size_schedule(best: list[dict[str, Any]]) -> list[list[int]] | None:
+    """vLLM's `num_speculative_tokens_per_batch_size` (inclusive batch-size ranges and their K; 0 = no drafts)
+    from the measured concurrencies: each range runs the K that was fastest at the concurrency it holds (0 where
+    plain decoding was faster), split at the geometric middle between measured concurrencies; vLLM carries the
+    last K on to larger batches. None when one K serves every measured concurrency (set num_speculative_tokens)
+    or speculation loses already at batch 1 (serve without it)."""
+    if not best or best[0]["requests"] != 1 or not (best[0]["speedup"] or 0) > 1:
+        return None
+    ks = [row["k"] if (row["speedup"] or 0) > 1 else 0 for row in best]
+    if len(set(ks)) == 1:
+        return None
+    cs = [row["requests"] for row in best]
+    ends = [math.isqrt(a * b) for a, b in zip(cs, cs[1:])] + [cs[-1]]
+    schedule: list[list[int]] = []
+    for start, end, k in zip([1] + [e + 1 for e in ends], ends, ks):
+        if schedule and schedule[-1][2] == k:
+            schedule[-1][1] = end
+        else:
+            schedule.append([start, end, k])
+    return schedule
+
+
+FREE_SPECULATORS = {"ngram": ("prompt lookup", "lookup"), "suffix": ("suffix decoding", "suffix")}  # name, log tag
+
+
+def free_speculator(runs: list[dict[str, Any]], natural: dict[str, Any], greedy: bool
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The rows of one of the engine's model-free speculators (prompt lookup, suffix decoding), a row per K timed,
+    and its entry: the fastest K at batch 1, with every K's rows at each concurrency (None where none ran)."""
+    rows = [k_row(r, natural, greedy) | {"engine_args": r["llm_kwargs"]["speculative_config"]} for r in runs]
+    if not rows:
+        return rows, None
+    best = dict(fastest_at_batch_1(rows))
+    best["concurrency"] = concurrency_rows(rows, runs)
+    best["pays_up_to_concurrency"] = pays_up_to(best_per_concurrency(best["concurrency"]))
+    return rows, best
+
+
+def ranking(drafter: dict[str, Any], lookup: dict[str, Any] | None, suffix: dict[str, Any] | None
+            ) -> list[dict[str, Any]]:
+    """The drafter, prompt lookup and suffix decoding at each one's fastest K, fastest first at batch 1 (by the
+    engine's speedup over plain decoding on the same prompts), with tau and the intervals: what to serve."""
+    rows = [{"speculator": name, "k": row["k"], "tau": row["tau"], "tau_interval": row.get("tau_interval"),
+             "speedup": row["speedup"], "speedup_interval": row.get("speedup_interval"),
+             "lossless_mismatches": row.get("lossless_mismatches")}
+            for name, row in (("drafter", drafter), ("prompt lookup", lookup), ("suffix decoding", suffix)) if row]
+    return sorted(rows, key=lambda r: -(r["speedup"] if math.isfinite(r["speedup"] or math.nan) else -1.0))
+
+
+def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], block_size: int, dtype_name: str,
+                device: str, workdir: Path, expected_tau: tuple[str, list[float]] | None = None,
+                constraints: dict[str, dict[str, Any] | None] | None = None) -> dict[str, Any]:
+    """What users buy, measured in vLLM: plain decoding and the drafter folder as vLLM's `dflash` speculator at
+    each speculation length K (`--speculative-tokens`, else `k_sweep_order` as far as `--sweep-budget-s`
+    affords, first the shortest K that keeps the best tau by `expected_tau` (its source, tau at each K):
+    sweep_first_k), timed by engine._timed (fixed lengths, warm, interleaved, engine core and stopwatch),
+    at batch 1 and at `--concurrency`. Per K: tau and acceptance by position, tokens/s and the speedup by both
+    clocks with bootstrap intervals over prompts, the lossless check (greedy: speculative token ids equal plain
+    ones, prompt by prompt). The fastest K at batch 1 is best_k: the entry's headline figures (what push's gate and
+    the card read) are its own, and its mismatches in a low-precision dtype are rerun in fp32 through the engine.
+    Plain decoding's own speed over the sweep (plain_rates) says whether the machine held still while it measured."""
+    from dflash_train.model.checkpoint import drafter_identity
+
+    drafter_sha256 = drafter_identity(Path(cfg.drafter))["sha256"]  # the drafter as the engine is about to read it
+    source, tau_by_k = expected_tau or (None, None)
+    first, ks = sweep_plan(cfg, block_size, tau_by_k)
+    max_len = max(len(ids) for ids in prompts.values()) + cfg.max_new_tokens + block_size
+    run = EngineRunner(cfg, target, device, workdir, constraints or {}, max_len, first, source)
+    job, result = run(prompts, dtype_name, "timed", ks, cfg.concurrency, cfg.sweep_budget_s)
+    natural, greedy = result.by_id(), cfg.temperature == 0
+    drafted = [r for r in result.timed["runs"] if r.get("method", "dflash") == "dflash"]
+    sweep = [k_row(r, natural, greedy) for r in drafted]
+    free, seconds = free_speculator_runs(run, job, result, len(prompts))
+    lookup_rows, lookup = free_speculator(free["ngram"], natural, greedy)
+    suffix_rows, suffix = free_speculator(free["suffix"], natural, greedy)
+    best = fastest_at_batch_1(sweep)
+    best_run = {r["k"]: r for r in drafted}[best["k"]]
+    mismatches, recheck_s = lossless_at_best_k(run, best, best_run, natural, prompts, dtype_name)
+    return {
+        "engine": "vllm",
+        "version": result.version,
+        "best_k": best["k"],
+        "num_speculative_tokens": best["k"],
+        "best_k_share": best_k_share(sweep, best["k"]),
+        **{key: best[key] for key in HEADLINE},
+        **lossless_entry(best, mismatches, recheck_s, greedy, dtype_name),
+        "tokens_unaccounted_by_steps": best["tokens_unaccounted_by_steps"],
+        "drafter_sha256": drafter_sha256,  # weights and config.json (checkpoint.drafter_identity)
+        "dtype": dtype_name,
+        "engine_args": best_run["llm_kwargs"],
+        "engine_args_plain": result.llm_kwargs,
+        "serve_command": engine.serve_command(best_run["llm_kwargs"]),
+        "load_s": {"plain": result.load_s, "speculative": best_run["load_s"]},
+        "environment": result.environment,
+        "sweep": sweep,
+        **concurrency_entry(sweep, drafted),
+        "ngram": lookup,  # vLLM's prompt lookup at --ngram's fastest K, timed the same way: the baseline (or None)
+        "ngram_sweep": lookup_rows,  # every --ngram K's row (batch 1)
+        "suffix": suffix,  # vLLM's suffix decoding at --suffix's fastest K, timed the same way (or None)
+        "suffix_sweep": suffix_rows,
+        "ranking": ranking(best, lookup, suffix),
+        "timing": timing_entry(run, result, seconds, natural, sweep, lookup_rows, suffix_rows),
+        "per_prompt": best["per_prompt"],
+    }
+
+
+def sweep_plan(cfg: EvalConfig, block_size: int, tau_by_k: list[float] | None) -> tuple[int | None, list[int]]:
+    """The sweep's first K (sweep_first_k by the expected tau at each K; None with --speculative-tokens) and the K
+    to time, in order (--speculative-tokens, else k_sweep_order up to B - 1)."""
+    first = None if cfg.speculative_tokens else sweep_first_k(tau_by_k)
+    ks = cfg.speculative_tokens or k_sweep_order(block_size - 1, first)
+    if too_long := [k for k in ks if k > block_size - 1]:
+        raise UserError(f"--speculative-tokens {too_long[0]} is more than the verify block holds (B - 1 = "
+                        f"{block_size - 1}: the drafter's block size, or --block-size)")
+    return first, ks
+
+
+@dataclass
+class EngineRunner:
+    """Runs vLLM for the eval (engine.run_engine, a process of its own each time, in workdir/tag): the prompts by id,
+    each under its request's `constraints`, plain and with the drafter at the K given; says what it runs. `first`
+    and `source`: the sweep's first K and the estimate that chose it, for that line."""
+    cfg: EvalConfig
+    target: Target
+    device: str
+    workdir: Path
+    constraints: dict[str, dict[str, Any] | None]
+    max_len: int  # every run's max_model_len: the longest prompt, its new tokens and a block
+    first: int | None = None
+    source: str | None = None
+
+    def __call__(self, ids: dict[str, list[int]], dtype: str, tag: str, ks: list[int], concurrency: list[int],
+                 budget_s: float | None, mode: str = "timed") -> tuple[engine.EngineJob, engine.EngineResult]:
+        cfg = self.cfg
+        requests = [engine.EngineRequest(id=rid, prompt_token_ids=p, max_tokens=cfg.max_new_tokens,
+                                         temperature=cfg.temperature, seed=prompt_seed(cfg.seed, rid),
+                                         constraints=self.constraints.get(rid))
+                    for rid, p in ids.items()]
+        job = engine.EngineJob(target=str(self.target.path), requests=requests,
+                               stop_token_ids=self.target.stop_token_ids(), dtype=engine.VLLM_DTYPES[dtype],
+                               drafter=cfg.drafter, max_model_len=self.max_len, mode=mode, seed=cfg.seed,
+                               device=torch.device(self.device).type, engine_args=cfg.engine_args,
+                               speculative_tokens=ks, concurrency=concurrency, repeats=cfg.repeats, budget_s=budget_s,
+                               ngram_tokens=cfg.ngram[0] if cfg.ngram and mode == "timed" else None)
+        budget = f", {budget_s:.0f} s budget" if budget_s is not None and len(ks) > 1 else ""
+        if self.first is not None and mode == "timed":
+            budget += f"; K = {self.first} first, the shortest that keeps tau by the {self.source}"
+        if cfg.ngram and mode == "timed":
+            budget += f"; then vLLM's prompt lookup at K = {', '.join(map(str, cfg.ngram))}"
+        print(f"engine: vLLM, plain and with drafter {cfg.drafter} at K = {', '.join(map(str, ks))} "
+              f"({len(requests)} prompts, concurrency 1{''.join(f', {c}' for c in concurrency)}, {dtype}{budget}"
+              f"{', the lossless check alone' if mode == 'check' else ''})",
+              flush=True)
+        return job, engine.run_engine(job, self.workdir / tag, f"vLLM with drafter {cfg.drafter}")
+
+
+def free_speculator_runs(run: EngineRunner, job: engine.EngineJob, result: engine.EngineResult, num_prompts: int
+                         ) -> tuple[dict[str, list[dict[str, Any]]], float]:
+    """The timed runs of vLLM's model-free speculators by method ("ngram": prompt lookup, "suffix": suffix
+    decoding): --ngram's first K ran beside the drafter (`result`); each further lookup K, and each suffix decoding
+    K, runs in an engine process of its own (EngineJob.ngram_tokens), on the same prompts at their lengths in
+    `result`. Also the seconds of every engine run so far."""
+    cfg = run.cfg
+    free = {"ngram": [r for r in result.timed["runs"] if r.get("method") == "ngram"], "suffix": []}
+    seconds = result.load_s + result.wall_s
+    natural = result.by_id()
+    for method, k in [("ngram", k) for k in cfg.ngram[1:]] + [("suffix", k) for k in cfg.suffix]:
+        what, tag = FREE_SPECULATORS[method]
+        print(f"engine: vLLM, plain and {what} at K = {k} ({num_prompts} prompts at their lengths above)", flush=True)
+        again = engine.run_engine(engine.lookup_job(job, natural, k, method), run.workdir / f"{tag}-{k}",
+                                  f"vLLM with {what} at K = {k}")
+        free[method] += again.timed["runs"]
+        seconds += again.load_s + again.wall_s
+    return free, seconds
+
+
+def lossless_at_best_k(run: EngineRunner, best: dict[str, Any], best_run: dict[str, Any], natural: dict[str, Any],
+                       prompts: dict[str, list[int]], dtype_name: str) -> tuple[list[dict[str, Any]], float | None]:
+    """The prompts whose output at best_k differs from plain decoding's, each diagnosed (diagnose_mismatch); in a
+    low-precision dtype they are rerun in fp32 through the engine (the lossless check alone), which says whether
+    each was rounding. Returns them and the seconds of that rerun (None where none ran)."""
+    spec = {o["id"]: o["token_ids"] for o in best_run["outputs"]}
+    mismatches = [{"id": p["id"], **diagnose_mismatch(run.target, prompts[p["id"]], natural[p["id"]].token_ids,
+                                                      spec[p["id"]])}
+                  for p in best["per_prompt"] if p["mismatch"]]
+    if not mismatches or dtype_name == "fp32":
+        return mismatches, None
+    t0 = time.perf_counter()
+    _, again = run({d["id"]: prompts[d["id"]] for d in mismatches}, "fp32", "fp32", [best["k"]], [], None, "check")
+    spec32, plain32 = {o["id"]: o["token_ids"] for o in again.timed["runs"][0]["outputs"]}, again.by_id()
+    for d in mismatches:
+        d["fp32_spec_equals_plain"] = spec32[d["id"]] == plain32[d["id"]].token_ids
+    return mismatches, time.perf_counter() - t0
+
+
+def lossless_entry(best: dict[str, Any], mismatches: list[dict[str, Any]], recheck_s: float | None, greedy: bool,
+                   dtype_name: str) -> dict[str, Any]:
+    """The entry's lossless check at best_k: prompts checked, mismatches, those the fp32 rerun did not resolve."""
+    return {
+        "lossless_checked": best["lossless_checked"],
+        "lossless_mismatches": len(mismatches) if greedy else None,
+        "lossless_mismatches_fp32": (sum(not d["fp32_spec_equals_plain"] for d in mismatches)
+                                     if mismatches and dtype_name != "fp32" else None),
+        "lossless_recheck_s": recheck_s,
+        "lossless_note": None if greedy else "not checked: at temperature > 0 vLLM's rejection sampler keeps the "
+                                             "target's distribution, not its tokens",
+        "mismatches": mismatches,
+    }
+
+
+def concurrency_entry(sweep: list[dict[str, Any]], drafted: list[dict[str, Any]]) -> dict[str, Any]:
+    """The entry's figures of requests decoded together: every (concurrency, K), the fastest K at each, how far
+    speculation pays and vLLM's per-batch-size K."""
+    table = concurrency_rows(sweep, drafted)
+    fastest = best_per_concurrency(table)
+    return {
+        "concurrency": table,
+        "concurrency_best": fastest,
+        "pays_up_to_concurrency": pays_up_to(fastest),
+        "per_batch_size_schedule": per_batch_size_schedule(fastest),
+    }
+
+
+def timing_entry(run: EngineRunner, result: engine.EngineResult, seconds: float, natural: dict[str, Any],
+                 sweep: list[dict[str, Any]], lookup_rows: list[dict[str, Any]], suffix_rows: list[dict[str, Any]]
+                 ) -> dict[str, Any]:
+    """How the sweep was timed (the entry's `timing`): the protocol, the K measured and those the budget left out,
+    the first K and the estimate that chose it, plain decoding's own speed in the reference pass and in each row's
+    runs and how far apart they are (host_drift; above HOST_DRIFT_LIMIT the machine's speed changed while it
+    measured), the engine's seconds and the load average at the end."""
+    rates = plain_rates(natural, sweep + lookup_rows + suffix_rows)
+    labels = ["reference", *(str(r["k"]) for r in sweep), *(f"prompt lookup {r['k']}" for r in lookup_rows),
+              *(f"suffix decoding {r['k']}" for r in suffix_rows)]
+    drift = host_drift(rates)
+    return {"protocol": TIMING_PROTOCOL, "repeats": run.cfg.repeats, "budget_s": run.cfg.sweep_budget_s,
+            "measured_k": [row["k"] for row in sweep], "skipped_k": result.timed["skipped"],
+            "first_k": None if run.first is None else {"k": run.first, "from": run.source, "slack": SWEEP_FIRST_SLACK},
+            "plain_tokens_per_s_decode": dict(zip(labels, rates)),
+            "host_drift": drift, "host_drift_limit": HOST_DRIFT_LIMIT,
+            "host_unsteady": drift is not None and drift > HOST_DRIFT_LIMIT,
+            "concurrency": [1, *run.cfg.concurrency], "seconds": seconds,
+            "load_average_after": [round(x, 2) for x in os.getloadavg()]}
