@@ -157,7 +157,7 @@ def sampling_params(request: EngineRequest, stop_token_ids: list[int]) -> dict[s
 
 
 def ending(finish_reason: str | None, stop_reason: Any, stop_token_ids: list[int]) -> str | None:
-    """Why vLLM ended an answer, in capture's words (`capture.ENDINGS`): the target's stop token (eos), one of the
+    """Why vLLM ended an answer, in capture's words (`states.ENDINGS`): the target's stop token (eos), one of the
     request's stop token ids, a stop string, or the length cap."""
     if finish_reason == "length":
         return "length"

@@ -232,7 +232,7 @@ def test_two_processes_zero2_identical_ranks_and_kill_resume(chain_store, tmp_pa
 
 def prefill_stores(target, out: Path, num_samples: int = 4, cycle_len: int = 16) -> tuple[Path, Path]:
     """Two stores of the same samples (prompt + a response walking a fixed cycle, as `capture_tiny_store`): one
-    with the states `capture --responses logged` records (capture.prefill_capture, one sample at a time, in the
+    with the states `capture --responses logged` records (states.prefill_capture, one sample at a time, in the
     target's dtype, stored as bf16) and one token-only (`capture --storage none`)."""
     from dflash_train.states import prefill_capture
     from dflash_train.store.writer import StoreWriter
@@ -263,7 +263,7 @@ def test_online_states_train_exactly_as_the_stored_ones_in_two_processes(tiny_ta
     """Stored states against states the target computes in training (data.hidden_states: online) on a token-only
     store of the same tokens, same seed, 2 processes, bf16. The tolerance derived from the computation is zero: the
     store holds what capture's prefill gave each sample alone in bf16, and online training runs that very prefill
-    (capture.prefill_capture) on each micro batch of one sample, same shape, same dtype, so every state is the same
+    (states.prefill_capture) on each micro batch of one sample, same shape, same dtype, so every state is the same
     bits and so are the losses, the held-out loss and simulated tau, and the weights. (Micro batches of several
     samples are left-padded: their states then differ by rounding order, within tolerance.model_tolerance, see
     test_data.py.) A wrong tap, shift or truncation moves the losses by 0.04 to 0.4 after one update."""

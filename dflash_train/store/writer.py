@@ -110,7 +110,7 @@ class StoreWriter:
             "storage_dtype": storage_dtype,
             "generation": generation or {},
             "topk": self.topk,
-            "prompts": prompts,  # the prompt set: {source, split, eval_fraction, seed} (capture.prompt_set)
+            "prompts": prompts,  # the prompt set: {source, split, eval_fraction, seed} (prompts.prompt_set)
         }
         self.ingest_report = ingest_report
         self.extra = extra or {}

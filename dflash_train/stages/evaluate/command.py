@@ -17,7 +17,7 @@ OUT/provenance.json; the folder stays marked incomplete until all of them are wr
 
 Prompts the drafter was trained on are refused (`check_held_out`): they would overstate tau. The drafter's
 training_args.json names its training stores; their sample ids (or, where a store is not on this machine, the prompt
-set it recorded) are compared with the prompts to evaluate. `--store` is re-hashed (store.check_hashes, cached).
+set it recorded) are compared with the prompts to evaluate. `--store` is re-hashed (store.verify.check_hashes, cached).
 
 The stage's modules, in the order the data goes through them: config (EvalConfig, the flags), this one (the checks,
 `evaluate` that runs the rest, the CLI), metrics (tau, acceptance by position, bootstrap intervals, the offline
@@ -65,7 +65,7 @@ def check_held_out(drafter: str, ids: set[str], what: str, prompt_set: dict[str,
                    allow: bool = False) -> dict[str, Any]:
     """Refuse to evaluate a drafter on prompts it was trained on (they would overstate tau). Its training_args.json
     names its training stores: a store on this machine is compared by id (a sample's id is its prompt's id), one that
-    is not by the prompt set it recorded (capture.prompt_set: the same source and split). `ids` and `prompt_set` are
+    is not by the prompt set it recorded (prompts.prompt_set: the same source and split). `ids` and `prompt_set` are
     those of `what` (the prompts, or the --store samples). Returns what was checked, for the report; with `allow`
     (--training-prompts) the overlap is counted there ("training_prompts") instead of refused."""
     from dflash_train.model.checkpoint import folder_file

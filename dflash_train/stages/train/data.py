@@ -190,7 +190,7 @@ def check_state_source(recipe: Recipe, stores: list[StoreSet]) -> None:
 class OnlineStates:
     """data.hidden_states: online. The frozen target (eval mode, no gradients, the run's compute dtype, this rank's
     own replica on its device, never inside the module DeepSpeed wraps) computes the tapped states of the samples a
-    step reads: one batched prefill per micro batch (`capture.prefill_capture`, the computation `capture
+    step reads: one batched prefill per micro batch (`states.prefill_capture`, the computation `capture
     --responses logged` stores), every position, prompt included. Each sample is cut to max_length first: collate
     keeps no more, and under causal attention a prefix's states are those the whole sample would give it. States a
     store holds are replaced, never read."""
