@@ -1,11 +1,12 @@
 """The prompt record: what `dflash-train ingest` writes and capture, the eval, the demo and the benchmarks read.
 
 A prompt folder is a `datasets.DatasetDict` {train, eval} saved with `save_to_disk` (`features` is its schema),
-plus report.json and provenance.json. Each row is a canonical record: `id` (hash of the normalized prompt,
-`prompt_id`), `messages` (every turn up to and including the last user turn with text), `sampling` (logged
-temperature/top_p/max_tokens or nulls), `response` (the logged assistant reply to that last user turn, or null),
-`source` (file name), `weight` (how often the prompt occurred), `tools` (the request's tool definitions, a JSON
-list, or null) and `constraints` (what else shapes the answer, a JSON object, or null).
+plus report.json and provenance.json. Each row is a canonical record: `id` (hash of the normalized prompt and
+its constraints, `logs.records.prompt_id`, given when a log is parsed), `messages` (every turn up to and including
+the last user turn with text), `sampling` (logged temperature/top_p/max_tokens or nulls), `response` (the logged
+assistant reply to that last user turn, or null), `source` (file name), `weight` (how often the prompt occurred),
+`tools` (the request's tool definitions, a JSON list, or null) and `constraints` (what else shapes the answer, a
+JSON object, or null).
 
 A record is in eval iff `split_hash(id, seed)` is below the folder's eval fraction (ingest's split rule).
 
@@ -42,29 +43,6 @@ class PromptRecord:
 
 # ----------------------------------------------------------------------------------------------------------
 # The id, the split and the template inputs
-
-
-def normalize(text: str) -> str:
-    return " ".join(text.split()).casefold()
-
-
-def prompt_id(messages: list[dict[str, Any]], tools: str | None = None,
-              constraints: dict[str, Any] | None = None) -> str:
-    """Stable id of a prompt: sha256 of its turns with whitespace collapsed and case folded (128 bits), plus
-    its tool calls (names and arguments, not their random call ids), tool names and tool definitions where it
-    has them, and the constraints that shape its answer (`constraints.identity`: one prompt under two schemas is
-    two prompts). A prompt of plain turns without constraints has the id it always had."""
-    def turn(m: dict[str, Any]) -> str:
-        text = m["role"] + "\x1f" + normalize(m["content"])
-        calls = [[c["function"]["name"], c["function"]["arguments"]] for c in m.get("tool_calls") or []]
-        if calls or m.get("name"):
-            text += "\x1f" + json.dumps([calls, m.get("name")], ensure_ascii=False)
-        return text
-
-    norm = "\x1e".join(turn(m) for m in messages) + ("\x1d" + tools if tools else "")
-    shaping = request_constraints.identity(constraints)
-    norm += "\x1c" + shaping if shaping else ""
-    return hashlib.sha256(norm.encode("utf-8")).hexdigest()[:32]
 
 
 def template_inputs(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:

@@ -293,7 +293,8 @@ def test_tool_traffic_is_captured_as_served(tmp_path, tiny_target, tiny_target_d
     """Ingest -> capture of tool-calling requests: the stored prompt tokens are the chat template's rendering of
     the tool turns and the request's tool definitions (`apply_chat_template(messages, tools=...)`)."""
     from dflash_train.prompts import load_prompt_records
-    from dflash_train.stages.ingest.command import IngestConfig, ingest
+    from dflash_train.stages.ingest.command import ingest
+    from dflash_train.stages.ingest.config import IngestConfig
 
     log = tmp_path / "agents.jsonl"
     log.write_text(json.dumps(TOOL_CALL_REQUEST) + "\n")
@@ -315,7 +316,8 @@ def test_tool_traffic_is_captured_as_served(tmp_path, tiny_target, tiny_target_d
 
 def test_an_empty_split_is_refused_in_one_line(tmp_path, capsys):
     from dflash_train.cli import main as cli_main
-    from dflash_train.stages.ingest.command import IngestConfig, ingest
+    from dflash_train.stages.ingest.command import ingest
+    from dflash_train.stages.ingest.config import IngestConfig
 
     log = tmp_path / "one.jsonl"
     log.write_text(json.dumps({"prompt": "Hello"}) + "\n")

@@ -81,7 +81,8 @@ def test_ctrl_c_during_a_capture_keeps_its_shards_in_one_line(tiny_target_dir, t
     """A real capture (a subprocess, in its own process group as a terminal's foreground job is) gets SIGINT once
     its first shard is written: exit 130, one line on stderr saying what was kept and how to resume, no
     traceback; the rerun resumes from the shards it kept."""
-    from dflash_train.stages.ingest.command import IngestConfig, ingest
+    from dflash_train.stages.ingest.command import ingest
+    from dflash_train.stages.ingest.config import IngestConfig
 
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps({"prompt": f"Question {i}: count from {i} to {i + 40}."}) + "\n"

@@ -484,7 +484,8 @@ def drafters(tiny_target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts_dir(tmp_path_factory):
-    from dflash_train.stages.ingest.command import IngestConfig, ingest
+    from dflash_train.stages.ingest.command import ingest
+    from dflash_train.stages.ingest.config import IngestConfig
 
     out = tmp_path_factory.mktemp("prompts") / "p"
     ingest([REPO / "data/examples/prompts.jsonl", REPO / "data/examples/messages.jsonl"], out,

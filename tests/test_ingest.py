@@ -11,10 +11,12 @@ from dflash_train.logs import values as log_values
 from dflash_train.logs.records import Skip, iter_records, parse_record
 from dflash_train.logs.values import SKIP_REASONS, Bad, SourceStats, read_values
 from dflash_train.pii import KINDS as PII_KINDS
-from dflash_train.prompts import load_prompts, prompt_id, split_hash
+from dflash_train.logs.records import prompt_id
+from dflash_train.prompts import load_prompts, split_hash
 from dflash_train.provenance import is_complete
 from dflash_train.stages.ingest import command as ing
-from dflash_train.stages.ingest.command import IngestConfig, default_logs
+from dflash_train.stages.ingest.command import default_logs
+from dflash_train.stages.ingest.config import IngestConfig
 from dflash_train.stages.ingest.report import format_report
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "examples"

