@@ -78,14 +78,7 @@ def _child(workdir: Path) -> None:
         t0 = time.perf_counter()
         results = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
                                [params(r) for r in requests], use_tqdm=False)
-        wall_s = time.perf_counter() - t0
-        stats = [res.metrics for res in results]
-        timed = all(m is not None for m in stats)
-        last = max(m.last_token_ts for m in stats) if timed else float("nan")
-        return Generated([_output(r, res) for r, res in zip(requests, results)],
-                         last - min(m.queued_ts for m in stats) if timed else float("nan"),
-                         last - min(m.first_token_ts for m in stats) if timed else float("nan"), wall_s,
-                         sum(res.num_cached_tokens or 0 for res in results))
+        return _generated(requests, results, time.perf_counter() - t0)
 
     plain, kwargs, load_s = start(None)
     t0 = time.perf_counter()
@@ -153,6 +146,17 @@ class Generated:
     cached_tokens: int
 
 
+def _generated(requests: list[EngineRequest], results: list[Any], wall_s: float) -> Generated:
+    """A `generate` call's `Generated`, from vLLM's results of `requests` and the stopwatch's `wall_s`."""
+    stats = [res.metrics for res in results]
+    timed = all(m is not None for m in stats)
+    last = max(m.last_token_ts for m in stats) if timed else float("nan")
+    return Generated([_output(r, res) for r, res in zip(requests, results)],
+                     last - min(m.queued_ts for m in stats) if timed else float("nan"),
+                     last - min(m.first_token_ts for m in stats) if timed else float("nan"), wall_s,
+                     sum(res.num_cached_tokens or 0 for res in results))
+
+
 def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple[list[dict], dict[str, Any]]:
     """The eval's speedup protocol (runs in the child). Returns the plain outputs to each prompt's natural stop
     (the reference: the lossless check and each prompt's length) and, per speculation length K, the timings.
@@ -197,33 +201,8 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
         if i:
             t0 = time.perf_counter()
             opened = start(k, method)
-        spec, kwargs, load_s = opened
-        generate(spec, warm_up)
-        sides = {"plain": plain, "spec": spec}
-        run: dict[str, Any] = {"k": k, "method": method, "llm_kwargs": kwargs, "load_s": load_s, "outputs": [],
-                               "batch1": [], "concurrency": []}
-        for n, batch in [(1, [r]) for r in fixed] + [
-                (c, [replace(fixed[j % len(fixed)], id=f"{fixed[j % len(fixed)].id}#{j}") for j in range(c)])
-                for c in job.concurrency]:
-            times: dict[str, Any] = {"requests": n, "tokens": sum(r.max_tokens for r in batch)}
-            if n == 1:
-                times["id"] = batch[0].id
-            for repeat in range(job.repeats):
-                parity = (len(run["batch1"]) + len(run["concurrency"]) + repeat) % 2
-                for side in ("plain", "spec") if parity == 0 else ("spec", "plain"):
-                    time.sleep(IDLE_S)
-                    # Every timed run prefills cold: the plain engine holds the prompts of its natural pass, the
-                    # speculative one has not seen them, and with room for several sequences (--concurrency) plain's
-                    # prefill would be a cache hit (BENCHMARKS "A prompt cached on one side only").
-                    sides[side].reset_prefix_cache()
-                    got = generate(sides[side], batch)
-                    for clock in ("core_s", "decode_s", "wall_s", "cached_tokens"):
-                        times.setdefault(f"{side}_{clock}", []).append(getattr(got, clock))
-                    if side == "spec" and repeat == 0 and n == 1:
-                        run["outputs"] += got.outputs
-            run["batch1" if n == 1 else "concurrency"].append(times)
-        spec.llm_engine.engine_core.shutdown()
-        del spec, sides, opened
+        run = _timed_k(job, plain, opened, generate, warm_up, fixed, method, k)
+        del opened
         gc.collect()
         run["seconds"] = time.perf_counter() - t0
         most = max(most, run["seconds"])
@@ -233,6 +212,52 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
         runs.append(run)
     return natural, {"runs": runs, "skipped": skipped, "repeats": job.repeats, "budget_s": job.budget_s,
                      "concurrency": job.concurrency}
+
+
+def _timed_k(job: EngineJob, plain: Any, opened: tuple[Any, dict[str, Any], float], generate,
+             warm_up: list[EngineRequest], fixed: list[EngineRequest], method: str, k: int) -> dict[str, Any]:
+    """Step 2 (or 3) of `_timed` at one K: the speculative engine `opened` (LLM, its kwargs, load s) warms up,
+    every prompt of `fixed` (at its natural length) is timed alone beside plain decoding, then each concurrency;
+    the engine is shut down. Returns the K's run: its timings and its speculative outputs at batch 1."""
+    spec, kwargs, load_s = opened
+    generate(spec, warm_up)
+    sides = {"plain": plain, "spec": spec}
+    run: dict[str, Any] = {"k": k, "method": method, "llm_kwargs": kwargs, "load_s": load_s, "outputs": [],
+                           "batch1": [], "concurrency": []}
+    for n, batch in [(1, [r]) for r in fixed] + [
+            (c, [replace(fixed[j % len(fixed)], id=f"{fixed[j % len(fixed)].id}#{j}") for j in range(c)])
+            for c in job.concurrency]:
+        times, outputs = _time_batch(sides, generate, n, batch, job.repeats,
+                                     len(run["batch1"]) + len(run["concurrency"]))
+        if n == 1:
+            run["outputs"] += outputs
+        run["batch1" if n == 1 else "concurrency"].append(times)
+    spec.llm_engine.engine_core.shutdown()
+    return run
+
+
+def _time_batch(sides: dict[str, Any], generate, n: int, batch: list[EngineRequest], repeats: int,
+                parity: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One batch of `n` requests timed `repeats` times by each side, the side that goes first alternating from
+    batch to batch (`parity`: the batches timed before it) and from repeat to repeat (ABBA). Returns its times and
+    the speculative side's outputs of the first repeat."""
+    times: dict[str, Any] = {"requests": n, "tokens": sum(r.max_tokens for r in batch)}
+    if n == 1:
+        times["id"] = batch[0].id
+    outputs: list[dict[str, Any]] = []
+    for repeat in range(repeats):
+        for side in ("plain", "spec") if (parity + repeat) % 2 == 0 else ("spec", "plain"):
+            time.sleep(IDLE_S)
+            # Every timed run prefills cold: the plain engine holds the prompts of its natural pass, the
+            # speculative one has not seen them, and with room for several sequences (--concurrency) plain's
+            # prefill would be a cache hit (BENCHMARKS "A prompt cached on one side only").
+            sides[side].reset_prefix_cache()
+            got = generate(sides[side], batch)
+            for clock in ("core_s", "decode_s", "wall_s", "cached_tokens"):
+                times.setdefault(f"{side}_{clock}", []).append(getattr(got, clock))
+            if side == "spec" and repeat == 0:
+                outputs = got.outputs
+    return times, outputs
 
 
 def _check(job: EngineJob, plain: Any, start, generate) -> tuple[list[dict], dict[str, Any]]:
