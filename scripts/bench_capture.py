@@ -118,7 +118,8 @@ def attention_rows(model, prompts: list[list[int]], batches: list[list[int]], la
 def engine_rows(target, records, prompts, layer_ids, args, dtype: str, one_pass_new: int, one_pass_s: float,
                 one_pass_stored: int, work: Path) -> list[tuple[str, str]]:
     """(d): the engine capture of the same prompts, timed stage by stage, beside the one-pass capture."""
-    from dflash_train.engine import VLLM_DTYPES, EngineJob, EngineRequest, run_engine
+    from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
+    from dflash_train.engine.runner import run_engine
 
     requests = [EngineRequest(id=r.id, prompt_token_ids=p, max_tokens=args.max_new_tokens)
                 for r, p in zip(records, prompts)]

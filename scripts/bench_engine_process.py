@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(job, mode: str, work: str) -> dict:
     """One job in one mode, through run_engine as the stages call it, with a stopwatch around it."""
-    from dflash_train.engine import run_engine
+    from dflash_train.engine.runner import run_engine
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = mode  # engine_environment leaves a variable the user set
     t0 = time.perf_counter()
@@ -63,7 +63,7 @@ def run(job, mode: str, work: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_train.engine import EngineJob, EngineRequest
+    from dflash_train.engine.jobs import EngineJob, EngineRequest
     from dflash_train.target import load_target
 
     args = parse_args(argv)

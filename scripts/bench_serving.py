@@ -187,7 +187,7 @@ def stopwatch(args: argparse.Namespace, report: dict[str, Any], out: Path, log: 
     prompt-lookup one): plain, then speculative (then prompt lookup), `rounds` times, every other round in the
     reverse order. Its job (the prompts' token ids), log and timings go to `out` (beside the eval: never to
     results/)."""
-    from dflash_train.engine import engine_environment
+    from dflash_train.engine.install import engine_environment
     from dflash_train.target import load_target
 
     v = report["engines"]["vllm"]

@@ -36,7 +36,9 @@ import time
 from pathlib import Path
 
 import runlib as rl  # scripts/, beside this file: how every script runs a stage
-from dflash_train.engine import IDLE_S, SPECULATION_LENGTHS, suffix_problem
+from dflash_train.engine.args import SPECULATION_LENGTHS
+from dflash_train.engine.child import IDLE_S
+from dflash_train.engine.install import suffix_problem
 from dflash_train.errors import CommandParser, UserError
 from dflash_train.options import at_least, in_range, int_list
 from dflash_train.provenance import is_complete
@@ -345,7 +347,8 @@ def probe_engine_capture(args: argparse.Namespace, target, rendered: list[list[i
     import tempfile
 
     from dflash_train.states import prefill_capture
-    from dflash_train.engine import VLLM_DTYPES, EngineJob, EngineRequest, run_engine
+    from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
+    from dflash_train.engine.runner import run_engine
 
     picked = rendered[::max(1, len(rendered) // ENGINE_PROBE_PROMPTS)][:ENGINE_PROBE_PROMPTS]
     requests = [EngineRequest(id=str(i), prompt_token_ids=ids, max_tokens=args.max_new_tokens)
@@ -384,7 +387,8 @@ def probe_engine_decoding(args: argparse.Namespace, target, rendered: list[list[
     The prompts are decoded without their requests' constraints (a grammar only shortens answers)."""
     import tempfile
 
-    from dflash_train.engine import VLLM_DTYPES, EngineJob, EngineRequest, run_engine
+    from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
+    from dflash_train.engine.runner import run_engine
     from dflash_train.model.published import fetch_drafter
 
     middle = len(rendered) // 2

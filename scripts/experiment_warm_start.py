@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import runlib as rl
-from dflash_train.engine import SPECULATION_LENGTHS, suffix_problem
+from dflash_train.engine.args import SPECULATION_LENGTHS
+from dflash_train.engine.install import suffix_problem
 from dflash_train.errors import CommandParser
 from dflash_train.options import at_least, each, in_range, int_list
 

@@ -213,13 +213,14 @@ def test_a_token_only_capture_of_given_responses_runs_no_forward(prompts_dir, ti
                                                                  monkeypatch):
     """Logged or engine-generated responses need the target's forward only for states or top-k: a token-only
     capture without --store-topk runs none; with it, the prefill runs for the top-k and still stores no states."""
-    from dflash_train import engine, states
+    from dflash_train import states
+    from dflash_train.engine import install
     from dflash_train.stages.capture import command as capture_mod
 
     real_forward = states._forward
     monkeypatch.setattr(states, "_forward", lambda *a, **k: pytest.fail("the target ran a forward"))
     capture(config(prompts_dir, tiny_target_dir, tmp_path / "logged", responses="logged", storage="none", limit=6))
-    monkeypatch.setattr(engine, "check_vllm", lambda: None)  # the engine's responses, as vLLM would return them
+    monkeypatch.setattr(install, "check_vllm", lambda: None)  # the engine's responses, as vLLM would return them
     monkeypatch.setattr(capture_mod, "engine_responses",
                         lambda cfg, target, rendered, stop: {r.id: ([7, 8, 9] + stop[:1], "eos") for r, _ in rendered})
     capture(config(prompts_dir, tiny_target_dir, tmp_path / "engine", engine="vllm", storage="none", limit=6))
@@ -681,12 +682,12 @@ json.dump([list(o.outputs[0].token_ids) for o in outputs], open(sys.argv[2], "w"
 
 @pytest.mark.slow
 @pytest.mark.real_model
-@pytest.mark.skipif(__import__("dflash_train.engine", fromlist=["x"]).vllm_version() is None,
+@pytest.mark.skipif(__import__("dflash_train.engine.install", fromlist=["x"]).vllm_version() is None,
                     reason="vLLM is not installed (make install installs it)")
 def test_capture_replays_each_constraint_as_vllm_generate_decodes_it(smollm2, tmp_path):
     """The one-pass capture and the vLLM capture of requests under each kind of constraint both equal
     `vllm.LLM.generate` with the SamplingParams a user writes for those requests, token for token (fp32)."""
-    from dflash_train.engine import engine_environment
+    from dflash_train.engine.install import engine_environment
 
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps({"request": {"messages": [{"role": "user", "content": text}], "temperature": 0,

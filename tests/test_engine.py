@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.engine import EngineOutput, engine_error, engine_steps, serve_command, vllm_version
+from dflash_train.engine.args import serve_command
+from dflash_train.engine.install import vllm_version
+from dflash_train.engine.jobs import EngineOutput, engine_steps
+from dflash_train.engine.runner import engine_error
 from test_capture import teacher_forced
 from test_trainer import launch, read_metrics, write_recipe
 
@@ -69,7 +72,7 @@ def test_serve_command_names_the_hub_repos_not_local_folders():
 def test_the_users_engine_arguments_go_over_the_jobs(tiny_target_dir):
     """`--engine-args` reach vLLM as given, after the job's own; a GPU memory share replaces the job's KV-cache
     size (vLLM would let the byte count win)."""
-    from dflash_train.engine import EngineJob
+    from dflash_train.engine.jobs import EngineJob
 
     job = EngineJob(target=str(tiny_target_dir), requests=[], stop_token_ids=[2], drafter=str(tiny_target_dir),
                     mode="timed", concurrency=[4, 16], engine_args={"max_num_seqs": 8, "tensor_parallel_size": 2})
@@ -282,7 +285,7 @@ def test_constrained_requests_are_decoded_under_them_losslessly_in_both_engines_
     """Each held-out request decoded under its own constraint, plain and speculative, in vLLM and the project's loop
     alike (both stop each answer at the same token); what vLLM refuses with speculation (min_p, logit_bias) is left
     out on both sides and counted; suffix decoding and prompt lookup timed the same way, all ranked."""
-    from dflash_train.engine import suffix_problem
+    from dflash_train.engine.install import suffix_problem
 
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}], **c}) + "\n"
@@ -322,7 +325,8 @@ def test_the_lossless_check_alone_decodes_each_prompt_plain_and_speculative_to_i
                                                                                        engine_target, tmp_path):
     """The eval's fp32 rerun of its mismatches (`check` mode): per prompt the plain output to its natural stop and
     the speculative one at the one K asked, untimed; the overfit drafter's equal the plain ones token for token."""
-    from dflash_train.engine import EngineJob, EngineRequest, run_engine
+    from dflash_train.engine.jobs import EngineJob, EngineRequest
+    from dflash_train.engine.runner import run_engine
     from dflash_train.target import load_tokenizer, render_prompt
 
     tokenizer = load_tokenizer(str(engine_target))
@@ -434,7 +438,7 @@ def test_the_engine_args_ranges_are_vllms_own_and_what_they_allow_passes():
     from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig
     from vllm.engine.arg_utils import EngineArgs
 
-    from dflash_train.engine import ENGINE_ARGS, engine_args_problem
+    from dflash_train.engine.args import ENGINE_ARGS, engine_args_problem
 
     assert set(ENGINE_ARGS) <= set(EngineArgs.__dataclass_fields__)
     owners = {ParallelConfig: ["tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"],
@@ -464,7 +468,7 @@ def engine_pid_of(proc: subprocess.Popen, timeout_s: float = 120) -> int:
     """The pid of the vLLM engine process that `proc` (an eval or a capture) started, once it has started."""
     deadline = time.time() + timeout_s
     while time.time() < deadline and proc.poll() is None:
-        found = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "dflash_train.engine"], capture_output=True,
+        found = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "dflash_train.engine.child"], capture_output=True,
                                text=True).stdout.split()
         if found:
             return int(found[0])

@@ -106,13 +106,13 @@ def test_where_speculation_stops_paying_and_vllms_per_batch_size_k():
 
 def fake_engine(calls: list, natural: dict[str, list[int]], spec_s: dict[int, float], together_s: dict[int, float],
                 skipped: list[int], plain_s: dict[int, float] | None = None):
-    """A stand-in for engine.run_engine that answers a timed job the way the child does (engine._timed): plain
+    """A stand-in for runner.run_engine that answers a timed job the way the child does (child._timed): plain
     outputs to the natural stop (decode phase 0.8 s), and per K the timings (plain 1 s per prompt, or plain_s[K],
     and 2 s per batch, speculative spec_s[K] and together_s[K]; the decode phase 0.2 s less, the stopwatch 0.1 s
     more, on both sides) and the speculative outputs (K=3: the first prompt differs from plain in bf16). A job with
     ngram_tokens then times prompt lookup (or its lookup_method, suffix) at that K the same way, its timings under the
     key (method, K), else the method."""
-    from dflash_train.engine import EngineOutput, EngineResult
+    from dflash_train.engine.jobs import EngineOutput, EngineResult
 
     def run_engine(job, workdir, what):
         calls.append(job)
@@ -152,7 +152,7 @@ def test_the_engine_eval_reports_the_fastest_k_with_its_figures_and_intervals(ti
                                                                               tmp_path):
     """best_k is the fastest K at batch 1; the entry's headline figures (push's gate, the card) are its own; the
     speedups are ratios of the same runs' seconds by both clocks; only best_k's bf16 mismatches are rerun in fp32."""
-    from dflash_train import engine
+    from dflash_train.engine import runner
     from dflash_train.report_tables import serving_tables
     from dflash_train.errors import UserError
     from dflash_train.stages.evaluate.config import EvalConfig
@@ -161,7 +161,7 @@ def test_the_engine_eval_reports_the_fastest_k_with_its_figures_and_intervals(ti
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
     natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
     calls: list = []
-    monkeypatch.setattr(engine, "run_engine", fake_engine(calls, natural, {3: 0.5, 1: 0.8, 2: 0.6}, {3: 4.0, 1: 2.2, 2: 3.0},
+    monkeypatch.setattr(runner, "run_engine", fake_engine(calls, natural, {3: 0.5, 1: 0.8, 2: 0.6}, {3: 4.0, 1: 2.2, 2: 3.0},
                                                          skipped=[2]))
     cfg = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1, 3, 2],
                      concurrency=[2], engine_args={"max_num_seqs": 8})
@@ -218,14 +218,14 @@ def test_a_sweep_on_a_machine_whose_speed_changed_says_so(tiny_target, drafters,
     """Plain decoding runs the same prompts at the same lengths in the reference pass and in every K's runs: when
     its own speed moves more than HOST_DRIFT_LIMIT between them, the report says the speedups are not to be
     believed (a demo's 1.10x at tau 1.26 was plain decoding at 12.6 tokens/s in one K's runs and 21.7 in the next)."""
-    from dflash_train import engine
+    from dflash_train.engine import runner
     from dflash_train.report_tables import serving_tables
     from dflash_train.stages.evaluate.config import EvalConfig
     from dflash_train.stages.evaluate.vllm_sweep import engine_eval
 
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
     natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
-    monkeypatch.setattr(engine, "run_engine", fake_engine([], natural, {1: 0.9, 3: 1.2}, {1: 2.0, 3: 2.0}, [],
+    monkeypatch.setattr(runner, "run_engine", fake_engine([], natural, {1: 0.9, 3: 1.2}, {1: 2.0, 3: 2.0}, [],
                                                           plain_s={3: 1.8}))
     v = engine_eval(EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12,
                                speculative_tokens=[3, 1], concurrency=[]), tiny_target, prompts, 4, "fp32", "cpu",
@@ -242,14 +242,14 @@ def test_a_sweep_on_a_machine_whose_speed_changed_says_so(tiny_target, drafters,
 def test_a_machine_that_slowed_while_prompt_lookup_was_timed_is_flagged_too(tiny_target, drafters, monkeypatch,
                                                                            tmp_path):
     """Prompt lookup is timed after the drafter's K, against plain runs of its own: those join the drift check."""
-    from dflash_train import engine
+    from dflash_train.engine import runner
     from dflash_train.report_tables import serving_tables
     from dflash_train.stages.evaluate.config import EvalConfig
     from dflash_train.stages.evaluate.vllm_sweep import engine_eval
 
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
     natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
-    monkeypatch.setattr(engine, "run_engine", fake_engine([], natural, {1: 0.9, "ngram": 1.5}, {1: 2.0}, [],
+    monkeypatch.setattr(runner, "run_engine", fake_engine([], natural, {1: 0.9, "ngram": 1.5}, {1: 2.0}, [],
                                                           plain_s={"ngram": 1.8}))
     config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1],
                         concurrency=[])
@@ -268,7 +268,7 @@ def test_a_machine_that_slowed_while_prompt_lookup_was_timed_is_flagged_too(tiny
 def test_where_prompt_lookup_is_faster_than_the_drafter_the_tables_say_how_to_serve_it(tiny_target, drafters,
                                                                                       monkeypatch, tmp_path):
     """The eval measures both; the user serves the faster: its speculative config, ready to paste, only when it wins."""
-    from dflash_train import engine
+    from dflash_train.engine import runner
     from dflash_train.report_tables import serving_tables
     from dflash_train.stages.evaluate.config import EvalConfig
     from dflash_train.stages.evaluate.vllm_sweep import engine_eval
@@ -281,7 +281,7 @@ def test_where_prompt_lookup_is_faster_than_the_drafter_the_tables_say_how_to_se
               "\"num_speculative_tokens\":4,\"prompt_lookup_min\":1,\"prompt_lookup_max\":3}'` in place of the "
               "drafter's.")
     for lookup_s, faster in ((0.8, True), (0.95, False)):  # the drafter's K = 1 at 0.9 s against plain's 1 s
-        monkeypatch.setattr(engine, "run_engine", fake_engine([], natural, {1: 0.9, "ngram": lookup_s}, {}, []))
+        monkeypatch.setattr(runner, "run_engine", fake_engine([], natural, {1: 0.9, "ngram": lookup_s}, {}, []))
         v = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
         text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
         assert (advice in text) is faster, text
@@ -291,7 +291,7 @@ def test_suffix_decoding_is_timed_beside_lookup_and_the_fastest_of_the_three_is_
         tiny_target, drafters, monkeypatch, tmp_path):
     """Each free speculator at its own fastest K, each K of suffix decoding in an engine of its own; the report ranks
     drafter, lookup and suffix, and the tables name the winner's config."""
-    from dflash_train import engine
+    from dflash_train.engine import runner
     from dflash_train.report_tables import free_speculator_to_serve, serving_tables
     from dflash_train.stages.evaluate.config import EvalConfig
     from dflash_train.stages.evaluate.vllm_sweep import engine_eval
@@ -299,7 +299,7 @@ def test_suffix_decoding_is_timed_beside_lookup_and_the_fastest_of_the_three_is_
     prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
     natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
     calls: list = []
-    monkeypatch.setattr(engine, "run_engine", fake_engine(calls, natural, {
+    monkeypatch.setattr(runner, "run_engine", fake_engine(calls, natural, {
         1: 0.9, "ngram": 0.8, ("suffix", 4): 0.75, ("suffix", 8): 0.6}, {}, []))
     config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1],
                         concurrency=[], ngram=[3], suffix=[4, 8])
@@ -321,7 +321,7 @@ def test_prompt_lookup_is_timed_with_requests_together_and_the_tables_say_how_fa
                                                                                          monkeypatch, tmp_path):
     """A user serving many requests at once serves the faster of the two at their batch: prompt lookup is timed at
     every concurrency the drafter is, its rows beside the drafter's, and how far each pays."""
-    from dflash_train import engine
+    from dflash_train.engine import runner
     from dflash_train.report_tables import serving_tables
     from dflash_train.stages.evaluate.config import EvalConfig
     from dflash_train.stages.evaluate.vllm_sweep import engine_eval
@@ -331,7 +331,7 @@ def test_prompt_lookup_is_timed_with_requests_together_and_the_tables_say_how_fa
     calls: list = []
     # batch 1: the drafter 0.9 s and lookup 0.8 s against plain's 1 s; 4 together: the drafter 1.6 s and lookup
     # 2.5 s against plain's 2 s (lookup loses there)
-    monkeypatch.setattr(engine, "run_engine", fake_engine(calls, natural, {1: 0.9, "ngram": 0.8},
+    monkeypatch.setattr(runner, "run_engine", fake_engine(calls, natural, {1: 0.9, "ngram": 0.8},
                                                           {1: 1.6, "ngram": 2.5}, []))
     config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1],
                         concurrency=[4], ngram=[3])
@@ -353,7 +353,7 @@ def test_each_prompt_lookup_k_is_timed_in_an_engine_of_its_own_and_the_fastest_i
     """--ngram 2,4: vLLM starts no engine after a prompt-lookup one in the same process, so the first lookup K is
     timed after the drafter's and each further K in a job of its own, on the same prompts at the lengths the first
     job's reference pass found (no second reference pass); the fastest lookup K at batch 1 is the baseline."""
-    from dflash_train import engine
+    from dflash_train.engine import runner
     from dflash_train.report_tables import serving_tables
     from dflash_train.stages.evaluate.config import EvalConfig
     from dflash_train.stages.evaluate.vllm_sweep import engine_eval
@@ -363,7 +363,7 @@ def test_each_prompt_lookup_k_is_timed_in_an_engine_of_its_own_and_the_fastest_i
     calls: list = []
     # batch 1 against plain's 1 s: the drafter 0.9 s, lookup K = 2 0.8 s, K = 4 0.7 s; 4 together against 2 s:
     # the drafter 1.6 s, lookup K = 2 1.9 s, K = 4 2.5 s
-    monkeypatch.setattr(engine, "run_engine", fake_engine(
+    monkeypatch.setattr(runner, "run_engine", fake_engine(
         calls, natural, {1: 0.9, ("ngram", 2): 0.8, ("ngram", 4): 0.7},
         {1: 1.6, ("ngram", 2): 1.9, ("ngram", 4): 2.5}, []))
     config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1],
@@ -565,7 +565,7 @@ def test_eval_command_writes_the_report(tiny_target, tiny_target_dir, drafters, 
 def test_the_vllm_sweep_starts_where_the_held_out_estimate_keeps_tau(tiny_target_dir, drafters, prompts_dir,
                                                                       store_dir, tmp_path, monkeypatch):
     """The offline estimate runs before the engine, and its tau at each K picks the sweep's first K."""
-    from dflash_train import engine
+    from dflash_train.engine import install, runner
     from dflash_train.stages.evaluate.vllm_sweep import sweep_first_k
 
     calls: list = []
@@ -575,8 +575,8 @@ def test_the_vllm_sweep_starts_where_the_held_out_estimate_keeps_tau(tiny_target
         return fake_engine(calls, natural, dict.fromkeys((1, 2, 3), 0.5), dict.fromkeys((1, 2, 3), 2.0), [])(
             job, workdir, what)
 
-    monkeypatch.setattr(engine, "check_vllm", lambda: None)
-    monkeypatch.setattr(engine, "run_engine", run_engine)
+    monkeypatch.setattr(install, "check_vllm", lambda: None)
+    monkeypatch.setattr(runner, "run_engine", run_engine)
     out = tmp_path / "eval"
     assert eval_cli("--engine", "vllm", "--drafter", drafters[0], "--target", tiny_target_dir, "--prompts",
                     prompts_dir, "--split", "eval", "--store", store_dir, "--out", out) == 0

@@ -16,7 +16,7 @@ import ablate_sample_efficiency as ablate  # noqa: E402
 import experiment_own_outputs as experiment  # noqa: E402
 import runlib as rl  # noqa: E402
 
-from dflash_train.engine import vllm_version  # noqa: E402
+from dflash_train.engine.install import vllm_version  # noqa: E402
 from dflash_train.errors import UserError  # noqa: E402
 from dflash_train.provenance import INCOMPLETE_MARKER, PROVENANCE_FILE  # noqa: E402
 

@@ -45,7 +45,7 @@ import torch
 from dflash_train import constraints as request_constraints
 from dflash_train import sampling
 from dflash_train.device import default_device, device_problem, resolve_precision
-from dflash_train.engine import ENGINE_ARGS_HELP, engine_args_problem
+from dflash_train.engine.args import ENGINE_ARGS_HELP, engine_args_problem
 from dflash_train.errors import UserError, decided_by_rank0
 from dflash_train.options import add_options, at_least, from_args, in_range, option, validate
 from dflash_train.prompts import PromptRecord, load_prompt_records, prompt_set
@@ -194,7 +194,7 @@ def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
 def _check_engine(cfg: CaptureConfig) -> None:
     """--engine vllm: refuse --responses logged and a missing vLLM up front; --engine-args only with it."""
     if cfg.engine == "vllm":
-        from dflash_train.engine import check_vllm
+        from dflash_train.engine.install import check_vllm
 
         if cfg.responses == "logged":
             raise UserError("--engine vllm generates the responses; --responses logged takes them from the log: "
@@ -238,7 +238,7 @@ def _generation(cfg: CaptureConfig, stop_ids: list[int], compute_dtype: str) -> 
     if cfg.constraints == "ignore":  # recorded only then: a store from before replayed nothing else either
         generation["constraints"] = cfg.constraints
     if cfg.engine == "vllm":
-        from dflash_train.engine import vllm_version
+        from dflash_train.engine.install import vllm_version
 
         generation["engine_version"] = vllm_version()
     return generation

@@ -67,7 +67,8 @@ def engine_responses(cfg: CaptureConfig, target: Target, rendered: list[tuple[Pr
     batching (sampling per request as `sampling_for` decides, seeded per prompt, under the request's own
     constraints). Responses a killed run already generated are read back from OUT/engine-responses.jsonl instead of
     being generated again."""
-    from dflash_train.engine import VLLM_DTYPES, EngineJob, EngineRequest, ending, run_engine
+    from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest, ending
+    from dflash_train.engine.runner import run_engine
 
     out = Path(cfg.out)
     path = out / ENGINE_RESPONSES

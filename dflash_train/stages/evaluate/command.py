@@ -184,7 +184,7 @@ def check_options(cfg: EvalConfig) -> tuple[bool, bool]:
         raise UserError(f"{'--engine-args' if cfg.engine_args else '--suffix'} configures vLLM, and --engine "
                         f"{cfg.engine} does not run it: pass --engine vllm or both")
     if in_engine:
-        from dflash_train.engine import check_vllm, suffix_problem
+        from dflash_train.engine.install import check_vllm, suffix_problem
 
         check_vllm()  # before anything is loaded: a missing engine is one line, not a late failure
         if cfg.suffix and (problem := suffix_problem()):

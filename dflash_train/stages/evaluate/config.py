@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from dflash_train import sampling
 from dflash_train.device import device_problem
-from dflash_train.engine import ENGINE_ARGS_HELP, SPECULATION_LENGTHS, engine_args_problem
+from dflash_train.engine.args import ENGINE_ARGS_HELP, SPECULATION_LENGTHS, engine_args_problem
 from dflash_train.options import at_least, each, option
 from dflash_train.target import DEFAULT_TARGET
 

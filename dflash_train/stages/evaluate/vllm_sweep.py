@@ -1,7 +1,7 @@
 """The eval in vLLM, the serving engine itself: plain decoding and the drafter as vLLM's `dflash` speculator at each
-speculation length K, timed (engine._timed) at batch 1 and with requests decoded together; the fastest K at batch 1
-(best_k) is the entry's headline; vLLM's model-free speculators (prompt lookup, suffix decoding) timed the same way
-beside it; plain decoding's own speed over the sweep says whether the machine held still while it measured."""
+speculation length K, timed (engine.child._timed) at batch 1 and with requests decoded together; the fastest K at
+batch 1 (best_k) is the entry's headline; vLLM's model-free speculators (prompt lookup, suffix decoding) timed the
+same way beside it; plain decoding's own speed over the sweep says whether the machine held still while it measured."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
-from dflash_train import engine
-from dflash_train.engine import IDLE_S, LOOKUP_METHODS
+from dflash_train.engine import runner
+from dflash_train.engine.args import serve_command
+from dflash_train.engine.child import IDLE_S
+from dflash_train.engine.jobs import LOOKUP_METHODS, VLLM_DTYPES, EngineJob, EngineRequest, EngineResult, lookup_job
 from dflash_train.errors import UserError
 from dflash_train.spec_decode import mean_tau
 from dflash_train.stages.evaluate.config import EvalConfig
@@ -119,10 +121,10 @@ def _mean_times(run: dict[str, Any]) -> dict[str, float]:
 
 
 def k_row(run: dict[str, Any], natural: dict[str, Any], greedy: bool) -> dict[str, Any]:
-    """One speculation length's figures from its timed runs (engine._timed): tau and acceptance by position from
+    """One speculation length's figures from its timed runs (engine.child._timed): tau and acceptance by position from
     vLLM's verification steps, tokens/s and speedup by each clock with intervals, the lossless check against the
     plain outputs, and the per-prompt figures."""
-    from dflash_train.engine import EngineOutput, engine_steps
+    from dflash_train.engine.jobs import EngineOutput, engine_steps
 
     spec = {o["id"]: EngineOutput(**o) for o in run["outputs"]}
     step_logs, per_prompt, unaccounted, spreads = [], [], 0, []
@@ -250,7 +252,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     """What users buy, measured in vLLM: plain decoding and the drafter folder as vLLM's `dflash` speculator at
     each speculation length K (`--speculative-tokens`, else `k_sweep_order` as far as `--sweep-budget-s`
     affords, first the shortest K that keeps the best tau by `expected_tau` (its source, tau at each K):
-    sweep_first_k), timed by engine._timed (fixed lengths, warm, interleaved, engine core and stopwatch),
+    sweep_first_k), timed by engine.child._timed (fixed lengths, warm, interleaved, engine core and stopwatch),
     at batch 1 and at `--concurrency`. Per K: tau and acceptance by position, tokens/s and the speedup by both
     clocks with bootstrap intervals over prompts, the lossless check (greedy: speculative token ids equal plain
     ones, prompt by prompt). The fastest K at batch 1 is best_k: the entry's headline figures (what push's gate and
@@ -286,7 +288,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         "dtype": dtype_name,
         "engine_args": best_run["llm_kwargs"],
         "engine_args_plain": result.llm_kwargs,
-        "serve_command": engine.serve_command(best_run["llm_kwargs"]),
+        "serve_command": serve_command(best_run["llm_kwargs"]),
         "load_s": {"plain": result.load_s, "speculative": best_run["load_s"]},
         "environment": result.environment,
         "sweep": sweep,
@@ -314,7 +316,7 @@ def sweep_plan(cfg: EvalConfig, block_size: int, tau_by_k: list[float] | None) -
 
 @dataclass
 class EngineRunner:
-    """Runs vLLM for the eval (engine.run_engine, a process of its own each time, in workdir/tag): the prompts by id,
+    """Runs vLLM for the eval (runner.run_engine, a process of its own each time, in workdir/tag): the prompts by id,
     each under its request's `constraints`, plain and with the drafter at the K given; says what it runs. `first`
     and `source`: the sweep's first K and the estimate that chose it, for that line."""
     cfg: EvalConfig
@@ -327,18 +329,18 @@ class EngineRunner:
     source: str | None = None
 
     def __call__(self, ids: dict[str, list[int]], dtype: str, tag: str, ks: list[int], concurrency: list[int],
-                 budget_s: float | None, mode: str = "timed") -> tuple[engine.EngineJob, engine.EngineResult]:
+                 budget_s: float | None, mode: str = "timed") -> tuple[EngineJob, EngineResult]:
         cfg = self.cfg
-        requests = [engine.EngineRequest(id=rid, prompt_token_ids=p, max_tokens=cfg.max_new_tokens,
-                                         temperature=cfg.temperature, seed=prompt_seed(cfg.seed, rid),
-                                         constraints=self.constraints.get(rid))
+        requests = [EngineRequest(id=rid, prompt_token_ids=p, max_tokens=cfg.max_new_tokens,
+                                  temperature=cfg.temperature, seed=prompt_seed(cfg.seed, rid),
+                                  constraints=self.constraints.get(rid))
                     for rid, p in ids.items()]
-        job = engine.EngineJob(target=str(self.target.path), requests=requests,
-                               stop_token_ids=self.target.stop_token_ids(), dtype=engine.VLLM_DTYPES[dtype],
-                               drafter=cfg.drafter, max_model_len=self.max_len, mode=mode, seed=cfg.seed,
-                               device=torch.device(self.device).type, engine_args=cfg.engine_args,
-                               speculative_tokens=ks, concurrency=concurrency, repeats=cfg.repeats, budget_s=budget_s,
-                               ngram_tokens=cfg.ngram[0] if cfg.ngram and mode == "timed" else None)
+        job = EngineJob(target=str(self.target.path), requests=requests,
+                        stop_token_ids=self.target.stop_token_ids(), dtype=VLLM_DTYPES[dtype],
+                        drafter=cfg.drafter, max_model_len=self.max_len, mode=mode, seed=cfg.seed,
+                        device=torch.device(self.device).type, engine_args=cfg.engine_args,
+                        speculative_tokens=ks, concurrency=concurrency, repeats=cfg.repeats, budget_s=budget_s,
+                        ngram_tokens=cfg.ngram[0] if cfg.ngram and mode == "timed" else None)
         budget = f", {budget_s:.0f} s budget" if budget_s is not None and len(ks) > 1 else ""
         if self.first is not None and mode == "timed":
             budget += f"; K = {self.first} first, the shortest that keeps tau by the {self.source}"
@@ -348,10 +350,10 @@ class EngineRunner:
               f"({len(requests)} prompts, concurrency 1{''.join(f', {c}' for c in concurrency)}, {dtype}{budget}"
               f"{', the lossless check alone' if mode == 'check' else ''})",
               flush=True)
-        return job, engine.run_engine(job, self.workdir / tag, f"vLLM with drafter {cfg.drafter}")
+        return job, runner.run_engine(job, self.workdir / tag, f"vLLM with drafter {cfg.drafter}")
 
 
-def free_speculator_runs(run: EngineRunner, job: engine.EngineJob, result: engine.EngineResult, num_prompts: int
+def free_speculator_runs(run: EngineRunner, job: EngineJob, result: EngineResult, num_prompts: int
                          ) -> tuple[dict[str, list[dict[str, Any]]], float]:
     """The timed runs of vLLM's model-free speculators by method ("ngram": prompt lookup, "suffix": suffix
     decoding): --ngram's first K ran beside the drafter (`result`); each further lookup K, and each suffix decoding
@@ -364,7 +366,7 @@ def free_speculator_runs(run: EngineRunner, job: engine.EngineJob, result: engin
     for method, k in [("ngram", k) for k in cfg.ngram[1:]] + [("suffix", k) for k in cfg.suffix]:
         what, tag = FREE_SPECULATORS[method]
         print(f"engine: vLLM, plain and {what} at K = {k} ({num_prompts} prompts at their lengths above)", flush=True)
-        again = engine.run_engine(engine.lookup_job(job, natural, k, method), run.workdir / f"{tag}-{k}",
+        again = runner.run_engine(lookup_job(job, natural, k, method), run.workdir / f"{tag}-{k}",
                                   f"vLLM with {what} at K = {k}")
         free[method] += again.timed["runs"]
         seconds += again.load_s + again.wall_s
@@ -418,7 +420,7 @@ def concurrency_entry(sweep: list[dict[str, Any]], drafted: list[dict[str, Any]]
     }
 
 
-def timing_entry(run: EngineRunner, result: engine.EngineResult, seconds: float, natural: dict[str, Any],
+def timing_entry(run: EngineRunner, result: EngineResult, seconds: float, natural: dict[str, Any],
                  sweep: list[dict[str, Any]], lookup_rows: list[dict[str, Any]], suffix_rows: list[dict[str, Any]]
                  ) -> dict[str, Any]:
     """How the sweep was timed (the entry's `timing`): the protocol, the K measured and those the budget left out,

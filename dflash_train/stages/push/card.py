@@ -399,7 +399,7 @@ def _evaluation(inp: CardInputs) -> str:
 
 def _engine_evaluation(inp: CardInputs) -> list[str]:
     """What the serving engine measured, and the exact command it ran (with the Hub repos for local folders)."""
-    from dflash_train.engine import serve_command
+    from dflash_train.engine.args import serve_command
 
     engine = ((inp.report or {}).get("engines") or {}).get("vllm")
     if not isinstance(engine, dict):

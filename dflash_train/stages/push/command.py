@@ -279,7 +279,7 @@ def engine_reasons(report: dict[str, Any], report_file: Path | None, drafter_dir
 def publishable_engine(engine: dict[str, Any], target_hub_id: str, repo_id: str) -> dict[str, Any]:
     """An engine entry of the eval report as it may be published: the local target and drafter folders in its
     arguments replaced by the Hub repos, the serve command rebuilt from them."""
-    from dflash_train.engine import serve_command
+    from dflash_train.engine.args import serve_command
 
     args = dict(engine.get("engine_args") or {})
     if args:

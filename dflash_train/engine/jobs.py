@@ -1,0 +1,200 @@
+"""What a stage hands the engine and what it gets back: the job (`EngineJob`: a target, optionally a drafter, the
+requests, the mode) and its requests (`EngineRequest`, with the vLLM sampling parameters each one decodes under:
+`sampling_params`), the `vllm.LLM` arguments of a job (`EngineJob.llm_kwargs`, its KV-cache size:
+`kv_cache_bytes_for`); then the result (`EngineResult`, its `EngineOutput`s) and how a stage reads an output: why it
+ended (`ending`) and its verification steps (`engine_steps`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the project's dtype names -> vLLM's
+# vLLM's own prompt-lookup speculator (`ngram`: no model, no training), the baseline a drafter has to beat: it
+# drafts the tokens that followed an earlier occurrence of the context's last 3, else 2, else 1 tokens.
+NGRAM_LOOKUP = {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+LOOKUP_METHODS = ("ngram", "suffix")  # the engine's own model-free speculators, timed beside the drafter
+GiB = 1 << 30
+
+
+@dataclass
+class EngineRequest:
+    id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False  # decode exactly max_tokens tokens: no stop token or stop string ends the request
+    constraints: dict[str, Any] | None = None  # the request's own (`constraints`): structured outputs, stop, ...
+
+
+@dataclass
+class EngineJob:
+    """One engine run: a target, optionally a DFlash drafter folder, and the requests to decode."""
+    target: str  # a local checkpoint folder
+    requests: list[EngineRequest]
+    stop_token_ids: list[int]
+    dtype: str = "float32"  # vLLM's spelling: float32 | bfloat16 | float16
+    drafter: str | None = None  # a DFlash drafter folder; None = plain decoding
+    max_model_len: int = 2048
+    mode: str = "batch"  # batch: all requests at once (capture) | timed: the eval's speedup protocol
+    #                      (`child._timed`) | check: the lossless check alone (`child._check`)
+    seed: int = 0
+    device: str = "cpu"
+    # batch mode: append every finished output to this JSONL file as it is generated, so a killed run keeps what
+    # it generated (capture resumes from it)
+    stream_to: str | None = None
+    kv_cache_bytes: int | None = None  # None: sized from the job (see `kv_cache_bytes_for`)
+    engine_args: dict[str, Any] = field(default_factory=dict)  # the user's, over the job's (args.engine_args_problem)
+    # timed mode: the speculation lengths K to measure (the first always, each next one while `budget_s`, counted
+    # from the child's start, affords it), the concurrencies timed beside batch 1, timed runs per prompt and side
+    speculative_tokens: list[int] = field(default_factory=list)
+    concurrency: list[int] = field(default_factory=list)
+    repeats: int = 1
+    budget_s: float | None = None
+    # timed mode: the K at which vLLM's prompt lookup (NGRAM_LOOKUP) is timed after the drafter's K, the same way,
+    # whatever the budget (a baseline asked for is measured). One K, last: vLLM 0.32 cannot start another engine in
+    # a process after a prompt-lookup one (its CPU kernel overrides trip over an object llvmlite, imported by the
+    # lookup, leaves in sys.modules: AttributeError '_lib_fn_wrapper' object has no attribute 'get'); each further
+    # lookup K is a job of its own (no drafter K, its requests already at their timed lengths: `lookup_job`).
+    ngram_tokens: int | None = None
+    lookup_method: str = "ngram"  # the speculator timed at ngram_tokens: prompt lookup, or suffix decoding
+
+    def max_num_seqs(self) -> int | None:
+        """timed, check: the largest concurrency (one engine serves batch 1 and every concurrency); batch: vLLM's."""
+        return None if self.mode == "batch" else max([1, *self.concurrency])
+
+    def llm_kwargs(self, k: int | None = None, method: str = "dflash") -> dict[str, Any]:
+        """The `vllm.LLM(...)` arguments (the same names as `vllm serve` flags) of plain decoding, or with the
+        drafter as vLLM's dflash speculator proposing `k` tokens per step (method "ngram": vLLM's prompt lookup
+        instead); the user's engine arguments last."""
+        kwargs: dict[str, Any] = {"model": str(self.target), "dtype": self.dtype, "max_model_len": self.max_model_len,
+                                  "seed": self.seed, "enforce_eager": self.device == "cpu",
+                                  "max_num_seqs": self.max_num_seqs()}
+        if k and method == "ngram":
+            kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k, **NGRAM_LOOKUP}
+        elif k and method == "suffix":
+            kwargs["speculative_config"] = {"method": "suffix", "num_speculative_tokens": k}
+        elif k:
+            kwargs["speculative_config"] = {"method": "dflash", "model": str(self.drafter),
+                                            "num_speculative_tokens": k}
+        if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & self.engine_args.keys():
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes or kv_cache_bytes_for(self)
+        return {**{key: value for key, value in kwargs.items() if value is not None}, **self.engine_args}
+
+
+def kv_cache_bytes_for(job: EngineJob) -> int:
+    """KV-cache memory for a job: a timed job needs its largest concurrency of sequences of max_model_len in the
+    target's and the drafter's layers (twice that, for vLLM's block rounding); a batch run gets 2 GiB, which keeps a
+    SmolLM2-sized target decoding dozens of sequences at once. Sizing it to the job matters on CPU: vLLM allocates
+    and touches the whole cache at start (2 GiB took about 10 s here)."""
+    if job.mode == "batch":
+        return 2 * GiB
+    per_token = 0
+    for folder in [job.target] + ([job.drafter] if job.drafter else []):
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        per_token += 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4  # K and V, up to 4 bytes each
+    k = max(job.speculative_tokens, default=0)
+    return max(64 << 20, 2 * per_token * job.max_num_seqs() * (job.max_model_len + 2 * k + 32))
+
+
+def at_length(request: EngineRequest, tokens: int) -> EngineRequest:
+    """A timed run's request: decoded to exactly `tokens` (its natural length), whatever the stop tokens and stop
+    strings say, so that both sides decode the same tokens (under the same grammar, which a natural stop ended)."""
+    return replace(request, max_tokens=max(1, tokens), ignore_eos=True)
+
+
+def sampling_params(request: EngineRequest, stop_token_ids: list[int]) -> dict[str, Any]:
+    """The `vllm.SamplingParams` arguments of one request (structured outputs as a dict of
+    `StructuredOutputsParams` fields): the job's stop tokens and the request's own constraints, except that a
+    request decoded to a fixed length (`ignore_eos`) has no stop token or stop string."""
+    from dflash_train.constraints import sampling_kwargs
+
+    extra = sampling_kwargs(request.constraints)
+    own_stops = list((request.constraints or {}).get("stop_token_ids") or [])
+    if request.ignore_eos:
+        extra.pop("stop", None)
+    return {"max_tokens": request.max_tokens, "temperature": request.temperature, "top_p": request.top_p,
+            "seed": request.seed, "ignore_eos": request.ignore_eos,
+            "stop_token_ids": [] if request.ignore_eos else list(dict.fromkeys(stop_token_ids + own_stops)),
+            "detokenize": bool(extra.get("stop")), **extra}
+
+
+def lookup_job(job: EngineJob, natural: dict[str, EngineOutput], k: int, method: str = "ngram") -> EngineJob:
+    """A further prompt-lookup K of the timed `job` (or, method "suffix", suffix decoding at K), in a process of its
+    own (see EngineJob.ngram_tokens): the same prompts at the lengths the job's reference pass found (`natural`, by
+    id), no drafter K."""
+    return replace(job, requests=[at_length(r, len(natural[r.id].token_ids)) for r in job.requests],
+                   speculative_tokens=[], ngram_tokens=k, lookup_method=method, budget_s=None)
+
+
+@dataclass
+class EngineOutput:
+    id: str
+    token_ids: list[int]
+    finish_reason: str | None
+    decode_s: float  # engine-core time from the first to the last generated token
+    stop_reason: Any = None  # vLLM's: None (its EOS), the stop token id or the stop string that ended it
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per verification step (speculative only)
+    drafted: list[int] = field(default_factory=list)  # drafts proposed per verification step
+
+
+@dataclass
+class EngineResult:
+    version: str
+    llm_kwargs: dict[str, Any]
+    load_s: float
+    wall_s: float  # generation only, all requests
+    outputs: list[EngineOutput]  # timed mode: plain decoding to each prompt's natural stop
+    environment: dict[str, str]
+    timed: dict[str, Any] | None = None  # timed mode: per K, the timings and speculative outputs (`child._timed`)
+
+    def by_id(self) -> dict[str, EngineOutput]:
+        return {o.id: o for o in self.outputs}
+
+
+def ending(finish_reason: str | None, stop_reason: Any, stop_token_ids: list[int]) -> str | None:
+    """Why vLLM ended an answer, in capture's words (`states.ENDINGS`): the target's stop token (eos), one of the
+    request's stop token ids, a stop string, or the length cap."""
+    if finish_reason == "length":
+        return "length"
+    if finish_reason != "stop":
+        return None
+    if isinstance(stop_reason, str):
+        return "stop_string"
+    return "stop_token" if isinstance(stop_reason, int) and stop_reason not in stop_token_ids else "eos"
+
+
+def engine_steps(output: EngineOutput, undrafted_steps: bool = False) -> tuple[list, int]:
+    """The verification steps of one speculative request as `spec_decode.Step`s, and how many output tokens no
+    step accounts for (should be 0).
+
+    The prefill gives the first token; verification step i commits its accepted drafts plus the target's own
+    next token, except where the output ends (stop token or max_tokens), where the last step's committed count
+    is what remains of the output. Its tau still counts every draft vLLM accepted before the cut, as vLLM itself,
+    the reference DFlash loop and `Step.tau` do.
+
+    vLLM records no step where the speculator drafted nothing (prompt lookup without a match: a plain decoding
+    step). With `undrafted_steps`, each token no recorded step accounts for is such a step (accepted 0, committed
+    1), so that tau stays tokens per target forward; a DFlash drafter drafts at every step."""
+    from dflash_train.spec_decode import Step
+
+    remaining = max(len(output.token_ids) - 1, 0)
+    steps = []
+    for accepted in output.accepted:
+        if remaining <= 0:  # a step whose every token fell past the cut
+            steps.append(Step(accepted=accepted, committed=0))
+            continue
+        committed = min(accepted + 1, remaining)
+        steps.append(Step(accepted=accepted, committed=committed))
+        remaining -= committed
+    if undrafted_steps:
+        steps += [Step(accepted=0, committed=1)] * remaining
+        remaining = 0
+    return steps, remaining
