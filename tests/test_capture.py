@@ -18,7 +18,8 @@ from dflash_train.errors import UserError
 from dflash_train.prompts import PromptRecord
 from dflash_train.provenance import write_provenance
 from dflash_train.sampling import Sampling
-from dflash_train.stages.capture.command import CaptureConfig, capture, resolve_layer_ids
+from dflash_train.stages.capture.command import capture, resolve_layer_ids
+from dflash_train.stages.capture.config import CaptureConfig
 from dflash_train.stages.capture.responses import logged_response_ids, sampling_for
 from dflash_train.states import generate_and_capture, prefill_capture, sample_next
 from dflash_train.store.reader import open_store

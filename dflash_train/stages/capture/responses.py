@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -17,11 +17,9 @@ from dflash_train.device import default_device, resolve_precision
 from dflash_train.errors import UserError
 from dflash_train.prompts import PromptRecord
 from dflash_train.sampling import Sampling
+from dflash_train.stages.capture.config import CaptureConfig
 from dflash_train.states import Captured
 from dflash_train.target import Target, chat_text, prompt_seed
-
-if TYPE_CHECKING:
-    from dflash_train.stages.capture.command import CaptureConfig
 
 ENGINE_RESPONSES = "engine-responses.jsonl"  # in the store folder: a killed capture keeps what vLLM generated
 
