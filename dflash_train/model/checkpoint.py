@@ -23,10 +23,10 @@ import torch
 from dflash_train.errors import UserError
 from dflash_train.model.configuration import LAYER_TENSORS, DFlashConfig, expected_tensor_shapes
 from dflash_train.provenance import INCOMPLETE_MARKER, PROVENANCE_FILE, read_json, sha256_file, write_json_atomic
+from dflash_train.target import Features, TargetTensors, check_fits
 
 if TYPE_CHECKING:  # the module loads transformers; reading a folder for push must not
     from dflash_train.model.modeling_dflash import DFlashDraftModel
-    from dflash_train.target import Features
 
 REMOTE_MODULE = Path(__file__).resolve().parent / "modeling_dflash.py"  # shipped as dflash.py (config.json's auto_map)
 
@@ -321,8 +321,6 @@ def load_decoder_layers(name_or_path: str, layer_ids: list[int],
     """The weights of the target's decoder layers `layer_ids` (keys relative to the layer, e.g.
     self_attn.q_proj.weight; q_norm/k_norm only where the target has them) and its final norm, read straight from
     its safetensors files."""
-    from dflash_train.target import TargetTensors
-
     tensors = TargetTensors(name_or_path)
     layers = []
     for i in layer_ids:
@@ -371,7 +369,7 @@ def init_from_target(model: DFlashDraftModel, layers: list[dict[str, torch.Tenso
 
 
 def drafter_to_start_from(init_from: str, revision: str | None, wanted: dict[str, Any], block_size: int,
-                          reads: "Features", target_name: str, target_config, tokenizer, stop_ids: list[int]):
+                          reads: Features, target_name: str, target_config, tokenizer, stop_ids: list[int]):
     """The published drafter a run fine-tunes (`drafter.init_from`, a folder or Hub repo id in any public layout:
     model/published.py), checked against what the run trains for, every mismatch named in one line: the target
     (its identity where the drafter records one, hidden size, layer count, vocabulary, a usable mask token), the
@@ -379,7 +377,6 @@ def drafter_to_start_from(init_from: str, revision: str | None, wanted: dict[str
     target_layer_ids; None = the starting drafter's). The block size is the recipe's: the weights do not depend on
     it. Returns the PublishedDrafter with its config made this run's."""
     from dflash_train.model.published import describe, fetch_drafter, read_drafter
-    from dflash_train.target import check_fits
 
     start = read_drafter(fetch_drafter(init_from, revision))
     config = start.config

@@ -48,8 +48,9 @@ from dflash_train.options import add_options, at_least, from_args, in_range, opt
 from dflash_train.provenance import read_json
 from dflash_train.sampling import Sampling
 from dflash_train.store import DEFAULT_SHARD_BYTES, NO_STATES, StoreWriter, finalize_store
-from dflash_train.target import (DEFAULT_TARGET, Target, cache_keyword, chat_text, check_layer_ids,
-                                 default_layer_ids, load_target, prompt_seed, tap_layers)
+from dflash_train.model.configuration import default_layer_ids
+from dflash_train.model.modeling_dflash import cache_keyword, tap_layers
+from dflash_train.target import DEFAULT_TARGET, Target, chat_text, check_layer_ids, load_target, prompt_seed
 
 
 
