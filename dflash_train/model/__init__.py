@@ -8,5 +8,5 @@ the other way round.
   checkpoint.py       create, save (context-scale fold), load, read a folder for push, start from the target or a
                       published drafter
   published.py        a published drafter in any public layout (z-lab, SpecForge, speculators, ours), from a folder
-                      or a Hub repo: its config and weights
+                      or a Hub repo: its config and weights, checked against the run that starts from it
 """
