@@ -20,7 +20,7 @@ stages to the budget: the eval gets at most a share of it, the rest goes to capt
 (`train.time_budget_s`, at most the recipe's max_steps; after the capture, plus what it saved against its plan or
 less what it overran). It stores the states with the responses, or captures token-only and trains online
 (`data.hidden_states: online`), whichever costs less per token at the epochs the plan trains
-(scripts/bench_online.py's rule): online pays where a token-only capture is much cheaper and the epochs are few.
+(dflash_train.measure's rule): online pays where a token-only capture is much cheaper and the epochs are few.
 It prints that plan, with the rates it measured and why, before anything long starts.
 """
 
@@ -35,7 +35,7 @@ import subprocess
 import time
 from pathlib import Path
 
-import runlib as rl  # scripts/, beside this file: how every script runs a stage
+from dflash_train import runs
 from dflash_train.stages.push.card import free_speculator_to_serve
 from dflash_train.engine import IDLE_S, SPECULATION_LENGTHS, suffix_problem
 from dflash_train.errors import CommandParser, UserError
@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden-states", choices=["auto", "stored", "online"], default="auto",
                    help="the drafter's input states: captured with the responses (stored), computed by the target "
                         "in every training step from a token-only store (online), or auto: whichever the probe "
-                        "measures to train on more data in the budget (scripts/bench_online.py's rule)")
+                        "measures to train on more data in the budget (dflash_train.measure's rule)")
     p.add_argument("--ngram", type=int_list, default=[], metavar="K,K,...",
                    help="vLLM: also time the engine's own prompt lookup (no model, no training) at these K, beside "
                         "the drafter: the baseline it has to beat, and which of the two to serve (the plan counts "
@@ -96,11 +96,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plan", dest="plan", action="store_false",
                    help="skip the probe: use --capture-limit and the recipe's steps as given")
     args = p.parse_args(argv)
-    rl.check_options(p, args, {  # before minutes of ingest and probe
+    runs.check_options(p, args, {  # before minutes of ingest and probe
         "--budget-min": in_range(0, 7 * 24 * 60, low_open=True), "--store-topk": at_least(0),
         **{flag: at_least(1) for flag in ("--capture-limit", "--max-prompt-tokens", "--max-new-tokens",
                                           "--eval-max-new-tokens", "--batch-size", "--eval-limit")},
-        "--name": rl.folder_name, "--prompts-name": rl.folder_name,
+        "--name": runs.folder_name, "--prompts-name": runs.folder_name,
         "--ngram": SPECULATION_LENGTHS, "--suffix": SPECULATION_LENGTHS})  # the eval's check of its lists
     for flag, chosen in (("--ngram", args.ngram), ("--suffix", args.suffix)):
         if chosen and args.engine == "own":
@@ -144,7 +144,7 @@ FP32_RECHECK_SHARE = {"own": 1.0, "vllm": 0.6}  # of the eval's prompts that dif
 EVAL_SHARE = 0.4  # the eval's share of the time left: 20 prompts, vLLM at two K or more, a few in the project's loop
 MIN_EVAL_PROMPTS = 20  # fewer cannot tell a 10% speedup from noise (the serving issue: 5 prompts said 0.63x-1.27x)
 OWN_EVAL_PROMPTS = 5  # the project's loop decodes the first 5 of them: it runs three passes per prompt
-EVAL_CONCURRENCY = 4  # requests decoded together, timed beside batch 1 (scripts/bench_serving.py times more)
+EVAL_CONCURRENCY = 4  # requests decoded together, timed beside batch 1 (benchmarks/bench_serving.py times more)
 CAPTURE_SHARE = 0.3  # of the rest: capture (more conversations) vs training (more steps); the 21-minute demo on an
                      # AVX-512 machine spent 257 s capturing and 742 s training. Time training cannot use (the recipe's
                      # max_steps reached) goes to capture too: on this budget the data, not the steps, limits tau
@@ -196,7 +196,7 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
     from dflash_train.spec_decode import plain_generate
     from dflash_train.target import load_target
 
-    import bench_train  # scripts/, beside this file
+    from dflash_train import measure
 
     device = default_device()
     precision = resolve_precision(dtype, device)
@@ -261,7 +261,7 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
                                    anchors=recipe.objective.num_anchors, block=recipe.drafter.block_size,
                                    batch=recipe.train.micro_batch_size, attention="blockwise", head="fused",
                                    head_chunk=recipe.objective.head_chunk_tokens)
-    drafter = bench_train.make_drafter(step_args, torch.device(device), precision.dtype)
+    drafter = measure.make_drafter(step_args, torch.device(device), precision.dtype)
     g = torch.Generator().manual_seed(1)
     embed = (torch.randn(step_args.vocab, step_args.hidden, generator=g) * 0.02).to(precision.dtype)
     data = {"input_ids": torch.randint(0, step_args.vocab - 1, (step_args.batch, step_args.seq), generator=g),
@@ -271,7 +271,7 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
             "position_ids": torch.arange(step_args.seq).expand(step_args.batch, -1)}
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=True)
     # Steps with stored states and, alternating, with the states computed online as the trainer does
-    # (data.hidden_states: online: the target prefills the micro batch first, scripts/bench_online.py's probe); the
+    # (data.hidden_states: online: the target prefills the micro batch first, benchmarks/bench_online.py's probe); the
     # median of each after its first.
     online = OnlineStates(target, layers, step_args.seq)
     rows = [[{"input_ids": ids}] for ids in data["input_ids"]]
@@ -281,7 +281,7 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
         t0 = time.perf_counter()
         batch_data = data if source == "stored" else {**data, "hidden_states": torch.stack(
             [row[0]["hidden_states"] for row in online.add(rows)]).to(precision.dtype)}
-        bench_train.step_fn(step_args, drafter, embed, embed, batch_data, optimizer, step)
+        measure.step_fn(step_args, drafter, embed, embed, batch_data, optimizer, step)
         times[source].append(time.perf_counter() - t0)
     engine = probe_engine_capture(args, target, rendered, layers, precision) if args.capture_engine != "own" else {}
     if args.engine != "own" and recipe.drafter.init_from is not None:
@@ -587,13 +587,13 @@ def size_capture_and_training(args: argparse.Namespace, rates: dict, flexible: f
 
 
 def choose_states(args: argparse.Namespace, rates: dict, micro_batch: int, options: dict[str, dict]) -> tuple[str, str]:
-    """("stored" | "online", why): scripts/bench_online.py's rule (`choose_hidden_states`) at the epochs the stored
+    """("stored" | "online", why): dflash_train.measure's rule (`choose_hidden_states`) at the epochs the stored
     plan trains (expected steps x micro batch / prompts kept), on the plans' rates per token: each capture's time
     (start-up included) over the tokens it keeps, each step's over the tokens of its micro batch, at the probe's
     mean sample length; with the disk check where the probe measured the states' size. --hidden-states forces one."""
     import shutil
 
-    import bench_online  # scripts/, beside this file
+    from dflash_train.measure import choose_hidden_states
 
     if args.hidden_states != "auto":
         return args.hidden_states, f"--hidden-states {args.hidden_states}"
@@ -608,7 +608,7 @@ def choose_states(args: argparse.Namespace, rates: dict, micro_batch: int, optio
                  "state_bytes_per_token": rates.get("state_bytes_per_token", 0.0)}
     epochs = round(stored["expected_steps"] * micro_batch / stored["capture_kept"], 2)
     disk = shutil.disk_usage(args.workdir).free if "state_bytes_per_token" in rates else None
-    return bench_online.choose_hidden_states(per_token, epochs, round(tokens * stored["capture_kept"]), disk)
+    return choose_hidden_states(per_token, epochs, round(tokens * stored["capture_kept"]), disk)
 
 
 def rebudget_training(plan: dict, capture_end_s: float) -> None:
@@ -677,10 +677,10 @@ def main(argv: list[str] | None = None) -> int:
     drafter = run / "drafter"
     report = work / "eval" / args.name
     push = work / "push" / args.name
-    log = rl.Log()
+    log = runs.Log()
     total = time.perf_counter()
 
-    rl.run_stage("ingest", prompts, rl.ingest_command(prompts, args.logs, ["--target", args.target]), log)
+    runs.run_stage("ingest", prompts, runs.ingest_command(prompts, args.logs, ["--target", args.target]), log)
 
     plan, plan_file = None, work / "data" / f"{args.name}.demo-plan.json"  # a rerun keeps the plan it started with
     planned_now = False
@@ -705,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     hidden_states = plan.get("hidden_states", "stored") if plan else \
         ("stored" if args.hidden_states == "auto" else args.hidden_states)
     online = hidden_states == "online"  # a token-only store: training computes the states
-    rl.run_stage("capture", store, rl.capture_command(
+    runs.run_stage("capture", store, runs.capture_command(
         prompts, store, "train", capture_limit, args.max_prompt_tokens, args.max_new_tokens,
         [*target, "--store-topk", str(args.store_topk), "--engine", capture_engine,
          *(["--storage", "none"] if online else [])], args.batch_size), log)
@@ -715,10 +715,10 @@ def main(argv: list[str] | None = None) -> int:
             rebudget_training(plan, time.perf_counter() - total)
             plan_file.write_text(json.dumps(plan, indent=2))
         overrides += [f"train.time_budget_s={plan['train_budget_s']}", "eval.every=0"]
-    rl.run_stage("train", drafter, rl.train_command(args.recipe, run, overrides), log)
+    runs.run_stage("train", drafter, runs.train_command(args.recipe, run, overrides), log)
     # the held-out prompts' own capture: the store the offline (simulated) tau is computed on
     check_store(eval_store)
-    rl.run_stage("capture (held-out)", eval_store, rl.capture_command(
+    runs.run_stage("capture (held-out)", eval_store, runs.capture_command(
         prompts, eval_store, "eval", eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens, target,
         args.batch_size), log)
     # How many prompts the project's loop decodes and how long vLLM's K sweep runs: the plan's; without a plan
@@ -729,13 +729,13 @@ def main(argv: list[str] | None = None) -> int:
         eval_sizes += ["--own-limit", str(max(1, plan["own_eval_prompts"]) if plan else OWN_EVAL_PROMPTS)]
     if args.engine != "own":
         eval_sizes += ["--sweep-budget-s", str(plan["sweep_budget_s"] if plan else 0)]
-    rl.run_stage("eval", report, rl.eval_command(
+    runs.run_stage("eval", report, runs.eval_command(
         [drafter], prompts, eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens, eval_store, report, args.engine,
         [*target, "--concurrency", str(EVAL_CONCURRENCY), *eval_sizes,
          *(["--ngram", ",".join(map(str, args.ngram))] if args.ngram else []),
          *(["--suffix", ",".join(map(str, args.suffix))] if args.suffix else [])]), log)
-    rl.run_stage("push (dry run)", push, rl.push_command(drafter, args.repo, report, push, ["--dry-run"]), log,
-                 rerun=True)
+    runs.run_stage("push (dry run)", push, runs.push_command(drafter, args.repo, report, push, ["--dry-run"]), log,
+                   rerun=True)
 
     artefacts = [("prompts", prompts), ("capture store", store), ("held-out store", eval_store),
                  ("training run", run), ("drafter", drafter), ("eval report", report), ("push folder (dry run)", push)]
@@ -747,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def demo_summary(args: argparse.Namespace, plan: dict | None, log: rl.Log, report: dict, wall: float,
+def demo_summary(args: argparse.Namespace, plan: dict | None, log: runs.Log, report: dict, wall: float,
                  artefacts: list[tuple[str, Path]]) -> str:
     """What the demo did, as markdown: the workload (which traffic), the drafter it started from, the headline
     figures of each engine, the wall time of each stage against the plan, and where everything is."""
@@ -796,7 +796,7 @@ def check_store(store: Path) -> None:
     """A complete store must pass `verify` before a rerun builds on it (its shards are re-hashed)."""
     if not is_complete(store):
         return
-    check = subprocess.run(rl.verify_command(store), cwd=REPO, capture_output=True, text=True)
+    check = subprocess.run(runs.verify_command(store), cwd=REPO, capture_output=True, text=True)
     if check.returncode != 0:
         raise SystemExit(f"demo: {store} is complete but fails verification:\n{check.stdout}{check.stderr}"
                          f"delete it to capture it again")
@@ -813,4 +813,4 @@ def _speedup(e: dict) -> str:
 
 
 if __name__ == "__main__":
-    rl.script_main(main)
+    runs.script_main(main)

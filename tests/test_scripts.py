@@ -10,15 +10,13 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import ablate_sample_efficiency as ablate
+import experiment_own_outputs as experiment
 
-import ablate_sample_efficiency as ablate  # noqa: E402
-import experiment_own_outputs as experiment  # noqa: E402
-import runlib as rl  # noqa: E402
-
-from dflash_train.engine import vllm_version  # noqa: E402
-from dflash_train.errors import UserError  # noqa: E402
-from dflash_train.provenance import INCOMPLETE_MARKER, PROVENANCE_FILE  # noqa: E402
+from dflash_train import runs
+from dflash_train.engine import vllm_version
+from dflash_train.errors import UserError
+from dflash_train.provenance import INCOMPLETE_MARKER, PROVENANCE_FILE
 
 needs_vllm = pytest.mark.skipif(vllm_version() is None, reason="vLLM is not installed (make install installs it)")
 
@@ -27,32 +25,32 @@ needs_vllm = pytest.mark.skipif(vllm_version() is None, reason="vLLM is not inst
 
 
 def test_split_overrides_keeps_commas_inside_brackets():
-    assert rl.split_overrides("a.b=1, data.stores=[x,y] ,c={p: 1, q: 2}") == [
+    assert runs.split_overrides("a.b=1, data.stores=[x,y] ,c={p: 1, q: 2}") == [
         "a.b=1", "data.stores=[x,y]", "c={p: 1, q: 2}"]
-    assert rl.split_overrides("") == []
+    assert runs.split_overrides("") == []
 
 
 @pytest.mark.parametrize("text", ["a.b=1,oops", "a=[1,2", "a=1]", "=3", "a b=1"])
 def test_split_overrides_rejects_malformed(text):
     with pytest.raises(UserError, match="key=value|unbalanced"):
-        rl.split_overrides(text)
+        runs.split_overrides(text)
 
 
 def test_parse_variant():
-    assert rl.parse_variant("fast:optimizer.lr=1e-3,optimizer.schedule=wsd") == (
+    assert runs.parse_variant("fast:optimizer.lr=1e-3,optimizer.schedule=wsd") == (
         "fast", ["optimizer.lr=1e-3", "optimizer.schedule=wsd"])
-    assert rl.parse_variant("plain") == ("plain", [])
+    assert runs.parse_variant("plain") == ("plain", [])
     with pytest.raises(UserError, match="name"):
-        rl.parse_variant("bad name:a=1")
+        runs.parse_variant("bad name:a=1")
     with pytest.raises(UserError, match="--variant x"):
-        rl.parse_variant("x:a=1,b")
+        runs.parse_variant("x:a=1,b")
 
 
 def test_parse_sizes():
-    assert rl.parse_sizes("32, 96,all") == [32, 96, None]
+    assert runs.parse_sizes("32, 96,all") == [32, 96, None]
     for bad in ["0", "12,x", "5,5", ""]:
         with pytest.raises(UserError):
-            rl.parse_sizes(bad)
+            runs.parse_sizes(bad)
 
 
 def test_select_variants_defaults_replace_add_and_only():
@@ -60,7 +58,7 @@ def test_select_variants_defaults_replace_add_and_only():
     assert list(v) == ["baseline", "init", "soft", "dense", "norm", "optim", "warmup", "focus", "batch", "combo"]
     assert v["baseline"] == [] and v["init"] == ["drafter.init=target"]
     chosen = ("init", "optim", "warmup", "focus", "batch")
-    assert set(v["combo"]) == {o for name in chosen for o in rl.split_overrides(ablate.LEVERS[name])}
+    assert set(v["combo"]) == {o for name in chosen for o in runs.split_overrides(ablate.LEVERS[name])}
     v = ablate.select_variants("drafter.init=target,objective.num_anchors=512",
                                ["init:drafter.init=target,optimizer.lr=1e-3", "mine:objective.num_anchors=128"],
                                "mine,init,combo")
@@ -72,8 +70,8 @@ def test_select_variants_defaults_replace_add_and_only():
 
 
 def test_budget_overrides():
-    assert rl.budget_overrides(100, None, 25) == ["eval.every=25", "eval.at_end=true", "train.max_steps=100"]
-    assert rl.budget_overrides(None, 60.0, 5)[2:] == ["train.time_budget_s=60.0", "train.max_steps=1000000"]
+    assert runs.budget_overrides(100, None, 25) == ["eval.every=25", "eval.at_end=true", "train.max_steps=100"]
+    assert runs.budget_overrides(None, 60.0, 5)[2:] == ["train.time_budget_s=60.0", "train.max_steps=1000000"]
 
 
 def test_the_warm_start_experiment_ingests_only_prompts_under_its_prompt_limit(tmp_path, monkeypatch):
@@ -86,10 +84,10 @@ def test_the_warm_start_experiment_ingests_only_prompts_under_its_prompt_limit(t
         commands.append(command)
         raise StopIteration
 
-    monkeypatch.setattr(ws.rl, "run_stage", first_stage_only)
+    monkeypatch.setattr(ws.runs, "run_stage", first_stage_only)
     args = ws.parse_args(["--workloads", "router", "--max-prompt-tokens", "300"])
     with pytest.raises(StopIteration):
-        ws.run_workload(args, "router", tmp_path, {}, rl.Log())
+        ws.run_workload(args, "router", tmp_path, {}, runs.Log())
     ingest = commands[0]
     assert ingest[2:4] == ["dflash_train", "ingest"] and str(ws.WORKLOADS["router"]) in ingest
     assert ingest[ingest.index("--max-prompt-tokens") + 1] == "300"
@@ -102,7 +100,7 @@ def test_the_demo_summary_flags_a_speedup_measured_while_the_machine_changed_spe
     vllm = {"tau": 1.26, "best_k": 2, "speedup": 1.096, "speedup_interval": [1.018, 1.177], "lossless_mismatches": 0,
             "timing": {"host_drift": 0.72, "host_unsteady": True}}
     steady = {**vllm, "timing": {"host_drift": 0.05, "host_unsteady": False}}
-    summaries = [demo.demo_summary(args, None, rl.Log(), {"engines": {"vllm": e}}, 1.0, []) for e in (vllm, steady)]
+    summaries = [demo.demo_summary(args, None, runs.Log(), {"engines": {"vllm": e}}, 1.0, []) for e in (vllm, steady)]
     assert ("- vllm: tau 1.26, best K 2, speedup over plain decoding 1.10x [1.02, 1.18] (95% interval over prompts; "
             "the machine's speed changed by 72% while it was measured: not to be believed)") in summaries[0]
     assert "(95% interval over prompts), lossless" in summaries[1]
@@ -159,19 +157,19 @@ def write_metrics(path: Path) -> Path:
 
 def test_eval_curve_and_run_summary(tmp_path):
     metrics = write_metrics(tmp_path / "metrics.jsonl")
-    assert rl.eval_curve(metrics) == [(1.0, 1.01), (2.0, 1.25)]
-    assert rl.run_summary(metrics) == {"steps": 2, "train_s": 4.25, "final_sim_tau": 1.25,
-                                       "final_sim_acc": [0.2, 0.05]}
-    assert rl.eval_curve(metrics, "time") == [(2.0, 1.01), (4.25, 1.25)]
-    assert rl.eval_curve(metrics, rl.TRAIN_TIME) == [(2.0, 1.01), (4.25, 1.25)]  # no train_time: wall time
+    assert runs.eval_curve(metrics) == [(1.0, 1.01), (2.0, 1.25)]
+    assert runs.run_summary(metrics) == {"steps": 2, "train_s": 4.25, "final_sim_tau": 1.25,
+                                         "final_sim_acc": [0.2, 0.05]}
+    assert runs.eval_curve(metrics, "time") == [(2.0, 1.01), (4.25, 1.25)]
+    assert runs.eval_curve(metrics, runs.TRAIN_TIME) == [(2.0, 1.01), (4.25, 1.25)]  # no train_time: wall time
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     for row in rows:
         row["train_time"] = row["time"] - 1
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert rl.eval_curve(metrics, rl.TRAIN_TIME) == [(1.0, 1.01), (3.25, 1.25)]
-    assert rl.run_summary(metrics)["train_s"] == 3.25
+    assert runs.eval_curve(metrics, runs.TRAIN_TIME) == [(1.0, 1.01), (3.25, 1.25)]
+    assert runs.run_summary(metrics)["train_s"] == 3.25
     with pytest.raises(UserError, match="none of wall"):
-        rl.eval_curve(metrics, ("wall",))
+        runs.eval_curve(metrics, ("wall",))
 
 
 
@@ -179,9 +177,9 @@ def test_bad_metrics_name_the_file_and_line(tmp_path):
     bad = tmp_path / "metrics.jsonl"
     bad.write_text('{"kind": "train", "step": 1}\n{not json\n')
     with pytest.raises(UserError, match=r"metrics.jsonl line 2"):
-        rl.run_summary(bad)
+        runs.run_summary(bad)
     with pytest.raises(UserError, match="does not exist"):
-        rl.eval_curve(tmp_path / "missing.jsonl")
+        runs.eval_curve(tmp_path / "missing.jsonl")
 
 
 def write_report(folder: Path, drafters: list[Path]) -> Path:
@@ -202,22 +200,22 @@ def write_report(folder: Path, drafters: list[Path]) -> Path:
 
 def test_online_rows_match_drafters_by_folder(tmp_path, monkeypatch):
     a, b = tmp_path / "runs" / "own" / "drafter", tmp_path / "runs" / "logged" / "drafter"
-    report = rl.read_report(write_report(tmp_path / "eval", [a, b]))
+    report = runs.read_report(write_report(tmp_path / "eval", [a, b]))
     monkeypatch.chdir(tmp_path)
-    row = rl.online_row(report, Path("runs/logged/drafter"))  # relative path, same folder
+    row = runs.online_row(report, Path("runs/logged/drafter"))  # relative path, same folder
     assert row["online_tau"] == 3.0 and row["acceptance_first"] == [0.9, 0.4, 0.25]
     assert row["tokens_per_s_plain"] == 20.0 and row["tokens_per_s_ratio"] == pytest.approx(1.0)
-    assert rl.online_row(report, a)["tokens_per_s_ratio"] == pytest.approx(0.5)
+    assert runs.online_row(report, a)["tokens_per_s_ratio"] == pytest.approx(0.5)
     with pytest.raises(UserError, match="no method for drafter"):
-        rl.online_row(report, tmp_path / "other")
+        runs.online_row(report, tmp_path / "other")
 
 
 def test_read_report_errors(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
-        rl.read_report(tmp_path)
+        runs.read_report(tmp_path)
     (tmp_path / "report.json").write_text("{}")
     with pytest.raises(UserError, match="'methods'"):
-        rl.read_report(tmp_path)
+        runs.read_report(tmp_path)
 
 
 def test_variant_rows_and_markdown_table(tmp_path):
@@ -227,12 +225,12 @@ def test_variant_rows_and_markdown_table(tmp_path):
         run.mkdir(parents=True)
         write_metrics(run / "metrics.jsonl")
         plan[name] = (run, [] if name == "baseline" else ["drafter.init=target"])
-    report = rl.read_report(write_report(tmp_path / "eval", [p[0] / "drafter" for p in plan.values()]))
-    rows = rl.run_rows(plan, report)
+    report = runs.read_report(write_report(tmp_path / "eval", [p[0] / "drafter" for p in plan.values()]))
+    rows = runs.run_rows(plan, report)
     assert rows["init"]["online_tau"] == 3.0 and rows["init"]["steps"] == 2
     assert rows["baseline"]["final_sim_tau"] == 1.25 and rows["baseline"]["overrides"] == []
-    table = rl.markdown_table(["variant", "tau", "acc"], [["init", rows["init"]["online_tau"],
-                                                           rows["init"]["acceptance_first"]], ["x", None, 7]])
+    table = runs.markdown_table(["variant", "tau", "acc"], [["init", rows["init"]["online_tau"],
+                                                             rows["init"]["acceptance_first"]], ["x", None, 7]])
     assert table.splitlines() == ["| variant | tau | acc |", "|---|---|---|",
                                   "| init | 3.000 | 0.900 / 0.400 / 0.250 |", "| x | - | 7 |"]
 
@@ -242,24 +240,25 @@ def test_results_name_no_folder_of_the_machine_they_were_made_on(tmp_path, monke
     starts like another folder's), any other local folder cut to its last component."""
     work = tmp_path / "exp"
     monkeypatch.setattr(sys, "argv", ["experiment_warm_start.py", "--workdir", str(work)])
-    log = rl.Log()
-    log.add("train", [rl.PY, "train.py", f"{rl.REPO}/recipes/smollm2-135m-adapt.yaml",
+    log = runs.Log()
+    log.add("train", [runs.PY, "train.py", f"{runs.REPO}/recipes/smollm2-135m-adapt.yaml",
                       f"data.stores=[{work}/data/store/own]"], 12.0, skipped=False)
-    data = {"general": f"{rl.REPO}/drafters/smollm2-135m-instruct-general", "workdir": str(work),
+    data = {"general": f"{runs.REPO}/drafters/smollm2-135m-instruct-general", "workdir": str(work),
             "other": [f"{tmp_path}/exp-sg/data/store/own", "64 tokens/s"]}
-    rl.write_results(tmp_path / "out", rl.header("t", "experiment_warm_start.py") + "\n\n" + rl.commands_section(log),
-                     data, [], log, work=work)
+    markdown = runs.header("t", "scripts/experiment_warm_start.py") + "\n\n" + runs.commands_section(log)
+    runs.write_results(tmp_path / "out", markdown, data, [], log, work=work)
     md = (tmp_path / "out" / "results.md").read_text()
+    assert "Reproduce: `python scripts/experiment_warm_start.py --workdir WORKDIR`" in md
     got = json.loads((tmp_path / "out" / "results.json").read_text())
     assert "--workdir WORKDIR" in md and "data.stores=[WORKDIR/data/store/own]" in md
     assert "recipes/smollm2-135m-adapt.yaml" in md
     assert got["general"] == "drafters/smollm2-135m-instruct-general" and got["workdir"] == "WORKDIR"
     assert got["other"] == ["own", "64 tokens/s"]
-    assert str(tmp_path) not in md + json.dumps(got) and str(rl.REPO) not in md + json.dumps(got)
+    assert str(tmp_path) not in md + json.dumps(got) and str(runs.REPO) not in md + json.dumps(got)
 
 
 def test_cpu_model():
-    assert rl.cpu_model("processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags: x\n") == "AMD EPYC 9654"
+    assert runs.cpu_model("processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags: x\n") == "AMD EPYC 9654"
 
 
 # --- skipping complete stages -------------------------------------------------------------------------------------
@@ -275,41 +274,41 @@ def make_folder(path: Path, complete: bool) -> Path:
 
 def test_stage_decision(tmp_path):
     command = ["python", "-m", "dflash_train", "capture", "--out", "x"]
-    assert rl.stage_decision(tmp_path / "missing", command) == "run"
-    assert rl.stage_decision(make_folder(tmp_path / "half", complete=False), command) == "run"
+    assert runs.stage_decision(tmp_path / "missing", command) == "run"
+    assert runs.stage_decision(make_folder(tmp_path / "half", complete=False), command) == "run"
     done = make_folder(tmp_path / "done", complete=True)
-    assert rl.stage_decision(done, command) == "skip"  # made before records existed: trusted
-    rl.record_path(done).write_text(json.dumps({"command": command, "seconds": 12.5}))
-    assert rl.stage_decision(done, command) == "skip"
+    assert runs.stage_decision(done, command) == "skip"  # made before records existed: trusted
+    runs.record_path(done).write_text(json.dumps({"command": command, "seconds": 12.5}))
+    assert runs.stage_decision(done, command) == "skip"
     with pytest.raises(UserError, match="made by another command"):
-        rl.stage_decision(done, [*command, "--limit", "5"])
+        runs.stage_decision(done, [*command, "--limit", "5"])
 
 
 def test_run_stage_skips_a_complete_folder_without_running(tmp_path):
     done = make_folder(tmp_path / "done", complete=True)
-    log = rl.Log()
-    rl.run_stage("capture", done, ["false"], log)  # `false` would fail if it ran
+    log = runs.Log()
+    runs.run_stage("capture", done, ["false"], log)  # `false` would fail if it ran
     assert log.stages == [{"stage": "capture", "command": "false", "seconds": None, "skipped": True}]
-    assert "capture (time not recorded, in an earlier run):\n  `false`" in rl.commands_section(log)
+    assert "capture (time not recorded, in an earlier run):\n  `false`" in runs.commands_section(log)
 
 
 def test_run_stage_records_the_command_and_its_time(tmp_path, monkeypatch):
     folder = tmp_path / "out"
     script = f"from dflash_train.provenance import write_provenance; write_provenance({str(folder)!r})"
-    command = [rl.PY, "-c", script]
-    monkeypatch.setenv("PYTHONPATH", str(rl.REPO))
-    log = rl.Log()
-    rl.run_stage("make", folder, command, log)
+    command = [runs.PY, "-c", script]
+    monkeypatch.setenv("PYTHONPATH", str(runs.REPO))
+    log = runs.Log()
+    runs.run_stage("make", folder, command, log)
     assert log.stages[0]["skipped"] is False and log.stages[0]["command"].startswith("python -c ")
-    rl.run_stage("make", folder, command, log)  # now complete: skipped, with the first run's time
+    runs.run_stage("make", folder, command, log)  # now complete: skipped, with the first run's time
     assert log.stages[1]["skipped"] is True and log.stages[1]["seconds"] == log.stages[0]["seconds"]
     with pytest.raises(UserError, match="made by another command"):
-        rl.run_stage("make", folder, [*command, "x"], log)
+        runs.run_stage("make", folder, [*command, "x"], log)
 
 
 def test_run_stage_failure_stops_with_the_exit_status(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
-        rl.run_stage("boom", tmp_path / "never", [rl.PY, "-c", "raise SystemExit(3)"], rl.Log())
+        runs.run_stage("boom", tmp_path / "never", [runs.PY, "-c", "raise SystemExit(3)"], runs.Log())
     assert stop.value.code == 3
     assert "stage 'boom' failed (exit 3)" in capsys.readouterr().err
 
@@ -317,11 +316,11 @@ def test_run_stage_failure_stops_with_the_exit_status(tmp_path, capsys):
 def test_default_variants_are_valid_overrides_of_the_demo_recipe(monkeypatch):
     from dflash_train.stages.train.recipe import load_recipe
 
-    monkeypatch.chdir(rl.REPO)  # the recipe's paths are relative to the repo root
-    base = rl.split_overrides(ablate.PUBLIC)
+    monkeypatch.chdir(runs.REPO)  # the recipe's paths are relative to the repo root
+    base = runs.split_overrides(ablate.PUBLIC)
     for name, overrides in ablate.select_variants(None, [], None).items():
         recipe = load_recipe("recipes/smollm2-135m-demo.yaml",
-                             [*base, *overrides, *rl.budget_overrides(None, 60.0, 5)])
+                             [*base, *overrides, *runs.budget_overrides(None, 60.0, 5)])
         assert recipe.train.time_budget_s == 60.0
         assert (recipe.drafter.init == "target") == (name in ("init", "combo"))
         assert (recipe.objective.num_anchors == 512) == (name == "dense")
@@ -415,10 +414,10 @@ def test_ngram_baseline_reads_stores_without_the_trainer():
     import subprocess
     import sys
 
-    code = ("import sys; sys.path.insert(0, 'scripts'); import ngram_baseline; "
-            "print(sorted(m for m in sys.modules if m in ('dflash_train.stages.train.trainer', 'accelerate', 'deepspeed', "
-            "'wandb', 'transformers')))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+    code = ("import sys; import ngram_baseline; "  # run from probes/: `python -c` imports from its working folder
+            "print(sorted(m for m in sys.modules if m in ('dflash_train.stages.train.trainer', 'accelerate', "
+            "'deepspeed', 'wandb', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent / "probes",
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
@@ -657,7 +656,7 @@ def test_suffix_decoding_in_the_demo_is_planned_as_an_engine_of_its_own_per_k(de
     vllm = {"tau": 1.5, "best_k": 2, "speedup": 0.98, "speedup_interval": [0.94, 1.04], "lossless_mismatches": 0,
             "timing": {}, "ngram": {"k": 4, "tau": 1.4, "speedup": 1.2, "speedup_interval": None},
             "suffix": {"k": 8, "tau": 1.7, "speedup": 1.35, "speedup_interval": None}}
-    summary = demo.demo_summary(args, None, rl.Log(), {"engines": {"vllm": vllm}}, 1.0, [])
+    summary = demo.demo_summary(args, None, runs.Log(), {"engines": {"vllm": vllm}}, 1.0, [])
     assert "- vllm, suffix decoding (no model): tau 1.70, K 8, speedup 1.35x: faster than the drafter here" in summary
     assert "- vllm, prompt lookup (no model): tau 1.40, K 4, speedup 1.20x: faster than the drafter, slower than " \
            "suffix decoding" in summary
@@ -689,13 +688,13 @@ def test_the_probe_names_max_prompt_tokens_when_no_training_prompt_fits(demo_pro
     vllm = {"tau": 1.29, "best_k": 2, "speedup": 0.98, "speedup_interval": [0.94, 1.04], "lossless_mismatches": 0,
             "timing": {}}
     lookup = {"k": 3, "tau": 1.46, "speedup": 1.171, "speedup_interval": [1.057, 1.311]}
-    summary = demo.demo_summary(args, None, rl.Log(), {"engines": {"vllm": {**vllm, "ngram": lookup}}}, 1.0, [])
+    summary = demo.demo_summary(args, None, runs.Log(), {"engines": {"vllm": {**vllm, "ngram": lookup}}}, 1.0, [])
     assert ("- vllm, prompt lookup (no model): tau 1.46, K 3, speedup 1.17x [1.06, 1.31]: faster than the drafter "
             "here, serve it instead (the eval report gives its --speculative-config)") in summary
     slower = {**lookup, "speedup": 0.9, "speedup_interval": None}
-    summary = demo.demo_summary(args, None, rl.Log(), {"engines": {"vllm": {**vllm, "ngram": slower}}}, 1.0, [])
+    summary = demo.demo_summary(args, None, runs.Log(), {"engines": {"vllm": {**vllm, "ngram": slower}}}, 1.0, [])
     assert "K 3, speedup 0.90x: the drafter is the faster" in summary
-    assert "prompt lookup" not in demo.demo_summary(args, None, rl.Log(), {"engines": {"vllm": vllm}}, 1.0, [])
+    assert "prompt lookup" not in demo.demo_summary(args, None, runs.Log(), {"engines": {"vllm": vllm}}, 1.0, [])
 
 
 def test_time_training_cannot_use_goes_to_capture(demo_prompts, tiny_target_dir):
@@ -753,9 +752,9 @@ FEW_EPOCHS = {**THIS_CPU, "capture_s_per_prompt": 4.0, "train_step_s": 3.0, "tra
 
 
 def test_the_plan_stores_the_states_or_trains_online_whichever_trains_on_more_data(demo_prompts, tiny_target_dir):
-    """The plan sizes both ways and takes bench_online's rule at the epochs it trains: this CPU trains many epochs
-    and stores the states; where a token-only engine capture is cheap and the epochs few it captures token-only
-    (more prompts in the same budget) and trains online. Either plan fits the budget."""
+    """The plan sizes both ways and takes dflash_train.measure's rule at the epochs it trains: this CPU trains many
+    epochs and stores the states; where a token-only engine capture is cheap and the epochs few it captures
+    token-only (more prompts in the same budget) and trains online. Either plan fits the budget."""
     import demo
 
     base = ["--target", str(tiny_target_dir), "--max-prompt-tokens", "60", "--store-topk", "0"]
@@ -839,13 +838,14 @@ def test_the_probe_refuses_a_budget_the_eval_alone_overruns_before_its_slower_me
     neither times training steps nor starts vLLM (8 minutes of probing on the AVX2 host before the old refusal)."""
     import time
 
-    import bench_train
     import demo
+
+    from dflash_train import measure
 
     def not_reached(*a, **kw):
         raise AssertionError("the probe went on to time training steps")
 
-    monkeypatch.setattr(bench_train, "step_fn", not_reached)
+    monkeypatch.setattr(measure, "step_fn", not_reached)
     args = demo.parse_args(["--target", str(tiny_target_dir), "--max-prompt-tokens", "60", "--max-new-tokens", "4",
                             "--batch-size", "2", "--capture-limit", "40", "--budget-min", "5"])
     with pytest.raises(UserError, match=r"^--budget-min 5: the budget leaves .* fits \(counting ~\d+ s of probe "
@@ -928,7 +928,7 @@ def test_demo_captures_and_trains_as_its_plan_file_says(tmp_path, monkeypatch, h
         if name == "train":
             raise StopIteration
 
-    monkeypatch.setattr(demo.rl, "run_stage", run_stage)
+    monkeypatch.setattr(demo.runs, "run_stage", run_stage)
     other = "online" if hidden_states == "stored" else "stored"
     with pytest.raises(StopIteration):
         demo.main(["--workdir", str(tmp_path), "--hidden-states", other])
@@ -938,39 +938,13 @@ def test_demo_captures_and_trains_as_its_plan_file_says(tmp_path, monkeypatch, h
         assert capture[capture.index("--storage") + 1] == "none"
     assert ("data.hidden_states=online" in commands["train"]) == (hidden_states == "online")
 
-# --- stored states or online training (scripts/bench_online.py) ----------------------------------------------------
-
-
-RATES = {"capture_states_tok_s": 100.0, "capture_tokens_tok_s": 200.0, "train_stored_tok_s": 800.0,
-         "train_online_tok_s": 400.0, "state_bytes_per_token": 5760.0}
-
-
-def test_break_even_epochs_weigh_the_capture_once_against_every_epoch():
-    import bench_online
-
-    # states cost 1/100 - 1/200 = 5 ms per token once; online costs 1/400 - 1/800 = 1.25 ms per token and epoch
-    assert bench_online.break_even_epochs(RATES) == pytest.approx(4.0)
-    assert bench_online.break_even_epochs({**RATES, "train_online_tok_s": 800.0}) == float("inf")
-    assert bench_online.break_even_epochs({**RATES, "capture_tokens_tok_s": 90.0}) == 0.0
-
-
-def test_choose_hidden_states_stores_from_the_break_even_on_unless_the_disk_is_too_small():
-    import bench_online
-
-    assert bench_online.choose_hidden_states(RATES, 6)[0] == "stored"
-    assert bench_online.choose_hidden_states(RATES, 4)[0] == "stored"  # a tie: nothing to gain by recomputing
-    choice, reason = bench_online.choose_hidden_states(RATES, 3)
-    assert choice == "online" and "break-even 4.00" in reason
-    assert bench_online.choose_hidden_states({**RATES, "train_online_tok_s": 900.0}, 100)[0] == "online"
-    fits = bench_online.choose_hidden_states(RATES, 6, tokens=10**6, disk_free_bytes=10 * 2**30)
-    assert fits[0] == "stored"  # 5.4 GiB of states, 10 GiB free
-    choice, reason = bench_online.choose_hidden_states(RATES, 6, tokens=10**6, disk_free_bytes=6 * 2**30)
-    assert choice == "online" and "5.4 GiB" in reason and "80% of the 6.0 GiB free" in reason
+# --- stored states or online training (benchmarks/bench_online.py) -------------------------------------------------
 
 
 def test_probe_measures_both_captures_and_both_training_steps(tiny_target):
     import bench_online
 
+    from dflash_train.measure import choose_hidden_states
     from dflash_train.stages.train.recipe import Recipe
 
     recipe = Recipe()
@@ -982,7 +956,7 @@ def test_probe_measures_both_captures_and_both_training_steps(tiny_target):
     for key in ("capture_states_tok_s", "capture_tokens_tok_s", "train_stored_tok_s", "train_online_tok_s"):
         assert 0 < rates[key] < float("inf"), key
     assert rates["state_bytes_per_token"] == 3 * 64 * 2 and rates["token_bytes_per_token"] == 5
-    assert bench_online.choose_hidden_states(rates, 1)[0] in ("stored", "online")
+    assert choose_hidden_states(rates, 1)[0] in ("stored", "online")
 
 
 @pytest.mark.parametrize("bad,named", [
