@@ -2,7 +2,7 @@
 
     python benchmarks/bench_dtype.py [--prompts data/prompts/sharegpt]
 
-Each cell runs `make demo`'s probe (scripts/demo.py: the one-pass capture of a batch of training prompts as the
+Each cell runs `make demo`'s probe (scripts/demo_probe.py: the one-pass capture of a batch of training prompts as the
 capture stage runs it, a training step of the demo recipe's shape, plain decoding at batch 1) in a fresh process, with
 the compute dtype forced, natively and with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` (PyTorch and oneDNN
 then dispatch the AVX2 kernels an AVX2-only CPU has: bf16 is emulated there). The cells run in alternating order,
@@ -24,9 +24,10 @@ EMULATION = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 # Run from scripts/ (`python -c` looks for modules in its working folder first), as `make demo` runs the probe
 CELL = """
 import json
-import demo
+from pathlib import Path
+import demo, demo_probe
 args = demo.parse_args([])
-rates = demo.probe(args, demo.Path({prompts!r}), {dtype!r})
+rates = demo_probe.probe(args, Path({prompts!r}), {dtype!r})
 from dflash_train.device import resolve_precision
 rates["auto"] = resolve_precision("auto", "cpu").describe()
 print("RESULT " + json.dumps(rates))
