@@ -77,7 +77,7 @@ experiment-own-outputs:
 	$(PYTHON) scripts/experiment_own_outputs.py $(EXPERIMENT_ARGS)
 
 ablate:
-	$(PYTHON) scripts/ablate_sample_efficiency.py $(ABLATE_ARGS)
+	$(PYTHON) probes/ablate_sample_efficiency.py $(ABLATE_ARGS)
 
 ingest:
 	$(PYTHON) -m dflash_train ingest --out $(PROMPTS)

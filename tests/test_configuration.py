@@ -1,5 +1,5 @@
-"""A drafter's config (dflash_train/model/configuration.py): config.json both ways, the mask-token rule, and a new
-drafter's config from its target's."""
+"""A drafter's config (dflash_train/model/configuration.py): config.json both ways, the mask-token rule, the default
+taps, and a new drafter's config from its target's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_train.errors import UserError
-from dflash_train.model.configuration import DFlashConfig, resolve_mask_token_id
+from dflash_train.model.configuration import DFlashConfig, default_layer_ids, resolve_mask_token_id
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +76,27 @@ def test_mask_token_without_reserved_row_or_unused_special_token_is_an_error(tin
 
     with pytest.raises(UserError, match="set mask_token_id in the recipe"):
         resolve_mask_token_id(Full(), len(tok))
+
+
+def test_default_layer_rule():
+    assert default_layer_ids(36) == [1, 9, 17, 25, 33]  # Qwen3-8B, the rule's worked example
+    assert default_layer_ids(30) == [1, 8, 14, 20, 27]  # SmolLM2-135M
+    assert default_layer_ids(8) == [1, 2, 3, 4, 5]
+    with pytest.raises(UserError, match="distinct"):
+        default_layer_ids(6, n=5)
+
+
+def test_one_tapped_layer_defaults_to_the_middle_layer_as_the_reference_does():
+    """z-lab/dflash's build_target_layer_ids taps layer L // 2 when the drafter reads one layer (its default
+    when config.json has no target_layer_ids); a second rule ([1]) had drifted in. The shipped module and
+    dflash_train.model.configuration give the same taps for every L and n."""
+    from dflash_train.model.modeling_dflash import build_target_layer_ids
+
+    assert default_layer_ids(30, n=1) == [15] and default_layer_ids(36, n=1) == [18]
+    assert default_layer_ids(8, n=1) == [4] and default_layer_ids(7, n=1) == [3]
+    for L in (8, 28, 30, 36, 48):
+        for n in (1, 2, 3, 5):
+            assert default_layer_ids(L, n) == build_target_layer_ids(L, n)
 
 
 def test_from_target_validates_layers(tiny_parts):

@@ -114,7 +114,7 @@ def test_incremental_cache_equals_full_recompute(tiny_parts):
     never cached. Every step must equal a full recompute over the whole committed context."""
     from transformers import DynamicCache
 
-    from dflash_train.target import crop_cache
+    from dflash_train.model.modeling_dflash import crop_cache
 
     drafter, _ = make_drafter(tiny_parts, num_layers=3)
     H, n = drafter.config.hidden_size, len(drafter.target_layer_ids)

@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hub_server import LoopbackHub
 from tiny import reference_drafter
 
 from dflash_train.errors import UserError
+from dflash_train.hub_server import LoopbackHub
 from dflash_train.model.published import fetch_drafter, read_drafter
 
 LAYERS = [1, 3, 5]

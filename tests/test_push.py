@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hub_server import LoopbackHub
-
 from dflash_train.stages.push.card import safe_summary_rows, serve_commands
 from dflash_train.cli import main
+from dflash_train.hub_server import LoopbackHub
 from dflash_train.model.checkpoint import drafter_identity
 
 TOKEN = "hf_LoopbackToken0123456789abcdefXYZ"

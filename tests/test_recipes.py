@@ -37,15 +37,13 @@ def test_every_recipe_loads_and_starts_with_its_command(path):
 
 def test_the_demo_recipe_uses_the_combination_the_ablation_chose():
     """recipes/smollm2-135m-demo.yaml = the public settings plus exactly the ablation's chosen levers."""
-    import sys
-
-    sys.path.insert(0, str(REPO / "scripts"))
     import ablate_sample_efficiency as ablate
-    import runlib as rl
+
+    from dflash_train import runs
 
     demo = load_recipe(REPO / "recipes" / "smollm2-135m-demo.yaml")
     rebuilt = load_recipe(REPO / "recipes" / "smollm2-135m-demo.yaml",
-                          [*rl.split_overrides(ablate.PUBLIC), *rl.split_overrides(ablate.CHOSEN)])
+                          [*runs.split_overrides(ablate.PUBLIC), *runs.split_overrides(ablate.CHOSEN)])
     assert demo.to_dict() == rebuilt.to_dict()
     assert demo.drafter.init == "target" and demo.objective.context_warmup_ratio > 0
     assert demo.decay_gamma == 3.0 and (demo.train.micro_batch_size, demo.objective.num_anchors) == (2, 32)

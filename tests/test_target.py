@@ -4,29 +4,8 @@ import pytest
 import torch
 
 from dflash_train.errors import UserError
-from dflash_train.target import (TargetIdentity, check_layer_ids, default_layer_ids, load_embedding_and_head,
-                                 resolve_target, target_identity)
-
-
-def test_default_layer_rule():
-    assert default_layer_ids(36) == [1, 9, 17, 25, 33]  # Qwen3-8B, the rule's worked example
-    assert default_layer_ids(30) == [1, 8, 14, 20, 27]  # SmolLM2-135M
-    assert default_layer_ids(8) == [1, 2, 3, 4, 5]
-    with pytest.raises(UserError, match="distinct"):
-        default_layer_ids(6, n=5)
-
-
-def test_one_tapped_layer_defaults_to_the_middle_layer_as_the_reference_does():
-    """z-lab/dflash's build_target_layer_ids taps layer L // 2 when the drafter reads one layer (its default
-    when config.json has no target_layer_ids); a second rule ([1]) had drifted in. The shipped module and
-    dflash_train.target give the same taps for every L and n."""
-    from dflash_train.model.modeling_dflash import build_target_layer_ids
-
-    assert default_layer_ids(30, n=1) == [15] and default_layer_ids(36, n=1) == [18]
-    assert default_layer_ids(8, n=1) == [4] and default_layer_ids(7, n=1) == [3]
-    for L in (8, 28, 30, 36, 48):
-        for n in (1, 2, 3, 5):
-            assert default_layer_ids(L, n) == build_target_layer_ids(L, n)
+from dflash_train.target import (TargetIdentity, check_layer_ids, load_embedding_and_head, resolve_target,
+                                 target_identity)
 
 
 def test_tappable_layers_are_those_whose_hidden_state_is_the_layers_own_output(tiny_target):

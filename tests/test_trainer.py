@@ -491,10 +491,10 @@ def test_warm_starts_from_a_hub_repo_id_and_a_speculators_folder_train_on(chain_
     reference code, and the same drafter in speculators' layout, each continue training under `accelerate launch`;
     the exported drafter records where it started (repo, revision, layout, weights sha256), and its first loss
     is the source drafter's."""
-    from hub_server import LoopbackHub
     from test_published import UPLOAD, hub_env
     from tiny import reference_drafter
 
+    from dflash_train.hub_server import LoopbackHub
     from dflash_train.model.published import fetch_drafter, read_drafter
 
     zlab = reference_drafter(tmp_path / "zlab", tiny_parts[0], LAYERS, 1000, dtype=torch.bfloat16)

@@ -1,5 +1,5 @@
 """Drafter folders: create a drafter, save it in the public DFlash format, load it, read one for push, and start
-one from its target's layers or from another drafter.
+one from its target's layers or from another drafter's weights (published.py finds and checks that drafter).
 
 A saved folder holds config.json (configuration.DFlashConfig.to_config_json), model.safetensors (Qwen3 tensor
 names, configuration.expected_tensor_names) and dflash.py, which is modeling_dflash.py byte for byte: the remote
@@ -23,10 +23,10 @@ import torch
 from dflash_train.errors import UserError
 from dflash_train.model.configuration import LAYER_TENSORS, DFlashConfig, expected_tensor_shapes
 from dflash_train.provenance import INCOMPLETE_MARKER, PROVENANCE_FILE, read_json, sha256_file, write_json_atomic
+from dflash_train.target import TargetTensors
 
 if TYPE_CHECKING:  # the module loads transformers; reading a folder for push must not
     from dflash_train.model.modeling_dflash import DFlashDraftModel
-    from dflash_train.target import Features
 
 REMOTE_MODULE = Path(__file__).resolve().parent / "modeling_dflash.py"  # shipped as dflash.py (config.json's auto_map)
 
@@ -321,8 +321,6 @@ def load_decoder_layers(name_or_path: str, layer_ids: list[int],
     """The weights of the target's decoder layers `layer_ids` (keys relative to the layer, e.g.
     self_attn.q_proj.weight; q_norm/k_norm only where the target has them) and its final norm, read straight from
     its safetensors files."""
-    from dflash_train.target import TargetTensors
-
     tensors = TargetTensors(name_or_path)
     layers = []
     for i in layer_ids:
@@ -368,39 +366,6 @@ def init_from_target(model: DFlashDraftModel, layers: list[dict[str, torch.Tenso
         model.fc.weight.zero_()
         model.fc.weight[:, deepest * H:(deepest + 1) * H] = torch.diag(scale.to(model.fc.weight.device))
     return set_names + ["norm.weight", "hidden_norm.weight", "fc.weight"]
-
-
-def drafter_to_start_from(init_from: str, revision: str | None, wanted: dict[str, Any], block_size: int,
-                          reads: "Features", target_name: str, target_config, tokenizer, stop_ids: list[int]):
-    """The published drafter a run fine-tunes (`drafter.init_from`, a folder or Hub repo id in any public layout:
-    model/published.py), checked against what the run trains for, every mismatch named in one line: the target
-    (its identity where the drafter records one, hidden size, layer count, vocabulary, a usable mask token), the
-    store's tapped layers (`reads`), and the recipe's explicit drafter keys (`wanted`: num_layers, mask_token_id,
-    target_layer_ids; None = the starting drafter's). The block size is the recipe's: the weights do not depend on
-    it. Returns the PublishedDrafter with its config made this run's."""
-    from dflash_train.model.published import describe, fetch_drafter, read_drafter
-    from dflash_train.target import check_fits
-
-    start = read_drafter(fetch_drafter(init_from, revision))
-    config = start.config
-    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    L = text.num_hidden_layers
-    if config.num_target_layers is None:
-        config.num_target_layers = L
-    problems = [f"recipe drafter.{key} is {value}, the drafter's is {getattr(config, attr)}"
-                for key, attr, value in (("num_layers", "num_hidden_layers", wanted.get("num_layers")),
-                                         ("mask_token_id", "mask_token_id", wanted.get("mask_token_id")),
-                                         ("target_layer_ids", "target_layer_ids", wanted.get("target_layer_ids")))
-                if value is not None and value != getattr(config, attr)]
-    forbidden = {int(i) for i in [*stop_ids, tokenizer.pad_token_id, tokenizer.eos_token_id] if i is not None}
-    problems += config.target_problems(L, text.vocab_size, forbidden)
-    check_fits(f"drafter.init_from {describe(start.source.record())}", config.features(),
-               f"target {target_name} as the store captured it", reads, problems)
-    config.block_size = block_size
-    config.target = reads.target.to_dict() if reads.target is not None else config.target
-    if config.mask_token is None and config.mask_token_id < len(tokenizer):
-        config.mask_token = tokenizer.convert_ids_to_tokens(config.mask_token_id)
-    return start
 
 
 def load_start(model: DFlashDraftModel, state: dict[str, torch.Tensor]) -> None:

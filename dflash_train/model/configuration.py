@@ -1,5 +1,5 @@
-"""A drafter's config.json, typed: both directions, the tensor names it implies, the mask-token rule, and the
-construction of a new drafter's config from its target's.
+"""A drafter's config.json, typed: both directions, the tensor names it implies, the mask-token rule, the
+reference's default taps, and the construction of a new drafter's config from its target's.
 
 config.json is the public DFlash checkpoint format, as the reference drafters write it (SGLang and vLLM read it;
 vLLM does not run our remote code) plus a `dflash_train` section: the format version, the identity of the target
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from dflash_train.errors import UserError
+from dflash_train.target import Features, TargetIdentity, check_layer_ids, layer_ids_problem
 
 ARCHITECTURE = "DFlashDraftModel"
 FORMAT_VERSION = 1
@@ -136,8 +137,6 @@ class DFlashConfig:
 
     def features(self):
         """What the drafter reads (dflash_train.target.Features): for check_fits against a store or a target."""
-        from dflash_train.target import Features, TargetIdentity
-
         return Features(TargetIdentity.from_dict(self.target), tuple(self.target_layer_ids), self.hidden_size)
 
     def target_problems(self, num_layers: int, embedding_rows: int, forbidden_mask_ids: set[int]) -> list[str]:
@@ -145,8 +144,6 @@ class DFlashConfig:
         `embedding_rows` rows whose stop and pad ids are `forbidden_mask_ids`, one phrase per mismatch (empty: it
         fits). Its taps (the one layer rule), the layer count it was made for, its vocabulary and its mask token;
         target identity, tapped layers and hidden size are `check_fits`'s."""
-        from dflash_train.target import layer_ids_problem
-
         problems = []
         if problem := layer_ids_problem(list(self.target_layer_ids), num_layers):
             problems.append(problem)
@@ -256,8 +253,6 @@ class DFlashConfig:
                     tokenizer=None, target_identity: dict[str, Any] | None = None) -> "DFlashConfig":
         """A new drafter's config for a target (its transformers config): hidden size, heads, head_dim, MLP width,
         rope settings and norm eps are the target's; the tapped layers default to the reference's rule."""
-        from dflash_train.target import check_layer_ids, default_layer_ids
-
         cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
             raise UserError(f"target hidden_act {cfg.hidden_act!r}: the DFlash drafter uses SwiGLU (silu) only")
@@ -287,6 +282,22 @@ class DFlashConfig:
             target_layer_ids=ids, mask_token_id=int(mask_token_id), block_size=block_size, mask_token=mask_token,
             bos_token_id=getattr(cfg, "bos_token_id", None), eos_token_id=getattr(cfg, "eos_token_id", None),
             pad_token_id=getattr(cfg, "pad_token_id", None), target=target_identity)
+
+
+def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
+    """The reference's default taps (`build_target_layer_ids`): one layer at L // 2, else n layers evenly spaced
+    from layer 1 to L-3, round(1 + i*(L-4)/(n-1)) (Qwen3-8B: 1,9,17,25,33). A new drafter's taps, and capture's when
+    it is given none; every tap list is then checked by the target's rule (dflash_train.target.check_layer_ids)."""
+    if n < 1:
+        raise UserError(f"number of tapped layers must be >= 1, got {n}")
+    if num_layers < 4:
+        raise UserError(f"a target with {num_layers} layers is too shallow for the default layer rule (needs >= 4)")
+    from dflash_train.model.modeling_dflash import build_target_layer_ids  # here: the model module loads transformers
+
+    ids = build_target_layer_ids(num_layers, n)
+    if len(set(ids)) != n:
+        raise UserError(f"cannot pick {n} distinct layers from a {num_layers}-layer target; pass --layers")
+    return ids
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ Tensors that are the target's (embedding, LM head, the verifier's norm and head 
 drafter's: they are set aside, and the target's own are used. A drafter whose math this project's model does not
 have (sliding-window layers, an output multiplier or soft cap, a reduced draft vocabulary, DFlash2's convolutions)
 is refused with one line naming what it has. `DrafterSource` records where the weights came from (repo, revision,
-layout, sha256 of each weight file) for provenance and the model card.
+layout, sha256 of each weight file) for provenance and the model card. `drafter_to_start_from` checks one against
+the run that fine-tunes it (the target, the store's tapped layers, the recipe's drafter keys).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 from dflash_train.errors import UserError, in_brief
 from dflash_train.model.checkpoint import check_weights_fit_config, folder_file, read_weights, weight_files
 from dflash_train.model.configuration import ARCHITECTURE, DFlashConfig, expected_tensor_shapes
+from dflash_train.target import Features, check_fits
 
 LAYOUTS = ("dflash-train", "z-lab", "SpecForge", "speculators")
 # The target's tensors that some layouts store beside the drafter's: the embedding and LM head the drafter borrows,
@@ -191,3 +193,33 @@ def describe(source: dict[str, Any]) -> str:
     if source.get("revision"):
         text += f" at revision {str(source['revision'])[:12]}"
     return text
+
+
+def drafter_to_start_from(init_from: str, revision: str | None, wanted: dict[str, Any], block_size: int,
+                          reads: Features, target_name: str, target_config, tokenizer, stop_ids: list[int]):
+    """The published drafter a run fine-tunes (`drafter.init_from`, a folder or Hub repo id in any public layout:
+    this module), checked against what the run trains for, every mismatch named in one line: the target
+    (its identity where the drafter records one, hidden size, layer count, vocabulary, a usable mask token), the
+    store's tapped layers (`reads`), and the recipe's explicit drafter keys (`wanted`: num_layers, mask_token_id,
+    target_layer_ids; None = the starting drafter's). The block size is the recipe's: the weights do not depend on
+    it. Returns the PublishedDrafter with its config made this run's."""
+    start = read_drafter(fetch_drafter(init_from, revision))
+    config = start.config
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    L = text.num_hidden_layers
+    if config.num_target_layers is None:
+        config.num_target_layers = L
+    problems = [f"recipe drafter.{key} is {value}, the drafter's is {getattr(config, attr)}"
+                for key, attr, value in (("num_layers", "num_hidden_layers", wanted.get("num_layers")),
+                                         ("mask_token_id", "mask_token_id", wanted.get("mask_token_id")),
+                                         ("target_layer_ids", "target_layer_ids", wanted.get("target_layer_ids")))
+                if value is not None and value != getattr(config, attr)]
+    forbidden = {int(i) for i in [*stop_ids, tokenizer.pad_token_id, tokenizer.eos_token_id] if i is not None}
+    problems += config.target_problems(L, text.vocab_size, forbidden)
+    check_fits(f"drafter.init_from {describe(start.source.record())}", config.features(),
+               f"target {target_name} as the store captured it", reads, problems)
+    config.block_size = block_size
+    config.target = reads.target.to_dict() if reads.target is not None else config.target
+    if config.mask_token is None and config.mask_token_id < len(tokenizer):
+        config.mask_token = tokenizer.convert_ids_to_tokens(config.mask_token_id)
+    return start

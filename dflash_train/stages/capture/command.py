@@ -46,6 +46,7 @@ from dflash_train import constraints as request_constraints
 from dflash_train import sampling
 from dflash_train.device import default_device, resolve_precision
 from dflash_train.errors import UserError, decided_by_rank0
+from dflash_train.model.configuration import default_layer_ids
 from dflash_train.options import add_options, from_args, validate
 from dflash_train.prompts import PromptRecord, load_prompt_records, prompt_set
 from dflash_train.sampling import Sampling
@@ -55,7 +56,7 @@ from dflash_train.stages.capture.responses import (answer_note, engine_responses
 from dflash_train.states import Captured, generate_and_capture, prefill_capture
 from dflash_train.store.format import NO_STATES
 from dflash_train.store.writer import StoreWriter, finalize_store
-from dflash_train.target import Target, check_layer_ids, default_layer_ids, load_target
+from dflash_train.target import Target, check_layer_ids, load_target
 
 
 def resolve_layer_ids(num_target_layers: int, layers: list[int] | None, num_taps: int) -> list[int]:

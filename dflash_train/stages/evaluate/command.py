@@ -42,7 +42,8 @@ from dflash_train.provenance import OutputClaim, complete_output, read_json, sta
 from dflash_train.spec_decode import DFlashProposer
 from dflash_train.stages.evaluate.config import EvalConfig
 from dflash_train.stages.evaluate.metrics import offline_estimate
-from dflash_train.stages.evaluate.own_loop import by_role, load_methods, own_engine_summary, own_loop_eval
+from dflash_train.report_tables import by_role
+from dflash_train.stages.evaluate.own_loop import load_methods, own_engine_summary, own_loop_eval
 from dflash_train.stages.evaluate.report import markdown, write_report
 from dflash_train.stages.evaluate.vllm_sweep import engine_eval, tau_by_k_of
 from dflash_train.target import Features, Target, check_fits, load_target

@@ -19,6 +19,7 @@ from dflash_train.spec_decode import (DFlashProposer, Generation, NoDraft, Token
 from dflash_train.stages.evaluate.config import EvalConfig
 from dflash_train.stages.evaluate.metrics import acceptance_stats, bootstrap_interval, mean_of, ratio_of_sums
 from dflash_train.target import Target, check_fits, load_target, prompt_seed
+from dflash_train.report_tables import by_role
 
 PLAIN = "plain (target only)"
 NO_SPECULATION = "block size 1"
@@ -36,11 +37,6 @@ class Method:
 
 
 ROLES = ("plain", "drafter", "baseline", "no_speculation")
-
-
-def by_role(rows: list, role: str) -> list:
-    """The rows (Methods, or report["methods"] dicts) of one role, in table order."""
-    return [r for r in rows if (r.role if isinstance(r, Method) else r.get("role")) == role]
 
 
 def check_drafter_fits(config, target: Target, where: str, block_size: int | None = None) -> None:

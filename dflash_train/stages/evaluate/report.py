@@ -9,7 +9,8 @@ from typing import Any
 
 from dflash_train.provenance import write_json_atomic
 from dflash_train.report_tables import constraints_markdown, serving_tables, with_interval
-from dflash_train.stages.evaluate.own_loop import by_role, drafter_label
+from dflash_train.report_tables import by_role
+from dflash_train.stages.evaluate.own_loop import drafter_label
 
 
 def _fmt(x: Any, digits: int = 2) -> str:

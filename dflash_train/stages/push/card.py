@@ -18,7 +18,6 @@ rendered as in the eval's report.md.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,22 +114,6 @@ def without_text(obj: Any) -> Any:
 
 # An absolute local path: "/" or "~/" at the start of a token (not inside a URL, a relative path, a word such as
 # tokens/s or an HTML closing tag such as </details>), up to the next space, quote, bracket or separator.
-LOCAL_PATH = re.compile(r"(?<![\w:/.~<-])~?/[^\s`'\"|,;()\[\]{}<>*]+")
-
-
-def without_local_paths(obj: Any) -> Any:
-    """`obj` (a string, or JSON-like data at any depth) with every absolute local path replaced by its last
-    component: nothing uploaded names a folder of the machine it was made on (stores, logs, home folders)."""
-    if isinstance(obj, str):
-        return LOCAL_PATH.sub(lambda m: next((p for p in reversed(m.group(0).split("/")) if p not in ("", "~")), "."),
-                              obj)
-    if isinstance(obj, dict):
-        return {k: without_local_paths(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [without_local_paths(v) for v in obj]
-    return obj
-
-
 def _is_safe_scalar(value: Any) -> bool:
     if value is None or isinstance(value, (bool, int, float)):
         return True

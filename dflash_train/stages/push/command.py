@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash_train.stages.push.card import (DEFAULT_LICENSE, CardInputs, Gate, lossless_mismatches, render_card,
-                               without_local_paths, without_text)
+                                           without_text)
+from dflash_train.provenance import without_local_paths
 from dflash_train.errors import UserError, writing
 from dflash_train.model.checkpoint import DrafterFolder, drafter_identity, read_drafter_folder, weight_files
 from dflash_train.options import add_options, at_least, from_args, option

@@ -31,8 +31,8 @@ def build_drafter(recipe: Recipe, stores: StoreSet, target_name: str, train_indi
     measures are computed."""
     from transformers import AutoConfig
 
-    from dflash_train.model.checkpoint import (create_drafter, drafter_to_start_from, init_from_target, load_start,
-                                               load_decoder_layers)
+    from dflash_train.model.checkpoint import create_drafter, init_from_target, load_decoder_layers, load_start
+    from dflash_train.model.published import drafter_to_start_from
     from dflash_train.model.configuration import DFlashConfig
     from dflash_train.target import checkpoint_stop_token_ids, load_tokenizer, resolve_target
 

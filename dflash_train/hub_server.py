@@ -1,13 +1,14 @@
-"""A loopback Hugging Face Hub for tests: the subset of the Hub's HTTP API that `huggingface_hub` uses to create
-a repo, upload a folder in one commit (preupload, LFS batch + PUT + verify, ndjson commit) and download it back
-(repo info, tree, paths-info, resolve). Standard library only; state lives in memory.
+"""A loopback Hugging Face Hub for the tests and the warm-start experiment (scripts/experiment_warm_start.py
+publishes the general drafter to it): the subset of the Hub's HTTP API that `huggingface_hub` uses to create a repo,
+upload a folder in one commit (preupload, LFS batch + PUT + verify, ndjson commit) and download it back (repo info,
+tree, paths-info, resolve). Standard library only; state lives in memory.
 
     with LoopbackHub(tokens={"hf_secret"}) as hub:
         env = {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": "hf_secret"}
         ...  # run huggingface_hub in a subprocess with `env`
         hub.fail("POST", r"/commit/", status=500, times=2)  # inject transient errors
 
-Run `python tests/hub_server.py --token hf_x` to serve one by hand (HF_ENDPOINT=the printed url).
+Run `python -m dflash_train.hub_server --token hf_x` to serve one by hand (HF_ENDPOINT=the printed url).
 
 Modelled on the huggingface_hub client source (hf_api.create_repo / create_commit / _commit_api / lfs /
 file_download): a file is uploaded as LFS when it matches a .gitattributes LFS pattern (as `*.safetensors` does

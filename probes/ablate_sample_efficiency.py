@@ -1,6 +1,6 @@
 """`make ablate`: which training levers make the drafter learn faster, on the same data and the same wall clock.
 
-    python scripts/ablate_sample_efficiency.py [--time-budget 240] [--variant NAME:k=v,k=v ...] [--only a,b] [--quick]
+    python probes/ablate_sample_efficiency.py [--time-budget 240] [--variant NAME:k=v,k=v ...] [--only a,b] [--quick]
 
 Every variant is a list of recipe overrides applied to the same base recipe, after the public DFlash settings
 (--base), and trains on the same store for the same wall-clock budget (train.time_budget_s), with a simulated-tau
@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import runlib as rl
+from dflash_train import runs
+from dflash_train.errors import UserError
+from dflash_train.provenance import is_complete
 
 PUBLIC = ("drafter.init=random,drafter.context_norm=false,objective.num_anchors=64,optimizer.schedule=cosine,"
           "optimizer.lr=6e-4,objective.soft_label_weight=0,objective.context_warmup_ratio=0,"
@@ -47,8 +49,8 @@ CHOSEN = ",".join(LEVERS[name] for name in ("init", "optim", "warmup", "focus", 
 
 def default_variants(combo: str | None) -> dict[str, list[str]]:
     variants = {"baseline": []}
-    variants.update({name: rl.split_overrides(text) for name, text in LEVERS.items()})
-    variants["combo"] = rl.split_overrides(combo if combo is not None else CHOSEN, "--combo")
+    variants.update({name: runs.split_overrides(text) for name, text in LEVERS.items()})
+    variants["combo"] = runs.split_overrides(combo if combo is not None else CHOSEN, "--combo")
     return variants
 
 
@@ -56,23 +58,23 @@ def select_variants(combo: str | None, extra: list[str], only: str | None) -> di
     """The default variants, with --variant entries added or replacing, then --only applied (its order kept)."""
     variants = default_variants(combo)
     for text in extra:
-        name, overrides = rl.parse_variant(text)
+        name, overrides = runs.parse_variant(text)
         variants[name] = overrides
     if only:
         names = [n.strip() for n in only.split(",") if n.strip()]
         unknown = [n for n in names if n not in variants]
         if unknown:
-            raise rl.UserError(f"--only names unknown variant(s) {', '.join(unknown)} "
-                               f"(known: {', '.join(variants)})")
+            raise UserError(f"--only names unknown variant(s) {', '.join(unknown)} "
+                            f"(known: {', '.join(variants)})")
         variants = {n: variants[n] for n in names}
     if not variants:
-        raise rl.UserError("no variants selected")
+        raise UserError("no variants selected")
     return variants
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    rl.add_common_arguments(p, "ablate", OUT)
+    runs.add_common_arguments(p, "ablate", OUT)
     p.add_argument("--store", default=None, help="an existing training store (default: capture one)")
     p.add_argument("--store-topk", type=int, default=8, help="capture --store-topk K (soft labels); 0 = off")
     p.add_argument("--time-budget", type=float, default=None, help="training seconds per variant (default 240)")
@@ -84,40 +86,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--combo", default=None,
                    help="the combo variant's overrides, k=v,k=v (default: init + optim + warmup + focus + batch)")
     p.add_argument("--only", default=None, help="run only these variants, comma-separated, in this order")
-    return rl.fill_defaults(p.parse_args(argv), FULL, QUICK, "ablate", OUT)
+    return runs.fill_defaults(p.parse_args(argv), FULL, QUICK, "ablate", OUT)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     variants = select_variants(args.combo, args.variant, args.only)
-    base = rl.split_overrides(args.base, "--base")
+    base = runs.split_overrides(args.base, "--base")
     work = Path(args.workdir).resolve()
     prompts = work / args.prompts
     stores = work / "data" / "store"
-    runs = work / "runs" / args.name
-    log = rl.Log()
+    run_root = work / "runs" / args.name
+    log = runs.Log()
 
-    rl.ensure_prompts(prompts, log)
+    runs.ensure_prompts(prompts, log)
     if args.store:
         store = Path(args.store).resolve()
-        if not rl.is_complete(store):
-            raise rl.UserError(f"--store {store} is not a complete capture store")
+        if not is_complete(store):
+            raise UserError(f"--store {store} is not a complete capture store")
     else:
         store = stores / f"{args.name}-train"
         topk = ["--store-topk", str(args.store_topk)] if args.store_topk > 0 else []
-        rl.run_stage("capture (training prompts)", store, rl.capture_command(
+        runs.run_stage("capture (training prompts)", store, runs.capture_command(
             prompts, store, "train", args.limit, args.max_prompt_tokens, args.max_new_tokens, topk), log)
     heldout = stores / f"{args.name}-heldout"
-    rl.run_stage("capture (held-out prompts)", heldout, rl.capture_command(
+    runs.run_stage("capture (held-out prompts)", heldout, runs.capture_command(
         prompts, heldout, "eval", args.eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens), log)
 
     common = [f"data.stores=[{store}]", f"data.eval_store={heldout}", *base,
-              *rl.budget_overrides(args.max_steps, args.time_budget, args.eval_every)]
-    plan = {name: (runs / name, overrides) for name, overrides in variants.items()}
-    rl.train_runs(args.recipe, plan, common, log)
+              *runs.budget_overrides(args.max_steps, args.time_budget, args.eval_every)]
+    plan = {name: (run_root / name, overrides) for name, overrides in variants.items()}
+    runs.train_runs(args.recipe, plan, common, log)
 
-    report_dir = runs / "eval"
-    rl.run_stage("eval (online, all variants)", report_dir, rl.eval_command(
+    report_dir = run_root / "eval"
+    runs.run_stage("eval (online, all variants)", report_dir, runs.eval_command(
         [run_dir / "drafter" for run_dir, _ in plan.values()], prompts, args.eval_limit, args.max_prompt_tokens,
         args.eval_max_new_tokens, heldout, report_dir), log)
     write_report(args, Path(args.out).resolve(), plan, base, report_dir, log)
@@ -125,29 +127,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_report(args: argparse.Namespace, out: Path, plan: dict[str, tuple[Path, list[str]]], base: list[str],
-                 report_dir: Path, log: rl.Log) -> None:
-    report = rl.read_report(report_dir)
-    rows = rl.run_rows(plan, report)
+                 report_dir: Path, log: runs.Log) -> None:
+    report = runs.read_report(report_dir)
+    rows = runs.run_rows(plan, report)
     table = [[name, ", ".join(r["overrides"]) or "(base)", r["steps"], round(r["train_s"]), r["final_sim_tau"],
               r["online_tau"], r["acceptance_first"], r["tokens_per_s"], r["tokens_per_s_ratio"],
               r["lossless_mismatches"]]
              for name, r in rows.items()]
-    curves = {name: rl.eval_curve(run_dir / "metrics.jsonl", rl.TRAIN_TIME) for name, (run_dir, _) in plan.items()}
-    png = rl.plot_curves(curves, "training time (s, evals excluded)", "simulated tau (held-out store)",
-                         f"Sample efficiency: {args.time_budget:.0f} s per variant", out / "sim_tau_vs_time.png")
+    curves = {name: runs.eval_curve(run_dir / "metrics.jsonl", runs.TRAIN_TIME) for name, (run_dir, _) in plan.items()}
+    png = runs.plot_curves(curves, "training time (s, evals excluded)", "simulated tau (held-out store)",
+                           f"Sample efficiency: {args.time_budget:.0f} s per variant", out / "sim_tau_vs_time.png")
     md = "\n\n".join([
-        rl.header("Ablation: sample efficiency on a fixed wall-clock budget", "ablate_sample_efficiency.py"),
+        runs.header("Ablation: sample efficiency on a fixed wall-clock budget", "probes/ablate_sample_efficiency.py"),
         f"Base recipe {args.recipe} with `{', '.join(base) or '(nothing)'}`, then each variant's overrides. Budget: "
         f"{args.time_budget:.0f} s of training per variant (train.time_budget_s), simulated tau every "
         f"{args.eval_every} steps on the same held-out store. "
-        + rl.eval_description(report, args.eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens),
-        rl.markdown_table(["variant", "overrides", "steps in budget", "training s", "final simulated tau", "online tau",
-                           "acceptance pos 1/2/3", "tokens/s", "tokens/s vs plain", "lossless mismatches"], table),
+        + runs.eval_description(report, args.eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens),
+        runs.markdown_table(["variant", "overrides", "steps in budget", "training s", "final simulated tau",
+                             "online tau", "acceptance pos 1/2/3", "tokens/s", "tokens/s vs plain",
+                             "lossless mismatches"], table),
         "![simulated tau vs time](sim_tau_vs_time.png)",
-        rl.commands_section(log)]) + "\n"
-    rl.write_results(out, md, {"base": base, "variants": rows, "curves": curves, "eval_report": str(report_dir)},
-                     [png], log, work=Path(args.workdir))
+        runs.commands_section(log)]) + "\n"
+    runs.write_results(out, md, {"base": base, "variants": rows, "curves": curves, "eval_report": str(report_dir)},
+                       [png], log, work=Path(args.workdir))
 
 
 if __name__ == "__main__":
-    rl.script_main(main)
+    runs.script_main(main)

@@ -1,7 +1,7 @@
 """Serving benchmark: the speculation length K and the concurrency, in vLLM and in the project's loop, every speedup
 beside a stopwatch.
 
-    python scripts/bench_serving.py DRAFTER [--prompts data/prompts/sharegpt] [--limit 40] [--max-prompt-tokens 384]
+    python benchmarks/bench_serving.py DRAFTER [--prompts data/prompts/sharegpt] [--limit 40] [--max-prompt-tokens 384]
         [--max-new-tokens 128] [--speculative-tokens 1,2,3,5,7,15] [--concurrency 4,16] [--sweep-budget-s 3600]
         [--ngram 15] [--stopwatch-rounds 4] [--out results/bench_serving]
 
@@ -34,10 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import runlib as rl  # noqa: E402
-from dflash_train.errors import CommandParser  # noqa: E402
-from dflash_train.options import at_least, int_list  # noqa: E402
+from dflash_train import runs
+from dflash_train.errors import CommandParser
+from dflash_train.options import at_least, int_list
 
 AGREEMENT = 0.05  # the eval's speedup and the independent stopwatch's may differ by this much
 
@@ -70,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             int_list(args.own_k)
         except argparse.ArgumentTypeError as err:
             p.error(f"--own-k: {err}")
-    rl.check_options(p, args, {"--stopwatch-rounds": at_least(1)})
+    runs.check_options(p, args, {"--stopwatch-rounds": at_least(1)})
     if Path(args.out).exists() and not Path(args.out).is_dir():
         p.error(f"--out {args.out} is a file, not a folder")
     return args
@@ -89,8 +88,8 @@ def run_eval(args: argparse.Namespace, out: Path, log: list[dict[str, Any]]) -> 
         extra += ["--speculative-tokens", args.speculative_tokens]
     if args.ngram:
         extra += ["--ngram", args.ngram]
-    command = rl.eval_command([Path(args.drafter)], Path(args.prompts), args.limit, args.max_prompt_tokens,
-                              args.max_new_tokens, None, out, engine="vllm", extra=extra)
+    command = runs.eval_command([Path(args.drafter)], Path(args.prompts), args.limit, args.max_prompt_tokens,
+                                args.max_new_tokens, None, out, engine="vllm", extra=extra)
     entry = {"part": "eval (vLLM)", "command": shlex.join(command), "uptime_before": uptime()}
     from dflash_train.provenance import PROVENANCE_FILE, is_complete
 
@@ -108,7 +107,7 @@ def run_eval(args: argparse.Namespace, out: Path, log: list[dict[str, Any]]) -> 
         entry["seconds"] = time.perf_counter() - started
     entry["uptime_after"] = uptime()
     log.append(entry)
-    return rl.read_report(out / "report.json")
+    return runs.read_report(out / "report.json")
 
 
 def held_out_prompts(args: argparse.Namespace, report: dict[str, Any], target) -> list[tuple[str, list[int], int]]:
@@ -318,11 +317,11 @@ def main(argv: list[str] | None = None) -> int:
                                            if e.get("reused") else f" ({e['seconds']:.0f} s): before "
                                            f"`{e['uptime_before']}`, after `{e['uptime_after']}`")
                       + (f"\n  `{e['command']}`" if "command" in e else "") for e in log)
-    markdown = "\n\n".join([rl.header("Serving: speculation length and concurrency", "bench_serving.py"), body,
-                            "Load on the machine (uptime) around each part:\n\n" + loads]) + "\n"
-    markdown = rl.portable(markdown)
+    markdown = "\n\n".join([runs.header("Serving: speculation length and concurrency", "benchmarks/bench_serving.py"),
+                            body, "Load on the machine (uptime) around each part:\n\n" + loads]) + "\n"
+    markdown = runs.portable(markdown)
     (out / "bench.md").write_text(markdown)
-    (out / "bench.json").write_text(json.dumps(rl.portable({"own_loop": own, "stopwatch": watch, "parts": log}),
+    (out / "bench.json").write_text(json.dumps(runs.portable({"own_loop": own, "stopwatch": watch, "parts": log}),
                                                indent=1))
     print("\n" + markdown)
     print(f"bench: {out / 'bench.md'}, {out / 'bench.json'}")
@@ -330,4 +329,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    rl.script_main(main)
+    runs.script_main(main)

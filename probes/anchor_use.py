@@ -1,6 +1,6 @@
 """Does a drafter read its anchor token, and its context? A diagnostic for slow-learning drafters.
 
-    python scripts/anchor_use.py --store data/store/smollm2-demo-eval runs/A/drafter runs/B/drafter ...
+    python probes/anchor_use.py --store data/store/smollm2-demo-eval runs/A/drafter runs/B/drafter ...
 
 For every held-out sample of the store, blocks start at up to --anchors response positions. Each drafter drafts
 them twice: with the real anchor token in slot 0, and with the anchor replaced by a random token. A drafter that

@@ -1,6 +1,6 @@
 """What checking a store's shard hashes costs when training and eval open it (store.check_hashes), cold and cached.
 
-    python scripts/bench_store_hashes.py data/store/smollm2-demo [--threads N] [--repeats 3]
+    python benchmarks/bench_store_hashes.py data/store/smollm2-demo [--threads N] [--repeats 3]
 
 In this process, `--repeats` times each (the fastest counts: the machine may be shared): `open_store` alone (headers
 and indexes, what opening a store cost before), `check_hashes` with an empty cache (every shard hashed, several at

@@ -1,7 +1,7 @@
 """How far is a drafter from a lookup table? Slot-1 accuracy of n-gram tables built from a training store, and the
 tau of copying from the context (prompt lookup).
 
-    python scripts/ngram_baseline.py data/store/smollm2-demo [--eval-store data/store/smollm2-demo-eval] [--k 1,15]
+    python probes/ngram_baseline.py data/store/smollm2-demo [--eval-store data/store/smollm2-demo-eval] [--k 1,15]
         [--drafter runs/smollm2-demo/drafter]
 
 Builds a bigram table (anchor -> next token) and a trigram table (previous token, anchor -> next token, backing off

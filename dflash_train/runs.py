@@ -1,9 +1,12 @@
-"""Shared pieces of the experiment scripts (scripts/experiment_own_outputs.py, scripts/ablate_sample_efficiency.py).
+"""Running the pipeline from a script: what the demo and the experiments (scripts/), the benchmarks (benchmarks/) and
+the probes (probes/) share.
 
 Running a stage's command with its wall time and a clear failure message; skipping a stage whose output folder is
 complete (and was made by the same command); parsing `NAME:key=value,key=value` variants; reading a run's
 metrics.jsonl and an eval report.json into table rows; plotting curves; describing the machine; writing results.
-Everything here except running commands is pure and covered by tests/test_scripts.py.
+Like cli.py, it sits above the stages (it runs their commands from the checkout's root and reads what they wrote),
+not among the services they stand on. Everything here except running commands is pure and covered by
+tests/test_scripts.py.
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from dflash_train.stages.push.card import without_local_paths
+from dflash_train.provenance import without_local_paths
 from dflash_train.errors import UserError
 from dflash_train.options import at_least
 from dflash_train.provenance import is_complete, write_json_atomic
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent  # the checkout's root: train.py, recipes/, data/
 PY = sys.executable
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -355,7 +358,8 @@ def method_for(report: dict[str, Any], drafter: Path) -> dict[str, Any]:
 
 
 def plain_tokens_per_s(report: dict[str, Any]) -> float | None:
-    from dflash_train.stages.evaluate.own_loop import by_role  # here, not at the top: it imports torch, which a script's start need not
+    # here, not at the top: it imports torch, which a script's start need not
+    from dflash_train.report_tables import by_role
 
     plain = by_role(report["methods"], "plain")
     return plain[0].get("tokens_per_s") if plain else None
@@ -498,8 +502,9 @@ def write_results(out: Path, markdown: str, data: dict[str, Any], pngs: list[Pat
 
 
 def header(title: str, script: str) -> str:
-    """Title, machine, date and the command line that reproduces this run of `script`."""
-    invocation = shlex.join(["python", f"scripts/{script}", *sys.argv[1:]])
+    """Title, machine, date and the command line that reproduces this run of `script` (its path from the repo's
+    root, as a user types it: scripts/experiment_warm_start.py)."""
+    invocation = shlex.join(["python", script, *sys.argv[1:]])
     return (f"# {title}\n\nMachine: {machine_description()}. Date: {time.strftime('%Y-%m-%d %H:%M %Z')}.\n\n"
             f"Reproduce: `{invocation}`")
 

@@ -4,7 +4,7 @@ Parses every record once (not timed), then times `pii.scrub_text` over every pro
 as ingest runs it. Prints records/s, MB/s, the replacements by kind and, with --examples K, up to K replaced
 snippets per kind with their context, to review what the scrubber takes out of real traffic.
 
-    python scripts/bench_scrub.py [LOG ...] [--limit N] [--examples K]
+    python benchmarks/bench_scrub.py [LOG ...] [--limit N] [--examples K]
 """
 
 from __future__ import annotations

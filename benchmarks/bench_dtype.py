@@ -1,8 +1,8 @@
 """Capture and training throughput in bf16 and fp32, natively and under the AVX2 emulation, in one run.
 
-    python scripts/bench_dtype.py [--prompts data/prompts/sharegpt]
+    python benchmarks/bench_dtype.py [--prompts data/prompts/sharegpt]
 
-Each cell runs `make demo`'s probe (scripts/demo.py: the one-pass capture of a batch of training prompts as the
+Each cell runs `make demo`'s probe (scripts/demo_probe.py: the one-pass capture of a batch of training prompts as the
 capture stage runs it, a training step of the demo recipe's shape, plain decoding at batch 1) in a fresh process, with
 the compute dtype forced, natively and with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` (PyTorch and oneDNN
 then dispatch the AVX2 kernels an AVX2-only CPU has: bf16 is emulated there). The cells run in alternating order,
@@ -21,12 +21,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 EMULATION = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# Run from scripts/ (`python -c` looks for modules in its working folder first), as `make demo` runs the probe
 CELL = """
-import json, sys
-sys.path.insert(0, {scripts!r})
-import demo
+import json
+from pathlib import Path
+import demo, demo_probe
 args = demo.parse_args([])
-rates = demo.probe(args, demo.Path({prompts!r}), {dtype!r})
+rates = demo_probe.probe(args, Path({prompts!r}), {dtype!r})
 from dflash_train.device import resolve_precision
 rates["auto"] = resolve_precision("auto", "cpu").describe()
 print("RESULT " + json.dumps(rates))
@@ -35,8 +36,8 @@ print("RESULT " + json.dumps(rates))
 
 def cell(prompts: str, dtype: str, emulate: bool) -> dict:
     env = {**os.environ, **(EMULATION if emulate else {})}
-    code = CELL.format(scripts=str(REPO / "scripts"), prompts=prompts, dtype=dtype)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True)
+    code = CELL.format(prompts=str(REPO / prompts), dtype=dtype)  # a relative --prompts is under the repo's root
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO / "scripts", capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"bench_dtype: the {dtype} cell ({'emulated' if emulate else 'native'}) failed:\n"

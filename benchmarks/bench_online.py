@@ -1,9 +1,9 @@
 """Stored states or online training: what each costs on this machine, measured side by side in one run.
 
-    python scripts/bench_online.py [--prompts DIR] [--num-prompts 40] [--max-prompt-tokens 384]
-                                   [--max-new-tokens 128] [--batch-size 16] [--steps 20] [--repeats 2]
-                                   [--recipe recipes/smollm2-135m-demo.yaml] [--threads N] [--work DIR]
-                                   [--no-engine]
+    python benchmarks/bench_online.py [--prompts DIR] [--num-prompts 40] [--max-prompt-tokens 384]
+                                      [--max-new-tokens 128] [--batch-size 16] [--steps 20] [--repeats 2]
+                                      [--recipe recipes/smollm2-135m-demo.yaml] [--threads N] [--work DIR]
+                                      [--no-engine]
 
 Every measurement goes through the stages themselves, on the same prompts (the first --num-prompts training prompts
 of at most --max-prompt-tokens tokens):
@@ -19,15 +19,14 @@ of at most --max-prompt-tokens tokens):
       in every epoch (`break_even_epochs`).
 
 `probe_rates` (a short measurement of the same rates with the one-pass loop: one capture batch each way and a few
-training steps each way) and `choose_hidden_states` (a pure decision from those rates, the epochs and the disk) are
-what a planner (scripts/demo.py) calls; tests/test_scripts.py covers both.
+training steps each way) feeds `choose_hidden_states` (dflash_train.measure: a pure decision from those rates, the
+epochs and the disk, which the demo's plan takes too); the tests cover both.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -38,46 +37,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash_train.measure import break_even_epochs, choose_hidden_states
+
 REPO = Path(__file__).resolve().parent.parent
-DISK_SHARE = 0.8  # a store with states may take at most this share of the free disk
-
-
-# --- the decision ---------------------------------------------------------------------------------------------------
-
-
-def break_even_epochs(rates: dict[str, float]) -> float:
-    """Epochs from which storing the states costs less time than computing them online. Storing costs, once per
-    token, the capture with states over the token-only capture: 1/capture_states_tok_s - 1/capture_tokens_tok_s;
-    online costs, every epoch and token, 1/train_online_tok_s - 1/train_stored_tok_s. inf when online training is
-    no slower; 0 when the capture with states is no slower."""
-    once = 1.0 / rates["capture_states_tok_s"] - 1.0 / rates["capture_tokens_tok_s"]
-    per_epoch = 1.0 / rates["train_online_tok_s"] - 1.0 / rates["train_stored_tok_s"]
-    if per_epoch <= 0:
-        return math.inf
-    return max(0.0, once) / per_epoch
-
-
-def choose_hidden_states(rates: dict[str, float], epochs: float, tokens: int | None = None,
-                         disk_free_bytes: float | None = None) -> tuple[str, str]:
-    """("stored" | "online", the reason in words) for training `epochs` epochs over a store of `tokens` tokens.
-
-    `rates` (what `probe_rates` measures): capture_states_tok_s and capture_tokens_tok_s (stored tokens/s of a capture
-    with and without states), train_stored_tok_s and train_online_tok_s (trained tokens/s), state_bytes_per_token.
-    A store with states that would take more than DISK_SHARE of the free disk is not an option; otherwise the
-    faster of capture + `epochs` epochs of training wins (stored from `break_even_epochs` on; a tie stays stored)."""
-    if tokens is not None and disk_free_bytes is not None:
-        need = tokens * rates["state_bytes_per_token"]
-        if need > DISK_SHARE * disk_free_bytes:
-            return "online", (f"the states of {tokens:,} tokens need {need / 2**30:,.1f} GiB on disk, more than "
-                              f"{DISK_SHARE:.0%} of the {disk_free_bytes / 2**30:,.1f} GiB free")
-    even = break_even_epochs(rates)
-    stored_s = 1.0 / rates["capture_states_tok_s"] + epochs / rates["train_stored_tok_s"]
-    online_s = 1.0 / rates["capture_tokens_tok_s"] + epochs / rates["train_online_tok_s"]
-    per_token = f"{1e3 * stored_s:.2f} ms per token stored, {1e3 * online_s:.2f} online"
-    if epochs >= even:
-        return "stored", (f"{epochs:g} epochs >= the break-even {even:.2f}: capturing the states once costs less than "
-                          f"computing them every epoch ({per_token})")
-    return "online", f"{epochs:g} epochs < the break-even {even:.2f} ({per_token})"
 
 
 # --- the probe ------------------------------------------------------------------------------------------------------
@@ -92,12 +54,12 @@ def probe_rates(target, prompts: list[list[int]], recipe, max_new_tokens: int, b
     first of each. `target` is a loaded target.Target in the compute dtype."""
     import torch
 
-    import bench_train  # scripts/, beside this file
-    from dflash_train.stages.capture.command import resolve_layer_ids
+    from dflash_train import measure
     from dflash_train.states import generate_and_capture
+    from dflash_train.stages.capture.command import resolve_layer_ids
     from dflash_train.stages.train.data import OnlineStates, collate
-    from dflash_train.store.format import floor_bytes_per_token
     from dflash_train.store.writer import StoreWriter
+    from dflash_train.store.format import floor_bytes_per_token
 
     layers = layer_ids or resolve_layer_ids(target.num_layers, None, 5)
     stop, pad = target.stop_token_ids(), target.tokenizer.pad_token_id
@@ -133,7 +95,7 @@ def probe_rates(target, prompts: list[list[int]], recipe, max_new_tokens: int, b
                                block=recipe.drafter.block_size, batch=mb, head="fused",
                                head_chunk=recipe.objective.head_chunk_tokens,
                                attention="flex" if device.type == "cuda" else "blockwise")
-    drafter = bench_train.make_drafter(shape, device, dtype)
+    drafter = measure.make_drafter(shape, device, dtype)
     embed = target.model.get_input_embeddings().weight.detach()
     head = target.model.get_output_embeddings().weight.detach()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=True)
@@ -146,7 +108,7 @@ def probe_rates(target, prompts: list[list[int]], recipe, max_new_tokens: int, b
         t0 = time.perf_counter()
         data = collate(online.add(rows) if source == "online" else rows, length)
         data = {k: v.to(device) for k, v in data.items()}
-        bench_train.step_fn(shape, drafter, embed, head, data, optimizer, step)
+        measure.step_fn(shape, drafter, embed, head, data, optimizer, step)
         if device.type == "cuda":
             torch.cuda.synchronize()
         step_s[source].append(time.perf_counter() - t0)
@@ -188,7 +150,8 @@ def kept_limit(prompts: str, target: str, wanted: int, max_prompt_tokens: int) -
 
 
 def run_capture(args, label: str, out: Path, limit: int) -> dict[str, Any]:
-    from dflash_train.stages.capture.command import CaptureConfig, capture
+    from dflash_train.stages.capture.config import CaptureConfig
+    from dflash_train.stages.capture.command import capture
 
     cfg = CaptureConfig(prompts=args.prompts, out=str(out), target=args.target, limit=limit,
                         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
@@ -320,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def rewrite_fp8(src: Path, out: Path) -> Path:
     """The same samples and states as `src`, written by the store writer in fp8 (one scale per token)."""
-    from dflash_train.store.reader import open_store
     from dflash_train.store.writer import StoreWriter
+    from dflash_train.store.reader import open_store
 
     store = open_store(src)
     m = store.manifest

