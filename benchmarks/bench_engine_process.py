@@ -1,12 +1,12 @@
 """vLLM on CPU in one process or three: the engine jobs of capture and eval, run as vLLM runs by default
 (VLLM_ENABLE_V1_MULTIPROCESSING=1: the engine core and its worker are processes of their own, each spawned and
 importing vLLM again) and as the project runs them on CPU (=0: both inside the engine's child process,
-`engine.engine_environment`), side by side in one run, in ABBA order.
+`engine.install.engine_environment`), side by side in one run, in ABBA order.
 
     python benchmarks/bench_engine_process.py [--drafter drafters/smollm2-135m-instruct-general] [--prompts DIR]
         [--capture-prompts 48] [--eval-prompts 8] [--max-new-tokens 64] [--speculative-tokens 15,1] [--rounds 2]
 
-Two jobs on the real embedded target, each through `engine.run_engine` exactly as the stages call it:
+Two jobs on the real embedded target, each through `engine.runner.run_engine` exactly as the stages call it:
 - capture's (`batch`): --capture-prompts prompts generated together, up to 2 x --max-new-tokens each;
 - eval's (`timed`): plain decoding, then a speculative engine per K with the drafter, every prompt timed alone
   plain and speculative at its natural length, and 4 requests together.

@@ -1,4 +1,4 @@
-"""push: the model card, the release gate, and real uploads to a loopback Hugging Face Hub (tests/hub_server.py).
+"""push: the model card, the release gate, and real uploads to a loopback Hugging Face Hub (dflash_train/hub_server.py).
 
 Every command that may talk to a Hub runs in a subprocess whose environment points HF_ENDPOINT at the loopback
 server before huggingface_hub is imported (this process may already have imported it through transformers)."""

@@ -323,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
     # decoding; a run that fails leaves no folder behind when it created it
     with OutputClaim(out, STAGE, legacy=is_eval_folder):
         # engine runs (jobs, logs) go to a scratch folder, removed when the eval ends: kept only when the error's
-        # line names an engine log in it (engine.run_engine's "full log: PATH"), for the failure report
+        # line names an engine log in it (engine.runner.run_engine's "full log: PATH"), for the failure report
         workdir = Path(tempfile.mkdtemp(prefix="dflash-eval-engine-"))
         keep = False
         try:

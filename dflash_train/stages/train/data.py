@@ -10,7 +10,7 @@ and which rows every (step, micro step, rank) reads.
 Every choice is a pure function of (recipe, step, micro step, rank), anchors included (`anchor_generator`; their
 weights: `anchor_weights`), so a run resumed from a checkpoint reads exactly what an uninterrupted run reads. Before
 a run reads its stores, its ranks re-hash their shards between them (`check_store_hashes`). This module reads
-stores only: no accelerate (but for check_store_hashes across ranks), no DeepSpeed (scripts/ngram_baseline.py uses
+stores only: no accelerate (but for check_store_hashes across ranks), no DeepSpeed (probes/ngram_baseline.py uses
 it to read a store as the trainer does).
 
 With `data.hidden_states: online` the samples' states come from the target instead (`OnlineStates`, one batched
