@@ -8,8 +8,9 @@ speculative loop with the drafter, with each baseline drafter and with block siz
 speculative output is compared with the plain one token by token (the lossless check). Acceptance length
 (tau) of a verification step = 1 + the accepted drafts, at most B (spec_decode.Step.tau); a prompt's tau
 is the mean over its steps, the reported tau the mean over prompts (and, beside it, over all steps). With
-`--store`, the offline estimate runs the trainer's simulated acceptance on captured held-out samples (every
-anchor, no target forward) with the same definition, and is reported beside the online tau.
+`--store`, the offline estimate runs the trainer's simulated acceptance on captured held-out samples (a block at
+every anchor, no target forward), walked as greedy decoding walks each answer, with the same definition, and is
+reported beside the online tau.
 
 Writes OUT/report.json, OUT/report.md, OUT/acceptance_by_position.png, OUT/tau_histogram.png and
 OUT/provenance.json; the folder stays marked incomplete until all of them are written. OUT is claimed for the run
