@@ -351,8 +351,11 @@ def dflash_loss(drafter, embed: torch.Tensor, lm_head: torch.Tensor, batch: dict
 @torch.no_grad()
 def simulated_acceptance(drafter, embed: torch.Tensor, lm_head: torch.Tensor, sample: dict[str, Any],
                          block_size: int | None = None, mask_token_id: int | None = None,
-                         max_blocks: int = 256, attention: str = "blockwise") -> torch.Tensor:
-    """Acceptance length at every anchor of one captured sample, [num_anchors] long in 1..B.
+                         max_blocks: int = 256, attention: str = "blockwise",
+                         confidence: list[float] | None = None) -> torch.Tensor:
+    """Acceptance length at every anchor of one captured sample, [num_anchors] long in 1..B (with `confidence`, a
+    list, the drafter's probability of its first draft at each anchor is appended to it: what a speculator knows
+    before the target verifies).
 
     A block starts at every position a where loss_mask[a] and loss_mask[a+1]; it sees the captured context
     before a; its greedy drafts for slots 1..B-1 are checked against the target's own tokens. Accepted length
@@ -375,6 +378,9 @@ def simulated_acceptance(drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
         preds = torch.empty(n * B, dtype=torch.long, device=device)
         for c in range(0, n * B, 2048):
             preds[c:c + 2048] = (hidden[0, c:c + 2048] @ lm_head.to(hidden.dtype).t()).argmax(dim=-1)
+        if confidence is not None:
+            first = hidden[0].view(n, B, -1)[:, 1].float() @ lm_head.float().t()
+            confidence += first.softmax(dim=-1).amax(dim=-1).tolist()
         idx = blocks.anchors[0][:, None] + torch.arange(B, device=device)  # [n, B]
         inside = idx < S
         idx_c = idx.clamp(max=S - 1)

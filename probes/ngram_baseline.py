@@ -75,14 +75,19 @@ LOOKUP_N = (3, 2, 1)  # the suffix lengths tried, longest first (vLLM's prompt_l
 
 def lookup_draft(context: list[int], k: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the context's longest matching suffix."""
+    return lookup_match(context, k)[0]
+
+
+def lookup_match(context: list[int], k: int) -> tuple[list[int], int]:
+    """lookup_draft's draft and the length n of the suffix it matched (0: no earlier occurrence, no draft)."""
     for n in LOOKUP_N:
         if len(context) <= n:
             continue
         suffix = context[-n:]
         for start in range(len(context) - n - 1, -1, -1):
             if context[start:start + n] == suffix:
-                return context[start + n:start + n + k]
-    return []
+                return context[start + n:start + n + k], n
+    return [], 0
 
 
 def accepted(draft: list[int], ids: list[int], at: int, end: int) -> int:

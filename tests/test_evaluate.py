@@ -434,8 +434,11 @@ def test_offline_estimate_equals_online_tau_for_the_oracle(tiny_target):
             sample = {"input_ids": torch.tensor(ids + gen.tokens), "hidden_states": torch.zeros(S, 64),
                       "loss_mask": torch.arange(S) >= len(ids), "id": str(i), "weight": 1}
             samples.append(sample)
-            per_anchor = simulated_acceptance(oracle, embed.weight, torch.eye(V), sample, block_size=B).tolist()
+            confidence: list[float] = []
+            per_anchor = simulated_acceptance(oracle, embed.weight, torch.eye(V), sample, block_size=B,
+                                              confidence=confidence).tolist()
             assert len(per_anchor) == len(gen.tokens) - 1  # every response token with a next one is an anchor
+            assert len(confidence) == len(per_anchor) and all(0 < p <= 1 for p in confidence)
             pos = len(ids)
             for step in gen.steps:  # the online anchors, in order
                 assert per_anchor[pos - len(ids)] == 1 + min(horizon, S - 1 - pos)  # offline: within the response

@@ -396,6 +396,38 @@ def test_prompt_lookup_copies_a_loop_from_the_context_and_counts_tokens_per_step
     assert ng.lookup_tau([loop, nothing], 15) == {"sequences": 2, "tau": 1.3, "tau_steps": 10 / 7}
 
 
+def test_prompt_lookup_reports_the_suffix_it_matched():
+    import ngram_baseline as ng
+
+    assert ng.lookup_match([1, 2, 3, 1, 2, 3, 1, 2], 4) == ([3, 1, 2], 3)
+    assert ng.lookup_match([5, 1, 6, 1, 7, 1], 2) == ([7, 1], 1)
+    assert ng.lookup_match([1, 2, 3], 4) == ([], 0)
+
+
+def test_a_combined_rule_walks_the_answer_taking_each_step_from_the_source_it_picks():
+    import argparse
+
+    import combined_rule as cr
+
+    # anchors 10..17 of one answer; lookup matched at 12 and 13 only, where it accepts 4 tokens and the drafter 1
+    rows = [{"at": a, "drafter": 2, "p": 0.9, "lookup": 1, "n": 0} for a in range(10, 18)]
+    for row in rows[2:4]:
+        row.update(drafter=1, lookup=4, n=2, p=0.3)
+    always = cr.walk(rows, lambda n, p: "drafter", k_drafter=9, k_lookup=4)
+    assert always == [("drafter", 2), ("drafter", 1), ("drafter", 1), ("drafter", 2), ("drafter", 2)]  # 10 12 13 14 16
+    matched = cr.walk(rows, lambda n, p: "lookup" if n >= 1 else "drafter", k_drafter=9, k_lookup=4)
+    assert matched == [("drafter", 2), ("lookup", 4), ("drafter", 2)]  # 10 -> 12 -> 16 -> (18, past the end)
+    capped = cr.walk(rows, lambda n, p: "lookup" if n >= 1 else "drafter", k_drafter=9, k_lookup=1)
+    assert capped[1] == ("lookup", 2)  # at most K + 1 tokens a step
+    args = argparse.Namespace(k_drafter=9, k_lookup=4, drafter_cost="1.5,0", lookup_cost="1.0,0")
+    by_rule = {r["rule"]: r for r in cr.evaluate_rules([rows], args)}
+    assert by_rule["lookup where it matched"]["tau"] == pytest.approx(8 / 3)
+    assert by_rule["lookup where it matched"]["lookup_share"] == pytest.approx(1 / 3)
+    assert by_rule["lookup where it matched"]["speedup_drafter_runs"] == pytest.approx(8 / (3 * 1.5))
+    assert by_rule["lookup where it matched"]["speedup_lookup_alone_cost"] == pytest.approx(8 / (2 * 1.5 + 1.0))
+    assert by_rule["drafter always"]["tau"] == pytest.approx(8 / 5)
+
+
 def test_ngram_baseline_reads_stores_without_the_trainer():
     """Reading a store as the trainer does (dflash_train.stages.train.data) loads neither the trainer nor accelerate."""
     import subprocess

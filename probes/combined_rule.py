@@ -1,0 +1,138 @@
+"""Which block to verify at each step, the drafter's or prompt lookup's? The rule of a combined speculator, measured
+offline on held-out answers before any of it runs in an engine (issue 46, step 1).
+
+    python probes/combined_rule.py --drafter runs/NAME/drafter --eval-store data/store/NAME-eval \
+        [--k-drafter 9] [--k-lookup 4] [--limit 20] [--out results/combined_rule/NAME]
+
+At every response anchor of each held-out sample (its captured states, no target forward) the drafter drafts a block
+(objective.simulated_acceptance, with its probability of its first draft) and prompt lookup drafts one
+(probes/ngram_baseline.lookup_match: vLLM's `ngram` rule, with the length of the suffix it matched). A rule picks
+one source per step from what is known before the target verifies: whether lookup found a match and how long, and
+the drafter's confidence. Each rule is walked through the answer as greedy decoding walks it (the first step at the
+first response token, the next at the anchor after what the last committed: objective.decoded_steps' walk, with a
+choice at each step), so tau is tokens per verification step, mean over samples, as the eval counts it.
+
+Speed: a step's cost in plain decoding steps, linear in K, from the eval's own measurements on this CPU (tau /
+speedup of each speculator's rows; `--drafter-cost A,B` = A + B * K, `--lookup-cost` likewise). Two assumptions for a
+lookup step inside the combined speculator: the drafter still runs every step (DFlash's drafter reads the context's
+states at every step to keep its cache: the cost of a drafter step), or a lookup step costs what prompt lookup alone
+costs (the bound were the drafter skipped). Writes OUT/results.json and OUT/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from ngram_baseline import accepted, lookup_match
+
+from dflash_train import runs
+from dflash_train.model.checkpoint import load_drafter
+from dflash_train.objective import all_anchors, simulated_acceptance
+from dflash_train.store.reader import open_store
+from dflash_train.target import DEFAULT_TARGET, load_embedding_and_head
+
+# Rules: (name, chooser(match_n, confidence) -> "lookup" | "drafter")
+RULES = [("drafter always", lambda n, p: "drafter"),
+         ("lookup always", lambda n, p: "lookup"),
+         ("lookup where it matched", lambda n, p: "lookup" if n >= 1 else "drafter"),
+         ("lookup where it matched 2+ tokens", lambda n, p: "lookup" if n >= 2 else "drafter"),
+         ("lookup where it matched 3 tokens", lambda n, p: "lookup" if n >= 3 else "drafter")]
+RULES += [(f"lookup where it matched, unless the drafter's first draft has p >= {c}",
+           lambda n, p, c=c: "lookup" if n >= 1 and p < c else "drafter") for c in (0.5, 0.7, 0.9)]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--eval-store", required=True, help="a held-out capture store with hidden states")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--k-drafter", type=int, default=9)
+    p.add_argument("--k-lookup", type=int, default=4)
+    p.add_argument("--drafter-cost", default="1.44,0.04", help="A,B: a drafter step at K costs A + B*K plain steps")
+    p.add_argument("--lookup-cost", default="0.99,0.04", help="A,B: a prompt-lookup step at K, the same way")
+    p.add_argument("--out", default=None)
+    return p.parse_args()
+
+
+def anchor_table(drafter, embed, head, sample: dict, block_size: int, k_lookup: int) -> list[dict]:
+    """Per anchor (in order): its position, the drafter's acceptance length and first-draft probability, lookup's
+    acceptance length (at most k_lookup drafts) and matched suffix length."""
+    confidence: list[float] = []
+    lengths = simulated_acceptance(drafter, embed, head, sample, block_size=block_size, confidence=confidence).tolist()
+    ids, mask = sample["input_ids"].tolist(), sample["loss_mask"].bool().tolist()
+    positions = all_anchors(sample["loss_mask"][None], block_size).anchors[0].tolist()
+    rows = []
+    for a, d, p in zip(positions, lengths, confidence):
+        end = a + 1
+        while end < len(ids) and mask[end]:
+            end += 1
+        draft, n = lookup_match(ids[:a + 1], k_lookup)
+        rows.append({"at": a, "drafter": d, "p": p, "lookup": 1 + accepted(draft, ids, a + 1, end), "n": n})
+    return rows
+
+
+def walk(rows: list[dict], choose, k_drafter: int, k_lookup: int) -> list[tuple[str, int]]:
+    """The steps a rule takes through one answer: (source, tokens committed), as greedy decoding walks."""
+    steps, next_anchor = [], -1
+    for row in rows:
+        if row["at"] >= next_anchor:
+            source = choose(row["n"], row["p"])
+            cap = (k_drafter if source == "drafter" else k_lookup) + 1
+            steps.append((source, min(row[source], cap)))
+            next_anchor = row["at"] + steps[-1][1]
+    return steps
+
+
+def evaluate_rules(tables: list[list[dict]], args: argparse.Namespace) -> list[dict]:
+    da, db = map(float, args.drafter_cost.split(","))
+    la, lb = map(float, args.lookup_cost.split(","))
+    drafter_step, lookup_step = da + db * args.k_drafter, la + lb * args.k_lookup
+    results = []
+    for name, choose in RULES:
+        taus, tokens, cost_always, cost_bound, from_lookup, n_steps = [], 0, 0.0, 0.0, 0, 0
+        for rows in tables:
+            steps = walk(rows, choose, args.k_drafter, args.k_lookup)
+            taus.append(sum(t for _, t in steps) / len(steps))
+            tokens += sum(t for _, t in steps)
+            n_steps += len(steps)
+            looked = sum(s == "lookup" for s, _ in steps)
+            from_lookup += looked
+            cost_always += len(steps) * drafter_step if name != "lookup always" else len(steps) * lookup_step
+            cost_bound += looked * lookup_step + (len(steps) - looked) * drafter_step
+        results.append({"rule": name, "tau": sum(taus) / len(taus), "steps": n_steps,
+                        "lookup_share": from_lookup / n_steps, "speedup_drafter_runs": tokens / cost_always,
+                        "speedup_lookup_alone_cost": tokens / cost_bound})
+    return results
+
+
+def main() -> int:
+    args = parse_args()
+    drafter, config = load_drafter(args.drafter, dtype=torch.float32)
+    embed, head = load_embedding_and_head(args.target, dtype=torch.float32)
+    store = open_store(args.eval_store)
+    tables = [anchor_table(drafter, embed, head, store[i], config.block_size, args.k_lookup)
+              for i in range(min(args.limit, len(store)))]
+    tables = [rows for rows in tables if rows]
+    results = evaluate_rules(tables, args)
+    table = runs.markdown_table(["rule", "tau", "blocks from lookup", "speedup (drafter runs every step)",
+                                 "speedup (a lookup step costs lookup's)"],
+                                [[r["rule"], r["tau"], r["lookup_share"], r["speedup_drafter_runs"],
+                                  r["speedup_lookup_alone_cost"]] for r in results])
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({"args": vars(args), "samples": len(tables),
+                                                      "rules": results}, indent=1) + "\n")
+        (out / "results.md").write_text(f"# Combined speculator rules ({len(tables)} held-out answers, drafter K = "
+                                        f"{args.k_drafter}, lookup K = {args.k_lookup})\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
