@@ -6,7 +6,8 @@ each request's own constraints (structured outputs), by the eval's protocol.
 
 Two timed engine jobs (`engine.child._timed`: every prompt decoded to its natural stop by plain decoding, then
 timed plain and speculative at that length, each request alone and cold, the side that goes first alternating), one
-with every request's constraints and one without. Without them the target writes other answers, so tau differs;
+with every request's constraints and one without. Without them the target writes other answers, so the tokens a step
+commits differ;
 what compares is the cost of one step: a speculative verification step (its decode time over its steps) against a
 plain one (decode time over tokens after the first), with and without the grammar. The grammar adds to both sides;
 a speculative step also validates its drafts against the grammar and masks every verified position. Prints a
@@ -57,7 +58,7 @@ def step_costs(result) -> dict[str, float]:
     tokens = sum(t["tokens"] - 1 for t in run["batch1"])
     n_steps = sum(steps[t["id"]] for t in run["batch1"])
     plain_step, spec_step = plain_s / tokens, spec_s / n_steps
-    return {"prompts": len(run["batch1"]), "tokens": tokens, "steps": n_steps, "tau": (tokens + len(steps)) / n_steps,
+    return {"prompts": len(run["batch1"]), "tokens": tokens, "steps": n_steps, "tokens_per_step": tokens / n_steps,
             "plain_ms_per_token": 1e3 * plain_step, "spec_ms_per_step": 1e3 * spec_step,
             "step_cost_in_plain_steps": spec_step / plain_step, "speedup_decode": plain_s / spec_s}
 
@@ -83,9 +84,9 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="bench-grammar-") as work:
             figures[label] = step_costs(run_engine(job, work, f"{label}, plain and at K = {args.k}"))
         print(label, json.dumps(figures[label]), flush=True)
-    rows = [[label, f["prompts"], f["tau"], f["plain_ms_per_token"], f["spec_ms_per_step"],
+    rows = [[label, f["prompts"], f["tokens_per_step"], f["plain_ms_per_token"], f["spec_ms_per_step"],
              f["step_cost_in_plain_steps"], f["speedup_decode"]] for label, f in figures.items()]
-    table = runs.markdown_table(["requests", "prompts", "tau", "plain ms / token", "speculative ms / step",
+    table = runs.markdown_table(["requests", "prompts", "decode tokens / step", "plain ms / token", "speculative ms / step",
                            "a step in plain steps", "speedup (decode phase)"], rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
