@@ -404,9 +404,17 @@ def decoded_steps(sample: dict[str, Any], lengths: list[int], block_size: int, k
     positions = all_anchors(sample["loss_mask"][None], block_size).anchors[0].tolist()
     assert len(positions) == len(lengths), "lengths are simulated_acceptance's, one per anchor of the sample"
     cap = block_size if k is None else k + 1
-    steps, next_anchor = [], -1
-    for position, length in zip(positions, lengths):
-        if position >= next_anchor:  # a new response (multi-turn) starts its own walk
-            steps.append(min(length, cap))
-            next_anchor = position + steps[-1]
-    return steps
+    capped = [min(length, cap) for length in lengths]
+    return [capped[i] for i in decoding_walk(positions, capped)]
+
+
+def decoding_walk(positions: list[int], committed: list[int]) -> list[int]:
+    """The anchors greedy decoding visits (their indices), given at each anchor (`positions`, in order) the tokens
+    a step from it commits: the first, then each next one at the position the last step reached; past a response's
+    end the next response (multi-turn) starts its own walk at its first anchor."""
+    visited, next_anchor = [], -1
+    for i, (position, length) in enumerate(zip(positions, committed)):
+        if position >= next_anchor:
+            visited.append(i)
+            next_anchor = position + length
+    return visited

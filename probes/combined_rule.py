@@ -27,22 +27,23 @@ from pathlib import Path
 
 import torch
 
-from ngram_baseline import accepted, lookup_match
+from ngram_baseline import lookup_lengths
 
 from dflash_train import runs
 from dflash_train.model.checkpoint import load_drafter
-from dflash_train.objective import all_anchors, simulated_acceptance
+from dflash_train.objective import all_anchors, decoding_walk, simulated_acceptance
 from dflash_train.store.reader import open_store
 from dflash_train.target import DEFAULT_TARGET, load_embedding_and_head
 
-# Rules: (name, chooser(match_n, confidence) -> "lookup" | "drafter")
-RULES = [("drafter always", lambda n, p: "drafter"),
-         ("lookup always", lambda n, p: "lookup"),
-         ("lookup where it matched", lambda n, p: "lookup" if n >= 1 else "drafter"),
-         ("lookup where it matched 2+ tokens", lambda n, p: "lookup" if n >= 2 else "drafter"),
-         ("lookup where it matched 3 tokens", lambda n, p: "lookup" if n >= 3 else "drafter")]
+# Rules: (name, chooser(match_n, confidence) -> "lookup" | "drafter", whether the drafter runs at every step: all
+# but prompt lookup alone, which needs no drafter)
+RULES = [("drafter always", lambda n, p: "drafter", True),
+         ("lookup always", lambda n, p: "lookup", False),
+         ("lookup where it matched", lambda n, p: "lookup" if n >= 1 else "drafter", True),
+         ("lookup where it matched 2+ tokens", lambda n, p: "lookup" if n >= 2 else "drafter", True),
+         ("lookup where it matched 3 tokens", lambda n, p: "lookup" if n >= 3 else "drafter", True)]
 RULES += [(f"lookup where it matched, unless the drafter's first draft has p >= {c}",
-           lambda n, p, c=c: "lookup" if n >= 1 and p < c else "drafter") for c in (0.5, 0.7, 0.9)]
+           lambda n, p, c=c: "lookup" if n >= 1 and p < c else "drafter", True) for c in (0.5, 0.7, 0.9)]
 
 
 def parse_args() -> argparse.Namespace:
@@ -65,27 +66,20 @@ def anchor_table(drafter, embed, head, sample: dict, block_size: int, k_lookup: 
     confidence: list[float] = []
     lengths = simulated_acceptance(drafter, embed, head, sample, block_size=block_size, confidence=confidence).tolist()
     ids, mask = sample["input_ids"].tolist(), sample["loss_mask"].bool().tolist()
+    matched: list[int] = []
+    looked = lookup_lengths(ids, mask, k_lookup + 1, matched)
     positions = all_anchors(sample["loss_mask"][None], block_size).anchors[0].tolist()
-    rows = []
-    for a, d, p in zip(positions, lengths, confidence):
-        end = a + 1
-        while end < len(ids) and mask[end]:
-            end += 1
-        draft, n = lookup_match(ids[:a + 1], k_lookup)
-        rows.append({"at": a, "drafter": d, "p": p, "lookup": 1 + accepted(draft, ids, a + 1, end), "n": n})
-    return rows
+    return [{"at": a, "drafter": d, "p": p, "lookup": c, "n": n}
+            for a, d, p, c, n in zip(positions, lengths, confidence, looked, matched, strict=True)]
 
 
 def walk(rows: list[dict], choose, k_drafter: int, k_lookup: int) -> list[tuple[str, int]]:
-    """The steps a rule takes through one answer: (source, tokens committed), as greedy decoding walks."""
-    steps, next_anchor = [], -1
-    for row in rows:
-        if row["at"] >= next_anchor:
-            source = choose(row["n"], row["p"])
-            cap = (k_drafter if source == "drafter" else k_lookup) + 1
-            steps.append((source, min(row[source], cap)))
-            next_anchor = row["at"] + steps[-1][1]
-    return steps
+    """The steps a rule takes through one answer: (source, tokens committed), as greedy decoding walks
+    (objective.decoding_walk). A rule reads only its anchor's own row, so each anchor's choice is made up front."""
+    picked = [choose(row["n"], row["p"]) for row in rows]
+    committed = [min(row[source], (k_drafter if source == "drafter" else k_lookup) + 1)
+                 for row, source in zip(rows, picked)]
+    return [(picked[i], committed[i]) for i in decoding_walk([row["at"] for row in rows], committed)]
 
 
 def evaluate_rules(tables: list[list[dict]], args: argparse.Namespace) -> list[dict]:
@@ -93,7 +87,7 @@ def evaluate_rules(tables: list[list[dict]], args: argparse.Namespace) -> list[d
     la, lb = map(float, args.lookup_cost.split(","))
     drafter_step, lookup_step = da + db * args.k_drafter, la + lb * args.k_lookup
     results = []
-    for name, choose in RULES:
+    for name, choose, drafter_runs in RULES:
         taus, tokens, cost_always, cost_bound, from_lookup, n_steps = [], 0, 0.0, 0.0, 0, 0
         for rows in tables:
             steps = walk(rows, choose, args.k_drafter, args.k_lookup)
@@ -102,7 +96,7 @@ def evaluate_rules(tables: list[list[dict]], args: argparse.Namespace) -> list[d
             n_steps += len(steps)
             looked = sum(s == "lookup" for s, _ in steps)
             from_lookup += looked
-            cost_always += len(steps) * drafter_step if name != "lookup always" else len(steps) * lookup_step
+            cost_always += len(steps) * (drafter_step if drafter_runs else lookup_step)
             cost_bound += looked * lookup_step + (len(steps) - looked) * drafter_step
         results.append({"rule": name, "tau": sum(taus) / len(taus), "steps": n_steps,
                         "lookup_share": from_lookup / n_steps, "speedup_drafter_runs": tokens / cost_always,

@@ -117,14 +117,20 @@ def lookup_tau(sequences: list[Sequence], k: int) -> dict[str, float]:
             "tau_steps": tokens / steps if steps else float("nan")}
 
 
-def lookup_lengths(ids: list[int], mask: list[bool], block_size: int) -> list[int]:
+def lookup_lengths(ids: list[int], mask: list[bool], block_size: int, matched: list[int] | None = None) -> list[int]:
     """Prompt lookup's acceptance length at every trainer anchor (as objective.simulated_acceptance counts a
-    drafter's: 1 + the leading drafts that equal the target's response tokens)."""
+    drafter's: 1 + the leading drafts that equal the target's response tokens), drafting block_size - 1 tokens;
+    with `matched`, a list, the length of the suffix lookup matched at each anchor is appended to it."""
     segment_end = [len(ids)] * (len(ids) + 1)  # segment_end[t]: the first non-response position from t on
     for t in range(len(ids) - 1, -1, -1):
         segment_end[t] = segment_end[t + 1] if mask[t] else t
-    return [1 + accepted(lookup_draft(ids[:a + 1], block_size - 1), ids, a + 1, segment_end[a + 1])
-            for a in anchors(mask, first=0)]
+    lengths = []
+    for a in anchors(mask, first=0):
+        draft, n = lookup_match(ids[:a + 1], block_size - 1)
+        lengths.append(1 + accepted(draft, ids, a + 1, segment_end[a + 1]))
+        if matched is not None:
+            matched.append(n)
+    return lengths
 
 
 def drafter_against_lookup(drafter, embed: torch.Tensor, head: torch.Tensor, samples: list[dict]) -> dict[str, float]:

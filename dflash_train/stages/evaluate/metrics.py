@@ -89,10 +89,10 @@ def offline_estimate(samples, drafter, embed: torch.Tensor, lm_head: torch.Tenso
     for sample in tqdm(samples, desc="offline tau", unit="sample", leave=False):
         lengths = simulated_acceptance(drafter, embed, lm_head, sample, block_size=block_size).tolist()
         if lengths:
-            for k, taus_at_k in enumerate(by_k, 1):
-                walk = decoded_steps(sample, lengths, block_size, k)
+            walks = [decoded_steps(sample, lengths, block_size, k) for k in range(1, block_size)]
+            for taus_at_k, walk in zip(by_k, walks):
                 taus_at_k.append(sum(walk) / len(walk))
-            steps = decoded_steps(sample, lengths, block_size)
+            steps = walks[-1]  # the whole block: K = B - 1
             per_sample.append(sum(steps) / len(steps))
             taus += steps
             ids.append(sample["id"])
