@@ -27,6 +27,7 @@ from dflash_train.device import resolve_precision
 from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
 from dflash_train.engine.runner import run_engine
 from dflash_train.prompts import load_prompt_records
+from dflash_train.stages.evaluate.command import LEFT_OUT
 from dflash_train.target import DEFAULT_TARGET, load_target
 
 
@@ -68,15 +69,14 @@ def main() -> int:
     precision = resolve_precision(args.dtype, "cpu")
     target = load_target(args.target, dtype=precision.dtype)
     records, _ = load_prompt_records(args.prompts, args.split, args.limit)
-    skip = request_constraints.NOT_WITH_SPECULATION + ("seed", "n")
     prompts = [(r, target.render(r.messages, r.tools)) for r in records]
     prompts = [(r, ids) for r, ids in prompts if len(ids) <= args.max_prompt_tokens]
     figures = {}
     jobs = [("under each request's constraints", True), ("without constraints", False)]
     for label, constrained in jobs[:1] if args.constrained_only else jobs:
         requests = [EngineRequest(id=r.id, prompt_token_ids=ids, max_tokens=args.max_new_tokens,
-                                  constraints=request_constraints.without(r.constraints, skip) if constrained else None)
-                    for r, ids in prompts]
+                                  constraints=request_constraints.without(r.constraints, LEFT_OUT) if constrained
+                                  else None) for r, ids in prompts]
         job = EngineJob(target=str(target.path), requests=requests, stop_token_ids=target.stop_token_ids(),
                         dtype=VLLM_DTYPES[precision.name], drafter=args.drafter, mode="timed",
                         max_model_len=max(len(ids) for _, ids in prompts) + args.max_new_tokens + args.k + 1,
@@ -86,8 +86,8 @@ def main() -> int:
         print(label, json.dumps(figures[label]), flush=True)
     rows = [[label, f["prompts"], f["tokens_per_step"], f["plain_ms_per_token"], f["spec_ms_per_step"],
              f["step_cost_in_plain_steps"], f["speedup_decode"]] for label, f in figures.items()]
-    table = runs.markdown_table(["requests", "prompts", "decode tokens / step", "plain ms / token", "speculative ms / step",
-                           "a step in plain steps", "speedup (decode phase)"], rows)
+    table = runs.markdown_table(["requests", "prompts", "decode tokens / step", "plain ms / token",
+                                 "speculative ms / step", "a step in plain steps", "speedup (decode phase)"], rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "figures": figures}, indent=1) + "\n")

@@ -49,9 +49,9 @@ def probe_rates(target, prompts: list[list[int]], recipe, max_new_tokens: int, b
                 steps: int = 3, layer_ids: list[int] | None = None) -> dict[str, float]:
     """The rates `choose_hidden_states` needs, measured quickly with the one-pass capture (the demo's): one batch of
     `prompts` captured with bf16 states and once token-only (each written to a store), then `steps` training steps of
-    the recipe's shape (bench_train's step: drafter forward, loss, backward, AdamW) on those sequences with the stored
-    states and with the states computed online (data.OnlineStates, the trainer's), alternating; medians after the
-    first of each. `target` is a loaded target.Target in the compute dtype."""
+    the recipe's shape (measure.step_fn: drafter forward, loss, backward, AdamW) on those sequences with the stored
+    states and with the states computed online (stages.train.data.OnlineStates, the trainer's), alternating; medians
+    after the first of each. `target` is a loaded target.Target in the compute dtype."""
     import torch
 
     from dflash_train import measure

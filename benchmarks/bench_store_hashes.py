@@ -1,4 +1,4 @@
-"""What checking a store's shard hashes costs when training and eval open it (store.check_hashes), cold and cached.
+"""What checking a store's shard hashes costs when training and eval open it (store.verify.check_hashes), cold and cached.
 
     python benchmarks/bench_store_hashes.py data/store/smollm2-demo [--threads N] [--repeats 3]
 

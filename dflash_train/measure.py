@@ -1,5 +1,5 @@
-"""What the demo's plan (scripts/demo_plan.py) and the benchmarks (benchmarks/bench_train.py, bench_online.py) measure
-on this machine, and the choice they make from it.
+"""What the demo's probe (scripts/demo_probe.py) and the benchmarks (benchmarks/bench_train.py, bench_online.py)
+measure on this machine, and the choice the demo's plan makes from it.
 
 A training step of the DFlash objective as the trainer takes it per micro batch, on a drafter of a given shape with
 random weights: sample anchors, drafter forward over all blocks, LM head + CE, backward, AdamW step (no DeepSpeed,

@@ -24,6 +24,7 @@ from typing import Any, Iterable
 
 from dflash_train import constraints as request_constraints
 from dflash_train.errors import UserError, in_brief
+from dflash_train.logs.records import iter_records
 from dflash_train.provenance import check_made_by, is_complete, read_json
 
 STAGE = "ingest"  # the stage whose output a prompt folder is (its provenance records it)
@@ -107,8 +108,6 @@ def load_prompt_records(path: str | Path, split: str = "train", limit: int | Non
     A raw log is parsed and scrubbed as ingest reads it (`dflash_train.logs.records.iter_records`) and deduplicated
     here (weight = count); it has no held-out split, so prefer an ingest folder for anything that is evaluated later.
     No record at all is one line: every caller has nothing to do then."""
-    from dflash_train.logs.records import iter_records
-
     path = Path(path)
     if path.is_dir():
         rows, report_path = load_prompts(path, split), path / "report.json"

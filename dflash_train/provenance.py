@@ -10,8 +10,8 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -112,6 +112,11 @@ def file_sha256(path: str | Path) -> str:
     value = sha256_file(blob)
     remember_sha256({blob: value})
     return value
+
+
+def files_sha256(files: list[Path]) -> str:
+    """One sha256 over several files, in the order given: each file's name and own sha256 (file_sha256)."""
+    return hashlib.sha256("".join(f"{f.name}:{file_sha256(f)}\n" for f in files).encode()).hexdigest()
 
 
 def package_versions() -> dict[str, str | None]:
@@ -384,6 +389,8 @@ def shown_pair(old: Any, new: Any, width: int = 60) -> tuple[str, str]:
     return cut(a), cut(b)
 
 
+# An absolute local path: "/" or "~/" at the start of a token (not inside a URL, a relative path, a word such as
+# tokens/s or an HTML closing tag such as </details>), up to the next space, quote, bracket or separator.
 LOCAL_PATH = re.compile(r"(?<![\w:/.~<-])~?/[^\s`'\"|,;()\[\]{}<>*]+")
 
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from dflash_train.provenance import without_local_paths
 from dflash_train.errors import UserError
 from dflash_train.options import at_least
-from dflash_train.provenance import is_complete, write_json_atomic
+from dflash_train.provenance import is_complete, without_local_paths, write_json_atomic
+from dflash_train.report_tables import by_role, table
 
 REPO = Path(__file__).resolve().parent.parent  # the checkout's root: train.py, recipes/, data/
 PY = sys.executable
@@ -358,9 +358,6 @@ def method_for(report: dict[str, Any], drafter: Path) -> dict[str, Any]:
 
 
 def plain_tokens_per_s(report: dict[str, Any]) -> float | None:
-    # here, not at the top: it imports torch, which a script's start need not
-    from dflash_train.report_tables import by_role
-
     plain = by_role(report["methods"], "plain")
     return plain[0].get("tokens_per_s") if plain else None
 
@@ -397,9 +394,8 @@ def fmt(value: Any, digits: int = 3) -> str:
 
 
 def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+    """report_tables.table, each cell formatted by this module's fmt (3 digits; None as "-")."""
+    return table([tuple(fmt(c) for c in row) for row in rows], tuple(headers))
 
 
 def plot_curves(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str, title: str,
@@ -466,7 +462,7 @@ WORKDIR = "WORKDIR"  # how results name the --workdir
 def portable(obj: Any, work: Path | None = None) -> Any:
     """`obj` (a string, or JSON-like data at any depth) as results are committed and published: paths inside the
     repo relative to its root, the --workdir written as WORKDIR, any other absolute local path cut to its last
-    component (card.without_local_paths). Nothing in results names a folder of the machine it was made on."""
+    component (provenance.without_local_paths). Nothing in results names a folder of the machine it was made on."""
     roots = sorted({REPO: "", **({Path(work).resolve(): WORKDIR} if work else {})}.items(),
                    key=lambda item: -len(str(item[0])))
 

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import torch
 
 from dflash_train.errors import UserError
-from dflash_train.provenance import cache_dir, file_sha256
+from dflash_train.provenance import cache_dir, files_sha256
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
@@ -413,14 +413,9 @@ WEIGHT_FILES = ("*.safetensors", "*.bin")
 def weights_hash(path: str | Path) -> str | None:
     """sha256 over the checkpoint's weight files (each file's own sha256, with its name); None without weight files.
 
-    Each file is hashed once per machine (provenance.file_sha256)."""
+    Each file is hashed once per machine (provenance.files_sha256)."""
     files = sorted({f for pattern in WEIGHT_FILES for f in Path(path).glob(pattern)})
-    if not files:
-        return None
-    digest = hashlib.sha256()
-    for f in files:
-        digest.update(f"{f.name}:{file_sha256(f)}\n".encode())
-    return digest.hexdigest()
+    return files_sha256(files) if files else None
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,10 @@ offline on held-out answers before any of it runs in an engine (issue 46, step 1
 
 At every response anchor of each held-out sample (its captured states, no target forward) the drafter drafts a block
 (objective.simulated_acceptance, with its probability of its first draft) and prompt lookup drafts one
-(probes/ngram_baseline.lookup_match: vLLM's `ngram` rule, with the length of the suffix it matched). A rule picks
+(probes/ngram_baseline.lookup_lengths: vLLM's `ngram` rule, with the length of the suffix it matched). A rule picks
 one source per step from what is known before the target verifies: whether lookup found a match and how long, and
 the drafter's confidence. Each rule is walked through the answer as greedy decoding walks it (the first step at the
-first response token, the next at the anchor after what the last committed: objective.decoded_steps' walk, with a
+first response token, the next at the anchor after what the last committed: objective.decoding_walk, with a
 choice at each step), so tau is tokens per verification step, mean over samples, as the eval counts it.
 
 Speed: a step's cost in plain decoding steps, linear in K, from the eval's own measurements on this CPU (tau /

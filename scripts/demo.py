@@ -45,7 +45,7 @@ from dflash_train.options import at_least, in_range, int_list
 from dflash_train.provenance import is_complete
 from dflash_train.report_tables import free_speculator_to_serve
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = runs.REPO
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

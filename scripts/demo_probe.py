@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from dflash_train.errors import UserError
-
-REPO = Path(__file__).resolve().parent.parent
+from dflash_train.runs import REPO
 GAUSS_QUANTILES = (0.5 - 0.5 / 3 ** 0.5, 0.5 + 0.5 / 3 ** 0.5)  # the probe's capture batches (two-point quadrature)
 ENGINE_PROBE_PROMPTS = 48
 ENGINE_DECODE_PROBE_PROMPTS = 3

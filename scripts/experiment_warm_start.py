@@ -252,7 +252,7 @@ NAMES = {"a": "(a) general, as is", "b": "(b) general, adapted to own outputs", 
 
 def paired(a: dict[str, float | None], b: dict[str, float | None]) -> dict[str, Any]:
     """b - a per prompt (the prompts both have a value for), its mean and the relative gain mean(b) / mean(a) - 1,
-    each with a 95% bootstrap interval over prompts (evaluate.bootstrap_interval)."""
+    each with a 95% bootstrap interval over prompts (stages.evaluate.metrics.bootstrap_interval)."""
     from dflash_train.stages.evaluate.metrics import bootstrap_interval
 
     ids = [i for i in a if a[i] is not None and b.get(i) is not None]

@@ -15,14 +15,12 @@ import demo
 import demo_plan
 import demo_probe
 from conftest import REPO_ROOT
+from test_engine import needs_vllm
 from test_scripts import refused_in_one_line
 
 from dflash_train import runs
 from dflash_train.engine.child import IDLE_S
-from dflash_train.engine.install import vllm_version
 from dflash_train.errors import UserError
-
-needs_vllm = pytest.mark.skipif(vllm_version() is None, reason="vLLM is not installed (make install installs it)")
 
 
 def test_the_demo_summary_flags_a_speedup_measured_while_the_machine_changed_speed():

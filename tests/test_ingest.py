@@ -8,14 +8,12 @@ import pytest
 from dflash_train.cli import main as cli_main
 from dflash_train.errors import UserError
 from dflash_train.logs import values as log_values
-from dflash_train.logs.records import Skip, iter_records, parse_record
+from dflash_train.logs.records import Skip, iter_records, parse_record, prompt_id
 from dflash_train.logs.values import SKIP_REASONS, Bad, SourceStats, read_values
 from dflash_train.pii import KINDS as PII_KINDS
-from dflash_train.logs.records import prompt_id
 from dflash_train.prompts import load_prompts, split_hash
 from dflash_train.provenance import is_complete
-from dflash_train.stages.ingest import command as ing
-from dflash_train.stages.ingest.command import default_logs
+from dflash_train.stages.ingest.command import default_logs, ingest
 from dflash_train.stages.ingest.config import IngestConfig
 from dflash_train.stages.ingest.report import format_report
 
@@ -38,7 +36,7 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 def run_ingest(paths, out, **config) -> dict:
-    return ing.ingest(paths, out, IngestConfig(**{**FAST, **config}))
+    return ingest(paths, out, IngestConfig(**{**FAST, **config}))
 
 
 # --- formats ----------------------------------------------------------------------------------------------

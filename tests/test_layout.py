@@ -7,6 +7,7 @@ TYPE_CHECKING alike), so what this checks is what a reader sees, not what one ru
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 from conftest import REPO_ROOT
@@ -24,6 +25,7 @@ def modules() -> dict[str, Path]:
     return found
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     """module -> the package's modules it imports (`from a.b import c` is a.b.c where that is a module, else a.b)."""
     mods = modules()

@@ -88,8 +88,8 @@ def vllm_entry(drafter_dir: Path | None, **overrides) -> dict:
 
 
 def write_report(folder: Path, drafter_dir: Path | None = None, **overrides) -> Path:
-    """An eval folder in dflash_train.stages.evaluate.command's format (report.json, plots, provenance.json); it measured the drafter
-    in `drafter_dir` (None: some other drafter)."""
+    """An eval folder as the eval stage writes it (stages.evaluate.report: report.json, plots, provenance.json); it
+    measured the drafter in `drafter_dir` (None: some other drafter)."""
     folder.mkdir(parents=True, exist_ok=True)
     acceptance = [0.8, 0.5, 0.3, 0.1, 0.05, 0.01, 0.0]
     drafter = {"path": "runs/tiny/drafter", "block_size": 8, "num_hidden_layers": 2, "target_layer_ids": [1, 5],

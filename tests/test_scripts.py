@@ -167,7 +167,7 @@ def test_bad_metrics_name_the_file_and_line(tmp_path):
 
 
 def write_report(folder: Path, drafters: list[Path]) -> Path:
-    """An eval report.json as the eval stage writes it: rows with their roles (evaluate.ROLES)."""
+    """An eval report.json as the eval stage writes it: rows with their roles (stages.evaluate.own_loop.ROLES)."""
     methods = [{"method": "plain (target only)", "role": "plain", "drafter": None, "block_size": 1,
                 "tokens_per_s": 20.0}]
     for i, d in enumerate(drafters):

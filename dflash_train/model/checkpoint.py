@@ -22,7 +22,8 @@ import torch
 
 from dflash_train.errors import UserError
 from dflash_train.model.configuration import LAYER_TENSORS, DFlashConfig, expected_tensor_shapes
-from dflash_train.provenance import INCOMPLETE_MARKER, PROVENANCE_FILE, read_json, sha256_file, write_json_atomic
+from dflash_train.provenance import (INCOMPLETE_MARKER, PROVENANCE_FILE, file_sha256, files_sha256, read_json,
+                                     write_json_atomic)
 from dflash_train.target import TargetTensors
 
 if TYPE_CHECKING:  # the module loads transformers; reading a folder for push must not
@@ -262,8 +263,7 @@ def drafter_identity(folder: Path) -> dict[str, Any]:
     such as layer_types or dflash_config.mask_token, so no shorter list would stay true; the records only say which
     target it was made for and where it started, and push rewrites local paths in them), and one sha256 over both."""
     files = weight_files(folder)
-    weights = sha256_file(files[0]) if len(files) == 1 else hashlib.sha256(
-        "".join(f"{f.name}:{sha256_file(f)}\n" for f in files).encode()).hexdigest()
+    weights = file_sha256(files[0]) if len(files) == 1 else files_sha256(files)
     config = {k: v for k, v in config_json(folder)[0].items() if k != "dflash_train"}
     both = json.dumps({"weights_sha256": weights, "config": config}, sort_keys=True).encode()
     return {"sha256": hashlib.sha256(both).hexdigest(), "weights_sha256": weights, "config": config}

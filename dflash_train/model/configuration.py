@@ -100,7 +100,8 @@ def _unbuildable(cfg: dict[str, Any], dflash: dict[str, Any], block_size: Any, r
     ids = dflash["target_layer_ids"]
     if not (isinstance(ids, list) and 1 <= len(ids) <= MAX_DIMENSIONS["num_target_layers"]
             and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
-        return f"dflash_config.target_layer_ids is {ids!r}, not a list of 1 to 1024 layer ids"
+        return (f"dflash_config.target_layer_ids is {ids!r}, not a list of 1 to "
+                f"{MAX_DIMENSIONS['num_target_layers']} layer ids")
     for key, value in (("rms_norm_eps", cfg["rms_norm_eps"]), ("rope_theta", rope.get("rope_theta"))):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             return f"{key} is {value!r}, not a positive finite number"

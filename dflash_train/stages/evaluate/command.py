@@ -42,8 +42,8 @@ from dflash_train.options import add_options, from_args, validate
 from dflash_train.provenance import OutputClaim, complete_output, read_json, start_output, write_provenance
 from dflash_train.spec_decode import DFlashProposer
 from dflash_train.stages.evaluate.config import EvalConfig
-from dflash_train.stages.evaluate.metrics import offline_estimate
 from dflash_train.report_tables import by_role
+from dflash_train.stages.evaluate.metrics import offline_estimate
 from dflash_train.stages.evaluate.own_loop import load_methods, own_engine_summary, own_loop_eval
 from dflash_train.stages.evaluate.report import markdown, write_report
 from dflash_train.stages.evaluate.vllm_sweep import engine_eval, tau_by_k_of
@@ -111,12 +111,11 @@ def check_held_out(drafter: str, ids: set[str], what: str, prompt_set: dict[str,
 
 def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     """Run the eval; `workdir` holds the engine runs (jobs and logs) when the engine takes part."""
-    from dflash_train.prompts import load_prompt_records
     from dflash_train.device import default_device, machine, resolve_precision
+    from dflash_train.prompts import load_prompt_records, prompt_set
 
     own, in_engine = check_options(cfg)
     records, _ = load_prompt_records(cfg.prompts, cfg.split, cfg.limit)
-    from dflash_train.prompts import prompt_set
 
     held_out = {"prompts": check_held_out(cfg.drafter, {r.id for r in records},
                                           f"prompts to evaluate ({cfg.prompts}, split {cfg.split!r})",
@@ -242,6 +241,9 @@ def tau_gap(report: dict[str, Any]) -> float | None:
     return online - offline_tau if online is not None and offline_tau is not None else None
 
 
+LEFT_OUT = request_constraints.NOT_WITH_SPECULATION + ("seed", "n")  # what eval_constraints decodes without
+
+
 def eval_constraints(records: list, cfg: EvalConfig, own: bool
                      ) -> tuple[dict[str, dict[str, Any] | None], dict[str, Any]]:
     """Each prompt's constraints as the eval decodes it (plain and speculative alike), and what the report says of
@@ -254,7 +256,7 @@ def eval_constraints(records: list, cfg: EvalConfig, own: bool
     for r in records:
         for key in without:
             without[key] += key in (r.constraints or {})
-        c = request_constraints.without(r.constraints, request_constraints.NOT_WITH_SPECULATION + ("seed", "n"))
+        c = request_constraints.without(r.constraints, LEFT_OUT)
         if own:
             try:
                 request_constraints.check_replayable(c, cfg.temperature == 0, f"prompt {r.id}")

@@ -84,20 +84,19 @@ def offline_estimate(samples, drafter, embed: torch.Tensor, lm_head: torch.Tenso
 
     from dflash_train.objective import decoded_steps, simulated_acceptance
 
-    per_sample, taus, ids, every_anchor, anchors = [], [], [], [], 0
-    by_k: list[list[float]] = [[] for _ in range(1, block_size)]
+    taus, ids, every_anchor, anchors = [], [], [], 0
+    by_k: list[list[float]] = [[] for _ in range(1, block_size)]  # by_k[-1]: the whole block, each sample's tau
     for sample in tqdm(samples, desc="offline tau", unit="sample", leave=False):
         lengths = simulated_acceptance(drafter, embed, lm_head, sample, block_size=block_size).tolist()
         if lengths:
             walks = [decoded_steps(sample, lengths, block_size, k) for k in range(1, block_size)]
             for taus_at_k, walk in zip(by_k, walks):
                 taus_at_k.append(sum(walk) / len(walk))
-            steps = walks[-1]  # the whole block: K = B - 1
-            per_sample.append(sum(steps) / len(steps))
-            taus += steps
+            taus += walks[-1]  # the whole block: K = B - 1
             ids.append(sample["id"])
             every_anchor.append(sum(lengths) / len(lengths))
             anchors += len(lengths)
+    per_sample = by_k[-1]
     stats = _stats(per_sample, taus, block_size)
     stats["tau_by_k"] = [sum(t) / len(t) if t else math.nan for t in by_k]
     stats["tau_every_anchor"] = sum(every_anchor) / len(every_anchor) if every_anchor else math.nan

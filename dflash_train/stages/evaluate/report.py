@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.provenance import write_json_atomic
-from dflash_train.report_tables import constraints_markdown, serving_tables, with_interval
-from dflash_train.report_tables import by_role
+from dflash_train.report_tables import by_role, constraints_markdown, serving_tables, with_interval
 from dflash_train.stages.evaluate.own_loop import drafter_label
 
 

@@ -17,7 +17,8 @@ import torch
 from dflash_train.engine import runner
 from dflash_train.engine.args import serve_command
 from dflash_train.engine.child import IDLE_S
-from dflash_train.engine.jobs import LOOKUP_METHODS, VLLM_DTYPES, EngineJob, EngineRequest, EngineResult, lookup_job
+from dflash_train.engine.jobs import (LOOKUP_METHODS, VLLM_DTYPES, EngineJob, EngineOutput, EngineRequest, EngineResult,
+                                     engine_steps, lookup_job)
 from dflash_train.errors import UserError
 from dflash_train.spec_decode import mean_tau
 from dflash_train.stages.evaluate.config import EvalConfig
@@ -124,8 +125,6 @@ def k_row(run: dict[str, Any], natural: dict[str, Any], greedy: bool) -> dict[st
     """One speculation length's figures from its timed runs (engine.child._timed): tau and acceptance by position from
     vLLM's verification steps, tokens/s and speedup by each clock with intervals, the lossless check against the
     plain outputs, and the per-prompt figures."""
-    from dflash_train.engine.jobs import EngineOutput, engine_steps
-
     spec = {o["id"]: EngineOutput(**o) for o in run["outputs"]}
     step_logs, per_prompt, unaccounted, spreads = [], [], 0, []
     for timed in run["batch1"]:

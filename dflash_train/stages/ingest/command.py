@@ -159,13 +159,14 @@ def _write_splits(out: Path, tmp: Path, records_file: Path, collector: Collector
     from datasets import Dataset, DatasetDict
 
     n_eval = max(collector.eval_count, 1)
+    schema = features()
     splits = {}
     for split, size in (("train", collector.kept - n_eval), ("eval", n_eval)):
         if size == 0:  # from_generator cannot build an empty split
-            splits[split] = Dataset.from_dict({name: [] for name in features()}, features=features())
+            splits[split] = Dataset.from_dict({name: [] for name in schema}, features=schema)
             continue
         splits[split] = Dataset.from_generator(
-            _split_generator, features=features(), cache_dir=str(tmp / "cache"), split=split,
+            _split_generator, features=schema, cache_dir=str(tmp / "cache"), split=split,
             fingerprint=uuid.uuid4().hex,  # never reuse a cached build: the logs may have changed
             gen_kwargs={"records_file": str(records_file), "want_eval": split == "eval",
                         "weights": collector.occurrences, "eval_fraction": config.eval_fraction,

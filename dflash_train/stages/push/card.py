@@ -112,8 +112,6 @@ def without_text(obj: Any) -> Any:
     return obj
 
 
-# An absolute local path: "/" or "~/" at the start of a token (not inside a URL, a relative path, a word such as
-# tokens/s or an HTML closing tag such as </details>), up to the next space, quote, bracket or separator.
 def _is_safe_scalar(value: Any) -> bool:
     if value is None or isinstance(value, (bool, int, float)):
         return True

@@ -29,13 +29,12 @@ from typing import Any, Callable
 
 from dflash_train.stages.push.card import (DEFAULT_LICENSE, CardInputs, Gate, lossless_mismatches, render_card,
                                            without_text)
-from dflash_train.provenance import without_local_paths
 from dflash_train.errors import UserError, writing
 from dflash_train.model.checkpoint import DrafterFolder, drafter_identity, read_drafter_folder, weight_files
 from dflash_train.options import add_options, at_least, from_args, option
 from dflash_train.provenance import (INCOMPLETE_MARKER, LOCK_FILE, PROVENANCE_FILE, OutputClaim, complete_output,
                                      config_differences, provenance, read_json, shown_pair, start_output,
-                                     write_json_atomic, write_provenance)
+                                     without_local_paths, write_json_atomic, write_provenance)
 from dflash_train.target import TargetIdentity
 
 # A drafter that commits fewer than 1.5 tokens per verification accepts a draft token at most every other step:
