@@ -62,7 +62,7 @@ test:
 # LOGS=another log (e.g. data/workloads/rewrite.jsonl.gz), LOGS=sharegpt: broad ShareGPT chat, the hard case.
 # Stages whose output is complete and valid are skipped on a rerun.
 LOGS ?= data/workloads/router_json.jsonl.gz
-DEMO_ARGS ?= --engine vllm --ngram 4 --suffix 8
+DEMO_ARGS ?= --engine vllm --ngram 4 --suffix 8 --combined on
 demo:
 	$(PYTHON) scripts/demo.py $(if $(filter-out sharegpt,$(LOGS)),--logs $(LOGS)) $(DEMO_ARGS)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from dflash_train.lookup import COMBINED_SETTING
+
 
 def fmt(value: Any) -> str:
     if isinstance(value, bool) or value is None:
@@ -82,6 +84,8 @@ def sweep_table(engine: dict[str, Any], sweep: list[dict[str, Any]], looked: lis
     suffixed = sorted((r for r in engine.get("suffix_sweep") or [] if isinstance(r, dict)),
                       key=lambda r: r.get("k") or 0)
     labelled += [(f"{fmt(r.get('k'))}, suffix decoding", r) for r in suffixed]
+    if isinstance(combined := engine.get("combined"), dict):
+        labelled.append((f"{fmt(combined.get('k'))}, drafter + prompt lookup", combined))
     rows = [(label, with_interval(r.get("tau"), r.get("tau_interval")),
              f"{fmt(r.get('tokens_per_s_baseline'))} / {fmt(r.get('tokens_per_s'))}",
              with_interval(r.get("speedup"), r.get("speedup_interval")) + "×",
@@ -116,10 +120,30 @@ def best_k_line(engine: dict[str, Any], sweep: list[dict[str, Any]], timing: dic
         line += (f" Suffix decoding: vLLM's `suffix` speculator, no model (drafts from a suffix tree over the "
                  f"prompt and the answers the engine gave before), timed the same way: "
                  f"{fmt(suffix.get('speedup'))}× at K = {fmt(suffix.get('k'))}.")
-    if (served := free_speculator_to_serve(engine)) is not None:  # what to serve: the fastest of them
-        line += (f" {served['name'].capitalize()} is the fastest here: serve it with `--speculative-config "
-                 f"'{json.dumps(served['config'], separators=(',', ':'))}'` in place of the drafter's.")
+    if isinstance(combined := engine.get("combined"), dict):
+        line += " " + combined_line(combined)
+    if (served := speculator_to_serve(engine)) is not None:  # what to serve: the fastest of them
+        line += f" {served['name'][0].upper()}{served['name'][1:]} is the fastest here: " + (
+            f"serve it with `--speculative-config '{json.dumps(served['config'], separators=(',', ':'))}'` in "
+            f"place of the drafter's." if not served.get("environment") else
+            f"serve the drafter as below with `{served['environment']}` set and dflash-train installed beside vLLM "
+            f"(its plugin).")
     return line
+
+
+def combined_line(combined: dict[str, Any]) -> str:
+    """What the combined speculator did: its speedup and tau at the drafter's K, and its blocks by source."""
+    sources = combined.get("sources") if isinstance(combined.get("sources"), dict) else {}
+    blocks = {s: c.get("blocks") or 0 for s, c in sources.items() if isinstance(c, dict)}
+    kept = ", ".join(f"{fmt(c.get('accepted'))} of {fmt(c.get('drafted'))} drafts kept from {s}"
+                     for s, c in sources.items() if isinstance(c, dict))
+    total = sum(blocks.values())
+    return (f"The combined speculator (this package's vLLM plugin: the drafter, and prompt lookup's block where "
+            f"lookup matched and the drafter's first draft is less likely than the rule says; "
+            f"`{combined.get('setting')}`), timed the same way at K = {fmt(combined.get('k'))}: "
+            f"{fmt(combined.get('speedup'))}×, τ {fmt(combined.get('tau'))}"
+            + (f"; {fmt(blocks.get('lookup', 0))} of {fmt(total)} blocks came from lookup ({kept})" if total else "")
+            + ".")
 
 
 def host_drift_lines(timing: dict[str, Any], lookup: dict[str, Any] | None, suffix: dict[str, Any] | None
@@ -154,22 +178,26 @@ def constraints_markdown(c: dict[str, Any] | None) -> list[str]:
                                     else "") + ".", ""]
 
 
-def free_speculator_to_serve(engine: dict[str, Any]) -> dict[str, Any] | None:
-    """The engine's model-free speculator to serve instead of the drafter, or None: vLLM's prompt lookup (the entry's
-    `ngram`) or suffix decoding (`suffix`), at its fastest K, where the faster of them beat the drafter at best_k one
-    request at a time (the entry's headline speedup). {name, k, speedup, config}."""
+def speculator_to_serve(engine: dict[str, Any]) -> dict[str, Any] | None:
+    """The speculator to serve instead of the drafter alone, or None: vLLM's prompt lookup (the entry's `ngram`),
+    suffix decoding (`suffix`), each at its fastest K, or the combined speculator (`combined`, at the drafter's K),
+    where the fastest of them beat the drafter at best_k one request at a time (the entry's headline speedup).
+    {name, k, speedup, config}; the combined one also names the `environment` setting that turns it on."""
     best = None
-    for key, name in (("ngram", "prompt lookup"), ("suffix", "suffix decoding")):
+    for key, name in (("ngram", "prompt lookup"), ("suffix", "suffix decoding"),
+                      ("combined", "the combined speculator (drafter + prompt lookup)")):
         entry = engine.get(key) if isinstance(engine.get(key), dict) else {}
         if entry and (entry.get("speedup") or 0) > max(engine.get("speedup") or 0, best["speedup"] if best else 0):
             config = entry.get("engine_args") if isinstance(entry.get("engine_args"), dict) else {}
             best = {"name": name, "k": entry.get("k"), "speedup": entry.get("speedup") or 0, "config": config}
+            if key == "combined":
+                best["environment"] = f"{COMBINED_SETTING}={entry.get('setting')}"
     return best
 
 
 def ranking_lines(engine: dict[str, Any]) -> list[str]:
-    """The drafter, prompt lookup and suffix decoding ranked at their own fastest K (the entry's `ranking`), when
-    more than one of them ran."""
+    """The drafter, prompt lookup, suffix decoding and the combined speculator ranked at their own fastest K (the
+    entry's `ranking`), when more than one of them ran."""
     ranked = [r for r in engine.get("ranking") or [] if isinstance(r, dict)]
     if len(ranked) < 2:
         return []

@@ -33,6 +33,7 @@ from collections.abc import Iterable
 import torch
 
 from dflash_train.stages.train.data import StoreSet, split_eval
+from dflash_train.lookup import lookup_draft, lookup_match
 from dflash_train.objective import anchor_candidates
 
 Sequence = tuple[list[int], list[bool]]  # token ids, loss mask (True on response tokens)
@@ -68,26 +69,6 @@ def slot1_accuracy(bigram: dict[int, Counter], trigram: dict[tuple[int, int], Co
             hits["bigram"] += bool(big) and big.most_common(1)[0][0] == ids[t + 1]
             hits["trigram"] += bool(tri) and tri.most_common(1)[0][0] == ids[t + 1]
     return {"anchors": n, **{k: v / n if n else float("nan") for k, v in hits.items()}}
-
-
-LOOKUP_N = (3, 2, 1)  # the suffix lengths tried, longest first (vLLM's prompt_lookup_max 3, prompt_lookup_min 1)
-
-
-def lookup_draft(context: list[int], k: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the context's longest matching suffix."""
-    return lookup_match(context, k)[0]
-
-
-def lookup_match(context: list[int], k: int) -> tuple[list[int], int]:
-    """lookup_draft's draft and the length n of the suffix it matched (0: no earlier occurrence, no draft)."""
-    for n in LOOKUP_N:
-        if len(context) <= n:
-            continue
-        suffix = context[-n:]
-        for start in range(len(context) - n - 1, -1, -1):
-            if context[start:start + n] == suffix:
-                return context[start + n:start + n + k], n
-    return [], 0
 
 
 def accepted(draft: list[int], ids: list[int], at: int, end: int) -> int:

@@ -41,9 +41,10 @@ from dflash_train import runs
 from dflash_train.engine.args import SPECULATION_LENGTHS
 from dflash_train.engine.install import suffix_problem
 from dflash_train.errors import CommandParser
+from dflash_train.lookup import combined_problem
 from dflash_train.options import at_least, in_range, int_list
 from dflash_train.provenance import is_complete
-from dflash_train.report_tables import free_speculator_to_serve
+from dflash_train.report_tables import combined_line, speculator_to_serve
 
 REPO = runs.REPO
 
@@ -94,6 +95,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="vLLM: also time the engine's suffix decoding (no model: a suffix tree over the prompt and "
                         "earlier answers) at these K, beside the drafter and prompt lookup (each K an engine of its "
                         "own; the plan counts it; e.g. 8)")
+    p.add_argument("--combined", metavar="RULE", default=None,
+                   help="vLLM: also time the combined speculator (the drafter, and prompt lookup's block where the "
+                        "rule picks it: this package's vLLM plugin) at the drafter's fastest K, and serve it where "
+                        "it is the fastest; RULE like 'k=4,confidence=0.6', or 'on' (the plan counts its time)")
     p.add_argument("--budget-min", type=float, default=30.0,
                    help="wall-time budget of the whole demo in minutes: capture and training are sized to it")
     p.add_argument("--no-plan", dest="plan", action="store_false",
@@ -104,10 +109,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         **{flag: at_least(1) for flag in ("--capture-limit", "--max-prompt-tokens", "--max-new-tokens",
                                           "--eval-max-new-tokens", "--batch-size", "--eval-limit")},
         "--name": runs.folder_name, "--prompts-name": runs.folder_name,
-        "--ngram": SPECULATION_LENGTHS, "--suffix": SPECULATION_LENGTHS})  # the eval's check of its lists
-    for flag, chosen in (("--ngram", args.ngram), ("--suffix", args.suffix)):
+        "--ngram": SPECULATION_LENGTHS, "--suffix": SPECULATION_LENGTHS,
+        "--combined": combined_problem})  # the eval's checks
+    for flag, chosen in (("--ngram", args.ngram), ("--suffix", args.suffix), ("--combined", args.combined)):
         if chosen and args.engine == "own":
-            p.error(f"{flag}: the engine's own speculators are timed in vLLM (--engine vllm or both)")
+            p.error(f"{flag}: the engine's speculators beside the drafter are timed in vLLM (--engine vllm or both)")
     if args.suffix and (problem := suffix_problem()):  # `make demo` asks for it: the rest runs without it
         print(f"note: --suffix is skipped: {problem}", flush=True)
         args.suffix = []
@@ -217,7 +223,8 @@ def eval_options(args: argparse.Namespace, plan: dict | None) -> list[str]:
         sizes += ["--sweep-budget-s", str(plan["sweep_budget_s"] if plan else 0)]
     return ["--concurrency", str(EVAL_CONCURRENCY), *sizes,
             *(["--ngram", ",".join(map(str, args.ngram))] if args.ngram else []),
-            *(["--suffix", ",".join(map(str, args.suffix))] if args.suffix else [])]
+            *(["--suffix", ",".join(map(str, args.suffix))] if args.suffix else []),
+            *(["--combined", args.combined] if args.combined else [])]
 
 
 def demo_summary(args: argparse.Namespace, plan: dict | None, log: runs.Log, report: dict, wall: float,
@@ -242,15 +249,18 @@ def demo_summary(args: argparse.Namespace, plan: dict | None, log: runs.Log, rep
                     f"believed" if timing.get("host_unsteady") else "")
         lines.append(f"- {name}: tau {_num(e.get('tau'))}{best}, speedup over plain decoding {_speedup(e)} (95% "
                      f"interval over prompts{unsteady}), lossless mismatches {e.get('lossless_mismatches')}")
-        served = free_speculator_to_serve(e)
-        for key, what in (("ngram", "prompt lookup"), ("suffix", "suffix decoding")):  # the engine's own, beside it
-            if isinstance(free := e.get(key), dict):
-                verdict = (": faster than the drafter here, serve it instead (the eval report gives its "
-                           "--speculative-config)" if served and served["name"] == what else
+        served = speculator_to_serve(e)
+        for key, what in (("ngram", "prompt lookup"), ("suffix", "suffix decoding"),
+                          ("combined", "the combined speculator (drafter + prompt lookup)")):  # beside the drafter
+            if isinstance(other := e.get(key), dict):
+                verdict = (": faster than the drafter here, serve it instead (the eval report says how)"
+                           if served and served["name"] == what else
                            f": faster than the drafter, slower than {served['name']}" if served and
-                           (free.get("speedup") or 0) > (e.get("speedup") or 0) else ": the drafter is the faster")
-                lines.append(f"- {name}, {what} (no model): tau {_num(free.get('tau'))}, K {free.get('k')}, "
-                             f"speedup {_speedup(free)}{verdict}")
+                           (other.get("speedup") or 0) > (e.get("speedup") or 0) else ": the drafter is the faster")
+                lines.append(f"- {name}, {what}{' (no model)' if key != 'combined' else ''}: tau "
+                             f"{_num(other.get('tau'))}, K {other.get('k')}, speedup {_speedup(other)}{verdict}")
+                if key == "combined":
+                    lines.append(f"  {combined_line(other)}")
     lines.append(f"- offline (simulated) tau {_num(report.get('tau_offline'))}, the held-out answers walked as greedy "
                  "decoding walks them")
     planned = plan["stage_s"] if plan else {}

@@ -91,7 +91,7 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     probe timed there (`probe_engine_decoding`: its batch-1 rate, each K at the starting drafter's slowdown), else
     the project's loop's rate and ENGINE_SLOWDOWN. Prompt lookup's K (--ngram) and suffix decoding's (--suffix) run
     whatever the budget: each costs a K at FREE_SLOWDOWN, and each but the first lookup K an engine child's start
-    too (`lookup_s`)."""
+    too (`lookup_s`); so does the combined speculator (--combined), with its fp32 recheck as the drafter's."""
     T = args.eval_max_new_tokens
     own, engine = args.engine != "vllm", args.engine != "own"
     engine_start_s = rates.get("engine_start_s", VLLM_START_S)
@@ -125,6 +125,8 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     free_k_s = per_k_s(FREE_SLOWDOWN)
     lookup_s = (len(args.ngram) * free_k_s + (len(args.ngram) - 1) * engine_start_s) if engine and args.ngram else 0.0
     lookup_s += len(args.suffix) * (free_k_s + engine_start_s) if engine else 0.0  # each suffix K: an engine child
+    combined = engine and args.combined  # the combined speculator at the drafter's K: an engine child of its own
+    lookup_s += free_k_s + engine_start_s if combined else 0.0
     recheck_s = 0.0
     if "fp32_decode_tok_s" in rates:  # a low-precision eval: its mismatches are rerun in fp32, plain and speculative
         prefill32_s, decode32_s = rates["fp32_prefill_s"], T / rates["fp32_decode_tok_s"]
@@ -132,8 +134,8 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
         if engine:  # one more engine child at the chosen K, untimed: plain, then speculative, to the natural stop
             fp32 = rates["decode_tok_s"] / rates["fp32_decode_tok_s"]  # vLLM's requests slow down as the loop's do
             request32_s = (engine_prefill_s * fp32, engine_decode_s * fp32) if measured else (prefill32_s, decode32_s)
-            recheck_s += engine_start_s + spec_start_s + FP32_RECHECK_SHARE["vllm"] * n_eval * pair_s(
-                *request32_s, drafter_slowdown)
+            recheck_s += (1 + bool(combined)) * (engine_start_s + spec_start_s + FP32_RECHECK_SHARE["vllm"] * n_eval
+                                                 * pair_s(*request32_s, drafter_slowdown))  # the combined's too
     fixed_s = own_s + n_eval * heldout_s + recheck_s + lookup_s  # the eval's parts no budget shrinks
 
     def split(budget_min: float, spent_s: float = spent_s) -> tuple[float, float]:
@@ -338,7 +340,8 @@ def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
           + (f", the fp32 rerun of bf16 mismatches ~{plan['fp32_recheck_s']} s" if plan.get("fp32_recheck_s") else "")
           + (f", {' and '.join(free)} ~{plan['lookup_s']} s" if plan.get("lookup_s") and (free := [
               f"{what} at K = {','.join(map(str, ks))}" for what, ks in (("prompt lookup", args.ngram),
-                                                                          ("suffix decoding", args.suffix)) if ks])
+                                                                          ("suffix decoding", args.suffix)) if ks]
+              + (["the combined speculator at the drafter's K"] if args.combined else []))
              else "")
           + f" (~{plan['stage_s']['eval']:.0f} s in all; their capture for the offline "
           f"estimate ~{plan['stage_s']['held-out capture']:.0f} s)", flush=True)

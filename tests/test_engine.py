@@ -284,7 +284,8 @@ def test_constrained_requests_are_decoded_under_them_losslessly_in_both_engines_
         overfit_drafter, engine_target, tmp_path):
     """Each held-out request decoded under its own constraint, plain and speculative, in vLLM and the project's loop
     alike (both stop each answer at the same token); what vLLM refuses with speculation (min_p, logit_bias) is left
-    out on both sides and counted; suffix decoding and prompt lookup timed the same way, all ranked."""
+    out on both sides and counted; suffix decoding, prompt lookup and the combined speculator timed the same way,
+    all ranked."""
     from dflash_train.engine.install import suffix_problem
 
     log = tmp_path / "log.jsonl"
@@ -293,7 +294,8 @@ def test_constrained_requests_are_decoded_under_them_losslessly_in_both_engines_
     out = tmp_path / "eval"
     suffix = [] if suffix_problem() else ["--suffix", "4"]
     assert eval_cli("--engine", "both", "--drafter", overfit_drafter, "--target", engine_target, "--prompts", log,
-                    "--out", out, "--speculative-tokens", "7", "--concurrency", "2", "--ngram", "3", *suffix) == 0
+                    "--out", out, "--speculative-tokens", "7", "--concurrency", "2", "--ngram", "3", *suffix,
+                    "--combined", "on") == 0
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["constraints"] == {
         "constrained": 5, "of": 6, "by_kind": {"regex": 1, "json_schema": 1, "choice": 1, "settings": 2, "none": 1},
@@ -311,7 +313,12 @@ def test_constrained_requests_are_decoded_under_them_losslessly_in_both_engines_
     longest = max(len(tok.encode(c, add_special_tokens=False)) for c in CONSTRAINED[2]["guided_choice"])
     assert lengths[ids[2]] <= longest + 1 < NEW_TOKENS  # a choice, then its stop token: far below the cap
     ranked = [r["speculator"] for r in vllm["ranking"]]
-    assert sorted(ranked) == sorted(["drafter", "prompt lookup"] + (["suffix decoding"] if suffix else []))
+    assert sorted(ranked) == sorted(["drafter", "prompt lookup", "drafter + prompt lookup"]
+                                    + (["suffix decoding"] if suffix else []))
+    combined = vllm["combined"]  # the plugin under each request's grammar: lossless, every block counted by source
+    assert combined["k"] == 7 and combined["lossless_mismatches"] == 0
+    assert set(combined["sources"]) == {"drafter", "lookup"}
+    assert sum(c["blocks"] for c in combined["sources"].values()) >= len(combined["per_prompt"])
     if suffix:
         assert vllm["suffix"]["k"] == 4 and vllm["suffix"]["lossless_mismatches"] == 0
         assert vllm["suffix"]["engine_args"] == {"method": "suffix", "num_speculative_tokens": 4}

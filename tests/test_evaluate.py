@@ -292,7 +292,7 @@ def test_suffix_decoding_is_timed_beside_lookup_and_the_fastest_of_the_three_is_
     """Each free speculator at its own fastest K, each K of suffix decoding in an engine of its own; the report ranks
     drafter, lookup and suffix, and the tables name the winner's config."""
     from dflash_train.engine import runner
-    from dflash_train.report_tables import free_speculator_to_serve, serving_tables
+    from dflash_train.report_tables import serving_tables, speculator_to_serve
     from dflash_train.stages.evaluate.config import EvalConfig
     from dflash_train.stages.evaluate.vllm_sweep import engine_eval
 
@@ -310,11 +310,55 @@ def test_suffix_decoding_is_timed_beside_lookup_and_the_fastest_of_the_three_is_
     assert [(r["speculator"], r["k"]) for r in v["ranking"]] == [("suffix decoding", 8), ("prompt lookup", 3),
                                                                  ("drafter", 1)]
     assert v["ranking"][0]["speedup"] == pytest.approx(1 / 0.6)
-    assert free_speculator_to_serve(v)["name"] == "suffix decoding"
+    assert speculator_to_serve(v)["name"] == "suffix decoding"
     text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
     assert ("Suffix decoding is the fastest here: serve it with `--speculative-config "
             "'{\"method\":\"suffix\",\"num_speculative_tokens\":8}'`") in text
     assert "| 1 | suffix decoding | 8 |" in text and "8, suffix decoding" in text
+
+
+def test_the_combined_speculator_is_timed_at_the_drafters_best_k_ranked_and_served_with_its_setting(
+        tiny_target, drafters, monkeypatch, tmp_path):
+    """--combined: after the drafter's sweep, the combined speculator at the drafter's fastest K in an engine job of
+    its own (its rule in the job, the drafter's config: the plugin turns it on), its blocks by source summed over
+    the prompts, ranked with the others; where it is the fastest the tables say to serve the drafter with its
+    setting."""
+    from dflash_train.engine import runner
+    from dflash_train.report_tables import serving_tables, speculator_to_serve
+    from dflash_train.stages.evaluate.config import EvalConfig
+    from dflash_train.stages.evaluate.vllm_sweep import engine_eval
+
+    prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS[:4])}
+    natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
+    calls: list = []
+    fake = fake_engine(calls, natural, {1: 0.9, 2: 0.8, "ngram": 0.85, "combined": 0.7}, {}, [])
+
+    def with_sources(job, workdir, what):  # the child's per-request blocks by source (engine.combined)
+        result = fake(job, workdir, what)
+        for run in result.timed["runs"]:
+            for out in run["outputs"] if run["method"] == "combined" else []:
+                out["sources"] = {"drafter": {"blocks": 1, "drafted": 2, "accepted": 1},
+                                  "lookup": {"blocks": 2, "drafted": 4, "accepted": 3}}
+        return result
+    monkeypatch.setattr(runner, "run_engine", with_sources)
+    config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1, 2],
+                        concurrency=[], ngram=[3], combined="on")
+    v = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
+    combined_job = calls[-1]
+    assert (combined_job.lookup_method, combined_job.ngram_tokens, combined_job.combined) == (
+        "combined", 2, "k=4,confidence=0.6")  # at best_k, the rule spelled out
+    assert combined_job.speculative_tokens == [] and combined_job.drafter == str(drafters[0])
+    assert combined_job.llm_kwargs(2, "combined")["speculative_config"]["method"] == "dflash"
+    c = v["combined"]
+    assert c["k"] == 2 and c["setting"] == "k=4,confidence=0.6" and c["lossless_mismatches"] == 0
+    assert c["sources"] == {"drafter": {"blocks": 4, "drafted": 8, "accepted": 4},
+                            "lookup": {"blocks": 8, "drafted": 16, "accepted": 12}}
+    assert [r["speculator"] for r in v["ranking"]] == ["drafter + prompt lookup", "drafter", "prompt lookup"]
+    assert speculator_to_serve(v)["environment"] == "DFLASH_TRAIN_LOOKUP=k=4,confidence=0.6"
+    text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
+    assert "2, drafter + prompt lookup" in text and "8 of 12 blocks came from lookup" in text
+    assert "serve the drafter as below with `DFLASH_TRAIN_LOOKUP=k=4,confidence=0.6` set" in text
+    assert "drafter + prompt lookup 2" in v["timing"]["plain_tokens_per_s_decode"]  # its plain runs: host drift
 
 
 def test_prompt_lookup_is_timed_with_requests_together_and_the_tables_say_how_far_it_pays(tiny_target, drafters,

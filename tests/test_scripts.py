@@ -380,10 +380,6 @@ def test_ngram_baseline_scores_bigram_and_trigram_tables(tmp_path, capsys):
 def test_prompt_lookup_copies_a_loop_from_the_context_and_counts_tokens_per_step():
     import ngram_baseline as ng
 
-    # the latest earlier occurrence of the longest matching suffix (3, 2, then 1 tokens) gives the draft
-    assert ng.lookup_draft([1, 2, 3, 1, 2, 3, 1, 2], 4) == [3, 1, 2]
-    assert ng.lookup_draft([5, 1, 6, 1, 7, 1], 2) == [7, 1]  # suffix [1]: its latest earlier occurrence
-    assert ng.lookup_draft([1, 2, 3], 4) == []
     # prompt [7], response 1 2 3 1 2 3 1 2 3; the prefill wrote the first 1, so 8 tokens are decoded. 7 1, 7 1 2 and
     # 7 1 2 3 have no earlier match: one token a step. 7 1 2 3 1 copies what followed the earlier 1 up to the
     # context's end, 2 3 1, all accepted, + the target's token (4 tokens); 7 1 2 3 1 2 3 1 2 copies 3 1 2 where only
@@ -394,14 +390,6 @@ def test_prompt_lookup_copies_a_loop_from_the_context_and_counts_tokens_per_step
     assert ng.lookup_tau([loop], 1) == {"sequences": 1, "tau": 8 / 6, "tau_steps": 8 / 6}
     nothing = ([4, 5, 6, 8], [False, True, True, True])  # nothing repeats: one token a step
     assert ng.lookup_tau([loop, nothing], 15) == {"sequences": 2, "tau": 1.3, "tau_steps": 10 / 7}
-
-
-def test_prompt_lookup_reports_the_suffix_it_matched():
-    import ngram_baseline as ng
-
-    assert ng.lookup_match([1, 2, 3, 1, 2, 3, 1, 2], 4) == ([3, 1, 2], 3)
-    assert ng.lookup_match([5, 1, 6, 1, 7, 1], 2) == ([7, 1], 1)
-    assert ng.lookup_match([1, 2, 3], 4) == ([], 0)
 
 
 def test_a_combined_rule_walks_the_answer_taking_each_step_from_the_source_it_picks():

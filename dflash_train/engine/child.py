@@ -25,9 +25,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from dflash_train.engine.combined import source_counts
 from dflash_train.engine.install import engine_environment_keys, vllm_version
 from dflash_train.engine.jobs import EngineJob, EngineOutput, EngineRequest, at_length, sampling_params
 from dflash_train.engine.runner import JOB_FILE, RESULT_FILE
+from dflash_train.lookup import COMBINED_SETTING, CombinedRule
 
 # A vLLM worker keeps polling its message queue for 1 s after its last request (shm_broadcast's busy loop): the
 # timed protocol waits this long before each timed request, so that the other engine's worker is asleep. On CPU the
@@ -62,6 +64,10 @@ def _child(workdir: Path) -> None:
         k tokens: (LLM, its kwargs, load s)."""
         kwargs = job.llm_kwargs(k, method)
         metrics = {"per_request_spec_decode_metrics": "detailed"} if k else {}
+        if method == "combined":  # engine.combined reads it at the engine's first drafting step
+            os.environ[COMBINED_SETTING] = job.combined or CombinedRule().setting()
+        else:
+            os.environ.pop(COMBINED_SETTING, None)
         t0 = time.perf_counter()
         llm = LLM(**kwargs, **metrics, disable_log_stats=False)
         return llm, kwargs, time.perf_counter() - t0
@@ -75,10 +81,16 @@ def _child(workdir: Path) -> None:
         return SamplingParams(**kwargs)
 
     def generate(llm: Any, requests: list[EngineRequest]) -> Generated:
+        before = llm.collective_rpc(source_counts)[0]
         t0 = time.perf_counter()
         results = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
                                [params(r) for r in requests], use_tqdm=False)
-        return _generated(requests, results, time.perf_counter() - t0)
+        got = _generated(requests, results, time.perf_counter() - t0)
+        after = llm.collective_rpc(source_counts)[0]  # None: no combined speculator (yet, before its first step)
+        if after is not None and len(requests) == 1:  # the combined speculator: this request's blocks by source
+            got.outputs[0]["sources"] = {source: {key: n - (before[source][key] if before else 0)
+                                                  for key, n in count.items()} for source, count in after.items()}
+        return got
 
     plain, kwargs, load_s = start(None)
     t0 = time.perf_counter()
@@ -206,7 +218,7 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
         gc.collect()
         run["seconds"] = time.perf_counter() - t0
         most = max(most, run["seconds"])
-        named = {"ngram": "prompt lookup ", "suffix": "suffix decoding "}.get(method, "")
+        named = {"ngram": "prompt lookup ", "suffix": "suffix decoding ", "combined": "combined "}.get(method, "")
         print(f"timed: {named}K={k} done in {run['seconds']:.0f} s "
               f"({time.perf_counter() - started:.0f} s in all)", flush=True)
         runs.append(run)
@@ -267,7 +279,7 @@ def _check(job: EngineJob, plain: Any, start, generate) -> tuple[list[dict], dic
     its timed runs (two decodes per prompt instead of three, no idle gaps)."""
     natural = [generate(plain, [r]).outputs[0] for r in job.requests]
     k = job.speculative_tokens[0]
-    spec, kwargs, load_s = start(k)
+    spec, kwargs, load_s = start(k, "combined" if job.lookup_method == "combined" else "dflash")
     outputs = [generate(spec, [r]).outputs[0] for r in job.requests]
     spec.llm_engine.engine_core.shutdown()
     return natural, {"runs": [{"k": k, "llm_kwargs": kwargs, "load_s": load_s, "outputs": outputs}]}

@@ -11,10 +11,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from dflash_train.lookup import PROMPT_LOOKUP
+
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the project's dtype names -> vLLM's
-# vLLM's own prompt-lookup speculator (`ngram`: no model, no training), the baseline a drafter has to beat: it
-# drafts the tokens that followed an earlier occurrence of the context's last 3, else 2, else 1 tokens.
-NGRAM_LOOKUP = {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
 LOOKUP_METHODS = ("ngram", "suffix")  # the engine's own model-free speculators, timed beside the drafter
 GiB = 1 << 30
 
@@ -55,13 +54,16 @@ class EngineJob:
     concurrency: list[int] = field(default_factory=list)
     repeats: int = 1
     budget_s: float | None = None
-    # timed mode: the K at which vLLM's prompt lookup (NGRAM_LOOKUP) is timed after the drafter's K, the same way,
+    # timed mode: the K at which vLLM's prompt lookup (lookup.PROMPT_LOOKUP) is timed after the drafter's K, the same way,
     # whatever the budget (a baseline asked for is measured). One K, last: vLLM 0.32 cannot start another engine in
     # a process after a prompt-lookup one (its CPU kernel overrides trip over an object llvmlite, imported by the
     # lookup, leaves in sys.modules: AttributeError '_lib_fn_wrapper' object has no attribute 'get'); each further
     # lookup K is a job of its own (no drafter K, its requests already at their timed lengths: `lookup_job`).
     ngram_tokens: int | None = None
-    lookup_method: str = "ngram"  # the speculator timed at ngram_tokens: prompt lookup, or suffix decoding
+    # the speculator timed at ngram_tokens: prompt lookup, suffix decoding, or "combined": the drafter with prompt
+    # lookup's block where `combined`, a lookup.CombinedRule setting, picks it (engine.combined; check mode too)
+    lookup_method: str = "ngram"
+    combined: str | None = None
 
     def max_num_seqs(self) -> int | None:
         """timed, check: the largest concurrency (one engine serves batch 1 and every concurrency); batch: vLLM's."""
@@ -70,12 +72,13 @@ class EngineJob:
     def llm_kwargs(self, k: int | None = None, method: str = "dflash") -> dict[str, Any]:
         """The `vllm.LLM(...)` arguments (the same names as `vllm serve` flags) of plain decoding, or with the
         drafter as vLLM's dflash speculator proposing `k` tokens per step (method "ngram": vLLM's prompt lookup
-        instead); the user's engine arguments last."""
+        instead; "combined": dflash's, the plugin turned on by the environment); the user's engine arguments
+        last."""
         kwargs: dict[str, Any] = {"model": str(self.target), "dtype": self.dtype, "max_model_len": self.max_model_len,
                                   "seed": self.seed, "enforce_eager": self.device == "cpu",
                                   "max_num_seqs": self.max_num_seqs()}
         if k and method == "ngram":
-            kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k, **NGRAM_LOOKUP}
+            kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k, **PROMPT_LOOKUP}
         elif k and method == "suffix":
             kwargs["speculative_config"] = {"method": "suffix", "num_speculative_tokens": k}
         elif k:
@@ -143,6 +146,7 @@ class EngineOutput:
     stop_reason: Any = None  # vLLM's: None (its EOS), the stop token id or the stop string that ended it
     accepted: list[int] = field(default_factory=list)  # accepted drafts per verification step (speculative only)
     drafted: list[int] = field(default_factory=list)  # drafts proposed per verification step
+    sources: dict[str, dict[str, int]] | None = None  # the combined speculator's blocks by source (engine.combined)
 
 
 @dataclass

@@ -181,9 +181,11 @@ def check_options(cfg: EvalConfig) -> tuple[bool, bool]:
     for path in [cfg.drafter, *cfg.baseline_drafters]:
         check_finished(path)
     own, in_engine = cfg.engine in ("own", "both"), cfg.engine in ("vllm", "both")
-    if (cfg.engine_args or cfg.suffix) and not in_engine:
-        raise UserError(f"{'--engine-args' if cfg.engine_args else '--suffix'} configures vLLM, and --engine "
-                        f"{cfg.engine} does not run it: pass --engine vllm or both")
+    vllm_only = [flag for flag, value in (("--engine-args", cfg.engine_args), ("--suffix", cfg.suffix),
+                                          ("--combined", cfg.combined)) if value]
+    if vllm_only and not in_engine:
+        raise UserError(f"{vllm_only[0]} configures vLLM, and --engine {cfg.engine} does not run it: pass --engine "
+                        f"vllm or both")
     if in_engine:
         from dflash_train.engine.install import check_vllm, suffix_problem
 

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from dflash_train import sampling
 from dflash_train.device import device_problem
 from dflash_train.engine.args import ENGINE_ARGS_HELP, SPECULATION_LENGTHS, engine_args_problem
+from dflash_train.lookup import CombinedRule, combined_problem
 from dflash_train.options import at_least, each, option
 from dflash_train.target import DEFAULT_TARGET
 
@@ -69,5 +70,10 @@ class EvalConfig:
                                help="vLLM: also time the engine's suffix decoding (method suffix: drafts from a suffix "
                                     "tree over the prompt and the answers it gave before; no model) at these K, the "
                                     "same way, each K in an engine of its own (needs arctic-inference: make install)")
+    combined: str | None = option(None, metavar="RULE", check=combined_problem,
+                                  help="vLLM: also time the combined speculator (this package's vLLM plugin: the "
+                                       "drafter, and prompt lookup's block where lookup matched and the drafter's "
+                                       "first draft is less likely than the rule's confidence) at the drafter's "
+                                       f"fastest K, the same way; RULE like {CombinedRule().setting()!r}, or 'on'")
     engine_args: dict[str, Any] = option(default_factory=dict, metavar="JSON", check=engine_args_problem,
                                          help=ENGINE_ARGS_HELP)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from dflash_train.engine.child import IDLE_S
 from dflash_train.engine.jobs import (LOOKUP_METHODS, VLLM_DTYPES, EngineJob, EngineOutput, EngineRequest, EngineResult,
                                      engine_steps, lookup_job)
 from dflash_train.errors import UserError
+from dflash_train.lookup import parse_combined
 from dflash_train.spec_decode import mean_tau
 from dflash_train.stages.evaluate.config import EvalConfig
 from dflash_train.stages.evaluate.metrics import (acceptance_stats, bootstrap_interval, bootstrap_resamples, mean_of,
@@ -234,14 +235,19 @@ def free_speculator(runs: list[dict[str, Any]], natural: dict[str, Any], greedy:
     return rows, best
 
 
-def ranking(drafter: dict[str, Any], lookup: dict[str, Any] | None, suffix: dict[str, Any] | None
-            ) -> list[dict[str, Any]]:
-    """The drafter, prompt lookup and suffix decoding at each one's fastest K, fastest first at batch 1 (by the
-    engine's speedup over plain decoding on the same prompts), with tau and the intervals: what to serve."""
+COMBINED_NAME = "drafter + prompt lookup"  # the combined speculator's name in the ranking
+
+
+def ranking(drafter: dict[str, Any], lookup: dict[str, Any] | None, suffix: dict[str, Any] | None,
+            combined: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The drafter, prompt lookup, suffix decoding and the combined speculator at each one's fastest K (the
+    combined one at the drafter's), fastest first at batch 1 (by the engine's speedup over plain decoding on the
+    same prompts), with tau and the intervals: what to serve."""
     rows = [{"speculator": name, "k": row["k"], "tau": row["tau"], "tau_interval": row.get("tau_interval"),
              "speedup": row["speedup"], "speedup_interval": row.get("speedup_interval"),
              "lossless_mismatches": row.get("lossless_mismatches")}
-            for name, row in (("drafter", drafter), ("prompt lookup", lookup), ("suffix decoding", suffix)) if row]
+            for name, row in (("drafter", drafter), ("prompt lookup", lookup), ("suffix decoding", suffix),
+                              (COMBINED_NAME, combined)) if row]
     return sorted(rows, key=lambda r: -(r["speedup"] if math.isfinite(r["speedup"] or math.nan) else -1.0))
 
 
@@ -274,6 +280,8 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     best = fastest_at_batch_1(sweep)
     best_run = {r["k"]: r for r in drafted}[best["k"]]
     mismatches, recheck_s = lossless_at_best_k(run, best, best_run, natural, prompts, dtype_name)
+    combined, combined_s = combined_entry(run, job, natural, best["k"], prompts, dtype_name) if cfg.combined \
+        else (None, 0.0)
     return {
         "engine": "vllm",
         "version": result.version,
@@ -296,8 +304,10 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         "ngram_sweep": lookup_rows,  # every --ngram K's row (batch 1)
         "suffix": suffix,  # vLLM's suffix decoding at --suffix's fastest K, timed the same way (or None)
         "suffix_sweep": suffix_rows,
-        "ranking": ranking(best, lookup, suffix),
-        "timing": timing_entry(run, result, seconds, natural, sweep, lookup_rows, suffix_rows),
+        "combined": combined,  # the drafter with prompt lookup's blocks where the rule picks them, at best_k
+        "ranking": ranking(best, lookup, suffix, combined),
+        "timing": timing_entry(run, result, seconds + combined_s, natural, sweep, lookup_rows, suffix_rows,
+                               [combined] if combined else []),
         "per_prompt": best["per_prompt"],
     }
 
@@ -328,7 +338,8 @@ class EngineRunner:
     source: str | None = None
 
     def __call__(self, ids: dict[str, list[int]], dtype: str, tag: str, ks: list[int], concurrency: list[int],
-                 budget_s: float | None, mode: str = "timed") -> tuple[EngineJob, EngineResult]:
+                 budget_s: float | None, mode: str = "timed", combined: str | None = None
+                 ) -> tuple[EngineJob, EngineResult]:
         cfg = self.cfg
         requests = [EngineRequest(id=rid, prompt_token_ids=p, max_tokens=cfg.max_new_tokens,
                                   temperature=cfg.temperature, seed=prompt_seed(cfg.seed, rid),
@@ -339,7 +350,8 @@ class EngineRunner:
                         drafter=cfg.drafter, max_model_len=self.max_len, mode=mode, seed=cfg.seed,
                         device=torch.device(self.device).type, engine_args=cfg.engine_args,
                         speculative_tokens=ks, concurrency=concurrency, repeats=cfg.repeats, budget_s=budget_s,
-                        ngram_tokens=cfg.ngram[0] if cfg.ngram and mode == "timed" else None)
+                        ngram_tokens=cfg.ngram[0] if cfg.ngram and mode == "timed" else None,
+                        lookup_method="combined" if combined else "ngram", combined=combined)
         budget = f", {budget_s:.0f} s budget" if budget_s is not None and len(ks) > 1 else ""
         if self.first is not None and mode == "timed":
             budget += f"; K = {self.first} first, the shortest that keeps tau by the {self.source}"
@@ -372,11 +384,40 @@ def free_speculator_runs(run: EngineRunner, job: EngineJob, result: EngineResult
     return free, seconds
 
 
+def combined_entry(run: EngineRunner, job: EngineJob, natural: dict[str, EngineOutput], k: int,
+                   prompts: dict[str, list[int]], dtype_name: str) -> tuple[dict[str, Any], float]:
+    """The combined speculator (engine.combined: the drafter, and prompt lookup's block where --combined's rule picks
+    it) at the drafter's best K, timed as the drafter was, in an engine process of its own, on the same prompts at
+    their lengths; its blocks by source (summed over the prompts), its lossless check (a mismatch rerun in fp32 as
+    the drafter's). Also the seconds of its engine runs."""
+    cfg, setting = run.cfg, parse_combined(run.cfg.combined).setting()
+    print(f"engine: vLLM, plain and the combined speculator ({setting}) at K = {k} ({len(prompts)} prompts at "
+          f"their lengths above)", flush=True)
+    t0 = time.perf_counter()
+    again = runner.run_engine(replace(lookup_job(job, natural, k, "combined"), combined=setting),
+                              run.workdir / "combined", "vLLM with the combined speculator")
+    (timed,) = again.timed["runs"]
+    row = k_row(timed, natural, cfg.temperature == 0)
+    row["concurrency"] = concurrency_rows([row], [timed])
+    sources: dict[str, dict[str, int]] = {}
+    for out in timed["outputs"]:
+        for source, count in (out.get("sources") or {}).items():
+            for key, n in count.items():
+                sources.setdefault(source, {}).setdefault(key, 0)
+                sources[source][key] += n
+    mismatches, _ = lossless_at_best_k(run, row, timed, natural, prompts, dtype_name, setting)
+    row |= {"setting": setting, "engine_args": timed["llm_kwargs"], "sources": sources,
+            **lossless_entry(row, mismatches, None, cfg.temperature == 0, dtype_name)}
+    return row, time.perf_counter() - t0
+
+
 def lossless_at_best_k(run: EngineRunner, best: dict[str, Any], best_run: dict[str, Any], natural: dict[str, Any],
-                       prompts: dict[str, list[int]], dtype_name: str) -> tuple[list[dict[str, Any]], float | None]:
+                       prompts: dict[str, list[int]], dtype_name: str, combined: str | None = None
+                       ) -> tuple[list[dict[str, Any]], float | None]:
     """The prompts whose output at best_k differs from plain decoding's, each diagnosed (diagnose_mismatch); in a
     low-precision dtype they are rerun in fp32 through the engine (the lossless check alone), which says whether
-    each was rounding. Returns them and the seconds of that rerun (None where none ran)."""
+    each was rounding (with `combined`, a rule setting: the combined speculator's). Returns them and the seconds
+    of that rerun (None where none ran)."""
     spec = {o["id"]: o["token_ids"] for o in best_run["outputs"]}
     mismatches = [{"id": p["id"], **diagnose_mismatch(run.target, prompts[p["id"]], natural[p["id"]].token_ids,
                                                       spec[p["id"]])}
@@ -384,7 +425,8 @@ def lossless_at_best_k(run: EngineRunner, best: dict[str, Any], best_run: dict[s
     if not mismatches or dtype_name == "fp32":
         return mismatches, None
     t0 = time.perf_counter()
-    _, again = run({d["id"]: prompts[d["id"]] for d in mismatches}, "fp32", "fp32", [best["k"]], [], None, "check")
+    _, again = run({d["id"]: prompts[d["id"]] for d in mismatches}, "fp32", "fp32" if combined is None else
+                   "fp32-combined", [best["k"]], [], None, "check", combined)
     spec32, plain32 = {o["id"]: o["token_ids"] for o in again.timed["runs"][0]["outputs"]}, again.by_id()
     for d in mismatches:
         d["fp32_spec_equals_plain"] = spec32[d["id"]] == plain32[d["id"]].token_ids
@@ -420,15 +462,16 @@ def concurrency_entry(sweep: list[dict[str, Any]], drafted: list[dict[str, Any]]
 
 
 def timing_entry(run: EngineRunner, result: EngineResult, seconds: float, natural: dict[str, Any],
-                 sweep: list[dict[str, Any]], lookup_rows: list[dict[str, Any]], suffix_rows: list[dict[str, Any]]
-                 ) -> dict[str, Any]:
+                 sweep: list[dict[str, Any]], lookup_rows: list[dict[str, Any]], suffix_rows: list[dict[str, Any]],
+                 combined_rows: list[dict[str, Any]]) -> dict[str, Any]:
     """How the sweep was timed (the entry's `timing`): the protocol, the K measured and those the budget left out,
     the first K and the estimate that chose it, plain decoding's own speed in the reference pass and in each row's
     runs and how far apart they are (host_drift; above HOST_DRIFT_LIMIT the machine's speed changed while it
     measured), the engine's seconds and the load average at the end."""
-    rates = plain_rates(natural, sweep + lookup_rows + suffix_rows)
+    rates = plain_rates(natural, sweep + lookup_rows + suffix_rows + combined_rows)
     labels = ["reference", *(str(r["k"]) for r in sweep), *(f"prompt lookup {r['k']}" for r in lookup_rows),
-              *(f"suffix decoding {r['k']}" for r in suffix_rows)]
+              *(f"suffix decoding {r['k']}" for r in suffix_rows),
+              *(f"{COMBINED_NAME} {r['k']}" for r in combined_rows)]
     drift = host_drift(rates)
     return {"protocol": TIMING_PROTOCOL, "repeats": run.cfg.repeats, "budget_s": run.cfg.sweep_budget_s,
             "measured_k": [row["k"] for row in sweep], "skipped_k": result.timed["skipped"],

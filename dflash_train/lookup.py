@@ -1,0 +1,83 @@
+"""Prompt lookup, vLLM's `ngram` speculator, as one rule: the draft is the tokens that followed the latest earlier
+occurrence of the context's last n tokens, n from PROMPT_LOOKUP's max down to its min (prompt and answer so far).
+No model, no training: it accepts where the answer repeats its context (loops, quotes, fixed keys, copied code).
+The eval times vLLM's own; the probes and the combined speculator (`engine.combined`) draft with this one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+PROMPT_LOOKUP = {"prompt_lookup_min": 1, "prompt_lookup_max": 3}  # vLLM's names; the project's setting
+LOOKUP_N = tuple(range(PROMPT_LOOKUP["prompt_lookup_max"], PROMPT_LOOKUP["prompt_lookup_min"] - 1, -1))
+
+
+def lookup_match(context: Sequence[int] | np.ndarray, k: int) -> tuple[list[int], int]:
+    """Up to k tokens that followed the latest earlier occurrence of the context's longest matching suffix (n in
+    LOOKUP_N), and that n (0: no earlier occurrence, no draft)."""
+    tokens = np.asarray(context)
+    for n in LOOKUP_N:
+        if len(tokens) <= n:
+            continue
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # starts 0 .. len - n - 1
+        starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if starts.size:
+            start = int(starts[-1]) + n
+            return tokens[start:start + k].tolist(), n
+    return [], 0
+
+
+def lookup_draft(context: Sequence[int] | np.ndarray, k: int) -> list[int]:
+    """lookup_match's draft alone."""
+    return lookup_match(context, k)[0]
+
+
+@dataclass(frozen=True)
+class CombinedRule:
+    """When the combined speculator (`engine.combined`) verifies prompt lookup's block instead of the drafter's:
+    where lookup matched (its draft follows an earlier occurrence of the context's last tokens) and the drafter's
+    probability of its first draft is below `confidence`; the lookup block is at most `k` tokens. Chosen offline at
+    every held-out anchor of the demos' workloads, walked as greedy decoding walks (probes/combined_rule.py)."""
+    k: int = 4
+    confidence: float = 0.6
+
+    def picks_lookup(self, matched: int, first_p: float) -> bool:
+        return matched > 0 and first_p < self.confidence
+
+    def setting(self) -> str:
+        """The rule as COMBINED_SETTING's value: parse_combined(rule.setting()) == rule."""
+        return f"k={self.k},confidence={self.confidence:g}"
+
+
+COMBINED_SETTING = "DFLASH_TRAIN_LOOKUP"  # the environment variable that turns the combined speculator on
+
+
+def parse_combined(text: str) -> CombinedRule:
+    """COMBINED_SETTING's value ("k=4,confidence=0.6", either key may be left out; "on": the defaults) as a rule;
+    ValueError, one line naming the setting, on anything else."""
+    values: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if part == "on":
+            continue
+        key, _, value = part.partition("=")
+        try:
+            number = {"k": int, "confidence": float}[key.strip()](value)
+        except (KeyError, ValueError):
+            raise ValueError(f"{COMBINED_SETTING}={text!r}: expected k=INT,confidence=FLOAT (e.g. "
+                             f"{CombinedRule().setting()!r}), got {part!r}") from None
+        values[key.strip()] = number
+    rule = CombinedRule(**values)
+    if rule.k < 1 or not 0 <= rule.confidence <= 1:
+        raise ValueError(f"{COMBINED_SETTING}={text!r}: k must be at least 1 and confidence within [0, 1]")
+    return rule
+
+
+def combined_problem(value: str | None) -> str | None:
+    """A --combined option's rule (None: not given), or why it is not one."""
+    try:
+        value is None or parse_combined(value)
+    except ValueError as e:
+        return str(e).split(": ", 1)[-1]
+    return None

@@ -1,0 +1,91 @@
+"""The combined speculator (engine.combined): per request and step, prompt lookup's block where the rule picks it,
+else the drafter's; in the real vLLM on CPU with the embedded target and the shipped general drafter, greedy output
+stays plain decoding's, and its blocks come from lookup where the answer copies its prompt and from the drafter
+where it does not."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash_train.engine.combined import Combined
+from dflash_train.lookup import CombinedRule
+from test_engine import needs_vllm
+
+REPO = Path(__file__).resolve().parent.parent
+GENERAL = REPO / "drafters" / "smollm2-135m-instruct-general"
+
+
+def test_each_request_gets_lookups_block_where_the_rule_picks_it_and_its_tokens_are_counted_by_source():
+    combined = Combined(CombinedRule(k=3, confidence=0.6))
+    drafts = [[7, 7, 7, 7, 7], [8, 8, 8, 8, 8], [9, 9, 9, 9, 9], [6, 6, 6, 6, 6]]
+    contexts = [np.array([1, 2, 3, 4, 1, 2]),  # 1 2 matched: lookup drafts 3 4 1 (its k)
+                np.array([1, 2, 3, 4, 1, 2]),  # matched too, but the drafter is sure of its first draft
+                np.array([5, 6, 7]),  # nothing repeats: the drafter's
+                None]  # decodes nothing this step (a prefill chunk): the drafter's, as vLLM had it
+    blocks = combined.choose(drafts, [0.2, 0.9, 0.1, 0.1], contexts, ["a", "b", "c", "d"])
+    assert blocks == [[3, 4, 1], drafts[1], drafts[2], drafts[3]]
+    assert combined.pending == {"a": "lookup", "b": "drafter", "c": "drafter", "d": "drafter"}
+    # the next step verified them: a kept 2 of its 3 drafts (+ the target's token), b none, c all 5; d drafted
+    # nothing that step (the scheduler dropped its drafts)
+    combined.settle(["a", "b", "c", "d"], [[3, 4, 5], [2], [9] * 6, [4]], [3, 5, 5, 0])
+    assert combined.counts == {"drafter": {"blocks": 2, "drafted": 10, "accepted": 5},
+                               "lookup": {"blocks": 1, "drafted": 3, "accepted": 2}}
+
+
+@needs_vllm
+def test_the_plugin_stays_off_on_a_vllm_it_does_not_know_in_one_line(monkeypatch, caplog):
+    import vllm
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from dflash_train.engine import combined
+
+    before = GPUModelRunner.propose_draft_token_ids
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    monkeypatch.setenv("DFLASH_TRAIN_LOOKUP", "on")
+    with caplog.at_level(logging.WARNING, logger="vllm.dflash_train.combined"):
+        combined.register()
+    assert GPUModelRunner.propose_draft_token_ids is before  # nothing wrapped
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "vllm.dflash_train.combined"]
+    assert line == ("dflash-train combined speculator off: written for vLLM 0.32.*, this is vLLM 0.33.0 "
+                    "(DFLASH_TRAIN_LOOKUP ignored)")
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_in_vllm_it_is_lossless_and_drafts_from_lookup_where_the_answer_copies_the_prompt(tmp_path):
+    """The lossless check's engine job (`check`: each prompt alone, plain then speculative, to its natural stop) with
+    the combined speculator: fp32, greedy, token for token plain decoding's on a prompt that loops, one whose answer
+    copies the prompt and one whose answer is new; the copying answer's blocks mostly lookup's, the new one's mostly
+    the drafter's (the general drafter's first draft is sure there, and lookup rarely matches)."""
+    from dflash_train.engine.jobs import EngineJob, EngineRequest
+    from dflash_train.engine.runner import run_engine
+    from dflash_train.target import load_tokenizer, render_prompt, resolve_target
+
+    target = resolve_target("smollm2-135m-instruct")
+    tokenizer = load_tokenizer(str(target))
+    prompts = {"loops": "Write the word hello 40 times.",
+               "copies": "Copy this text exactly: Alice sent Bob a letter. Bob sent Carol a letter. Carol sent Dave "
+                         "a letter. Dave sent Erin a letter.",
+               "new": "Explain photosynthesis in two sentences."}
+    requests = [EngineRequest(id=name, prompt_token_ids=render_prompt(tokenizer, [{"role": "user", "content": p}]),
+                              max_tokens=64) for name, p in prompts.items()]
+    job = EngineJob(target=str(target), requests=requests, stop_token_ids=[tokenizer.eos_token_id],
+                    drafter=str(GENERAL), max_model_len=512, mode="check", speculative_tokens=[7],
+                    lookup_method="combined", combined="k=4,confidence=0.6")
+    result = run_engine(job, tmp_path, "the combined speculator")
+    (run,) = result.timed["runs"]
+    plain = result.by_id()
+    spec = {o["id"]: o for o in run["outputs"]}
+    for name in prompts:
+        assert spec[name]["token_ids"] == plain[name].token_ids, name  # lossless
+        sources = spec[name]["sources"]
+        assert sum(c["accepted"] for c in sources.values()) == sum(spec[name]["accepted"]), name  # vLLM's count
+        assert sum(c["blocks"] for c in sources.values()) == len(spec[name]["accepted"]), name
+    copies, new = spec["copies"]["sources"], spec["new"]["sources"]
+    assert copies["lookup"]["blocks"] > 2 * copies["drafter"]["blocks"], copies
+    assert new["drafter"]["blocks"] > 2 * new["lookup"]["blocks"], new
+    assert copies["lookup"]["accepted"] > copies["lookup"]["blocks"]  # lookup's blocks are kept there
