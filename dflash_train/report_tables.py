@@ -143,6 +143,11 @@ def combined_line(combined: dict[str, Any]) -> str:
             f"`{combined.get('setting')}`), timed the same way at K = {fmt(combined.get('k'))}: "
             f"{fmt(combined.get('speedup'))}×, τ {fmt(combined.get('tau'))}"
             + (f"; {fmt(blocks.get('lookup', 0))} of {fmt(total)} blocks came from lookup ({kept})" if total else "")
+            + "".join(f"; against {'the ' * (name == 'drafter')}{name} at K = {fmt(vs.get('k'))}, paired by "
+                      f"prompt: τ "
+                      f"{with_interval(vs.get('tau_ratio'), vs.get('tau_ratio_interval'))}×, speedup "
+                      f"{with_interval(vs.get('speedup_ratio'), vs.get('speedup_ratio_interval'))}×"
+                      for name, vs in (combined.get("against") or {}).items() if isinstance(vs, dict))
             + ".")
 
 

@@ -161,12 +161,14 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
 
 
 def early_check(args: argparse.Namespace, prompts: Path, first: dict, spent_s: float) -> None:
-    """Refuse, before the probe's slower measurements, a budget the eval alone overruns. Engine starts are not
-    measured yet: the refusal counts each as 0, so that what it refuses the full plan refuses too; the budget it
-    names is the one the plan fits with each start at SLOW_VLLM_START_S (the eval's engine, one more per further
-    lookup K, the fp32 recheck's) and the rest of the probe spent (`probe_rest_s`), an estimate that errs long."""
+    """Refuse, before the probe's slower measurements, a budget the eval alone overruns. The engine is not
+    measured yet: the refusal counts each start as 0 and the drafter's K as costing no more than plain decoding at
+    the project's loop's rate, so that what it refuses the full plan refuses too; the budget it names is the one
+    the plan fits with each start at SLOW_VLLM_START_S (the eval's engine, one more per further lookup K, the fp32
+    recheck's) and the rest of the probe spent (`probe_rest_s`), an estimate that errs long."""
     try:
-        eval_plan(args, prompts, {**first, "engine_start_s": 0.0}, spent_s)
+        eval_plan(args, prompts, {**first, "engine_start_s": 0.0, "engine_plain_tok_s": first["decode_tok_s"],
+                                  "engine_spec_slowdown": FREE_SLOWDOWN, "engine_spec_start_s": 0.0}, spent_s)
     except UserError:
         estimated = {**first, "engine_start_s": SLOW_VLLM_START_S}  # only adds time: this plan refuses too
         eval_plan(args, prompts, estimated, spent_s, unmeasured_s=probe_rest_s(args, first))

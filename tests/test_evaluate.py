@@ -354,9 +354,17 @@ def test_the_combined_speculator_is_timed_at_the_drafters_best_k_ranked_and_serv
     assert c["sources"] == {"drafter": {"blocks": 4, "drafted": 8, "accepted": 4},
                             "lookup": {"blocks": 8, "drafted": 16, "accepted": 12}}
     assert [r["speculator"] for r in v["ranking"]] == ["drafter + prompt lookup", "drafter", "prompt lookup"]
+    # paired by prompt against each other at its own fastest K: every prompt 0.7 s against 0.8 s (the drafter at
+    # K = 2, tau 3), against 0.85 s (lookup at K = 3, tau 4), plain 1 s on each side
+    drafter, lookup = c["against"]["drafter"], c["against"]["prompt lookup"]
+    assert (drafter["k"], drafter["prompts"], lookup["k"]) == (2, 4, 3)
+    assert drafter["speedup_ratio"] == pytest.approx(0.8 / 0.7) and lookup["speedup_ratio"] == pytest.approx(0.85 / 0.7)
+    assert drafter["speedup_ratio_interval"] == pytest.approx([0.8 / 0.7] * 2)  # the same on every prompt
+    assert drafter["tau_ratio"] == pytest.approx(1.0) and lookup["tau_ratio"] == pytest.approx(3 / 4)
     assert speculator_to_serve(v)["environment"] == "DFLASH_TRAIN_LOOKUP=k=4,confidence=0.6"
     text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
     assert "2, drafter + prompt lookup" in text and "8 of 12 blocks came from lookup" in text
+    assert "against the drafter at K = 2, paired by prompt: τ 1 [1, 1]×, speedup 1.143 [1.143, 1.143]×" in text
     assert "serve the drafter as below with `DFLASH_TRAIN_LOOKUP=k=4,confidence=0.6` set" in text
     assert "drafter + prompt lookup 2" in v["timing"]["plain_tokens_per_s_decode"]  # its plain runs: host drift
 

@@ -282,6 +282,9 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     mismatches, recheck_s = lossless_at_best_k(run, best, best_run, natural, prompts, dtype_name)
     combined, combined_s = combined_entry(run, job, natural, best["k"], prompts, dtype_name) if cfg.combined \
         else (None, 0.0)
+    if combined:  # what it is worth against each of the others at its own fastest K, paired by prompt
+        combined["against"] = {name: paired_against(combined, other) for name, other in
+                               (("drafter", best), ("prompt lookup", lookup), ("suffix decoding", suffix)) if other}
     return {
         "engine": "vllm",
         "version": result.version,
@@ -382,6 +385,32 @@ def free_speculator_runs(run: EngineRunner, job: EngineJob, result: EngineResult
         free[method] += again.timed["runs"]
         seconds += again.load_s + again.wall_s
     return free, seconds
+
+
+def paired_against(row: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """`row` against `other` on the prompts both timed (with a tau), paired by prompt: the ratio of their mean taus
+    and of their speedups over plain decoding (each a ratio of sums, engine core), each with its 95% bootstrap
+    interval over the same resampled prompts."""
+    theirs = {p["id"]: p for p in other["per_prompt"] if p["tau"] is not None}
+    pairs = [(p, theirs[p["id"]]) for p in row["per_prompt"] if p["id"] in theirs and p["tau"] is not None]
+
+    def total(idx: list[int], side: int, key: str) -> float:
+        return sum(pairs[i][side][key] for i in idx)
+
+    def tau_ratio(idx: list[int]) -> float | None:
+        return total(idx, 0, "tau") / total(idx, 1, "tau") if idx else None
+
+    def speedup_ratio(idx: list[int]) -> float | None:
+        if not idx:
+            return None
+        return (total(idx, 0, "plain_core_s") / total(idx, 0, "spec_core_s")) / (
+            total(idx, 1, "plain_core_s") / total(idx, 1, "spec_core_s"))
+
+    everything = list(range(len(pairs)))
+    return {"prompts": len(pairs), "k": other["k"], "tau_ratio": tau_ratio(everything),
+            "tau_ratio_interval": bootstrap_interval(tau_ratio, len(pairs)),
+            "speedup_ratio": speedup_ratio(everything),
+            "speedup_ratio_interval": bootstrap_interval(speedup_ratio, len(pairs))}
 
 
 def combined_entry(run: EngineRunner, job: EngineJob, natural: dict[str, EngineOutput], k: int,
