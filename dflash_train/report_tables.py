@@ -59,11 +59,11 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
              "bootstrap intervals over prompts; tokens/s of whole requests (every new token, prefill included), by "
              "the engine core (from the request's arrival to its last token) and by a stopwatch around each:", "",
              sweep_table(engine, sweep, looked), "", best_k_line(engine, sweep, timing, lookup, looked, suffix)]
-    lines += ranking_lines(engine)
     first = timing.get("first_k")
-    if isinstance(first, dict):
+    if isinstance(first, dict):  # under best_k's line, not the ranking's table
         lines[-1] += (f" Timed first: K = {fmt(first.get('k'))}, the shortest whose expected tau by the "
                       f"{first.get('from')} is within {fmt(100 * (first.get('slack') or 0))}% of the whole block's.")
+    lines += ranking_lines(engine)
     lines += host_drift_lines(timing, lookup, suffix)
     lines += concurrency_table(engine)
     lines += ["", f"Measured on {describe_machine(machine, engine.get('dtype'))}"

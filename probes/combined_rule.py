@@ -30,6 +30,7 @@ import torch
 from ngram_baseline import lookup_lengths
 
 from dflash_train import runs
+from dflash_train.lookup import CombinedRule
 from dflash_train.model.checkpoint import load_drafter
 from dflash_train.objective import all_anchors, decoding_walk, simulated_acceptance
 from dflash_train.store.reader import open_store
@@ -42,8 +43,9 @@ RULES = [("drafter always", lambda n, p: "drafter", True),
          ("lookup where it matched", lambda n, p: "lookup" if n >= 1 else "drafter", True),
          ("lookup where it matched 2+ tokens", lambda n, p: "lookup" if n >= 2 else "drafter", True),
          ("lookup where it matched 3 tokens", lambda n, p: "lookup" if n >= 3 else "drafter", True)]
-RULES += [(f"lookup where it matched, unless the drafter's first draft has p >= {c}",
-           lambda n, p, c=c: "lookup" if n >= 1 and p < c else "drafter", True) for c in (0.5, 0.7, 0.9)]
+RULES += [(f"lookup where it matched, unless the drafter's first draft has p >= {c}",  # the plugin's rule
+           lambda n, p, rule=CombinedRule(confidence=c): "lookup" if rule.picks_lookup(n, p) else "drafter", True)
+          for c in (0.5, 0.6, 0.7, 0.9)]
 
 
 def parse_args() -> argparse.Namespace:

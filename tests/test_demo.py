@@ -197,6 +197,36 @@ def test_suffix_decoding_in_the_demo_is_planned_as_an_engine_of_its_own_per_k(de
            "suffix decoding" in summary
 
 
+def test_the_combined_speculator_in_the_demo_is_planned_as_an_engine_of_its_own_and_served_when_fastest(
+        demo_prompts, tiny_target_dir):
+    """demo --combined RULE: one more engine process at the drafter's K, planned as a lookup K plus its start, and
+    on a bf16 host its own fp32 recheck; the summary says what it did and that it is the one to serve."""
+    rates = {"capture_s_per_prompt": 1.88, "decode_tok_s": 18.0, "prefill_s": 0.4, "train_step_s": 1.93,
+             "engine_start_s": 43.1}
+    base = ["--target", str(tiny_target_dir), "--max-prompt-tokens", "60", "--budget-min", "45", "--ngram", "3"]
+    looked, both = (demo_plan.make_plan(demo.parse_args([*base, *extra]), demo_prompts, rates, 214.0)
+                    for extra in ([], ["--combined", "on"]))
+    assert both["lookup_s"] == pytest.approx(2 * looked["lookup_s"] + 43.1, abs=1.5)
+    bf16 = {**rates, "fp32_decode_tok_s": 9.0, "fp32_prefill_s": 0.8}  # vLLM's fp32 recheck, the combined's too
+    alone, combined = (demo_plan.make_plan(demo.parse_args([*base, "--engine", "vllm", *extra]), demo_prompts, bf16,
+                                           214.0) for extra in ([], ["--combined", "on"]))
+    assert combined["fp32_recheck_s"] == pytest.approx(2 * alone["fp32_recheck_s"], abs=1.5)
+    args = demo.parse_args(["--logs", "data/workloads/router_json.jsonl.gz", "--ngram", "4", "--combined", "on"])
+    assert args.combined == "on" and demo.eval_options(args, None)[-2:] == ["--combined", "on"]
+    vllm = {"tau": 2.0, "best_k": 9, "speedup": 1.2, "speedup_interval": [1.1, 1.3], "lossless_mismatches": 0,
+            "timing": {}, "ngram": {"k": 4, "tau": 1.4, "speedup": 1.25, "speedup_interval": None},
+            "combined": {"k": 9, "tau": 2.6, "speedup": 1.45, "speedup_interval": None, "setting": "k=4,confidence=0.6",
+                         "sources": {"drafter": {"blocks": 30, "drafted": 270, "accepted": 40},
+                                     "lookup": {"blocks": 10, "drafted": 40, "accepted": 25}}}}
+    summary = demo.demo_summary(args, None, runs.Log(), {"engines": {"vllm": vllm}}, 1.0, [])
+    assert ("- vllm, the combined speculator (drafter + prompt lookup): tau 2.60, K 9, speedup 1.45x: faster than "
+            "the drafter here, serve it instead") in summary
+    assert "10 of 40 blocks came from lookup (40 of 270 drafts kept from drafter, 25 of 40 drafts kept from " \
+           "lookup)" in summary
+    assert "prompt lookup (no model): tau 1.40, K 4, speedup 1.25x: faster than the drafter, slower than the " \
+           "combined speculator" in summary
+
+
 @pytest.mark.parametrize("bad,named", [
     (["--budget-min", "nan"], "--budget-min nan must be in (0, 10080]"),  # it ran ingest and died in the plan
     (["--budget-min", "0"], "--budget-min 0.0 must be in (0, 10080]"),  # refused only after the probe
@@ -221,7 +251,7 @@ def test_the_probe_names_max_prompt_tokens_when_no_training_prompt_fits(demo_pro
     lookup = {"k": 3, "tau": 1.46, "speedup": 1.171, "speedup_interval": [1.057, 1.311]}
     summary = demo.demo_summary(args, None, runs.Log(), {"engines": {"vllm": {**vllm, "ngram": lookup}}}, 1.0, [])
     assert ("- vllm, prompt lookup (no model): tau 1.46, K 3, speedup 1.17x [1.06, 1.31]: faster than the drafter "
-            "here, serve it instead (the eval report gives its --speculative-config)") in summary
+            "here, serve it instead (the eval report says how)") in summary
     slower = {**lookup, "speedup": 0.9, "speedup_interval": None}
     summary = demo.demo_summary(args, None, runs.Log(), {"engines": {"vllm": {**vllm, "ngram": slower}}}, 1.0, [])
     assert "K 3, speedup 0.90x: the drafter is the faster" in summary
@@ -378,7 +408,9 @@ def test_the_early_refusal_names_a_budget_the_whole_probe_leaves_room_in(demo_pr
     were timed, it named --budget-min 35, and at 35 the full probe (428 s, vLLM's measured start in it) refused
     again naming 40. The early check now names the budget the plan fits with the rest of the probe estimated from
     the capture it timed and every engine start the eval will make (one more per further lookup K, the fp32
-    recheck's on a bf16 host) at the slowest measured: a budget the plan with every rate in accepts."""
+    recheck's on a bf16 host) at the slowest measured: a budget the plan with every rate in accepts. (The early
+    check now counts the drafter's K at no slowdown, a lower bound: that host at 30 minutes goes through the whole
+    probe before the plan refuses, and 25 is refused early.)"""
     early = {"precision": "fp32", "capture_batch": 16, "capture_s_per_prompt": 3.80,
              "capture_s_per_prompt_by_quantile": [3.36, 4.25], "decode_tok_s": 10.7, "prefill_s": 1.0}
     if host.startswith("bf16"):  # the eval's mismatches rerun in fp32, at half the rate (the AVX-512 BF16 host)
@@ -387,7 +419,7 @@ def test_the_early_refusal_names_a_budget_the_whole_probe_leaves_room_in(demo_pr
     rates = {**early, "engine_start_s": 99.8, "engine_capture_s_per_prompt": 3.22, "engine_prefill_s_per_prompt": 1.73,
              "capture_new_tok_s": 28.9, "capture_mean_new_tokens": 118.0, "capture_mean_tokens": 277.5,
              "state_bytes_per_token": 5760.0, "train_step_s": 7.46, "train_online_step_s": 12.27}
-    argv = ["--target", str(tiny_target_dir), "--max-prompt-tokens", "60",
+    argv = ["--target", str(tiny_target_dir), "--max-prompt-tokens", "60", "--budget-min", "25",
             "--ngram", "2,3" if host.endswith("two lookup K") else "3"]
     rest = demo_plan.probe_rest_s(demo.parse_args(argv), early)
     spent = 17.0 + 428.0  # ingest, then the whole probe at 35 minutes (the early check came at 160 s)

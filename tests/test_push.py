@@ -673,3 +673,18 @@ def test_read_only_push_folder_is_one_line(drafter_dir, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == \
         f"dflash-train push: error: cannot write {ro}: read-only file system. Choose a writable folder"
+
+
+def test_the_published_eval_names_hub_repos_for_the_drafter_and_the_combined_speculator_alike():
+    from dflash_train.stages.push.command import publishable_engine
+
+    local = {"model": "/home/me/target", "speculative_config": {"method": "dflash", "model": "/home/me/runs/d",
+                                                                "num_speculative_tokens": 9}}
+    engine = {"engine_args": local, "engine_args_plain": {"model": "/home/me/target"},
+              "combined": {"k": 9, "setting": "k=4,confidence=0.6", "engine_args": local}}
+    published = publishable_engine(engine, "org/target", "org/drafter")
+    for args in (published["engine_args"], published["combined"]["engine_args"]):
+        assert args["model"] == "org/target" and args["speculative_config"]["model"] == "org/drafter"
+    assert published["engine_args_plain"] == {"model": "org/target"}
+    assert published["combined"]["setting"] == "k=4,confidence=0.6"
+    assert "/home/me" not in published["serve_command"] and engine["engine_args"] is local  # the report untouched

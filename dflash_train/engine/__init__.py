@@ -23,4 +23,7 @@ The modules, in the order a job goes through them:
   engine's reason, from its log).
 - `child`: what runs inside the child process: the batch (capture), timed (eval's speedup protocol) and check
   modes.
+
+Beside them, inside vLLM: `combined`, the package's vLLM plugin (the combined speculator: the DFlash drafter, and
+prompt lookup's block where `lookup.CombinedRule` picks it), loaded by vLLM itself in every process.
 """

@@ -7,8 +7,8 @@ child, each warmed up; every prompt decoded first to its natural stop (the refer
 timed plain and speculative at that fixed length (`ignore_eos`: both sides decode the same number of tokens),
 alternating which goes first, at batch 1 and at the requested concurrencies; each run timed twice, by the engine
 core's timestamps (request arrival, first and last token) and by a stopwatch around the call. `check` (the eval's
-fp32 rerun of its mismatches): each prompt alone, plain and speculative at one K, once each to its natural stop,
-untimed. Acceptance comes from vLLM's per-request speculative-decoding metrics (the accepted drafts of every
+fp32 rerun of its mismatches): each prompt alone, plain and speculative at one K (the drafter, or the combined
+speculator with `lookup_method` "combined"), once each to its natural stop, untimed. Acceptance comes from vLLM's per-request speculative-decoding metrics (the accepted drafts of every
 verification step). The prompts are token ids rendered by the project (`target.render`), so the engine and the
 project's loop decode the very same prompts.
 """
@@ -187,7 +187,8 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
        and by a stopwatch around the call (`wall_s`). The speculative engine is shut down before the next K starts.
     3. Then vLLM's prompt lookup at K = `job.ngram_tokens`, the same way, at batch 1 and at each concurrency
        (whatever the budget: a baseline asked for is measured); its run says `"method": "ngram"` (or, with
-       `job.lookup_method` "suffix", vLLM's suffix decoding: `"method": "suffix"`)."""
+       `job.lookup_method` "suffix", vLLM's suffix decoding: `"method": "suffix"`; "combined", the drafter with
+       the combined speculator's plugin on: `"method": "combined"`, each output with its blocks by source)."""
     import gc
 
     first = job.requests[0]

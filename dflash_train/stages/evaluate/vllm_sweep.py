@@ -360,7 +360,8 @@ class EngineRunner:
             budget += f"; K = {self.first} first, the shortest that keeps tau by the {self.source}"
         if cfg.ngram and mode == "timed":
             budget += f"; then vLLM's prompt lookup at K = {', '.join(map(str, cfg.ngram))}"
-        print(f"engine: vLLM, plain and with drafter {cfg.drafter} at K = {', '.join(map(str, ks))} "
+        speculator = f"the combined speculator ({combined}) with drafter" if combined else "with drafter"
+        print(f"engine: vLLM, plain and {speculator} {cfg.drafter} at K = {', '.join(map(str, ks))} "
               f"({len(requests)} prompts, concurrency 1{''.join(f', {c}' for c in concurrency)}, {dtype}{budget}"
               f"{', the lossless check alone' if mode == 'check' else ''})",
               flush=True)

@@ -278,19 +278,23 @@ def engine_reasons(report: dict[str, Any], report_file: Path | None, drafter_dir
 
 def publishable_engine(engine: dict[str, Any], target_hub_id: str, repo_id: str) -> dict[str, Any]:
     """An engine entry of the eval report as it may be published: the local target and drafter folders in its
-    arguments replaced by the Hub repos, the serve command rebuilt from them."""
+    arguments (and the combined speculator's) replaced by the Hub repos, the serve command rebuilt from them."""
     from dflash_train.engine.args import serve_command
 
-    args = dict(engine.get("engine_args") or {})
-    if args:
-        args["model"] = target_hub_id
-        if isinstance(args.get("speculative_config"), dict):
-            args["speculative_config"] = dict(args["speculative_config"], model=repo_id)
-    plain = dict(engine.get("engine_args_plain") or {})
-    if plain:
-        plain["model"] = target_hub_id
-    return {**engine, "engine_args": args, "engine_args_plain": plain,
-            "serve_command": serve_command(args) if args else None}
+    def on_the_hub(engine_args: Any) -> dict[str, Any]:
+        args = dict(engine_args or {})
+        if args:
+            args["model"] = target_hub_id
+            if isinstance(args.get("speculative_config"), dict):
+                args["speculative_config"] = dict(args["speculative_config"], model=repo_id)
+        return args
+
+    args = on_the_hub(engine.get("engine_args"))
+    published = {**engine, "engine_args": args, "engine_args_plain": on_the_hub(engine.get("engine_args_plain")),
+                 "serve_command": serve_command(args) if args else None}
+    if isinstance(engine.get("combined"), dict):
+        published["combined"] = {**engine["combined"], "engine_args": on_the_hub(engine["combined"].get("engine_args"))}
+    return published
 
 
 # ---- assembling the folder ----------------------------------------------------------------------------------
