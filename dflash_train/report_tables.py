@@ -183,14 +183,18 @@ def constraints_markdown(c: dict[str, Any] | None) -> list[str]:
                                     else "") + ".", ""]
 
 
+# The speculators an eval times beside the drafter: their keys in the engine entry and their names in prose
+BESIDE_THE_DRAFTER = (("ngram", "prompt lookup"), ("suffix", "suffix decoding"),
+                      ("combined", "the combined speculator (drafter + prompt lookup)"))
+
+
 def speculator_to_serve(engine: dict[str, Any]) -> dict[str, Any] | None:
     """The speculator to serve instead of the drafter alone, or None: vLLM's prompt lookup (the entry's `ngram`),
     suffix decoding (`suffix`), each at its fastest K, or the combined speculator (`combined`, at the drafter's K),
     where the fastest of them beat the drafter at best_k one request at a time (the entry's headline speedup).
     {name, k, speedup, config}; the combined one also names the `environment` setting that turns it on."""
     best = None
-    for key, name in (("ngram", "prompt lookup"), ("suffix", "suffix decoding"),
-                      ("combined", "the combined speculator (drafter + prompt lookup)")):
+    for key, name in BESIDE_THE_DRAFTER:
         entry = engine.get(key) if isinstance(engine.get(key), dict) else {}
         if entry and (entry.get("speedup") or 0) > max(engine.get("speedup") or 0, best["speedup"] if best else 0):
             config = entry.get("engine_args") if isinstance(entry.get("engine_args"), dict) else {}

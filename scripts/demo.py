@@ -44,7 +44,7 @@ from dflash_train.errors import CommandParser
 from dflash_train.lookup import combined_problem
 from dflash_train.options import at_least, in_range, int_list
 from dflash_train.provenance import is_complete
-from dflash_train.report_tables import combined_line, speculator_to_serve
+from dflash_train.report_tables import BESIDE_THE_DRAFTER, combined_line, speculator_to_serve
 
 REPO = runs.REPO
 
@@ -250,8 +250,7 @@ def demo_summary(args: argparse.Namespace, plan: dict | None, log: runs.Log, rep
         lines.append(f"- {name}: tau {_num(e.get('tau'))}{best}, speedup over plain decoding {_speedup(e)} (95% "
                      f"interval over prompts{unsteady}), lossless mismatches {e.get('lossless_mismatches')}")
         served = speculator_to_serve(e)
-        for key, what in (("ngram", "prompt lookup"), ("suffix", "suffix decoding"),
-                          ("combined", "the combined speculator (drafter + prompt lookup)")):  # beside the drafter
+        for key, what in BESIDE_THE_DRAFTER:
             if isinstance(other := e.get(key), dict):
                 verdict = (": faster than the drafter here, serve it instead (the eval report says how)"
                            if served and served["name"] == what else

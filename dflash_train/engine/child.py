@@ -8,7 +8,8 @@ timed plain and speculative at that fixed length (`ignore_eos`: both sides decod
 alternating which goes first, at batch 1 and at the requested concurrencies; each run timed twice, by the engine
 core's timestamps (request arrival, first and last token) and by a stopwatch around the call. `check` (the eval's
 fp32 rerun of its mismatches): each prompt alone, plain and speculative at one K (the drafter, or the combined
-speculator with `lookup_method` "combined"), once each to its natural stop, untimed. Acceptance comes from vLLM's per-request speculative-decoding metrics (the accepted drafts of every
+speculator with `lookup_method` "combined"), once each to its natural stop, untimed. Acceptance comes from vLLM's
+per-request speculative-decoding metrics (the accepted drafts of every
 verification step). The prompts are token ids rendered by the project (`target.render`), so the engine and the
 project's loop decode the very same prompts.
 """
@@ -81,13 +82,14 @@ def _child(workdir: Path) -> None:
         return SamplingParams(**kwargs)
 
     def generate(llm: Any, requests: list[EngineRequest]) -> Generated:
-        before = llm.collective_rpc(source_counts)[0]
+        alone = len(requests) == 1  # the combined speculator's blocks by source are counted per request alone
+        before = llm.collective_rpc(source_counts)[0] if alone else None
         t0 = time.perf_counter()
         results = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
                                [params(r) for r in requests], use_tqdm=False)
         got = _generated(requests, results, time.perf_counter() - t0)
-        after = llm.collective_rpc(source_counts)[0]  # None: no combined speculator (yet, before its first step)
-        if after is not None and len(requests) == 1:  # the combined speculator: this request's blocks by source
+        after = llm.collective_rpc(source_counts)[0] if alone else None  # None also: no combined speculator (yet)
+        if after is not None:
             got.outputs[0]["sources"] = {source: {key: n - (before[source][key] if before else 0)
                                                   for key, n in count.items()} for source, count in after.items()}
         return got

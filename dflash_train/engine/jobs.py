@@ -54,9 +54,9 @@ class EngineJob:
     concurrency: list[int] = field(default_factory=list)
     repeats: int = 1
     budget_s: float | None = None
-    # timed mode: the K at which vLLM's prompt lookup (lookup.PROMPT_LOOKUP) is timed after the drafter's K, the same way,
-    # whatever the budget (a baseline asked for is measured). One K, last: vLLM 0.32 cannot start another engine in
-    # a process after a prompt-lookup one (its CPU kernel overrides trip over an object llvmlite, imported by the
+    # timed mode: the K at which vLLM's prompt lookup (lookup.PROMPT_LOOKUP) is timed after the drafter's K, the same
+    # way, whatever the budget (a baseline asked for is measured). One K, last: vLLM 0.32 cannot start another engine
+    # in a process after a prompt-lookup one (its CPU kernel overrides trip over an object llvmlite, imported by the
     # lookup, leaves in sys.modules: AttributeError '_lib_fn_wrapper' object has no attribute 'get'); each further
     # lookup K is a job of its own (no drafter K, its requests already at their timed lengths: `lookup_job`).
     ngram_tokens: int | None = None
