@@ -38,13 +38,29 @@ def lookup_draft(context: Sequence[int] | np.ndarray, k: int) -> list[int]:
 class CombinedRule:
     """When the combined speculator (`engine.combined`) verifies prompt lookup's block instead of the drafter's:
     where lookup matched (its draft follows an earlier occurrence of the context's last tokens) and the drafter's
-    probability of its first draft is below `confidence`; the lookup block is at most `k` tokens. Chosen offline at
-    every held-out anchor of the demos' workloads, walked as greedy decoding walks (probes/combined_rule.py)."""
+    probability of its first draft is below `confidence`; the lookup block is at most `k` tokens. At confidence 1
+    lookup's block is taken wherever it matched, whatever the drafter says, so the drafter is not asked there and the
+    engine skips its pass (`asks_drafter`). Chosen offline at every held-out anchor of the demos' workloads, walked
+    as greedy decoding walks (probes/combined_rule.py): 0.6 where the drafter out-drafts lookup, 1 where it does
+    not (`for_taus`)."""
     k: int = 4
     confidence: float = 0.6
 
-    def picks_lookup(self, matched: int, first_p: float) -> bool:
-        return matched > 0 and first_p < self.confidence
+    @property
+    def asks_drafter(self) -> bool:
+        """Whether a step where lookup matched needs the drafter's first draft to choose."""
+        return self.confidence < 1
+
+    def picks_lookup(self, matched: int, first_p: float | None) -> bool:
+        """first_p: the drafter's probability of its first draft (None: not asked, `asks_drafter` False)."""
+        return matched > 0 and (not self.asks_drafter or first_p < self.confidence)
+
+    @classmethod
+    def for_taus(cls, drafter_tau: float, lookup_tau: float, k: int = 4) -> CombinedRule:
+        """The rule for a drafter and prompt lookup measured alone (tau at their own best K): where the drafter
+        drafts more, its confidence picks between them; where lookup does, lookup wherever it matched (asking the
+        drafter there gains no tau and costs its pass)."""
+        return cls(k=k, confidence=cls.confidence if drafter_tau > lookup_tau else 1.0)
 
     def setting(self) -> str:
         """The rule as COMBINED_SETTING's value: parse_combined(rule.setting()) == rule."""

@@ -132,17 +132,21 @@ def best_k_line(engine: dict[str, Any], sweep: list[dict[str, Any]], timing: dic
 
 
 def combined_line(combined: dict[str, Any]) -> str:
-    """What the combined speculator did: its speedup and tau at the drafter's K, and its blocks by source."""
+    """What the combined speculator did: its speedup and tau at its K, and its blocks by source."""
     sources = combined.get("sources") if isinstance(combined.get("sources"), dict) else {}
     blocks = {s: c.get("blocks") or 0 for s, c in sources.items() if isinstance(c, dict)}
     kept = ", ".join(f"{fmt(c.get('accepted'))} of {fmt(c.get('drafted'))} drafts kept from {s}"
                      for s, c in sources.items() if isinstance(c, dict))
     total = sum(blocks.values())
+    unasked = (sources.get("lookup") or {}).get("without_drafter") if isinstance(sources.get("lookup"), dict) else 0
     return (f"The combined speculator (this package's vLLM plugin: the drafter, and prompt lookup's block where "
-            f"lookup matched and the drafter's first draft is less likely than the rule says; "
+            f"lookup matched and the drafter's first draft is less likely than the rule says (at confidence 1: "
+            f"wherever lookup matched, without the drafter's pass); "
             f"`{combined.get('setting')}`), timed the same way at K = {fmt(combined.get('k'))}: "
             f"{fmt(combined.get('speedup'))}×, τ {fmt(combined.get('tau'))}"
-            + (f"; {fmt(blocks.get('lookup', 0))} of {fmt(total)} blocks came from lookup ({kept})" if total else "")
+            + (f"; {fmt(blocks.get('lookup', 0))} of {fmt(total)} blocks came from lookup"
+               + (f", {fmt(unasked)} at steps that skipped the drafter's pass" if unasked else "")
+               + f" ({kept})" if total else "")
             + "".join(f"; against {'the ' * (name == 'drafter')}{name} at K = {fmt(vs.get('k'))}, paired by "
                       f"prompt: τ "
                       f"{with_interval(vs.get('tau_ratio'), vs.get('tau_ratio_interval'))}×, speedup "
@@ -190,7 +194,7 @@ BESIDE_THE_DRAFTER = (("ngram", "prompt lookup"), ("suffix", "suffix decoding"),
 
 def speculator_to_serve(engine: dict[str, Any]) -> dict[str, Any] | None:
     """The speculator to serve instead of the drafter alone, or None: vLLM's prompt lookup (the entry's `ngram`),
-    suffix decoding (`suffix`), each at its fastest K, or the combined speculator (`combined`, at the drafter's K),
+    suffix decoding (`suffix`), each at its fastest K, or the combined speculator (`combined`, at its K),
     where the fastest of them beat the drafter at best_k one request at a time (the entry's headline speedup).
     {name, k, speedup, config}; the combined one also names the `environment` setting that turns it on."""
     best = None

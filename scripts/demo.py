@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "own; the plan counts it; e.g. 8)")
     p.add_argument("--combined", metavar="RULE", default=None,
                    help="vLLM: also time the combined speculator (the drafter, and prompt lookup's block where the "
-                        "rule picks it: this package's vLLM plugin) at the drafter's fastest K, and serve it where "
+                        "rule picks it: this package's vLLM plugin) beside them, and serve it where "
                         "it is the fastest; RULE like 'k=4,confidence=0.6', or 'on' (the plan counts its time)")
     p.add_argument("--budget-min", type=float, default=30.0,
                    help="wall-time budget of the whole demo in minutes: capture and training are sized to it")

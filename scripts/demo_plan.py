@@ -125,7 +125,7 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     free_k_s = per_k_s(FREE_SLOWDOWN)
     lookup_s = (len(args.ngram) * free_k_s + (len(args.ngram) - 1) * engine_start_s) if engine and args.ngram else 0.0
     lookup_s += len(args.suffix) * (free_k_s + engine_start_s) if engine else 0.0  # each suffix K: an engine child
-    combined = engine and args.combined  # the combined speculator at the drafter's K: an engine child of its own
+    combined = engine and args.combined  # the combined speculator: an engine child of its own
     lookup_s += free_k_s + engine_start_s if combined else 0.0
     recheck_s = 0.0
     if "fp32_decode_tok_s" in rates:  # a low-precision eval: its mismatches are rerun in fp32, plain and speculative
@@ -343,7 +343,7 @@ def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
           + (f", {' and '.join(free)} ~{plan['lookup_s']} s" if plan.get("lookup_s") and (free := [
               f"{what} at K = {','.join(map(str, ks))}" for what, ks in (("prompt lookup", args.ngram),
                                                                           ("suffix decoding", args.suffix)) if ks]
-              + (["the combined speculator at the drafter's K"] if args.combined else []))
+              + (["the combined speculator"] if args.combined else []))
              else "")
           + f" (~{plan['stage_s']['eval']:.0f} s in all; their capture for the offline "
           f"estimate ~{plan['stage_s']['held-out capture']:.0f} s)", flush=True)

@@ -26,14 +26,31 @@ def test_each_request_gets_lookups_block_where_the_rule_picks_it_and_its_tokens_
                 np.array([1, 2, 3, 4, 1, 2]),  # matched too, but the drafter is sure of its first draft
                 np.array([5, 6, 7]),  # nothing repeats: the drafter's
                 None]  # decodes nothing this step (a prefill chunk): the drafter's, as vLLM had it
-    blocks = combined.choose(drafts, [0.2, 0.9, 0.1, 0.1], contexts, ["a", "b", "c", "d"])
+    looked = combined.look(contexts, 5)
+    assert looked == [([3, 4, 1], 2), ([3, 4, 1], 2), ([], 0), None] and not combined.skips_drafter(looked)
+    blocks = combined.choose(drafts, [0.2, 0.9, 0.1, 0.1], looked, ["a", "b", "c", "d"])
     assert blocks == [[3, 4, 1], drafts[1], drafts[2], drafts[3]]
-    assert combined.pending == {"a": "lookup", "b": "drafter", "c": "drafter", "d": "drafter"}
+    assert combined.pending == {"a": ("lookup", False), "b": ("drafter", False), "c": ("drafter", False),
+                                "d": ("drafter", False)}
     # the next step verified them: a kept 2 of its 3 drafts (+ the target's token), b none, c all 5; d drafted
     # nothing that step (the scheduler dropped its drafts)
     combined.settle(["a", "b", "c", "d"], [[3, 4, 5], [2], [9] * 6, [4]], [3, 5, 5, 0])
     assert combined.counts == {"drafter": {"blocks": 2, "drafted": 10, "accepted": 5},
-                               "lookup": {"blocks": 1, "drafted": 3, "accepted": 2}}
+                               "lookup": {"blocks": 1, "drafted": 3, "accepted": 2, "without_drafter": 0}}
+
+
+def test_at_confidence_1_a_step_where_lookup_matched_for_every_decoding_request_skips_the_drafter():
+    combined = Combined(CombinedRule(k=4, confidence=1))
+    copying, new = np.array([1, 2, 3, 4, 1, 2]), np.array([5, 6, 7])
+    assert not combined.skips_drafter(combined.look([copying, new], 7))  # the second needs the drafter's block
+    assert not combined.skips_drafter(combined.look([None], 7))  # nothing decodes: vLLM's own step
+    looked = combined.look([copying, None], 2)  # the engine's K cuts lookup's block
+    assert looked == [([3, 4], 2), None] and combined.skips_drafter(looked)
+    blocks = combined.choose([[0, 0], [0, 0]], None, looked, ["a", "b"])  # the drafter drafted nothing: zeros
+    assert blocks == [[3, 4], [0, 0]] and combined.pending == {"a": ("lookup", True), "b": ("drafter", True)}
+    combined.settle(["a", "b"], [[3, 4, 1], [5]], [2, 0])
+    assert combined.counts["lookup"] == {"blocks": 1, "drafted": 2, "accepted": 2, "without_drafter": 1}
+    assert CombinedRule(confidence=0.6).asks_drafter and not CombinedRule(confidence=1).asks_drafter
 
 
 @needs_vllm
@@ -56,11 +73,13 @@ def test_the_plugin_stays_off_on_a_vllm_it_does_not_know_in_one_line(monkeypatch
 
 @needs_vllm
 @pytest.mark.slow
-def test_in_vllm_it_is_lossless_and_drafts_from_lookup_where_the_answer_copies_the_prompt(tmp_path):
+@pytest.mark.parametrize("confidence", [0.6, 1.0])
+def test_in_vllm_it_is_lossless_and_drafts_from_lookup_where_the_answer_copies_the_prompt(tmp_path, confidence):
     """The lossless check's engine job (`check`: each prompt alone, plain then speculative, to its natural stop) with
     the combined speculator: fp32, greedy, token for token plain decoding's on a prompt that loops, one whose answer
-    copies the prompt and one whose answer is new; the copying answer's blocks mostly lookup's, the new one's mostly
-    the drafter's (the general drafter's first draft is sure there, and lookup rarely matches)."""
+    copies the prompt and one whose answer is new; the copying answer's blocks mostly lookup's. At confidence 0.6
+    the new one's are mostly the drafter's (its first draft is sure there, and lookup rarely matches); at confidence
+    1 (lookup wherever it matched) most of lookup's blocks come at steps that skipped the drafter's pass."""
     from dflash_train.engine.jobs import EngineJob, EngineRequest
     from dflash_train.engine.runner import run_engine
     from dflash_train.target import load_tokenizer, render_prompt, resolve_target
@@ -75,7 +94,7 @@ def test_in_vllm_it_is_lossless_and_drafts_from_lookup_where_the_answer_copies_t
                               max_tokens=64) for name, p in prompts.items()]
     job = EngineJob(target=str(target), requests=requests, stop_token_ids=[tokenizer.eos_token_id],
                     drafter=str(GENERAL), max_model_len=512, mode="check", speculative_tokens=[7],
-                    lookup_method="combined", combined="k=4,confidence=0.6")
+                    lookup_method="combined", combined=CombinedRule(k=4, confidence=confidence).setting())
     result = run_engine(job, tmp_path, "the combined speculator")
     (run,) = result.timed["runs"]
     plain = result.by_id()
@@ -87,5 +106,9 @@ def test_in_vllm_it_is_lossless_and_drafts_from_lookup_where_the_answer_copies_t
         assert sum(c["blocks"] for c in sources.values()) == len(spec[name]["accepted"]), name
     copies, new = spec["copies"]["sources"], spec["new"]["sources"]
     assert copies["lookup"]["blocks"] > 2 * copies["drafter"]["blocks"], copies
-    assert new["drafter"]["blocks"] > 2 * new["lookup"]["blocks"], new
     assert copies["lookup"]["accepted"] > copies["lookup"]["blocks"]  # lookup's blocks are kept there
+    if confidence < 1:
+        assert new["drafter"]["blocks"] > 2 * new["lookup"]["blocks"], new
+        assert copies["lookup"]["without_drafter"] == 0
+    else:
+        assert copies["lookup"]["without_drafter"] > copies["lookup"]["blocks"] / 2, copies

@@ -317,12 +317,13 @@ def test_suffix_decoding_is_timed_beside_lookup_and_the_fastest_of_the_three_is_
     assert "| 1 | suffix decoding | 8 |" in text and "8, suffix decoding" in text
 
 
-def test_the_combined_speculator_is_timed_at_the_drafters_best_k_ranked_and_served_with_its_setting(
+def test_the_combined_speculator_is_timed_at_lookups_k_ranked_and_served_with_its_setting(
         tiny_target, drafters, monkeypatch, tmp_path):
-    """--combined: after the drafter's sweep, the combined speculator at the drafter's fastest K in an engine job of
-    its own (its rule in the job, the drafter's config: the plugin turns it on), its blocks by source summed over
-    the prompts, ranked with the others; where it is the fastest the tables say to serve the drafter with its
-    setting."""
+    """--combined on: after the drafter's sweep, the combined speculator in an engine job of its own (its rule in
+    the job, the drafter's config: the plugin turns it on) at the longer of the drafter's fastest K and the rule's
+    k, within the drafter's block; lookup out-drafts the drafter here, so the rule takes lookup wherever it matched;
+    its blocks by source summed over the prompts, ranked with the others; where it is the fastest the tables say to
+    serve the drafter with its setting."""
     from dflash_train.engine import runner
     from dflash_train.report_tables import serving_tables, speculator_to_serve
     from dflash_train.stages.evaluate.config import EvalConfig
@@ -338,7 +339,7 @@ def test_the_combined_speculator_is_timed_at_the_drafters_best_k_ranked_and_serv
         for run in result.timed["runs"]:
             for out in run["outputs"] if run["method"] == "combined" else []:
                 out["sources"] = {"drafter": {"blocks": 1, "drafted": 2, "accepted": 1},
-                                  "lookup": {"blocks": 2, "drafted": 4, "accepted": 3}}
+                                  "lookup": {"blocks": 2, "drafted": 4, "accepted": 3, "without_drafter": 1}}
         return result
     monkeypatch.setattr(runner, "run_engine", with_sources)
     config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1, 2],
@@ -346,27 +347,29 @@ def test_the_combined_speculator_is_timed_at_the_drafters_best_k_ranked_and_serv
     v = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
     combined_job = calls[-1]
     assert (combined_job.lookup_method, combined_job.ngram_tokens, combined_job.combined) == (
-        "combined", 2, "k=4,confidence=0.6")  # at best_k, the rule spelled out
+        "combined", 3, "k=4,confidence=1")  # the rule's k 4, cut to the block's 3; the rule spelled out
     assert combined_job.speculative_tokens == [] and combined_job.drafter == str(drafters[0])
     assert combined_job.llm_kwargs(2, "combined")["speculative_config"]["method"] == "dflash"
     c = v["combined"]
-    assert c["k"] == 2 and c["setting"] == "k=4,confidence=0.6" and c["lossless_mismatches"] == 0
+    assert c["k"] == 3 and c["setting"] == "k=4,confidence=1" and c["lossless_mismatches"] == 0
     assert c["sources"] == {"drafter": {"blocks": 4, "drafted": 8, "accepted": 4},
-                            "lookup": {"blocks": 8, "drafted": 16, "accepted": 12}}
+                            "lookup": {"blocks": 8, "drafted": 16, "accepted": 12, "without_drafter": 4}}
     assert [r["speculator"] for r in v["ranking"]] == ["drafter + prompt lookup", "drafter", "prompt lookup"]
-    # paired by prompt against each other at its own fastest K: every prompt 0.7 s against 0.8 s (the drafter at
-    # K = 2, tau 3), against 0.85 s (lookup at K = 3, tau 4), plain 1 s on each side
+    # paired by prompt against each other at its own fastest K: every prompt 0.7 s (tau 4 at K = 3) against 0.8 s
+    # (the drafter at K = 2, tau 3), against 0.85 s (lookup at K = 3, tau 4), plain 1 s on each side
     drafter, lookup = c["against"]["drafter"], c["against"]["prompt lookup"]
     assert (drafter["k"], drafter["prompts"], lookup["k"]) == (2, 4, 3)
     assert drafter["speedup_ratio"] == pytest.approx(0.8 / 0.7) and lookup["speedup_ratio"] == pytest.approx(0.85 / 0.7)
     assert drafter["speedup_ratio_interval"] == pytest.approx([0.8 / 0.7] * 2)  # the same on every prompt
-    assert drafter["tau_ratio"] == pytest.approx(1.0) and lookup["tau_ratio"] == pytest.approx(3 / 4)
-    assert speculator_to_serve(v)["environment"] == "DFLASH_TRAIN_LOOKUP=k=4,confidence=0.6"
+    assert drafter["tau_ratio"] == pytest.approx(4 / 3) and lookup["tau_ratio"] == pytest.approx(1.0)
+    assert speculator_to_serve(v)["environment"] == "DFLASH_TRAIN_LOOKUP=k=4,confidence=1"
     text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
-    assert "2, drafter + prompt lookup" in text and "8 of 12 blocks came from lookup" in text
-    assert "against the drafter at K = 2, paired by prompt: τ 1 [1, 1]×, speedup 1.143 [1.143, 1.143]×" in text
-    assert "serve the drafter as below with `DFLASH_TRAIN_LOOKUP=k=4,confidence=0.6` set" in text
-    assert "drafter + prompt lookup 2" in v["timing"]["plain_tokens_per_s_decode"]  # its plain runs: host drift
+    assert "3, drafter + prompt lookup" in text
+    assert "8 of 12 blocks came from lookup, 4 at steps that skipped the drafter's pass" in text
+    assert ("against the drafter at K = 2, paired by prompt: τ 1.333 [1.333, 1.333]×, speedup 1.143 "
+            "[1.143, 1.143]×") in text
+    assert "serve the drafter as below with `DFLASH_TRAIN_LOOKUP=k=4,confidence=1` set" in text
+    assert "drafter + prompt lookup 3" in v["timing"]["plain_tokens_per_s_decode"]  # its plain runs: host drift
 
 
 def test_prompt_lookup_is_timed_with_requests_together_and_the_tables_say_how_far_it_pays(tiny_target, drafters,

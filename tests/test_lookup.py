@@ -24,6 +24,15 @@ def test_the_combined_rule_takes_lookup_where_it_matched_and_the_drafter_is_unsu
     assert rule.picks_lookup(matched=2, first_p=0.3) and rule.picks_lookup(matched=1, first_p=0.59)
     assert not rule.picks_lookup(matched=3, first_p=0.6)  # the drafter is sure enough: its block
     assert not rule.picks_lookup(matched=0, first_p=0.01)  # lookup found nothing: the drafter's block
+    everywhere = CombinedRule(k=4, confidence=1)  # wherever lookup matched, the drafter not asked
+    assert everywhere.picks_lookup(matched=1, first_p=None) and not everywhere.picks_lookup(matched=0, first_p=None)
+
+
+def test_the_rule_asks_the_drafter_where_it_out_drafts_lookup_and_takes_lookup_wherever_it_matched_elsewhere():
+    from dflash_train.lookup import CombinedRule
+
+    assert CombinedRule.for_taus(drafter_tau=2.2, lookup_tau=1.7) == CombinedRule(k=4, confidence=0.6)
+    assert CombinedRule.for_taus(drafter_tau=1.3, lookup_tau=1.5, k=3) == CombinedRule(k=3, confidence=1)
 
 
 def test_the_combined_setting_reads_back_as_written_and_bad_ones_are_one_line():

@@ -401,18 +401,22 @@ def test_a_combined_rule_walks_the_answer_taking_each_step_from_the_source_it_pi
     rows = [{"at": a, "drafter": 2, "p": 0.9, "lookup": 1, "n": 0} for a in range(10, 18)]
     for row in rows[2:4]:
         row.update(drafter=1, lookup=4, n=2, p=0.3)
-    always = cr.walk(rows, lambda n, p: "drafter", k_drafter=9, k_lookup=4)
-    assert always == [("drafter", 2), ("drafter", 1), ("drafter", 1), ("drafter", 2), ("drafter", 2)]  # 10 12 13 14 16
-    matched = cr.walk(rows, lambda n, p: "lookup" if n >= 1 else "drafter", k_drafter=9, k_lookup=4)
-    assert matched == [("drafter", 2), ("lookup", 4), ("drafter", 2)]  # 10 -> 12 -> 16 -> (18, past the end)
-    capped = cr.walk(rows, lambda n, p: "lookup" if n >= 1 else "drafter", k_drafter=9, k_lookup=1)
-    assert capped[1] == ("lookup", 2)  # at most K + 1 tokens a step
+    always = cr.walk(rows, lambda n, p: ("drafter", True), k_drafter=9, k_lookup=4)
+    assert [s[:2] for s in always] == [("drafter", 2), ("drafter", 1), ("drafter", 1), ("drafter", 2),
+                                       ("drafter", 2)]  # anchors 10 12 13 14 16
+    matched = cr.walk(rows, lambda n, p: ("lookup", False) if n >= 1 else ("drafter", True), k_drafter=9, k_lookup=4)
+    assert matched == [("drafter", 2, True), ("lookup", 4, False), ("drafter", 2, True)]  # 10 -> 12 -> 16 -> (18)
+    capped = cr.walk(rows, lambda n, p: ("lookup", True) if n >= 1 else ("drafter", True), k_drafter=9, k_lookup=1)
+    assert capped[1] == ("lookup", 2, True)  # at most K + 1 tokens a step
     args = argparse.Namespace(k_drafter=9, k_lookup=4, drafter_cost="1.5,0", lookup_cost="1.0,0")
     by_rule = {r["rule"]: r for r in cr.evaluate_rules([rows], args)}
-    assert by_rule["lookup where it matched"]["tau"] == pytest.approx(8 / 3)
-    assert by_rule["lookup where it matched"]["lookup_share"] == pytest.approx(1 / 3)
-    assert by_rule["lookup where it matched"]["speedup_drafter_runs"] == pytest.approx(8 / (3 * 1.5))
-    assert by_rule["lookup where it matched"]["speedup_lookup_alone_cost"] == pytest.approx(8 / (2 * 1.5 + 1.0))
+    unasked = by_rule["lookup where it matched, the drafter not asked there (confidence 1)"]  # the drafter skipped
+    assert unasked["tau"] == pytest.approx(8 / 3) and unasked["lookup_share"] == pytest.approx(1 / 3)
+    assert unasked["drafter_skipped"] == pytest.approx(1 / 3)
+    assert unasked["speedup"] == unasked["speedup_lookup_alone_cost"] == pytest.approx(8 / (2 * 1.5 + 1.0))
+    asked = by_rule["lookup where it matched, unless the drafter's first draft has p >= 0.6"]  # the same steps
+    assert asked["tau"] == pytest.approx(8 / 3) and asked["drafter_skipped"] == 0
+    assert asked["speedup"] == pytest.approx(8 / (3 * 1.5))  # the drafter ran at each
     assert by_rule["drafter always"]["tau"] == pytest.approx(8 / 5)
 
 

@@ -2,13 +2,14 @@
 context, in one engine. A `vllm.general_plugins` plugin (`register`, the package's entry point: vLLM calls it in
 every process before it builds an engine).
 
-Each step the DFlash drafter drafts its block as it always does (it reads the target's states of every verified
-token, so it runs at every step whichever block is verified, and its draft cache stays whole). Then, per request,
-where prompt lookup (`lookup.lookup_match`, vLLM's n-gram rule, on the context including this step's tokens) matched
-and the drafter's probability of its first draft is below the rule's confidence (`lookup.CombinedRule`), the
-lookup's block, at most the rule's k tokens, is verified instead. vLLM verifies draft lists of different lengths
-per request (its n-gram proposer hands it such lists), and verification keeps the longest prefix the target agrees
-with, so greedy output is plain decoding's whichever block it checks.
+At each step, per request, prompt lookup (`lookup.lookup_match`, vLLM's n-gram rule, on the context including
+this step's tokens) drafts its block, at most the rule's k tokens; where it matched and the drafter's probability of
+its first draft is below the rule's confidence (`lookup.CombinedRule`), lookup's block is verified instead of the
+drafter's. vLLM verifies draft lists of different lengths per request (its n-gram proposer hands it such lists), and
+verification keeps the longest prefix the target agrees with, so greedy output is plain decoding's whichever block
+it checks. The DFlash drafter reads the target's states of every verified token, so its cache takes the context's
+K/V at every step; its drafting pass runs unless the step does not need it: at confidence 1 (lookup wherever it
+matched) a step where lookup matched for every request skips it.
 
 Turned on per engine by the environment: DFLASH_TRAIN_LOOKUP (`lookup.COMBINED_SETTING`, e.g. "k=4,confidence=0.6")
 with a `dflash` speculative config, read when the engine drafts its first block:
@@ -42,37 +43,51 @@ log = logging.getLogger("vllm.dflash_train.combined")
 @dataclass
 class Combined:
     """One engine's combined speculator: its rule, the source of each request's pending block, and per source the
-    blocks verified, the tokens drafted in them and the tokens the target kept."""
+    blocks verified, the tokens drafted in them and the tokens the target kept (lookup's also: how many of its
+    blocks were drafted at a step that skipped the drafter's pass)."""
     rule: CombinedRule
-    pending: dict[str, str] = field(default_factory=dict)  # request id -> the source of its block in flight
-    counts: dict[str, dict[str, int]] = field(
-        default_factory=lambda: {s: {"blocks": 0, "drafted": 0, "accepted": 0} for s in SOURCES})
+    pending: dict[str, tuple[str, bool]] = field(default_factory=dict)  # request id -> (source, drafter skipped)
+    counts: dict[str, dict[str, int]] = field(default_factory=lambda: {
+        "drafter": {"blocks": 0, "drafted": 0, "accepted": 0},
+        "lookup": {"blocks": 0, "drafted": 0, "accepted": 0, "without_drafter": 0}})
 
     def settle(self, req_ids: list[str], new_tokens: list[list[int]], drafted: list[int]) -> None:
         """Count the blocks the step just verified: request i had drafted[i] drafts in flight and the step
         committed new_tokens[i], its accepted drafts and the target's own next token."""
         for req_id, tokens, n in zip(req_ids, new_tokens, drafted):
-            source = self.pending.get(req_id)
-            if source is None or n == 0:
+            if req_id not in self.pending or n == 0:
                 continue
+            source, skipped = self.pending[req_id]
             count = self.counts[source]
             count["blocks"] += 1
             count["drafted"] += n
             count["accepted"] += max(len(tokens) - 1, 0)
+            if skipped:
+                count["without_drafter"] += 1
 
-    def choose(self, drafts: list[list[int]], first_p: list[float], contexts: list[np.ndarray | None],
-               req_ids: list[str]) -> list[list[int]]:
-        """Each request's block to verify: lookup's where the rule picks it, else the drafter's (`drafts`).
-        contexts[i] is request i's tokens so far (None: it decodes nothing this step)."""
+    def look(self, contexts: list[np.ndarray | None], k: int) -> list[tuple[list[int], int] | None]:
+        """Each request's lookup block (at most the rule's k and the engine's k tokens) and the n it matched;
+        contexts[i] is request i's tokens so far (None: it decodes nothing this step, and gets None)."""
+        return [None if c is None else lookup_match(c, min(self.rule.k, k)) for c in contexts]
+
+    def skips_drafter(self, looked: list[tuple[list[int], int] | None]) -> bool:
+        """Whether this step does without the drafter's drafts: the rule does not ask it where lookup matched, and
+        lookup matched for every request that decodes (at least one)."""
+        decoding = [match for match in looked if match is not None]
+        return not self.rule.asks_drafter and bool(decoding) and all(n > 0 for _, n in decoding)
+
+    def choose(self, drafts: list[list[int]], first_p: list[float] | None,
+               looked: list[tuple[list[int], int] | None], req_ids: list[str]) -> list[list[int]]:
+        """Each request's block to verify: lookup's (`looked`, from `look`) where the rule picks it, else the
+        drafter's (`drafts`; first_p None: the step skipped the drafter, every decoding request takes lookup's)."""
         self.pending = {}
         blocks = []
-        for req_id, block, p, context in zip(req_ids, drafts, first_p, contexts, strict=True):
+        for i, (req_id, block, match) in enumerate(zip(req_ids, drafts, looked, strict=True)):
             source = "drafter"
-            if context is not None:
-                looked, matched = lookup_match(context, min(self.rule.k, len(block)))
-                if looked and self.rule.picks_lookup(matched, p):
-                    block, source = looked, "lookup"
-            self.pending[req_id] = source
+            if match is not None and match[0] and self.rule.picks_lookup(
+                    match[1], None if first_p is None else first_p[i]):
+                block, source = match[0], "lookup"
+            self.pending[req_id] = (source, first_p is None)
             blocks.append(block)
         return blocks
 
@@ -94,22 +109,23 @@ def register() -> None:
             log.warning("dflash-train combined speculator off: written for vLLM %s*, this is vLLM %s (%s ignored)",
                         VLLM_SERIES, vllm.__version__, COMBINED_SETTING)
         return
+    import torch
     from vllm.v1.spec_decode.dflash import DFlashProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if getattr(GPUModelRunner.propose_draft_token_ids, "_dflash_train", False):
         return  # registered already in this process
     propose, greedy = GPUModelRunner.propose_draft_token_ids, DFlashProposer._greedy_sample
+    dflash_propose = DFlashProposer.propose
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata, common_attn_metadata,
                                 slot_mappings):
         combined = _combined(self)  # before drafting: DFlash's sampling then records its first drafts' p
-        drafts = propose(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                         sample_hidden_states, aux_hidden_states, spec_decode_metadata, common_attn_metadata,
-                         slot_mappings)
         if combined is None:
-            return drafts
+            return propose(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                           sample_hidden_states, aux_hidden_states, spec_decode_metadata, common_attn_metadata,
+                           slot_mappings)
         batch = self.input_batch
         req_ids, n = list(batch.req_ids), batch.num_reqs
         rows = sampled_token_ids.tolist() if hasattr(sampled_token_ids, "tolist") else sampled_token_ids
@@ -121,8 +137,30 @@ def register() -> None:
                     np.concatenate([batch.token_ids_cpu[i, :batch.num_tokens_no_spec[i]],
                                     np.asarray(new_tokens[i], dtype=batch.token_ids_cpu.dtype)])
                     for i in range(n)]
-        first_p = self.drafter._dflash_train_first_p
-        return combined.choose(drafts[:n].tolist(), first_p[:n], contexts, req_ids)
+        looked = combined.look(contexts, self.drafter.num_speculative_tokens)
+        skip = self.drafter._dflash_train_skip = combined.skips_drafter(looked)
+        drafts = propose(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                         sample_hidden_states, aux_hidden_states, spec_decode_metadata, common_attn_metadata,
+                         slot_mappings)
+        first_p = None if skip else self.drafter._dflash_train_first_p[:n]
+        return combined.choose(drafts[:n].tolist(), first_p, looked, req_ids)
+
+    def propose_context_only(self, **kwargs):
+        """DFlashProposer.propose, at a step whose blocks are all lookup's: the drafter's cache still takes the
+        K/V of the step's context states (DFlash drafts from them at later steps), its drafting pass is skipped."""
+        if not getattr(self, "_dflash_train_skip", False):
+            return dflash_propose(self, **kwargs)
+        self._dflash_train_skip = False
+        self._last_draft_probs = None
+        cad = kwargs["common_attn_metadata"]
+        num_tokens, _, _ = self.set_inputs_first_pass(
+            target_token_ids=kwargs["target_token_ids"], next_token_ids=kwargs["next_token_ids"],
+            target_positions=kwargs["target_positions"],
+            target_hidden_states=self.model.combine_hidden_states(kwargs["target_hidden_states"]),
+            token_indices_to_sample=kwargs["token_indices_to_sample"], cad=cad,
+            num_rejected_tokens_gpu=kwargs.get("num_rejected_tokens_gpu"))
+        self.build_model_inputs_first_pass(num_tokens, num_tokens, None)  # stores the context K/V
+        return torch.zeros(cad.batch_size(), self.num_speculative_tokens, dtype=torch.int64, device=self.device)
 
     def _greedy_sample(self, hidden_states):
         if getattr(self, STATE, None) is None:
@@ -134,6 +172,7 @@ def register() -> None:
 
     propose_draft_token_ids._dflash_train = True
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    DFlashProposer.propose = propose_context_only
     DFlashProposer._greedy_sample = _greedy_sample
 
 

@@ -73,7 +73,11 @@ class EvalConfig:
     combined: str | None = option(None, metavar="RULE", check=combined_problem,
                                   help="vLLM: also time the combined speculator (this package's vLLM plugin: the "
                                        "drafter, and prompt lookup's block where lookup matched and the drafter's "
-                                       "first draft is less likely than the rule's confidence) at the drafter's "
-                                       f"fastest K, the same way; RULE like {CombinedRule().setting()!r}, or 'on'")
+                                       "first draft is less likely than the rule's confidence; at confidence 1 "
+                                       "wherever lookup matched, the drafter's pass skipped there) at the longer "
+                                       "of the drafter's fastest K and the rule's k, the same way; RULE like "
+                                       f"{CombinedRule().setting()!r}, or 'on': confidence "
+                                       f"{CombinedRule().confidence:g} where the drafter's tau beats lookup's "
+                                       "(--ngram), else 1")
     engine_args: dict[str, Any] = option(default_factory=dict, metavar="JSON", check=engine_args_problem,
                                          help=ENGINE_ARGS_HELP)

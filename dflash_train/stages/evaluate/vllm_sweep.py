@@ -20,7 +20,7 @@ from dflash_train.engine.child import IDLE_S
 from dflash_train.engine.jobs import (LOOKUP_METHODS, VLLM_DTYPES, EngineJob, EngineOutput, EngineRequest, EngineResult,
                                      engine_steps, lookup_job)
 from dflash_train.errors import UserError
-from dflash_train.lookup import parse_combined
+from dflash_train.lookup import CombinedRule, parse_combined
 from dflash_train.spec_decode import mean_tau
 from dflash_train.stages.evaluate.config import EvalConfig
 from dflash_train.stages.evaluate.metrics import (acceptance_stats, bootstrap_interval, bootstrap_resamples, mean_of,
@@ -241,7 +241,7 @@ COMBINED_NAME = "drafter + prompt lookup"  # the combined speculator's name in t
 def ranking(drafter: dict[str, Any], lookup: dict[str, Any] | None, suffix: dict[str, Any] | None,
             combined: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The drafter, prompt lookup, suffix decoding and the combined speculator at each one's fastest K (the
-    combined one at the drafter's), fastest first at batch 1 (by the engine's speedup over plain decoding on the
+    combined one at combined_entry's), fastest first at batch 1 (by the engine's speedup over plain decoding on the
     same prompts), with tau and the intervals: what to serve."""
     rows = [{"speculator": name, "k": row["k"], "tau": row["tau"], "tau_interval": row.get("tau_interval"),
              "speedup": row["speedup"], "speedup_interval": row.get("speedup_interval"),
@@ -280,8 +280,9 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     best = fastest_at_batch_1(sweep)
     best_run = {r["k"]: r for r in drafted}[best["k"]]
     mismatches, recheck_s = lossless_at_best_k(run, best, best_run, natural, prompts, dtype_name)
-    combined, combined_s = combined_entry(run, job, natural, best["k"], prompts, dtype_name) if cfg.combined \
-        else (None, 0.0)
+    rule = combined_rule(cfg.combined, best, lookup) if cfg.combined else None
+    combined, combined_s = combined_entry(run, job, natural, rule, min(max(best["k"], rule.k), block_size - 1),
+                                          prompts, dtype_name) if rule else (None, 0.0)
     if combined:  # what it is worth against each of the others at its own fastest K, paired by prompt
         combined["against"] = {name: paired_against(combined, other) for name, other in
                                (("drafter", best), ("prompt lookup", lookup), ("suffix decoding", suffix)) if other}
@@ -307,7 +308,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         "ngram_sweep": lookup_rows,  # every --ngram K's row (batch 1)
         "suffix": suffix,  # vLLM's suffix decoding at --suffix's fastest K, timed the same way (or None)
         "suffix_sweep": suffix_rows,
-        "combined": combined,  # the drafter with prompt lookup's blocks where the rule picks them, at best_k
+        "combined": combined,  # the drafter with prompt lookup's blocks where the rule picks them (combined_entry)
         "ranking": ranking(best, lookup, suffix, combined),
         "timing": timing_entry(run, result, seconds + combined_s, natural, sweep, lookup_rows, suffix_rows,
                                [combined] if combined else []),
@@ -414,13 +415,24 @@ def paired_against(row: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]
             "speedup_ratio_interval": bootstrap_interval(speedup_ratio, len(pairs))}
 
 
-def combined_entry(run: EngineRunner, job: EngineJob, natural: dict[str, EngineOutput], k: int,
+def combined_rule(option: str, drafter: dict[str, Any], lookup: dict[str, Any] | None) -> CombinedRule:
+    """--combined's rule: as given, or for "on" the one for the drafter's and prompt lookup's tau at their fastest
+    K (CombinedRule.for_taus; the default rule where lookup was not timed)."""
+    rule = parse_combined(option)
+    if option.strip() != "on" or lookup is None:
+        return rule
+    return CombinedRule.for_taus(drafter["tau"], lookup["tau"], rule.k)
+
+
+def combined_entry(run: EngineRunner, job: EngineJob, natural: dict[str, EngineOutput], rule: CombinedRule, k: int,
                    prompts: dict[str, list[int]], dtype_name: str) -> tuple[dict[str, Any], float]:
-    """The combined speculator (engine.combined: the drafter, and prompt lookup's block where --combined's rule picks
-    it) at the drafter's best K, timed as the drafter was, in an engine process of its own, on the same prompts at
-    their lengths; its blocks by source (summed over the prompts), its lossless check (a mismatch rerun in fp32 as
-    the drafter's). Also the seconds of its engine runs."""
-    cfg, setting = run.cfg, parse_combined(run.cfg.combined).setting()
+    """The combined speculator (engine.combined: the drafter, and prompt lookup's block where the rule picks it) at
+    K (the longer of the drafter's fastest K and the rule's k, within the drafter's block: a shorter K would cut
+    lookup's blocks), timed as the
+    drafter was, in an engine process of its own, on the same prompts at their lengths; its blocks by source (summed
+    over the prompts), its lossless check (a mismatch rerun in fp32 as the drafter's). Also the seconds of its
+    engine runs."""
+    cfg, setting = run.cfg, rule.setting()
     print(f"engine: vLLM, plain and the combined speculator ({setting}) at K = {k} ({len(prompts)} prompts at "
           f"their lengths above)", flush=True)
     t0 = time.perf_counter()
