@@ -199,7 +199,7 @@ def test_suffix_decoding_in_the_demo_is_planned_as_an_engine_of_its_own_per_k(de
 
 def test_the_combined_speculator_in_the_demo_is_planned_as_an_engine_of_its_own_and_served_when_fastest(
         demo_prompts, tiny_target_dir):
-    """demo --combined RULE: one more engine process at the drafter's K, planned as a lookup K plus its start, and
+    """demo --combined RULE: one more engine process, planned as a lookup K plus its start, and
     on a bf16 host its own fp32 recheck; the summary says what it did and that it is the one to serve."""
     rates = {"capture_s_per_prompt": 1.88, "decode_tok_s": 18.0, "prefill_s": 0.4, "train_step_s": 1.93,
              "engine_start_s": 43.1}
