@@ -60,7 +60,7 @@ class CombinedRule:
         """The rule for a drafter and prompt lookup measured alone (tau at their own best K): where the drafter
         drafts more, its confidence picks between them; where lookup does, lookup wherever it matched (asking the
         drafter there gains no tau and costs its pass)."""
-        return cls(k=k, confidence=cls.confidence if drafter_tau > lookup_tau else 1.0)
+        return cls(k=k, confidence=cls().confidence if drafter_tau > lookup_tau else 1.0)
 
     def setting(self) -> str:
         """The rule as COMBINED_SETTING's value: parse_combined(rule.setting()) == rule."""

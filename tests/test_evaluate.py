@@ -372,6 +372,16 @@ def test_the_combined_speculator_is_timed_at_lookups_k_ranked_and_served_with_it
     assert "drafter + prompt lookup 3" in v["timing"]["plain_tokens_per_s_decode"]  # its plain runs: host drift
 
 
+def test_combined_on_takes_its_rule_from_the_measured_taus_and_a_written_rule_stays_as_written():
+    from dflash_train.lookup import CombinedRule
+    from dflash_train.stages.evaluate.vllm_sweep import combined_rule
+
+    assert combined_rule("on", {"tau": 2.0}, {"tau": 1.5}) == CombinedRule(k=4, confidence=0.6)  # the drafter's ahead
+    assert combined_rule("on", {"tau": 1.3}, {"tau": 1.5}) == CombinedRule(k=4, confidence=1)  # lookup's ahead
+    assert combined_rule("on", {"tau": 1.3}, None) == CombinedRule()  # lookup not timed: the default
+    assert combined_rule("k=3,confidence=0.6", {"tau": 1.3}, {"tau": 1.5}) == CombinedRule(k=3, confidence=0.6)
+
+
 def test_prompt_lookup_is_timed_with_requests_together_and_the_tables_say_how_far_it_pays(tiny_target, drafters,
                                                                                          monkeypatch, tmp_path):
     """A user serving many requests at once serves the faster of the two at their batch: prompt lookup is timed at

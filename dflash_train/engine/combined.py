@@ -35,7 +35,6 @@ import numpy as np
 from dflash_train.lookup import COMBINED_SETTING, CombinedRule, lookup_match, parse_combined
 
 VLLM_SERIES = "0.32."  # the vLLM releases whose model runner this plugin wraps
-SOURCES = ("drafter", "lookup")
 STATE = "_dflash_train_combined"  # the model runner's attribute holding its Combined (None: off)
 log = logging.getLogger("vllm.dflash_train.combined")
 

@@ -428,10 +428,9 @@ def combined_entry(run: EngineRunner, job: EngineJob, natural: dict[str, EngineO
                    prompts: dict[str, list[int]], dtype_name: str) -> tuple[dict[str, Any], float]:
     """The combined speculator (engine.combined: the drafter, and prompt lookup's block where the rule picks it) at
     K (the longer of the drafter's fastest K and the rule's k, within the drafter's block: a shorter K would cut
-    lookup's blocks), timed as the
-    drafter was, in an engine process of its own, on the same prompts at their lengths; its blocks by source (summed
-    over the prompts), its lossless check (a mismatch rerun in fp32 as the drafter's). Also the seconds of its
-    engine runs."""
+    lookup's blocks), timed as the drafter was, in an engine process of its own, on the same prompts at their
+    lengths; its blocks by source (summed over the prompts), its lossless check (a mismatch rerun in fp32 as the
+    drafter's). Also the seconds of its engine runs."""
     cfg, setting = run.cfg, rule.setting()
     print(f"engine: vLLM, plain and the combined speculator ({setting}) at K = {k} ({len(prompts)} prompts at "
           f"their lengths above)", flush=True)
