@@ -138,7 +138,7 @@ def combined_line(combined: dict[str, Any]) -> str:
     kept = ", ".join(f"{fmt(c.get('accepted'))} of {fmt(c.get('drafted'))} drafts kept from {s}"
                      for s, c in sources.items() if isinstance(c, dict))
     total = sum(blocks.values())
-    unasked = (sources.get("lookup") or {}).get("without_drafter") if isinstance(sources.get("lookup"), dict) else 0
+    unasked = sources["lookup"].get("without_drafter") if isinstance(sources.get("lookup"), dict) else 0
     return (f"The combined speculator (this package's vLLM plugin: the drafter, and prompt lookup's block where "
             f"lookup matched and the drafter's first draft is less likely than the rule says (at confidence 1: "
             f"wherever lookup matched, without the drafter's pass); "

@@ -9,9 +9,8 @@ alternating which goes first, at batch 1 and at the requested concurrencies; eac
 core's timestamps (request arrival, first and last token) and by a stopwatch around the call. `check` (the eval's
 fp32 rerun of its mismatches): each prompt alone, plain and speculative at one K (the drafter, or the combined
 speculator with `lookup_method` "combined"), once each to its natural stop, untimed. Acceptance comes from vLLM's
-per-request speculative-decoding metrics (the accepted drafts of every
-verification step). The prompts are token ids rendered by the project (`target.render`), so the engine and the
-project's loop decode the very same prompts.
+per-request speculative-decoding metrics (the accepted drafts of every verification step). The prompts are token
+ids rendered by the project (`target.render`), so the engine and the project's loop decode the very same prompts.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def register() -> None:
         first_p = None if skip else self.drafter._dflash_train_first_p[:n]
         return combined.choose(drafts[:n].tolist(), first_p, looked, req_ids)
 
-    def propose_context_only(self, **kwargs):
+    def propose_or_skip(self, **kwargs):
         """DFlashProposer.propose, at a step whose blocks are all lookup's: the drafter's cache still takes the
         K/V of the step's context states (DFlash drafts from them at later steps), its drafting pass is skipped."""
         if not getattr(self, "_dflash_train_skip", False):
@@ -171,7 +171,7 @@ def register() -> None:
 
     propose_draft_token_ids._dflash_train = True
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
-    DFlashProposer.propose = propose_context_only
+    DFlashProposer.propose = propose_or_skip
     DFlashProposer._greedy_sample = _greedy_sample
 
 
