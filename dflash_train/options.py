@@ -103,12 +103,20 @@ def one_of(*choices: Any) -> Check:
 
 
 def int_list(text: str) -> list[int]:
+    return _number_list(text, int, "integers")
+
+
+def float_list(text: str) -> list[float]:
+    return _number_list(text, float, "numbers")
+
+
+def _number_list(text: str, kind: type, what: str) -> list:
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
         values = []
     if not values:  # a list option given with nothing in it is a mistake, not "none"
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
     return values
 
 
@@ -161,8 +169,8 @@ def add_options(parser: argparse.ArgumentParser, cls: type, positional: tuple[st
         if origin is Literal:
             kwargs["choices"] = list(typing.get_args(tp))
             kwargs["type"] = type(kwargs["choices"][0])
-        elif origin is list and typing.get_args(tp) == (int,):
-            kwargs["type"] = int_list
+        elif origin is list and typing.get_args(tp) in ((int,), (float,)):
+            kwargs["type"] = int_list if typing.get_args(tp) == (int,) else float_list
         elif origin is list:  # repeatable; argparse appends to a fresh list (from_args fills the field's default)
             kwargs.update(action="append", metavar=kwargs.get("metavar") or f.name.upper().rstrip("S"))
             default = None

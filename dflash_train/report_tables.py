@@ -61,8 +61,12 @@ def serving_tables(engine: dict[str, Any], machine: Any) -> list[str]:
              sweep_table(engine, sweep, looked), "", best_k_line(engine, sweep, timing, lookup, looked, suffix)]
     first = timing.get("first_k")
     if isinstance(first, dict):  # under best_k's line, not the ranking's table
-        lines[-1] += (f" Timed first: K = {fmt(first.get('k'))}, the shortest whose expected tau by the "
-                      f"{first.get('from')} is within {fmt(100 * (first.get('slack') or 0))}% of the whole block's.")
+        cost = first.get("step_cost")
+        lines[-1] += (f" Timed first: K = {fmt(first.get('k'))}, the shortest whose expected "
+                      + (f"speed (tau by the {first.get('from')} over a step's cost of {cost[0]:.2f} + {cost[1]:.3f} "
+                         f"x K plain decoding steps, as measured on this machine)" if cost else
+                         f"tau by the {first.get('from')}")
+                      + f" is within {fmt(100 * (first.get('slack') or 0))}% of the best.")
     lines += ranking_lines(engine)
     lines += host_drift_lines(timing, lookup, suffix)
     lines += concurrency_table(engine)

@@ -215,12 +215,15 @@ def load_or_make_plan(args: argparse.Namespace, prompts: Path, plan_file: Path, 
 def eval_options(args: argparse.Namespace, plan: dict | None) -> list[str]:
     """The eval's sizes and the engine's own speculators. How many prompts the project's loop decodes and how long
     vLLM's K sweep runs: the plan's; without a plan (--no-plan) the first OWN_EVAL_PROMPTS and one K (a budget of 0
-    still times the sweep's first K: the shortest that keeps the held-out store's offline tau)."""
+    still times the sweep's first K: the shortest that keeps the held-out store's offline tau). The probe's step
+    cost (`engine_step_cost`) is the sweep's --step-cost: its first K is then the best by the offline tau over it."""
     sizes = []
     if args.engine != "vllm":
         sizes += ["--own-limit", str(max(1, plan["own_eval_prompts"]) if plan else OWN_EVAL_PROMPTS)]
     if args.engine != "own":
         sizes += ["--sweep-budget-s", str(plan["sweep_budget_s"] if plan else 0)]
+        cost = plan and plan.get("rates", {}).get("engine_step_cost")
+        sizes += ["--step-cost", ",".join(f"{x:.4f}" for x in cost)] if cost else []
     return ["--concurrency", str(EVAL_CONCURRENCY), *sizes,
             *(["--ngram", ",".join(map(str, args.ngram))] if args.ngram else []),
             *(["--suffix", ",".join(map(str, args.suffix))] if args.suffix else []),

@@ -15,7 +15,7 @@ import itertools
 import math
 from pathlib import Path
 
-from demo_probe import ENGINE_DECODE_PROBE_PROMPTS, ENGINE_PROBE_PROMPTS, PROBE_K, demo_recipe, rendered_prompts
+from demo_probe import ENGINE_DECODE_PROBE_PROMPTS, ENGINE_PROBE_PROMPTS, demo_recipe, rendered_prompts
 
 from dflash_train.engine.child import IDLE_S
 from dflash_train.errors import UserError
@@ -37,7 +37,7 @@ FP32_RECHECK_SHARE = {"own": 1.0, "vllm": 0.6}  # of the eval's prompts that dif
 #                      and are rerun in fp32 (near-ties rounded differently): 5 of 5 in the project's loop and 12 of
 #                      20 in vLLM in the AVX-512 rewrite demo (unplanned, 143 s over its eval's plan), 2 of 5 and 11
 #                      of 20 in the unseen-log demo, 4 of 5 and 1-3 of 20 in earlier ones
-EVAL_SHARE = 0.4  # the eval's share of the time left: 20 prompts, vLLM at two K or more, a few in the project's loop
+EVAL_SHARE = 0.4  # the eval's share of the time left: 20 prompts, vLLM at one K or more, a few in the project's loop
 MIN_EVAL_PROMPTS = 20  # fewer cannot tell a 10% speedup from noise (the serving issue: 5 prompts said 0.63x-1.27x)
 OWN_EVAL_PROMPTS = 5  # the project's loop decodes the first 5 of them: it runs three passes per prompt
 EVAL_CONCURRENCY = 4  # requests decoded together, timed beside batch 1 (benchmarks/bench_serving.py times more)
@@ -87,9 +87,11 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     requests together), and in a low-precision eval the fp32 rerun of FP32_RECHECK_SHARE of them at the probe's
     fp32 rates. Every request is timed cold: the probe's prefill of the median prompt, then its tokens at the
     decode rate (without the prefill, the AVX2 router demo's reference pass was planned 124 s and took ~160). The
-    K sweep gets what the share leaves (`eval --sweep-budget-s`), at least two K. vLLM's requests cost what the
-    probe timed there (`probe_engine_decoding`: its batch-1 rate, each K at the starting drafter's slowdown), else
-    the project's loop's rate and ENGINE_SLOWDOWN. Prompt lookup's K (--ngram) and suffix decoding's (--suffix) run
+    K sweep gets what the share leaves (`eval --sweep-budget-s`), at least one K: the first, the K of the best
+    expected speed by the probe's step cost (`eval --step-cost`), all that the eval's budget rule times where the
+    share holds one K and a little (the triage demo planned two K and timed one; the second K's time went unused).
+    vLLM's requests cost what the probe timed there (`probe_engine_decoding`: its batch-1 rate, each K at the
+    starting drafter's slowdown), else the project's loop's rate and ENGINE_SLOWDOWN. Prompt lookup's K (--ngram) and suffix decoding's (--suffix) run
     whatever the budget: each costs a K at FREE_SLOWDOWN, and each but the first lookup K an engine child's start
     too (`lookup_s`); so does the combined speculator (--combined), with its fp32 recheck as the drafter's."""
     T = args.eval_max_new_tokens
@@ -120,8 +122,8 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
         return spec_start_s + (n_eval + EVAL_CONCURRENCY / 2) * (
             pair_s(engine_prefill_s, engine_decode_s, slowdown) + 2 * IDLE_S)
 
-    least_sweep_s = n_eval * (engine_prefill_s + engine_decode_s) + 2 * per_k_s(drafter_slowdown)  # plain's
-    #               natural lengths, then two K
+    least_sweep_s = n_eval * (engine_prefill_s + engine_decode_s) + per_k_s(drafter_slowdown)  # plain's
+    #               natural lengths, then one K
     free_k_s = per_k_s(FREE_SLOWDOWN)
     lookup_s = (len(args.ngram) * free_k_s + (len(args.ngram) - 1) * engine_start_s) if engine and args.ngram else 0.0
     lookup_s += len(args.suffix) * (free_k_s + engine_start_s) if engine else 0.0  # each suffix K: an engine child
@@ -140,7 +142,7 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
 
     def split(budget_min: float, spent_s: float = spent_s) -> tuple[float, float]:
         """(vLLM's K sweep, what is left for capture and training) in a budget of budget_min: the sweep gets what
-        the eval's share leaves, at least two K."""
+        the eval's share leaves, at least one K."""
         available = budget_min * 60 * (1 - MARGIN) - spent_s - sum(starts.values())
         sweep_s = max(least_sweep_s, EVAL_SHARE * available - fixed_s) if engine else 0.0
         return sweep_s, available - fixed_s - sweep_s
@@ -314,8 +316,9 @@ def measured_line(rates: dict) -> str:
             + (f", {rates['fp32_decode_tok_s']:.1f} in fp32" if "fp32_decode_tok_s" in rates else "")
             + f" after a {rates['prefill_s']:.2f} s prefill of the median prompt"
             + (f"; in vLLM at batch 1 {rates['engine_plain_tok_s']:.1f} tokens/s (whole requests), the starting "
-               f"drafter at K = {PROBE_K} {1 / rates['engine_spec_slowdown']:.2f}x that"
-               if "engine_plain_tok_s" in rates else ""))
+               f"drafter {1 / rates['engine_spec_slowdown']:.2f}x that" if "engine_plain_tok_s" in rates else "")
+            + (f", a verification step {rates['engine_step_cost'][0]:.2f} + {rates['engine_step_cost'][1]:.3f} x K "
+               f"plain steps" if "engine_step_cost" in rates else ""))
 
 
 def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:

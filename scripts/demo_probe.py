@@ -23,7 +23,6 @@ from dflash_train.runs import REPO
 GAUSS_QUANTILES = (0.5 - 0.5 / 3 ** 0.5, 0.5 + 0.5 / 3 ** 0.5)  # the probe's capture batches (two-point quadrature)
 ENGINE_PROBE_PROMPTS = 48
 ENGINE_DECODE_PROBE_PROMPTS = 3
-PROBE_K = 4  # the speculation length the probe times the starting drafter at (the router demos' best K)
 
 
 # --- what the probe and the plan read -------------------------------------------------------------------------------
@@ -243,34 +242,48 @@ def probe_engine_capture(args: argparse.Namespace, target, rendered: list[list[i
 
 
 def probe_engine_decoding(args: argparse.Namespace, target, rendered: list[list[int]], precision,
-                          recipe) -> dict[str, float]:
+                          recipe) -> dict[str, float | list[float]]:
     """The eval's own protocol (`eval --engine vllm`'s timed job) on ENGINE_DECODE_PROBE_PROMPTS training prompts
     of the median length, up to the eval's --eval-max-new-tokens: plain decoding and the recipe's starting drafter
-    at K = PROBE_K, each request alone and cold. Returns vLLM's whole-request rate at batch 1 (new tokens over each
-    plain request's stopwatch, its prefill in it), the starting drafter's time over plain's (the drafter the demo
-    trains starts there and accepts more: the plan errs long) and its engine's start. Without it the plan counted
-    the project's own loop's decode rate and ENGINE_SLOWDOWN for every K: on the AVX-512 BF16 host 265 s a K for
-    about 130, so the router demo's eval took 901 s of its planned 1,326 and training got 139 s.
-    The prompts are decoded without their requests' constraints (a grammar only shortens answers)."""
+    at K = 1 and B - 1 (probe_ks), each request alone and cold. Returns vLLM's whole-request rate at batch 1 (new
+    tokens over each plain request's stopwatch, its prefill in it), the starting drafter's time over plain's (over
+    both K; the drafter the demo trains starts there and accepts more: the plan errs long), its engine's start, and
+    what a verification step costs on this machine in plain decoding steps, the line a + b x K through the two K
+    (`engine_step_cost`: the eval's --step-cost, from which its sweep starts at the K of the best expected speed;
+    the triage demo's drafter under its schema on the 2-core AVX-512 host: 1.43 at K = 1, 1.59 at 4, 1.85 at 9,
+    2.13 at 15). Without the probe the plan counted the project's own loop's decode rate and ENGINE_SLOWDOWN for
+    every K: on the AVX-512 BF16 host 265 s a K for about 130, so the router demo's eval took 901 s of its planned
+    1,326 and training got 139 s. The prompts are decoded without their requests' constraints (a grammar only
+    shortens answers; under one a step costs a little more at every K: b errs low)."""
     import tempfile
 
     from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
     from dflash_train.engine.runner import run_engine
     from dflash_train.model.published import fetch_drafter
+    from dflash_train.stages.evaluate.vllm_sweep import step_cost_line, step_cost_of
 
     middle = len(rendered) // 2
     picked = rendered[max(0, middle - ENGINE_DECODE_PROBE_PROMPTS // 2):][:ENGINE_DECODE_PROBE_PROMPTS]
     requests = [EngineRequest(id=str(i), prompt_token_ids=ids, max_tokens=args.eval_max_new_tokens)
                 for i, ids in enumerate(picked)]
     drafter = fetch_drafter(recipe.drafter.init_from, recipe.drafter.init_revision).folder
+    ks = probe_ks(json.loads((drafter / "config.json").read_text())["block_size"])
     job = EngineJob(target=str(target.path), requests=requests, stop_token_ids=target.stop_token_ids(),
                     dtype=VLLM_DTYPES[precision.name], drafter=str(drafter),
-                    max_model_len=max(map(len, picked)) + args.eval_max_new_tokens, mode="timed",
-                    speculative_tokens=[PROBE_K])
+                    max_model_len=max(map(len, picked)) + args.eval_max_new_tokens + ks[-1] + 1, mode="timed",
+                    speculative_tokens=list(ks))
     with tempfile.TemporaryDirectory(prefix="demo-probe-engine-") as work:
-        result = run_engine(job, work, f"demo probe: vLLM decoding at batch 1, plain and at K = {PROBE_K}")
-    run = result.timed["runs"][0]
-    tokens = sum(t["tokens"] for t in run["batch1"])
-    plain_s, spec_s = (sum(sum(t[f"{side}_wall_s"]) for t in run["batch1"]) for side in ("plain", "spec"))
+        result = run_engine(job, work, f"demo probe: vLLM decoding at batch 1, plain and at K = {ks[0]} and {ks[1]}")
+    runs = result.timed["runs"]
+    tokens = sum(t["tokens"] for run in runs for t in run["batch1"])
+    plain_s, spec_s = (sum(sum(t[f"{side}_wall_s"]) for run in runs for t in run["batch1"])
+                       for side in ("plain", "spec"))
+    costs = {run["k"]: step_cost_of(run) for run in runs}
     return {"engine_plain_tok_s": tokens / plain_s, "engine_spec_slowdown": spec_s / plain_s,
-            "engine_spec_start_s": run["load_s"]}
+            "engine_spec_start_s": max(run["load_s"] for run in runs),
+            **({"engine_step_cost": step_cost_line(costs)} if None not in costs.values() else {})}
+
+
+def probe_ks(block_size: int) -> tuple[int, int]:
+    """The two speculation lengths the probe times the starting drafter at: the ends of the range, 1 and B - 1."""
+    return (1, max(2, block_size - 1))

@@ -82,6 +82,11 @@ def test_the_sweep_times_first_the_shortest_k_that_keeps_the_whole_blocks_tau():
     triage = [1.485, 1.75, 1.85, 1.901, 1.95, 1.97, 1.99, 1.999, 2.003, 2.005, 2.006, 2.007, 2.01, 2.012, 2.015]
     assert sweep_first_k(triage) == 8  # the triage log's walked estimate: K = 8 within 1% of the best
     assert sweep_first_k(None) is None and sweep_first_k([1.3, math.nan]) is None  # no estimate: the old order
+    # with what a step costs at each K, the best expected speed: the triage demo's drafter (its walked estimate),
+    # whose step cost 1.43 plain steps at K = 1 and 2.13 at 15 under its schema, was fastest at K = 4 (1.24-1.26x)
+    demo = [1.49, 1.72, 1.84, 1.93, 1.97, 2.01, 2.02, 2.02, 2.06, 2.07, 2.07, 2.07, 2.07, 2.07, 2.07]
+    assert sweep_first_k(demo) == 9 and sweep_first_k(demo, [1.38, 0.05]) == 4
+    assert sweep_first_k(demo, [1.38, 0.02]) == 5 and sweep_first_k(demo, [2.0, 0.0]) == 9  # a flat cost: tau's K
     order = k_sweep_order(15, 2)
     assert sorted(order) == list(range(1, 16)) and order[:4] == [2, 1, 15, 5]
     assert k_sweep_order(15, 15) == k_sweep_order(15) and k_sweep_order(7, 3)[:3] == [3, 1, 2]
@@ -200,10 +205,20 @@ def test_the_engine_eval_reports_the_fastest_k_with_its_figures_and_intervals(ti
                                      concurrency=[2]), tiny_target, prompts, 4, "fp32", "cpu", tmp_path,
                           ("offline estimate", [0.5, 0.0, 0.0]))
     assert calls[0].speculative_tokens == [1, 3, 2]
-    assert ordered["timing"]["first_k"] == {"k": 1, "from": "offline estimate", "slack": 0.01}
+    assert ordered["timing"]["first_k"] == {"k": 1, "from": "offline estimate", "slack": 0.01, "step_cost": None}
     first = "\n".join(serving_tables(ordered, {"cpu": "Some CPU", "cores": 2, "load_average": [0.5, 0.5, 0.5]}))
-    assert ("Timed first: K = 1, the shortest whose expected tau by the offline estimate is within 1% of the whole "
-            "block's.") in first
+    assert "Timed first: K = 1, the shortest whose expected tau by the offline estimate is within 1% of the best." \
+        in first
+    calls.clear()  # with --step-cost: the best expected tau over a step's cost, and the report says so
+    costed = engine_eval(EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12,
+                                    concurrency=[2], step_cost=[1.0, 0.5]), tiny_target, prompts, 4, "fp32", "cpu",
+                         tmp_path, ("offline estimate", [1.5, 2.1, 2.2]))
+    assert calls[0].speculative_tokens[0] == 2  # 1.5 / 1.5, 2.1 / 2.0, 2.2 / 2.5 (by tau alone: 3)
+    assert costed["timing"]["first_k"]["step_cost"] == [1.0, 0.5]
+    assert ("Timed first: K = 2, the shortest whose expected speed (tau by the offline estimate over a step's cost "
+            "of 1.00 + 0.500 x K plain decoding steps, as measured on this machine) is within 1% of the best.") in \
+        "\n".join(serving_tables(costed, {"cpu": "Some CPU", "cores": 2, "load_average": [0.5, 0.5, 0.5]}))
+    assert all(row["step_cost"] > 0 for row in costed["sweep"])  # each K's step in plain steps, in the report
     with pytest.raises(UserError, match="--speculative-tokens 4 is more than the verify block holds "
                                         r"\(B - 1 = 3"):
         engine_eval(EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", speculative_tokens=[4]), tiny_target,
@@ -732,6 +747,39 @@ def test_eval_command_with_sampling_is_lossless_too(tiny_target_dir, drafters, p
     report = json.loads((out / "report.json").read_text())
     assert rc == 0 and report["lossless_mismatches"] == 0 and report["lossless_checked"] >= 1
     assert report["settings"]["sampling"].startswith("temperature 1.0")
+
+
+def test_a_step_cost_is_read_off_a_ks_timed_runs_and_drawn_through_two_k():
+    """A verification step's cost in plain decoding steps: the speculative side's decode seconds per step over
+    plain decoding's per token, on the same prompts at the same lengths."""
+    from dflash_train.stages.evaluate.vllm_sweep import step_cost_line, step_cost_of
+
+    def timed(i: int, accepted: list[int], plain_s: float, spec_s: float) -> tuple[dict, dict]:
+        tokens = 1 + sum(a + 1 for a in accepted)
+        output = {"id": f"p{i}", "token_ids": [5] * tokens, "finish_reason": "length", "decode_s": spec_s,
+                  "accepted": accepted}
+        return {"id": f"p{i}", "tokens": tokens, "plain_decode_s": [plain_s], "spec_decode_s": [spec_s, spec_s]}, output
+
+    # 9 decode tokens in 4 steps (accepting 2, 1, 0, 2) and 5 in 5: 14 plain tokens in 1.4 s; 9 steps in 1.8 s
+    (a, out_a), (b, out_b) = timed(0, [2, 1, 0, 2], 0.9, 0.8), timed(1, [0] * 5, 0.5, 1.0)
+    assert step_cost_of({"batch1": [a, b], "outputs": [out_a, out_b]}) == pytest.approx((1.8 / 9) / (1.4 / 14))
+    assert step_cost_of({"batch1": [{**a, "plain_decode_s": [0.0]}], "outputs": [out_a]}) is None
+    assert step_cost_line({15: 2.13, 1: 1.43}) == pytest.approx([1.38, 0.05])
+    assert step_cost_line({1: 1.5, 15: 1.4}) == [1.5, 0.0]  # noise never makes a longer block cheaper
+
+
+@pytest.mark.parametrize("value", ["1", "1,2,3", "0,0.1", "1,-0.1", "nan,0", "a,b"])
+def test_eval_refuses_a_step_cost_that_is_not_a_line(tmp_path, capsys, value):
+    from dflash_train.cli import main
+
+    try:
+        rc = main(["eval", "--drafter", str(tmp_path / "d"), "--prompts", str(tmp_path / "p"), "--out",
+                   str(tmp_path / "out"), "--step-cost", value])
+    except SystemExit as exit_:  # not numbers: argparse's own line
+        rc = exit_.code
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1 and "--step-cost" in err[0], err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("value", ["nan", "-1", "inf", "2.5"])

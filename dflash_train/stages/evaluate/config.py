@@ -3,6 +3,7 @@ the project's loop and the engine sweep."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -12,6 +13,15 @@ from dflash_train.engine.args import ENGINE_ARGS_HELP, SPECULATION_LENGTHS, engi
 from dflash_train.lookup import CombinedRule, combined_problem
 from dflash_train.options import at_least, each, option
 from dflash_train.target import DEFAULT_TARGET
+
+
+def step_cost_problem(value: list[float] | None) -> str | None:
+    """--step-cost's check: two finite numbers, A > 0 and B >= 0."""
+    if value is None:
+        return None
+    if len(value) != 2 or not all(math.isfinite(x) for x in value) or value[0] <= 0 or value[1] < 0:
+        return "must be two numbers A,B with A > 0 and B >= 0 (a step at K costs A + B x K plain steps)"
+    return None
 
 
 @dataclass
@@ -57,6 +67,11 @@ class EvalConfig:
     sweep_budget_s: float = option(900.0, check=at_least(0), metavar="S",
                                    help="vLLM: seconds for the timed runs; the first K always runs, each next one "
                                         "while the time left holds the most a K has cost")
+    step_cost: list[float] | None = option(
+        None, metavar="A,B", check=step_cost_problem,
+        help="vLLM: a verification step at K costs A + B x K plain decoding steps on this machine (scripts/demo.py's "
+             "probe measures it); the sweep then starts at the K of the best expected tau over that cost (the "
+             "shortest within a percent of it) instead of the shortest that keeps tau")
     concurrency: list[int] = option(default_factory=lambda: [4, 16], metavar="C,C,...", check=each(at_least(2)),
                                     help="vLLM: requests decoded together, timed beside batch 1 for every K "
                                          "(each at least 2)")

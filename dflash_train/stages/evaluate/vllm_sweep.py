@@ -45,17 +45,41 @@ TIMING_PROTOCOL = ("warm engines (one short request each first), plain and specu
                    "prompts (cycled) decoded together, timed the same way")
 
 
-SWEEP_FIRST_SLACK = 0.01  # the sweep's first K keeps tau within 1% of the whole block's, by the acceptance estimate
+SWEEP_FIRST_SLACK = 0.01  # the sweep's first K keeps the expected speed within 1% of the best, by the estimate
 
 
-def sweep_first_k(tau_by_k: list[float] | None, slack: float = SWEEP_FIRST_SLACK) -> int | None:
-    """The shortest speculation length K whose expected tau (tau_by_k[K-1]) is within `slack` of the best: a
-    verification step costs no less at a longer K, so by this estimate no longer K is more than `slack` faster.
-    None without an estimate."""
+def sweep_first_k(tau_by_k: list[float] | None, step_cost: list[float] | None = None,
+                  slack: float = SWEEP_FIRST_SLACK) -> int | None:
+    """The shortest speculation length K whose expected speed, its expected tau (tau_by_k[K-1]) over what a
+    verification step costs at K, is within `slack` of the best. With `step_cost` (a, b) a step at K costs a + b x K
+    plain decoding steps (as `step_cost_of` measures it: on a 2-core CPU a + b x 15 is about 1.5 times a + b); without,
+    the same at every K, so that no longer K is more than `slack` faster by the expected tau alone. None without an
+    estimate."""
     if not tau_by_k or not all(math.isfinite(t) for t in tau_by_k):
         return None
-    best = max(tau_by_k)
-    return next(k for k, tau in enumerate(tau_by_k, 1) if tau * (1 + slack) >= best)
+    a, b = step_cost or (1.0, 0.0)
+    speed = [tau / (a + b * k) for k, tau in enumerate(tau_by_k, 1)]
+    return next(k for k, s in enumerate(speed, 1) if s * (1 + slack) >= max(speed))
+
+
+def step_cost_of(run: dict[str, Any]) -> float | None:
+    """What a verification step cost in one K's timed runs at batch 1 (engine.child._timed), in plain decoding
+    steps: the speculative side's decode-phase seconds per verification step over plain decoding's per token (the
+    same prompts at the same lengths); None where either side has none."""
+    outputs = {o["id"]: EngineOutput(**o) for o in run["outputs"]}
+    steps = sum(len(engine_steps(outputs[t["id"]])[0]) for t in run["batch1"])
+    tokens = sum(t["tokens"] - 1 for t in run["batch1"])
+    spec_s, plain_s = (sum(sum(t[f"{side}_decode_s"]) / len(t[f"{side}_decode_s"]) for t in run["batch1"])
+                       for side in ("spec", "plain"))
+    return (spec_s / steps) / (plain_s / tokens) if steps and tokens and spec_s > 0 and plain_s > 0 else None
+
+
+def step_cost_line(costs: dict[int, float]) -> list[float]:
+    """(a, b), a step at K costing a + b x K plain steps, through two K's measured costs (b at least 0: a longer
+    block is never cheaper to verify)."""
+    (k1, c1), (k2, c2) = sorted(costs.items())
+    b = max(0.0, (c2 - c1) / (k2 - k1))
+    return [c1 - b * k1, b]
 
 
 def tau_by_k_of(acceptance: list[float]) -> list[float]:
@@ -145,7 +169,8 @@ def k_row(run: dict[str, Any], natural: dict[str, Any], greedy: bool) -> dict[st
            "tau_interval": bootstrap_interval(mean_of([p["tau"] for p in per_prompt]), len(per_prompt)),
            **timing_figures(per_prompt), "lossless_checked": len(per_prompt) if greedy else 0,
            "lossless_mismatches": sum(p["mismatch"] for p in per_prompt) if greedy else None,
-           "tokens_unaccounted_by_steps": unaccounted, "load_s": run["load_s"], "seconds": run["seconds"],
+           "step_cost": step_cost_of(run), "tokens_unaccounted_by_steps": unaccounted, "load_s": run["load_s"],
+           "seconds": run["seconds"],
            "repeat_spread": sorted(spreads)[len(spreads) // 2] if spreads else None, "per_prompt": per_prompt}
     return row
 
@@ -317,9 +342,9 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
 
 
 def sweep_plan(cfg: EvalConfig, block_size: int, tau_by_k: list[float] | None) -> tuple[int | None, list[int]]:
-    """The sweep's first K (sweep_first_k by the expected tau at each K; None with --speculative-tokens) and the K
-    to time, in order (--speculative-tokens, else k_sweep_order up to B - 1)."""
-    first = None if cfg.speculative_tokens else sweep_first_k(tau_by_k)
+    """The sweep's first K (sweep_first_k by the expected tau at each K and --step-cost; None with
+    --speculative-tokens) and the K to time, in order (--speculative-tokens, else k_sweep_order up to B - 1)."""
+    first = None if cfg.speculative_tokens else sweep_first_k(tau_by_k, cfg.step_cost)
     ks = cfg.speculative_tokens or k_sweep_order(block_size - 1, first)
     if too_long := [k for k in ks if k > block_size - 1]:
         raise UserError(f"--speculative-tokens {too_long[0]} is more than the verify block holds (B - 1 = "
@@ -358,7 +383,10 @@ class EngineRunner:
                         lookup_method="combined" if combined else "ngram", combined=combined)
         budget = f", {budget_s:.0f} s budget" if budget_s is not None and len(ks) > 1 else ""
         if self.first is not None and mode == "timed":
-            budget += f"; K = {self.first} first, the shortest that keeps tau by the {self.source}"
+            budget += f"; K = {self.first} first, " + (
+                f"the best expected speed by the {self.source} at a step cost of {cfg.step_cost[0]:.2f} + "
+                f"{cfg.step_cost[1]:.3f} x K plain steps" if cfg.step_cost else
+                f"the shortest that keeps tau by the {self.source}")
         if cfg.ngram and mode == "timed":
             budget += f"; then vLLM's prompt lookup at K = {', '.join(map(str, cfg.ngram))}"
         speculator = f"the combined speculator ({combined}) with drafter" if combined else "with drafter"
@@ -516,7 +544,8 @@ def timing_entry(run: EngineRunner, result: EngineResult, seconds: float, natura
     drift = host_drift(rates)
     return {"protocol": TIMING_PROTOCOL, "repeats": run.cfg.repeats, "budget_s": run.cfg.sweep_budget_s,
             "measured_k": [row["k"] for row in sweep], "skipped_k": result.timed["skipped"],
-            "first_k": None if run.first is None else {"k": run.first, "from": run.source, "slack": SWEEP_FIRST_SLACK},
+            "first_k": None if run.first is None else {"k": run.first, "from": run.source, "slack": SWEEP_FIRST_SLACK,
+                                                       "step_cost": run.cfg.step_cost},
             "plain_tokens_per_s_decode": dict(zip(labels, rates)),
             "host_drift": drift, "host_drift_limit": HOST_DRIFT_LIMIT,
             "host_unsteady": drift is not None and drift > HOST_DRIFT_LIMIT,
