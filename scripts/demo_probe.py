@@ -250,8 +250,8 @@ def probe_engine_decoding(args: argparse.Namespace, target, rendered: list[list[
     both K; the drafter the demo trains starts there and accepts more: the plan errs long), its engine's start, and
     what a verification step costs on this machine in plain decoding steps, the line a + b x K through the two K
     (`engine_step_cost`: the eval's --step-cost, from which its sweep starts at the K of the best expected speed;
-    the triage demo's drafter under its schema on the 2-core AVX-512 host: 1.43 at K = 1, 1.59 at 4, 1.85 at 9,
-    2.13 at 15). Without the probe the plan counted the project's own loop's decode rate and ENGINE_SLOWDOWN for
+    the triage demo's drafter under its schema on the 2-core AVX-512 host: 1.40 at K = 1, 1.47 at 4, 1.64 at 9,
+    1.87 at 15). Without the probe the plan counted the project's own loop's decode rate and ENGINE_SLOWDOWN for
     every K: on the AVX-512 BF16 host 265 s a K for about 130, so the router demo's eval took 901 s of its planned
     1,326 and training got 139 s. The prompts are decoded without their requests' constraints (a grammar only
     shortens answers; under one a step costs a little more at every K: b errs low)."""
