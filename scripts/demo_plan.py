@@ -91,9 +91,10 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     expected speed by the probe's step cost (`eval --step-cost`), all that the eval's budget rule times where the
     share holds one K and a little (the triage demo planned two K and timed one; the second K's time went unused).
     vLLM's requests cost what the probe timed there (`probe_engine_decoding`: its batch-1 rate, each K at the
-    starting drafter's slowdown), else the project's loop's rate and ENGINE_SLOWDOWN. Prompt lookup's K (--ngram) and suffix decoding's (--suffix) run
-    whatever the budget: each costs a K at FREE_SLOWDOWN, and each but the first lookup K an engine child's start
-    too (`lookup_s`); so does the combined speculator (--combined), with its fp32 recheck as the drafter's."""
+    starting drafter's slowdown), else the project's loop's rate and ENGINE_SLOWDOWN. Prompt lookup's K (--ngram)
+    and suffix decoding's (--suffix) run whatever the budget: each costs a K at FREE_SLOWDOWN, and each but the
+    first lookup K an engine child's start too (`lookup_s`); so does the combined speculator (--combined), with its
+    fp32 recheck as the drafter's."""
     T = args.eval_max_new_tokens
     own, engine = args.engine != "vllm", args.engine != "own"
     engine_start_s = rates.get("engine_start_s", VLLM_START_S)
