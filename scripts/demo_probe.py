@@ -246,8 +246,9 @@ def probe_engine_decoding(args: argparse.Namespace, target, rendered: list[list[
     """The eval's own protocol (`eval --engine vllm`'s timed job) on ENGINE_DECODE_PROBE_PROMPTS training prompts
     of the median length, up to the eval's --eval-max-new-tokens: plain decoding and the recipe's starting drafter
     at K = 1 and B - 1 (probe_ks), each request alone and cold. Returns vLLM's whole-request rate at batch 1 (new
-    tokens over each plain request's stopwatch, its prefill in it), the starting drafter's time over plain's (over
-    both K; the drafter the demo trains starts there and accepts more: the plan errs long), its engine's start, and
+    tokens over each plain request's stopwatch, its prefill in it), the starting drafter's time over plain's (at the
+    faster of the two K: the eval times the K of the best expected speed, and the drafter the demo trains accepts
+    more than the one it starts from, so the plan still errs long), its engine's start, and
     what a verification step costs on this machine in plain decoding steps, the line a + b x K through the two K
     (`engine_step_cost`: the eval's --step-cost, from which its sweep starts at the K of the best expected speed;
     the triage demo's drafter under its schema on the 2-core AVX-512 host: 1.40 at K = 1, 1.47 at 4, 1.64 at 9,
@@ -276,10 +277,11 @@ def probe_engine_decoding(args: argparse.Namespace, target, rendered: list[list[
         result = run_engine(job, work, f"demo probe: vLLM decoding at batch 1, plain and at K = {ks[0]} and {ks[1]}")
     runs = result.timed["runs"]
     tokens = sum(t["tokens"] for run in runs for t in run["batch1"])
-    plain_s, spec_s = (sum(sum(t[f"{side}_wall_s"]) for run in runs for t in run["batch1"])
+    plain_s, spec_s = ({run["k"]: sum(sum(t[f"{side}_wall_s"]) for t in run["batch1"]) for run in runs}
                        for side in ("plain", "spec"))
     costs = {run["k"]: step_cost_of(run) for run in runs}
-    return {"engine_plain_tok_s": tokens / plain_s, "engine_spec_slowdown": spec_s / plain_s,
+    return {"engine_plain_tok_s": tokens / sum(plain_s.values()),
+            "engine_spec_slowdown": min(spec_s[k] / plain_s[k] for k in ks),
             "engine_spec_start_s": max(run["load_s"] for run in runs),
             **({"engine_step_cost": step_cost_line(costs)} if None not in costs.values() else {})}
 
