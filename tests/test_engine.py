@@ -61,6 +61,30 @@ def test_prompt_lookup_steps_without_a_match_count_as_plain_steps():
     assert sum(s.tau for s in steps) / len(steps) == 1.5  # 6 tokens in 4 forwards, not 4 in 2 (2.0)
 
 
+def test_the_engine_childs_progress_lines_show_on_the_stages_output_as_they_come(tmp_path, capsys):
+    """An eval's sweep runs for minutes inside the engine's child: its line after each K it timed is printed by the
+    stage as it comes (the rest stays in the log); a child past its time limit is reported, not waited for."""
+    from dflash_train.engine.runner import wait_showing_progress
+
+    log_path = tmp_path / "engine.log"
+    child = ("import time; print('vLLM loading', flush=True); time.sleep(0.5); "
+             "print('timed: K=5 done in 111 s (151 s in all)', flush=True); time.sleep(0.5); "
+             "print('timed: prompt lookup K=4 done in 113 s (264 s in all)', end='', flush=True)")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", child], stdout=log, stderr=subprocess.STDOUT)
+        assert wait_showing_progress(proc, log_path, None, every_s=0.1)
+    assert capsys.readouterr().out.splitlines() == ["engine: K=5 done in 111 s (151 s in all)",
+                                                    "engine: prompt lookup K=4 done in 113 s (264 s in all)"]
+    assert "vLLM loading" in log_path.read_text()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stdout=log)
+        started = time.monotonic()
+        assert not wait_showing_progress(proc, log_path, 0.5, every_s=0.1)
+        assert time.monotonic() - started < 5
+        proc.kill()
+        proc.wait()
+
+
 def test_serve_command_names_the_hub_repos_not_local_folders():
     kwargs = {"model": "/home/me/target", "dtype": "float32", "max_model_len": 512, "seed": 0, "enforce_eager": True,
               "speculative_config": {"method": "dflash", "model": "/home/me/run/drafter", "num_speculative_tokens": 15}}

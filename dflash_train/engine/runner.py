@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -33,12 +34,13 @@ def run_engine(job: EngineJob, workdir: str | Path, what: str, timeout_s: float 
     env = {**os.environ, **install.engine_environment(job.device)}
     log_path = work / LOG_FILE
     with open(log_path, "w") as log:
-        try:
-            proc = subprocess.run([sys.executable, "-m", "dflash_train.engine.child", str(work)], env=env,
-                                  stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_train.engine.child", str(work)], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        if not wait_showing_progress(proc, log_path, timeout_s):
+            proc.kill()
+            proc.wait()
             raise UserError(f"{what}: the vLLM engine did not finish within {timeout_s:.0f} s; its log: "
-                            f"{log_path}") from None
+                            f"{log_path}")
     result_file = work / RESULT_FILE
     if proc.returncode != 0 or not result_file.exists():
         how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exited with {proc.returncode}"
@@ -47,6 +49,32 @@ def run_engine(job: EngineJob, workdir: str | Path, what: str, timeout_s: float 
     return EngineResult(version=raw["version"], llm_kwargs=raw["llm_kwargs"], load_s=raw["load_s"],
                         wall_s=raw["wall_s"], outputs=[EngineOutput(**o) for o in raw["outputs"]],
                         environment=raw["environment"], timed=raw.get("timed"))
+
+
+PROGRESS = "timed: "  # the child's line after each K it timed (child._timed): minutes apart in an eval's sweep
+
+
+def wait_showing_progress(proc: subprocess.Popen, log_path: Path, timeout_s: float | None,
+                          every_s: float = 2.0) -> bool:
+    """Wait for the engine's child, printing each of its PROGRESS lines from its log as it comes (an eval's sweep
+    runs for minutes in the child); False if it is still running after `timeout_s`."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pending = ""
+    with open(log_path, errors="replace") as log:
+        while True:
+            try:
+                proc.wait(timeout=every_s if deadline is None else max(0.0, min(every_s, deadline - time.monotonic())))
+                done = True
+            except subprocess.TimeoutExpired:
+                done = False
+            *lines, pending = (pending + log.read()).split("\n")
+            for line in lines + ([pending] if done else []):
+                if line.startswith(PROGRESS):
+                    print(f"engine: {line[len(PROGRESS):]}", flush=True)
+            if done:
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
 
 
 def engine_error(log_path: Path) -> str:
