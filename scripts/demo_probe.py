@@ -248,14 +248,15 @@ def probe_engine_decoding(args: argparse.Namespace, target, rendered: list[list[
     at K = 1 and B - 1 (probe_ks), each request alone and cold. Returns vLLM's whole-request rate at batch 1 (new
     tokens over each plain request's stopwatch, its prefill in it), the starting drafter's time over plain's (at the
     faster of the two K: the eval times the K of the best expected speed, and the drafter the demo trains accepts
-    more than the one it starts from, so the plan still errs long), its engine's start, and
-    what a verification step costs on this machine in plain decoding steps, the line a + b x K through the two K
-    (`engine_step_cost`: the eval's --step-cost, from which its sweep starts at the K of the best expected speed;
-    the triage demo's drafter under its schema on the 2-core AVX-512 host: 1.40 at K = 1, 1.47 at 4, 1.64 at 9,
-    1.87 at 15). Without the probe the plan counted the project's own loop's decode rate and ENGINE_SLOWDOWN for
-    every K: on the AVX-512 BF16 host 265 s a K for about 130, so the router demo's eval took 901 s of its planned
-    1,326 and training got 139 s. The prompts are decoded without their requests' constraints (a grammar only
-    shortens answers; under one a step costs a little more at every K: b errs low)."""
+    more than the one it starts from, so the plan still errs long), its engine's start, and what a verification
+    step costs on this machine in plain decoding steps, the line a + b x K through the two K (`engine_step_cost`:
+    the eval's --step-cost, from which its sweep starts at the K of the best expected speed; the triage demo's
+    drafter under its schema on the 2-core AVX-512 host: 1.40 at K = 1, 1.47 at 4, 1.64 at 9, 1.87 at 15). Without
+    the probe the plan counted the project's own loop's decode rate and ENGINE_SLOWDOWN for every K: on the AVX-512
+    BF16 host 265 s a K for about 130, so the router demo's eval took 901 s of its planned 1,326 and training got
+    139 s. The prompts are decoded without their requests' constraints (a grammar only shortens answers; under one a
+    step costs more at every K and grows more slowly: 1.43 + 0.023 x K under the router's schema where this probe
+    drew 1.27 + 0.035 x K)."""
     import tempfile
 
     from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
