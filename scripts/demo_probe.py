@@ -262,7 +262,7 @@ def probe_engine_decoding(args: argparse.Namespace, target, rendered: list[list[
     from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
     from dflash_train.engine.runner import run_engine
     from dflash_train.model.published import fetch_drafter
-    from dflash_train.stages.evaluate.vllm_sweep import step_cost_line, step_cost_of
+    from dflash_train.stages.evaluate.vllm_sweep import k_row, step_cost_line
 
     middle = len(rendered) // 2
     picked = rendered[max(0, middle - ENGINE_DECODE_PROBE_PROMPTS // 2):][:ENGINE_DECODE_PROBE_PROMPTS]
@@ -277,12 +277,13 @@ def probe_engine_decoding(args: argparse.Namespace, target, rendered: list[list[
     with tempfile.TemporaryDirectory(prefix="demo-probe-engine-") as work:
         result = run_engine(job, work, f"demo probe: vLLM decoding at batch 1, plain and at K = {ks[0]} and {ks[1]}")
     runs = result.timed["runs"]
+    natural = result.by_id()
+    rows = {run["k"]: k_row(run, natural, greedy=True) for run in runs}  # as the eval reads its runs
     tokens = sum(t["tokens"] for run in runs for t in run["batch1"])
-    plain_s, spec_s = ({run["k"]: sum(sum(t[f"{side}_wall_s"]) for t in run["batch1"]) for run in runs}
-                       for side in ("plain", "spec"))
-    costs = {run["k"]: step_cost_of(run) for run in runs}
-    return {"engine_plain_tok_s": tokens / sum(plain_s.values()),
-            "engine_spec_slowdown": min(spec_s[k] / plain_s[k] for k in ks),
+    plain_s = sum(sum(t["plain_wall_s"]) for run in runs for t in run["batch1"])
+    costs = {k: row["step_cost"] for k, row in rows.items()}
+    return {"engine_plain_tok_s": tokens / plain_s,
+            "engine_spec_slowdown": min(1 / row["speedup_wall"] for row in rows.values()),
             "engine_spec_start_s": max(run["load_s"] for run in runs),
             **({"engine_step_cost": step_cost_line(costs)} if None not in costs.values() else {})}
 

@@ -752,18 +752,26 @@ def test_eval_command_with_sampling_is_lossless_too(tiny_target_dir, drafters, p
 def test_a_step_cost_is_read_off_a_ks_timed_runs_and_drawn_through_two_k():
     """A verification step's cost in plain decoding steps: the speculative side's decode seconds per step over
     plain decoding's per token, on the same prompts at the same lengths."""
-    from dflash_train.stages.evaluate.vllm_sweep import step_cost_line, step_cost_of
+    from dflash_train.engine.jobs import EngineOutput
+    from dflash_train.stages.evaluate.vllm_sweep import k_row, step_cost_line
 
     def timed(i: int, accepted: list[int], plain_s: float, spec_s: float) -> tuple[dict, dict]:
         tokens = 1 + sum(a + 1 for a in accepted)
         output = {"id": f"p{i}", "token_ids": [5] * tokens, "finish_reason": "length", "decode_s": spec_s,
                   "accepted": accepted}
-        return {"id": f"p{i}", "tokens": tokens, "plain_decode_s": [plain_s], "spec_decode_s": [spec_s, spec_s]}, output
+        return {"id": f"p{i}", "tokens": tokens, **{f"{side}_{clock}": [s] * n for side, s, n in
+                                                    (("plain", plain_s, 1), ("spec", spec_s, 2))
+                                                    for clock in ("core_s", "decode_s", "wall_s")}}, output
+
+    def cost(batch1: list[dict], outputs: list[dict]) -> float | None:
+        natural = {o["id"]: EngineOutput(**o) for o in outputs}
+        run = {"k": 3, "load_s": 1.0, "seconds": 9.0, "batch1": batch1, "outputs": outputs}
+        return k_row(run, natural, greedy=True)["step_cost"]
 
     # 9 decode tokens in 4 steps (accepting 2, 1, 0, 2) and 5 in 5: 14 plain tokens in 1.4 s; 9 steps in 1.8 s
     (a, out_a), (b, out_b) = timed(0, [2, 1, 0, 2], 0.9, 0.8), timed(1, [0] * 5, 0.5, 1.0)
-    assert step_cost_of({"batch1": [a, b], "outputs": [out_a, out_b]}) == pytest.approx((1.8 / 9) / (1.4 / 14))
-    assert step_cost_of({"batch1": [{**a, "plain_decode_s": [0.0]}], "outputs": [out_a]}) is None
+    assert cost([a, b], [out_a, out_b]) == pytest.approx((1.8 / 9) / (1.4 / 14))
+    assert cost([{**a, "plain_decode_s": [0.0]}], [out_a]) is None
     assert step_cost_line({15: 2.13, 1: 1.43}) == pytest.approx([1.38, 0.05])
     assert step_cost_line({1: 1.5, 15: 1.4}) == [1.5, 0.0]  # noise never makes a longer block cheaper
 

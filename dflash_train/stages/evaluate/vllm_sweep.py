@@ -52,7 +52,7 @@ def sweep_first_k(tau_by_k: list[float] | None, step_cost: list[float] | None = 
                   slack: float = SWEEP_FIRST_SLACK) -> int | None:
     """The shortest speculation length K whose expected speed, its expected tau (tau_by_k[K-1]) over what a
     verification step costs at K, is within `slack` of the best. With `step_cost` (a, b) a step at K costs a + b x K
-    plain decoding steps (as `step_cost_of` measures it: on a 2-core CPU 1.40 at K = 1 and 1.87 at 15); without,
+    plain decoding steps (as `step_cost` measures it: on a 2-core CPU 1.40 at K = 1 and 1.87 at 15); without,
     the same at every K, so that no longer K is more than `slack` faster by the expected tau alone. None without an
     estimate."""
     if not tau_by_k or not all(math.isfinite(t) for t in tau_by_k):
@@ -62,15 +62,13 @@ def sweep_first_k(tau_by_k: list[float] | None, step_cost: list[float] | None = 
     return next(k for k, s in enumerate(speed, 1) if s * (1 + slack) >= max(speed))
 
 
-def step_cost_of(run: dict[str, Any]) -> float | None:
-    """What a verification step cost in one K's timed runs at batch 1 (engine.child._timed), in plain decoding
-    steps: the speculative side's decode-phase seconds per verification step over plain decoding's per token (the
-    same prompts at the same lengths); None where either side has none."""
-    outputs = {o["id"]: EngineOutput(**o) for o in run["outputs"]}
-    steps = sum(len(engine_steps(outputs[t["id"]])[0]) for t in run["batch1"])
-    tokens = sum(t["tokens"] - 1 for t in run["batch1"])
-    spec_s, plain_s = (sum(sum(t[f"{side}_decode_s"]) / len(t[f"{side}_decode_s"]) for t in run["batch1"])
-                       for side in ("spec", "plain"))
+def step_cost(step_logs: list[list], per_prompt: list[dict[str, Any]]) -> float | None:
+    """What a verification step cost in one K's timed runs at batch 1 (k_row's steps and per-prompt mean times), in
+    plain decoding steps: the speculative side's decode-phase seconds per verification step over plain decoding's
+    per token (the same prompts at the same lengths); None where either side has none."""
+    steps = sum(map(len, step_logs))
+    tokens = sum(p["new_tokens"] - 1 for p in per_prompt)
+    spec_s, plain_s = (sum(p[f"{side}_decode_s"] for p in per_prompt) for side in ("spec", "plain"))
     return (spec_s / steps) / (plain_s / tokens) if steps and tokens and spec_s > 0 and plain_s > 0 else None
 
 
@@ -169,7 +167,7 @@ def k_row(run: dict[str, Any], natural: dict[str, Any], greedy: bool) -> dict[st
            "tau_interval": bootstrap_interval(mean_of([p["tau"] for p in per_prompt]), len(per_prompt)),
            **timing_figures(per_prompt), "lossless_checked": len(per_prompt) if greedy else 0,
            "lossless_mismatches": sum(p["mismatch"] for p in per_prompt) if greedy else None,
-           "step_cost": step_cost_of(run), "tokens_unaccounted_by_steps": unaccounted, "load_s": run["load_s"],
+           "step_cost": step_cost(step_logs, per_prompt), "tokens_unaccounted_by_steps": unaccounted, "load_s": run["load_s"],
            "seconds": run["seconds"],
            "repeat_spread": sorted(spreads)[len(spreads) // 2] if spreads else None, "per_prompt": per_prompt}
     return row
