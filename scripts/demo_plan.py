@@ -61,7 +61,7 @@ SLOW_VLLM_START_S = 100.0  # the slowest engine start a probe measured (99.8 s o
 def kept_prompts(prompts: Path, split: str, limit: int, target: str, max_prompt_tokens: int) -> list[int]:
     """kept[i] = how many of the first i+1 prompts of `split` capture keeps (rendered <= max_prompt_tokens)."""
     kept, n = [], 0
-    for ids in rendered_prompts(prompts, split, limit, target):
+    for ids, _ in rendered_prompts(prompts, split, limit, target):
         n += len(ids) <= max_prompt_tokens
         kept.append(n)
     return kept

@@ -56,15 +56,16 @@ def drafter_layers(recipe) -> int:
 
 
 @functools.lru_cache(maxsize=4)
-def rendered_prompts(prompts: Path, split: str, limit: int, target: str) -> tuple[list[int], ...]:
-    """The token ids of the first `limit` prompts of `split`, rendered as capture renders them (chat template and
-    tool definitions); cached, as the probe and the plan both read the training prompts (2,000 take ~9 s)."""
+def rendered_prompts(prompts: Path, split: str, limit: int, target: str) -> tuple[tuple[list[int], dict | None], ...]:
+    """The first `limit` prompts of `split` as capture replays them: each one's token ids, rendered as capture
+    renders them (chat template and tool definitions), and its request's constraints (structured outputs, stop
+    strings, ...); cached, as the probe and the plan both read the training prompts (2,000 take ~9 s)."""
     from dflash_train.prompts import load_prompt_records
     from dflash_train.target import load_tokenizer, render_prompt
 
     tokenizer = load_tokenizer(target)
     records, _ = load_prompt_records(prompts, split, limit)
-    return tuple(render_prompt(tokenizer, r.messages, r.tools) for r in records)
+    return tuple((render_prompt(tokenizer, r.messages, r.tools), r.constraints) for r in records)
 
 
 # --- the probe ------------------------------------------------------------------------------------------------------
@@ -85,8 +86,9 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
     device = default_device()
     precision = resolve_precision(dtype, device)
     target = load_target(args.target, dtype=precision.dtype, device=device)
-    rendered = sorted((ids for ids in rendered_prompts(prompts, "train", args.capture_limit, args.target)
-                       if len(ids) <= args.max_prompt_tokens), key=len)  # what the capture stage keeps
+    requests = sorted((r for r in rendered_prompts(prompts, "train", args.capture_limit, args.target)
+                       if len(r[0]) <= args.max_prompt_tokens), key=lambda r: len(r[0]))  # what capture keeps
+    rendered = [ids for ids, _ in requests]
     if not rendered:
         raise UserError(f"no training prompt of the first {args.capture_limit} in {prompts} fits --max-prompt-tokens "
                         f"{args.max_prompt_tokens}: raise it (or --capture-limit)")
@@ -104,9 +106,9 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
 
     recipe = demo_recipe(args)
     steps = training_step_rates(args, target, layers, recipe, precision.dtype, torch.device(device))
-    engine = probe_engine_capture(args, target, rendered, layers, precision) if args.capture_engine != "own" else {}
+    engine = probe_engine_capture(args, target, requests, layers, precision) if args.capture_engine != "own" else {}
     if args.engine != "own" and recipe.drafter.init_from is not None:
-        engine.update(probe_engine_decoding(args, target, rendered, precision, recipe))
+        engine.update(probe_engine_decoding(args, target, requests, precision, recipe))
     return {**first, "cpu_capability": torch.backends.cpu.get_cpu_capability(), **engine,
             "state_bytes_per_token": 2.0 * len(layers) * target.config.hidden_size,  # bf16 states
             **steps}
@@ -206,11 +208,11 @@ def training_step_rates(args: argparse.Namespace, target, layers: list[int], rec
 # --- vLLM -----------------------------------------------------------------------------------------------------------
 
 
-def probe_engine_capture(args: argparse.Namespace, target, rendered: list[list[int]], layers: list[int],
-                         precision) -> dict[str, float]:
+def probe_engine_capture(args: argparse.Namespace, target, requests: list[tuple[list[int], dict | None]],
+                         layers: list[int], precision) -> dict[str, float]:
     """The engine capture (`capture --engine vllm`) of ENGINE_PROBE_PROMPTS training prompts spread over the length
-    distribution (every k-th by length), timed as the stage runs it: vLLM starts and generates their responses
-    with continuous batching, then one batched transformers prefill records their states and top-k. Returns the
+    distribution (every k-th by length; `requests`: rendered_prompts'), timed as the stage runs it: vLLM starts and
+    generates their responses under their requests' constraints with continuous batching, then one batched transformers prefill records their states and top-k. Returns the
     start-up (the engine process and vLLM's load, once per capture), the seconds per prompt after it, and the
     prefill's share of them (a token-only capture without top-k runs no prefill). Continuous batching packs more
     requests together in a real capture than in this sample, so it errs on the slow side."""
@@ -220,10 +222,11 @@ def probe_engine_capture(args: argparse.Namespace, target, rendered: list[list[i
     from dflash_train.engine.runner import run_engine
     from dflash_train.states import prefill_capture
 
-    picked = rendered[::max(1, len(rendered) // ENGINE_PROBE_PROMPTS)][:ENGINE_PROBE_PROMPTS]
-    requests = [EngineRequest(id=str(i), prompt_token_ids=ids, max_tokens=args.max_new_tokens)
-                for i, ids in enumerate(picked)]
-    job = EngineJob(target=str(target.path), requests=requests, stop_token_ids=target.stop_token_ids(),
+    chosen = requests[::max(1, len(requests) // ENGINE_PROBE_PROMPTS)][:ENGINE_PROBE_PROMPTS]
+    picked = [ids for ids, _ in chosen]
+    job = EngineJob(target=str(target.path), requests=[
+                        EngineRequest(id=str(i), prompt_token_ids=ids, max_tokens=args.max_new_tokens, constraints=c)
+                        for i, (ids, c) in enumerate(chosen)], stop_token_ids=target.stop_token_ids(),
                     dtype=VLLM_DTYPES[precision.name], max_model_len=max(map(len, picked)) + args.max_new_tokens,
                     mode="batch")
     started = time.perf_counter()
@@ -241,10 +244,11 @@ def probe_engine_capture(args: argparse.Namespace, target, rendered: list[list[i
             "engine_prefill_s_per_prompt": prefill_s / len(picked)}
 
 
-def probe_engine_decoding(args: argparse.Namespace, target, rendered: list[list[int]], precision,
+def probe_engine_decoding(args: argparse.Namespace, target, requests: list[tuple[list[int], dict | None]], precision,
                           recipe) -> dict[str, float | list[float]]:
     """The eval's own protocol (`eval --engine vllm`'s timed job) on ENGINE_DECODE_PROBE_PROMPTS training prompts
-    of the median length, up to the eval's --eval-max-new-tokens: plain decoding and the recipe's starting drafter
+    of the median length (`requests`: rendered_prompts', by length), each under its request's constraints as the
+    eval decodes it, up to the eval's --eval-max-new-tokens: plain decoding and the recipe's starting drafter
     at K = 1 and B - 1 (probe_ks), each request alone and cold. Returns vLLM's whole-request rate at batch 1 (new
     tokens over each plain request's stopwatch, its prefill in it), the starting drafter's time over plain's (at the
     faster of the two K: the eval times the K of the best expected speed, and the drafter the demo trains accepts
@@ -254,24 +258,27 @@ def probe_engine_decoding(args: argparse.Namespace, target, rendered: list[list[
     drafter under its schema on the 2-core AVX-512 host: 1.40 at K = 1, 1.47 at 4, 1.64 at 9, 1.87 at 15). Without
     the probe the plan counted the project's own loop's decode rate and ENGINE_SLOWDOWN for every K: on the AVX-512
     BF16 host 265 s a K for about 130, so the router demo's eval took 901 s of its planned 1,326 and training got
-    139 s. The prompts are decoded without their requests' constraints (a grammar only shortens answers; under one a
-    step costs more at every K and grows more slowly: 1.43 + 0.023 x K under the router's schema where this probe
-    drew 1.27 + 0.035 x K)."""
+    139 s. Each request is decoded under its own constraints, as the eval decodes it: under a grammar a step costs
+    more at every K and grows more slowly (1.43 + 0.023 x K under the router's schema, where the probe without it
+    drew 1.27 + 0.035 x K), so the line drawn without it started the router's sweep at too short a K."""
     import tempfile
 
     from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
     from dflash_train.engine.runner import run_engine
+    from dflash_train.constraints import without
     from dflash_train.model.published import fetch_drafter
+    from dflash_train.stages.evaluate.command import LEFT_OUT
     from dflash_train.stages.evaluate.vllm_sweep import k_row, step_cost_line
 
-    middle = len(rendered) // 2
-    picked = rendered[max(0, middle - ENGINE_DECODE_PROBE_PROMPTS // 2):][:ENGINE_DECODE_PROBE_PROMPTS]
-    requests = [EngineRequest(id=str(i), prompt_token_ids=ids, max_tokens=args.eval_max_new_tokens)
-                for i, ids in enumerate(picked)]
+    middle = len(requests) // 2
+    chosen = requests[max(0, middle - ENGINE_DECODE_PROBE_PROMPTS // 2):][:ENGINE_DECODE_PROBE_PROMPTS]
+    picked = [ids for ids, _ in chosen]
     drafter = fetch_drafter(recipe.drafter.init_from, recipe.drafter.init_revision).folder
     ks = probe_ks(json.loads((drafter / "config.json").read_text())["block_size"])
-    job = EngineJob(target=str(target.path), requests=requests, stop_token_ids=target.stop_token_ids(),
-                    dtype=VLLM_DTYPES[precision.name], drafter=str(drafter),
+    job = EngineJob(target=str(target.path), requests=[
+                        EngineRequest(id=str(i), prompt_token_ids=ids, max_tokens=args.eval_max_new_tokens,
+                                      constraints=without(c, LEFT_OUT)) for i, (ids, c) in enumerate(chosen)],
+                    stop_token_ids=target.stop_token_ids(), dtype=VLLM_DTYPES[precision.name], drafter=str(drafter),
                     max_model_len=max(map(len, picked)) + args.eval_max_new_tokens + ks[-1] + 1, mode="timed",
                     speculative_tokens=list(ks))
     with tempfile.TemporaryDirectory(prefix="demo-probe-engine-") as work:

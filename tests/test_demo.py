@@ -361,18 +361,24 @@ def test_demo_probe_times_a_training_step_with_online_states(demo_prompts, tiny_
 
 @needs_vllm
 @pytest.mark.slow
-def test_the_probe_times_vllm_requests_plain_and_with_the_starting_drafter_as_the_eval_does(tmp_path):
-    """The probe's vLLM measurement runs the eval's own timed job (each request alone and cold, plain and with the
-    recipe's starting drafter at K = 1 and B - 1) on real vLLM and returns the rates the plan reads, with what a
-    verification step costs at each K in plain steps (the eval's --step-cost)."""
+def test_the_probe_times_vllm_requests_plain_and_with_the_starting_drafter_as_the_eval_does(tmp_path,
+                                                                                             monkeypatch):
+    """The probe's vLLM measurement runs the eval's own timed job (each request alone and cold, under its own
+    constraints as the eval decodes it, plain and with the recipe's starting drafter at K = 1 and B - 1) on real
+    vLLM and returns the rates the plan reads, with what a verification step costs at each K in plain steps (the
+    eval's --step-cost)."""
     import argparse
 
     import torch
     from tiny import make_tiny_drafter, make_tiny_target
 
     from dflash_train.device import resolve_precision
+    from dflash_train.engine import runner
     from dflash_train.model.checkpoint import save_drafter
     from dflash_train.target import load_target
+
+    jobs, real_run = [], runner.run_engine
+    monkeypatch.setattr(runner, "run_engine", lambda job, *a, **kw: jobs.append(job) or real_run(job, *a, **kw))
 
     target = load_target(str(make_tiny_target(tmp_path / "target", num_heads=2, num_kv_heads=1)),
                          dtype=torch.float32)
@@ -380,9 +386,12 @@ def test_the_probe_times_vllm_requests_plain_and_with_the_starting_drafter_as_th
                                         target_identity=target.identity().to_dict())
     save_drafter(drafter, config, tmp_path / "drafter")
     recipe = argparse.Namespace(drafter=argparse.Namespace(init_from=str(tmp_path / "drafter"), init_revision=None))
-    rendered = [[5 + i, 40, 41 + i, 300, 7 * i + 2] for i in range(5)]
-    rates = demo_probe.probe_engine_decoding(argparse.Namespace(eval_max_new_tokens=8), target, rendered,
+    regex = {"structured": {"kind": "regex", "spec": "(yes|no)[a-z ]{0,20}"}}
+    requests = [([5 + i, 40, 41 + i, 300, 7 * i + 2], {**regex, "min_p": 0.05} if i == 2 else None) for i in range(5)]
+    rates = demo_probe.probe_engine_decoding(argparse.Namespace(eval_max_new_tokens=8), target, requests,
                                              resolve_precision("fp32", "cpu"), recipe)
+    assert [r.constraints for r in jobs[0].requests] == [None, regex, None]  # the three middle ones; vLLM refuses
+    #                                                                          min_p with speculation: left out
     assert set(rates) == {"engine_plain_tok_s", "engine_spec_slowdown", "engine_spec_start_s", "engine_step_cost"}
     assert rates["engine_plain_tok_s"] > 0 and 0 < rates["engine_spec_slowdown"] < 20
     a, b = rates["engine_step_cost"]
