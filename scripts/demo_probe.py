@@ -247,8 +247,7 @@ def probe_engine_capture(args: argparse.Namespace, target, requests: list[tuple[
 def probe_engine_decoding(args: argparse.Namespace, target, requests: list[tuple[list[int], dict | None]], precision,
                           recipe) -> dict[str, float | list[float]]:
     """The eval's own protocol (`eval --engine vllm`'s timed job) on ENGINE_DECODE_PROBE_PROMPTS training prompts
-    of the median length (`requests`: rendered_prompts', by length), each under its request's constraints as the
-    eval decodes it, up to the eval's --eval-max-new-tokens: plain decoding and the recipe's starting drafter
+    of the median length (`requests`: rendered_prompts', by length), up to the eval's --eval-max-new-tokens: plain decoding and the recipe's starting drafter
     at K = 1 and B - 1 (probe_ks), each request alone and cold. Returns vLLM's whole-request rate at batch 1 (new
     tokens over each plain request's stopwatch, its prefill in it), the starting drafter's time over plain's (at the
     faster of the two K: the eval times the K of the best expected speed, and the drafter the demo trains accepts
@@ -258,16 +257,17 @@ def probe_engine_decoding(args: argparse.Namespace, target, requests: list[tuple
     drafter under its schema on the 2-core AVX-512 host: 1.40 at K = 1, 1.47 at 4, 1.64 at 9, 1.87 at 15). Without
     the probe the plan counted the project's own loop's decode rate and ENGINE_SLOWDOWN for every K: on the AVX-512
     BF16 host 265 s a K for about 130, so the router demo's eval took 901 s of its planned 1,326 and training got
-    139 s. Each request is decoded under its own constraints, as the eval decodes it: under a grammar a step costs
-    more at every K and grows more slowly (1.43 + 0.023 x K under the router's schema, where the probe without it
-    drew 1.27 + 0.035 x K), so the line drawn without it started the router's sweep at too short a K."""
+    139 s. The requests are decoded without their constraints, though the eval decodes under them: what a grammar
+    does to a step depends on the drafter, and the probe has only the starting one. The first K depends on the
+    line's slope over its intercept; measured on the 2-core AVX-512 host, the drafters the demo trains, under their
+    schema: 0.016 (router, 1.43 + 0.023 x K) and 0.018 (triage, 1.40 at K = 1 to 1.87 at 15). The general drafter
+    under the same schemas: 0.010, 0.005, 0 and 0 (a step at K = 1 costs as much as at 15: 1.70-2.10 plain steps),
+    which started triage's sweep at K = 9 for 1.20x; without them: 0.028, 0.021 and 0.008."""
     import tempfile
 
     from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
     from dflash_train.engine.runner import run_engine
-    from dflash_train.constraints import without
     from dflash_train.model.published import fetch_drafter
-    from dflash_train.stages.evaluate.command import LEFT_OUT
     from dflash_train.stages.evaluate.vllm_sweep import k_row, step_cost_line
 
     middle = len(requests) // 2
@@ -276,8 +276,8 @@ def probe_engine_decoding(args: argparse.Namespace, target, requests: list[tuple
     drafter = fetch_drafter(recipe.drafter.init_from, recipe.drafter.init_revision).folder
     ks = probe_ks(json.loads((drafter / "config.json").read_text())["block_size"])
     job = EngineJob(target=str(target.path), requests=[
-                        EngineRequest(id=str(i), prompt_token_ids=ids, max_tokens=args.eval_max_new_tokens,
-                                      constraints=without(c, LEFT_OUT)) for i, (ids, c) in enumerate(chosen)],
+                        EngineRequest(id=str(i), prompt_token_ids=ids, max_tokens=args.eval_max_new_tokens)
+                        for i, ids in enumerate(picked)],
                     stop_token_ids=target.stop_token_ids(), dtype=VLLM_DTYPES[precision.name], drafter=str(drafter),
                     max_model_len=max(map(len, picked)) + args.eval_max_new_tokens + ks[-1] + 1, mode="timed",
                     speculative_tokens=list(ks))
