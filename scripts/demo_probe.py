@@ -212,10 +212,11 @@ def probe_engine_capture(args: argparse.Namespace, target, requests: list[tuple[
                          layers: list[int], precision) -> dict[str, float]:
     """The engine capture (`capture --engine vllm`) of ENGINE_PROBE_PROMPTS training prompts spread over the length
     distribution (every k-th by length; `requests`: rendered_prompts'), timed as the stage runs it: vLLM starts and
-    generates their responses under their requests' constraints with continuous batching, then one batched transformers prefill records their states and top-k. Returns the
-    start-up (the engine process and vLLM's load, once per capture), the seconds per prompt after it, and the
-    prefill's share of them (a token-only capture without top-k runs no prefill). Continuous batching packs more
-    requests together in a real capture than in this sample, so it errs on the slow side."""
+    generates their responses under their requests' constraints with continuous batching, then one batched transformers
+    prefill records their states and top-k. Returns the start-up (the engine process and vLLM's load, once per capture),
+    the seconds per prompt after it, and the prefill's share of them (a token-only capture without top-k runs no
+    prefill). Continuous batching packs more requests together in a real capture than in this sample, so it errs on the
+    slow side."""
     import tempfile
 
     from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
@@ -246,23 +247,23 @@ def probe_engine_capture(args: argparse.Namespace, target, requests: list[tuple[
 
 def probe_engine_decoding(args: argparse.Namespace, target, requests: list[tuple[list[int], dict | None]], precision,
                           recipe) -> dict[str, float | list[float]]:
-    """The eval's own protocol (`eval --engine vllm`'s timed job) on ENGINE_DECODE_PROBE_PROMPTS training prompts
-    of the median length (`requests`: rendered_prompts', by length), up to the eval's --eval-max-new-tokens: plain decoding and the recipe's starting drafter
-    at K = 1 and B - 1 (probe_ks), each request alone and cold. Returns vLLM's whole-request rate at batch 1 (new
-    tokens over each plain request's stopwatch, its prefill in it), the starting drafter's time over plain's (at the
-    faster of the two K: the eval times the K of the best expected speed, and the drafter the demo trains accepts
-    more than the one it starts from, so the plan still errs long), its engine's start, and what a verification
-    step costs on this machine in plain decoding steps, the line a + b x K through the two K (`engine_step_cost`:
-    the eval's --step-cost, from which its sweep starts at the K of the best expected speed; the triage demo's
-    drafter under its schema on the 2-core AVX-512 host: 1.40 at K = 1, 1.47 at 4, 1.64 at 9, 1.87 at 15). Without
-    the probe the plan counted the project's own loop's decode rate and ENGINE_SLOWDOWN for every K: on the AVX-512
-    BF16 host 265 s a K for about 130, so the router demo's eval took 901 s of its planned 1,326 and training got
-    139 s. The requests are decoded without their constraints, though the eval decodes under them: what a grammar
-    does to a step depends on the drafter, and the probe has only the starting one. The first K depends on the
-    line's slope over its intercept; measured on the 2-core AVX-512 host, the drafters the demo trains, under their
-    schema: 0.016 (router, 1.43 + 0.023 x K) and 0.018 (triage, 1.40 at K = 1 to 1.87 at 15). The general drafter
-    under the same schemas: 0.010, 0.005, 0 and 0 (a step at K = 1 costs as much as at 15: 1.70-2.10 plain steps),
-    which started triage's sweep at K = 9 for 1.20x; without them: 0.028, 0.021 and 0.008."""
+    """The eval's own protocol (`eval --engine vllm`'s timed job) on ENGINE_DECODE_PROBE_PROMPTS training prompts of the
+    median length (`requests`: rendered_prompts', by length), up to the eval's --eval-max-new-tokens: plain decoding and
+    the recipe's starting drafter at K = 1 and B - 1 (probe_ks), each request alone and cold. Returns vLLM's
+    whole-request rate at batch 1 (new tokens over each plain request's stopwatch, its prefill in it), the starting
+    drafter's time over plain's (at the faster of the two K: the eval times the K of the best expected speed, and the
+    drafter the demo trains accepts more than the one it starts from, so the plan still errs long), its engine's start,
+    and what a verification step costs on this machine in plain decoding steps, the line a + b x K through the two K
+    (`engine_step_cost`: the eval's --step-cost, from which its sweep starts at the K of the best expected speed; the
+    triage demo's drafter under its schema on the 2-core AVX-512 host: 1.40 at K = 1, 1.47 at 4, 1.64 at 9, 1.87 at 15).
+    Without the probe the plan counted the project's own loop's decode rate and ENGINE_SLOWDOWN for every K: on the
+    AVX-512 BF16 host 265 s a K for about 130, so the router demo's eval took 901 s of its planned 1,326 and training
+    got 139 s. The requests are decoded without their constraints, though the eval decodes under them: what a grammar
+    does to a step depends on the drafter, and the probe has only the starting one. The first K depends on the line's
+    slope over its intercept; measured on the 2-core AVX-512 host, the drafters the demo trains, under their schema:
+    0.016 (router, 1.43 + 0.023 x K) and 0.018 (triage, 1.40 at K = 1 to 1.87 at 15). The general drafter under the same
+    schemas: 0.010, 0.005, 0 and 0 (a step at K = 1 costs as much as at 15: 1.70-2.10 plain steps), which started
+    triage's sweep at K = 9 for 1.20x; without them: 0.028, 0.021 and 0.008."""
     import tempfile
 
     from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
