@@ -108,7 +108,7 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
     steps = training_step_rates(args, target, layers, recipe, precision.dtype, torch.device(device))
     engine = probe_engine_capture(args, target, requests, layers, precision) if args.capture_engine != "own" else {}
     if args.engine != "own" and recipe.drafter.init_from is not None:
-        engine.update(probe_engine_decoding(args, target, requests, precision, recipe))
+        engine.update(probe_engine_decoding(args, target, rendered, precision, recipe))
     return {**first, "cpu_capability": torch.backends.cpu.get_cpu_capability(), **engine,
             "state_bytes_per_token": 2.0 * len(layers) * target.config.hidden_size,  # bf16 states
             **steps}
@@ -245,10 +245,10 @@ def probe_engine_capture(args: argparse.Namespace, target, requests: list[tuple[
             "engine_prefill_s_per_prompt": prefill_s / len(picked)}
 
 
-def probe_engine_decoding(args: argparse.Namespace, target, requests: list[tuple[list[int], dict | None]], precision,
+def probe_engine_decoding(args: argparse.Namespace, target, rendered: list[list[int]], precision,
                           recipe) -> dict[str, float | list[float]]:
     """The eval's own protocol (`eval --engine vllm`'s timed job) on ENGINE_DECODE_PROBE_PROMPTS training prompts of the
-    median length (`requests`: rendered_prompts', by length), up to the eval's --eval-max-new-tokens: plain decoding and
+    median length (`rendered`: their token ids, by length), up to the eval's --eval-max-new-tokens: plain decoding and
     the recipe's starting drafter at K = 1 and B - 1 (probe_ks), each request alone and cold. Returns vLLM's
     whole-request rate at batch 1 (new tokens over each plain request's stopwatch, its prefill in it), the starting
     drafter's time over plain's (at the faster of the two K: the eval times the K of the best expected speed, and the
@@ -271,9 +271,8 @@ def probe_engine_decoding(args: argparse.Namespace, target, requests: list[tuple
     from dflash_train.model.published import fetch_drafter
     from dflash_train.stages.evaluate.vllm_sweep import k_row, step_cost_line
 
-    middle = len(requests) // 2
-    chosen = requests[max(0, middle - ENGINE_DECODE_PROBE_PROMPTS // 2):][:ENGINE_DECODE_PROBE_PROMPTS]
-    picked = [ids for ids, _ in chosen]
+    middle = len(rendered) // 2
+    picked = rendered[max(0, middle - ENGINE_DECODE_PROBE_PROMPTS // 2):][:ENGINE_DECODE_PROBE_PROMPTS]
     drafter = fetch_drafter(recipe.drafter.init_from, recipe.drafter.init_revision).folder
     ks = probe_ks(json.loads((drafter / "config.json").read_text())["block_size"])
     job = EngineJob(target=str(target.path), requests=[

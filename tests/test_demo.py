@@ -386,11 +386,10 @@ def test_the_probe_times_vllm_requests_plain_and_with_the_starting_drafter_as_th
                                         target_identity=target.identity().to_dict())
     save_drafter(drafter, config, tmp_path / "drafter")
     recipe = argparse.Namespace(drafter=argparse.Namespace(init_from=str(tmp_path / "drafter"), init_revision=None))
-    regex = {"structured": {"kind": "regex", "spec": "(yes|no)[a-z ]{0,20}"}}
-    requests = [([5 + i, 40, 41 + i, 300, 7 * i + 2], {**regex, "min_p": 0.05} if i == 2 else None) for i in range(5)]
-    rates = demo_probe.probe_engine_decoding(argparse.Namespace(eval_max_new_tokens=8), target, requests,
+    rendered = [[5 + i, 40, 41 + i, 300, 7 * i + 2] for i in range(5)]
+    rates = demo_probe.probe_engine_decoding(argparse.Namespace(eval_max_new_tokens=8), target, rendered,
                                              resolve_precision("fp32", "cpu"), recipe)
-    assert [r.prompt_token_ids for r in jobs[0].requests] == [ids for ids, _ in requests[1:4]]  # the middle ones
+    assert [r.prompt_token_ids for r in jobs[0].requests] == rendered[1:4]  # the middle ones
     assert [r.constraints for r in jobs[0].requests] == [None, None, None]
     assert set(rates) == {"engine_plain_tok_s", "engine_spec_slowdown", "engine_spec_start_s", "engine_step_cost"}
     assert rates["engine_plain_tok_s"] > 0 and 0 < rates["engine_spec_slowdown"] < 20

@@ -167,8 +167,8 @@ def k_row(run: dict[str, Any], natural: dict[str, Any], greedy: bool) -> dict[st
            "tau_interval": bootstrap_interval(mean_of([p["tau"] for p in per_prompt]), len(per_prompt)),
            **timing_figures(per_prompt), "lossless_checked": len(per_prompt) if greedy else 0,
            "lossless_mismatches": sum(p["mismatch"] for p in per_prompt) if greedy else None,
-           "step_cost": step_cost(step_logs, per_prompt), "tokens_unaccounted_by_steps": unaccounted, "load_s": run["load_s"],
-           "seconds": run["seconds"],
+           "step_cost": step_cost(step_logs, per_prompt), "tokens_unaccounted_by_steps": unaccounted,
+           "load_s": run["load_s"], "seconds": run["seconds"],
            "repeat_spread": sorted(spreads)[len(spreads) // 2] if spreads else None, "per_prompt": per_prompt}
     return row
 
