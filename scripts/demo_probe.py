@@ -274,7 +274,7 @@ def probe_engine_decoding(args: argparse.Namespace, target, rendered: list[list[
     middle = len(rendered) // 2
     picked = rendered[max(0, middle - ENGINE_DECODE_PROBE_PROMPTS // 2):][:ENGINE_DECODE_PROBE_PROMPTS]
     drafter = fetch_drafter(recipe.drafter.init_from, recipe.drafter.init_revision).folder
-    ks = probe_ks(json.loads((drafter / "config.json").read_text())["block_size"])
+    ks = probe_ks(min(json.loads((drafter / "config.json").read_text())["block_size"], recipe.drafter.block_size))
     job = EngineJob(target=str(target.path), requests=[
                         EngineRequest(id=str(i), prompt_token_ids=ids, max_tokens=args.eval_max_new_tokens)
                         for i, ids in enumerate(picked)],
@@ -296,5 +296,6 @@ def probe_engine_decoding(args: argparse.Namespace, target, rendered: list[list[
 
 
 def probe_ks(block_size: int) -> tuple[int, int]:
-    """The two speculation lengths the probe times the starting drafter at: the ends of the range, 1 and B - 1."""
+    """The two speculation lengths the probe times the starting drafter at: the ends of the range the drafter the
+    demo trains is served in, 1 and B - 1 (B the recipe's block, where the starting drafter's is no shorter)."""
     return (1, max(2, block_size - 1))

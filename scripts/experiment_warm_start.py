@@ -10,8 +10,8 @@ the same held-out prompts and with the same wall-clock training budget, four dra
                 and started from by its repo id exactly as a user starts from z-lab's, trained zero steps: as is
   (b) adapted   (a) warm-started on the target's own responses to the workload's training prompts
                 (recipes/smollm2-135m-adapt.yaml, drafter.init_from=<the repo id>)
-  (c) scratch   a drafter of the same shape started from the target's layers (recipes/smollm2-135m-demo.yaml, the
-                from-scratch settings the sample-efficiency ablation chose) on the same own responses
+  (c) scratch   a drafter of the same shape and block started from the target's layers (recipes/smollm2-135m-demo.yaml,
+                the from-scratch settings the sample-efficiency ablation chose) on the same own responses
   (d) logged    (b) on the log's responses instead of the own ones, where the log has them (ShareGPT's)
   (e) unconstrained  (b) on the target's answers to the same training prompts replayed without their requests'
                 constraints (`capture --constraints ignore`: what the pipeline did before it replayed them), where
@@ -43,6 +43,7 @@ from dflash_train.engine.args import SPECULATION_LENGTHS
 from dflash_train.engine.install import suffix_problem
 from dflash_train.errors import CommandParser, UserError
 from dflash_train.options import at_least, each, in_range, int_list
+from dflash_train.stages.train.recipe import load_recipe
 
 OUT = "results/experiment_warm_start"
 GENERAL = runs.REPO / "drafters" / "smollm2-135m-instruct-general"
@@ -156,7 +157,8 @@ def run_workload(args: argparse.Namespace, name: str, work: Path, env: dict[str,
     plan: dict[str, tuple[str, Path, list[str]]] = {
         "a": (ADAPT, run_root / "a-general", [f"data.stores=[{own}]", *start, "train.max_steps=0"]),
         "b": (ADAPT, run_root / "b-adapted", [f"data.stores=[{own}]", *start, *budget]),
-        "c": (SCRATCH, run_root / "c-scratch", [f"data.stores=[{own}]", "drafter.num_layers=3", *budget]),
+        "c": (SCRATCH, run_root / "c-scratch", [f"data.stores=[{own}]", "drafter.num_layers=3", f"drafter.block_size="
+                                                f"{load_recipe(ADAPT).drafter.block_size}", *budget]),
     }
     if with_log:
         plan["d"] = (ADAPT, run_root / "d-logged", [f"data.stores=[{logged}]", *start, *budget])

@@ -365,8 +365,8 @@ def test_the_probe_times_vllm_requests_plain_and_with_the_starting_drafter_as_th
                                                                                              monkeypatch):
     """The probe's vLLM measurement runs the eval's own timed job (each request alone and cold, without its
     constraints: under them the starting drafter's steps cost what the adapted drafter's do not; plain and with the
-    recipe's starting drafter at K = 1 and B - 1) on real vLLM and returns the rates the plan reads, with what a
-    verification step costs at each K in plain steps (the eval's --step-cost)."""
+    recipe's starting drafter at K = 1 and B - 1, B the recipe's block) on real vLLM and returns the rates the plan
+    reads, with what a verification step costs at each K in plain steps (the eval's --step-cost)."""
     import argparse
 
     import torch
@@ -385,7 +385,8 @@ def test_the_probe_times_vllm_requests_plain_and_with_the_starting_drafter_as_th
     drafter, config = make_tiny_drafter(target.config, target.tokenizer, num_layers=1, block_size=8,
                                         target_identity=target.identity().to_dict())
     save_drafter(drafter, config, tmp_path / "drafter")
-    recipe = argparse.Namespace(drafter=argparse.Namespace(init_from=str(tmp_path / "drafter"), init_revision=None))
+    recipe = argparse.Namespace(drafter=argparse.Namespace(init_from=str(tmp_path / "drafter"), init_revision=None,
+                                                           block_size=6))  # trains shorter blocks than it starts from
     rendered = [[5 + i, 40, 41 + i, 300, 7 * i + 2] for i in range(5)]
     rates = demo_probe.probe_engine_decoding(argparse.Namespace(eval_max_new_tokens=8), target, rendered,
                                              resolve_precision("fp32", "cpu"), recipe)
@@ -394,7 +395,7 @@ def test_the_probe_times_vllm_requests_plain_and_with_the_starting_drafter_as_th
     assert set(rates) == {"engine_plain_tok_s", "engine_spec_slowdown", "engine_spec_start_s", "engine_step_cost"}
     assert rates["engine_plain_tok_s"] > 0 and 0 < rates["engine_spec_slowdown"] < 20
     a, b = rates["engine_step_cost"]
-    assert a > 0 and b >= 0 and demo_probe.probe_ks(8) == (1, 7)
+    assert a > 0 and b >= 0 and jobs[0].speculative_tokens == [1, 5]  # the range the trained drafter serves
     assert rates["engine_spec_start_s"] > 0
 
 

@@ -30,7 +30,8 @@ def test_every_recipe_loads_and_starts_with_its_command(path):
     first = path.read_text().splitlines()[0]
     assert first.startswith("# ") and "train.py" in first and f"recipes/{path.name}" in first
     assert Path(recipe.train.deepspeed).is_file()
-    assert recipe.drafter.block_size == 16
+    # the public block, except where a CPU engine serves the drafter: it verifies 1 + K slots, K 4-6 there
+    assert recipe.drafter.block_size == (8 if path.name == "smollm2-135m-adapt.yaml" else 16)
     assert recipe.optimizer.weight_decay == 0.0
     assert recipe.optimizer.warmup_ratio == 0.04 and recipe.optimizer.grad_clip == 1.0
 
