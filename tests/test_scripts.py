@@ -573,3 +573,35 @@ def test_bench_serving_reusing_an_eval_names_the_command_that_made_it(tmp_path):
     log: list = []
     assert bench_serving.run_eval(args, out, log) == {"methods": []}
     assert log[0]["reused"] and log[0]["command"] == "dflash-train eval --engine both --sweep-budget-s 483"
+
+
+def test_draft_vocabulary_takes_the_answers_ids_first_then_the_prompts_and_always_eos():
+    from collections import Counter
+
+    import bench_draft_vocab
+
+    answers, prompts = Counter({7: 5, 9: 3, 4: 1}), Counter({11: 9, 7: 2, 12: 1})
+    assert bench_draft_vocab.vocabulary(answers, prompts, 0, [2]) == [2, 4, 7, 9]  # every answer id, and EOS
+    assert bench_draft_vocab.vocabulary(answers, prompts, 3, [2]) == [2, 7, 9]  # the answers' most used first
+    assert bench_draft_vocab.vocabulary(answers, prompts, 5, [2]) == [2, 4, 7, 9, 11]  # then the prompts' most used
+
+
+def test_cut_drafter_drafts_with_the_targets_own_rows_at_the_ids_vllm_maps_them_to(tiny_parts, tmp_path):
+    import bench_draft_vocab
+    import torch
+    from safetensors.torch import load_file
+    from tiny import make_tiny_drafter
+
+    from dflash_train.model.checkpoint import save_drafter
+
+    config, tokenizer = tiny_parts
+    drafter, drafter_config = make_tiny_drafter(config, tokenizer)
+    whole = save_drafter(drafter, drafter_config, tmp_path / "whole")
+    head = torch.randn(config.vocab_size, config.hidden_size)
+    ids = [2, 5, 40, 1000]
+    bench_draft_vocab.cut_drafter(whole, head, ids, tmp_path / "cut")
+    cut, before = load_file(str(tmp_path / "cut" / "model.safetensors")), load_file(str(whole / "model.safetensors"))
+    assert torch.equal(cut["lm_head.weight"], head[ids].to(cut["lm_head.weight"].dtype))
+    assert (torch.arange(len(ids)) + cut["d2t"]).tolist() == ids  # vLLM's DFlash: target id = draft id + d2t
+    assert all(torch.equal(cut[k], v) for k, v in before.items()) and set(cut) == {*before, "lm_head.weight", "d2t"}
+    assert json.loads((tmp_path / "cut" / "config.json").read_text())["draft_vocab_size"] == len(ids)

@@ -1,0 +1,191 @@
+"""What a drafter's LM head costs a speculative step in vLLM, and what a draft vocabulary cut to the service's own
+answers saves: the same drafter timed with the target's whole head and with only the rows of the tokens its
+training answers use, by the eval's protocol, on the same held-out requests under their constraints.
+
+    python benchmarks/bench_draft_vocab.py --drafter runs/triage/drafter --store data/store/triage \
+        --prompts data/prompts/triage [--heldout data/store/triage-eval] [--sizes 0,4096] [--k 4] [--out DIR]
+
+A DFlash drafter scores its block with the target's LM head, and on SmolLM2 that head (49,152 x 576) holds more
+than twice the weights of the drafter's three layers: on a CPU, where a decoding step costs much of what it reads,
+the head is a large share of what drafting adds to a verification step. vLLM's DFlash model reads an optional draft
+vocabulary (`draft_vocab_size` in config.json, the head's rows as `lm_head.weight` and `d2t`, each draft id's offset
+to its target id, as EAGLE-3 ships it). This script writes that copy of the drafter, its head rows the target's own,
+unchanged, for the `size` token ids the store's answers use most (0: every id they use; EOS always in; past those,
+the ids its prompts use most), and times each copy in its own engine job (`engine.child._timed`: every prompt
+decoded plain to its natural stop, then timed plain and speculative at that length, alone and cold). Tokens outside
+the vocabulary cannot be drafted, so tau may fall; what it saves is each step's cost in plain steps, measured inside
+each job beside its own plain decoding, and each prompt's speedup against the whole head's (paired by prompt, with
+a 95% interval). `--heldout` (a held-out store) adds how many of its answer tokens each vocabulary covers. The
+copies are not trained with the cut vocabulary (training with it would also shrink the loss's head): this measures
+the serving side alone. Prints a markdown table and writes OUT/results.json and OUT/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_train import constraints as request_constraints
+from dflash_train import runs
+from dflash_train.device import resolve_precision
+from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
+from dflash_train.engine.runner import run_engine
+from dflash_train.prompts import load_prompt_records
+from dflash_train.stages.evaluate.command import LEFT_OUT
+from dflash_train.stages.evaluate.metrics import bootstrap_interval
+from dflash_train.store.reader import open_store
+from dflash_train.target import DEFAULT_TARGET, load_embedding_and_head, load_target
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--drafter", required=True, help="a DFlash drafter folder (the target's whole head)")
+    p.add_argument("--store", required=True, help="the capture store the drafter was trained on: its answers "
+                   "choose the vocabulary")
+    p.add_argument("--prompts", required=True, help="an ingest output folder (its held-out split is timed)")
+    p.add_argument("--heldout", help="a held-out store: how many of its answer tokens each vocabulary covers")
+    p.add_argument("--sizes", default="0,4096", help="draft vocabulary sizes, comma-separated (0: every token id "
+                   "the store's answers use)")
+    p.add_argument("--split", default="eval")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--k", type=int, default=4, help="speculation length")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-prompt-tokens", type=int, default=384)
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--out", default="results/bench_draft_vocab")
+    return p.parse_args()
+
+
+def token_counts(store_path: str) -> tuple[Counter, Counter]:
+    """How often each token id appears in the store's answers (its loss-masked positions), and in the rest (the
+    prompts: what an answer copies comes from there)."""
+    answers, prompts = Counter(), Counter()
+    for item in open_store(store_path):
+        answers.update(item["input_ids"][item["loss_mask"]].tolist())
+        prompts.update(item["input_ids"][~item["loss_mask"]].tolist())
+    return answers, prompts
+
+
+def vocabulary(answers: Counter, prompts: Counter, size: int, always: list[int]) -> list[int]:
+    """The `size` ids the answers use most (0: all of them), the `always` ones in; where the answers use fewer
+    than `size`, filled with the ids the prompts use most (so fewer than `size` where the store uses fewer ids);
+    sorted ascending (d2t's offsets are then non-negative)."""
+    chosen = list(dict.fromkeys([*always, *(t for t, _ in answers.most_common())]))
+    if size:
+        chosen = list(dict.fromkeys([*chosen, *(t for t, _ in prompts.most_common())]))[:size]
+    return sorted(chosen)
+
+
+def cut_drafter(drafter: Path, head: torch.Tensor, ids: list[int], out: Path) -> None:
+    """A copy of `drafter` drafting only `ids`: its weights, `lm_head.weight` = the target head's rows for `ids`
+    (in the drafter's dtype) and `d2t` (draft id -> target id offset), config.json's `draft_vocab_size`."""
+    shutil.copytree(drafter, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    weights = load_file(str(drafter / "model.safetensors"))
+    dtype = next(iter(weights.values())).dtype
+    index = torch.tensor(ids, dtype=torch.long)
+    weights["lm_head.weight"] = head[index].to(dtype).contiguous()
+    weights["d2t"] = index - torch.arange(len(ids))
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((drafter / "config.json").read_text())
+    config["draft_vocab_size"] = len(ids)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def timed_job(drafter: Path, label: str, requests: list[EngineRequest], target, precision, args) -> dict:
+    """The eval's timed protocol at K for one drafter folder: per prompt, plain and speculative decode seconds and
+    the speculative steps; summed, the step's cost in plain steps and the decode speedup."""
+    job = EngineJob(target=str(target.path), requests=requests, stop_token_ids=target.stop_token_ids(),
+                    dtype=VLLM_DTYPES[precision.name], drafter=str(drafter), mode="timed",
+                    max_model_len=max(len(r.prompt_token_ids) for r in requests) + args.max_new_tokens + args.k + 1,
+                    speculative_tokens=[args.k])
+    with tempfile.TemporaryDirectory(prefix="bench-vocab-") as work:
+        run = run_engine(job, work, f"{label}, plain and at K = {args.k}").timed["runs"][0]
+    steps = {o["id"]: len(o["accepted"]) for o in run["outputs"]}
+    per_prompt = {t["id"]: {"tokens": t["tokens"], "steps": steps[t["id"]], "plain_s": min(t["plain_decode_s"]),
+                            "spec_s": min(t["spec_decode_s"])} for t in run["batch1"]}
+    plain_s = sum(p["plain_s"] for p in per_prompt.values())
+    spec_s = sum(p["spec_s"] for p in per_prompt.values())
+    tokens = sum(p["tokens"] - 1 for p in per_prompt.values())
+    n_steps = sum(p["steps"] for p in per_prompt.values())
+    return {"prompts": len(per_prompt), "tau": tokens / n_steps,
+            "step_cost_in_plain_steps": (spec_s / n_steps) / (plain_s / tokens),
+            "speedup_decode": plain_s / spec_s, "per_prompt": per_prompt}
+
+
+def against(f: dict, whole: dict) -> tuple[float, list[float] | None]:
+    """The decode speedup of `f` over that of the whole head's job, paired by prompt (each prompt's plain and
+    speculative seconds from its own job): the ratio of the mean per-prompt speedups, with its 95% bootstrap
+    interval over prompts."""
+    ids = sorted(f["per_prompt"])
+    a = [whole["per_prompt"][i]["plain_s"] / whole["per_prompt"][i]["spec_s"] for i in ids]
+    b = [f["per_prompt"][i]["plain_s"] / f["per_prompt"][i]["spec_s"] for i in ids]
+
+    def ratio(idx: list[int]) -> float | None:
+        return sum(b[i] for i in idx) / sum(a[i] for i in idx) if idx else None
+
+    return ratio(list(range(len(ids)))), bootstrap_interval(ratio, len(ids))
+
+
+def main() -> int:
+    args = parse_args()
+    precision = resolve_precision(args.dtype, "cpu")
+    target = load_target(args.target, dtype=precision.dtype)
+    _, head = load_embedding_and_head(args.target, dtype=torch.float32)
+    answers, prompt_tokens = token_counts(args.store)
+    heldout = token_counts(args.heldout)[0] if args.heldout else None
+    records, _ = load_prompt_records(args.prompts, args.split, args.limit)
+    requests = []
+    for r in records:
+        ids = target.render(r.messages, r.tools)
+        if len(ids) <= args.max_prompt_tokens:
+            requests.append(EngineRequest(id=r.id, prompt_token_ids=ids, max_tokens=args.max_new_tokens,
+                                          constraints=request_constraints.without(r.constraints, LEFT_OUT)))
+    figures: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-vocab-drafters-") as tmp:
+        drafters = {f"whole head ({head.shape[0]:,} rows)": (Path(args.drafter), None)}
+        for size in (int(s) for s in args.sizes.split(",")):
+            ids = vocabulary(answers, prompt_tokens, size, target.stop_token_ids())
+            folder = Path(tmp) / f"vocab-{len(ids)}"
+            cut_drafter(Path(args.drafter), head, ids, folder)
+            drafters[f"{len(ids):,} rows" + (" (every id the answers use)" if not size else "")] = (folder, ids)
+        for label, (folder, ids) in drafters.items():
+            f = timed_job(folder, label, requests, target, precision, args)
+            if heldout is not None:
+                inside = heldout.total() if ids is None else sum(heldout[t] for t in set(ids))
+                f["heldout_coverage"] = inside / heldout.total()
+            figures[label] = f
+            print(label, json.dumps({k: v for k, v in f.items() if k != "per_prompt"}), flush=True)
+    whole, *cut = figures.values()
+    for f in cut:
+        f["speedup_against_whole"], f["speedup_against_whole_interval"] = against(f, whole)
+
+    def paired_cell(f: dict) -> str | None:
+        if "speedup_against_whole" not in f:
+            return None
+        interval = f["speedup_against_whole_interval"]
+        return f"{f['speedup_against_whole']:.3f}" + (" [{:.3f}, {:.3f}]".format(*interval) if interval else "")
+
+    rows = [[label, f["prompts"], f.get("heldout_coverage"), f["tau"], f["step_cost_in_plain_steps"],
+             f["speedup_decode"], paired_cell(f)] for label, f in figures.items()]
+    table = runs.markdown_table(["drafter's head", "prompts", "held-out answer tokens covered", "tau (decode)",
+                                 "a step in plain steps", "speedup (decode phase)",
+                                 "against the whole head, paired by prompt"], rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "answer_ids": len(answers),
+                                                  "figures": figures}, indent=1) + "\n")
+    (out / "results.md").write_text(f"# A draft vocabulary cut to the answers (K = {args.k})\n\n{table}\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
