@@ -5,19 +5,20 @@ training answers use, by the eval's protocol, on the same held-out requests unde
     python benchmarks/bench_draft_vocab.py --drafter runs/triage/drafter --store data/store/triage \
         --prompts data/prompts/triage [--heldout data/store/triage-eval] [--sizes 0,4096] [--k 4] [--out DIR]
 
-A DFlash drafter scores its block with the target's LM head, and on SmolLM2 that head (49,152 x 576) holds more
-than twice the weights of the drafter's three layers: on a CPU, where a decoding step costs much of what it reads,
-the head is a large share of what drafting adds to a verification step. vLLM's DFlash model reads an optional draft
+A DFlash drafter scores its block with the target's LM head, and on SmolLM2 that head (49,152 x 576) holds more than
+twice the weights of the drafter's three layers: on a CPU, where a decoding step costs much of what it reads, the
+head is a large share of what drafting adds to a verification step. vLLM's DFlash model reads an optional draft
 vocabulary (`draft_vocab_size` in config.json, the head's rows as `lm_head.weight` and `d2t`, each draft id's offset
 to its target id, as EAGLE-3 ships it). This script writes that copy of the drafter, its head rows the target's own,
 unchanged, for the `size` token ids the store's answers use most (0: every id they use; EOS always in; past those,
-the ids its prompts use most), and times each copy in its own engine job (`engine.child._timed`: every prompt
-decoded plain to its natural stop, then timed plain and speculative at that length, alone and cold). Tokens outside
-the vocabulary cannot be drafted, so tau may fall; what it saves is each step's cost in plain steps, measured inside
-each job beside its own plain decoding, and each prompt's speedup against the whole head's (paired by prompt, with
-a 95% interval). `--heldout` (a held-out store) adds how many of its answer tokens each vocabulary covers. The
-copies are not trained with the cut vocabulary (training with it would also shrink the loss's head): this measures
-the serving side alone. Prints a markdown table and writes OUT/results.json and OUT/results.md.
+the ids its prompts use most), and times each copy in its own engine job (`engine.child._timed`: every prompt decoded
+plain to its natural stop, then timed plain and speculative at that length, alone and cold). Tokens outside the
+vocabulary cannot be drafted, so tau may fall; what it saves is each step's cost in plain steps, measured inside each
+job beside its own plain decoding, and each prompt's speedup against the whole head's (paired by prompt, with a 95%
+interval), by the engine's clock and by a stopwatch around each request. `--heldout` (a held-out store) adds how many
+of its answer tokens each vocabulary covers. The copies are not trained with the cut vocabulary (training with it
+would also shrink the loss's head): this measures the serving side alone. Prints a markdown table and writes
+OUT/results.json and OUT/results.md.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def timed_job(drafter: Path, label: str, requests: list[EngineRequest], target, 
         run = run_engine(job, work, f"{label}, plain and at K = {args.k}").timed["runs"][0]
     steps = {o["id"]: len(o["accepted"]) for o in run["outputs"]}
     per_prompt = {t["id"]: {"tokens": t["tokens"], "steps": steps[t["id"]], "plain_s": min(t["plain_decode_s"]),
-                            "spec_s": min(t["spec_decode_s"])} for t in run["batch1"]}
+                            "spec_s": min(t["spec_decode_s"]), "plain_wall_s": min(t["plain_wall_s"]),
+                            "spec_wall_s": min(t["spec_wall_s"])} for t in run["batch1"]}
     plain_s = sum(p["plain_s"] for p in per_prompt.values())
     spec_s = sum(p["spec_s"] for p in per_prompt.values())
     tokens = sum(p["tokens"] - 1 for p in per_prompt.values())
@@ -120,13 +122,13 @@ def timed_job(drafter: Path, label: str, requests: list[EngineRequest], target, 
             "speedup_decode": plain_s / spec_s, "per_prompt": per_prompt}
 
 
-def against(f: dict, whole: dict) -> tuple[float, list[float] | None]:
-    """The decode speedup of `f` over that of the whole head's job, paired by prompt (each prompt's plain and
-    speculative seconds from its own job): the ratio of the mean per-prompt speedups, with its 95% bootstrap
-    interval over prompts."""
+def against(f: dict, whole: dict, clock: str = "") -> tuple[float, list[float] | None]:
+    """The speedup of `f` over that of the whole head's job, paired by prompt (each prompt's plain and speculative
+    seconds from its own job; `clock` "": the engine's decode phase, "wall_": the stopwatch around each request):
+    the ratio of the mean per-prompt speedups, with its 95% bootstrap interval over prompts."""
     ids = sorted(f["per_prompt"])
-    a = [whole["per_prompt"][i]["plain_s"] / whole["per_prompt"][i]["spec_s"] for i in ids]
-    b = [f["per_prompt"][i]["plain_s"] / f["per_prompt"][i]["spec_s"] for i in ids]
+    a = [whole["per_prompt"][i][f"plain_{clock}s"] / whole["per_prompt"][i][f"spec_{clock}s"] for i in ids]
+    b = [f["per_prompt"][i][f"plain_{clock}s"] / f["per_prompt"][i][f"spec_{clock}s"] for i in ids]
 
     def ratio(idx: list[int]) -> float | None:
         return sum(b[i] for i in idx) / sum(a[i] for i in idx) if idx else None
@@ -166,18 +168,21 @@ def main() -> int:
     whole, *cut = figures.values()
     for f in cut:
         f["speedup_against_whole"], f["speedup_against_whole_interval"] = against(f, whole)
+        f["stopwatch_against_whole"], f["stopwatch_against_whole_interval"] = against(f, whole, "wall_")
 
-    def paired_cell(f: dict) -> str | None:
-        if "speedup_against_whole" not in f:
+    def paired_cell(f: dict, key: str) -> str | None:
+        if key not in f:
             return None
-        interval = f["speedup_against_whole_interval"]
-        return f"{f['speedup_against_whole']:.3f}" + (" [{:.3f}, {:.3f}]".format(*interval) if interval else "")
+        interval = f[f"{key}_interval"]
+        return f"{f[key]:.3f}" + (" [{:.3f}, {:.3f}]".format(*interval) if interval else "")
 
     rows = [[label, f["prompts"], f.get("heldout_coverage"), f["tau"], f["step_cost_in_plain_steps"],
-             f["speedup_decode"], paired_cell(f)] for label, f in figures.items()]
+             f["speedup_decode"], paired_cell(f, "speedup_against_whole"), paired_cell(f, "stopwatch_against_whole")]
+            for label, f in figures.items()]
     table = runs.markdown_table(["drafter's head", "prompts", "held-out answer tokens covered", "tau (decode)",
                                  "a step in plain steps", "speedup (decode phase)",
-                                 "against the whole head, paired by prompt"], rows)
+                                 "against the whole head, paired by prompt",
+                                 "the same by a stopwatch around each request"], rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "answer_ids": len(answers),

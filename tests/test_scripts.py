@@ -605,3 +605,15 @@ def test_cut_drafter_drafts_with_the_targets_own_rows_at_the_ids_vllm_maps_them_
     assert (torch.arange(len(ids)) + cut["d2t"]).tolist() == ids  # vLLM's DFlash: target id = draft id + d2t
     assert all(torch.equal(cut[k], v) for k, v in before.items()) and set(cut) == {*before, "lm_head.weight", "d2t"}
     assert json.loads((tmp_path / "cut" / "config.json").read_text())["draft_vocab_size"] == len(ids)
+
+
+def test_draft_vocab_pairs_each_prompts_speedup_by_either_clock():
+    import bench_draft_vocab
+
+    def job(*speedups):  # per prompt: the engine's clock at `speedups`, the stopwatch at twice them
+        return {"per_prompt": {f"p{i}": {"plain_s": s, "spec_s": 1.0, "plain_wall_s": 2 * s, "spec_wall_s": 1.0}
+                               for i, s in enumerate(speedups)}}
+
+    ratio, interval = bench_draft_vocab.against(job(1.5, 3.0), job(1.0, 2.0))
+    assert ratio == pytest.approx(1.5) and interval == pytest.approx([1.5, 1.5])
+    assert bench_draft_vocab.against(job(1.5, 3.0), job(2.0, 2.0), "wall_")[0] == pytest.approx(4.5 / 4)
