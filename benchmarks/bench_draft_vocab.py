@@ -33,16 +33,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_train import constraints as request_constraints
 from dflash_train import runs
 from dflash_train.device import resolve_precision
-from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
-from dflash_train.engine.runner import run_engine
-from dflash_train.prompts import load_prompt_records
-from dflash_train.stages.evaluate.command import LEFT_OUT
-from dflash_train.stages.evaluate.metrics import bootstrap_interval
+from dflash_train.engine.jobs import EngineRequest
+from dflash_train.stages.evaluate.metrics import bootstrap_interval, ratio_of_sums
 from dflash_train.store.reader import open_store
 from dflash_train.target import DEFAULT_TARGET, load_embedding_and_head, load_target
+
+from bench_grammar_cost import heldout_requests, step_costs, timed_at_k  # benchmarks/, beside this file
 
 
 def parse_args() -> argparse.Namespace:
@@ -101,25 +99,18 @@ def cut_drafter(drafter: Path, head: torch.Tensor, ids: list[int], out: Path) ->
 
 
 def timed_job(drafter: Path, label: str, requests: list[EngineRequest], target, precision, args) -> dict:
-    """The eval's timed protocol at K for one drafter folder: per prompt, plain and speculative decode seconds and
-    the speculative steps; summed, the step's cost in plain steps and the decode speedup."""
-    job = EngineJob(target=str(target.path), requests=requests, stop_token_ids=target.stop_token_ids(),
-                    dtype=VLLM_DTYPES[precision.name], drafter=str(drafter), mode="timed",
-                    max_model_len=max(len(r.prompt_token_ids) for r in requests) + args.max_new_tokens + args.k + 1,
-                    speculative_tokens=[args.k])
-    with tempfile.TemporaryDirectory(prefix="bench-vocab-") as work:
-        run = run_engine(job, work, f"{label}, plain and at K = {args.k}").timed["runs"][0]
+    """The eval's timed protocol at K for one drafter folder: per prompt, plain and speculative seconds (the decode
+    phase and the stopwatch) and the speculative steps; summed (`step_costs`), the step's cost in plain steps and the
+    decode speedup."""
+    result = timed_at_k(args, target, precision, str(drafter), requests, label)
+    costs, run = step_costs(result), result.timed["runs"][0]
     steps = {o["id"]: len(o["accepted"]) for o in run["outputs"]}
     per_prompt = {t["id"]: {"tokens": t["tokens"], "steps": steps[t["id"]], "plain_s": min(t["plain_decode_s"]),
                             "spec_s": min(t["spec_decode_s"]), "plain_wall_s": min(t["plain_wall_s"]),
                             "spec_wall_s": min(t["spec_wall_s"])} for t in run["batch1"]}
-    plain_s = sum(p["plain_s"] for p in per_prompt.values())
-    spec_s = sum(p["spec_s"] for p in per_prompt.values())
-    tokens = sum(p["tokens"] - 1 for p in per_prompt.values())
-    n_steps = sum(p["steps"] for p in per_prompt.values())
-    return {"prompts": len(per_prompt), "tau": tokens / n_steps,
-            "step_cost_in_plain_steps": (spec_s / n_steps) / (plain_s / tokens),
-            "speedup_decode": plain_s / spec_s, "per_prompt": per_prompt}
+    return {"prompts": costs["prompts"], "tau": costs["tokens_per_step"],
+            "step_cost_in_plain_steps": costs["step_cost_in_plain_steps"], "speedup_decode": costs["speedup_decode"],
+            "per_prompt": per_prompt}
 
 
 def against(f: dict, whole: dict, clock: str = "") -> tuple[float, list[float] | None]:
@@ -129,10 +120,7 @@ def against(f: dict, whole: dict, clock: str = "") -> tuple[float, list[float] |
     ids = sorted(f["per_prompt"])
     a = [whole["per_prompt"][i][f"plain_{clock}s"] / whole["per_prompt"][i][f"spec_{clock}s"] for i in ids]
     b = [f["per_prompt"][i][f"plain_{clock}s"] / f["per_prompt"][i][f"spec_{clock}s"] for i in ids]
-
-    def ratio(idx: list[int]) -> float | None:
-        return sum(b[i] for i in idx) / sum(a[i] for i in idx) if idx else None
-
+    ratio = ratio_of_sums(b, a)
     return ratio(list(range(len(ids)))), bootstrap_interval(ratio, len(ids))
 
 
@@ -143,13 +131,7 @@ def main() -> int:
     _, head = load_embedding_and_head(args.target, dtype=torch.float32)
     answers, prompt_tokens = token_counts(args.store)
     heldout = token_counts(args.heldout)[0] if args.heldout else None
-    records, _ = load_prompt_records(args.prompts, args.split, args.limit)
-    requests = []
-    for r in records:
-        ids = target.render(r.messages, r.tools)
-        if len(ids) <= args.max_prompt_tokens:
-            requests.append(EngineRequest(id=r.id, prompt_token_ids=ids, max_tokens=args.max_new_tokens,
-                                          constraints=request_constraints.without(r.constraints, LEFT_OUT)))
+    requests = heldout_requests(args, target)
     figures: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-vocab-drafters-") as tmp:
         drafters = {f"whole head ({head.shape[0]:,} rows)": (Path(args.drafter), None)}

@@ -64,25 +64,37 @@ def step_costs(result) -> dict[str, float]:
             "step_cost_in_plain_steps": spec_step / plain_step, "speedup_decode": plain_s / spec_s}
 
 
+def heldout_requests(args: argparse.Namespace, target, constrained: bool = True) -> list[EngineRequest]:
+    """The --split's first --limit requests within --max-prompt-tokens, as the eval decodes them: each under its
+    own constraints (less what the eval leaves out, `LEFT_OUT`), or under none."""
+    records, _ = load_prompt_records(args.prompts, args.split, args.limit)
+    rendered = [(r, target.render(r.messages, r.tools)) for r in records]
+    return [EngineRequest(id=r.id, prompt_token_ids=ids, max_tokens=args.max_new_tokens,
+                          constraints=request_constraints.without(r.constraints, LEFT_OUT) if constrained else None)
+            for r, ids in rendered if len(ids) <= args.max_prompt_tokens]
+
+
+def timed_at_k(args: argparse.Namespace, target, precision, drafter: str, requests: list[EngineRequest], label: str,
+               engine_args: dict | None = None):
+    """The eval's timed job (`engine.child._timed`) of `requests`, plain and with `drafter` at --k; its result."""
+    job = EngineJob(target=str(target.path), requests=requests, stop_token_ids=target.stop_token_ids(),
+                    dtype=VLLM_DTYPES[precision.name], drafter=drafter, mode="timed",
+                    max_model_len=max(len(r.prompt_token_ids) for r in requests) + args.max_new_tokens + args.k + 1,
+                    speculative_tokens=[args.k], engine_args=engine_args or {})
+    with tempfile.TemporaryDirectory(prefix="bench-timed-") as work:
+        return run_engine(job, work, f"{label}, plain and at K = {args.k}")
+
+
 def main() -> int:
     args = parse_args()
     precision = resolve_precision(args.dtype, "cpu")
     target = load_target(args.target, dtype=precision.dtype)
-    records, _ = load_prompt_records(args.prompts, args.split, args.limit)
-    prompts = [(r, target.render(r.messages, r.tools)) for r in records]
-    prompts = [(r, ids) for r, ids in prompts if len(ids) <= args.max_prompt_tokens]
     figures = {}
     jobs = [("under each request's constraints", True), ("without constraints", False)]
     for label, constrained in jobs[:1] if args.constrained_only else jobs:
-        requests = [EngineRequest(id=r.id, prompt_token_ids=ids, max_tokens=args.max_new_tokens,
-                                  constraints=request_constraints.without(r.constraints, LEFT_OUT) if constrained
-                                  else None) for r, ids in prompts]
-        job = EngineJob(target=str(target.path), requests=requests, stop_token_ids=target.stop_token_ids(),
-                        dtype=VLLM_DTYPES[precision.name], drafter=args.drafter, mode="timed",
-                        max_model_len=max(len(ids) for _, ids in prompts) + args.max_new_tokens + args.k + 1,
-                        speculative_tokens=[args.k], engine_args=args.engine_args)
-        with tempfile.TemporaryDirectory(prefix="bench-grammar-") as work:
-            figures[label] = step_costs(run_engine(job, work, f"{label}, plain and at K = {args.k}"))
+        requests = heldout_requests(args, target, constrained)
+        figures[label] = step_costs(timed_at_k(args, target, precision, args.drafter, requests, label,
+                                               args.engine_args))
         print(label, json.dumps(figures[label]), flush=True)
     rows = [[label, f["prompts"], f["tokens_per_step"], f["plain_ms_per_token"], f["spec_ms_per_step"],
              f["step_cost_in_plain_steps"], f["speedup_decode"]] for label, f in figures.items()]
