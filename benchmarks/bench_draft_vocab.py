@@ -11,13 +11,13 @@ head is a large share of what drafting adds to a verification step. vLLM's DFlas
 vocabulary (`draft_vocab_size` in config.json, the head's rows as `lm_head.weight` and `d2t`, each draft id's offset
 to its target id, as EAGLE-3 ships it). This script writes that copy of the drafter, its head rows the target's own,
 unchanged, for the `size` token ids the store's answers use most (0: every id they use; EOS always in; past those,
-the ids its prompts use most), and times each copy in its own engine job (`engine.child._timed`: every prompt decoded
+the ids its prompts use most: what recipe drafter.draft_vocab_size exports), and times each copy in its own engine job (`engine.child._timed`: every prompt decoded
 plain to its natural stop, then timed plain and speculative at that length, alone and cold). Tokens outside the
 vocabulary cannot be drafted, so tau may fall; what it saves is each step's cost in plain steps, measured inside each
 job beside its own plain decoding, and each prompt's speedup against the whole head's (paired by prompt, with a 95%
 interval), by the engine's clock and by a stopwatch around each request. `--heldout` (a held-out store) adds how many
-of its answer tokens each vocabulary covers. The copies are not trained with the cut vocabulary (training with it
-would also shrink the loss's head): this measures the serving side alone. Prints a markdown table and writes
+of its answer tokens each vocabulary covers. The copies are cut after training, as the export cuts them: this
+measures the serving side alone. Prints a markdown table and writes
 OUT/results.json and OUT/results.md.
 """
 
@@ -31,13 +31,14 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from dflash_train import runs
 from dflash_train.device import resolve_precision
 from dflash_train.engine.jobs import EngineRequest
+from dflash_train.model.checkpoint import create_drafter, draft_vocabulary, load_drafter, save_drafter
 from dflash_train.stages.evaluate.metrics import bootstrap_interval, ratio_of_sums
-from dflash_train.store.reader import open_store
+from dflash_train.stages.train.data import StoreSet
+from dflash_train.stages.train.draft_vocab import choose, token_counts
 from dflash_train.target import DEFAULT_TARGET, load_embedding_and_head, load_target
 
 from bench_grammar_cost import heldout_requests, step_costs, timed_at_k  # benchmarks/, beside this file
@@ -63,39 +64,20 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def token_counts(store_path: str) -> tuple[Counter, Counter]:
-    """How often each token id appears in the store's answers (its loss-masked positions), and in the rest (the
-    prompts: what an answer copies comes from there)."""
-    answers, prompts = Counter(), Counter()
-    for item in open_store(store_path):
-        answers.update(item["input_ids"][item["loss_mask"]].tolist())
-        prompts.update(item["input_ids"][~item["loss_mask"]].tolist())
-    return answers, prompts
-
-
 def vocabulary(answers: Counter, prompts: Counter, size: int, always: list[int]) -> list[int]:
-    """The `size` ids the answers use most (0: all of them), the `always` ones in; where the answers use fewer
-    than `size`, filled with the ids the prompts use most (so fewer than `size` where the store uses fewer ids);
-    sorted ascending (d2t's offsets are then non-negative)."""
-    chosen = list(dict.fromkeys([*always, *(t for t, _ in answers.most_common())]))
-    if size:
-        chosen = list(dict.fromkeys([*chosen, *(t for t, _ in prompts.most_common())]))[:size]
-    return sorted(chosen)
+    """The training export's choice (stages/train/draft_vocab.choose) at `size`; 0: every id the answers use."""
+    return choose(answers, Counter() if not size else prompts, size or len(always) + len(answers), always)
 
 
 def cut_drafter(drafter: Path, head: torch.Tensor, ids: list[int], out: Path) -> None:
-    """A copy of `drafter` drafting only `ids`: its weights, `lm_head.weight` = the target head's rows for `ids`
-    (in the drafter's dtype) and `d2t` (draft id -> target id offset), config.json's `draft_vocab_size`."""
+    """A copy of `drafter` drafting only `ids`, as the training export writes it (checkpoint.draft_vocabulary)."""
     shutil.copytree(drafter, out, ignore=shutil.ignore_patterns("*.safetensors"))
-    weights = load_file(str(drafter / "model.safetensors"))
-    dtype = next(iter(weights.values())).dtype
-    index = torch.tensor(ids, dtype=torch.long)
-    weights["lm_head.weight"] = head[index].to(dtype).contiguous()
-    weights["d2t"] = index - torch.arange(len(ids))
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((drafter / "config.json").read_text())
-    config["draft_vocab_size"] = len(ids)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    model, config = load_drafter(drafter)
+    dtype = model.fc.weight.dtype
+    config, rows = draft_vocabulary(config, head, ids)
+    cut = create_drafter(config)
+    cut.load_state_dict({**model.state_dict(), **rows}, strict=True)
+    save_drafter(cut.to(dtype), config, out)
 
 
 def timed_job(drafter: Path, label: str, requests: list[EngineRequest], target, precision, args) -> dict:
@@ -129,8 +111,8 @@ def main() -> int:
     precision = resolve_precision(args.dtype, "cpu")
     target = load_target(args.target, dtype=precision.dtype)
     _, head = load_embedding_and_head(args.target, dtype=torch.float32)
-    answers, prompt_tokens = token_counts(args.store)
-    heldout = token_counts(args.heldout)[0] if args.heldout else None
+    answers, prompt_tokens = token_counts(StoreSet([args.store]))
+    heldout = token_counts(StoreSet([args.heldout]))[0] if args.heldout else None
     requests = heldout_requests(args, target)
     figures: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-vocab-drafters-") as tmp:

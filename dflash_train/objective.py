@@ -377,9 +377,9 @@ def simulated_acceptance(drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
         n = blocks.num_blocks
         preds = torch.empty(n * B, dtype=torch.long, device=device)
         for c in range(0, n * B, 2048):
-            preds[c:c + 2048] = (hidden[0, c:c + 2048] @ lm_head.to(hidden.dtype).t()).argmax(dim=-1)
+            preds[c:c + 2048] = drafter.logits(hidden[0, c:c + 2048], lm_head).argmax(dim=-1)
         if confidence is not None:
-            first = hidden[0].view(n, B, -1)[:, 1].float() @ lm_head.float().t()
+            first = drafter.logits(hidden[0].view(n, B, -1)[:, 1].float(), lm_head)
             confidence += first.softmax(dim=-1).amax(dim=-1).tolist()
         idx = blocks.anchors[0][:, None] + torch.arange(B, device=device)  # [n, B]
         inside = idx < S

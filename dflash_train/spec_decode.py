@@ -249,7 +249,7 @@ def speculative_generate(model, prompt_ids: list[int], proposer: Proposer, max_n
 class DFlashProposer:
     """The DFlash drafter as a proposer: one drafter forward per step over the block [anchor, MASK x (B-1)],
     with a context cache that holds the fused K/V of every final position before the anchor. The embedding
-    and LM head are the target's."""
+    and LM head are the target's (the head's rows for a drafter's draft vocabulary: `DFlashDraftModel.logits`)."""
 
     def __init__(self, drafter, embedding: torch.nn.Module, lm_head: torch.nn.Module, block_size: int | None = None):
         self.drafter = drafter
@@ -283,7 +283,7 @@ class DFlashProposer:
                               noise_embedding=self.embedding(block), target_hidden=context,
                               past_key_values=self.cache)
         self.pending, self.pending_start = context[0, :0], anchor
-        return self.lm_head(hidden[0, 1:]).argmax(dim=-1).tolist()
+        return self.drafter.logits(hidden[0, 1:], self.lm_head.weight).argmax(dim=-1).tolist()
 
     def advance(self, tapped: torch.Tensor | None) -> None:
         self.pending = torch.cat([self.pending, tapped.to(self.pending.dtype)])

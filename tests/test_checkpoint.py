@@ -4,6 +4,7 @@ model module itself, exact save/load, bad folders, starting from the target's la
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,8 +14,8 @@ from safetensors import safe_open
 from tiny import blocks_input, draft, make_tiny_drafter, random_drafter
 
 from dflash_train.errors import UserError
-from dflash_train.model.checkpoint import (REMOTE_MODULE, init_from_target, load_decoder_layers, load_drafter,
-                                           read_drafter_folder, save_drafter)
+from dflash_train.model.checkpoint import (REMOTE_MODULE, create_drafter, init_from_target, load_decoder_layers,
+                                           load_drafter, read_drafter_folder, save_drafter)
 from dflash_train.model.configuration import DFlashConfig, expected_tensor_names
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -242,6 +243,39 @@ def test_expected_tensor_shapes_are_the_model_modules(tiny_parts):
     for kw in ({}, {"num_layers": 3}):
         drafter, dconfig = make_drafter(tiny_parts, **kw)
         assert expected_tensor_shapes(dconfig) == {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
+    cut = dataclasses.replace(dconfig, draft_vocab_size=7)  # a draft vocabulary adds its head rows and d2t
+    assert expected_tensor_shapes(cut) == {k: tuple(v.shape) for k, v in create_drafter(cut).state_dict().items()}
+
+
+def test_a_draft_vocabulary_drafts_only_its_ids_with_the_target_heads_own_rows(tiny_parts, tmp_path):
+    """A drafter cut to some ids scores them exactly as the target's whole head does, every other id at -inf, so
+    it drafts the whole head's choice wherever that lies inside; its folder holds the rows and d2t as vLLM maps
+    them (target id = row + d2t) and reloads to the same drafts, in every reader."""
+    from dflash_train.model.checkpoint import draft_vocabulary
+
+    drafter, dconfig = make_drafter(tiny_parts)
+    head = torch.randn(dconfig.vocab_size, dconfig.hidden_size, generator=torch.Generator().manual_seed(3))
+    hidden = torch.randn(40, dconfig.hidden_size, generator=torch.Generator().manual_seed(4))
+    whole = drafter.logits(hidden, head)
+    ids = sorted({*whole.argmax(-1)[:20].tolist(), 2, 900})  # the whole head's choice for the first 20 rows only
+    config, rows = draft_vocabulary(dconfig, head, ids)
+    cut = create_drafter(config)
+    cut.load_state_dict({**drafter.state_dict(), **rows}, strict=True)
+    logits = cut.logits(hidden, head)
+    assert torch.equal(logits[:, ids], whole[:, ids])
+    assert bool((logits[:, [i for i in range(dconfig.vocab_size) if i not in ids]] == float("-inf")).all())
+    drafts = logits.argmax(-1)
+    assert torch.equal(drafts[:20], whole.argmax(-1)[:20]) and set(drafts.tolist()) <= set(ids)
+    folder = save_drafter(cut, config, tmp_path / "cut")
+    assert json.loads((folder / "config.json").read_text())["draft_vocab_size"] == len(ids)
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor("lm_head.weight"), head[ids])
+        assert (torch.arange(len(ids)) + f.get_tensor("d2t")).tolist() == ids
+    reloaded, _ = load_drafter(folder)
+    assert torch.equal(reloaded.logits(hidden, head), logits)
+    assert read_drafter_folder(folder).num_parameters == sum(t.numel() for t in cut.state_dict().values())
+    with pytest.raises(ValueError, match="distinct sorted ids"):
+        draft_vocabulary(dconfig, head, [5, 3])
 
 
 def test_weights_that_do_not_fit_config_json_are_refused_without_loading_them(tiny_parts, tmp_path):
@@ -324,6 +358,7 @@ def test_non_finite_weights_are_named_with_their_file_and_tensor(tiny_parts, tmp
     ("vocab_size", 1024.0, "vocab_size is 1024.0, not an integer from 1 to 2097152"),
     ("num_key_value_heads", 3, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
     ("rms_norm_eps", -1, "rms_norm_eps is -1, not a positive finite number"),
+    ("draft_vocab_size", 5000, "draft_vocab_size is 5000, not an integer from 1 to vocab_size 1024"),
 ])
 def test_a_config_out_of_bounds_is_one_line_naming_the_file_and_key_before_anything_is_built(tiny_parts, tmp_path,
                                                                                            key, value, message):

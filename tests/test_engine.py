@@ -290,6 +290,39 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
     assert {p.name for p in (out / "engine").iterdir()} == {"timed.log", "lookup-2.log"}
 
 
+@needs_vllm
+@pytest.mark.slow
+def test_a_draft_vocabulary_drafts_the_same_in_vllm_as_in_the_own_loop(overfit_drafter, engine_store, engine_target,
+                                                                        prompts_file, tmp_path):
+    """The format as vLLM reads it: the overfit drafter cut to half the ids its answers use, served by vLLM and by
+    the project's loop at the whole block, is lossless in both and accepts the same, less than with its whole head
+    (the ids left out cannot be drafted; the whole head's vLLM figures: the test above): vLLM maps each row to the
+    same target id as the project's model."""
+    from dflash_train.model.checkpoint import create_drafter, draft_vocabulary, load_drafter, save_drafter
+    from dflash_train.stages.train.data import StoreSet
+    from dflash_train.stages.train.draft_vocab import choose_draft_vocabulary
+    from dflash_train.target import checkpoint_stop_token_ids, load_embedding_and_head, load_tokenizer
+
+    stores = StoreSet([str(engine_store)])
+    used = choose_draft_vocabulary(stores, 10 ** 6, [])["answer_ids"]
+    vocab = choose_draft_vocabulary(stores, used // 2, checkpoint_stop_token_ids(engine_target,
+                                                                                  load_tokenizer(str(engine_target))))
+    whole, config = load_drafter(overfit_drafter)
+    config, rows = draft_vocabulary(config, load_embedding_and_head(str(engine_target))[1], vocab["ids"])
+    cut = create_drafter(config)
+    cut.load_state_dict({**whole.state_dict(), **rows}, strict=True)
+    folder = save_drafter(cut.to(whole.fc.weight.dtype), config, tmp_path / "cut")
+    reports = {}
+    for name, drafter, engine in (("whole", overfit_drafter, "own"), ("cut", folder, "both")):
+        assert eval_cli("--engine", engine, "--drafter", drafter, "--target", engine_target, "--prompts",
+                        prompts_file, "--out", tmp_path / f"eval-{name}", "--speculative-tokens", "7") == 0
+        reports[name] = json.loads((tmp_path / f"eval-{name}" / "report.json").read_text())["engines"]
+    (whole_own, cut_own), cut_vllm = (reports[name]["own"] for name in ("whole", "cut")), reports["cut"]["vllm"]
+    assert whole_own["lossless_mismatches"] == cut_own["lossless_mismatches"] == cut_vllm["lossless_mismatches"] == 0
+    assert cut_vllm["tau"] == pytest.approx(cut_own["tau"], rel=SAME_DRAFTS), (cut_vllm["tau"], cut_own["tau"])
+    assert cut_own["tau"] < whole_own["tau"] - 0.5, (cut_own["tau"], whole_own["tau"])
+
+
 CONSTRAINED = [  # one per prompt: what each request of a structured application asks of its answer
     {"guided_regex": "(Yes|No)[a-z ,.]{0,40}"},
     {"response_format": {"type": "json_schema", "json_schema": {"name": "poem", "schema": {

@@ -11,6 +11,7 @@ import pytest
 import torch
 from tiny import TOOL_CALL_REQUEST
 
+from dflash_train.model.modeling_dflash import DFlashDraftModel
 from dflash_train.stages.evaluate.metrics import acceptance_stats, offline_estimate
 from dflash_train.spec_decode import DFlashProposer, Step, speculative_generate
 from test_spec_decode import PROMPTS, prompt_ids, reference
@@ -482,6 +483,9 @@ class OracleDrafter(torch.nn.Module):
         self.vocab, self.horizon = vocab, horizon
         self.scale = torch.nn.Parameter(torch.ones(1))  # gives the callers a device and dtype
         self.block_size, self.mask_token_id, self.target_layer_ids = block_size, 5, [1]
+        self.lm_head = None  # no draft vocabulary: the model's own `logits` drafts through the head it is given
+
+    logits = DFlashDraftModel.logits
 
     def forward(self, position_ids, noise_embedding, target_hidden, attention_mask=None, attention_fn=None,
                 past_key_values=None):
@@ -503,12 +507,14 @@ def test_offline_estimate_equals_online_tau_for_the_oracle(tiny_target):
     embed = model.get_input_embeddings()
     prompts = [prompt_ids(tiny_target, text) for text in PROMPTS]
     references = [reference(tiny_target, ids, n + B) for ids in prompts]
+    identity_head = torch.nn.Linear(V, V, bias=False)
+    identity_head.weight.data = torch.eye(V)
     for horizon in range(B):
         oracle = OracleDrafter(references, V, B, horizon)
         online_logs, samples = [], []
         for i, ids in enumerate(prompts):
             oracle.current = i
-            gen = speculative_generate(model, ids, DFlashProposer(oracle, embed, torch.nn.Identity()), n, [])
+            gen = speculative_generate(model, ids, DFlashProposer(oracle, embed, identity_head), n, [])
             online_logs.append(gen.steps)
             S = len(ids) + len(gen.tokens)
             sample = {"input_ids": torch.tensor(ids + gen.tokens), "hidden_states": torch.zeros(S, 64),

@@ -688,3 +688,22 @@ def test_the_published_eval_names_hub_repos_for_the_drafter_and_the_combined_spe
     assert published["engine_args_plain"] == {"model": "org/target"}
     assert published["combined"]["setting"] == "k=4,confidence=0.6"
     assert "/home/me" not in published["serve_command"] and engine["engine_args"] is local  # the report untouched
+
+
+def test_the_card_names_a_draft_vocabulary_and_what_each_engine_drafts_with():
+    from dflash_train.stages.push.card import CardInputs, Gate, render_card
+
+    def card(**config) -> str:
+        return render_card(CardInputs(
+            repo_id=REPO, revision=None, run_name="tiny", num_parameters=1000, weights_dtype="bf16",
+            drafter_config={"block_size": 8, "num_hidden_layers": 1, "vocab_size": 49152, **config},
+            target={"base_model": "tiny-org/tiny-target", "vocab_size": 49152}, license="mit",
+            license_from_recipe=True, gate=Gate(passed=True, forced=False, min_tau=1.0, min_tau_source="the test")))
+
+    cut = card(draft_vocab_size=1258)
+    assert ("| Draft vocabulary | 1,258 of the target's 49,152 token ids, the ones its training answers use most, "
+            "then their prompts': vLLM drafts only these") in cut
+    assert "SGLang's DFlash drafts with the target's whole head |" in cut
+    assert "embedding not included, the draft vocabulary's LM head rows included" in cut
+    whole = card()
+    assert "Draft vocabulary" not in whole and "embedding and LM head not included" in whole

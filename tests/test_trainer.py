@@ -324,20 +324,33 @@ def test_non_finite_steps_are_skipped_then_abort(chain_store, tmp_path):
 
 
 @pytest.mark.slow
-def test_time_budget_target_init_context_norm_then_fine_tune_from_it(chain_store, tmp_path):
+def test_time_budget_target_init_context_norm_then_fine_tune_from_it(chain_store, tiny_target, tiny_target_dir,
+                                                                    tmp_path):
     """The sample-efficiency switches in a real launch: a run that stops on its time budget, on the first 2
-    samples, starting from the target with scaled context; then a run that starts from its exported drafter."""
+    samples, starting from the target with scaled context, exported with a draft vocabulary; then a run that starts
+    from its exported drafter (and, training with the whole head, exports the whole head)."""
     from dflash_train.model.checkpoint import load_drafter
+    from dflash_train.target import load_embedding_and_head
 
     run = tmp_path / "a"
     recipe = write_recipe(tmp_path / "a.yaml", chain_store, run, train={"max_steps": 100_000, "time_budget_s": 4.0,
                                                                         "micro_batch_size": 2},
-                          drafter={"init": "target", "context_norm": True}, data={"max_samples": 2})
+                          drafter={"init": "target", "context_norm": True, "draft_vocab_size": 12},
+                          data={"max_samples": 2})
     proc = launch(recipe)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run / "drafter" / "training_args.json").read_text())["run"]
     assert 1 <= summary["steps"] < 100_000 and 4.0 <= summary["train_time_s"] < 30, summary
     assert "2 samples" in proc.stdout and "or 4 s of training" in proc.stdout
+    # the draft vocabulary: the tiny target's stop tokens, then the ids the answers use most (their cycle has 16),
+    # rows the target head's own; the record says what they cover
+    vocab = summary["draft_vocab"]
+    assert vocab["size"] == 12 and vocab["answer_ids"] == 16 and 0.5 < vocab["answer_tokens_covered"] < 1, vocab
+    cut, config = load_drafter(run / "drafter")
+    ids = (torch.arange(12) + cut.d2t).tolist()
+    assert config.draft_vocab_size == 12 and ids == sorted(ids) and set(tiny_target.stop_token_ids()) <= set(ids)
+    head = load_embedding_and_head(str(tiny_target_dir), dtype=torch.float32)[1]
+    assert torch.equal(cut.lm_head.weight.float(), head[ids])
     rows = read_metrics(run)
     assert rows[-1]["lr"] < rows[len(rows) // 2]["lr"]  # the schedule ran on the budget: it decayed
 
@@ -348,9 +361,13 @@ def test_time_budget_target_init_context_norm_then_fine_tune_from_it(chain_store
                             optimizer={"lr": 1.0e-12}, eval={"at_end": False})
     proc = launch(recipe_b)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (a, _), (b, _) = load_drafter(run / "drafter"), load_drafter(run_b / "drafter")
-    for (name, x), (_, y) in zip(sorted(a.state_dict().items()), sorted(b.state_dict().items())):
-        assert torch.allclose(x.float(), y.float(), rtol=2e-2, atol=1e-3), name
+    (a, _), (b, b_config) = load_drafter(run / "drafter"), load_drafter(run_b / "drafter")
+    assert b_config.draft_vocab_size is None and b.lm_head is None
+    whole = b.state_dict()
+    for name, x in a.state_dict().items():
+        if name not in ("lm_head.weight", "d2t"):
+            assert torch.allclose(x.float(), whole.pop(name).float(), rtol=2e-2, atol=1e-3), name
+    assert not whole
 
 
 def test_deepspeed_config_takes_batch_clip_and_precision_from_the_recipe(monkeypatch):

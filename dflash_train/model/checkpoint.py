@@ -9,6 +9,7 @@ provenance.json next to them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -57,6 +58,20 @@ def save_drafter(model: DFlashDraftModel, config: DFlashConfig, out_dir: str | P
     shutil.copyfile(REMOTE_MODULE, out / "dflash.py")
     write_json_atomic(out / "config.json", config.to_config_json(dtype))
     return out
+
+
+def draft_vocabulary(config: DFlashConfig, target_head: torch.Tensor,
+                     ids: list[int]) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
+    """A drafter's config and extra tensors (configuration.DRAFT_VOCAB_TENSORS) for drafting only the target ids
+    `ids` (sorted, distinct, fewer than the vocabulary): the target head's own rows for them, unchanged, and d2t,
+    each row's offset to its id (row + d2t = id, as vLLM maps them)."""
+    if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= config.vocab_size \
+            or len(ids) >= config.vocab_size:
+        raise ValueError(f"a draft vocabulary is 1 to {config.vocab_size - 1} distinct sorted ids of the target's "
+                         f"{config.vocab_size}, got {len(ids)}")
+    index = torch.tensor(ids, dtype=torch.long)
+    tensors = {"lm_head.weight": target_head[index].contiguous(), "d2t": index - torch.arange(len(ids))}
+    return dataclasses.replace(config, draft_vocab_size=len(ids)), tensors
 
 
 def read_config(folder: str | Path) -> DFlashConfig:

@@ -37,6 +37,9 @@ LAYER_TENSORS = {"self_attn.q_proj.weight": ("q", "H"), "self_attn.k_proj.weight
                  "post_attention_layernorm.weight": ("H",)}
 # ...and the drafter's own tensors outside the layers (nH: the tapped features, num_target_features x H)
 DRAFTER_TENSORS = {"norm.weight": ("H",), "fc.weight": ("H", "nH"), "hidden_norm.weight": ("H",)}
+# ...and those of a draft vocabulary (config.json's `draft_vocab_size` Nd, vLLM's layout, as EAGLE-3 ships it): the
+# target LM head's rows for the Nd ids the drafter drafts, and d2t, each row's offset to its target id
+DRAFT_VOCAB_TENSORS = {"lm_head.weight": ("Nd", "H"), "d2t": ("Nd",)}
 
 
 # The largest value each dimension of a drafter's config may take: the largest public models' with room to spare
@@ -59,9 +62,10 @@ def expected_tensor_shapes(config: "DFlashConfig") -> dict[str, tuple[int, ...]]
     against the module by tests/test_checkpoint.py); what push and load hold a folder's weights against."""
     H, d = config.hidden_size, config.head_dim
     dims = {"H": H, "I": config.intermediate_size, "d": d, "q": config.num_attention_heads * d,
-            "kv": config.num_key_value_heads * d, "nH": config.num_target_features * H}
+            "kv": config.num_key_value_heads * d, "nH": config.num_target_features * H, "Nd": config.draft_vocab_size}
     tables = {**{f"layers.{i}.{name}": shape for i in range(config.num_hidden_layers)
-                 for name, shape in LAYER_TENSORS.items()}, **DRAFTER_TENSORS}
+                 for name, shape in LAYER_TENSORS.items()}, **DRAFTER_TENSORS,
+              **(DRAFT_VOCAB_TENSORS if config.draft_vocab_size else {})}
     return {name: tuple(dims[dim] for dim in shape) for name, shape in tables.items()}
 
 
@@ -130,6 +134,9 @@ class DFlashConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     target: dict[str, Any] | None = None  # the target identity as written (dflash_train.target.TargetIdentity)
+    # a draft vocabulary: the drafter drafts only this many of the target's ids, with its own copy of the target
+    # head's rows for them (DRAFT_VOCAB_TENSORS); None: the whole vocabulary, through the target's head
+    draft_vocab_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # anything else to keep in config.json's dflash_train
 
     @property
@@ -196,6 +203,7 @@ class DFlashConfig:
             "rope_parameters": rope,
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size,
+            **({"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {}),
             "tie_word_embeddings": False,
             # all full attention: engines treat full-attention DFlash layers as non-causal (bidirectional block)
             "layer_types": ["full_attention"] * self.num_hidden_layers,
@@ -234,6 +242,11 @@ class DFlashConfig:
         rope, block_size = _rope_parameters(cfg), dflash.get("block_size", cfg.get("block_size", 16))
         if problem := _unbuildable(cfg, dflash, block_size, rope):
             raise UserError(f"{source}: {problem}: not a drafter config this project can read")
+        draft_vocab = cfg.get("draft_vocab_size")
+        if draft_vocab is not None and (isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int)
+                                        or not 1 <= draft_vocab <= cfg["vocab_size"]):
+            raise UserError(f"{source}: draft_vocab_size is {draft_vocab!r}, not an integer from 1 to vocab_size "
+                            f"{cfg['vocab_size']}: not a drafter config this project can read")
         return cls(
             hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
             num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
@@ -246,7 +259,7 @@ class DFlashConfig:
             block_size=block_size, mask_token=dflash.get("mask_token"),
             initializer_range=cfg.get("initializer_range", 0.02), bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"), pad_token_id=cfg.get("pad_token_id"), target=target,
-            extra=extra)
+            draft_vocab_size=None if draft_vocab == cfg["vocab_size"] else draft_vocab, extra=extra)
 
     @classmethod
     def from_target(cls, target_config, num_layers: int = 5, block_size: int = 16,

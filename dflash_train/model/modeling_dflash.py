@@ -12,7 +12,9 @@ Reading guide (one block, at inference):
     noise_embedding [b, Q, H]    the target's embeddings of the block [anchor, MASK, MASK, ...]
         -> L x (pre-norm attention + SwiGLU MLP)    queries from the block only;
                                                     keys/values = k/v_proj(context) ++ k/v_proj(block)
-        -> norm -> [b, Q, H]                        the caller applies the target's frozen LM head
+        -> norm -> [b, Q, H]
+        -> logits(., target head) -> [b, Q, V]      the target's frozen LM head, or a draft vocabulary: its rows
+                                                    for some ids only (config `draft_vocab_size`), -inf elsewhere
 
 Positions are absolute and shared with the target: `position_ids` [b, S + Q] cover the context, then the block
 (context token t at position t, block slot k at anchor + k). Without a mask every query sees every key; training
@@ -228,6 +230,15 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         # Optional per-channel divisor of the tapped states (training only, `set_context_scale`); not part of the
         # checkpoint format: dflash-train folds it into fc when it saves, so every saved drafter has none.
         self.register_buffer("context_scale", None, persistent=False)
+        # A draft vocabulary (config `draft_vocab_size` < vocab_size, as vLLM reads it): `lm_head` holds the target
+        # head's rows for the ids the drafter drafts, `d2t` each row's offset to its target id (id = row + d2t).
+        draft_vocab = getattr(config, "draft_vocab_size", None)
+        if draft_vocab is not None and draft_vocab < config.vocab_size:
+            self.lm_head = nn.Linear(H, draft_vocab, bias=False)
+            self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        else:
+            self.lm_head = None
+            self.register_buffer("d2t", None)
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -277,6 +288,17 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
                       attention_fn=attention_fn or sdpa_attention, past_key_values=past_key_values)
         return self.norm(x)
 
+    def logits(self, hidden: torch.Tensor, target_head: torch.Tensor) -> torch.Tensor:
+        """The drafts' logits over the target's vocabulary [..., V] from the block's hidden states [..., H]: through
+        the target's LM head `target_head` (its weight [V, H]), or, with a draft vocabulary, through its rows for the
+        draft ids only and -inf at every other id, so that argmax and softmax draft those ids alone (as vLLM does)."""
+        if self.lm_head is None:
+            return hidden @ target_head.to(hidden.dtype).t()
+        scores = hidden @ self.lm_head.weight.to(hidden.dtype).t()
+        logits = scores.new_full((*scores.shape[:-1], target_head.shape[0]), float("-inf"))
+        logits[..., torch.arange(scores.shape[-1], device=scores.device) + self.d2t] = scores
+        return logits
+
     @torch.inference_mode()
     def spec_generate(self, target: nn.Module, input_ids: torch.LongTensor, max_new_tokens: int,
                       stop_token_ids: Optional[list[int]] = None, temperature: float = 0.0,
@@ -311,7 +333,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             positions = torch.arange(draft_cache.get_seq_length(), start + B, device=device)[None]
             hidden = self(position_ids=positions, noise_embedding=embed(block), target_hidden=context,
                           past_key_values=draft_cache, use_cache=True)
-            block[:, 1:] = sample(head(hidden[:, 1:]), temperature)
+            block[:, 1:] = sample(self.logits(hidden[:, 1:], head.weight), temperature)
 
             out = target(block, position_ids=torch.arange(start, start + B, device=device)[None], use_cache=True,
                          output_hidden_states=True, **{cache_kw: target_cache})

@@ -114,6 +114,8 @@ def read_drafter(source: DrafterSource) -> PublishedDrafter:
     if layout == "speculators":
         config.num_target_layers = None  # not recorded: the target it meets decides
     config.extra = {}  # our own records of another run (its fine-tuning source, ...) do not carry over
+    config.draft_vocab_size = None  # nor its draft vocabulary: training scores the target's whole head (the rows
+    #                                 are the target's, set aside below) and the export chooses its own
     files = weight_files(folder)
     found = check_weights_fit_config(folder, config, files, set_aside=TARGET_TENSORS)
     state = {k: v.float() for k, v in read_weights(files, expected_tensor_shapes(config)).items()}

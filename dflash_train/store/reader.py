@@ -101,6 +101,16 @@ class Store(Sequence):
             item["topk_logprobs"] = f.get_slice("topk_logprobs")[a:b].float()
         return item
 
+    def tokens(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        """(input_ids, loss_mask, weight) of every sample in order, without reading a state: each shard's token
+        tensors are read once."""
+        for s, shard in enumerate(self._shards):
+            f = self._handle(s)
+            ids, mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()
+            for j in range(len(shard.ids)):
+                a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
+                yield ids[a:b], mask[a:b], int(shard.weights[j])
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for i in range(len(self)):
             yield self[i]

@@ -184,9 +184,15 @@ def _what_it_is(inp: CardInputs) -> str:
          f"{fmt(cfg.get('hidden_size'))} / {fmt(cfg.get('num_attention_heads'))} / "
          f"{fmt(cfg.get('num_key_value_heads'))}"),
         ("Drafter parameters", f"{inp.num_parameters:,} ({inp.num_parameters / 1e6:.1f} M, {inp.weights_dtype}); "
-                               "embedding and LM head not included"),
+                               + ("embedding not included, the draft vocabulary's LM head rows included"
+                                  if cfg.get("draft_vocab_size") else "embedding and LM head not included")),
         ("Architecture", f"{fmt(cfg.get('architectures'))} (config `model_type` {cfg.get('model_type')})"),
     ]
+    if cfg.get("draft_vocab_size"):
+        rows.append(("Draft vocabulary", f"{cfg['draft_vocab_size']:,} of the target's {fmt(cfg.get('vocab_size'))} "
+                     "token ids, the ones its training answers use most, then their prompts': vLLM drafts only "
+                     "these, with the target head's own rows for them (`lm_head.weight`, `d2t`); SGLang's DFlash "
+                     "drafts with the target's whole head"))
     start = (cfg.get("dflash_train") or {}).get("fine_tuned_from")
     if start:
         rows.append(("Fine-tuned from", _starting_drafter(start)))

@@ -379,22 +379,56 @@ class DFlashTrainer:
         return summary
 
     def export(self, out: Path, state_dict: dict[str, torch.Tensor], summary: dict[str, Any]) -> None:
-        """Main process: the drafter folder (weights in the target's dtype), training_args.json, provenance.json."""
+        """Main process: the drafter folder (weights in the target's dtype; with recipe drafter.draft_vocab_size,
+        the target head's rows of a draft vocabulary chosen from the training stores), training_args.json,
+        provenance.json."""
         from dflash_train.model.checkpoint import create_drafter, save_drafter
-        from dflash_train.target import checkpoint_dtype
 
         recipe = self.recipe
         start_output(out, STAGE)
-        final = create_drafter(self.drafter_config)
-        final.load_state_dict({k: v.detach().cpu() for k, v in state_dict.items()}, strict=True)
+        config, state = self.drafter_config, {k: v.detach().cpu() for k, v in state_dict.items()}
+        dtype, vocab = self.export_dtype(), None
+        if recipe.drafter.draft_vocab_size is not None:
+            config, vocab = self.draft_vocabulary(state, dtype)
+        final = create_drafter(config)
+        final.load_state_dict(state, strict=True)
         final.set_context_scale(self.core.context_scale)  # save_drafter folds it into fc
-        dtype = checkpoint_dtype(self.target_name) or self.precision.dtype
-        save_drafter(final.to(dtype), self.drafter_config, out)
-        recorded = {**summary, "precision": self.precision.as_dict(), **self.state_source()}
+        save_drafter(final.to(dtype), config, out)
+        recorded = {**summary, "precision": self.precision.as_dict(), **self.state_source(),
+                    **({"draft_vocab": vocab} if vocab else {})}
         write_json_atomic(out / "training_args.json",
                           {"recipe": recipe.to_dict(), "data": self.data.stores.summary(), "run": recorded})
         write_provenance(out, config=recipe.to_dict(), stage=STAGE, run=recorded, stores=self.data.stores.folders)
         complete_output(out)
+
+    def export_dtype(self) -> torch.dtype:
+        """The target's dtype: what engines serve the pair in, whatever precision trained the drafter."""
+        from dflash_train.target import checkpoint_dtype
+
+        return checkpoint_dtype(self.target_name) or self.precision.dtype
+
+    def draft_vocabulary(self, state: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[Any, dict[str, Any]]:
+        """(config, record) of the exported drafter's draft vocabulary (stages/train/draft_vocab.py), its tensors
+        added to `state`: the target head's rows read again in `dtype`, unchanged. A vocabulary that holds every id
+        keeps the whole head (config unchanged)."""
+        from dflash_train.model.checkpoint import draft_vocabulary
+        from dflash_train.stages.train.draft_vocab import choose_draft_vocabulary
+        from dflash_train.target import checkpoint_stop_token_ids, load_embedding_and_head, load_tokenizer, \
+            resolve_target
+
+        path = resolve_target(self.target_name)
+        stops = checkpoint_stop_token_ids(path, load_tokenizer(str(path)))
+        vocab = choose_draft_vocabulary(self.data.stores, self.recipe.drafter.draft_vocab_size, stops)
+        ids, config = vocab.pop("ids"), self.drafter_config
+        if len(ids) >= config.vocab_size:
+            print(f"draft vocabulary: the training stores use all {config.vocab_size} ids: the whole head is kept",
+                  flush=True)
+            return config, {**vocab, "kept_whole_head": True}
+        config, rows = draft_vocabulary(config, load_embedding_and_head(self.target_name, dtype=dtype)[1], ids)
+        state.update(rows)
+        print(f"draft vocabulary: {len(ids):,} of the target's {config.vocab_size:,} ids, "
+              f"{vocab['answer_tokens_covered']:.1%} of the training answers' tokens", flush=True)
+        return config, vocab
 
     def cleanup(self) -> None:
         self.accelerator.wait_for_everyone()
