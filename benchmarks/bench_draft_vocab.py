@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -35,7 +36,7 @@ import torch
 from dflash_train import runs
 from dflash_train.device import resolve_precision
 from dflash_train.engine.jobs import EngineRequest
-from dflash_train.model.checkpoint import create_drafter, draft_vocabulary, load_drafter, save_drafter
+from dflash_train.model.checkpoint import create_drafter, draft_vocabulary, load_drafter, read_config, save_drafter
 from dflash_train.stages.evaluate.metrics import bootstrap_interval, ratio_of_sums
 from dflash_train.stages.train.data import StoreSet
 from dflash_train.stages.train.draft_vocab import choose, token_counts
@@ -46,7 +47,8 @@ from bench_grammar_cost import heldout_requests, step_costs, timed_at_k  # bench
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--drafter", required=True, help="a DFlash drafter folder (the target's whole head)")
+    p.add_argument("--drafter", required=True, help="a DFlash drafter folder with the target's whole head (recipe "
+                   "drafter.draft_vocab_size unset)")
     p.add_argument("--store", required=True, help="the capture store the drafter was trained on: its answers "
                    "choose the vocabulary")
     p.add_argument("--prompts", required=True, help="an ingest output folder (its held-out split is timed)")
@@ -108,6 +110,11 @@ def against(f: dict, whole: dict, clock: str = "") -> tuple[float, list[float] |
 
 def main() -> int:
     args = parse_args()
+    drafted = read_config(args.drafter).draft_vocab_size
+    if drafted:
+        print(f"bench_draft_vocab: {args.drafter} already drafts a draft vocabulary of {drafted:,} ids: pass one "
+              f"trained with recipe drafter.draft_vocab_size unset (the whole head)", file=sys.stderr)
+        return 2
     precision = resolve_precision(args.dtype, "cpu")
     target = load_target(args.target, dtype=precision.dtype)
     _, head = load_embedding_and_head(args.target, dtype=torch.float32)

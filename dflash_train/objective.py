@@ -312,16 +312,33 @@ def draft_hidden(drafter, embed: torch.Tensor, batch: dict[str, torch.Tensor], b
                    attention_mask=mask, attention_fn=attention_fn)
 
 
+def draft_rows(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Each target id's row in a draft vocabulary's head (`ids`, the sorted target ids it drafts: row r drafts
+    ids[r], as the exported `d2t` says), -1 for an id outside it: [vocab_size]."""
+    rows = torch.full((vocab_size,), -1, dtype=torch.long, device=ids.device)
+    rows[ids] = torch.arange(len(ids), device=ids.device)
+    return rows
+
+
 def dflash_loss(drafter, embed: torch.Tensor, lm_head: torch.Tensor, batch: dict[str, torch.Tensor],
                 blocks: Blocks, *, mask_token_id: int, gamma: float, attention: str = "sdpa",
-                head_chunk_tokens: int = 256, soft_label_weight: float = 0.0) -> LossOutput:
+                head_chunk_tokens: int = 256, soft_label_weight: float = 0.0,
+                label_rows: torch.Tensor | None = None) -> LossOutput:
     """The decay-weighted block loss for one micro batch (see the module docstring): CE, or with
-    soft_label_weight a > 0 the (1 - a) CE + a KL mix against batch["topk_ids"] / batch["topk_logprobs"]."""
+    soft_label_weight a > 0 the (1 - a) CE + a KL mix against batch["topk_ids"] / batch["topk_logprobs"].
+    `label_rows` (`draft_rows`): `lm_head` is a draft vocabulary's rows, each label becomes its row there, and a
+    label outside it (which the drafter cannot draft) gets no loss and is not counted."""
     if soft_label_weight > 0 and "topk_ids" not in batch:
         raise ValueError("soft_label_weight > 0 needs batch['topk_ids'] and batch['topk_logprobs'] (a store "
                          "captured with --store-topk)")
+    if soft_label_weight > 0 and label_rows is not None:
+        raise ValueError("soft labels are the target's top-k over its whole vocabulary: not with a draft vocabulary")
     doc_start = batch.get("doc_start")
     labels, weights = block_labels(batch["input_ids"], batch["loss_mask"], blocks, gamma, doc_start)
+    if label_rows is not None:
+        labels = label_rows[labels]
+        weights = weights * (labels >= 0)
+        labels = labels.clamp(min=0)
     hidden = draft_hidden(drafter, embed, batch, blocks, mask_token_id, attention)
     B = blocks.block_size
     flat_w = weights.reshape(-1)
@@ -352,10 +369,12 @@ def dflash_loss(drafter, embed: torch.Tensor, lm_head: torch.Tensor, batch: dict
 def simulated_acceptance(drafter, embed: torch.Tensor, lm_head: torch.Tensor, sample: dict[str, Any],
                          block_size: int | None = None, mask_token_id: int | None = None,
                          max_blocks: int = 256, attention: str = "blockwise",
-                         confidence: list[float] | None = None) -> torch.Tensor:
+                         confidence: list[float] | None = None, draft_ids: torch.Tensor | None = None
+                         ) -> torch.Tensor:
     """Acceptance length at every anchor of one captured sample, [num_anchors] long in 1..B (with `confidence`, a
     list, the drafter's probability of its first draft at each anchor is appended to it: what a speculator knows
-    before the target verifies).
+    before the target verifies). `draft_ids`: `lm_head` is a draft vocabulary's rows, and row r drafts
+    draft_ids[r] (training; an exported drafter carries its own, `DFlashDraftModel.logits`).
 
     A block starts at every position a where loss_mask[a] and loss_mask[a+1]; it sees the captured context
     before a; its greedy drafts for slots 1..B-1 are checked against the target's own tokens. Accepted length
@@ -378,6 +397,8 @@ def simulated_acceptance(drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
         preds = torch.empty(n * B, dtype=torch.long, device=device)
         for c in range(0, n * B, 2048):
             preds[c:c + 2048] = drafter.logits(hidden[0, c:c + 2048], lm_head).argmax(dim=-1)
+        if draft_ids is not None:
+            preds = draft_ids[preds]
         if confidence is not None:
             first = drafter.logits(hidden[0].view(n, B, -1)[:, 1].float(), lm_head)
             confidence += first.softmax(dim=-1).amax(dim=-1).tolist()

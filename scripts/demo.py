@@ -244,7 +244,9 @@ def demo_summary(args: argparse.Namespace, plan: dict | None, log: runs.Log, rep
     lines = [f"# dflash-train demo: {args.name}", "", f"Workload: {workload}.",
              f"Drafter: recipe `{args.recipe}`, " + (f"warm-started from "
              f"{describe({'name': start, 'revision': recipe.drafter.init_revision})}" if start else "from scratch")
-             + ".", ""]
+             + (f"; it drafts {vocab:,} of the target's token ids (a draft vocabulary: the ones its training answers "
+                f"use most, then their prompts')" if (vocab := (report.get("drafter") or {}).get("draft_vocab_size"))
+                else "") + ".", ""]
     for name, e in (report.get("engines") or {}).items():
         best = f", best K {e['best_k']}" if e.get("best_k") is not None else ""
         timing = e.get("timing") or {}

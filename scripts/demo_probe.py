@@ -169,7 +169,7 @@ def decode_rates(model, prompt: list[int], prefix: str = "") -> dict[str, float]
 
 def training_step_rates(args: argparse.Namespace, target, layers: list[int], recipe, dtype, device) -> dict:
     """Seconds per training step of the recipe's shape (dflash_train.measure's step, random data at the longest
-    sample capture keeps) with stored states and, alternating, with the states computed online as the trainer does
+    sample capture keeps, the head cut to the recipe's draft vocabulary size) with stored states and, alternating, with the states computed online as the trainer does
     (data.hidden_states: online: the target prefills the micro batch first, benchmarks/bench_online.py's probe); the
     median of each after its first."""
     import torch
@@ -186,7 +186,9 @@ def training_step_rates(args: argparse.Namespace, target, layers: list[int], rec
     drafter = measure.make_drafter(step_args, device, dtype)
     g = torch.Generator().manual_seed(1)
     embed = (torch.randn(step_args.vocab, step_args.hidden, generator=g) * 0.02).to(dtype)
-    data = {"input_ids": torch.randint(0, step_args.vocab - 1, (step_args.batch, step_args.seq), generator=g),
+    # a draft vocabulary (drafter.draft_vocab_size): the loss scores at most that many rows of the head
+    head_rows = min(step_args.vocab, recipe.drafter.draft_vocab_size or step_args.vocab)
+    data = {"input_ids": torch.randint(0, head_rows - 1, (step_args.batch, step_args.seq), generator=g),
             "loss_mask": torch.ones(step_args.batch, step_args.seq, dtype=torch.bool),
             "hidden_states": torch.randn(step_args.batch, step_args.seq, 5 * step_args.hidden, generator=g).to(dtype),
             "position_ids": torch.arange(step_args.seq).expand(step_args.batch, -1)}
@@ -199,7 +201,7 @@ def training_step_rates(args: argparse.Namespace, target, layers: list[int], rec
         t0 = time.perf_counter()
         batch_data = data if source == "stored" else {**data, "hidden_states": torch.stack(
             [row[0]["hidden_states"] for row in online.add(rows)]).to(dtype)}
-        measure.step_fn(step_args, drafter, embed, embed, batch_data, optimizer, step)
+        measure.step_fn(step_args, drafter, embed, embed[:head_rows], batch_data, optimizer, step)
         times[source].append(time.perf_counter() - t0)
     return {"train_step_s": statistics.median(times["stored"][1:]),
             "train_online_step_s": statistics.median(times["online"][1:])}

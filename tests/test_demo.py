@@ -34,6 +34,16 @@ def test_the_demo_summary_flags_a_speedup_measured_while_the_machine_changed_spe
     assert "(95% interval over prompts), lossless" in summaries[1]
 
 
+def test_the_demo_summary_says_how_many_ids_the_drafter_drafts():
+    args = demo.parse_args(["--logs", "data/workloads/router.jsonl.gz"])
+    vllm = {"tau": 1.9, "best_k": 3, "speedup": 1.2, "lossless_mismatches": 0}
+    cut, whole = (demo.demo_summary(args, None, runs.Log(), {"engines": {"vllm": vllm}, "drafter": drafter}, 1.0, [])
+                  for drafter in ({"draft_vocab_size": 1150}, {"draft_vocab_size": None}))
+    assert ("warm-started from drafters/smollm2-135m-instruct-general; it drafts 1,150 of the target's token ids (a "
+            "draft vocabulary: the ones its training answers use most, then their prompts').") in cut
+    assert "draft vocabulary" not in whole
+
+
 # --- make demo's plan -----------------------------------------------------------------------------------------------
 
 

@@ -233,9 +233,13 @@ def _synthetic_batch(S=24, V=1024, width=3 * 64, seed=0, packed=False):
     return batch
 
 
-def _per_block_loss(drafter, embed, head, batch, blocks, gamma, mask_id):
-    """Reference: run every block on its own through the drafter, with only the context it may see and no mask."""
+def _per_block_loss(drafter, embed, head, batch, blocks, gamma, mask_id, ids=None):
+    """Reference: run every block on its own through the drafter, with only the context it may see and no mask.
+    `ids`: a draft vocabulary, scored as the whole head's logits at those ids; a label outside it has no weight."""
     labels, weights = obj.block_labels(batch["input_ids"], batch["loss_mask"], blocks, gamma, batch.get("doc_start"))
+    if ids is not None:
+        weights = weights * torch.isin(labels, torch.tensor(ids))
+        labels = torch.tensor([ids.index(t) if t in ids else 0 for t in labels.flatten().tolist()]).view_as(labels)
     total = torch.zeros(())
     for r in range(blocks.anchors.shape[0]):
         for j in range(blocks.num_blocks):
@@ -248,7 +252,8 @@ def _per_block_loss(drafter, embed, head, batch, blocks, gamma, mask_id):
             out = drafter(position_ids=torch.cat([pos[lo:a], pos[a] + torch.arange(B)])[None],
                           noise_embedding=F.embedding(block, embed),
                           target_hidden=batch["hidden_states"][r:r + 1, lo:a])
-            ce = F.cross_entropy(out[0] @ head.t(), labels[r, j], reduction="none")
+            logits = out[0] @ head.t()
+            ce = F.cross_entropy(logits if ids is None else logits[:, ids], labels[r, j], reduction="none")
             total = total + (ce * weights[r, j]).sum()
     return total / weights.sum()
 
@@ -273,6 +278,54 @@ def test_batched_loss_equals_a_per_block_loop(tiny_target, packed):
             assert torch.allclose(p.grad, ref_grads[n], rtol=1e-4, atol=1e-6), (attention, n)
     assert out.counted[0] == 0 and out.counted[1:].sum() == (obj.block_labels(
         batch["input_ids"], batch["loss_mask"], blocks, 7.0, batch.get("doc_start"))[1] > 0).sum()
+
+
+def test_a_draft_vocabulary_scores_only_its_rows_and_drops_the_labels_outside_it(tiny_target):
+    """Training with a draft vocabulary's rows of the head (labels as rows, `draft_rows`) is the whole head's loss
+    at those ids, the labels outside them without weight; its simulated acceptance drafts what the exported
+    drafter (its rows and d2t, `DFlashDraftModel.logits`) drafts, at every anchor."""
+    from tiny import make_tiny_drafter
+
+    from dflash_train.model.checkpoint import create_drafter, draft_vocabulary
+
+    drafter, config = make_tiny_drafter(tiny_target.config, tiny_target.tokenizer, num_layers=2, block_size=B,
+                                        target_layer_ids=[1, 3, 5])
+    drafter = drafter.float()
+    embed = tiny_target.model.get_input_embeddings().weight.detach().float()
+    head = tiny_target.model.get_output_embeddings().weight.detach().float()
+    batch = _synthetic_batch(packed=True)
+    blocks = obj.sample_anchors(batch["loss_mask"], 6, B, torch.Generator().manual_seed(3), batch["doc_start"])
+    labels, weights = obj.block_labels(batch["input_ids"], batch["loss_mask"], blocks, 7.0, batch["doc_start"])
+    supervised = sorted(set(labels[weights > 0].tolist()))
+    ids = sorted({*supervised[::2], 3, 7})  # half the labels in, and ids no label uses
+    ref = _per_block_loss(drafter, embed, head, batch, blocks, 7.0, drafter.mask_token_id, ids)
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    drafter.zero_grad()
+    rows = obj.draft_rows(torch.tensor(ids), head.shape[0])
+    assert rows[torch.tensor(ids)].tolist() == list(range(len(ids))) and int((rows >= 0).sum()) == len(ids)
+    out = obj.dflash_loss(drafter, embed, head[ids], batch, blocks, mask_token_id=drafter.mask_token_id, gamma=7.0,
+                          head_chunk_tokens=7, label_rows=rows)
+    out.loss.backward()
+    assert torch.allclose(out.loss, ref, rtol=1e-5, atol=1e-6), (out.loss, ref)
+    for n, p in drafter.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[n], rtol=1e-4, atol=1e-6), n
+    assert out.counted.sum() == int(((weights > 0) & torch.isin(labels, torch.tensor(ids))).sum())
+    cut_config, cut_rows = draft_vocabulary(config, head, ids)
+    cut = create_drafter(cut_config).float()
+    cut.load_state_dict({**drafter.state_dict(), **cut_rows})
+    # a sample whose answer, after its first anchor (position 5), is what the exported drafter drafts there: every
+    # draft of that block is right, and wrong wherever a row is mapped to another id
+    sample = {"input_ids": batch["input_ids"][0].clone(), "loss_mask": torch.arange(24) >= 5,
+              "hidden_states": batch["hidden_states"][0]}
+    block = torch.tensor([int(sample["input_ids"][5])] + [drafter.mask_token_id] * (B - 1))
+    with torch.no_grad():
+        hidden = cut(position_ids=torch.arange(5 + B)[None], noise_embedding=embed[block][None],
+                     target_hidden=sample["hidden_states"][None, :5])
+        sample["input_ids"][6:5 + B] = cut.logits(hidden[0, 1:], head).argmax(-1)
+    trained = obj.simulated_acceptance(drafter, embed, head[ids], sample, B, draft_ids=torch.tensor(ids))
+    exported = obj.simulated_acceptance(cut, embed, head, sample, B)
+    assert exported[0] == B and torch.equal(trained, exported)
 
 
 def test_the_per_block_reference_catches_a_leaky_mask(tiny_target):

@@ -5,9 +5,10 @@ target's stop tokens always in.
 A drafter scores its block with the target's LM head, and on a small target that head holds more weights than the
 drafter's layers. vLLM reads a draft vocabulary (config.json's `draft_vocab_size`, the head's rows as `lm_head.weight`
 and `d2t`: checkpoint.draft_vocabulary writes them); drafting only the ids a service's answers use made a vLLM step
-6-9% cheaper on the demo's drafters, tau unchanged (BENCHMARKS "What the drafter's LM head costs a step"). Training
-still scores the target's whole head; the export keeps the rows of the ids chosen here. A token outside them cannot
-be drafted (the target still decodes it): how many of the training answers' tokens they cover is recorded.
+6-9% cheaper on the demo's drafters, tau unchanged (BENCHMARKS "What the drafter's LM head costs a step"). The
+trainer chooses them before its first step and scores only their rows (the head is most of a training step's work on
+a CPU), a label outside them without loss (objective.draft_rows); the export ships the rows. A token outside them
+cannot be drafted (the target still decodes it): how many of the training answers' tokens they cover is recorded.
 """
 
 from __future__ import annotations

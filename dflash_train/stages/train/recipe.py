@@ -52,9 +52,9 @@ class DrafterSection:
     init_from: str | None = None
     init_revision: str | None = None  # the Hub revision (branch, tag or commit) of init_from; None = main
     context_norm: bool = False  # divide each tapped channel by its RMS on the store before fc (folded at export)
-    # the exported drafter drafts only this many of the target's ids, with the target head's rows for them (vLLM
-    # reads them; SGLang drafts with the whole head): the training answers' most used ids, then their prompts'
-    # (stages/train/draft_vocab.py); training scores the whole head. None: the whole vocabulary
+    # the drafter drafts only this many of the target's ids, with the target head's rows for them, in training and
+    # exported (vLLM reads them; SGLang drafts with the whole head): the training answers' most used ids, then
+    # their prompts' (stages/train/draft_vocab.py); a label outside them gets no loss. None: the whole vocabulary
     draft_vocab_size: int | None = None
 
 
@@ -332,6 +332,9 @@ def check_recipe(recipe: Recipe, source: str) -> None:
     need(recipe.drafter.block_size >= 2, "drafter.block_size", "must be >= 2")
     need(recipe.drafter.draft_vocab_size is None or recipe.drafter.draft_vocab_size >= 1, "drafter.draft_vocab_size",
          "must be >= 1")
+    need(recipe.drafter.draft_vocab_size is None or recipe.objective.soft_label_weight == 0,
+         "drafter.draft_vocab_size", "must be unset with objective.soft_label_weight > 0 (soft labels are the "
+         "target's top-k over its whole vocabulary)")
     need(recipe.objective.num_anchors >= 1, "objective.num_anchors", "must be >= 1")
     need(recipe.objective.copy_anchor_weight > 0, "objective.copy_anchor_weight", "must be > 0")
     need(recipe.objective.decay_gamma is None or recipe.objective.decay_gamma > 0, "objective.decay_gamma",

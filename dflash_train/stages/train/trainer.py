@@ -104,7 +104,11 @@ class DFlashTrainer:
                                                      self.online)
         if recipe.train.gradient_checkpointing:
             drafter.gradient_checkpointing_enable()
+        self.vocab = self.choose_draft_vocabulary() if recipe.drafter.draft_vocab_size is not None else None
         self.embed, self.head = self.load_target_parts(target_name)
+        # a draft vocabulary: the loss and the validation score only its rows of the head (self.head)
+        self.draft_ids = None if self.vocab is None else torch.tensor(self.vocab["ids"], device=self.device)
+        self.label_rows = None if self.vocab is None else obj.draft_rows(self.draft_ids, self.embed.shape[0])
         self.prepare_optimizer(drafter)
         self.core = accelerator.unwrap_model(self.model)  # the plain DFlashDraftModel (validation, export)
         self.attention = resolve_attention(recipe.objective.attention, self.device)
@@ -179,6 +183,8 @@ class DFlashTrainer:
         if head.shape[1] != config.hidden_size or embed.shape[0] <= config.mask_token_id:
             raise UserError(f"target {target_name!r}: embedding/LM head shapes {tuple(embed.shape)}/"
                             f"{tuple(head.shape)} do not fit the drafter (hidden {config.hidden_size})")
+        if self.vocab is not None:  # the draft vocabulary's rows only: a smaller matmul in every step
+            head = head[torch.tensor(self.vocab["ids"], device=head.device)].contiguous()
         return embed, head
 
     def resume(self) -> tuple[TrainState, Path | None]:
@@ -269,7 +275,8 @@ class DFlashTrainer:
                 out = obj.dflash_loss(self.model, self.embed, self.head, batch, blocks,
                                       mask_token_id=self.drafter_config.mask_token_id, gamma=recipe.decay_gamma,
                                       attention=self.attention, head_chunk_tokens=recipe.objective.head_chunk_tokens,
-                                      soft_label_weight=recipe.objective.soft_label_weight)
+                                      soft_label_weight=recipe.objective.soft_label_weight,
+                                      label_rows=self.label_rows)
                 finite = torch.tensor(float(torch.isfinite(out.loss.detach())), device=self.device)
                 finite = accelerator.reduce(finite, reduction="sum") if self.world > 1 else finite
                 loss = out.loss
@@ -322,7 +329,7 @@ class DFlashTrainer:
         """Held-out loss and simulated acceptance length (validation.held_out_metrics), logged as an "eval" row of
         metrics.jsonl."""
         result = held_out_metrics(self.core, self.embed, self.head, self.data.eval_samples, self.recipe, self.online,
-                                  self.device, self.drafter_config.mask_token_id, self.attention)
+                                  self.device, self.drafter_config.mask_token_id, self.attention, self.draft_ids)
         self.last_eval = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
         self.metrics.log({"kind": "eval", "step": self.state.step, **self.last_eval,
                           "time": round(time.time() - self.started, 2), "train_time": round(self.clock.elapsed, 2)})
@@ -379,56 +386,47 @@ class DFlashTrainer:
         return summary
 
     def export(self, out: Path, state_dict: dict[str, torch.Tensor], summary: dict[str, Any]) -> None:
-        """Main process: the drafter folder (weights in the target's dtype; with recipe drafter.draft_vocab_size,
-        the target head's rows of a draft vocabulary chosen from the training stores), training_args.json,
-        provenance.json."""
-        from dflash_train.model.checkpoint import create_drafter, save_drafter
+        """Main process: the drafter folder (weights in the target's dtype; with a draft vocabulary, the target
+        head's rows for it and d2t: checkpoint.draft_vocabulary), training_args.json, provenance.json."""
+        from dflash_train.model.checkpoint import create_drafter, draft_vocabulary, save_drafter
+        from dflash_train.target import checkpoint_dtype, load_embedding_and_head
 
         recipe = self.recipe
         start_output(out, STAGE)
         config, state = self.drafter_config, {k: v.detach().cpu() for k, v in state_dict.items()}
-        dtype, vocab = self.export_dtype(), None
-        if recipe.drafter.draft_vocab_size is not None:
-            config, vocab = self.draft_vocabulary(state, dtype)
+        dtype = checkpoint_dtype(self.target_name) or self.precision.dtype  # what engines serve the pair in
+        vocab = self.vocab
+        if vocab is not None:  # the rows read again in that dtype, unchanged
+            config, rows = draft_vocabulary(config, load_embedding_and_head(self.target_name, dtype=dtype)[1],
+                                            vocab["ids"])
+            state.update(rows)
         final = create_drafter(config)
         final.load_state_dict(state, strict=True)
         final.set_context_scale(self.core.context_scale)  # save_drafter folds it into fc
         save_drafter(final.to(dtype), config, out)
         recorded = {**summary, "precision": self.precision.as_dict(), **self.state_source(),
-                    **({"draft_vocab": vocab} if vocab else {})}
+                    **({"draft_vocab": {k: v for k, v in vocab.items() if k != "ids"}} if vocab else {})}
         write_json_atomic(out / "training_args.json",
                           {"recipe": recipe.to_dict(), "data": self.data.stores.summary(), "run": recorded})
         write_provenance(out, config=recipe.to_dict(), stage=STAGE, run=recorded, stores=self.data.stores.folders)
         complete_output(out)
 
-    def export_dtype(self) -> torch.dtype:
-        """The target's dtype: what engines serve the pair in, whatever precision trained the drafter."""
-        from dflash_train.target import checkpoint_dtype
-
-        return checkpoint_dtype(self.target_name) or self.precision.dtype
-
-    def draft_vocabulary(self, state: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[Any, dict[str, Any]]:
-        """(config, record) of the exported drafter's draft vocabulary (stages/train/draft_vocab.py), its tensors
-        added to `state`: the target head's rows read again in `dtype`, unchanged. A vocabulary that holds every id
-        keeps the whole head (config unchanged)."""
-        from dflash_train.model.checkpoint import draft_vocabulary
+    def choose_draft_vocabulary(self) -> dict[str, Any] | None:
+        """The draft vocabulary of recipe drafter.draft_vocab_size, chosen from the training stores
+        (stages/train/draft_vocab.py) before the first step: training scores its rows of the head, the export ships
+        them. None where the stores use every id (the whole head is kept)."""
         from dflash_train.stages.train.draft_vocab import choose_draft_vocabulary
-        from dflash_train.target import checkpoint_stop_token_ids, load_embedding_and_head, load_tokenizer, \
-            resolve_target
+        from dflash_train.target import checkpoint_stop_token_ids, load_tokenizer, resolve_target
 
         path = resolve_target(self.target_name)
         stops = checkpoint_stop_token_ids(path, load_tokenizer(str(path)))
         vocab = choose_draft_vocabulary(self.data.stores, self.recipe.drafter.draft_vocab_size, stops)
-        ids, config = vocab.pop("ids"), self.drafter_config
-        if len(ids) >= config.vocab_size:
-            print(f"draft vocabulary: the training stores use all {config.vocab_size} ids: the whole head is kept",
-                  flush=True)
-            return config, {**vocab, "kept_whole_head": True}
-        config, rows = draft_vocabulary(config, load_embedding_and_head(self.target_name, dtype=dtype)[1], ids)
-        state.update(rows)
-        print(f"draft vocabulary: {len(ids):,} of the target's {config.vocab_size:,} ids, "
-              f"{vocab['answer_tokens_covered']:.1%} of the training answers' tokens", flush=True)
-        return config, vocab
+        V = self.drafter_config.vocab_size
+        if self.main:
+            print(f"draft vocabulary: the training stores use all {V:,} ids: the whole head is kept"
+                  if vocab["size"] >= V else f"draft vocabulary: {vocab['size']:,} of the target's {V:,} ids, "
+                  f"{vocab['answer_tokens_covered']:.1%} of the training answers' tokens", flush=True)
+        return None if vocab["size"] >= V else vocab
 
     def cleanup(self) -> None:
         self.accelerator.wait_for_everyone()

@@ -15,13 +15,15 @@ from dflash_train.stages.train.recipe import Recipe
 
 @torch.no_grad()
 def held_out_metrics(drafter, embed: torch.Tensor, head: torch.Tensor, samples: list[dict[str, Any]], recipe: Recipe,
-                     online: OnlineStates | None, device: torch.device, mask_id: int, attention: str) -> dict[str, Any]:
+                     online: OnlineStates | None, device: torch.device, mask_id: int, attention: str,
+                     draft_ids: torch.Tensor | None = None) -> dict[str, Any]:
     """Held-out loss (anchors drawn with a fixed seed) and simulated acceptance length `eval_sim_tau` (a block
     at every anchor, objective.simulated_acceptance, walked as greedy decoding walks the answer:
     objective.decoded_steps; per sample the mean over its steps, then over samples, as the eval counts tau),
     with `eval_anchor_tau`, the mean over every anchor (this project's eval_sim_tau before 2026-12-05, which
     overstates tau where easy and hard stretches alternate). `drafter` is the plain module (not DeepSpeed's
-    wrapper), left in the train/eval mode it was in."""
+    wrapper), left in the train/eval mode it was in. `draft_ids`: `head` is the rows of a draft vocabulary of
+    these target ids (objective.draft_rows)."""
     was_training = drafter.training
     drafter.eval()
     B = recipe.drafter.block_size
@@ -35,7 +37,8 @@ def held_out_metrics(drafter, embed: torch.Tensor, head: torch.Tensor, samples: 
                                     anchor_generator(recipe.seed, -1, i, 0))
         out = obj.dflash_loss(drafter, embed, head, batch, blocks, mask_token_id=mask_id,
                               gamma=recipe.decay_gamma, attention=attention,
-                              head_chunk_tokens=recipe.objective.head_chunk_tokens)
+                              head_chunk_tokens=recipe.objective.head_chunk_tokens,
+                              label_rows=None if draft_ids is None else obj.draft_rows(draft_ids, embed.shape[0]))
         w = float(out.weight_sum)
         if w > 0:
             loss_sum += float(out.loss) * w
@@ -44,7 +47,7 @@ def held_out_metrics(drafter, embed: torch.Tensor, head: torch.Tensor, samples: 
         counted += out.counted.cpu()
         trimmed = {k: batch[k][0] for k in ("input_ids", "loss_mask", "hidden_states")}
         lengths.append(obj.simulated_acceptance(drafter, embed, head, trimmed, B, mask_id,
-                                                attention=attention))
+                                                attention=attention, draft_ids=draft_ids))
         if steps := obj.decoded_steps(trimmed, lengths[-1].tolist(), B):
             walked.append(sum(steps) / len(steps))
     drafter.train(was_training)
