@@ -11,13 +11,13 @@ head is a large share of what drafting adds to a verification step. vLLM's DFlas
 vocabulary (`draft_vocab_size` in config.json, the head's rows as `lm_head.weight` and `d2t`, each draft id's offset
 to its target id, as EAGLE-3 ships it). This script writes that copy of the drafter, its head rows the target's own,
 unchanged, for the `size` token ids the store's answers use most (0: every id they use; EOS always in; past those,
-the ids its prompts use most: what recipe drafter.draft_vocab_size exports), and times each copy in its own engine job (`engine.child._timed`: every prompt decoded
-plain to its natural stop, then timed plain and speculative at that length, alone and cold). Tokens outside the
-vocabulary cannot be drafted, so tau may fall; what it saves is each step's cost in plain steps, measured inside each
-job beside its own plain decoding, and each prompt's speedup against the whole head's (paired by prompt, with a 95%
-interval), by the engine's clock and by a stopwatch around each request. `--heldout` (a held-out store) adds how many
-of its answer tokens each vocabulary covers. The copies are cut after training, as the export cuts them: this
-measures the serving side alone. Prints a markdown table and writes
+the ids its prompts use most: what recipe drafter.draft_vocab_size exports), and times each copy in its own engine
+job (`engine.child._timed`: every prompt decoded plain to its natural stop, then timed plain and speculative at that
+length, alone and cold). Tokens outside the vocabulary cannot be drafted, so tau may fall; what it saves is each
+step's cost in plain steps, measured inside each job beside its own plain decoding, and each prompt's speedup against
+the whole head's (paired by prompt, with a 95% interval), by the engine's clock and by a stopwatch around each
+request. `--heldout` (a held-out store) adds how many of its answer tokens each vocabulary covers. The copies are cut
+after training, as the export cuts them: this measures the serving side alone. Prints a markdown table and writes
 OUT/results.json and OUT/results.md.
 """
 

@@ -169,9 +169,9 @@ def decode_rates(model, prompt: list[int], prefix: str = "") -> dict[str, float]
 
 def training_step_rates(args: argparse.Namespace, target, layers: list[int], recipe, dtype, device) -> dict:
     """Seconds per training step of the recipe's shape (dflash_train.measure's step, random data at the longest
-    sample capture keeps, the head cut to the recipe's draft vocabulary size) with stored states and, alternating, with the states computed online as the trainer does
-    (data.hidden_states: online: the target prefills the micro batch first, benchmarks/bench_online.py's probe); the
-    median of each after its first."""
+    sample capture keeps, the head cut to the recipe's draft vocabulary size) with stored states and, alternating,
+    with the states computed online as the trainer does (data.hidden_states: online: the target prefills the micro
+    batch first, benchmarks/bench_online.py's probe); the median of each after its first."""
     import torch
 
     from dflash_train import measure

@@ -298,7 +298,8 @@ def _drafter_summary(path: str, proposer: DFlashProposer) -> dict[str, Any]:
     cfg = read_config(path)
     return {"path": str(path), "block_size": cfg.block_size, "num_hidden_layers": cfg.num_hidden_layers,
             "target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id,
-            "draft_vocab_size": cfg.draft_vocab_size, "num_parameters": sum(p.numel() for p in proposer.drafter.parameters()),
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "num_parameters": sum(p.numel() for p in proposer.drafter.parameters()),
             **drafter_identity(Path(path)), "made_for_target": (cfg.target or {}).get("name")}
 
 
