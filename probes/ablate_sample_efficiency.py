@@ -7,7 +7,9 @@ Every variant is a list of recipe overrides applied to the same base recipe, aft
 eval every --eval-every steps on the same held-out store, so each run's metrics.jsonl has simulated tau against
 time. Default variants: baseline (the public recipe), init, soft, dense, norm, optim, warmup, focus, batch (one
 lever each) and combo (the chosen combination, the demo recipe's: init + optim + warmup + focus + batch; --combo
-replaces it). --variant NAME:k=v,... adds a variant or replaces the default of that name; --only keeps the listed
+replaces it). The public recipe drafts the target's whole vocabulary, so every variant does (the demo recipe's draft
+vocabulary is measured apart: BENCHMARKS.md, "What the drafter's LM head costs a step"; soft labels need the whole
+head). --variant NAME:k=v,... adds a variant or replaces the default of that name; --only keeps the listed
 ones, in that order (the first is eval's --drafter).
 Then ONE online eval (the target generates) of every variant's drafter on the same held-out prompts.
 Writes OUT/results.md, OUT/results.json and OUT/sim_tau_vs_time.png. Complete stages are skipped on a rerun.
@@ -24,7 +26,7 @@ from dflash_train.provenance import is_complete
 
 PUBLIC = ("drafter.init=random,drafter.context_norm=false,objective.num_anchors=64,optimizer.schedule=cosine,"
           "optimizer.lr=6e-4,objective.soft_label_weight=0,objective.context_warmup_ratio=0,"
-          "objective.decay_gamma=7,train.micro_batch_size=1")
+          "objective.decay_gamma=7,train.micro_batch_size=1,drafter.draft_vocab_size=null")
 LEVERS = {
     "init": "drafter.init=target",
     "soft": "objective.soft_label_weight=0.5",

@@ -37,14 +37,17 @@ def test_every_recipe_loads_and_starts_with_its_command(path):
 
 
 def test_the_demo_recipe_uses_the_combination_the_ablation_chose():
-    """recipes/smollm2-135m-demo.yaml = the public settings plus exactly the ablation's chosen levers."""
+    """recipes/smollm2-135m-demo.yaml = the public settings plus exactly the ablation's chosen levers, and a draft
+    vocabulary (measured apart; the ablation drafts the whole vocabulary, as the public recipe does)."""
     import ablate_sample_efficiency as ablate
 
     from dflash_train import runs
 
     demo = load_recipe(REPO / "recipes" / "smollm2-135m-demo.yaml")
+    assert demo.drafter.draft_vocab_size is not None
     rebuilt = load_recipe(REPO / "recipes" / "smollm2-135m-demo.yaml",
-                          [*runs.split_overrides(ablate.PUBLIC), *runs.split_overrides(ablate.CHOSEN)])
+                          [*runs.split_overrides(ablate.PUBLIC), *runs.split_overrides(ablate.CHOSEN),
+                           f"drafter.draft_vocab_size={demo.drafter.draft_vocab_size}"])
     assert demo.to_dict() == rebuilt.to_dict()
     assert demo.drafter.init == "target" and demo.objective.context_warmup_ratio > 0
     assert demo.decay_gamma == 3.0 and (demo.train.micro_batch_size, demo.objective.num_anchors) == (2, 32)

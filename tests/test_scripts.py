@@ -314,6 +314,7 @@ def test_default_variants_are_valid_overrides_of_the_demo_recipe(monkeypatch):
         assert recipe.decay_gamma == (3.0 if name in ("focus", "combo") else 7.0)
         assert (recipe.train.micro_batch_size, recipe.objective.num_anchors) == (
             (2, 32) if name in ("batch", "combo") else (1, 512 if name == "dense" else 64))
+        assert recipe.drafter.draft_vocab_size is None  # the public recipe's whole head (soft labels need it)
 
 
 # --- the probes (probes/) -----------------------------------------------------------------------------------------
