@@ -11,8 +11,10 @@ One command, three measurements of the same held-out prompts, printed side by si
    and speedup with bootstrap intervals, by the engine core and by a stopwatch around each request), the
    concurrency table and best_k (with --ngram K,..., vLLM's prompt lookup at those K beside it: the baseline);
 2. the project's loop (spec_decode) at the same K (a verify block of K + 1) on the same prompts at the same fixed
-   lengths, plain and speculative alternating, by its own decode clock and by a stopwatch around each generation;
-3. an independent stopwatch: fresh vLLM engines with the eval's arguments, each in a fresh process, plain alone then
+   lengths, plain and speculative alternating, by its own decode clock and by a stopwatch around each generation
+   (without the requests' constraints: on constrained traffic it times other answers than the eval's);
+3. an independent stopwatch: fresh vLLM engines with the eval's arguments, each in a fresh process, each prompt under
+   its request's constraints as the eval decodes it (structured outputs, penalties, ...), plain alone then
    speculative at best_k alone (then prompt lookup at its fastest K alone, with --ngram), four times, every other
    time in the reverse order, every prompt at the same fixed length (ignore_eos), a plain perf_counter around each
    request.
@@ -31,10 +33,12 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from dflash_train import runs
+from dflash_train.engine.jobs import EngineRequest
 from dflash_train.errors import CommandParser
 from dflash_train.options import at_least, int_list
 
@@ -110,15 +114,22 @@ def run_eval(args: argparse.Namespace, out: Path, log: list[dict[str, Any]]) -> 
     return runs.read_report(out / "report.json")
 
 
-def held_out_prompts(args: argparse.Namespace, report: dict[str, Any], target) -> list[tuple[str, list[int], int]]:
-    """(id, prompt token ids, fixed length) of the prompts the eval timed, rendered as eval renders them, each with
-    the length its timed runs decoded (plain decoding's natural one)."""
+def held_out_prompts(args: argparse.Namespace, report: dict[str, Any], target) -> list[EngineRequest]:
+    """The prompts the eval timed as its timed runs decoded them: rendered as the eval renders them, each under its
+    request's own constraints (less what the eval leaves out), at the length plain decoding found
+    (`engine.jobs.at_length`)."""
+    from dflash_train import constraints as request_constraints
+    from dflash_train.engine.jobs import at_length
     from dflash_train.prompts import load_prompt_records
+    from dflash_train.stages.evaluate.command import LEFT_OUT
 
     lengths = {p["id"]: p["new_tokens"] for p in report["engines"]["vllm"]["per_prompt"]}
     records, _ = load_prompt_records(args.prompts, "eval", args.limit)
     kwargs = report["settings"].get("template_kwargs") or {}
-    return [(r.id, target.render(r.messages, r.tools, **kwargs), lengths[r.id]) for r in records if r.id in lengths]
+    return [at_length(EngineRequest(id=r.id, prompt_token_ids=target.render(r.messages, r.tools, **kwargs),
+                                    max_tokens=lengths[r.id],
+                                    constraints=request_constraints.without(r.constraints, LEFT_OUT)), lengths[r.id])
+            for r in records if r.id in lengths]
 
 
 # ------------------------------------------------------------------------------------------------ 2. own loop
@@ -144,9 +155,9 @@ def own_loop(args: argparse.Namespace, report: dict[str, Any], log: list[dict[st
         proposer = _load_proposer(args.drafter, target, k + 1, dtype)
         timed: dict[str, list[float]] = {"plain_s": [], "spec_s": [], "plain_wall_s": [], "spec_wall_s": []}
         steps, tokens, same = [], [], 0
-        plain_generate(target.model, prompts[0][1], 8, [])  # warm-up, both sides
-        speculative_generate(target.model, prompts[0][1], proposer, 8, [])
-        for i, (_, ids, length) in enumerate(prompts):
+        plain_generate(target.model, prompts[0].prompt_token_ids, 8, [])  # warm-up, both sides
+        speculative_generate(target.model, prompts[0].prompt_token_ids, proposer, 8, [])
+        for i, (ids, length) in enumerate((r.prompt_token_ids, r.max_tokens) for r in prompts):
             got = {}
             for side in ("plain", "spec") if i % 2 == 0 else ("spec", "plain"):
                 t0 = time.perf_counter()
@@ -194,7 +205,7 @@ def stopwatch(args: argparse.Namespace, report: dict[str, Any], out: Path, log: 
     sides = {"plain": v["engine_args_plain"], "spec": v["engine_args"]}
     if v.get("ngram"):  # prompt lookup: plain decoding's arguments with the eval's ngram speculative config
         sides["lookup"] = {**v["engine_args_plain"], "speculative_config": v["ngram"]["engine_args"]}
-    prompts = [(ids, length) for _, ids, length in held_out_prompts(args, report, target)]
+    requests = held_out_prompts(args, report, target)
     out.mkdir(parents=True, exist_ok=True)
     entry = {"part": f"independent stopwatch (vLLM, K = {v['best_k']}"
                      + (f"; prompt lookup, K = {v['ngram']['k']})" if "lookup" in sides else ")"),
@@ -205,7 +216,8 @@ def stopwatch(args: argparse.Namespace, report: dict[str, Any], out: Path, log: 
     with open(out / "stopwatch.log", "w") as f:
         for r in range(args.stopwatch_rounds):
             for side in list(sides)[::1 if r % 2 == 0 else -1]:
-                job_file.write_text(json.dumps({"engine_args": sides[side], "prompts": prompts}))
+                job_file.write_text(json.dumps({"engine_args": sides[side], "stop_token_ids": target.stop_token_ids(),
+                                                "requests": [asdict(r) for r in requests]}))
                 proc = subprocess.run([sys.executable, __file__, args.drafter, "--stopwatch-child", str(job_file)],
                                       env=env, stdout=f, stderr=subprocess.STDOUT)
                 if proc.returncode != 0:
@@ -214,7 +226,7 @@ def stopwatch(args: argparse.Namespace, report: dict[str, Any], out: Path, log: 
                 print(f"bench: stopwatch round {r + 1}, {side}: {sum(times[side][-1]):.1f} s", flush=True)
     entry.update(seconds=time.perf_counter() - started, uptime_after=uptime())
     log.append(entry)
-    tokens = sum(length for _, length in prompts)
+    tokens = sum(r.max_tokens for r in requests)
     plain = sum(map(sum, times["plain"]))
 
     def against_plain(side: str) -> dict[str, Any]:
@@ -228,21 +240,27 @@ def stopwatch(args: argparse.Namespace, report: dict[str, Any], out: Path, log: 
 
 def stopwatch_child(job_file: Path) -> None:
     """One fresh engine, warmed up, each prompt timed alone with a perf_counter around `generate` at its fixed
-    length, its prefix cache emptied first; the seconds go to stopwatch-result.json beside the job."""
-    from vllm import LLM, SamplingParams
+    length, under its request's constraints as the eval decodes it (`engine.child.vllm_sampling_params`), its
+    prefix cache emptied first; the seconds go to stopwatch-result.json beside the job."""
+    from dataclasses import replace
+
+    from vllm import LLM
+
+    from dflash_train.engine.child import vllm_sampling_params
 
     job = json.loads(job_file.read_text())
+    requests, stops = [EngineRequest(**r) for r in job["requests"]], job["stop_token_ids"]
     llm = LLM(**job["engine_args"])
-    warm = [{"prompt_token_ids": job["prompts"][0][0]}]
-    llm.generate(warm, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False), use_tqdm=False)
+    warm = replace(requests[0], max_tokens=min(8, requests[0].max_tokens))
+    llm.generate([{"prompt_token_ids": warm.prompt_token_ids}], vllm_sampling_params(warm, stops), use_tqdm=False)
     seconds = []
-    for ids, length in job["prompts"]:
-        params = SamplingParams(max_tokens=length, temperature=0, ignore_eos=True, detokenize=False)
+    for r in requests:
+        params = vllm_sampling_params(r, stops)
         llm.reset_prefix_cache()  # every prompt prefilled in full, as in the eval (the warm-up cached the first)
         t0 = time.perf_counter()
-        got = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        got = llm.generate([{"prompt_token_ids": r.prompt_token_ids}], params, use_tqdm=False)
         seconds.append(time.perf_counter() - t0)
-        assert len(got[0].outputs[0].token_ids) == length, (len(got[0].outputs[0].token_ids), length)
+        assert len(got[0].outputs[0].token_ids) == r.max_tokens, (len(got[0].outputs[0].token_ids), r.max_tokens)
     (job_file.parent / "stopwatch-result.json").write_text(json.dumps(seconds))
 
 

@@ -51,13 +51,24 @@ def _stop_with_the_stage() -> None:
             sys.exit(128 + signal.SIGTERM)
 
 
+def vllm_sampling_params(request: EngineRequest, stop_token_ids: list[int]) -> Any:
+    """`vllm.SamplingParams` of one request (jobs.sampling_params), its structured outputs built as vLLM's own."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    kwargs = sampling_params(request, stop_token_ids)
+    if "structured_outputs" in kwargs:
+        kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+    return SamplingParams(**kwargs)
+
+
 def _child(workdir: Path) -> None:
     """Runs inside the engine process: decode the job's requests, write result.json atomically."""
     _stop_with_the_stage()
     started = time.perf_counter()
     job_raw = json.loads((workdir / JOB_FILE).read_text())
     job = EngineJob(**{**job_raw, "requests": [EngineRequest(**r) for r in job_raw["requests"]]})
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     def start(k: int | None, method: str = "dflash") -> tuple[Any, dict[str, Any], float]:
         """An engine of plain decoding (k None) or with the drafter (or, method "ngram", prompt lookup) proposing
@@ -73,12 +84,7 @@ def _child(workdir: Path) -> None:
         return llm, kwargs, time.perf_counter() - t0
 
     def params(r: EngineRequest) -> Any:
-        from vllm.sampling_params import StructuredOutputsParams
-
-        kwargs = sampling_params(r, list(job.stop_token_ids))
-        if "structured_outputs" in kwargs:
-            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
-        return SamplingParams(**kwargs)
+        return vllm_sampling_params(r, list(job.stop_token_ids))
 
     def generate(llm: Any, requests: list[EngineRequest]) -> Generated:
         alone = len(requests) == 1  # the combined speculator's blocks by source are counted per request alone
