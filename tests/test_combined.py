@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from dflash_train.engine.combined import Combined
-from dflash_train.lookup import CombinedRule
+from dflash_train.engine.install import suffix_problem
+from dflash_train.lookup import CombinedRule, parse_combined
+from dflash_train.suffix import SuffixDraft
 from test_engine import needs_vllm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,8 +29,9 @@ def test_each_request_gets_lookups_block_where_the_rule_picks_it_and_its_tokens_
                 np.array([5, 6, 7]),  # nothing repeats: the drafter's
                 None]  # decodes nothing this step (a prefill chunk): the drafter's, as vLLM had it
     looked = combined.look(contexts, 5)
-    assert looked == [([3, 4, 1], 2), ([3, 4, 1], 2), ([], 0), None] and not combined.skips_drafter(looked)
-    blocks = combined.choose(drafts, [0.2, 0.9, 0.1, 0.1], looked, ["a", "b", "c", "d"])
+    none = [None] * 4  # no suffix tree in this rule
+    assert looked == [([3, 4, 1], 2), ([3, 4, 1], 2), ([], 0), None] and not combined.skips_drafter(looked, none)
+    blocks = combined.choose(drafts, [0.2, 0.9, 0.1, 0.1], looked, none, ["a", "b", "c", "d"])
     assert blocks == [[3, 4, 1], drafts[1], drafts[2], drafts[3]]
     assert combined.pending == {"a": ("lookup", False), "b": ("drafter", False), "c": ("drafter", False),
                                 "d": ("drafter", False)}
@@ -42,15 +45,52 @@ def test_each_request_gets_lookups_block_where_the_rule_picks_it_and_its_tokens_
 def test_at_confidence_1_a_step_where_lookup_matched_for_every_decoding_request_skips_the_drafter():
     combined = Combined(CombinedRule(k=4, confidence=1))
     copying, new = np.array([1, 2, 3, 4, 1, 2]), np.array([5, 6, 7])
-    assert not combined.skips_drafter(combined.look([copying, new], 7))  # the second needs the drafter's block
-    assert not combined.skips_drafter(combined.look([None], 7))  # nothing decodes: vLLM's own step
+    assert not combined.skips_drafter(combined.look([copying, new], 7), [None] * 2)  # the second needs the drafter
+    assert not combined.skips_drafter(combined.look([None], 7), [None])  # nothing decodes: vLLM's own step
     looked = combined.look([copying, None], 2)  # the engine's K cuts lookup's block
-    assert looked == [([3, 4], 2), None] and combined.skips_drafter(looked)
-    blocks = combined.choose([[0, 0], [0, 0]], None, looked, ["a", "b"])  # the drafter drafted nothing: zeros
+    assert looked == [([3, 4], 2), None] and combined.skips_drafter(looked, [None] * 2)
+    blocks = combined.choose([[0, 0], [0, 0]], None, looked, [None] * 2, ["a", "b"])  # the drafter drafted nothing
     assert blocks == [[3, 4], [0, 0]] and combined.pending == {"a": ("lookup", True), "b": ("drafter", True)}
     combined.settle(["a", "b"], [[3, 4, 1], [5]], [2, 0])
     assert combined.counts["lookup"] == {"blocks": 1, "drafted": 2, "accepted": 2, "without_drafter": 1}
     assert CombinedRule(confidence=0.6).asks_drafter and not CombinedRule(confidence=1).asks_drafter
+
+
+needs_suffix = pytest.mark.skipif(suffix_problem() is not None, reason=str(suffix_problem()))
+
+
+@needs_suffix
+def test_the_suffix_trees_block_is_verified_where_its_score_reaches_the_rule_and_then_the_drafter_is_not_needed():
+    combined = Combined(CombinedRule(k=4, confidence=0.6, suffix=1.0))
+    answer = [11, 12, 13, 14, 15, 16]
+    # request "old" answered 11..16; finished (no longer in the batch), its answer stays in the global cache
+    prompts = [np.array([1, 2, 3]), np.array([4, 5])]
+    contexts = [np.array([1, 2, 3, *answer])]
+    combined.suffix_drafts(["old"], prompts[:1], [answer], contexts, 7, 1024)
+    assert combined.suffix.cached() == {"old"} and set(combined.suffix.cache.active_requests) == {"old"}
+    new = np.array([4, 5, 11, 12, 13])  # a new request whose answer starts as the old one's did
+    looked = combined.look([new], 7)
+    suffixed = combined.suffix_drafts(["new"], prompts[1:], [[11, 12, 13]], [new], 7, 1024)
+    assert set(combined.suffix.cache.active_requests) == {"new"}  # "old" left the batch: stopped, still cached
+    (draft,) = suffixed
+    assert draft.token_ids == [14, 15, 16] and draft.score >= 1.0 and looked == [([], 0)]
+    assert combined.skips_drafter(looked, suffixed)  # its block is decided without the drafter
+    assert combined.choose([[0] * 7], None, looked, suffixed, ["new"]) == [[14, 15, 16]]
+    assert combined.pending == {"new": ("suffix", True)}
+    combined.settle(["new"], [[14, 15, 16, 2]], [3])
+    assert combined.counts["suffix"] == {"blocks": 1, "drafted": 3, "accepted": 3, "without_drafter": 1}
+
+
+def test_a_weak_suffix_draft_leaves_the_choice_to_lookup_and_the_drafter():
+    rule = CombinedRule(k=4, confidence=0.6, suffix=2.0)
+    weak, strong = SuffixDraft([7, 8], 0.5, 2), SuffixDraft([7, 8, 9], 2.5, 4)
+    assert rule.source(weak.score, 2, 2, 0.2) == "lookup" and rule.source(weak.score, 2, 0, 0.2) == "drafter"
+    assert rule.source(strong.score, 3, 2, 0.99) == "suffix"
+    assert rule.needs_drafter(weak.score, 2, 0) and not rule.needs_drafter(strong.score, 3, 0)
+    assert CombinedRule(confidence=1.0, suffix=2.0).needs_drafter(0.5, 2, 0)  # nothing else drafts: the drafter
+    assert not CombinedRule(confidence=1.0, suffix=2.0).needs_drafter(0.5, 2, 1)  # lookup, not asked
+    assert rule.source(9.0, 0, 0, 0.1) == "drafter"  # an empty draft is never taken
+    assert parse_combined(rule.setting()) == rule and CombinedRule().suffix is None
 
 
 @needs_vllm
@@ -112,3 +152,46 @@ def test_in_vllm_it_is_lossless_and_drafts_from_lookup_where_the_answer_copies_t
         assert copies["lookup"]["without_drafter"] == 0
     else:
         assert copies["lookup"]["without_drafter"] > copies["lookup"]["blocks"] / 2, copies
+
+
+@needs_vllm
+@needs_suffix
+@pytest.mark.slow
+def test_in_vllm_an_answer_that_repeats_an_earlier_one_is_drafted_by_the_suffix_tree_which_holds_only_the_engines(
+        tmp_path):
+    """The lossless check's engine job with the combined speculator and its suffix tree: fp32, greedy, token for
+    token plain decoding's; the second request asks what the first asked, so its answer repeats the first one's and
+    most of its blocks are the suffix tree's; a request for new text gets most of its blocks from the drafter; before
+    each request the tree's global cache held exactly the answers this engine had produced before it."""
+    from dflash_train.engine.jobs import EngineJob, EngineRequest
+    from dflash_train.engine.runner import run_engine
+    from dflash_train.lookup import SUFFIX_SCORE
+    from dflash_train.target import load_tokenizer, render_prompt, resolve_target
+
+    target = resolve_target("smollm2-135m-instruct")
+    tokenizer = load_tokenizer(str(target))
+    prompts = {"first": "Name the planets of the solar system, each with one fact about it.",
+               "again": "Name the planets of the solar system, each with one fact about it!",
+               "new": "Explain photosynthesis in two sentences."}
+    requests = [EngineRequest(id=name, prompt_token_ids=render_prompt(tokenizer, [{"role": "user", "content": p}]),
+                              max_tokens=64) for name, p in prompts.items()]
+    rule = CombinedRule(k=4, confidence=0.6, suffix=SUFFIX_SCORE)
+    job = EngineJob(target=str(target), requests=requests, stop_token_ids=[tokenizer.eos_token_id],
+                    drafter=str(GENERAL), max_model_len=512, mode="check", speculative_tokens=[7],
+                    lookup_method="combined", combined=rule.setting())
+    result = run_engine(job, tmp_path, "the combined speculator with the suffix tree")
+    (run,) = result.timed["runs"]
+    plain = result.by_id()
+    spec = {o["id"]: o for o in run["outputs"]}
+    for name in prompts:
+        assert spec[name]["token_ids"] == plain[name].token_ids, name  # lossless
+        sources = spec[name]["sources"]
+        assert sum(c["accepted"] for c in sources.values()) == sum(spec[name]["accepted"]), name  # vLLM's count
+    assert plain["again"].token_ids[:20] == plain["first"].token_ids[:20]  # the premise: the answer repeats
+    again, new = spec["again"]["sources"], spec["new"]["sources"]
+    assert again["suffix"]["blocks"] > again["drafter"]["blocks"] + again["lookup"]["blocks"], again
+    assert again["suffix"]["accepted"] > 2 * again["suffix"]["blocks"], again  # its blocks are kept
+    assert again["suffix"]["without_drafter"] > 0, again  # and need no drafter's pass
+    assert new["drafter"]["blocks"] > new["suffix"]["blocks"], new
+    # the first request sets the speculator up at its first step (nothing to count before it); then 1, 2 answers
+    assert [spec[name]["suffix_answers_before"] for name in prompts] in ([None, 1, 2], [0, 1, 2])

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from dflash_train.engine.combined import source_counts
+from dflash_train.engine.combined import source_counts, suffix_answers
 from dflash_train.engine.install import engine_environment_keys, vllm_version
 from dflash_train.engine.jobs import EngineJob, EngineOutput, EngineRequest, at_length, sampling_params
 from dflash_train.engine.runner import JOB_FILE, RESULT_FILE
@@ -89,6 +89,7 @@ def _child(workdir: Path) -> None:
     def generate(llm: Any, requests: list[EngineRequest]) -> Generated:
         alone = len(requests) == 1  # the combined speculator's blocks by source are counted per request alone
         before = llm.collective_rpc(source_counts)[0] if alone else None
+        cached = llm.collective_rpc(suffix_answers)[0] if alone else None
         t0 = time.perf_counter()
         results = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
                                [params(r) for r in requests], use_tqdm=False)
@@ -97,6 +98,8 @@ def _child(workdir: Path) -> None:
         if after is not None:
             got.outputs[0]["sources"] = {source: {key: n - (before[source][key] if before else 0)
                                                   for key, n in count.items()} for source, count in after.items()}
+        if cached is not None:  # the earlier answers its suffix tree held: only what this engine produced
+            got.outputs[0]["suffix_answers_before"] = cached
         return got
 
     plain, kwargs, load_s = start(None)

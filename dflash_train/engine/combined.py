@@ -1,28 +1,33 @@
-"""The combined speculator in vLLM: the DFlash drafter where it predicts, prompt lookup where the answer repeats its
-context, in one engine. A `vllm.general_plugins` plugin (`register`, the package's entry point: vLLM calls it in
-every process before it builds an engine).
+"""The combined speculator in vLLM: the DFlash drafter where it predicts, the suffix tree where the answer repeats
+earlier answers, prompt lookup where it repeats its own context, in one engine. A `vllm.general_plugins` plugin
+(`register`, the package's entry point: vLLM calls it in every process before it builds an engine).
 
-At each step, per request, prompt lookup (`lookup.lookup_match`, vLLM's n-gram rule, on the context including
-this step's tokens) drafts its block, at most the rule's k tokens; where it matched and the drafter's probability of
-its first draft is below the rule's confidence (`lookup.CombinedRule`), lookup's block is verified instead of the
-drafter's. vLLM verifies draft lists of different lengths per request (its n-gram proposer hands it such lists), and
-verification keeps the longest prefix the target agrees with, so greedy output is plain decoding's whichever block
-it checks. The DFlash drafter reads the target's states of every verified token, so its cache takes the context's
-K/V at every step; its drafting pass runs unless the step does not need it: at confidence 1 (lookup wherever it
-matched) a step where lookup matched for every request skips it.
+At each step, per request: the suffix tree (`suffix.SuffixSource`, arctic-inference's, fed as vLLM's own `suffix`
+proposer feeds it: the request's prompt, its answer so far, the answers this engine finished before) drafts a block
+with its own score, the tokens it expects accepted; prompt lookup (`lookup.lookup_match`, vLLM's n-gram rule, on the
+context including this step's tokens) drafts its block, at most the rule's k tokens; the rule (`lookup.CombinedRule`)
+takes the suffix tree's block where its score reaches the rule's `suffix`, else lookup's where it matched and the
+drafter's probability of its first draft is below the rule's confidence, else the drafter's. vLLM verifies draft
+lists of different lengths per request (its n-gram and suffix proposers hand it such lists), and verification keeps
+the longest prefix the target agrees with, so greedy output is plain decoding's whichever block it checks. The
+DFlash drafter reads the target's states of every verified token, so its cache takes the context's K/V at every
+step; its drafting pass runs unless the step does not need it: a step where every request's block is decided
+without the drafter (the suffix tree's taken, or lookup's at confidence 1) skips it.
 
-Turned on per engine by the environment: DFLASH_TRAIN_LOOKUP (`lookup.COMBINED_SETTING`, e.g. "k=4,confidence=0.6")
-with a `dflash` speculative config, read when the engine drafts its first block:
+Turned on per engine by the environment: DFLASH_TRAIN_LOOKUP (`lookup.COMBINED_SETTING`, e.g.
+"k=4,confidence=0.6,suffix=1"; no `suffix`: no suffix tree) with a `dflash` speculative config, checked when the
+plugin loads (a bad value stops the engine's start) and read when the engine drafts its first block; the suffix
+tree takes vLLM's `suffix_decoding_*` settings from the speculative config:
 
-    DFLASH_TRAIN_LOOKUP=k=4,confidence=0.6 vllm serve TARGET --speculative-config \\
-        '{"method": "dflash", "model": "DRAFTER", "num_speculative_tokens": 9}'
+    DFLASH_TRAIN_LOOKUP=k=4,confidence=0.6,suffix=1 vllm serve TARGET --speculative-config \\
+        '{"method": "dflash", "model": "DRAFTER", "num_speculative_tokens": 7}'
 
 It stays off, saying why in one line, for a vLLM other than the one it was written against (VLLM_SERIES: it wraps
 the model runner's drafting step, which other versions lay out differently), for a speculator other than dflash,
-under async scheduling (drafts stay on the device there; vLLM's default on GPUs: pass --no-async-scheduling) and
-where the drafter samples its drafts (a lookup block has no draft probabilities for the rejection sampler).
-Which block each step verified, and how many of its tokens the target kept, are counted per source
-(`source_counts`, read with `LLM.collective_rpc(source_counts)`)."""
+under async scheduling (drafts stay on the device there; vLLM's default on GPUs: pass --no-async-scheduling), where
+the drafter samples its drafts (a free block has no draft probabilities for the rejection sampler) and, for a rule
+with the suffix tree, where arctic-inference does not load. Which block each step verified, and how many of its
+tokens the target kept, are counted per source (`source_counts`, read with `LLM.collective_rpc(source_counts)`)."""
 
 from __future__ import annotations
 
@@ -32,7 +37,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dflash_train.engine.install import suffix_problem
 from dflash_train.lookup import COMBINED_SETTING, CombinedRule, lookup_match, parse_combined
+from dflash_train.suffix import NO_DRAFT, SuffixDraft, SuffixSettings, SuffixSource
 
 VLLM_SERIES = "0.32."  # the vLLM releases whose model runner this plugin wraps
 STATE = "_dflash_train_combined"  # the model runner's attribute holding its Combined (None: off)
@@ -41,14 +48,21 @@ log = logging.getLogger("vllm.dflash_train.combined")
 
 @dataclass
 class Combined:
-    """One engine's combined speculator: its rule, the source of each request's pending block, and per source the
-    blocks verified, the tokens drafted in them and the tokens the target kept (lookup's also: how many of its
-    blocks were drafted at a step that skipped the drafter's pass)."""
+    """One engine's combined speculator: its rule, its suffix tree (where the rule has the suffix source), the source
+    of each request's pending block, and per source the blocks verified, the tokens drafted in them and the tokens
+    the target kept (the free sources' also: how many of their blocks were drafted at a step that skipped the
+    drafter's pass)."""
     rule: CombinedRule
+    suffix: SuffixSource | None = None
     pending: dict[str, tuple[str, bool]] = field(default_factory=dict)  # request id -> (source, drafter skipped)
-    counts: dict[str, dict[str, int]] = field(default_factory=lambda: {
-        "drafter": {"blocks": 0, "drafted": 0, "accepted": 0},
-        "lookup": {"blocks": 0, "drafted": 0, "accepted": 0, "without_drafter": 0}})
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        free = ("lookup", "suffix") if self.rule.suffix is not None else ("lookup",)
+        self.counts = {"drafter": {"blocks": 0, "drafted": 0, "accepted": 0},
+                       **{name: {"blocks": 0, "drafted": 0, "accepted": 0, "without_drafter": 0} for name in free}}
+        if self.rule.suffix is not None and self.suffix is None:
+            self.suffix = SuffixSource()
 
     def settle(self, req_ids: list[str], new_tokens: list[list[int]], drafted: list[int]) -> None:
         """Count the blocks the step just verified: request i had drafted[i] drafts in flight and the step
@@ -69,23 +83,38 @@ class Combined:
         contexts[i] is request i's tokens so far (None: it decodes nothing this step, and gets None)."""
         return [None if c is None else lookup_match(c, min(self.rule.k, k)) for c in contexts]
 
-    def skips_drafter(self, looked: list[tuple[list[int], int] | None]) -> bool:
-        """Whether this step does without the drafter's drafts: the rule does not ask it where lookup matched, and
-        lookup matched for every request that decodes (at least one)."""
-        decoding = [match for match in looked if match is not None]
-        return not self.rule.asks_drafter and bool(decoding) and all(n > 0 for _, n in decoding)
+    def suffix_drafts(self, req_ids: list[str], prompts: list[np.ndarray], new_tokens: list[list[int]],
+                      contexts: list[np.ndarray | None], k: int, max_model_len: int) -> list[SuffixDraft | None]:
+        """Each request's suffix tree draft (at most the engine's k tokens), the tree fed as vLLM's suffix proposer
+        feeds it, every step and whichever block is verified (None: no suffix source, or the request decodes
+        nothing this step)."""
+        if self.suffix is None:
+            return [None] * len(req_ids)
+        drafts = [None if c is None else self.suffix.draft(req_id, prompt, tokens, c, k, max_model_len)
+                  for req_id, prompt, tokens, c in zip(req_ids, prompts, new_tokens, contexts, strict=True)]
+        self.suffix.finish_others(req_ids)
+        return drafts
+
+    def skips_drafter(self, looked: list[tuple[list[int], int] | None], suffixed: list[SuffixDraft | None]) -> bool:
+        """Whether this step does without the drafter's drafts: no request that decodes (at least one) needs them."""
+        decoding = [(match, draft or NO_DRAFT) for match, draft in zip(looked, suffixed) if match is not None]
+        return bool(decoding) and not any(self.rule.needs_drafter(draft.score, len(draft.token_ids), match[1])
+                                          for match, draft in decoding)
 
     def choose(self, drafts: list[list[int]], first_p: list[float] | None,
-               looked: list[tuple[list[int], int] | None], req_ids: list[str]) -> list[list[int]]:
-        """Each request's block to verify: lookup's (`looked`, from `look`) where the rule picks it, else the
-        drafter's (`drafts`; first_p None: the step skipped the drafter, every decoding request takes lookup's)."""
+               looked: list[tuple[list[int], int] | None], suffixed: list[SuffixDraft | None],
+               req_ids: list[str]) -> list[list[int]]:
+        """Each request's block to verify: the suffix tree's or lookup's (`suffixed`, `looked`) where the rule
+        picks it, else the drafter's (`drafts`; first_p None: the step skipped the drafter)."""
         self.pending = {}
         blocks = []
-        for i, (req_id, block, match) in enumerate(zip(req_ids, drafts, looked, strict=True)):
+        for i, (req_id, block, match, draft) in enumerate(zip(req_ids, drafts, looked, suffixed, strict=True)):
             source = "drafter"
-            if match is not None and match[0] and self.rule.picks_lookup(
-                    match[1], None if first_p is None else first_p[i]):
-                block, source = match[0], "lookup"
+            if match is not None:
+                draft = draft or NO_DRAFT
+                source = self.rule.source(draft.score, len(draft.token_ids), match[1],
+                                          None if first_p is None else first_p[i])
+                block = {"suffix": draft.token_ids, "lookup": match[0]}.get(source, block)
             self.pending[req_id] = (source, first_p is None)
             blocks.append(block)
         return blocks
@@ -98,11 +127,21 @@ def source_counts(worker) -> dict[str, dict[str, int]] | None:
     return {source: dict(count) for source, count in combined.counts.items()} if combined else None
 
 
+def suffix_answers(worker) -> int | None:
+    """How many answers this worker's combined speculator's suffix tree holds in its global cache (None: no tree).
+    For `LLM.collective_rpc(suffix_answers)`: before a request, the answers the engine produced before it."""
+    combined = getattr(worker.model_runner, STATE, None)
+    return len(combined.suffix.cached()) if combined and combined.suffix else None
+
+
 def register() -> None:
     """vLLM's plugin entry point: wrap the model runner's drafting step and DFlash's greedy draft sampling, for the
     vLLM this plugin knows; otherwise nothing (and one line, where the combined speculator was asked for)."""
     import vllm
 
+    setting = os.environ.get(COMBINED_SETTING)
+    if setting:
+        parse_combined(setting)  # a bad setting stops the engine's start, not its first request: one line naming it
     if not vllm.__version__.startswith(VLLM_SERIES):
         if os.environ.get(COMBINED_SETTING):
             log.warning("dflash-train combined speculator off: written for vLLM %s*, this is vLLM %s (%s ignored)",
@@ -136,13 +175,16 @@ def register() -> None:
                     np.concatenate([batch.token_ids_cpu[i, :batch.num_tokens_no_spec[i]],
                                     np.asarray(new_tokens[i], dtype=batch.token_ids_cpu.dtype)])
                     for i in range(n)]
-        looked = combined.look(contexts, self.drafter.num_speculative_tokens)
-        skip = self.drafter._dflash_train_skip = combined.skips_drafter(looked)
+        k = self.drafter.num_speculative_tokens
+        looked = combined.look(contexts, k)
+        suffixed = combined.suffix_drafts(req_ids, [batch.token_ids_cpu[i, :batch.num_prompt_tokens[i]]
+                                                    for i in range(n)], new_tokens, contexts, k, self.max_model_len)
+        skip = self.drafter._dflash_train_skip = combined.skips_drafter(looked, suffixed)
         drafts = propose(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                          sample_hidden_states, aux_hidden_states, spec_decode_metadata, common_attn_metadata,
                          slot_mappings)
         first_p = None if skip else self.drafter._dflash_train_first_p[:n]
-        return combined.choose(drafts[:n].tolist(), first_p, looked, req_ids)
+        return combined.choose(drafts[:n].tolist(), first_p, looked, suffixed, req_ids)
 
     def propose_or_skip(self, **kwargs):
         """DFlashProposer.propose, at a step whose blocks are all lookup's: the drafter's cache still takes the
@@ -182,12 +224,14 @@ def _combined(runner) -> Combined | None:
     combined = None
     setting = os.environ.get(COMBINED_SETTING)
     if setting:
-        why_not = _why_off(runner)
+        rule = parse_combined(setting)
+        why_not = _why_off(runner, rule)
         if why_not:
             log.warning("dflash-train combined speculator off: %s (%s=%s ignored)", why_not, COMBINED_SETTING,
                         setting)
         else:
-            combined = Combined(parse_combined(setting))
+            combined = Combined(rule, SuffixSource(SuffixSettings.of(runner.speculative_config))
+                                if rule.suffix is not None else None)
             log.info("dflash-train combined speculator on: %s", combined.rule.setting())
     setattr(runner, STATE, combined)
     if combined is not None:
@@ -195,7 +239,7 @@ def _combined(runner) -> Combined | None:
     return combined
 
 
-def _why_off(runner) -> str | None:
+def _why_off(runner, rule: CombinedRule) -> str | None:
     spec = runner.speculative_config
     if spec is None or not spec.use_dflash():
         return f"it combines a dflash drafter with lookup, the speculator here is {getattr(spec, 'method', None)}"
@@ -206,4 +250,6 @@ def _why_off(runner) -> str | None:
         return "the drafter's tokens are not sampled from its full logits here"
     if drafter._enable_probabilistic_draft_probs:
         return "the drafter samples its drafts (a lookup block has no draft probabilities)"
+    if rule.suffix is not None:
+        return suffix_problem()
     return None

@@ -57,6 +57,10 @@ def suffix_problem() -> str | None:
     if importlib.util.find_spec(SUFFIX_PACKAGE) is None:
         return (f"vLLM's suffix decoding needs {SUFFIX_PIN} (a C++ suffix tree built from source: `make install` "
                 f"builds it, cmake and a C++ compiler needed)")
+    try:  # the tree itself, a C++ extension: a broken build is found here, not after minutes of decoding
+        importlib.import_module(f"{SUFFIX_PACKAGE}.suffix_decoding")
+    except Exception as e:  # noqa: BLE001 - whatever a broken extension raises on import
+        return f"{SUFFIX_PIN} is installed but its suffix tree does not load ({type(e).__name__}: {e})"
     return None
 
 

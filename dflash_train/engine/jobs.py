@@ -147,6 +147,7 @@ class EngineOutput:
     accepted: list[int] = field(default_factory=list)  # accepted drafts per verification step (speculative only)
     drafted: list[int] = field(default_factory=list)  # drafts proposed per verification step
     sources: dict[str, dict[str, int]] | None = None  # the combined speculator's blocks by source (engine.combined)
+    suffix_answers_before: int | None = None  # the answers its suffix tree held before this request (ditto)
 
 
 @dataclass
