@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dflash_train.lookup import COMBINED_SETTING
+from dflash_train.lookup import COMBINED_SETTING, CombinedRule, parse_combined
 
 
 def fmt(value: Any) -> str:
@@ -89,7 +89,7 @@ def sweep_table(engine: dict[str, Any], sweep: list[dict[str, Any]], looked: lis
                       key=lambda r: r.get("k") or 0)
     labelled += [(f"{fmt(r.get('k'))}, suffix decoding", r) for r in suffixed]
     if isinstance(combined := engine.get("combined"), dict):
-        labelled.append((f"{fmt(combined.get('k'))}, drafter + prompt lookup", combined))
+        labelled.append((f"{fmt(combined.get('k'))}, {combined_name(combined)}", combined))
     rows = [(label, with_interval(r.get("tau"), r.get("tau_interval")),
              f"{fmt(r.get('tokens_per_s_baseline'))} / {fmt(r.get('tokens_per_s'))}",
              with_interval(r.get("speedup"), r.get("speedup_interval")) + "×",
@@ -135,6 +135,14 @@ def best_k_line(engine: dict[str, Any], sweep: list[dict[str, Any]], timing: dic
     return line
 
 
+def combined_name(combined: dict[str, Any]) -> str:
+    """The combined speculator's sources, from its entry's setting ("drafter + prompt lookup" where unreadable)."""
+    try:
+        return parse_combined(str(combined.get("setting") or "")).name
+    except ValueError:
+        return CombinedRule().name
+
+
 def combined_line(combined: dict[str, Any]) -> str:
     """What the combined speculator did: its speedup and tau at its K, and its blocks by source."""
     sources = combined.get("sources") if isinstance(combined.get("sources"), dict) else {}
@@ -142,15 +150,19 @@ def combined_line(combined: dict[str, Any]) -> str:
     kept = ", ".join(f"{fmt(c.get('accepted'))} of {fmt(c.get('drafted'))} drafts kept from {s}"
                      for s, c in sources.items() if isinstance(c, dict))
     total = sum(blocks.values())
-    unasked = sources["lookup"].get("without_drafter") if isinstance(sources.get("lookup"), dict) else 0
-    return (f"The combined speculator (this package's vLLM plugin: the drafter, and prompt lookup's block where "
-            f"lookup matched and the drafter's first draft is less likely than the rule says (at confidence 1: "
-            f"wherever lookup matched, without the drafter's pass); "
-            f"`{combined.get('setting')}`), timed the same way at K = {fmt(combined.get('k'))}: "
+    unasked = sum(c.get("without_drafter") or 0 for c in sources.values() if isinstance(c, dict))
+    free = [s for s in ("suffix", "lookup") if blocks.get(s)]
+    with_suffix = "suffix" in combined_name(combined)
+    return (f"The combined speculator (this package's vLLM plugin: the drafter, "
+            + ("the suffix tree's block (over the prompt and the answers this engine gave before) where its own "
+               "score reaches the rule's `suffix`, else " if with_suffix else "and ")
+            + "prompt lookup's block where lookup matched and the drafter's first draft is less likely than the "
+              "rule says (at confidence 1: wherever lookup matched); a step whose blocks need no drafter skips its "
+              f"pass; `{combined.get('setting')}`), timed the same way at K = {fmt(combined.get('k'))}: "
             f"{fmt(combined.get('speedup'))}×, τ {fmt(combined.get('tau'))}"
-            + (f"; {fmt(blocks.get('lookup', 0))} of {fmt(total)} blocks came from lookup"
+            + (f"; of {fmt(total)} blocks " + ", ".join(f"{fmt(blocks[s])} came from {s}" for s in free)
                + (f", {fmt(unasked)} at steps that skipped the drafter's pass" if unasked else "")
-               + f" ({kept})" if total else "")
+               + f" ({kept})" if total and free else "")
             + "".join(f"; against {'the ' * (name == 'drafter')}{name} at K = {fmt(vs.get('k'))}, paired by "
                       f"prompt: τ "
                       f"{with_interval(vs.get('tau_ratio'), vs.get('tau_ratio_interval'))}×, speedup "
@@ -193,7 +205,7 @@ def constraints_markdown(c: dict[str, Any] | None) -> list[str]:
 
 # The speculators an eval times beside the drafter: their keys in the engine entry and their names in prose
 BESIDE_THE_DRAFTER = (("ngram", "prompt lookup"), ("suffix", "suffix decoding"),
-                      ("combined", "the combined speculator (drafter + prompt lookup)"))
+                      ("combined", "the combined speculator"))
 
 
 def speculator_to_serve(engine: dict[str, Any]) -> dict[str, Any] | None:

@@ -1,8 +1,12 @@
-"""Which block to verify at each step, the drafter's or prompt lookup's? The rule of a combined speculator, measured
-offline on held-out answers before any of it runs in an engine (issue 46, step 1).
+"""Which block to verify at each step: the drafter's, prompt lookup's or the suffix tree's? The rule of a combined
+speculator, measured offline on held-out answers before any of it runs in an engine (issues 46 and 59, step 1).
 
     python probes/combined_rule.py --drafter runs/NAME/drafter --eval-store data/store/NAME-eval \
-        [--k-drafter 9] [--k-lookup 4] [--limit 20] [--out results/combined_rule/NAME]
+        [--k-drafter 9] [--k-lookup 4] [--limit 20] [--no-suffix] [--out results/combined_rule/NAME]
+
+The suffix tree (suffix.SuffixSource, fed as vLLM's suffix proposer feeds it) is replayed over the held-out answers in
+the store's order, the order the eval sends them to the engine: at each anchor it holds the request's prompt and
+answer so far and the answers before it, never an answer the engine would not have produced yet (suffix.replay_answer).
 
 At every response anchor of each held-out sample (its captured states, no target forward) the drafter drafts a block
 (objective.simulated_acceptance, with its probability of its first draft) and prompt lookup drafts one
@@ -27,26 +31,39 @@ from pathlib import Path
 
 import torch
 
-from ngram_baseline import lookup_lengths
+from ngram_baseline import accepted, lookup_lengths, segment_ends
 
 from dflash_train import runs
 from dflash_train.lookup import CombinedRule
 from dflash_train.model.checkpoint import load_drafter
 from dflash_train.objective import all_anchors, decoding_walk, simulated_acceptance
 from dflash_train.store.reader import open_store
+from dflash_train.suffix import SuffixSource, replay_answer
 from dflash_train.target import DEFAULT_TARGET, load_embedding_and_head
 
-# Rules: (name, chooser(match_n, confidence) -> ("lookup" | "drafter", whether the drafter ran this step)). A rule
-# that picks without the drafter's confidence need not run the drafter where it picks lookup: the engine skips it.
-RULES = [("drafter always", lambda n, p: ("drafter", True)),
-         ("lookup always", lambda n, p: ("lookup", False)),
-         ("lookup where it matched 2+ tokens", lambda n, p: ("lookup" if n >= 2 else "drafter", True)),
-         ("lookup where it matched 3 tokens", lambda n, p: ("lookup" if n >= 3 else "drafter", True))]
-RULES += [(f"lookup where it matched, unless the drafter's first draft has p >= {c}" if c < 1 else  # the plugin's
-           "lookup where it matched, the drafter not asked there (confidence 1)",
-           lambda n, p, rule=CombinedRule(confidence=c): ("lookup" if rule.picks_lookup(n, p) else "drafter",
-                                                          rule.asks_drafter or n == 0))
+# Rules: (name, chooser(anchor row) -> ("lookup" | "suffix" | "drafter", whether the drafter ran this step)). A rule
+# that picks without the drafter's confidence need not run the drafter where it picks a free block: the engine skips
+# it. The plugin's rules are CombinedRule's own (`plugin_rule`).
+def plugin_rule(rule: CombinedRule):
+    def choose(row: dict) -> tuple[str, bool]:
+        ran = rule.needs_drafter(row["score"], row["slen"], row["n"])
+        return rule.source(row["score"], row["slen"], row["n"], row["p"] if ran else None), ran
+    return choose
+
+
+RULES = [("drafter always", lambda row: ("drafter", True)),
+         ("lookup always", lambda row: ("lookup", False)),
+         ("lookup where it matched 2+ tokens", lambda row: ("lookup" if row["n"] >= 2 else "drafter", True)),
+         ("lookup where it matched 3 tokens", lambda row: ("lookup" if row["n"] >= 3 else "drafter", True))]
+RULES += [(f"lookup where it matched, unless the drafter's first draft has p >= {c}" if c < 1 else
+           "lookup where it matched, the drafter not asked there (confidence 1)", plugin_rule(CombinedRule(confidence=c)))
           for c in (0.5, 0.6, 0.7, 0.9, 1.0)]
+SUFFIX_RULES = [("suffix decoding alone (its block always)", lambda row: ("suffix", False)),
+                ("suffix where it drafted, else the drafter", lambda row: ("suffix" if row["slen"] else "drafter",
+                                                                           not row["slen"]))]
+SUFFIX_RULES += [(f"suffix where its score >= {s:g}, else lookup/drafter at confidence {c:g}",
+                  plugin_rule(CombinedRule(confidence=c, suffix=s)))
+                 for c in (0.6, 1.0) for s in (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)]
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,30 +75,43 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--k-drafter", type=int, default=9)
     p.add_argument("--k-lookup", type=int, default=4)
     p.add_argument("--drafter-cost", default="1.44,0.04", help="A,B: a drafter step at K costs A + B*K plain steps")
-    p.add_argument("--lookup-cost", default="0.99,0.04", help="A,B: a prompt-lookup step at K, the same way")
+    p.add_argument("--lookup-cost", default="0.99,0.04", help="A,B: a prompt-lookup (or suffix) step at K, the same way")
+    p.add_argument("--k-suffix", type=int, default=None, help="the suffix tree's block at most (default: --k-drafter, "
+                   "the combined engine's K)")
+    p.add_argument("--no-suffix", action="store_true", help="leave the suffix tree out (no arctic-inference)")
     p.add_argument("--out", default=None)
     return p.parse_args()
 
 
-def anchor_table(drafter, embed, head, sample: dict, block_size: int, k_lookup: int) -> list[dict]:
+def anchor_table(drafter, embed, head, sample: dict, block_size: int, k_lookup: int,
+                 suffix: tuple[SuffixSource, str, int] | None = None) -> list[dict]:
     """Per anchor (in order): its position, the drafter's acceptance length and first-draft probability, lookup's
-    acceptance length (at most k_lookup drafts) and matched suffix length."""
+    acceptance length (at most k_lookup drafts) and matched suffix length; with `suffix` (the tree, the request's
+    id, its block at most), the tree's acceptance length, its draft's score and length (the sample replayed into
+    the tree: samples go through here in request order)."""
     confidence: list[float] = []
     lengths = simulated_acceptance(drafter, embed, head, sample, block_size=block_size, confidence=confidence).tolist()
     ids, mask = sample["input_ids"].tolist(), sample["loss_mask"].bool().tolist()
     matched: list[int] = []
     looked = lookup_lengths(ids, mask, k_lookup + 1, matched)
     positions = all_anchors(sample["loss_mask"][None], block_size).anchors[0].tolist()
-    return [{"at": a, "drafter": d, "p": p, "lookup": c, "n": n}
+    rows = [{"at": a, "drafter": d, "p": p, "lookup": c, "n": n, "suffix": 1, "score": 0.0, "slen": 0}
             for a, d, p, c, n in zip(positions, lengths, confidence, looked, matched, strict=True)]
+    if suffix is not None:
+        tree, req_id, k_suffix = suffix
+        end = segment_ends(mask)
+        for row, draft in zip(rows, replay_answer(tree, req_id, ids, positions, k_suffix), strict=True):
+            row |= {"suffix": 1 + accepted(draft.token_ids, ids, row["at"] + 1, end[row["at"] + 1]),
+                    "score": draft.score, "slen": len(draft.token_ids)}
+    return rows
 
 
 def walk(rows: list[dict], choose, k_drafter: int, k_lookup: int) -> list[tuple[str, int, bool]]:
     """The steps a rule takes through one answer: (source, tokens committed, whether the drafter ran), as greedy
     decoding walks (objective.decoding_walk). A rule reads only its anchor's own row, so each anchor's choice is
     made up front."""
-    picked = [choose(row["n"], row["p"]) for row in rows]
-    committed = [min(row[source], (k_drafter if source == "drafter" else k_lookup) + 1)
+    picked = [choose(row) for row in rows]
+    committed = [min(row[source], (k_lookup if source == "lookup" else k_drafter) + 1)  # a suffix draft is capped
                  for row, (source, _) in zip(rows, picked)]
     return [(picked[i][0], committed[i], picked[i][1]) for i in decoding_walk([row["at"] for row in rows], committed)]
 
@@ -91,20 +121,23 @@ def evaluate_rules(tables: list[list[dict]], args: argparse.Namespace) -> list[d
     la, lb = map(float, args.lookup_cost.split(","))
     drafter_step, lookup_step = da + db * args.k_drafter, la + lb * args.k_lookup
     results = []
-    for name, choose in RULES:
+    for name, choose in RULES + (SUFFIX_RULES if args.suffix else []):
         taus, tokens, cost, cost_bound, from_lookup, skipped, n_steps = [], 0, 0.0, 0.0, 0, 0, 0
+        from_suffix = 0
         for rows in tables:
             steps = walk(rows, choose, args.k_drafter, args.k_lookup)
             taus.append(sum(t for _, t, _ in steps) / len(steps))
             tokens += sum(t for _, t, _ in steps)
             n_steps += len(steps)
-            looked = sum(s == "lookup" for s, _, _ in steps)
-            from_lookup += looked
+            looked = sum(s != "drafter" for s, _, _ in steps)  # a free block, lookup's or the tree's
+            from_lookup += sum(s == "lookup" for s, _, _ in steps)
+            from_suffix += sum(s == "suffix" for s, _, _ in steps)
             skipped += sum(not ran for _, _, ran in steps)
             cost += sum(drafter_step if ran else lookup_step for _, _, ran in steps)
             cost_bound += looked * lookup_step + (len(steps) - looked) * drafter_step
-        results.append({"rule": name, "tau": sum(taus) / len(taus), "steps": n_steps,
-                        "lookup_share": from_lookup / n_steps, "drafter_skipped": skipped / n_steps,
+        results.append({"rule": name, "tau": sum(taus) / len(taus), "tau_steps": tokens / n_steps, "steps": n_steps,
+                        "lookup_share": from_lookup / n_steps, "suffix_share": from_suffix / n_steps,
+                        "drafter_skipped": skipped / n_steps,
                         "speedup": tokens / cost, "speedup_lookup_alone_cost": tokens / cost_bound})
     return results
 
@@ -114,15 +147,21 @@ def main() -> int:
     drafter, config = load_drafter(args.drafter, dtype=torch.float32)
     embed, head = load_embedding_and_head(args.target, dtype=torch.float32)
     store = open_store(args.eval_store)
-    tables = [anchor_table(drafter, embed, head, store[i], config.block_size, args.k_lookup)
+    args.suffix = not args.no_suffix
+    tree = SuffixSource() if args.suffix else None
+    k_suffix = args.k_suffix or args.k_drafter
+    tables = [anchor_table(drafter, embed, head, store[i], config.block_size, args.k_lookup,
+                           (tree, f"held-out {i}", k_suffix) if tree else None)
               for i in range(min(args.limit, len(store)))]
     tables = [rows for rows in tables if rows]
     results = evaluate_rules(tables, args)
-    table = runs.markdown_table(["rule", "tau", "blocks from lookup", "steps without the drafter",
+    table = runs.markdown_table(["rule", "tau (per answer)", "tau (all steps)", "blocks from lookup",
+                                 "blocks from the suffix tree", "steps without the drafter",
                                  "speedup (the drafter runs where the rule asks it)",
-                                 "speedup (a lookup step costs lookup's)"],
-                                [[r["rule"], r["tau"], r["lookup_share"], r["drafter_skipped"], r["speedup"],
-                                  r["speedup_lookup_alone_cost"]] for r in results])
+                                 "speedup (a free step costs lookup's)"],
+                                [[r["rule"], r["tau"], r["tau_steps"], r["lookup_share"], r["suffix_share"],
+                                  r["drafter_skipped"], r["speedup"], r["speedup_lookup_alone_cost"]]
+                                 for r in results])
     print(table)
     if args.out:
         out = Path(args.out)

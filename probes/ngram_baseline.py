@@ -98,13 +98,19 @@ def lookup_tau(sequences: list[Sequence], k: int) -> dict[str, float]:
             "tau_steps": tokens / steps if steps else float("nan")}
 
 
+def segment_ends(mask: list[bool]) -> list[int]:
+    """end[t]: the first non-response position from t on (a draft past it cannot be verified)."""
+    end = [len(mask)] * (len(mask) + 1)
+    for t in range(len(mask) - 1, -1, -1):
+        end[t] = end[t + 1] if mask[t] else t
+    return end
+
+
 def lookup_lengths(ids: list[int], mask: list[bool], block_size: int, matched: list[int] | None = None) -> list[int]:
     """Prompt lookup's acceptance length at every trainer anchor (as objective.simulated_acceptance counts a
     drafter's: 1 + the leading drafts that equal the target's response tokens), drafting block_size - 1 tokens;
     with `matched`, a list, the length of the suffix lookup matched at each anchor is appended to it."""
-    segment_end = [len(ids)] * (len(ids) + 1)  # segment_end[t]: the first non-response position from t on
-    for t in range(len(ids) - 1, -1, -1):
-        segment_end[t] = segment_end[t + 1] if mask[t] else t
+    segment_end = segment_ends(mask)
     lengths = []
     for a in anchors(mask, first=0):
         draft, n = lookup_match(ids[:a + 1], block_size - 1)

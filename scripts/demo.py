@@ -96,9 +96,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "earlier answers) at these K, beside the drafter and prompt lookup (each K an engine of its "
                         "own; the plan counts it; e.g. 8)")
     p.add_argument("--combined", metavar="RULE", default=None,
-                   help="vLLM: also time the combined speculator (the drafter, and prompt lookup's block where the "
-                        "rule picks it: this package's vLLM plugin) beside them, and serve it where "
-                        "it is the fastest; RULE like 'k=4,confidence=0.6', or 'on' (the plan counts its time)")
+                   help="vLLM: also time the combined speculator (the drafter, and the suffix tree's or prompt "
+                        "lookup's block where the rule picks it: this package's vLLM plugin) beside them, and serve "
+                        "it where it is the fastest; RULE like 'k=4,confidence=0.6,suffix=1', or 'on' (the rule "
+                        "for what the eval measured, with the suffix tree where arctic-inference loads; the plan "
+                        "counts its time)")
     p.add_argument("--budget-min", type=float, default=30.0,
                    help="wall-time budget of the whole demo in minutes: capture and training are sized to it")
     p.add_argument("--no-plan", dest="plan", action="store_false",

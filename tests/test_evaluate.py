@@ -11,6 +11,8 @@ import pytest
 import torch
 from tiny import TOOL_CALL_REQUEST
 
+from dflash_train.engine.install import suffix_problem
+from dflash_train.lookup import SUFFIX_SCORE
 from dflash_train.model.modeling_dflash import DFlashDraftModel
 from dflash_train.stages.evaluate.metrics import acceptance_stats, offline_estimate
 from dflash_train.spec_decode import DFlashProposer, Step, speculative_generate
@@ -362,15 +364,18 @@ def test_the_combined_speculator_is_timed_at_lookups_k_ranked_and_served_with_it
                         concurrency=[], ngram=[3], combined="on")
     v = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
     combined_job = calls[-1]
+    # with the suffix tree where arctic-inference loads (no suffix decoding timed here: K stays lookup's)
+    setting = "k=4,confidence=1" + ("" if suffix_problem() else f",suffix={SUFFIX_SCORE:g}")
+    name = "drafter + prompt lookup" if suffix_problem() else "drafter + suffix + prompt lookup"
     assert (combined_job.lookup_method, combined_job.ngram_tokens, combined_job.combined) == (
-        "combined", 3, "k=4,confidence=1")  # the rule's k 4, cut to the block's 3; the rule spelled out
+        "combined", 3, setting)  # the rule's k 4, cut to the block's 3; the rule spelled out
     assert combined_job.speculative_tokens == [] and combined_job.drafter == str(drafters[0])
     assert combined_job.llm_kwargs(2, "combined")["speculative_config"]["method"] == "dflash"
     c = v["combined"]
-    assert c["k"] == 3 and c["setting"] == "k=4,confidence=1" and c["lossless_mismatches"] == 0
+    assert c["k"] == 3 and c["setting"] == setting and c["lossless_mismatches"] == 0
     assert c["sources"] == {"drafter": {"blocks": 4, "drafted": 8, "accepted": 4},
                             "lookup": {"blocks": 8, "drafted": 16, "accepted": 12, "without_drafter": 4}}
-    assert [r["speculator"] for r in v["ranking"]] == ["drafter + prompt lookup", "drafter", "prompt lookup"]
+    assert [r["speculator"] for r in v["ranking"]] == [name, "drafter", "prompt lookup"]
     # paired by prompt against each other at its own fastest K: every prompt 0.7 s (tau 4 at K = 3) against 0.8 s
     # (the drafter at K = 2, tau 3), against 0.85 s (lookup at K = 3, tau 4), plain 1 s on each side
     drafter, lookup = c["against"]["drafter"], c["against"]["prompt lookup"]
@@ -378,23 +383,24 @@ def test_the_combined_speculator_is_timed_at_lookups_k_ranked_and_served_with_it
     assert drafter["speedup_ratio"] == pytest.approx(0.8 / 0.7) and lookup["speedup_ratio"] == pytest.approx(0.85 / 0.7)
     assert drafter["speedup_ratio_interval"] == pytest.approx([0.8 / 0.7] * 2)  # the same on every prompt
     assert drafter["tau_ratio"] == pytest.approx(4 / 3) and lookup["tau_ratio"] == pytest.approx(1.0)
-    assert speculator_to_serve(v)["environment"] == "DFLASH_TRAIN_LOOKUP=k=4,confidence=1"
+    assert speculator_to_serve(v)["environment"] == f"DFLASH_TRAIN_LOOKUP={setting}"
     text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
-    assert "3, drafter + prompt lookup" in text
-    assert "8 of 12 blocks came from lookup, 4 at steps that skipped the drafter's pass" in text
+    assert f"3, {name}" in text
+    assert "of 12 blocks 8 came from lookup, 4 at steps that skipped the drafter's pass" in text
     assert ("against the drafter at K = 2, paired by prompt: τ 1.333 [1.333, 1.333]×, speedup 1.143 "
             "[1.143, 1.143]×") in text
-    assert "serve the drafter as below with `DFLASH_TRAIN_LOOKUP=k=4,confidence=1` set" in text
-    assert "drafter + prompt lookup 3" in v["timing"]["plain_tokens_per_s_decode"]  # its plain runs: host drift
+    assert f"serve the drafter as below with `DFLASH_TRAIN_LOOKUP={setting}` set" in text
+    assert f"{name} 3" in v["timing"]["plain_tokens_per_s_decode"]  # its plain runs: host drift
 
 
 def test_combined_on_takes_its_rule_from_the_measured_taus_and_a_written_rule_stays_as_written():
     from dflash_train.lookup import CombinedRule
     from dflash_train.stages.evaluate.vllm_sweep import combined_rule
 
-    assert combined_rule("on", {"tau": 2.0}, {"tau": 1.5}) == CombinedRule(k=4, confidence=0.6)  # the drafter's ahead
-    assert combined_rule("on", {"tau": 1.3}, {"tau": 1.5}) == CombinedRule(k=4, confidence=1)  # lookup's ahead
-    assert combined_rule("on", {"tau": 1.3}, None) == CombinedRule()  # lookup not timed: the default
+    tree = None if suffix_problem() else SUFFIX_SCORE  # the suffix tree where arctic-inference loads
+    assert combined_rule("on", {"tau": 2.0}, {"tau": 1.5}) == CombinedRule(k=4, confidence=0.6, suffix=tree)
+    assert combined_rule("on", {"tau": 1.3}, {"tau": 1.5}) == CombinedRule(k=4, confidence=1, suffix=tree)
+    assert combined_rule("on", {"tau": 1.3}, None) == CombinedRule(suffix=tree)  # lookup not timed: the default
     assert combined_rule("k=3,confidence=0.6", {"tau": 1.3}, {"tau": 1.5}) == CombinedRule(k=3, confidence=0.6)
 
 

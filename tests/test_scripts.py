@@ -399,17 +399,18 @@ def test_a_combined_rule_walks_the_answer_taking_each_step_from_the_source_it_pi
     import combined_rule as cr
 
     # anchors 10..17 of one answer; lookup matched at 12 and 13 only, where it accepts 4 tokens and the drafter 1
-    rows = [{"at": a, "drafter": 2, "p": 0.9, "lookup": 1, "n": 0} for a in range(10, 18)]
+    rows = [{"at": a, "drafter": 2, "p": 0.9, "lookup": 1, "n": 0, "suffix": 1, "score": 0.0, "slen": 0}
+            for a in range(10, 18)]
     for row in rows[2:4]:
         row.update(drafter=1, lookup=4, n=2, p=0.3)
-    always = cr.walk(rows, lambda n, p: ("drafter", True), k_drafter=9, k_lookup=4)
+    always = cr.walk(rows, lambda row: ("drafter", True), k_drafter=9, k_lookup=4)
     assert [s[:2] for s in always] == [("drafter", 2), ("drafter", 1), ("drafter", 1), ("drafter", 2),
                                        ("drafter", 2)]  # anchors 10 12 13 14 16
-    matched = cr.walk(rows, lambda n, p: ("lookup", False) if n >= 1 else ("drafter", True), k_drafter=9, k_lookup=4)
+    matched = cr.walk(rows, lambda row: ("lookup", False) if row["n"] else ("drafter", True), k_drafter=9, k_lookup=4)
     assert matched == [("drafter", 2, True), ("lookup", 4, False), ("drafter", 2, True)]  # 10 -> 12 -> 16 -> (18)
-    capped = cr.walk(rows, lambda n, p: ("lookup", True) if n >= 1 else ("drafter", True), k_drafter=9, k_lookup=1)
+    capped = cr.walk(rows, lambda row: ("lookup", True) if row["n"] else ("drafter", True), k_drafter=9, k_lookup=1)
     assert capped[1] == ("lookup", 2, True)  # at most K + 1 tokens a step
-    args = argparse.Namespace(k_drafter=9, k_lookup=4, drafter_cost="1.5,0", lookup_cost="1.0,0")
+    args = argparse.Namespace(k_drafter=9, k_lookup=4, drafter_cost="1.5,0", lookup_cost="1.0,0", suffix=False)
     by_rule = {r["rule"]: r for r in cr.evaluate_rules([rows], args)}
     unasked = by_rule["lookup where it matched, the drafter not asked there (confidence 1)"]  # the drafter skipped
     assert unasked["tau"] == pytest.approx(8 / 3) and unasked["lookup_share"] == pytest.approx(1 / 3)
@@ -419,6 +420,15 @@ def test_a_combined_rule_walks_the_answer_taking_each_step_from_the_source_it_pi
     assert asked["tau"] == pytest.approx(8 / 3) and asked["drafter_skipped"] == 0
     assert asked["speedup"] == pytest.approx(8 / (3 * 1.5))  # the drafter ran at each
     assert by_rule["drafter always"]["tau"] == pytest.approx(8 / 5)
+    # the suffix tree drafts 6 right at anchor 10 with a score of 3: a rule at suffix 2 takes it there, without the
+    # drafter's pass (10 -> 17: 7 tokens, then the drafter's 2), one at suffix 4 does not
+    rows[0].update(suffix=7, score=3.0, slen=6)
+    args.suffix = True
+    by_rule = {r["rule"]: r for r in cr.evaluate_rules([rows], args)}
+    taken = by_rule["suffix where its score >= 2, else lookup/drafter at confidence 0.6"]
+    assert (taken["tau"], taken["suffix_share"], taken["drafter_skipped"]) == (4.5, 0.5, 0.5)
+    assert taken["speedup"] == pytest.approx(9 / (1.0 + 1.5))
+    assert by_rule["suffix where its score >= 4, else lookup/drafter at confidence 0.6"]["suffix_share"] == 0
 
 
 def test_ngram_baseline_reads_stores_without_the_trainer():

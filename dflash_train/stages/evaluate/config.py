@@ -10,7 +10,7 @@ from typing import Any, Literal
 from dflash_train import sampling
 from dflash_train.device import device_problem
 from dflash_train.engine.args import ENGINE_ARGS_HELP, SPECULATION_LENGTHS, engine_args_problem
-from dflash_train.lookup import CombinedRule, combined_problem
+from dflash_train.lookup import SUFFIX_SCORE, CombinedRule, combined_problem
 from dflash_train.options import at_least, each, option
 from dflash_train.target import DEFAULT_TARGET
 
@@ -87,12 +87,15 @@ class EvalConfig:
                                     "same way, each K in an engine of its own (needs arctic-inference: make install)")
     combined: str | None = option(None, metavar="RULE", check=combined_problem,
                                   help="vLLM: also time the combined speculator (this package's vLLM plugin: the "
-                                       "drafter, and prompt lookup's block where lookup matched and the drafter's "
-                                       "first draft is less likely than the rule's confidence; at confidence 1 "
-                                       "wherever lookup matched, the drafter's pass skipped there) at the longer "
-                                       "of the drafter's fastest K and the rule's k, the same way; RULE like "
-                                       f"{CombinedRule().setting()!r}, or 'on': confidence "
+                                       "suffix tree's block where its score reaches the rule's suffix, else prompt "
+                                       "lookup's where lookup matched and the drafter's first draft is less likely "
+                                       "than the rule's confidence, at confidence 1 wherever lookup matched, else "
+                                       "the drafter's; a step whose blocks need no drafter skips its pass) at the "
+                                       "longest of the drafter's, the rule's k and suffix decoding's fastest K, "
+                                       "the same way; RULE like "
+                                       f"{CombinedRule(suffix=SUFFIX_SCORE).setting()!r}, or 'on': confidence "
                                        f"{CombinedRule().confidence:g} where the drafter's tau beats lookup's "
-                                       "(--ngram), else 1")
+                                       f"(--ngram), else 1, and suffix {SUFFIX_SCORE:g} where arctic-inference "
+                                       "loads")
     engine_args: dict[str, Any] = option(default_factory=dict, metavar="JSON", check=engine_args_problem,
                                          help=ENGINE_ARGS_HELP)

@@ -17,10 +17,11 @@ import torch
 from dflash_train.engine import runner
 from dflash_train.engine.args import serve_command
 from dflash_train.engine.child import IDLE_S
+from dflash_train.engine.install import suffix_problem
 from dflash_train.engine.jobs import (LOOKUP_METHODS, VLLM_DTYPES, EngineJob, EngineOutput, EngineRequest, EngineResult,
                                      engine_steps, lookup_job)
 from dflash_train.errors import UserError
-from dflash_train.lookup import CombinedRule, parse_combined
+from dflash_train.lookup import SUFFIX_SCORE, CombinedRule, parse_combined
 from dflash_train.spec_decode import mean_tau
 from dflash_train.stages.evaluate.config import EvalConfig
 from dflash_train.stages.evaluate.metrics import (acceptance_stats, bootstrap_interval, bootstrap_resamples, mean_of,
@@ -258,9 +259,6 @@ def free_speculator(runs: list[dict[str, Any]], natural: dict[str, Any], greedy:
     return rows, best
 
 
-COMBINED_NAME = "drafter + prompt lookup"  # the combined speculator's name in the ranking
-
-
 def ranking(drafter: dict[str, Any], lookup: dict[str, Any] | None, suffix: dict[str, Any] | None,
             combined: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The drafter, prompt lookup, suffix decoding and the combined speculator at each one's fastest K (the
@@ -270,7 +268,7 @@ def ranking(drafter: dict[str, Any], lookup: dict[str, Any] | None, suffix: dict
              "speedup": row["speedup"], "speedup_interval": row.get("speedup_interval"),
              "lossless_mismatches": row.get("lossless_mismatches")}
             for name, row in (("drafter", drafter), ("prompt lookup", lookup), ("suffix decoding", suffix),
-                              (COMBINED_NAME, combined)) if row]
+                              (combined and parse_combined(combined["setting"]).name, combined)) if row]
     return sorted(rows, key=lambda r: -(r["speedup"] if math.isfinite(r["speedup"] or math.nan) else -1.0))
 
 
@@ -304,7 +302,8 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     best_run = {r["k"]: r for r in drafted}[best["k"]]
     mismatches, recheck_s = lossless_at_best_k(run, best, best_run, natural, prompts, dtype_name)
     rule = combined_rule(cfg.combined, best, lookup) if cfg.combined else None
-    combined, combined_s = combined_entry(run, job, natural, rule, min(max(best["k"], rule.k), block_size - 1),
+    longest = max(best["k"], rule.k, suffix["k"] if suffix and rule.suffix is not None else 0) if rule else 0
+    combined, combined_s = combined_entry(run, job, natural, rule, min(longest, block_size - 1),
                                           prompts, dtype_name) if rule else (None, 0.0)
     if combined:  # what it is worth against each of the others at its own fastest K, paired by prompt
         combined["against"] = {name: paired_against(combined, other) for name, other in
@@ -443,18 +442,24 @@ def paired_against(row: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]
 
 def combined_rule(option: str, drafter: dict[str, Any], lookup: dict[str, Any] | None) -> CombinedRule:
     """--combined's rule: as given, or for "on" the one for the drafter's and prompt lookup's tau at their fastest
-    K (CombinedRule.for_taus; the default rule where lookup was not timed)."""
+    K (CombinedRule.for_taus; the default where lookup was not timed), with the suffix tree as a source at
+    SUFFIX_SCORE where arctic-inference loads (else without it, and one line says why)."""
     rule = parse_combined(option)
-    if option.strip() != "on" or lookup is None:
+    if option.strip() != "on":
         return rule
-    return CombinedRule.for_taus(drafter["tau"], lookup["tau"], rule.k)
+    if (why_not := suffix_problem()) is not None:
+        print(f"engine: the combined speculator without the suffix tree: {why_not}", flush=True)
+    suffix = SUFFIX_SCORE if why_not is None else None
+    if lookup is None:
+        return replace(rule, suffix=suffix)
+    return CombinedRule.for_taus(drafter["tau"], lookup["tau"], rule.k, suffix)
 
 
 def combined_entry(run: EngineRunner, job: EngineJob, natural: dict[str, EngineOutput], rule: CombinedRule, k: int,
                    prompts: dict[str, list[int]], dtype_name: str) -> tuple[dict[str, Any], float]:
-    """The combined speculator (engine.combined: the drafter, and prompt lookup's block where the rule picks it) at
-    K (the longer of the drafter's fastest K and the rule's k, within the drafter's block: a shorter K would cut
-    lookup's blocks), timed as the drafter was, in an engine process of its own, on the same prompts at their
+    """The combined speculator (engine.combined: the drafter, and the suffix tree's or prompt lookup's block where the
+    rule picks it) at K (the longest of the drafter's fastest K, the rule's k and, with the suffix tree, suffix
+    decoding's fastest K, within the drafter's block: a shorter K would cut the free blocks), timed as the drafter was, in an engine process of its own, on the same prompts at their
     lengths; its blocks by source (summed over the prompts), its lossless check (a mismatch rerun in fp32 as the
     drafter's). Also the seconds of its engine runs."""
     cfg, setting = run.cfg, rule.setting()
@@ -474,6 +479,9 @@ def combined_entry(run: EngineRunner, job: EngineJob, natural: dict[str, EngineO
                 sources[source][key] += n
     mismatches, _ = lossless_at_best_k(run, row, timed, natural, prompts, dtype_name, setting)
     row |= {"setting": setting, "engine_args": timed["llm_kwargs"], "sources": sources,
+            # per prompt in order, the answers its suffix tree held before it: the warm-up's and the earlier
+            # prompts' (the engine's own), never a held-out answer it had not produced yet
+            "suffix_answers_before": [out.get("suffix_answers_before") for out in timed["outputs"]],
             **lossless_entry(row, mismatches, None, cfg.temperature == 0, dtype_name)}
     return row, time.perf_counter() - t0
 
@@ -538,7 +546,7 @@ def timing_entry(run: EngineRunner, result: EngineResult, seconds: float, natura
     rates = plain_rates(natural, sweep + lookup_rows + suffix_rows + combined_rows)
     labels = ["reference", *(str(r["k"]) for r in sweep), *(f"prompt lookup {r['k']}" for r in lookup_rows),
               *(f"suffix decoding {r['k']}" for r in suffix_rows),
-              *(f"{COMBINED_NAME} {r['k']}" for r in combined_rows)]
+              *(f"{parse_combined(r['setting']).name} {r['k']}" for r in combined_rows)]
     drift = host_drift(rates)
     return {"protocol": TIMING_PROTOCOL, "repeats": run.cfg.repeats, "budget_s": run.cfg.sweep_budget_s,
             "measured_k": [row["k"] for row in sweep], "skipped_k": result.timed["skipped"],
