@@ -228,13 +228,13 @@ def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir
     rc, err = run("--eval-report", str(write_report(tmp_path / "bf16_still", lossless_mismatches=2,
                                                     lossless_mismatches_fp32=1)))
     assert rc == 2 and "lossless check failed: 1 outputs" in err and "(still, when rerun in fp32)" in err
-    rc, err = run("--eval-report", str(write_report(tmp_path / "bf16_ties", lossless_mismatches=2,
+    rc, err = run("--eval-report", str(write_report(tmp_path / "bf16_ties", drafter_dir, lossless_mismatches=2,
                                                     lossless_mismatches_fp32=0)), "--dry-run")
     assert rc == 0, err
     assert "2 of 2 prompts differed in bf16 by rounding near-ties" in (tmp_path / "out" / "README.md").read_text()
     rc, err = run("--eval-report", str(write_report(tmp_path / "no_check", lossless_mismatches=None)))
     assert rc == 2 and "lossless check did not run" in err
-    low = write_report(tmp_path / "low", tau=1.1)
+    low = write_report(tmp_path / "low", drafter_dir, tau=1.1)
     rc, err = run("--eval-report", str(low))
     assert rc == 2 and "online tau 1.100 is below the minimum 1.2 (the training recipe's push.min_tau)" in err
     rc, err = run("--eval-report", str(low), "--min-tau", "1.05", "--dry-run")
@@ -245,7 +245,7 @@ def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir
     stale = write_report(tmp_path / "stale", drafter={"block_size": 8, **record, "weights_sha256": "0" * 64})
     rc, err = run("--eval-report", str(stale))
     assert rc == 2 and "model.safetensors are not the ones evaluated (sha256 differs)" in err
-    rc, err = run("--eval-report", str(write_report(tmp_path / "fresh", drafter=record)), "--dry-run")
+    rc, err = run("--eval-report", str(write_report(tmp_path / "fresh", drafter_dir, drafter=record)), "--dry-run")
     assert rc == 0, err
     other_target = write_report(tmp_path / "other_target", target={"name": "x", "config_hash": "0" * 64})
     rc, err = run("--eval-report", str(other_target))
@@ -272,7 +272,7 @@ def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir
                "--eval-report", str(write_report(tmp_path / "meh", tau=1.4))])
     assert rc == 2 and "below the minimum 1.5 (dflash-train's default)" in capsys.readouterr().err
     rc = main(["push", str(no_recipe), "--repo", REPO, "--dry-run", "--out", str(tmp_path / "out2"),
-               "--eval-report", str(write_report(tmp_path / "ok", tau=1.6))])
+               "--eval-report", str(write_report(tmp_path / "ok", no_recipe, tau=1.6))])
     card = (tmp_path / "out2" / "README.md").read_text()
     assert rc == 0 and "license: apache-2.0" in card and "the recipe set no license" in card
     assert "did not record a data summary" in card and "did not record its recipe" in card
@@ -371,22 +371,26 @@ def test_the_card_serves_the_measured_best_k_and_the_gate_reads_its_figures(draf
     assert "vLLM tau (K = 3) 1.100 is below the minimum 1.2" in capsys.readouterr().err
 
 
-def test_dry_run_with_a_failing_gate_writes_a_preview_and_says_a_push_would_be_refused(drafter_dir, tmp_path,
-                                                                                        capsys):
+def test_dry_run_with_a_failing_gate_writes_the_preview_and_exits_2_in_one_line(drafter_dir, tmp_path, capsys):
+    """A dry run answers the question a real push would: refused by the gate is exit 2 with one line (a script that
+    checks the preview's exit status learns the push would fail); the preview folder is written all the same."""
     out = tmp_path / "out"
     rc = main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(out),
                "--eval-report", str(write_report(tmp_path / "low", drafter_dir, tau=1.07))])
-    printed = capsys.readouterr().out
-    assert rc == 0
-    assert ("gate: a real push would be REFUSED: online tau 1.070 is below the minimum 1.2 (the training recipe's "
-            "push.min_tau) (pass --force to override)") in printed
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert ("dflash-train push: error: dry run: a real push would be REFUSED: online tau 1.070 is below the minimum "
+            "1.2 (the training recipe's push.min_tau) (the preview is in") in err and "pass --force" in err
     card = (out / "README.md").read_text()
     assert "**This drafter fails the release gate**: online tau 1.070 is below the minimum 1.2" in card
     assert "overridden" not in card and "Release gate: passed" not in card
     assert (out / "model.safetensors").is_file() and not (out / "INCOMPLETE").exists()
     rc = main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(out)])
-    assert rc == 0 and "a real push would be REFUSED: no eval report" in capsys.readouterr().out
+    assert rc == 2 and "a real push would be REFUSED: no eval report" in capsys.readouterr().err
     assert "No eval report was attached" in (out / "README.md").read_text()
+    rc = main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(out),
+               "--eval-report", str(write_report(tmp_path / "good", drafter_dir))])
+    assert rc == 0 and capsys.readouterr().err == ""
 
 
 def test_repo_ids_and_branches_the_hub_refuses_are_one_line_before_anything_is_written(drafter_dir, tmp_path,

@@ -9,7 +9,8 @@
 2. Assemble the folder to upload (default push/<repo name>): the drafter's files, README.md (the card), the eval
    summary and plots (aggregates only: per-prompt records stay local). provenance.json stays local too.
 3. Upload it with huggingface_hub: create_repo(exist_ok=True), upload_folder as one commit, each step retried
-   with backoff on transient errors. --dry-run stops after step 2 and never touches the network.
+   with backoff on transient errors. --dry-run stops after step 2 and never touches the network; it exits as the
+   real push would at the gate (2, in one line, where step 1 would refuse; --force still overrides).
 
 The token comes from HF_TOKEN or the cached login (`hf auth login`) and is never printed: every message that
 leaves this module goes through `redact`.
@@ -94,7 +95,8 @@ class PushConfig:
     min_tau: float | None = option(None, check=at_least(1), metavar="X",
                                    help=f"minimum acceptance length to push (default: the recipe's push.min_tau, "
                                         f"else {DEFAULT_MIN_TAU})")
-    dry_run: bool = option(False, help="write the folder and list its files; no network")
+    dry_run: bool = option(False, help="write the folder and list its files; no network; exit 2 where the gate "
+                                       "would refuse the real push")
     force: bool = option(False, help="push even if the gate refuses; the card says so")
     out: str | None = option(None, metavar="DIR", help="where the folder to upload is assembled "
                                                        "(default: push/<repo name>)")
@@ -520,8 +522,9 @@ def _publish(out: Path, files: list[Path], args: PushConfig, run_name: str, gate
         print(f"  {f.relative_to(out)}  {f.stat().st_size:,} bytes")
     print(f"  ({PROVENANCE_FILE} stays local)")
     if args.dry_run:
-        if not gate.passed and not args.force:  # a preview: show the folder, say plainly what a push would do
-            print(f"gate: a real push would be REFUSED: {verdict} (pass --force to override)")
+        if not gate.passed and not args.force:  # the preview is written; its exit status is the real push's verdict
+            raise UserError(f"dry run: a real push would be REFUSED: {verdict} (the preview is in {out}; pass "
+                            f"--force to override)")
         return 0
     url = upload(out, args, str(run_name), gate)
     print(f"pushed to {args.repo}" + (f"@{args.revision}" if args.revision else "") + f": {url}")
