@@ -14,11 +14,13 @@ A request's constraints are one JSON object, absent (null) for a request that se
     stop               strings that end the answer (the token completing one is the last kept, as vLLM keeps it)
     stop_token_ids     token ids that end the answer, besides the target's own stop tokens
     seed               the request's sampling seed
-    presence_penalty, frequency_penalty   in [-2, 2] (OpenAI), on the answer's tokens
-    repetition_penalty > 0 (vLLM), on the prompt's and the answer's tokens
-    min_p              in [0, 1] (vLLM)
-    logit_bias         {token id: bias in [-100, 100]} (OpenAI)
+    presence_penalty, frequency_penalty   on the answer's tokens (OpenAI)
+    repetition_penalty on the prompt's and the answer's tokens (vLLM)
+    min_p              (vLLM)
+    logit_bias         {token id: bias} (OpenAI)
     n                  answers asked for, 1..128 (OpenAI); one answer is replayed per request
+
+The ranges of the numbers among them are `sampling`'s (the one place that states every decoding setting's range).
 
 Settings left at the API's default (no stop, penalties 0, repetition 1, min_p 0, no bias, n 1) are not recorded,
 so a request that set nothing has no constraints. vLLM's extras are read from the request body or from its
@@ -41,17 +43,18 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import re
 from typing import Any
 
 import torch
 
+from dflash_train import sampling
+
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # vLLM's structured-output fields -> our kinds (the request's `structured_outputs` object, or `guided_<field>`)
 VLLM_FIELDS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
                "grammar": "grammar"}
-PENALTIES = {"presence_penalty": (-2.0, 2.0, 0.0), "frequency_penalty": (-2.0, 2.0, 0.0)}
+SETTING_DEFAULTS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
 NOT_WITH_SPECULATION = ("min_p", "logit_bias")  # vLLM 0.32 refuses these with speculative decoding
 MAX_N = 128
 
@@ -78,25 +81,13 @@ def from_request(request: dict[str, Any]) -> dict[str, Any] | None:
             raise ValueError(f"stop_token_ids must be a list of token ids, got {_shown(ids)}")
         out["stop_token_ids"] = [int(i) for i in ids]
     if body.get("seed") is not None:
-        if not _is_int(body["seed"]):
-            raise ValueError(f"seed must be an integer, got {_shown(body['seed'])}")
-        out["seed"] = int(body["seed"])
-    for key, (low, high, default) in PENALTIES.items():
-        value = _number(body, key, low, high)
-        if value is not None and value != default:
+        out["seed"] = sampling.check_seed(body["seed"])
+    for key, default in SETTING_DEFAULTS.items():
+        if body.get(key) is not None and (value := sampling.check_setting(key, body[key])) != default:
             out[key] = value
-    repetition = _number(body, "repetition_penalty", 0.0, math.inf)
-    if repetition is not None:
-        if repetition <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {_shown(body['repetition_penalty'])}")
-        if repetition != 1.0:
-            out["repetition_penalty"] = repetition
-    min_p = _number(body, "min_p", 0.0, 1.0)
-    if min_p:
-        out["min_p"] = min_p
     bias = body.get("logit_bias")
     if bias:
-        out["logit_bias"] = _logit_bias(bias)
+        out["logit_bias"] = sampling.check_logit_bias(bias)
     n = body.get("n")
     if n is not None:
         if not _is_int(n) or not 1 <= n <= MAX_N:
@@ -209,30 +200,6 @@ def _forced_tool(body: dict[str, Any]) -> dict[str, Any] | None:
 
 def _parameters(params: Any, name: str) -> dict[str, Any]:
     return _schema(params, f"tools[{name}].parameters") if params else {"type": "object", "properties": {}}
-
-
-def _logit_bias(bias: Any) -> dict[str, float]:
-    if not isinstance(bias, dict):
-        raise ValueError(f"logit_bias must be an object of token id -> bias, got {_shown(bias)}")
-    out = {}
-    for token, value in bias.items():
-        if not str(token).isdigit():
-            raise ValueError(f"logit_bias key {token!r} is not a token id")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise ValueError(f"logit_bias[{token}] must be a number in [-100, 100], got {_shown(value)}")
-        out[str(int(token))] = float(value)
-    return out
-
-
-def _number(body: dict[str, Any], key: str, low: float, high: float) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not low <= value <= high:
-        bounds = f"[{low:g}, {high:g}]" if math.isfinite(high) else f"a finite number >= {low:g}"
-        raise ValueError(f"{key} must be a number in {bounds}, got {_shown(value)}")
-    return float(value)
 
 
 def _is_int(value: Any) -> bool:

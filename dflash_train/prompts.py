@@ -11,7 +11,8 @@ JSON object, or null).
 A record is in eval iff `split_hash(id, seed)` is below the folder's eval fraction (ingest's split rule).
 
 Readers take `PromptRecord`s: `load_prompt_records` reads one split of a prompt folder, or a raw log file (parsed
-and scrubbed by `dflash_train.logs`, deduplicated here); `prompt_set` names the set a store or an eval holds.
+and scrubbed by `dflash_train.logs`, deduplicated here); `check_records` checks their settings against the target
+before anything decodes them; `prompt_set` names the set a store or an eval holds.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from dflash_train import constraints as request_constraints
+from dflash_train import sampling
 from dflash_train.errors import UserError, in_brief
 from dflash_train.logs.records import iter_records
 from dflash_train.provenance import check_made_by, is_complete, read_json
@@ -131,6 +133,16 @@ def load_prompt_records(path: str | Path, split: str = "train", limit: int | Non
                   if report else "")
         raise UserError(f"no prompts in {path}" + (f", split {split!r}" if path.is_dir() else "") + counts)
     return records, report
+
+
+def check_records(records: Iterable[PromptRecord], vocab_size: int | None) -> None:
+    """Every record's settings and constraints in the ranges ingest reads them with, and the token ids they name in
+    the target's vocabulary (`sampling.check_record`): one line naming the first record and key that is not."""
+    for record in records:
+        try:
+            sampling.check_record(record.sampling, record.constraints, vocab_size)
+        except ValueError as err:
+            raise UserError(f"prompt {record.id}: logged {err}") from None
 
 
 def _dedup(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -134,6 +134,13 @@ def checkpoint_dtype(name_or_path: str) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
+def vocab_size(name_or_path: str | Path) -> int | None:
+    """The target's vocabulary as vLLM counts it (its text config's vocab_size): the token ids a request may name."""
+    config = json.loads((resolve_target(str(name_or_path)) / "config.json").read_text())
+    size = config.get("text_config", config).get("vocab_size")
+    return size if isinstance(size, int) else None
+
+
 def load_tokenizer(name_or_path: str = DEFAULT_TARGET):
     from transformers import AutoTokenizer
 

@@ -291,6 +291,33 @@ def test_capture_checks_sampling_flags_up_front(prompts_dir, tmp_path, capsys, f
     assert not out.exists()
 
 
+OUT_OF_RANGE = [({"max_tokens": 0}, None, "max_tokens must be an integer in [1, 2**63 - 1]"),
+                ({}, {"seed": 2**80}, "seed must be an integer in [0, 2**63 - 1]"),
+                ({}, {"presence_penalty": 3.0}, "presence_penalty must be a number in [-2, 2]"),
+                ({}, {"repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0"),
+                ({}, {"logit_bias": {"1024": 5.0}}, "logit_bias names token id 1024, outside the target's vocabulary "
+                                                    "(ids 0 to 1023)")]
+
+
+@pytest.mark.parametrize("settings,constraints,words", OUT_OF_RANGE)
+def test_a_prompt_record_out_of_range_is_one_line_naming_its_id_and_key(tmp_path, tiny_target_dir, capsys, settings,
+                                                                        constraints, words):
+    """A prompt folder an older ingest wrote (or a hand edit) may hold any value: a seed of 2**80 was a torch
+    traceback in the middle of the run. Every record is checked before the target is loaded."""
+    from tiny import write_prompt_folder
+
+    from dflash_train.cli import main as cli_main
+
+    folder = write_prompt_folder(tmp_path / "prompts", [("fine", None, {"seed": 2**63 - 1}),
+                                                        ("bad", settings, constraints)])
+    out, _ = tmp_path / "store", capsys.readouterr()  # what writing the folder printed
+    assert cli_main(["capture", "--prompts", str(folder), "--target", str(tiny_target_dir), "--out", str(out),
+                     "--layers", "1,3,5", "--max-new-tokens", "4", "--dtype", "fp32"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("dflash-train capture: error: prompt bad: logged ") and words in err[0]
+    assert not out.exists()
+
+
 def test_tool_traffic_is_captured_as_served(tmp_path, tiny_target, tiny_target_dir):
     """Ingest -> capture of tool-calling requests: the stored prompt tokens are the chat template's rendering of
     the tool turns and the request's tool definitions (`apply_chat_template(messages, tools=...)`)."""

@@ -919,6 +919,23 @@ def test_eval_refuses_a_token_only_store_in_one_line(tiny_target, tiny_target_di
     assert not (tmp_path / "eval").exists()
 
 
+def test_a_prompt_record_out_of_range_is_one_line_naming_its_id_and_key(tiny_target_dir, drafters, tmp_path,
+                                                                         capsys):
+    """The records are checked by the rule ingest and capture check them with (sampling.check_record), before the
+    target is loaded: a penalty vLLM refuses would otherwise stop the engine mid-eval."""
+    from tiny import write_prompt_folder
+
+    folder = write_prompt_folder(tmp_path / "prompts", [("fine", None, None),
+                                                        ("bad", None, {"frequency_penalty": -7.0})])
+    out, _ = tmp_path / "eval", capsys.readouterr()  # what writing the folder printed
+    rc = eval_cli("--drafter", drafters[0], "--target", tiny_target_dir, "--prompts", folder, "--split", "eval",
+                  "--out", out)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and err == ["dflash-train eval: error: prompt bad: logged frequency_penalty must be a number in "
+                               "[-2, 2], got -7.0"], err
+    assert not out.exists()
+
+
 def test_a_damaged_drafter_weights_file_is_one_line(tiny_target_dir, drafters, prompts_dir, tmp_path, capsys):
     import shutil
 

@@ -157,6 +157,37 @@ def test_each_constraint_the_api_refuses_is_a_counted_bad_record_named_in_the_re
     assert "constrained traffic: 2 record(s)" in format_report(report)
 
 
+def test_a_seed_or_penalty_an_engine_would_refuse_or_read_otherwise_is_a_counted_bad_constraint(tmp_path):
+    """A seed both engines seed alike is in [0, 2**63 - 1] (2**80 was a torch traceback at capture, -1 is "no seed"
+    to vLLM); penalties and biases in vLLM's ranges, finite."""
+    good = [{"seed": 2**63 - 1, "presence_penalty": -2, "frequency_penalty": 2}, {"seed": 0, "repetition_penalty": 3}]
+    bad = [{"seed": 2**80}, {"seed": -1}, {"seed": 1.5}, {"presence_penalty": -2.5},
+           {"frequency_penalty": float("inf")}, {"repetition_penalty": float("nan")}, {"repetition_penalty": 0},
+           {"min_p": -0.1}, {"logit_bias": {"5": -101}}]
+    rows = [{"request": {"messages": [user(f"q{i}")], **extra}} for i, extra in enumerate(good + bad)]
+    report = run_ingest([write_jsonl(tmp_path / "log.jsonl", rows)], tmp_path / "out", max_bad_fraction=0.9)
+    assert report["kept"] == 2 and report["bad_constraint"] == len(bad)
+    assert report["sources"][0]["examples"][:2] == [
+        f"line 3: bad_constraint (seed must be an integer in [0, 2**63 - 1] (what both engines seed alike), got "
+        f"{2**80})", "line 4: bad_constraint (seed must be an integer in [0, 2**63 - 1] (what both engines seed "
+                     "alike), got -1)"]
+
+
+def test_a_token_id_outside_the_targets_vocabulary_is_a_counted_bad_constraint(tmp_path, tiny_target_dir):
+    """vLLM refuses a logit_bias or stop_token_ids id outside its config's vocab_size (1024 here; the tokenizer's
+    900 entries are fewer, as Qwen3's are, and the reserved ids between are the target's too)."""
+    rows = [{"request": {"messages": [user(f"q{i}")], **extra}} for i, extra in enumerate([
+        {"logit_bias": {"1023": 5}, "stop_token_ids": [950]}, {"logit_bias": {"1024": 5}},
+        {"stop_token_ids": [7, 5000]}])]
+    report = run_ingest([write_jsonl(tmp_path / "log.jsonl", rows)], tmp_path / "out", max_bad_fraction=0.9,
+                        target=str(tiny_target_dir), max_prompt_tokens=512)
+    assert report["kept"] == 1 and report["bad_constraint"] == 2
+    assert report["sources"][0]["examples"] == [
+        "line 2: bad_constraint (logit_bias names token id 1024, outside the target's vocabulary (ids 0 to 1023))",
+        "line 3: bad_constraint (stop_token_ids names token id 5000, outside the target's vocabulary (ids 0 to "
+        "1023))"]
+
+
 def test_one_prompt_under_two_schemas_is_two_prompts_and_under_two_seeds_one(tmp_path):
     schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": ROUTE}}}
     rows = [{"request": {"messages": [user("same")], **extra}}

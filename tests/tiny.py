@@ -132,6 +132,28 @@ TOOL_CALL_REQUEST = {"request": {"tools": [WEATHER_TOOL], "messages": [
     {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]}}  # a logged tool-calling request, as OpenAI's API takes it
 
 
+def write_prompt_folder(out: Path, records: list[tuple[str, dict | None, dict | None]]) -> Path:
+    """A finished ingest output whose train and eval splits both hold `records` ((id, sampling, constraints) each,
+    one user turn) as stored, whatever their values: what an older ingest, or a hand edit, may have left."""
+    import json
+
+    import datasets
+
+    from dflash_train.prompts import features
+    from dflash_train.provenance import write_provenance
+
+    rows = [{"id": rid, "messages": [{"role": "user", "content": f"Question {rid}?", "tool_calls": None,
+                                      "tool_call_id": None, "name": None}],
+             "sampling": {"temperature": None, "top_p": None, "max_tokens": None, **(sampling or {})},
+             "response": None, "source": "test", "weight": 1, "tools": None,
+             "constraints": json.dumps(constraints) if constraints else None} for rid, sampling, constraints in records]
+    split = datasets.Dataset.from_list(rows, features=features())
+    datasets.DatasetDict({"train": split, "eval": split}).save_to_disk(str(out))
+    (out / "report.json").write_text(json.dumps({"kept": 2 * len(rows)}))
+    write_provenance(out)  # marks the folder as a finished ingest output
+    return out
+
+
 def draft(model, embeds, context, pos, cpos, mask=None, attention_fn=None, cache=None):
     """The drafter's forward with the context and block positions given apart (the tests' habit)."""
     import torch

@@ -48,7 +48,7 @@ from dflash_train.device import default_device, resolve_precision
 from dflash_train.errors import UserError, decided_by_rank0
 from dflash_train.model.configuration import default_layer_ids
 from dflash_train.options import add_options, from_args, validate
-from dflash_train.prompts import PromptRecord, load_prompt_records, prompt_set
+from dflash_train.prompts import PromptRecord, check_records, load_prompt_records, prompt_set
 from dflash_train.sampling import Sampling
 from dflash_train.stages.capture.config import CaptureConfig
 from dflash_train.stages.capture.responses import (answer_note, engine_responses, logged_response_ids, request_seed,
@@ -56,7 +56,7 @@ from dflash_train.stages.capture.responses import (answer_note, engine_responses
 from dflash_train.states import Captured, generate_and_capture, prefill_capture
 from dflash_train.store.format import NO_STATES
 from dflash_train.store.writer import StoreWriter, finalize_store
-from dflash_train.target import Target, check_layer_ids, load_target
+from dflash_train.target import Target, check_layer_ids, load_target, vocab_size
 
 
 def resolve_layer_ids(num_target_layers: int, layers: list[int] | None, num_taps: int) -> list[int]:
@@ -152,11 +152,13 @@ def _check_engine(cfg: CaptureConfig) -> None:
 
 
 def _records(cfg: CaptureConfig) -> tuple[list[PromptRecord], dict[str, Any] | None, dict[str, Sampling]]:
-    """The prompts to capture, their ingest report and each prompt's sampling; the samplings, and under the own
-    engine the constraints it replays, are checked for every prompt before anything is loaded."""
+    """The prompts to capture, their ingest report and each prompt's sampling; the samplings, each record's
+    settings (`prompts.check_records`), and under the own engine the constraints it replays, are checked for every
+    prompt before anything is loaded."""
     records, ingest_report = load_prompt_records(cfg.prompts, cfg.split, cfg.limit)
     if cfg.constraints == "ignore":
         records = [replace(r, constraints=None) for r in records]
+    check_records(records, vocab_size(cfg.target))
     samplings = {r.id: sampling_for(r, cfg.temperature, cfg.top_p) for r in records}  # all checked up front
     if cfg.engine == "own" and cfg.responses == "generate":
         for r in records:

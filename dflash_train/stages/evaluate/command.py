@@ -112,10 +112,12 @@ def check_held_out(drafter: str, ids: set[str], what: str, prompt_set: dict[str,
 def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     """Run the eval; `workdir` holds the engine runs (jobs and logs) when the engine takes part."""
     from dflash_train.device import default_device, machine, resolve_precision
-    from dflash_train.prompts import load_prompt_records, prompt_set
+    from dflash_train.prompts import check_records, load_prompt_records, prompt_set
+    from dflash_train.target import vocab_size
 
     own, in_engine = check_options(cfg)
     records, _ = load_prompt_records(cfg.prompts, cfg.split, cfg.limit)
+    check_records(records, vocab_size(cfg.target))
 
     held_out = {"prompts": check_held_out(cfg.drafter, {r.id for r in records},
                                           f"prompts to evaluate ({cfg.prompts}, split {cfg.split!r})",

@@ -1,11 +1,14 @@
 """Ingest's first pass: dedup the canonical records, apply the token limit (the prompt as the target renders it)
-in batches, and append the kept records to a temporary JSON-lines file, counting everything per source."""
+and the target's vocabulary (the token ids a request names) in batches, and append the kept records to a temporary
+JSON-lines file, counting everything per source."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from dflash_train import constraints as request_constraints
+from dflash_train import sampling
 from dflash_train.logs.values import SourceStats
 from dflash_train.prompts import split_hash, template_inputs
 from dflash_train.stages.ingest.config import IngestConfig
@@ -14,12 +17,14 @@ TOKENIZE_BATCH = 256
 
 
 class TokenLimit:
-    """Measures prompts as the target serves them: its chat template with the generation prompt."""
+    """Measures prompts as the target serves them: its chat template with the generation prompt; and checks the
+    token ids a request names (logit_bias, stop_token_ids) against its vocabulary, as vLLM does."""
 
     def __init__(self, target: str, max_tokens: int):
-        from dflash_train.target import load_tokenizer
+        from dflash_train.target import load_tokenizer, vocab_size
 
         self.tokenizer = load_tokenizer(target)
+        self.vocab_size = vocab_size(target)
         self.max_tokens = max_tokens
 
     def reasons(self, records: list[dict[str, Any]]) -> list[tuple[str, str] | None]:
@@ -31,6 +36,11 @@ class TokenLimit:
         out: list[tuple[str, str] | None] = [None] * len(records)
         texts, index = [], []
         for i, record in enumerate(records):
+            try:
+                sampling.check_record(None, request_constraints.loads(record["constraints"]), self.vocab_size)
+            except ValueError as err:
+                out[i] = ("bad_constraint", str(err))
+                continue
             try:
                 texts.append(chat_text(self.tokenizer, *template_inputs(record)))
                 index.append(i)

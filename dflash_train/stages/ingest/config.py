@@ -18,9 +18,11 @@ class IngestConfig:
                                          "id only")
     scrub: bool = option(True, help="keep PII (e-mails, phones, keys, ...) as is")
     target: str = option(DEFAULT_TARGET, help="target whose tokenizer and chat template measure "
-                                              "--max-prompt-tokens")
+                                              "--max-prompt-tokens, and whose vocabulary holds the token ids a "
+                                              "request names (logit_bias, stop_token_ids)")
     max_prompt_tokens: int = option(2048, check=at_least(0), help="skip prompts longer than this as rendered by "
-                                                                 "the target (0 = no limit: no tokenizer is loaded)")
+                                                                 "the target (0 = no limit: no tokenizer is loaded "
+                                                                 "and token ids are checked at capture)")
     max_bad_fraction: float = option(0.5, check=in_range(0, 1),
                                      help="fail when a file has a larger share of malformed/unknown/empty/non-UTF-8 "
                                           "records")
