@@ -31,7 +31,9 @@ function's parameters; for "required", a non-empty list of {name, parameters} ob
 
 Anything the API would refuse (a schema that is not a JSON Schema, a regex that does not compile, a stop that is not
 a string or list of strings, a penalty or n out of range, two structured constraints at once, a forced tool that is
-not among the tools) raises ValueError naming the key: ingest counts such a record as `bad_constraint`.
+not among the tools) raises ValueError naming the key: ingest counts such a record as `bad_constraint`. So does a
+schema this project will not take: one with a `$ref` to anything but a part of itself (a remote `$ref`: no schema is
+ever fetched) or one nested deeper than MAX_SCHEMA_DEPTH.
 
 In vLLM, `sampling_kwargs` gives the `SamplingParams` arguments. In the project's loops, `Rules` applies the same
 settings to the target's logits in vLLM's order (logit bias, penalties, then the grammar's mask) and ends the answer
@@ -57,6 +59,12 @@ VLLM_FIELDS = {"json": "json_schema", "json_object": "json_object", "regex": "re
 SETTING_DEFAULTS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
 NOT_WITH_SPECULATION = ("min_p", "logit_bias")  # vLLM 0.32 refuses these with speculative decoding
 MAX_N = 128
+# JSON nesting levels (objects and arrays) of a schema: jsonschema's own checks recurse per level and exhaust
+# Python's recursion limit (1000 frames) from about 100 levels (check_schema: 99 nested `properties`, 123 nested
+# `items`); 64 leaves room for the caller's stack and is deeper than any schema an API request carries. (xgrammar
+# compiles deeper schemas: its own limit is on the parser's recursion, 10000.)
+MAX_SCHEMA_DEPTH = 64
+REF_KEYS = ("$ref", "$dynamicRef")  # a reference to another schema; "#..." is a part of the schema itself
 
 
 # ------------------------------------------------------------------------------------------------ reading a log
@@ -161,14 +169,35 @@ def _schema(value: Any, key: str) -> dict[str, Any]:
             value = json.loads(value)
         except json.JSONDecodeError:
             raise ValueError(f"{key}'s schema is not JSON") from None
+        except RecursionError:
+            raise ValueError(f"{key}'s schema is nested more than {MAX_SCHEMA_DEPTH} levels deep") from None
     if not isinstance(value, dict):
         raise ValueError(f"{key}'s schema must be a JSON object, got {_shown(value)}")
+    if problem := _schema_problem(value):
+        raise ValueError(f"{key}'s schema {problem}")
     try:
         jsonschema.validators.validator_for(value).check_schema(value)
     except jsonschema.SchemaError as err:
         where = "/".join(map(str, err.absolute_path)) or "the top"
         raise ValueError(f"{key}'s schema is not a valid JSON Schema at {where}: {err.message[:120]}") from None
     return value
+
+
+def _schema_problem(schema: dict[str, Any]) -> str | None:
+    """Why a schema is not taken (nested deeper than MAX_SCHEMA_DEPTH, a remote $ref), or None; walked without
+    recursion, so that no depth of nesting can exhaust the stack here."""
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            return f"is nested more than {MAX_SCHEMA_DEPTH} levels deep"
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if key in REF_KEYS and isinstance(item, str) and not item.startswith("#"):
+                return f"has a remote $ref (only '#...' refs are resolved, none is fetched): {_shown(item)}"
+            if isinstance(item, (dict, list)):
+                stack.append((item, depth + 1))
+    return None
 
 
 def _forced_tool(body: dict[str, Any]) -> dict[str, Any] | None:

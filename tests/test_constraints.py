@@ -116,6 +116,49 @@ def test_an_answer_is_checked_against_its_structured_constraint(constraints, tex
     assert (got is None) if problem is None else problem in got
 
 
+@pytest.fixture
+def silent_server():
+    """A local socket that listens and never answers: a fetch of a $ref there would hang (no timeout)."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with pytest.raises(BlockingIOError):  # nothing ever connected
+            listener.accept()
+    finally:
+        listener.close()
+
+
+def test_a_schema_with_a_remote_ref_is_refused_naming_it(silent_server):
+    for ref in (f"{silent_server}/a.json", "other.json#/x", "/abs"):
+        with pytest.raises(ValueError, match=r"guided_json's schema has a remote \$ref \(only '#\.\.\.' refs are "
+                                             r"resolved, none is fetched\)"):
+            rc.from_request({"guided_json": {"type": "object", "properties": {"a": {"$dynamicRef": ref}
+                                                                              if ref == "/abs" else {"$ref": ref}}}})
+    inner = {"$defs": {"x": {"type": "string"}}, "properties": {"a": {"$ref": "#/$defs/x"}}}
+    assert rc.from_request({"guided_json": inner}) == {"structured": {"kind": "json_schema", "spec": inner}}
+
+
+def nested_schema(levels: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_a_schema_nested_deeper_than_the_limit_is_refused_naming_the_depth():
+    deepest = nested_schema((rc.MAX_SCHEMA_DEPTH - 1) // 2)  # two JSON levels per nested object
+    assert rc.from_request({"guided_json": deepest})["structured"]["spec"] == deepest
+    for schema in (nested_schema(rc.MAX_SCHEMA_DEPTH // 2 + 1), nested_schema(300)):
+        for request in ({"guided_json": schema}, {"structured_outputs": {"json": json.dumps(schema)}}):
+            with pytest.raises(ValueError, match=f"schema is nested more than {rc.MAX_SCHEMA_DEPTH} levels deep"):
+                rc.from_request(request)
+
+
 # --- the own loops ----------------------------------------------------------------------------------------------
 
 def test_logit_bias_and_penalties_apply_as_vllm_defines_them():

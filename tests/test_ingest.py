@@ -188,6 +188,34 @@ def test_a_token_id_outside_the_targets_vocabulary_is_a_counted_bad_constraint(t
         "1023))"]
 
 
+def test_a_schema_with_a_remote_ref_or_nested_too_deep_is_a_counted_bad_constraint(tmp_path):
+    """A remote $ref is refused, never fetched (the socket it names gets no connection); a schema nested 300 levels
+    deep was a RecursionError that stopped the whole ingest."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    remote = f"http://127.0.0.1:{listener.getsockname()[1]}/route.json"
+    deep = {"type": "string"}
+    for _ in range(300):
+        deep = {"type": "object", "properties": {"a": deep}}
+    rows = [{"request": {"messages": [user(f"q{i}")], **extra}} for i, extra in enumerate([
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": ROUTE}}},
+        {"guided_json": {"type": "object", "properties": {"intent": {"$ref": remote}}}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": deep}}}])]
+    report = run_ingest([write_jsonl(tmp_path / "log.jsonl", rows)], tmp_path / "out", max_bad_fraction=0.9)
+    with pytest.raises(BlockingIOError):
+        listener.accept()
+    listener.close()
+    assert report["kept"] == 1 and report["bad_constraint"] == 2
+    examples = report["sources"][0]["examples"]  # (a quoted detail is cut at 120 characters)
+    assert examples[0].startswith("line 2: bad_constraint (guided_json's schema has a remote $ref (only '#...' refs "
+                                  "are resolved, none is fetched): 'http://127.0.0.1:")
+    assert examples[1] == "line 3: bad_constraint (response_format's schema is nested more than 64 levels deep)"
+
+
 def test_one_prompt_under_two_schemas_is_two_prompts_and_under_two_seeds_one(tmp_path):
     schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": ROUTE}}}
     rows = [{"request": {"messages": [user("same")], **extra}}
