@@ -298,29 +298,61 @@ def sampling_kwargs(constraints: dict[str, Any] | None) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------ checking answers
 
-def answer_problem(constraints: dict[str, Any] | None, text: str) -> str | None:
-    """Why an answer that ended by itself does not satisfy its request's structured constraint, or None (also for
-    a grammar, which only the grammar's own matcher checks)."""
+REGEX_CHECK_SECONDS = 1.0  # a regex that backtracks (nested quantifiers) may take exponential time on an answer
+
+
+def check_answer(constraints: dict[str, Any] | None, text: str) -> dict[str, str | None]:
+    """What checking an answer that ended by itself against its request's structured constraint found:
+    {"problem": None} valid, {"problem": why} not valid, {"unchecked": why} when no check could run (an EBNF or Lark
+    grammar, which only the decoder's own matcher reads; a regex that ran out of time; a $ref that would need a
+    fetch), and {} without a structured constraint. A regex is read as the grammar backend reads it: `.` matches
+    a newline too."""
     structured = (constraints or {}).get("structured")
     if structured is None:
-        return None
+        return {}
     kind, spec = structured["kind"], structured["spec"]
     if kind in ("json_schema", "json_object"):
         try:
             value = json.loads(text)
         except json.JSONDecodeError as err:
-            return f"not JSON ({err.msg} at character {err.pos})"
+            return {"problem": f"not JSON ({err.msg} at character {err.pos})"}
+        except RecursionError:
+            return {"unchecked": "the answer is nested too deep to read"}
         if kind == "json_object":
-            return None if isinstance(value, dict) else "not a JSON object"
-        import jsonschema
-
-        error = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(spec)(spec).iter_errors(value))
-        return None if error is None else f"not valid under the schema: {error.message[:120]}"
+            return {"problem": None if isinstance(value, dict) else "not a JSON object"}
+        return _schema_check(spec, value)
     if kind == "regex":
-        return None if re.fullmatch(spec, text) else "does not match the regex"
+        import regex
+
+        try:
+            matched = regex.fullmatch(spec, text, flags=regex.DOTALL, timeout=REGEX_CHECK_SECONDS)
+        except TimeoutError:
+            return {"unchecked": f"the regex took over {REGEX_CHECK_SECONDS:g} s on this answer"}
+        except regex.error as err:
+            return {"unchecked": f"the regex does not compile in Python ({err})"}
+        return {"problem": None if matched else "does not match the regex"}
     if kind == "choice":
-        return None if text in spec else "not one of the choices"
-    return None
+        return {"problem": None if text in spec else "not one of the choices"}
+    return {"unchecked": "a grammar is read only by the decoder's own matcher"}
+
+
+def _schema_check(spec: dict[str, Any], value: Any) -> dict[str, str | None]:
+    """`value` against the JSON Schema `spec`, resolving no reference outside it (nothing is fetched)."""
+    import jsonschema
+    from referencing import Registry
+    from referencing.exceptions import Unresolvable
+
+    def never_fetch(uri: str):
+        raise LookupError(f"{uri} is outside the schema: no schema is fetched")
+
+    validator = jsonschema.validators.validator_for(spec)(spec, registry=Registry(retrieve=never_fetch))
+    try:
+        error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    except Unresolvable as err:
+        return {"unchecked": f"the schema's $ref {_shown(getattr(err, 'ref', str(err)))} is not resolved here"}
+    except RecursionError:
+        return {"unchecked": "the schema or the answer is nested too deep to check"}
+    return {"problem": None if error is None else f"not valid under the schema: {error.message[:120]}"}
 
 
 # ------------------------------------------------------------------------------------------------ the own loops

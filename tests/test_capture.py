@@ -318,6 +318,21 @@ def test_a_prompt_record_out_of_range_is_one_line_naming_its_id_and_key(tmp_path
     assert not out.exists()
 
 
+def test_answers_under_a_grammar_are_counted_unchecked_never_valid(tmp_path, tiny_target_dir, capsys):
+    """No checker here reads an EBNF grammar: its answers are counted as not checked, apart from the checked ones
+    (they were counted checked and valid)."""
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"request": {"messages": [{"role": "user", "content": text}], **extra}}) + "\n"
+                           for text, extra in (("Yes or no?", {"guided_grammar": 'root ::= "yes" | "no"'}),
+                                               ("No or yes?", {"guided_choice": ["yes", "no"]}))))
+    capture(config(log, tiny_target_dir, tmp_path / "st", max_new_tokens=8, storage="none"))
+    answers = open_store(tmp_path / "st").manifest["answers"]
+    assert answers["ended"] == {"eos": 2}, answers
+    assert answers["structured_checked"] == 1 and answers["structured_invalid"] == {}
+    assert list(answers["structured_unchecked"].values()) == ["a grammar is read only by the decoder's own matcher"]
+    assert "ended by themselves: 1 checked, of which not valid: 0; not checked: 1" in capsys.readouterr().out
+
+
 def test_tool_traffic_is_captured_as_served(tmp_path, tiny_target, tiny_target_dir):
     """Ingest -> capture of tool-calling requests: the stored prompt tokens are the chat template's rendering of
     the tool turns and the request's tool definitions (`apply_chat_template(messages, tools=...)`)."""

@@ -109,11 +109,40 @@ def test_sampling_kwargs_are_what_vllms_sampling_params_take():
     ({"structured": {"kind": "regex", "spec": "[0-9]{3}"}}, "123", None),
     ({"structured": {"kind": "regex", "spec": "[0-9]{3}"}}, "1234", "does not match"),
     ({"structured": {"kind": "choice", "spec": ["yes", "no"]}}, "maybe", "not one of"),
-    ({"stop": ["x"]}, "anything", None),
 ])
 def test_an_answer_is_checked_against_its_structured_constraint(constraints, text, problem):
-    got = rc.answer_problem(constraints, text)
-    assert (got is None) if problem is None else problem in got
+    got = rc.check_answer(constraints, text)
+    assert list(got) == ["problem"] and ((got["problem"] is None) if problem is None else problem in got["problem"])
+
+
+def test_an_answer_without_a_structured_constraint_has_nothing_to_check():
+    assert rc.check_answer({"stop": ["x"]}, "anything") == {} and rc.check_answer(None, "x") == {}
+
+
+def test_a_regex_answer_is_read_as_the_grammar_backend_reads_it_dot_matching_a_newline(tiny_target):
+    """xgrammar (vLLM's backend) lets `.` match a newline, as Python's re.DOTALL does: an answer the backend
+    decoded is valid, not counted invalid."""
+    import xgrammar as xgr
+
+    pattern, answer = "Reason: .+\\nVerdict: (yes|no)", "Reason: it rained\nall day\nVerdict: no"
+    matcher = rc._matcher(tiny_target.tokenizer, 1024, tuple(tiny_target.stop_token_ids()), "regex",
+                          json.dumps(pattern))
+    assert matcher.accept_string(answer) and isinstance(matcher, xgr.GrammarMatcher)  # the backend takes it
+    assert rc.check_answer({"structured": {"kind": "regex", "spec": pattern}}, answer) == {"problem": None}
+
+
+def test_a_regex_that_backtracks_without_end_leaves_the_answer_unchecked_in_bounded_time():
+    import time
+
+    started = time.monotonic()
+    got = rc.check_answer({"structured": {"kind": "regex", "spec": "(a|aa)+b"}}, "a" * 80)
+    assert time.monotonic() - started < 10 * rc.REGEX_CHECK_SECONDS
+    assert got == {"unchecked": f"the regex took over {rc.REGEX_CHECK_SECONDS:g} s on this answer"}
+
+
+def test_an_answer_under_a_grammar_is_unchecked_never_counted_valid():
+    got = rc.check_answer({"structured": {"kind": "grammar", "spec": 'root ::= "a" | "b"'}}, "c")
+    assert got == {"unchecked": "a grammar is read only by the decoder's own matcher"}
 
 
 @pytest.fixture
@@ -131,6 +160,19 @@ def silent_server():
             listener.accept()
     finally:
         listener.close()
+
+
+def test_no_remote_ref_is_fetched_when_an_answer_is_checked(silent_server):
+    """A schema stored before ingest refused remote $refs: the check resolves nothing outside the schema, at once."""
+    import time
+
+    schema = {"type": "object", "properties": {"a": {"$ref": f"{silent_server}/a.json"}}}
+    started = time.monotonic()
+    got = rc.check_answer({"structured": {"kind": "json_schema", "spec": schema}}, '{"a": 1}')
+    assert time.monotonic() - started < 5
+    assert list(got) == ["unchecked"] and "is not resolved here" in got["unchecked"]
+    local = {"$defs": {"x": {"type": "integer"}}, "properties": {"a": {"$ref": "#/$defs/x"}}}
+    assert rc.check_answer({"structured": {"kind": "json_schema", "spec": local}}, '{"a": "s"}')["problem"]
 
 
 def test_a_schema_with_a_remote_ref_is_refused_naming_it(silent_server):

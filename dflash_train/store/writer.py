@@ -432,10 +432,11 @@ def finalize_store(out_dir: str | Path, ingest_report: dict[str, Any] | None = N
 
 def answer_counts(shards: list[dict[str, Any]]) -> dict[str, Any]:
     """The manifest's `answers`: the stored answers by constraint kind and by why they ended, and those under a
-    structured constraint that ended by themselves: how many, and which are not valid under it (id: why)."""
+    structured constraint that ended by themselves: how many were checked, which of those are not valid under it
+    (id: why), and which no check could run on (id: why; never counted as valid)."""
     by_kind: Counter = Counter()
     ended: Counter = Counter()
-    checked, invalid = 0, {}
+    checked, invalid, unchecked = 0, {}, {}
     for entry in shards:
         for id_, note in zip(entry["ids"], entry.get("notes") or [None] * len(entry["ids"])):
             note = note or {}
@@ -445,5 +446,7 @@ def answer_counts(shards: list[dict[str, Any]]) -> dict[str, Any]:
                 checked += 1
                 if note["problem"]:
                     invalid[id_] = note["problem"]
+            elif "unchecked" in note:
+                unchecked[id_] = note["unchecked"]
     return {"constraint": dict(by_kind), "ended": dict(ended), "structured_checked": checked,
-            "structured_invalid": invalid}
+            "structured_invalid": invalid, "structured_unchecked": unchecked}

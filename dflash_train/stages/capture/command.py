@@ -309,8 +309,9 @@ def _print_summary(m: dict[str, Any], seconds: float, out: str) -> None:
         kinds = ", ".join(f"{k} {v}" for k, v in constrained.items())
         ended = ", ".join(f"{k} {v}" for k, v in answers["ended"].items())
         print(f"  constrained answers: {kinds}; ended by {ended}; under a structured constraint and ended by "
-              f"themselves: {answers['structured_checked']}, of which not valid: "
-              f"{len(answers['structured_invalid'])}", flush=True)
+              f"themselves: {answers['structured_checked']} checked, of which not valid: "
+              f"{len(answers['structured_invalid'])}; not checked: {len(answers['structured_unchecked'])}",
+              flush=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -101,13 +101,14 @@ def engine_responses(cfg: CaptureConfig, target: Target, rendered: list[tuple[Pr
 
 def answer_note(record: PromptRecord, sample: Captured, tokenizer) -> dict[str, Any] | None:
     """What the store records of one answer beside its tokens: its request's constraint kind, why it ended, and,
-    for an answer under a structured constraint that ended by itself, what is wrong with it under that constraint
-    (null: valid). None for an unconstrained answer whose ending is not known (a logged response)."""
+    for an answer under a structured constraint that ended by itself, what checking it found
+    (`constraints.check_answer`: "problem", null when valid, or "unchecked" and why no check ran). None for an
+    unconstrained answer whose ending is not known (a logged response)."""
     kind = request_constraints.kind(record.constraints)
     if kind == "none" and sample.ended is None:
         return None
     note: dict[str, Any] = {"constraint": kind, "ended": sample.ended}
     if kind in request_constraints.STRUCTURED_KINDS and sample.ended in ("eos", "stop_token"):
         text = tokenizer.decode(sample.input_ids[sample.num_prompt_tokens:], skip_special_tokens=True)
-        note["problem"] = request_constraints.answer_problem(record.constraints, text)
+        note.update(request_constraints.check_answer(record.constraints, text))
     return note
