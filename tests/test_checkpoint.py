@@ -284,7 +284,8 @@ def test_weights_that_do_not_fit_config_json_are_refused_without_loading_them(ti
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
     (tmp_path / "d" / "config.json").write_text(json.dumps({**cfg, "hidden_size": cfg["hidden_size"] * 2}))
     with pytest.raises(UserError, match=r"the weights do not fit .*config.json, so the drafter would not load: "
-                                        r"layers.0.self_attn.q_proj.weight \[64, 64\] \(config.json implies "):
+                                        r"layers.0.self_attn.q_proj.weight \[64, 64\] in model.safetensors "
+                                        r"\(config.json implies "):
         read_drafter_folder(tmp_path / "d")
 
 
@@ -335,6 +336,55 @@ def test_weights_outside_the_drafter_folder_are_never_opened(tiny_parts, tmp_pat
             with pytest.raises(UserError) as err:
                 read(folder)
             assert message in str(err.value) and "\n" not in str(err.value), (case, reader, str(err.value))
+
+
+def damage_d2t(state: dict, how: str) -> None:
+    d2t = state["d2t"]  # rows 0..3 map to ids 2, 5, 9, 900
+    if how == "beyond":
+        d2t[3] = 1024 - 3
+    elif how == "negative":
+        d2t[0] = -3
+    elif how == "duplicate":
+        d2t[1] = 1
+    elif how == "float":
+        state["d2t"] = d2t.float()
+    elif how == "short":
+        state["d2t"] = d2t[:3].clone()
+    else:
+        state["lm_head.weight"] = state["lm_head.weight"][:3].clone()
+
+
+@pytest.mark.parametrize("how,message", [
+    ("beyond", "tensor d2t maps draft row 3 to token id 1024, outside the target's vocabulary (0..1023)"),
+    ("negative", "tensor d2t maps draft row 0 to token id -3, outside the target's vocabulary (0..1023)"),
+    ("duplicate", "tensor d2t maps draft rows 0 and 1 to the same token id 2"),
+    ("float", "tensor d2t is float32, not integer offsets from the draft rows to target ids"),
+    ("short", "d2t [3] in model.safetensors (config.json implies [4])"),
+    ("rows", "lm_head.weight [3, 64] in model.safetensors (config.json implies [4, 64])"),
+])
+def test_a_damaged_draft_vocabulary_is_one_line_naming_the_tensor_and_file(tiny_parts, tmp_path, how, message):
+    """d2t maps each draft row to a target id (row + d2t): an id outside the vocabulary was an IndexError when the
+    drafter first drafted, a float or negative or repeated one was read without a word. (A warm start sets both
+    tensors aside: the export chooses its own draft vocabulary.)"""
+    from safetensors.torch import load_file, save_file
+
+    from dflash_train.model.checkpoint import draft_vocabulary
+
+    drafter, dconfig = make_drafter(tiny_parts)
+    config, rows = draft_vocabulary(dconfig, torch.randn(dconfig.vocab_size, dconfig.hidden_size), [2, 5, 9, 900])
+    cut = create_drafter(config)
+    cut.load_state_dict({**drafter.state_dict(), **rows}, strict=True)
+    folder = save_drafter(cut, config, tmp_path / "cut")
+    state = load_file(str(folder / "model.safetensors"))
+    damage_d2t(state, how)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    for reader in ("push", "eval"):
+        with pytest.raises(UserError) as err:
+            readers()[reader](folder)
+        assert message in str(err.value) and str(folder) in str(err.value) and "\n" not in str(err.value), \
+            (reader, str(err.value))
+        if how not in ("short", "rows"):  # (those two name the file within the folder, as every shape does)
+            assert str(err.value).startswith(f"{folder / 'model.safetensors'}: "), str(err.value)
 
 
 def test_non_finite_weights_are_named_with_their_file_and_tensor(tiny_parts, tmp_path):

@@ -96,7 +96,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None,
     raw, config = config_json(folder)
     files = weight_files(folder)
     check_weights_fit_config(folder, config, files)
-    state = read_weights(files, expected_tensor_shapes(config))
+    state = read_weights(files, config)
     model = create_drafter(config)
     model.load_state_dict(state, strict=True)  # names and shapes checked above
     stored = getattr(torch, str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), torch.float32)
@@ -223,8 +223,10 @@ def check_weights_fit_config(folder: Path, config: DFlashConfig, files: list[Pat
     unloadable drafter, or have a reader allocate for layers that are not there. Tensors named in `set_aside` (the
     target's, which some layouts store beside the drafter's) are not compared. Returns every {name: shape} found."""
     found: dict[str, tuple[int, ...]] = {}
+    found_in: dict[str, str] = {}
     for f in files:
         found.update({name: tuple(info["shape"]) for name, info in safetensors_header(f).items()})
+        found_in.update({name: f.name for name in safetensors_header(f)})
     layers = {int(m.group(1)) for name in found if (m := re.match(r"layers\.(\d+)\.", name))}
     if len(layers) != config.num_hidden_layers:  # before the table of expected names, which grows with it
         problems = [f"num_hidden_layers is {config.num_hidden_layers}, the weights hold {len(layers)} layer(s)"]
@@ -235,27 +237,30 @@ def check_weights_fit_config(folder: Path, config: DFlashConfig, files: list[Pat
         problems = ([f"missing {', '.join(missing[:3])}"] if missing else []) + \
                    ([f"tensors this project's drafter does not have: {', '.join(unexpected[:3])}"]
                     if unexpected else []) + \
-                   [f"{name} {list(mine[name])} (config.json implies {list(shape)})" for name, shape in
-                    expected.items() if name in mine and mine[name] != shape][:3]
+                   [f"{name} {list(mine[name])} in {found_in[name]} (config.json implies {list(shape)})"
+                    for name, shape in expected.items() if name in mine and mine[name] != shape][:3]
     if problems:
         raise UserError(f"{folder}: the weights do not fit {folder / 'config.json'}, so the drafter would not load: "
                         f"{'; '.join(problems)}")
     return found
 
 
-def read_weights(files: list[Path], names, keep: bool = True) -> dict[str, torch.Tensor]:
-    """The tensors `names` of the safetensors `files` (checked by check_weights_fit_config first), as stored, each
-    one finite: a NaN or inf is one line naming the file and the tensor (damaged weights, before they are trained
-    from, evaluated or pushed). keep False: only the check, one tensor in memory at a time."""
+def read_weights(files: list[Path], config: DFlashConfig, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors `config` implies (expected_tensor_shapes) of the safetensors `files` (checked by
+    check_weights_fit_config first), as stored, each one finite, and a draft vocabulary's `d2t` a map of distinct
+    target ids (`check_draft_map`): a damaged tensor is one line naming the file and the tensor (before it is trained
+    from, evaluated or pushed). keep False: only the checks, one tensor in memory at a time."""
     from safetensors import SafetensorError, safe_open
 
-    wanted, state = set(names), {}
+    wanted, state = set(expected_tensor_shapes(config)), {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as reader:
                 for name in sorted(wanted.intersection(reader.keys())):
                     tensor = reader.get_tensor(name)
                     check_finite(tensor, f, name)
+                    if name == "d2t":
+                        check_draft_map(tensor, f, config.vocab_size)
                     if keep:
                         state[name] = tensor
         except (SafetensorError, OSError) as err:
@@ -269,6 +274,29 @@ def check_finite(tensor: torch.Tensor, source: Path, name: str) -> None:
         nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
         raise UserError(f"{source}: tensor {name} holds {nan} NaN and {inf} inf value(s): the drafter's weights are "
                         f"damaged (not a training setting); restore or retrain the drafter")
+
+
+def check_draft_map(d2t: torch.Tensor, source: Path, vocab_size: int) -> None:
+    """A draft vocabulary's d2t (read from `source`; its length, draft_vocab_size, is held against config.json by
+    check_weights_fit_config) must map each row to its own target id, row + d2t, inside the target's vocabulary:
+    integer offsets, no id outside 0..vocab_size - 1, no id twice (two rows would score one id)."""
+    if d2t.is_floating_point() or d2t.is_complex() or d2t.dtype == torch.bool:
+        raise UserError(f"{source}: tensor d2t is {str(d2t.dtype).removeprefix('torch.')}, not integer offsets from "
+                        f"the draft rows to target ids: the draft vocabulary is damaged; restore or retrain the "
+                        f"drafter")
+    ids = torch.arange(d2t.numel()) + d2t.reshape(-1).long()
+    outside = ((ids < 0) | (ids >= vocab_size)).nonzero()
+    if len(outside):
+        row = int(outside[0])
+        raise UserError(f"{source}: tensor d2t maps draft row {row} to token id {int(ids[row])}, outside the "
+                        f"target's vocabulary (0..{vocab_size - 1}): the draft vocabulary is damaged; restore or "
+                        f"retrain the drafter")
+    unique, counts = ids.unique(return_counts=True)
+    if bool((counts > 1).any()):
+        token = int(unique[counts > 1][0])
+        rows = (ids == token).nonzero().reshape(-1).tolist()
+        raise UserError(f"{source}: tensor d2t maps draft rows {rows[0]} and {rows[1]} to the same token id {token}: "
+                        f"the draft vocabulary is damaged; restore or retrain the drafter")
 
 
 def drafter_identity(folder: Path) -> dict[str, Any]:
@@ -312,7 +340,7 @@ def read_drafter_folder(folder: str | Path) -> DrafterFolder:
     files = weight_files(folder)
     summaries = [safetensors_summary(f) for f in files]
     check_weights_fit_config(folder, config, files)
-    read_weights(files, expected_tensor_shapes(config), keep=False)
+    read_weights(files, config, keep=False)
     training_args = None
     if (folder / "training_args.json").exists():  # (every file in the folder was held inside it above)
         training_args = read_json(folder / "training_args.json", "the trainer's resolved recipe")

@@ -35,7 +35,7 @@ import torch
 
 from dflash_train.errors import UserError, in_brief
 from dflash_train.model.checkpoint import check_weights_fit_config, folder_file, read_weights, weight_files
-from dflash_train.model.configuration import ARCHITECTURE, DFlashConfig, expected_tensor_shapes
+from dflash_train.model.configuration import ARCHITECTURE, DFlashConfig
 from dflash_train.target import Features, check_fits
 
 LAYOUTS = ("dflash-train", "z-lab", "SpecForge", "speculators")
@@ -118,7 +118,7 @@ def read_drafter(source: DrafterSource) -> PublishedDrafter:
     #                                 are the target's, set aside below) and the export chooses its own
     files = weight_files(folder)
     found = check_weights_fit_config(folder, config, files, set_aside=TARGET_TENSORS)
-    state = {k: v.float() for k, v in read_weights(files, expected_tensor_shapes(config)).items()}
+    state = {k: v.float() for k, v in read_weights(files, config).items()}
     source.layout = layout
     source.weights_sha256 = {f.name: file_sha256(f) for f in files}
     return PublishedDrafter(config=config, state=state, source=source,
