@@ -590,3 +590,36 @@ def test_ctrl_c_while_the_engine_runs_is_one_line_and_leaves_no_scratch_folder(e
         "dflash-train eval: interrupted: no report was written (an eval writes its folder only once every run has "
         "finished); rerun the same command to evaluate again"), err[-3000:]
     assert not out.exists() and not list(scratch.glob("dflash-eval-engine-*"))
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_request_either_engine_refuses_is_left_out_of_both_sides_of_the_lossless_check(engine_target, tmp_path):
+    """The lossless check alone (`check` mode) of three requests: one under a regex no engine compiles, one sampled
+    under min_p, which vLLM takes without speculation and refuses with it; both are left out of plain decoding and
+    of the speculative side alike, each named with its reason, and the third is decoded by both."""
+    from test_spec_decode import tiny_drafter
+
+    from dflash_train.engine.jobs import EngineJob, EngineRequest
+    from dflash_train.engine.runner import run_engine
+    from dflash_train.model.checkpoint import save_drafter
+    from dflash_train.target import load_target
+
+    target = load_target(str(engine_target), dtype=torch.float32)
+    model, config = tiny_drafter(target, block_size=4)  # untrained: what it drafts does not matter here
+    config.target = target.identity().to_dict()
+    drafter = save_drafter(model, config, tmp_path / "drafter")
+    prompt = target.render([{"role": "user", "content": PROMPTS[0]}])
+    constraints = {"p0": None, "p1": {"structured": {"kind": "regex", "spec": "(?=a)a+"}}, "p2": {"min_p": 0.1}}
+    requests = [EngineRequest(id=rid, prompt_token_ids=prompt, max_tokens=6, constraints=c, seed=1,
+                              temperature=0.5 if rid == "p2" else 0.0)  # greedy, vLLM would drop min_p
+                for rid, c in constraints.items()]
+    job = EngineJob(target=str(engine_target), requests=requests, stop_token_ids=target.stop_token_ids(),
+                    drafter=str(drafter), max_model_len=256, mode="check", speculative_tokens=[2])
+    result = run_engine(job, tmp_path / "engine", "the lossless check")
+    assert sorted(result.refused) == ["p1", "p2"]
+    assert result.refused["p1"].startswith("VLLMValidationError: ") and "regex" in result.refused["p1"]
+    assert result.refused["p2"] == ("VLLMValidationError: The min_p and logit_bias sampling parameters are not yet "
+                                    "supported with speculative decoding.")
+    (run,) = result.timed["runs"]
+    assert list(result.by_id()) == [o["id"] for o in run["outputs"]] == ["p0"]

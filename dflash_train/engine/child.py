@@ -11,6 +11,9 @@ fp32 rerun of its mismatches): each prompt alone, plain and speculative at one K
 speculator with `lookup_method` "combined"), once each to its natural stop, untimed. Acceptance comes from vLLM's
 per-request speculative-decoding metrics (the accepted drafts of every verification step). The prompts are token
 ids rendered by the project (`target.render`), so the engine and the project's loop decode the very same prompts.
+A request the engine refuses when it is added (vLLM validates its sampling parameters and compiles its grammar
+there) is left out in every mode, the others decoded: result.json's `refused` names each with its reason
+(`refusal`); timed and check first screen every request on each engine they open at the start (`_screened`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,39 @@ def vllm_sampling_params(request: EngineRequest, stop_token_ids: list[int]) -> A
     return SamplingParams(**kwargs)
 
 
+def refusal(err: BaseException) -> str:
+    """Why the engine refused a request, in one line: the exception's class and its message's first line."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:500]
+
+
+def refused_errors() -> tuple[type[BaseException], ...]:
+    """What vLLM raises for a request it refuses: its validation errors (a grammar it cannot compile among them,
+    `VLLMValidationError`), pydantic's and its own ValueErrors and TypeErrors of a setting."""
+    from vllm.exceptions import VLLMClientError
+
+    return (ValueError, TypeError, VLLMClientError)
+
+
+def _screened(engines: list[Any], requests: list[EngineRequest], params: Callable[[EngineRequest], Any]
+              ) -> tuple[list[EngineRequest], dict[str, str]]:
+    """The requests every engine of `engines` takes, and those one refuses (id: `refusal`): each is added to each
+    engine and, taken, aborted at once, before anything is decoded."""
+    refused: dict[str, str] = {}
+    for llm in engines:
+        for r in requests:
+            if r.id in refused:
+                continue
+            try:
+                added = llm.llm_engine.add_request(f"screen-{r.id}", {"prompt_token_ids": r.prompt_token_ids},
+                                                   params(r))
+            except refused_errors() as err:
+                refused[r.id] = refusal(err)
+                continue
+            llm.llm_engine.abort_request([added], internal=True)
+    return [r for r in requests if r.id not in refused], refused
+
+
 def _child(workdir: Path) -> None:
     """Runs inside the engine process: decode the job's requests, write result.json atomically."""
     _stop_with_the_stage()
@@ -106,38 +142,49 @@ def _child(workdir: Path) -> None:
     t0 = time.perf_counter()
     timed = None
     if job.mode == "timed":
-        outputs, timed = _timed(job, plain, start, generate, started)
+        outputs, timed, refused = _timed(job, plain, start, generate, params, started)
     elif job.mode == "check":
-        outputs, timed = _check(job, plain, start, generate)
+        outputs, timed, refused = _check(job, plain, start, generate, params)
     else:
-        outputs = _continuous_batch(plain, job, params)
+        outputs, refused = _continuous_batch(plain, job, params)
     wall_s = time.perf_counter() - t0
     environment = {k: os.environ.get(k, "") for k in engine_environment_keys()}
     environment["LD_PRELOAD"] = ":".join(Path(p).name for p in environment["LD_PRELOAD"].split(":") if p)
     result = {"version": vllm_version(), "llm_kwargs": kwargs, "load_s": load_s, "wall_s": wall_s,
-              "outputs": outputs, "environment": environment, "timed": timed}  # file names only: reports are shared
+              "outputs": outputs, "environment": environment, "timed": timed,  # file names only: reports are shared
+              "refused": refused}
     tmp = workdir / (RESULT_FILE + ".tmp")
     tmp.write_text(json.dumps(result))
     os.replace(tmp, workdir / RESULT_FILE)
 
 
-def _continuous_batch(llm, job: EngineJob, params: Callable[[EngineRequest], Any]) -> list[dict[str, Any]]:
+def _continuous_batch(llm, job: EngineJob, params: Callable[[EngineRequest], Any]
+                      ) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """Every request queued at once and decoded with continuous batching; each output is taken as it finishes
     and, with `job.stream_to`, appended to that file at least every STREAM_EVERY_S seconds (a killed run keeps
-    them). Generating in chunks instead left each chunk's tail of long requests running a nearly empty batch."""
+    them). Generating in chunks instead left each chunk's tail of long requests running a nearly empty batch.
+    Returns the outputs and the requests the engine refused (id: `refusal`), those streamed first as
+    `{"id", "refused"}` lines."""
     from tqdm import tqdm
 
     from vllm.sampling_params import RequestOutputKind
 
     requests = {r.id: r for r in job.requests}
+    refused: dict[str, str] = {}
     for r in job.requests:
-        p = params(r)
-        p.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate asks: the finished output only
-        llm.llm_engine.add_request(r.id, {"prompt_token_ids": r.prompt_token_ids}, p)
+        try:
+            p = params(r)
+            p.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate asks: the finished output only
+            llm.llm_engine.add_request(r.id, {"prompt_token_ids": r.prompt_token_ids}, p)
+        except refused_errors() as err:
+            refused[r.id] = refusal(err)
+    if job.stream_to and refused:
+        _append(job.stream_to, [{"id": rid, "refused": why} for rid, why in refused.items()])
     outputs: list[dict[str, Any]] = []
     unsaved: list[dict[str, Any]] = []
     saved_at = time.monotonic()
-    with tqdm(total=len(requests), desc="vLLM generating", unit="request", dynamic_ncols=True, mininterval=5) as bar:
+    with tqdm(total=len(requests) - len(refused), desc="vLLM generating", unit="request", dynamic_ncols=True,
+              mininterval=5) as bar:
         while llm.llm_engine.has_unfinished_requests():
             finished = [_output(requests[r.request_id], r) for r in llm.llm_engine.step() if r.finished]
             outputs += finished
@@ -146,14 +193,19 @@ def _continuous_batch(llm, job: EngineJob, params: Callable[[EngineRequest], Any
                 bar.update(len(finished))
             if job.stream_to and unsaved and (time.monotonic() - saved_at > STREAM_EVERY_S
                                               or not llm.llm_engine.has_unfinished_requests()):
-                with open(job.stream_to, "a") as f:
-                    f.write("".join(json.dumps({k: o[k] for k in ("id", "token_ids", "finish_reason", "stop_reason")})
-                                    + "\n" for o in unsaved))
-                    f.flush()
-                    os.fsync(f.fileno())
+                _append(job.stream_to, [{k: o[k] for k in ("id", "token_ids", "finish_reason", "stop_reason")}
+                                        for o in unsaved])
                 unsaved, saved_at = [], time.monotonic()
     order = {r.id: i for i, r in enumerate(job.requests)}
-    return sorted(outputs, key=lambda o: order[o["id"]])
+    return sorted(outputs, key=lambda o: order[o["id"]]), refused
+
+
+def _append(path: str, rows: list[dict[str, Any]]) -> None:
+    """`rows` appended to the JSONL file `path`, on disk when this returns."""
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(row) + "\n" for row in rows))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 @dataclass
@@ -179,9 +231,11 @@ def _generated(requests: list[EngineRequest], results: list[Any], wall_s: float)
                      sum(res.num_cached_tokens or 0 for res in results))
 
 
-def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple[list[dict], dict[str, Any]]:
+def _timed(job: EngineJob, plain: Any, start, generate, params: Callable[[EngineRequest], Any], started: float
+           ) -> tuple[list[dict], dict[str, Any], dict[str, str]]:
     """The eval's speedup protocol (runs in the child). Returns the plain outputs to each prompt's natural stop
-    (the reference: the lossless check and each prompt's length) and, per speculation length K, the timings.
+    (the reference: the lossless check and each prompt's length), per speculation length K the timings, and the
+    requests the plain engine or the first speculative one refuses (`_screened`: left out of every run).
 
     1. Plain decoding warms up (one short request), then decodes every prompt alone to its natural stop (skipped
        where every request already has its timed length and `ignore_eos`: a `lookup_job`; no outputs then).
@@ -201,17 +255,21 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
        the combined speculator's plugin on: `"method": "combined"`, each output with its blocks by source)."""
     import gc
 
-    first = job.requests[0]
-    warm_up = [replace(first, id="warm-up", max_tokens=min(8, first.max_tokens))]
     todo = [("dflash", k) for k in job.speculative_tokens]
     todo += [(job.lookup_method, job.ngram_tokens)] if job.ngram_tokens else []
     opened = start(todo[0][1], todo[0][0])  # before minutes of decoding: a drafter vLLM refuses fails first
+    requests, refused = _screened([plain, opened[0]], job.requests, params)
+    if not requests:
+        return [], {"runs": [], "skipped": [], "repeats": job.repeats, "budget_s": job.budget_s,
+                    "concurrency": job.concurrency}, refused
+    first = requests[0]
+    warm_up = [replace(first, id="warm-up", max_tokens=min(8, first.max_tokens))]
     generate(plain, warm_up)
-    if all(r.ignore_eos for r in job.requests):  # lengths fixed by an earlier job's reference pass (`lookup_job`)
-        natural, fixed = [], job.requests
+    if all(r.ignore_eos for r in requests):  # lengths fixed by an earlier job's reference pass (`lookup_job`)
+        natural, fixed = [], requests
     else:
-        natural = [generate(plain, [r]).outputs[0] for r in job.requests]
-        fixed = [at_length(r, len(o["token_ids"])) for r, o in zip(job.requests, natural)]
+        natural = [generate(plain, [r]).outputs[0] for r in requests]
+        fixed = [at_length(r, len(o["token_ids"])) for r, o in zip(requests, natural)]
     t0 = time.perf_counter() - opened[2]  # the first K's cost: its engine's start, and its runs
     runs: list[dict[str, Any]] = []
     skipped: list[int] = []
@@ -234,7 +292,7 @@ def _timed(job: EngineJob, plain: Any, start, generate, started: float) -> tuple
               f"({time.perf_counter() - started:.0f} s in all)", flush=True)
         runs.append(run)
     return natural, {"runs": runs, "skipped": skipped, "repeats": job.repeats, "budget_s": job.budget_s,
-                     "concurrency": job.concurrency}
+                     "concurrency": job.concurrency}, refused
 
 
 def _timed_k(job: EngineJob, plain: Any, opened: tuple[Any, dict[str, Any], float], generate,
@@ -283,17 +341,20 @@ def _time_batch(sides: dict[str, Any], generate, n: int, batch: list[EngineReque
     return times, outputs
 
 
-def _check(job: EngineJob, plain: Any, start, generate) -> tuple[list[dict], dict[str, Any]]:
+def _check(job: EngineJob, plain: Any, start, generate, params: Callable[[EngineRequest], Any]
+           ) -> tuple[list[dict], dict[str, Any], dict[str, str]]:
     """The lossless check alone (the eval's fp32 rerun of the prompts whose speculative output differed): every
     prompt decoded alone to its natural stop, by plain decoding and then with the drafter at K =
     `speculative_tokens[0]`, once each. Returns the plain outputs and the speculative ones as `_timed` does, without
-    its timed runs (two decodes per prompt instead of three, no idle gaps)."""
-    natural = [generate(plain, [r]).outputs[0] for r in job.requests]
+    its timed runs (two decodes per prompt instead of three, no idle gaps), and the requests either engine refuses
+    (`_screened`: left out of both)."""
     k = job.speculative_tokens[0]
     spec, kwargs, load_s = start(k, "combined" if job.lookup_method == "combined" else "dflash")
-    outputs = [generate(spec, [r]).outputs[0] for r in job.requests]
+    requests, refused = _screened([plain, spec], job.requests, params)
+    natural = [generate(plain, [r]).outputs[0] for r in requests]
+    outputs = [generate(spec, [r]).outputs[0] for r in requests]
     spec.llm_engine.engine_core.shutdown()
-    return natural, {"runs": [{"k": k, "llm_kwargs": kwargs, "load_s": load_s, "outputs": outputs}]}
+    return natural, {"runs": [{"k": k, "llm_kwargs": kwargs, "load_s": load_s, "outputs": outputs}]}, refused
 
 
 def _output(request: EngineRequest, result: Any) -> dict[str, Any]:

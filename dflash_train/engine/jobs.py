@@ -159,6 +159,7 @@ class EngineResult:
     outputs: list[EngineOutput]  # timed mode: plain decoding to each prompt's natural stop
     environment: dict[str, str]
     timed: dict[str, Any] | None = None  # timed mode: per K, the timings and speculative outputs (`child._timed`)
+    refused: dict[str, str] = field(default_factory=dict)  # the requests the engine refused: id -> why (one line)
 
     def by_id(self) -> dict[str, EngineOutput]:
         return {o.id: o for o in self.outputs}

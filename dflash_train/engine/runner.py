@@ -1,6 +1,7 @@
 """Running a job: `run_engine(job)` writes it to a folder, starts vLLM in a child process on it
 (`python -m dflash_train.engine.child JOB_DIR`, see `child`) and returns what it decoded and measured; an engine
-that failed is one UserError with the engine's own reason (`engine_error`) and its log's path."""
+that failed is one UserError with the engine's own reason (`engine_error`) and its log's path; a request the engine
+refused is not a failure: the result names it (`EngineResult.refused`) and holds the others' outputs."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def run_engine(job: EngineJob, workdir: str | Path, what: str, timeout_s: float 
     raw = json.loads(result_file.read_text())
     return EngineResult(version=raw["version"], llm_kwargs=raw["llm_kwargs"], load_s=raw["load_s"],
                         wall_s=raw["wall_s"], outputs=[EngineOutput(**o) for o in raw["outputs"]],
-                        environment=raw["environment"], timed=raw.get("timed"))
+                        environment=raw["environment"], timed=raw.get("timed"), refused=raw.get("refused") or {})
 
 
 PROGRESS = "timed: "  # the child's line after each K it timed (child._timed): minutes apart in an eval's sweep
