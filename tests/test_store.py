@@ -138,6 +138,25 @@ def test_nonfinite_samples_dropped_and_counted(tmp_path):
     assert st.manifest["dropped"] == {"nonfinite": 2}
 
 
+def test_a_sample_dropped_with_its_own_reason_is_named_with_it_and_not_redone_on_resume(tmp_path):
+    """A drop's own words (capture: the engine's reason for refusing a request) go into the manifest's dropped_why
+    beside its count; a writer reopened on the folder counts the id as done."""
+    samples = make_samples(2, 24)
+    out = tmp_path / "st"
+    writer = StoreWriter(out, target=IDENTITY, target_layer_ids=[1, 3, 5], hidden_size=8)
+    writer.add(samples[0]["input_ids"], samples[0]["loss_mask"], samples[0]["hidden_states"], id="s0")
+    writer.skip("s1", "refused_by_engine", "VLLMValidationError: Failed to transform regex into a grammar")
+    writer.skip("s2", "prompt_too_long")
+    writer.flush()
+    writer.release()
+    again = StoreWriter(out, target=IDENTITY, target_layer_ids=[1, 3, 5], hidden_size=8)
+    assert {"s0", "s1", "s2"} <= again.done_ids
+    manifest = again.close()
+    assert manifest["dropped"] == {"refused_by_engine": 1, "prompt_too_long": 1}
+    assert manifest["dropped_why"] == {"s1": "VLLMValidationError: Failed to transform regex into a grammar"}
+    assert open_store(out).ids == ["s0"]
+
+
 def test_flipped_byte_fails_verify_naming_the_shard(tmp_path, capsys):
     write(tmp_path / "st", make_samples(20, 24), shard_bytes=3000)
     assert cli_main(["verify", str(tmp_path / "st")]) == 0

@@ -52,7 +52,7 @@ class _Pending:
     scales: list[torch.Tensor] = field(default_factory=list)
     topk_ids: list[torch.Tensor] = field(default_factory=list)
     topk_logprobs: list[torch.Tensor] = field(default_factory=list)
-    dropped: list[tuple[str, str]] = field(default_factory=list)  # (id, reason)
+    dropped: list[tuple[str, ...]] = field(default_factory=list)  # (id, reason) or (id, reason, why)
     notes: list[dict[str, Any] | None] = field(default_factory=list)  # capture's note on each answer, or None
     nbytes: int = 0
 
@@ -189,7 +189,7 @@ class StoreWriter:
         for journal in journals:
             for entry in journal["shards"]:
                 done.update(entry["ids"])
-                done.update(i for i, _ in entry["dropped"])
+                done.update(i for i, *_ in entry["dropped"])
         return done
 
     # appending ---------------------------------------------------------------------------------------
@@ -268,13 +268,14 @@ class StoreWriter:
                              f"topk_logprobs {None if topk_logprobs is None else tuple(topk_logprobs.shape)} do "
                              f"not match [S, K] = {list(shape)}")
 
-    def skip(self, id: str, reason: str) -> None:
-        """Record that sample `id` is left out (and why): counted in the manifest, and not redone on resume."""
+    def skip(self, id: str, reason: str, why: str | None = None) -> None:
+        """Record that sample `id` is left out (and why: the `reason` it is counted under in the manifest, with
+        `why` its own words there, in `dropped_why`), not redone on resume."""
         id = str(id)
         if id in self.done_ids:
             raise ValueError(f"sample id {id!r} is already in store {self.out}")
         self.done_ids.add(id)
-        self._pending.dropped.append((id, reason))
+        self._pending.dropped.append((id, reason) if why is None else (id, reason, why))
 
     def flush(self) -> None:
         """Write the buffered samples as one shard (tmp name, fsync, sha256, rename), then journal it."""
@@ -389,9 +390,11 @@ def finalize_store(out_dir: str | Path, ingest_report: dict[str, Any] | None = N
             path.unlink()
     num_tokens = sum(e["num_tokens"] for e in shards)
     dropped_ids: dict[str, list[str]] = {}
+    dropped_why: dict[str, str] = {}
     for entry in shards:
-        for id_, reason in entry["dropped"]:
+        for id_, reason, *why in entry["dropped"]:
             dropped_ids.setdefault(reason, []).append(id_)
+            dropped_why.update({id_: why[0]} if why else {})
     dropped = {reason: len(ids) for reason, ids in dropped_ids.items()}
     settings = {**SETTING_DEFAULTS, **settings}
     floor = floor_bytes_per_token(settings)
@@ -405,6 +408,7 @@ def finalize_store(out_dir: str | Path, ingest_report: dict[str, Any] | None = N
         "num_tokens": num_tokens,
         "dropped": dropped,
         "dropped_ids": dropped_ids,
+        "dropped_why": dropped_why,  # the dropped samples recorded with their own reason (id: why)
         "num_dropped_nonfinite": dropped.get("nonfinite", 0),
         "answers": answer_counts(shards),
         "bytes": shard_bytes,
@@ -417,8 +421,8 @@ def finalize_store(out_dir: str | Path, ingest_report: dict[str, Any] | None = N
     path = out / MANIFEST
     try:
         write_json_atomic(path, manifest)
-        write_provenance(out, config={k: v for k, v in manifest.items() if k not in ("shards", "dropped_ids")},
-                         stage=STAGE)
+        write_provenance(out, config={k: v for k, v in manifest.items()
+                                      if k not in ("shards", "dropped_ids", "dropped_why")}, stage=STAGE)
     except OSError as err:
         for tmp in out.glob("*.json.tmp"):
             tmp.unlink()
