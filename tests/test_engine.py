@@ -623,3 +623,52 @@ def test_a_request_either_engine_refuses_is_left_out_of_both_sides_of_the_lossle
                                     "supported with speculative decoding.")
     (run,) = result.timed["runs"]
     assert list(result.by_id()) == [o["id"] for o in run["outputs"]] == ["p0"]
+
+
+# a constraint the engine refuses when the request is added, though ingest takes it (Python's re compiles it): the
+# grammar backend reads no lookahead
+UNCOMPILABLE = {"structured_outputs": {"regex": "(?=a)a+"}}
+
+
+def log_with_one_refused(path: Path, texts: list[str], refused_at: int) -> Path:
+    """A log of one request per text, the one at `refused_at` under UNCOMPILABLE."""
+    path.write_text("".join(json.dumps({"request": {"messages": [{"role": "user", "content": text}],
+                                                    **(UNCOMPILABLE if i == refused_at else {})}}) + "\n"
+                            for i, text in enumerate(texts)))
+    return path
+
+
+def ids_by_text(log: Path) -> dict[str, str]:
+    from dflash_train.prompts import load_prompt_records
+
+    return {r.messages[0]["content"]: r.id for r in load_prompt_records(log)[0]}
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_request_the_engine_refuses_is_dropped_with_its_reason_and_every_other_answer_is_stored(
+        engine_target, tmp_path, capsys):
+    """`capture --engine vllm` of a log where vLLM refuses one request (a regex its grammar backend cannot compile):
+    the other answers are all stored, the refused one is named with the engine's reason in the manifest and on the
+    output, exit 0; and the refusal is kept beside the generated answers, so that a resumed capture does not ask
+    the engine again."""
+    from dflash_train.store.reader import open_store
+    from dflash_train.store.verify import verify_store
+
+    texts = PROMPTS[:4] + ["Say a few a's."]
+    log = log_with_one_refused(tmp_path / "log.jsonl", texts, refused_at=4)
+    ids = ids_by_text(log)
+    out = tmp_path / "store"
+    assert capture_cli("--engine", "vllm", "--prompts", log, "--target", engine_target, "--out", out,
+                       "--storage", "none") == 0
+    store = open_store(out)
+    refused = ids[texts[4]]
+    assert sorted(store.ids) == sorted(ids[t] for t in texts[:4]) and verify_store(out) == []
+    assert store.manifest["dropped"] == {"refused_by_engine": 1}
+    assert store.manifest["dropped_ids"] == {"refused_by_engine": [refused]}
+    why = store.manifest["dropped_why"][refused]
+    assert why.startswith("VLLMValidationError: ") and "regex" in why and "\n" not in why, why
+    printed = capsys.readouterr().out
+    assert f"vLLM refused 1 request(s), left out of the store: {refused}: {why}" in printed
+    rows = [json.loads(line) for line in (out / "engine-responses.jsonl").read_text().splitlines()]
+    assert {"id": refused, "refused": why} in rows and len(rows) == len(texts)

@@ -51,8 +51,8 @@ from dflash_train.options import add_options, from_args, validate
 from dflash_train.prompts import PromptRecord, check_records, load_prompt_records, prompt_set
 from dflash_train.sampling import Sampling
 from dflash_train.stages.capture.config import CaptureConfig
-from dflash_train.stages.capture.responses import (answer_note, engine_responses, logged_response_ids, request_seed,
-                                                   sampling_for)
+from dflash_train.stages.capture.responses import (REFUSED_BY_ENGINE, answer_note, engine_responses,
+                                                   logged_response_ids, request_seed, sampling_for)
 from dflash_train.states import Captured, generate_and_capture, prefill_capture
 from dflash_train.store.format import NO_STATES
 from dflash_train.store.writer import StoreWriter, finalize_store
@@ -203,8 +203,13 @@ def _capture_into(writer: StoreWriter, cfg: CaptureConfig, target: Target, recor
     if any(r.id in stored for r in mine):
         print(f"rank {rank}: resuming {cfg.out}: {sum(r.id not in stored for r in mine)} prompt(s) left", flush=True)
     batches = _batches(writer, cfg, target, mine, stored)
-    responses = (engine_responses(cfg, target, [item for batch in batches for item in batch], stop_ids)
-                 if cfg.engine == "vllm" and batches else {})
+    responses, refused = (engine_responses(cfg, target, [item for batch in batches for item in batch], stop_ids)
+                          if cfg.engine == "vllm" and batches else ({}, {}))
+    if refused:  # left out of the store, each with the engine's reason; the batches are cut without them
+        for rid, why in refused.items():
+            if rid not in stored:
+                writer.skip(rid, REFUSED_BY_ENGINE, why)
+        batches = [kept for batch in batches if (kept := [item for item in batch if item[0].id not in refused])]
     taps = [] if cfg.storage == NO_STATES else layer_ids  # a token-only store records no states
     tokens_done = generated = 0
     bar = tqdm(total=sum(map(len, batches)), desc=f"capture r{rank}" if world > 1 else "capture", unit="prompt",
