@@ -672,3 +672,47 @@ def test_a_request_the_engine_refuses_is_dropped_with_its_reason_and_every_other
     assert f"vLLM refused 1 request(s), left out of the store: {refused}: {why}" in printed
     rows = [json.loads(line) for line in (out / "engine-responses.jsonl").read_text().splitlines()]
     assert {"id": refused, "refused": why} in rows and len(rows) == len(texts)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_prompt_the_engine_refuses_is_left_out_of_every_comparison_and_named_in_the_report(
+        engine_target, tmp_path, capsys):
+    """`eval --engine vllm` where vLLM refuses one prompt: plain decoding and the drafter both decode only the
+    others (paired by prompt), the report names the refused one with the engine's reason; where it refuses every
+    prompt, one line, exit 2, no folder."""
+    from test_spec_decode import tiny_drafter
+
+    from dflash_train.cli import main
+    from dflash_train.model.checkpoint import save_drafter
+    from dflash_train.target import load_target
+
+    target = load_target(str(engine_target), dtype=torch.float32)
+    model, config = tiny_drafter(target, block_size=4)  # untrained: what it drafts does not matter here
+    config.target = target.identity().to_dict()
+    drafter = save_drafter(model, config, tmp_path / "drafter")
+    texts = PROMPTS[:2] + ["Say a few a's."]
+    log = log_with_one_refused(tmp_path / "log.jsonl", texts, refused_at=1)
+    ids = ids_by_text(log)
+
+    def eval_of(prompts: Path, out: Path) -> int:
+        return main(["eval", "--engine", "vllm", "--dtype", "fp32", "--threads", "1", "--drafter", str(drafter),
+                     "--target", str(engine_target), "--prompts", str(prompts), "--out", str(out),
+                     "--max-new-tokens", "6", "--speculative-tokens", "2", "--concurrency", "2"])
+
+    assert eval_of(log, tmp_path / "eval") == 0
+    vllm = json.loads((tmp_path / "eval" / "report.json").read_text())["engines"]["vllm"]
+    refused, kept = ids[texts[1]], sorted(ids[t] for t in (texts[0], texts[2]))
+    (why,) = vllm["refused_by_engine"].values()
+    assert list(vllm["refused_by_engine"]) == [refused] and why.startswith("VLLMValidationError: "), why
+    (row,) = vllm["sweep"]
+    assert sorted(p["id"] for p in row["per_prompt"]) == kept and row["lossless_checked"] == 2
+    assert f"- {refused}: {why}" in (tmp_path / "eval" / "report.md").read_text()
+    assert f"vLLM refused 1 prompt(s), left out of every comparison: {refused}: {why}" in capsys.readouterr().out
+
+    only = log_with_one_refused(tmp_path / "only.jsonl", [texts[1]], refused_at=0)
+    assert eval_of(only, tmp_path / "none") == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and err[0].startswith("dflash-train eval: error: ") and "vLLM refused all 1 prompts" in err[0]
+    assert "nothing to evaluate" in err[0], err
+    assert not (tmp_path / "none").exists()

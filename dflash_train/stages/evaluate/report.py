@@ -100,6 +100,9 @@ def _engines_markdown(report: dict[str, Any]) -> list[str]:
     tables = serving_tables(v, report["settings"].get("machine"))
     lines += tables + [""] if tables else []
     lines += [f"vLLM command: `{v.get('serve_command')}`", ""]
+    if v.get("refused_by_engine"):
+        lines += [f"vLLM refused {len(v['refused_by_engine'])} prompt(s), left out of every run and comparison:"]
+        lines += [f"- {rid}: {why}" for rid, why in v["refused_by_engine"].items()] + [""]
     if v.get("lossless_note"):
         lines += [f"vLLM lossless check {v['lossless_note']}.", ""]
     for d in v.get("mismatches") or []:

@@ -292,6 +292,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     max_len = max(len(ids) for ids in prompts.values()) + cfg.max_new_tokens + block_size
     run = EngineRunner(cfg, target, device, workdir, constraints or {}, max_len, first, source)
     job, result = run(prompts, dtype_name, "timed", ks, cfg.concurrency, cfg.sweep_budget_s)
+    prompts, job = without_refused(cfg, prompts, job, result)
     natural, greedy = result.by_id(), cfg.temperature == 0
     drafted = [r for r in result.timed["runs"] if r.get("method", "dflash") == "dflash"]
     sweep = [k_row(r, natural, greedy) for r in drafted]
@@ -311,6 +312,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     return {
         "engine": "vllm",
         "version": result.version,
+        "refused_by_engine": result.refused,  # prompts left out of every run: id -> the engine's reason
         "best_k": best["k"],
         "num_speculative_tokens": best["k"],
         "best_k_share": best_k_share(sweep, best["k"]),
@@ -336,6 +338,22 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
                                [combined] if combined else []),
         "per_prompt": best["per_prompt"],
     }
+
+
+def without_refused(cfg: EvalConfig, prompts: dict[str, list[int]], job: EngineJob, result: EngineResult
+                    ) -> tuple[dict[str, list[int]], EngineJob]:
+    """The prompts and the job without those the engine refused (the child left them out of plain decoding and of
+    every speculator alike, so every comparison stays paired by prompt); one line names them. None left: one line."""
+    if not result.refused:
+        return prompts, job
+    named = "; ".join(f"{rid}: {why}" for rid, why in result.refused.items())
+    if not set(prompts) - set(result.refused):
+        rid, why = next(iter(result.refused.items()))
+        raise UserError(f"{cfg.prompts}: vLLM refused all {len(result.refused)} prompts (e.g. {rid}: {why}): "
+                        f"nothing to evaluate")
+    print(f"engine: vLLM refused {len(result.refused)} prompt(s), left out of every comparison: {named}", flush=True)
+    return ({rid: ids for rid, ids in prompts.items() if rid not in result.refused},
+            replace(job, requests=[r for r in job.requests if r.id not in result.refused]))
 
 
 def sweep_plan(cfg: EvalConfig, block_size: int, tau_by_k: list[float] | None) -> tuple[int | None, list[int]]:
