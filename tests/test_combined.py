@@ -111,30 +111,22 @@ def test_the_plugin_stays_off_on_a_vllm_it_does_not_know_in_one_line(monkeypatch
                     "(DFLASH_TRAIN_LOOKUP ignored)")
 
 
-@needs_vllm
-@pytest.mark.slow
-@pytest.mark.parametrize("confidence", [0.6, 1.0])
-def test_in_vllm_it_is_lossless_and_drafts_from_lookup_where_the_answer_copies_the_prompt(tmp_path, confidence):
-    """The lossless check's engine job (`check`: each prompt alone, plain then speculative, to its natural stop) with
-    the combined speculator: fp32, greedy, token for token plain decoding's on a prompt that loops, one whose answer
-    copies the prompt and one whose answer is new; the copying answer's blocks mostly lookup's. At confidence 0.6
-    the new one's are mostly the drafter's (its first draft is sure there, and lookup rarely matches); at confidence
-    1 (lookup wherever it matched) most of lookup's blocks come at steps that skipped the drafter's pass."""
+def decode_losslessly(prompts: dict[str, str], rule: CombinedRule, tmp_path: Path) -> tuple[dict, dict]:
+    """The lossless check's engine job (`check`: each prompt alone, in order, plain then speculative, to its natural
+    stop) with the combined speculator under `rule`, fp32, greedy, in the real vLLM with the embedded target and the
+    shipped general drafter: each speculative answer token for token plain decoding's, its blocks by source adding
+    up to vLLM's own count. Returns the plain outputs and the speculative ones by prompt name."""
     from dflash_train.engine.jobs import EngineJob, EngineRequest
     from dflash_train.engine.runner import run_engine
     from dflash_train.target import load_tokenizer, render_prompt, resolve_target
 
     target = resolve_target("smollm2-135m-instruct")
     tokenizer = load_tokenizer(str(target))
-    prompts = {"loops": "Write the word hello 40 times.",
-               "copies": "Copy this text exactly: Alice sent Bob a letter. Bob sent Carol a letter. Carol sent Dave "
-                         "a letter. Dave sent Erin a letter.",
-               "new": "Explain photosynthesis in two sentences."}
     requests = [EngineRequest(id=name, prompt_token_ids=render_prompt(tokenizer, [{"role": "user", "content": p}]),
                               max_tokens=64) for name, p in prompts.items()]
     job = EngineJob(target=str(target), requests=requests, stop_token_ids=[tokenizer.eos_token_id],
                     drafter=str(GENERAL), max_model_len=512, mode="check", speculative_tokens=[7],
-                    lookup_method="combined", combined=CombinedRule(k=4, confidence=confidence).setting())
+                    lookup_method="combined", combined=rule.setting())
     result = run_engine(job, tmp_path, "the combined speculator")
     (run,) = result.timed["runs"]
     plain = result.by_id()
@@ -144,6 +136,23 @@ def test_in_vllm_it_is_lossless_and_drafts_from_lookup_where_the_answer_copies_t
         sources = spec[name]["sources"]
         assert sum(c["accepted"] for c in sources.values()) == sum(spec[name]["accepted"]), name  # vLLM's count
         assert sum(c["blocks"] for c in sources.values()) == len(spec[name]["accepted"]), name
+    return plain, spec
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("confidence", [0.6, 1.0])
+def test_in_vllm_it_is_lossless_and_drafts_from_lookup_where_the_answer_copies_the_prompt(tmp_path, confidence):
+    """The lossless check's engine job (`check`: each prompt alone, plain then speculative, to its natural stop) with
+    the combined speculator: fp32, greedy, token for token plain decoding's on a prompt that loops, one whose answer
+    copies the prompt and one whose answer is new; the copying answer's blocks mostly lookup's. At confidence 0.6
+    the new one's are mostly the drafter's (its first draft is sure there, and lookup rarely matches); at confidence
+    1 (lookup wherever it matched) most of lookup's blocks come at steps that skipped the drafter's pass."""
+    prompts = {"loops": "Write the word hello 40 times.",
+               "copies": "Copy this text exactly: Alice sent Bob a letter. Bob sent Carol a letter. Carol sent Dave "
+                         "a letter. Dave sent Erin a letter.",
+               "new": "Explain photosynthesis in two sentences."}
+    _, spec = decode_losslessly(prompts, CombinedRule(k=4, confidence=confidence), tmp_path)
     copies, new = spec["copies"]["sources"], spec["new"]["sources"]
     assert copies["lookup"]["blocks"] > 2 * copies["drafter"]["blocks"], copies
     assert copies["lookup"]["accepted"] > copies["lookup"]["blocks"]  # lookup's blocks are kept there
@@ -163,30 +172,12 @@ def test_in_vllm_an_answer_that_repeats_an_earlier_one_is_drafted_by_the_suffix_
     token plain decoding's; the second request asks what the first asked, so its answer repeats the first one's and
     most of its blocks are the suffix tree's; a request for new text gets most of its blocks from the drafter; before
     each request the tree's global cache held exactly the answers this engine had produced before it."""
-    from dflash_train.engine.jobs import EngineJob, EngineRequest
-    from dflash_train.engine.runner import run_engine
     from dflash_train.lookup import SUFFIX_SCORE
-    from dflash_train.target import load_tokenizer, render_prompt, resolve_target
 
-    target = resolve_target("smollm2-135m-instruct")
-    tokenizer = load_tokenizer(str(target))
     prompts = {"first": "Name the planets of the solar system, each with one fact about it.",
                "again": "Name the planets of the solar system, each with one fact about it!",
                "new": "Explain photosynthesis in two sentences."}
-    requests = [EngineRequest(id=name, prompt_token_ids=render_prompt(tokenizer, [{"role": "user", "content": p}]),
-                              max_tokens=64) for name, p in prompts.items()]
-    rule = CombinedRule(k=4, confidence=0.6, suffix=SUFFIX_SCORE)
-    job = EngineJob(target=str(target), requests=requests, stop_token_ids=[tokenizer.eos_token_id],
-                    drafter=str(GENERAL), max_model_len=512, mode="check", speculative_tokens=[7],
-                    lookup_method="combined", combined=rule.setting())
-    result = run_engine(job, tmp_path, "the combined speculator with the suffix tree")
-    (run,) = result.timed["runs"]
-    plain = result.by_id()
-    spec = {o["id"]: o for o in run["outputs"]}
-    for name in prompts:
-        assert spec[name]["token_ids"] == plain[name].token_ids, name  # lossless
-        sources = spec[name]["sources"]
-        assert sum(c["accepted"] for c in sources.values()) == sum(spec[name]["accepted"]), name  # vLLM's count
+    plain, spec = decode_losslessly(prompts, CombinedRule(k=4, confidence=0.6, suffix=SUFFIX_SCORE), tmp_path)
     assert plain["again"].token_ids[:20] == plain["first"].token_ids[:20]  # the premise: the answer repeats
     again, new = spec["again"]["sources"], spec["new"]["sources"]
     assert again["suffix"]["blocks"] > again["drafter"]["blocks"] + again["lookup"]["blocks"], again
