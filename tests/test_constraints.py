@@ -203,6 +203,23 @@ def test_a_schema_nested_deeper_than_the_limit_is_refused_naming_the_depth():
 
 # --- the own loops ----------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("request_, error", [
+    ({"guided_choice": [str(i) for i in range(rc.MAX_CHOICES + 1)]},
+     "guided_choice has 5,001 strings, over the limit of 5,000 (its grammar would take minutes to compile)"),
+    ({"structured_outputs": {"choice": ["x" * 60_000, "y" * 60_000]}},
+     "structured_outputs.choice is 120,000 characters long, over the limit of 100,000"),
+    ({"guided_regex": "a" * 100_001}, "guided_regex is 100,001 characters long, over the limit of 100,000"),
+    ({"guided_grammar": 'root ::= "' + "a" * 100_000 + '"'},
+     "guided_grammar is 100,011 characters long, over the limit of 100,000"),
+    ({"guided_json": {"enum": ["a" * 100_000]}},
+     "guided_json's schema is 100,014 characters long, over the limit of 100,000")])
+def test_a_constraint_over_the_size_its_compile_is_bounded_by_is_refused_naming_its_key(request_, error):
+    with pytest.raises(ValueError) as refused:
+        rc.from_request(request_)
+    assert str(refused.value) == error
+    assert rc.from_request({"guided_choice": [str(i) for i in range(rc.MAX_CHOICES)]}) is not None
+
+
 def test_logit_bias_and_penalties_apply_as_vllm_defines_them():
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
     rules = rc.Rules({"logit_bias": {"4": 10.0}, "repetition_penalty": 2.0, "frequency_penalty": 0.5,
