@@ -216,6 +216,44 @@ def test_a_schema_with_a_remote_ref_or_nested_too_deep_is_a_counted_bad_constrai
     assert examples[1] == "line 3: bad_constraint (response_format's schema is nested more than 64 levels deep)"
 
 
+def test_a_constraint_the_engines_grammar_backend_cannot_compile_is_a_counted_bad_constraint(tmp_path,
+                                                                                           tiny_target_dir):
+    """Each is compiled by xgrammar for the target's tokenizer as vLLM compiles it: a lookahead regex (Python's re
+    takes it) and an EBNF syntax error were refused only by the engine; a 50,000-string choice compiled there for
+    minutes, naming no request."""
+    good = [{"guided_regex": "[a-z]+ [0-9]{2}"}, {"guided_choice": ["yes", "no", "maybe"]},
+            {"guided_grammar": 'root ::= "on" | "off"'}, {"guided_grammar": 'start: "up" | "down"'},
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": ROUTE}}}]
+    bad = [{"guided_regex": "(?=a)a+"}, {"guided_choice": [f"label {i}" for i in range(50_000)]},
+           {"guided_grammar": 'root ::= "on" | ('}]
+    rows = [{"request": {"messages": [user(f"q{i}")], **extra}} for i, extra in enumerate(good + bad)]
+    report = run_ingest([write_jsonl(tmp_path / "log.jsonl", rows)], tmp_path / "out", max_bad_fraction=0.9,
+                        target=str(tiny_target_dir), max_prompt_tokens=512)
+    assert report["kept"] == len(good) and report["bad_constraint"] == len(bad)
+    assert report["sources"][0]["examples"] == [  # the size when the request is read, the compile in its batch
+        "line 7: bad_constraint (guided_choice has 50,000 strings, over the limit of 5,000 (its grammar would take "
+        "minutes to compile))",
+        "line 6: bad_constraint (its regex does not compile (xgrammar, as vLLM): Regex parsing error at position 3: "
+        "Lookahead is not supported yet.)",
+        "line 8: bad_constraint (its grammar does not compile (xgrammar, as vLLM): EBNF parser error at line 1, "
+        "column 18: Expect element, but got)"]
+    kept = {r["messages"][0]["content"] for s in ("train", "eval") for r in load_prompts(tmp_path / "out", s)}
+    assert kept == {f"q{i}" for i in range(len(good))}
+
+
+def test_a_schema_every_request_carries_is_compiled_once(tmp_path, tiny_target_dir, monkeypatch):
+    from dflash_train.compile_check import CompileCheck
+
+    compiled = []
+    real = CompileCheck._compile
+    monkeypatch.setattr(CompileCheck, "_compile", lambda self, *key: compiled.append(key) or real(self, *key))
+    schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": ROUTE}}}
+    rows = [{"request": {"messages": [user(f"q{i}")], **schema}} for i in range(600)]  # over two batches
+    report = run_ingest([write_jsonl(tmp_path / "log.jsonl", rows)], tmp_path / "out",
+                        target=str(tiny_target_dir), max_prompt_tokens=512)
+    assert report["kept"] == 600 and compiled == [("json_schema", json.dumps(ROUTE, sort_keys=True))]
+
+
 def test_one_prompt_under_two_schemas_is_two_prompts_and_under_two_seeds_one(tmp_path):
     schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": ROUTE}}}
     rows = [{"request": {"messages": [user("same")], **extra}}

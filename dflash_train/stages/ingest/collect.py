@@ -1,6 +1,6 @@
-"""Ingest's first pass: dedup the canonical records, apply the token limit (the prompt as the target renders it)
-and the target's vocabulary (the token ids a request names) in batches, and append the kept records to a temporary
-JSON-lines file, counting everything per source."""
+"""Ingest's first pass: dedup the canonical records, apply the token limit (the prompt as the target renders it),
+the target's vocabulary (the token ids a request names) and the engine's grammar compile in batches, and append
+the kept records to a temporary JSON-lines file, counting everything per source."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 from dflash_train import constraints as request_constraints
 from dflash_train import sampling
+from dflash_train.compile_check import CompileCheck
 from dflash_train.logs.values import SourceStats
 from dflash_train.prompts import split_hash, template_inputs
 from dflash_train.stages.ingest.config import IngestConfig
@@ -17,15 +18,25 @@ TOKENIZE_BATCH = 256
 
 
 class TokenLimit:
-    """Measures prompts as the target serves them: its chat template with the generation prompt; and checks the
-    token ids a request names (logit_bias, stop_token_ids) against its vocabulary, as vLLM does."""
+    """Measures prompts as the target serves them: its chat template with the generation prompt; checks the
+    token ids a request names (logit_bias, stop_token_ids) against its vocabulary, as vLLM does; and compiles
+    each distinct structured constraint as the engine will, for its tokenizer, bounded in time (`compile_check`).
+    Use as a context manager (the compiler runs in a child process)."""
 
     def __init__(self, target: str, max_tokens: int):
         from dflash_train.target import load_tokenizer, vocab_size
 
+        self.grammars = CompileCheck(target)
+        self.grammars.start()  # its tokenizer loads beside this one: a log of constrained requests waits less
         self.tokenizer = load_tokenizer(target)
         self.vocab_size = vocab_size(target)
         self.max_tokens = max_tokens
+
+    def __enter__(self) -> TokenLimit:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.grammars.close()
 
     def reasons(self, records: list[dict[str, Any]]) -> list[tuple[str, str] | None]:
         """None for a prompt that fits, else (reason, detail)."""
@@ -36,10 +47,14 @@ class TokenLimit:
         out: list[tuple[str, str] | None] = [None] * len(records)
         texts, index = [], []
         for i, record in enumerate(records):
+            constraints = request_constraints.loads(record["constraints"])
             try:
-                sampling.check_record(None, request_constraints.loads(record["constraints"]), self.vocab_size)
+                sampling.check_record(None, constraints, self.vocab_size)
             except ValueError as err:
                 out[i] = ("bad_constraint", str(err))
+                continue
+            if problem := self.grammars.problem(constraints):
+                out[i] = ("bad_constraint", problem)
                 continue
             try:
                 texts.append(chat_text(self.tokenizer, *template_inputs(record)))

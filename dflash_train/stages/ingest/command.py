@@ -23,6 +23,7 @@ kept record (of more than one) in eval is refused before anything is written: th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import shutil
@@ -87,7 +88,7 @@ def ingest(paths: Iterable[str | Path], out_dir: str | Path, config: IngestConfi
             raise UserError(f"log file {path} is inside --out {out}, whose contents ingest replaces: move the log "
                             f"or choose another --out (nothing was changed)")
     limit = TokenLimit(config.target, config.max_prompt_tokens) if config.max_prompt_tokens else None
-    with OutputClaim(out, STAGE, legacy=is_ingest_folder), \
+    with limit or contextlib.nullcontext(), OutputClaim(out, STAGE, legacy=is_ingest_folder), \
             writing(out):
         return _ingest_into(out, paths, config, limit, t0)
 

@@ -21,8 +21,8 @@ class IngestConfig:
                                               "--max-prompt-tokens, and whose vocabulary holds the token ids a "
                                               "request names (logit_bias, stop_token_ids)")
     max_prompt_tokens: int = option(2048, check=at_least(0), help="skip prompts longer than this as rendered by "
-                                                                 "the target (0 = no limit: no tokenizer is loaded "
-                                                                 "and token ids are checked at capture)")
+                                                                 "the target (0 = no limit: no tokenizer is loaded, "
+                                                                 "and token ids and grammars are checked at capture)")
     max_bad_fraction: float = option(0.5, check=in_range(0, 1),
                                      help="fail when a file has a larger share of malformed/unknown/empty/non-UTF-8 "
                                           "records")
