@@ -186,3 +186,46 @@ def test_in_vllm_an_answer_that_repeats_an_earlier_one_is_drafted_by_the_suffix_
     assert new["drafter"]["blocks"] > new["suffix"]["blocks"], new
     # the first request sets the speculator up at its first step (nothing to count before it); then 1, 2 answers
     assert [spec[name]["suffix_answers_before"] for name in prompts] in ([None, 1, 2], [0, 1, 2])
+
+
+def _two_prompt_job(**fields):
+    """A lossless-check job (each prompt plain, then with the shipped general drafter at K 7) on two short prompts."""
+    from dflash_train.engine.jobs import EngineJob, EngineRequest
+    from dflash_train.target import load_tokenizer, render_prompt, resolve_target
+
+    target = resolve_target("smollm2-135m-instruct")
+    tokenizer = load_tokenizer(str(target))
+    prompts = {"copies": "Copy this exactly: the red fox ran past the red barn.", "new": "Name three colours."}
+    requests = [EngineRequest(id=name, prompt_token_ids=render_prompt(tokenizer, [{"role": "user", "content": p}]),
+                              max_tokens=24) for name, p in prompts.items()]
+    return EngineJob(target=str(target), requests=requests, stop_token_ids=[tokenizer.eos_token_id],
+                     drafter=str(GENERAL), max_model_len=256, mode="check", speculative_tokens=[7], **fields)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_with_the_setting_unset_a_dflash_engine_decodes_as_it_does_without_the_plugin(tmp_path, monkeypatch):
+    """vLLM loads the plugin in every engine (its entry point); without DFLASH_TRAIN_LOOKUP the wrapped drafting
+    step must be vLLM's own: the same greedy drafts and tokens as an engine whose VLLM_PLUGINS leaves it out."""
+    from importlib.metadata import entry_points
+
+    from dflash_train.engine.runner import run_engine
+
+    monkeypatch.delenv("DFLASH_TRAIN_LOOKUP", raising=False)
+    job = _two_prompt_job()
+    outputs = {}
+    for name, allowed in (("with", None),
+                          ("without", [e.name for e in entry_points(group="vllm.general_plugins")
+                                       if e.value != "dflash_train.engine.combined:register"])):
+        if allowed is None:
+            monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+        else:
+            assert allowed  # another plugin is named, so the list is one that excludes ours (an empty one is none)
+            monkeypatch.setenv("VLLM_PLUGINS", ",".join(allowed))
+        result = run_engine(job, tmp_path / name, f"a dflash engine {name} the plugin")
+        (run,) = result.timed["runs"]
+        outputs[name] = {o["id"]: (o["token_ids"], o["accepted"]) for o in run["outputs"]}
+        assert {i: tokens for i, (tokens, _) in outputs[name].items()} == {
+            o.id: o.token_ids for o in result.outputs}  # lossless, so the drafts are what may differ
+    assert outputs["with"] == outputs["without"]
+
