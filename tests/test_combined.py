@@ -229,3 +229,18 @@ def test_with_the_setting_unset_a_dflash_engine_decodes_as_it_does_without_the_p
             o.id: o.token_ids for o in result.outputs}  # lossless, so the drafts are what may differ
     assert outputs["with"] == outputs["without"]
 
+
+@needs_vllm
+@pytest.mark.parametrize("setting", ["k=-1", "confidence=2", "garbage"])
+def test_a_bad_combined_setting_stops_the_engine_job_at_its_start_in_one_line_naming_it(tmp_path, setting):
+    """Not at the first request: the job's plain engine, which the check starts first, never starts."""
+    from dflash_train.engine.runner import LOG_FILE, run_engine
+    from dflash_train.errors import UserError
+
+    job = _two_prompt_job(lookup_method="combined", combined=setting)
+    with pytest.raises(UserError) as stopped:
+        run_engine(job, tmp_path, "the combined speculator")
+    assert f"the combined speculator: the vLLM engine exited with 1: ValueError: DFLASH_TRAIN_LOOKUP={setting!r}: " \
+           in str(stopped.value)
+    assert "\n" not in str(stopped.value)
+    assert "Initializing a V1 LLM engine" not in (tmp_path / LOG_FILE).read_text()

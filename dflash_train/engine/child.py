@@ -32,7 +32,7 @@ from dflash_train.engine.combined import source_counts, suffix_answers
 from dflash_train.engine.install import engine_environment_keys, vllm_version
 from dflash_train.engine.jobs import EngineJob, EngineOutput, EngineRequest, at_length, sampling_params
 from dflash_train.engine.runner import JOB_FILE, RESULT_FILE
-from dflash_train.lookup import COMBINED_SETTING, CombinedRule
+from dflash_train.lookup import COMBINED_SETTING, CombinedRule, parse_combined
 
 # A vLLM worker keeps polling its message queue for 1 s after its last request (shm_broadcast's busy loop): the
 # timed protocol waits this long before each timed request, so that the other engine's worker is asleep. On CPU the
@@ -104,6 +104,11 @@ def _child(workdir: Path) -> None:
     started = time.perf_counter()
     job_raw = json.loads((workdir / JOB_FILE).read_text())
     job = EngineJob(**{**job_raw, "requests": [EngineRequest(**r) for r in job_raw["requests"]]})
+    setting = job.combined or CombinedRule().setting()
+    if job.lookup_method == "combined":
+        # checked before any engine starts: vLLM loads the plugin, whose register checks it, once per process, and
+        # that is at the plain engine here, before the setting is in the environment
+        parse_combined(setting)
     from vllm import LLM
 
     def start(k: int | None, method: str = "dflash") -> tuple[Any, dict[str, Any], float]:
@@ -112,7 +117,7 @@ def _child(workdir: Path) -> None:
         kwargs = job.llm_kwargs(k, method)
         metrics = {"per_request_spec_decode_metrics": "detailed"} if k else {}
         if method == "combined":  # engine.combined reads it at the engine's first drafting step
-            os.environ[COMBINED_SETTING] = job.combined or CombinedRule().setting()
+            os.environ[COMBINED_SETTING] = setting
         else:
             os.environ.pop(COMBINED_SETTING, None)
         t0 = time.perf_counter()
