@@ -716,3 +716,56 @@ def test_a_prompt_the_engine_refuses_is_left_out_of_every_comparison_and_named_i
     assert len(err) == 1 and err[0].startswith("dflash-train eval: error: ") and "vLLM refused all 1 prompts" in err[0]
     assert "nothing to evaluate" in err[0], err
     assert not (tmp_path / "none").exists()
+
+
+def _gone(pid: int, timeout_s: float = 60) -> bool:
+    """Whether process `pid` has exited (or is a zombie nobody reaped) within `timeout_s`."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_an_eval_killed_while_its_engine_runs_leaves_no_engine_nor_scratch_and_its_rerun_completes(
+        engine_target, prompts_file, tmp_path, sig):
+    """`kill` (or `kill -9`) of the eval alone, once its engine runs: the engine stops with it, nothing is left but
+    the eval folder, holding no report (at most its engine runs, which the rerun removes); the eval used to leave its
+    scratch folder of engine runs in the temporary folder. The same command run again writes the whole report."""
+    from test_spec_decode import tiny_drafter
+
+    from dflash_train.model.checkpoint import save_drafter
+    from dflash_train.provenance import INCOMPLETE_MARKER, LOCK_FILE, is_complete
+    from dflash_train.stages.evaluate.command import ENGINE_RUNS
+    from dflash_train.target import load_target
+
+    target = load_target(str(engine_target), dtype=torch.float32)
+    model, config = tiny_drafter(target, block_size=4)
+    config.target = target.identity().to_dict()
+    drafter = save_drafter(model, config, tmp_path / "drafter")
+    scratch, out = tmp_path / "tmp", tmp_path / "eval"
+    scratch.mkdir()
+    command = [sys.executable, "-m", "dflash_train", "eval", "--engine", "vllm", "--dtype", "fp32", "--drafter",
+               str(drafter), "--target", str(engine_target), "--prompts", str(prompts_file), "--out", str(out),
+               "--limit", "1", "--max-new-tokens", "8", "--training-prompts"]
+    env = dict(os.environ, TMPDIR=str(scratch))
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+    engine = engine_pid_of(proc)
+    os.kill(proc.pid, sig)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0 and _gone(engine), err[-3000:]
+    assert not out.exists() or {p.name for p in out.iterdir()} <= {LOCK_FILE, INCOMPLETE_MARKER, ENGINE_RUNS}
+    assert not is_complete(out) and not list(scratch.iterdir())  # nothing in the temporary folder
+    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert is_complete(out) and json.loads((out / "report.json").read_text())["engines"]["vllm"]
+    assert not (out / ENGINE_RUNS).exists() and not list(scratch.iterdir())

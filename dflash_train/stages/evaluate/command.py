@@ -14,7 +14,9 @@ reported beside the online tau.
 
 Writes OUT/report.json, OUT/report.md, OUT/acceptance_by_position.png, OUT/tau_histogram.png and
 OUT/provenance.json; the folder stays marked incomplete until all of them are written. OUT is claimed for the run
-(provenance.OutputClaim): a folder another stage wrote, or one another eval is writing, is refused up front.
+(provenance.OutputClaim): a folder another stage wrote, or one another eval is writing, is refused up front. While
+it runs, OUT/.engine-runs holds the engine runs (jobs and logs; their logs are copied to OUT/engine at the end): an
+eval killed outright leaves nothing outside OUT, and no engine (engine.child stops with its stage).
 
 Prompts the drafter was trained on are refused (`check_held_out`): they would overstate tau. The drafter's
 training_args.json names its training stores; their sample ids (or, where a store is not on this machine, the prompt
@@ -39,7 +41,8 @@ import torch
 from dflash_train import constraints as request_constraints
 from dflash_train.errors import UserError, writing
 from dflash_train.options import add_options, from_args, validate
-from dflash_train.provenance import OutputClaim, complete_output, read_json, start_output, write_provenance
+from dflash_train.provenance import (LOCK_FILE, OutputClaim, complete_output, read_json, start_output,
+                                     write_provenance)
 from dflash_train.spec_decode import DFlashProposer
 from dflash_train.stages.evaluate.config import EvalConfig
 from dflash_train.report_tables import by_role
@@ -50,6 +53,7 @@ from dflash_train.stages.evaluate.vllm_sweep import engine_eval, tau_by_k_of
 from dflash_train.target import Features, Target, check_fits, load_target
 
 STAGE = "eval"
+ENGINE_RUNS = ".engine-runs"  # OUT's scratch folder of engine runs while the eval runs
 # what a Ctrl-C leaves (errors.run_as_command prints it)
 INTERRUPTED = ("no report was written (an eval writes its folder only once every run has finished); rerun the same "
                "command to evaluate again")
@@ -313,7 +317,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def is_eval_folder(folder: Path) -> bool:
     """An eval's output from before folders recorded their stage: its report.json holds a tau and the settings (a
-    report.json alone may be anyone's)."""
+    report.json alone may be anyone's); or what a killed eval left in a folder it had created: its engine runs."""
+    if {p.name for p in folder.iterdir()} <= {ENGINE_RUNS, LOCK_FILE}:
+        return True
     try:
         report = json.loads((folder / "report.json").read_text())
     except (OSError, ValueError):
@@ -330,10 +336,14 @@ def run(args: argparse.Namespace) -> int:
     # claimed first: a folder that is not an eval's, or that another eval is writing, is refused before minutes of
     # decoding; a run that fails leaves no folder behind when it created it
     with OutputClaim(out, STAGE, legacy=is_eval_folder):
-        # engine runs (jobs, logs) go to a scratch folder, removed when the eval ends: kept only when the error's
-        # line names an engine log in it (engine.runner.run_engine's "full log: PATH"), for the failure report
-        workdir = Path(tempfile.mkdtemp(prefix="dflash-eval-engine-"))
-        keep = False
+        # engine runs (jobs, logs) go to a scratch folder in OUT, removed when the eval ends, so that an eval killed
+        # outright (SIGKILL, or SIGTERM) leaves nothing outside its folder, and its rerun removes what it left. Kept
+        # only when the error's line names an engine log in it (engine.runner.run_engine's "full log: PATH"), for
+        # the failure report: then moved to the temporary folder, the line naming it there
+        workdir = out / ENGINE_RUNS
+        shutil.rmtree(workdir, ignore_errors=True)  # a killed run's
+        with writing(out):
+            workdir.mkdir()
         try:
             report = evaluate(cfg, workdir)  # all checks and decoding first: a bad input leaves no half-written folder
             with writing(out):
@@ -348,11 +358,14 @@ def run(args: argparse.Namespace) -> int:
                                  target=report["target"])
                 complete_output(out)
         except UserError as err:
-            keep = str(workdir) in str(err)
+            if str(workdir) in str(err):
+                kept = Path(tempfile.mkdtemp(prefix="dflash-eval-engine-"))
+                for run_dir in workdir.iterdir():
+                    shutil.move(run_dir, kept / run_dir.name)
+                raise UserError(str(err).replace(str(workdir), str(kept))) from None
             raise
         finally:
-            if not keep:
-                shutil.rmtree(workdir, ignore_errors=True)
+            shutil.rmtree(workdir, ignore_errors=True)
     print(markdown(report))
     print(f"eval report: {out / 'report.json'}, {out / 'report.md'}, {out / 'acceptance_by_position.png'}, "
           f"{out / 'tau_histogram.png'}")
