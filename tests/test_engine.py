@@ -769,3 +769,43 @@ def test_an_eval_killed_while_its_engine_runs_leaves_no_engine_nor_scratch_and_i
     assert again.returncode == 0, again.stderr[-3000:]
     assert is_complete(out) and json.loads((out / "report.json").read_text())["engines"]["vllm"]
     assert not (out / ENGINE_RUNS).exists() and not list(scratch.iterdir())
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_second_eval_into_the_folder_an_eval_is_writing_stops_at_once_naming_it(engine_target, prompts_file,
+                                                                                   tmp_path):
+    """README: every stage locks its folder while it writes. The second eval stops before it loads anything, in one
+    line naming the first (its pid), and the first completes its report undisturbed."""
+    import socket
+
+    from test_spec_decode import tiny_drafter
+
+    from dflash_train.model.checkpoint import save_drafter
+    from dflash_train.provenance import is_complete
+    from dflash_train.target import load_target
+
+    target = load_target(str(engine_target), dtype=torch.float32)
+    model, config = tiny_drafter(target, block_size=4)
+    config.target = target.identity().to_dict()
+    drafter = save_drafter(model, config, tmp_path / "drafter")
+    out = tmp_path / "eval"
+    command = [sys.executable, "-m", "dflash_train", "eval", "--engine", "vllm", "--dtype", "fp32", "--drafter",
+               str(drafter), "--target", str(engine_target), "--prompts", str(prompts_file), "--out", str(out),
+               "--limit", "1", "--max-new-tokens", "8", "--training-prompts"]
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    first = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True, env=env)
+    try:
+        engine_pid_of(first)  # the first is decoding
+        second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+        assert first.poll() is None  # still running: the second met its lock
+    finally:
+        _, err = first.communicate(timeout=600)
+    lines = second.stderr.strip().splitlines()
+    assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-3000:]
+    assert lines[-1].startswith(f"dflash-train eval: error: {out} is being written by another run right now (eval, "
+                                f"pid {first.pid} on {socket.gethostname()} since "), lines[-1]
+    assert lines[-1].endswith("): two runs into one folder would mix their outputs. Wait for it to finish or "
+                              "choose another folder")
+    assert first.returncode == 0 and is_complete(out), err[-3000:]
