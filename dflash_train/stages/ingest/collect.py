@@ -28,8 +28,12 @@ class TokenLimit:
 
         self.grammars = CompileCheck(target)
         self.grammars.start()  # its tokenizer loads beside this one: a log of constrained requests waits less
-        self.tokenizer = load_tokenizer(target)
-        self.vocab_size = vocab_size(target)
+        try:
+            self.tokenizer = load_tokenizer(target)
+            self.vocab_size = vocab_size(target)
+        except BaseException:
+            self.grammars.close()
+            raise
         self.max_tokens = max_tokens
 
     def __enter__(self) -> TokenLimit:
