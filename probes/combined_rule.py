@@ -2,7 +2,8 @@
 speculator, measured offline on held-out answers before any of it runs in an engine (issues 46 and 59, step 1).
 
     python probes/combined_rule.py --drafter runs/NAME/drafter --eval-store data/store/NAME-eval \
-        [--k-drafter 9] [--k-lookup 4] [--limit 20] [--no-suffix] [--out results/combined_rule/NAME]
+        [--k-drafter 9] [--k-lookup 4] [--limit 20] [--no-suffix] [--against DRAFTER [--served RULE]] \
+        [--out results/combined_rule/NAME]
 
 The suffix tree (suffix.SuffixSource, fed as vLLM's suffix proposer feeds it) is replayed over the held-out answers in
 the store's order, the order the eval sends them to the engine: at each anchor it holds the request's prompt and
@@ -20,7 +21,9 @@ Speed: a step's cost in plain decoding steps, linear in K, from the eval's own m
 speedup of each speculator's rows; `--drafter-cost A,B` = A + B * K, `--lookup-cost` likewise). A step costs a drafter
 step wherever the rule asked the drafter (its confidence), and prompt lookup's step where it did not (the engine
 skips the drafter's pass there; its cache of the context's states is still written); the bound where every lookup
-step costs lookup's alone is given beside it. Writes OUT/results.json and OUT/results.md.
+step costs lookup's alone is given beside it. Writes OUT/results.json and OUT/results.md. With --against, the
+served rule walked with a second drafter on the same answers, paired by answer (walked tau, modelled speed): how two
+drafters compare as the combined speculator's model source (the complementary objective's experiment).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 from ngram_baseline import accepted, lookup_lengths, segment_ends
 
 from dflash_train import runs
-from dflash_train.lookup import CombinedRule
+from dflash_train.lookup import SUFFIX_SCORE, CombinedRule, parse_combined
 from dflash_train.model.checkpoint import load_drafter
 from dflash_train.objective import all_anchors, decoding_walk, simulated_acceptance
 from dflash_train.store.reader import open_store
@@ -79,6 +82,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--k-suffix", type=int, default=None, help="the suffix tree's block at most (default: --k-drafter, "
                    "the combined engine's K)")
     p.add_argument("--no-suffix", action="store_true", help="leave the suffix tree out (no arctic-inference)")
+    p.add_argument("--against", default=None, metavar="DRAFTER", help="also walk the served rule (--served) with this "
+                   "drafter on the same answers, paired by answer against --drafter")
+    p.add_argument("--served", default=None, metavar="RULE", help="the rule --against walks (a DFLASH_TRAIN_LOOKUP "
+                   "setting; default: confidence 0.6 with the suffix tree at SUFFIX_SCORE)")
     p.add_argument("--out", default=None)
     return p.parse_args()
 
@@ -116,10 +123,49 @@ def walk(rows: list[dict], choose, k_drafter: int, k_lookup: int) -> list[tuple[
     return [(picked[i][0], committed[i], picked[i][1]) for i in decoding_walk([row["at"] for row in rows], committed)]
 
 
-def evaluate_rules(tables: list[list[dict]], args: argparse.Namespace) -> list[dict]:
+def step_costs(args: argparse.Namespace) -> tuple[float, float]:
+    """A drafter step's and a free step's cost in plain decoding steps (--drafter-cost, --lookup-cost at their K)."""
     da, db = map(float, args.drafter_cost.split(","))
     la, lb = map(float, args.lookup_cost.split(","))
-    drafter_step, lookup_step = da + db * args.k_drafter, la + lb * args.k_lookup
+    return da + db * args.k_drafter, la + lb * args.k_lookup
+
+
+def answer_walks(tables: list[list[dict]], choose, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """Per answer, the tokens a rule commits and the modelled cost of its steps (plain decoding steps)."""
+    drafter_step, lookup_step = step_costs(args)
+    tokens, costs = [], []
+    for rows in tables:
+        steps = walk(rows, choose, args.k_drafter, args.k_lookup)
+        tokens.append(float(sum(t for _, t, _ in steps)))
+        costs.append(sum(drafter_step if ran else lookup_step for _, _, ran in steps))
+    return tokens, costs
+
+
+def against(mine: list[list[dict]], theirs: list[list[dict]], choose, args: argparse.Namespace) -> dict:
+    """The same rule walked with two drafters on the same answers (their anchor tables, in the same order), paired
+    by answer: walked tau (per answer, mean over answers) and modelled speed (tokens over cost), each the ratio of
+    this drafter's to the other's with a 95% bootstrap interval over answers."""
+    from dflash_train.stages.evaluate.metrics import bootstrap_interval
+
+    (tok_a, cost_a), (tok_b, cost_b) = answer_walks(mine, choose, args), answer_walks(theirs, choose, args)
+    tau_a = [t / len(walk(rows, choose, args.k_drafter, args.k_lookup)) for t, rows in zip(tok_a, mine)]
+    tau_b = [t / len(walk(rows, choose, args.k_drafter, args.k_lookup)) for t, rows in zip(tok_b, theirs)]
+
+    def tau_ratio(idx):
+        return sum(tau_a[i] for i in idx) / sum(tau_b[i] for i in idx)
+
+    def speed_ratio(idx):
+        return (sum(tok_a[i] for i in idx) / sum(cost_a[i] for i in idx)) / \
+            (sum(tok_b[i] for i in idx) / sum(cost_b[i] for i in idx))
+    every = list(range(len(mine)))
+    return {"answers": len(mine), "tau": sum(tau_a) / len(tau_a), "tau_against": sum(tau_b) / len(tau_b),
+            "speedup": sum(tok_a) / sum(cost_a), "speedup_against": sum(tok_b) / sum(cost_b),
+            "tau_ratio": tau_ratio(every), "tau_ratio_interval": bootstrap_interval(tau_ratio, len(mine)),
+            "speed_ratio": speed_ratio(every), "speed_ratio_interval": bootstrap_interval(speed_ratio, len(mine))}
+
+
+def evaluate_rules(tables: list[list[dict]], args: argparse.Namespace) -> list[dict]:
+    drafter_step, lookup_step = step_costs(args)
     results = []
     for name, choose in RULES + (SUFFIX_RULES if args.suffix else []):
         taus, tokens, cost, cost_bound, from_lookup, skipped, n_steps = [], 0, 0.0, 0.0, 0, 0, 0
@@ -148,11 +194,24 @@ def main() -> int:
     embed, head = load_embedding_and_head(args.target, dtype=torch.float32)
     store = open_store(args.eval_store)
     args.suffix = not args.no_suffix
-    tree = SuffixSource() if args.suffix else None
     k_suffix = args.k_suffix or args.k_drafter
-    tables = [anchor_table(drafter, embed, head, store[i], config.block_size, args.k_lookup,
-                           (tree, f"held-out {i}", k_suffix) if tree else None)
-              for i in range(min(args.limit, len(store)))]
+
+    def tables_of(model, block_size: int) -> list[list[dict]]:
+        tree = SuffixSource() if args.suffix else None  # a fresh engine's tree per drafter
+        return [anchor_table(model, embed, head, store[i], block_size, args.k_lookup,
+                             (tree, f"held-out {i}", k_suffix) if tree else None)
+                for i in range(min(args.limit, len(store)))]
+    tables = tables_of(drafter, config.block_size)
+    paired = None
+    if args.against:
+        other, other_config = load_drafter(args.against, dtype=torch.float32)
+        served = parse_combined(args.served) if args.served else \
+            CombinedRule(k=args.k_lookup, suffix=SUFFIX_SCORE if args.suffix else None)
+        theirs = tables_of(other, other_config.block_size)
+        kept = [i for i, (a, b) in enumerate(zip(tables, theirs)) if a and b]
+        paired = {"rule": served.setting(), "against": args.against,
+                  **against([tables[i] for i in kept], [theirs[i] for i in kept], plugin_rule(served), args)}
+        print(json.dumps(paired, indent=1))
     tables = [rows for rows in tables if rows]
     results = evaluate_rules(tables, args)
     table = runs.markdown_table(["rule", "tau (per answer)", "tau (all steps)", "blocks from lookup",
@@ -167,7 +226,7 @@ def main() -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps({"args": vars(args), "samples": len(tables),
-                                                      "rules": results}, indent=1) + "\n")
+                                                      "rules": results, "paired": paired}, indent=1) + "\n")
         (out / "results.md").write_text(f"# Combined speculator rules ({len(tables)} held-out answers, drafter K = "
                                         f"{args.k_drafter}, lookup K = {args.k_lookup})\n\n{table}\n")
     return 0

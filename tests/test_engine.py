@@ -369,12 +369,14 @@ def test_constrained_requests_are_decoded_under_them_losslessly_in_both_engines_
     tok = AutoTokenizer.from_pretrained(engine_target)
     longest = max(len(tok.encode(c, add_special_tokens=False)) for c in CONSTRAINED[2]["guided_choice"])
     assert lengths[ids[2]] <= longest + 1 < NEW_TOKENS  # a choice, then its stop token: far below the cap
-    ranked = [r["speculator"] for r in vllm["ranking"]]
-    assert sorted(ranked) == sorted(["drafter", "prompt lookup", "drafter + prompt lookup"]
-                                    + (["suffix decoding"] if suffix else []))
+    ranked = [r["speculator"] for r in vllm["ranking"]]  # with the suffix tree as a source where it loads
+    assert sorted(ranked) == sorted(["drafter", "prompt lookup"] + (
+        ["suffix decoding", "drafter + suffix + prompt lookup"] if suffix else ["drafter + prompt lookup"]))
     combined = vllm["combined"]  # the plugin under each request's grammar: lossless, every block counted by source
     assert combined["k"] == 7 and combined["lossless_mismatches"] == 0
-    assert set(combined["sources"]) == {"drafter", "lookup"}
+    assert set(combined["sources"]) == {"drafter", "lookup"} | ({"suffix"} if suffix else set())
+    if suffix:  # before each request the tree held only the answers this engine gave before it
+        assert combined["suffix_answers_before"] == list(range(1, len(combined["per_prompt"]) + 1))
     assert sum(c["blocks"] for c in combined["sources"].values()) >= len(combined["per_prompt"])
     if suffix:
         assert vllm["suffix"]["k"] == 4 and vllm["suffix"]["lossless_mismatches"] == 0

@@ -431,6 +431,26 @@ def test_a_combined_rule_walks_the_answer_taking_each_step_from_the_source_it_pi
     assert by_rule["suffix where its score >= 4, else lookup/drafter at confidence 0.6"]["suffix_share"] == 0
 
 
+def test_two_drafters_walked_under_the_served_rule_are_paired_by_answer():
+    import argparse
+
+    import combined_rule as cr
+
+    from dflash_train.lookup import CombinedRule
+
+    def answer(drafter: int) -> list[dict]:  # 6 anchors; nothing free drafts; the drafter commits `drafter` a step
+        return [{"at": a, "drafter": drafter, "p": 0.9, "lookup": 1, "n": 0, "suffix": 1, "score": 0.0, "slen": 0}
+                for a in range(6)]
+    args = argparse.Namespace(k_drafter=7, k_lookup=4, drafter_cost="1.5,0", lookup_cost="1.0,0")
+    served = cr.plugin_rule(CombinedRule(confidence=0.6, suffix=1.5))
+    paired = cr.against([answer(3), answer(2)], [answer(3), answer(1)], served, args)
+    # answer 1: 3 tokens a step either way (6 tokens in 2 steps); answer 2: 2 a step (3 steps) against 1 (6 steps)
+    assert (paired["tau"], paired["tau_against"]) == (2.5, 2.0) and paired["tau_ratio"] == pytest.approx(1.25)
+    assert paired["speed_ratio"] == pytest.approx((12 / 7.5) / (12 / 12))  # the steps' modelled cost, 1.5 each
+    low, high = paired["tau_ratio_interval"]
+    assert 1.0 <= low <= 1.25 <= high <= 2.0
+
+
 def test_ngram_baseline_reads_stores_without_the_trainer():
     """Reading a store as the trainer does (dflash_train.stages.train.data) loads neither the trainer nor accelerate."""
     import subprocess
