@@ -319,7 +319,11 @@ def test_a_draft_vocabulary_drafts_the_same_in_vllm_as_in_the_own_loop(overfit_d
         reports[name] = json.loads((tmp_path / f"eval-{name}" / "report.json").read_text())["engines"]
     (whole_own, cut_own), cut_vllm = (reports[name]["own"] for name in ("whole", "cut")), reports["cut"]["vllm"]
     assert whole_own["lossless_mismatches"] == cut_own["lossless_mismatches"] == cut_vllm["lossless_mismatches"] == 0
-    assert cut_vllm["tau"] == pytest.approx(cut_own["tau"], rel=SAME_DRAFTS), (cut_vllm["tau"], cut_own["tau"])
+    # tokens per verification over all steps: the mean of per-prompt taus moves by a whole prompt's where one near tie
+    # flips inside a run of accepted drafts (on a 2-core AMD EPYC with AVX-512 BF16: prompts at 8.0 in the project's
+    # loop, 5.75 and 7.67 in vLLM, the other four equal; 4.02 against 3.59 per prompt, 2.25 against 2.19 over all
+    # steps), where a row mapped to the wrong target id would draft nothing right
+    assert cut_vllm["tau_steps"] == pytest.approx(cut_own["tau_steps"], rel=SAME_DRAFTS), (cut_vllm, cut_own)
     assert cut_own["tau"] < whole_own["tau"] - 0.5, (cut_own["tau"], whole_own["tau"])
 
 
