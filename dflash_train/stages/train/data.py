@@ -117,14 +117,12 @@ def _common_topk(samples: list[list[dict[str, Any]]]) -> int:
 
 def collate(samples: list[list[dict[str, Any]]], max_length: int) -> dict[str, torch.Tensor]:
     """Rows of samples -> a padded batch with input_ids, loss_mask, hidden_states, position_ids, doc_start, and
-    topk_ids / topk_logprobs [b, S, K] when every sample has them (padding: ids 0, log-probs -inf), free_covered
-    [b, S] when every sample has it (padding: False).
+    topk_ids / topk_logprobs [b, S, K] when every sample has them (padding: ids 0, log-probs -inf).
 
     Samples in one row are packed back to back; positions restart at each sample and doc_start marks where
     each token's sample begins, so blocks never see another sample's context. Padding has loss_mask False."""
     topk = _common_topk(samples)
-    covered = all("free_covered" in s for row in samples for s in row)
-    keys = ("input_ids", "loss_mask", "hidden_states") + (TOPK_KEYS if topk else ()) + (("free_covered",) * covered)
+    keys = ("input_ids", "loss_mask", "hidden_states") + (TOPK_KEYS if topk else ())
     rows = []
     for row in samples:
         parts = [{k: s[k][:max_length, :topk] if k in TOPK_KEYS else s[k][:max_length] for k in keys} for s in row]
@@ -145,8 +143,6 @@ def collate(samples: list[list[dict[str, Any]]], max_length: int) -> dict[str, t
         "position_ids": torch.zeros(b, S, dtype=torch.long),
         "doc_start": torch.zeros(b, S, dtype=torch.long),
     }
-    if covered:
-        batch["free_covered"] = torch.zeros(b, S, dtype=torch.bool)
     if topk:
         batch["topk_ids"] = torch.zeros(b, S, topk, dtype=torch.long)
         batch["topk_logprobs"] = torch.full((b, S, topk), float("-inf"))
@@ -158,7 +154,7 @@ def collate(samples: list[list[dict[str, Any]]], max_length: int) -> dict[str, t
             batch["input_ids"][r, at:at + n] = p["input_ids"]
             batch["loss_mask"][r, at:at + n] = p["loss_mask"]
             batch["hidden_states"][r, at:at + n] = p["hidden_states"]
-            for k in (TOPK_KEYS if topk else ()) + (("free_covered",) * covered):
+            for k in TOPK_KEYS if topk else ():
                 batch[k][r, at:at + n] = p[k]
             batch["position_ids"][r, at:at + n] = torch.arange(n)
             batch["doc_start"][r, at:at + n] = at
@@ -314,18 +310,13 @@ def anchor_generator(seed: int, step: int, micro: int, rank: int) -> torch.Gener
     return torch.Generator().manual_seed(int.from_bytes(key[:8], "big") & (2 ** 63 - 1))
 
 
-def anchor_weights(batch: dict, copy_weight: float, free_weight: float = 1.0) -> torch.Tensor | None:
+def anchor_weights(batch: dict, copy_weight: float) -> torch.Tensor | None:
     """Anchor sampling weights [b, S]: copy_weight where the context holds the anchor's last two tokens already
-    (objective.repeats_context), times free_weight where the free speculators cover the anchor (the batch's
-    `free_covered`, stages/train/complement.py), 1 elsewhere; None (uniform) when both are 1."""
-    if copy_weight == 1.0 and free_weight == 1.0:
+    (objective.repeats_context), 1 elsewhere; None (uniform) when copy_weight is 1."""
+    if copy_weight == 1.0:
         return None
-    weights = torch.ones(batch["input_ids"].shape, device=batch["input_ids"].device)
-    if copy_weight != 1.0:
-        weights += (copy_weight - 1.0) * obj.repeats_context(batch["input_ids"], batch["doc_start"]).float()
-    if free_weight != 1.0:
-        weights *= torch.where(batch["free_covered"], free_weight, 1.0)
-    return weights
+    repeats = obj.repeats_context(batch["input_ids"], batch["doc_start"])
+    return 1.0 + (copy_weight - 1.0) * repeats.float()
 
 
 def context_scale(stores: StoreSet, indices: list[int], max_samples: int = 64,

@@ -19,7 +19,6 @@ from typing import Any, Literal
 
 import yaml
 
-from dflash_train.engine.install import suffix_problem
 from dflash_train.errors import UserError
 
 
@@ -65,10 +64,6 @@ class ObjectiveSection:
     # anchors whose last two tokens already occur earlier in their sample (objective.repeats_context: where the
     # continuation can be copied from the context) are drawn this many times as often as the others; 1 = uniform
     copy_anchor_weight: float = 1.0
-    # anchors the free speculators already cover (stages/train/complement.py: the suffix tree over the training
-    # answers before them, in request order, or prompt lookup, drafts the next token right there) are drawn this
-    # many times as often as the others; < 1 trains the drafter for the steps they miss; 1 = uniform
-    free_anchor_weight: float = 1.0
     decay_gamma: float | None = None  # slot weight exp(-(k-1)/gamma); None = 7 for block 16 (scaled with B)
     attention: Literal["auto", "sdpa", "flex"] = "auto"  # auto: FlexAttention on CUDA, dense mask + SDPA else
     head_chunk_tokens: int = 256  # block slots per LM-head + CE chunk: full logits never exist at once
@@ -342,9 +337,6 @@ def check_recipe(recipe: Recipe, source: str) -> None:
          "target's top-k over its whole vocabulary)")
     need(recipe.objective.num_anchors >= 1, "objective.num_anchors", "must be >= 1")
     need(recipe.objective.copy_anchor_weight > 0, "objective.copy_anchor_weight", "must be > 0")
-    need(recipe.objective.free_anchor_weight > 0, "objective.free_anchor_weight", "must be > 0")
-    need(recipe.objective.free_anchor_weight == 1 or suffix_problem() is None, "objective.free_anchor_weight",
-         f"needs the suffix tree the free speculators draft from: {suffix_problem()}")
     need(recipe.objective.decay_gamma is None or recipe.objective.decay_gamma > 0, "objective.decay_gamma",
          "must be > 0")
     need(recipe.objective.head_chunk_tokens >= 1, "objective.head_chunk_tokens", "must be >= 1")

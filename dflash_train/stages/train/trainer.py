@@ -95,7 +95,6 @@ class DFlashTrainer:
 
         self.data = prepare_data(recipe, self.world)
         self.plan = self.data.plan
-        self.free_covered = self.cover_free_anchors() if recipe.objective.free_anchor_weight != 1 else None
         self.total_steps = recipe.train.max_steps if recipe.train.max_steps is not None else \
             max(1, int(recipe.train.epochs * self.plan.steps_per_epoch))
         self.target_name = target_name = recipe.drafter.target or self.data.stores.manifest["target"]["name"]
@@ -261,7 +260,7 @@ class DFlashTrainer:
         stats.lr = self.optimizer.param_groups[0]["lr"]
         t0 = time.time()
         for micro in range(plan.grad_accum):
-            rows = [[self.sample(i) for i in row] for row in plan.rows_for(step, micro, self.rank)]
+            rows = [[self.data.stores[i] for i in row] for row in plan.rows_for(step, micro, self.rank)]
             if self.online is not None:
                 rows = self.online.add(rows)
             batch = collate(rows, recipe.data.max_length)
@@ -269,8 +268,7 @@ class DFlashTrainer:
             batch = {k: v.to(self.device) for k, v in batch.items()}
             blocks = obj.sample_anchors(batch["loss_mask"], recipe.objective.num_anchors, B,
                                         anchor_generator(recipe.seed, step, micro, self.rank), batch["doc_start"],
-                                        anchor_weights(batch, recipe.objective.copy_anchor_weight,
-                                                       recipe.objective.free_anchor_weight))
+                                        anchor_weights(batch, recipe.objective.copy_anchor_weight))
             if in_context_warmup(recipe, step, self.total_steps, self.clock):
                 blocks = dataclasses.replace(blocks, context_window=recipe.objective.context_warmup_window)
             with accelerator.accumulate(self.model):
@@ -407,8 +405,7 @@ class DFlashTrainer:
         final.set_context_scale(self.core.context_scale)  # save_drafter folds it into fc
         save_drafter(final.to(dtype), config, out)
         recorded = {**summary, "precision": self.precision.as_dict(), **self.state_source(),
-                    **({"draft_vocab": {k: v for k, v in vocab.items() if k != "ids"}} if vocab else {}),
-                    **({"free_coverage": self.free_coverage} if self.free_covered is not None else {})}
+                    **({"draft_vocab": {k: v for k, v in vocab.items() if k != "ids"}} if vocab else {})}
         write_json_atomic(out / "training_args.json",
                           {"recipe": recipe.to_dict(), "data": self.data.stores.summary(), "run": recorded})
         write_provenance(out, config=recipe.to_dict(), stage=STAGE, run=recorded, stores=self.data.stores.folders)
@@ -430,27 +427,6 @@ class DFlashTrainer:
                   if vocab["size"] >= V else f"draft vocabulary: {vocab['size']:,} of the target's {V:,} ids, "
                   f"{vocab['answer_tokens_covered']:.1%} of the training answers' tokens", flush=True)
         return None if vocab["size"] >= V else vocab
-
-    def cover_free_anchors(self) -> list[torch.Tensor]:
-        """Per training sample, the anchors the free speculators cover (stages/train/complement.py), computed
-        before the first step from the stores in request order; recipe objective.free_anchor_weight weighs them."""
-        from dflash_train.stages.train.complement import free_coverage
-
-        t0 = time.time()
-        coverage = free_coverage(((ids, mask) for store in self.data.stores.stores for ids, mask, _ in store.tokens()),
-                                 self.recipe.drafter.block_size)
-        self.free_coverage = coverage.summary()
-        if self.main:
-            c = self.free_coverage
-            print(f"free speculators: {c['covered']:.1%} of {c['anchors']:,} training anchors covered (the suffix tree "
-                  f"{c['by_suffix']:.1%}, prompt lookup {c['by_lookup']:.1%}), drawn "
-                  f"{self.recipe.objective.free_anchor_weight:g}x as often ({time.time() - t0:.1f} s)", flush=True)
-        return coverage.covered
-
-    def sample(self, i: int) -> dict[str, Any]:
-        """Store sample i as training reads it: with the anchors the free speculators cover, where they weigh."""
-        sample = self.data.stores[i]
-        return sample if self.free_covered is None else {**sample, "free_covered": self.free_covered[i]}
 
     def cleanup(self) -> None:
         self.accelerator.wait_for_everyone()
