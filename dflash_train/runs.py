@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from dflash_train.errors import UserError
 from dflash_train.options import at_least
-from dflash_train.provenance import is_complete, without_local_paths, write_json_atomic
+from dflash_train.provenance import PROVENANCE_FILE, is_complete, without_local_paths, write_json_atomic
 from dflash_train.report_tables import by_role, table
 
 REPO = Path(__file__).resolve().parent.parent  # the checkout's root: train.py, recipes/, data/
@@ -192,18 +192,23 @@ def recorded_seconds(folder: Path) -> float | None:
 
 
 def run_stage(name: str, folder: Path, command: list[str], log: Log, env: dict[str, str] | None = None,
-              rerun: bool = False) -> None:
+              rerun: bool = False, verdict_exit: int | None = None) -> None:
     """Run `command` unless `folder` is already complete (or always, with `rerun`: a quick stage whose output
-    should reflect the latest inputs); stop the script with a clear message if it fails."""
+    should reflect the latest inputs); stop the script with a clear message if it fails. `verdict_exit`: an exit
+    status that gives the stage's verdict rather than a failure where the stage completed its folder in this run
+    (`push --dry-run` exits 2 where the gate would refuse the real push, its preview written)."""
     if not rerun and stage_decision(folder, command) == "skip":
         print(f"\n=== {name}: {folder} is complete, skipping (delete it to redo this stage)", flush=True)
         log.add(name, command, recorded_seconds(folder), skipped=True)
         return
     print(f"\n=== {name}: {shlex.join(command)}", flush=True)
     start = time.perf_counter()
+    started = time.time()
     result = subprocess.run(command, cwd=REPO, env={**os.environ, **(env or {})})
     seconds = time.perf_counter() - start
-    if result.returncode != 0:
+    verdict = result.returncode == verdict_exit and is_complete(folder) and \
+        (folder / PROVENANCE_FILE).stat().st_mtime >= started - 1
+    if result.returncode != 0 and not verdict:
         print(f"\nstopped: stage {name!r} failed (exit {result.returncode}) after {seconds:.0f} s; its error is "
               f"above.\ncommand: {shlex.join(command)}\nFix it and rerun: finished stages are skipped.",
               file=sys.stderr, flush=True)
@@ -214,7 +219,8 @@ def run_stage(name: str, folder: Path, command: list[str], log: Log, env: dict[s
     write_json_atomic(record_path(folder), {"command": normalized(command), "seconds": round(seconds, 1),
                                             "finished": time.strftime("%Y-%m-%d %H:%M %Z")})
     log.add(name, command, seconds, skipped=False)
-    print(f"=== {name}: done in {seconds:.0f} s", flush=True)
+    print(f"=== {name}: done in {seconds:.0f} s" + (f" (exit {result.returncode}: its verdict, above)" if verdict
+                                                     else ""), flush=True)
 
 
 def capture_command(prompts: Path, store: Path, split: str, limit: int, max_prompt_tokens: int,

@@ -44,7 +44,7 @@ from dflash_train.errors import CommandParser
 from dflash_train.lookup import combined_problem
 from dflash_train.options import at_least, in_range, int_list
 from dflash_train.provenance import is_complete
-from dflash_train.report_tables import BESIDE_THE_DRAFTER, combined_line, speculator_to_serve
+from dflash_train.report_tables import BESIDE_THE_DRAFTER, combined_line, combined_name, speculator_to_serve
 
 REPO = runs.REPO
 
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         [drafter], prompts, eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens, eval_store, report,
         args.engine, [*target, *eval_options(args, plan)]), log)
     runs.run_stage("push (dry run)", push, runs.push_command(drafter, args.repo, report, push, ["--dry-run"]), log,
-                   rerun=True)
+                   rerun=True, verdict_exit=2)  # 2: the gate would refuse the real push; the preview is written
 
     artefacts = [("prompts", prompts), ("capture store", store), ("held-out store", eval_store),
                  ("training run", run), ("drafter", drafter), ("eval report", report), ("push folder (dry run)", push)]
@@ -263,7 +263,8 @@ def demo_summary(args: argparse.Namespace, plan: dict | None, log: runs.Log, rep
                            if served and served["name"] == what else
                            f": faster than the drafter, slower than {served['name']}" if served and
                            (other.get("speedup") or 0) > (e.get("speedup") or 0) else ": the drafter is the faster")
-                lines.append(f"- {name}, {what}{' (no model)' if key != 'combined' else ''}: tau "
+                named = f"{what} ({combined_name(other)})" if key == "combined" else f"{what} (no model)"
+                lines.append(f"- {name}, {named}: tau "
                              f"{_num(other.get('tau'))}, K {other.get('k')}, speedup {_speedup(other)}{verdict}")
                 if key == "combined":
                     lines.append(f"  {combined_line(other)}")

@@ -238,7 +238,7 @@ def test_the_combined_speculator_in_the_demo_is_planned_as_an_engine_of_its_own_
     summary = demo.demo_summary(args, None, runs.Log(), {"engines": {"vllm": vllm}}, 1.0, [])
     assert ("- vllm, the combined speculator (drafter + prompt lookup): tau 2.60, K 9, speedup 1.45x: faster than "
             "the drafter here, serve it instead") in summary
-    assert "10 of 40 blocks came from lookup (40 of 270 drafts kept from drafter, 25 of 40 drafts kept from " \
+    assert "of 40 blocks 10 came from lookup (40 of 270 drafts kept from drafter, 25 of 40 drafts kept from " \
            "lookup)" in summary
     assert "prompt lookup (no model): tau 1.40, K 4, speedup 1.25x: faster than the drafter, slower than the " \
            "combined speculator" in summary
