@@ -130,15 +130,17 @@ def step_costs(args: argparse.Namespace) -> tuple[float, float]:
     return da + db * args.k_drafter, la + lb * args.k_lookup
 
 
-def answer_walks(tables: list[list[dict]], choose, args: argparse.Namespace) -> tuple[list[float], list[float]]:
-    """Per answer, the tokens a rule commits and the modelled cost of its steps (plain decoding steps)."""
+def answer_walks(tables: list[list[dict]], choose, args: argparse.Namespace
+                 ) -> tuple[list[float], list[int], list[float]]:
+    """Per answer, the tokens a rule commits, its steps and their modelled cost (plain decoding steps)."""
     drafter_step, lookup_step = step_costs(args)
-    tokens, costs = [], []
+    tokens, counts, costs = [], [], []
     for rows in tables:
         steps = walk(rows, choose, args.k_drafter, args.k_lookup)
         tokens.append(float(sum(t for _, t, _ in steps)))
+        counts.append(len(steps))
         costs.append(sum(drafter_step if ran else lookup_step for _, _, ran in steps))
-    return tokens, costs
+    return tokens, counts, costs
 
 
 def against(mine: list[list[dict]], theirs: list[list[dict]], choose, args: argparse.Namespace) -> dict:
@@ -147,9 +149,10 @@ def against(mine: list[list[dict]], theirs: list[list[dict]], choose, args: argp
     this drafter's to the other's with a 95% bootstrap interval over answers."""
     from dflash_train.stages.evaluate.metrics import bootstrap_interval
 
-    (tok_a, cost_a), (tok_b, cost_b) = answer_walks(mine, choose, args), answer_walks(theirs, choose, args)
-    tau_a = [t / len(walk(rows, choose, args.k_drafter, args.k_lookup)) for t, rows in zip(tok_a, mine)]
-    tau_b = [t / len(walk(rows, choose, args.k_drafter, args.k_lookup)) for t, rows in zip(tok_b, theirs)]
+    (tok_a, steps_a, cost_a), (tok_b, steps_b, cost_b) = answer_walks(mine, choose, args), \
+        answer_walks(theirs, choose, args)
+    tau_a = [t / n for t, n in zip(tok_a, steps_a)]
+    tau_b = [t / n for t, n in zip(tok_b, steps_b)]
 
     def tau_ratio(idx):
         return sum(tau_a[i] for i in idx) / sum(tau_b[i] for i in idx)
