@@ -564,6 +564,25 @@ def test_an_engine_that_dies_is_one_line_and_leaves_no_report(overfit_drafter, e
     assert log.is_file() and log.is_relative_to(tmp_path)
 
 
+def untrained_eval_command(engine_target, prompts_file, tmp_path: Path, *extra: str) -> tuple[list[str], Path, Path]:
+    """`dflash-train eval` in vLLM of one prompt with an untrained tiny drafter (a test stops it while its engine
+    runs, before it drafts), and its scratch folder (made: the eval's TMPDIR) and output folder."""
+    from test_spec_decode import tiny_drafter
+
+    from dflash_train.model.checkpoint import save_drafter
+    from dflash_train.target import load_target
+
+    target = load_target(str(engine_target), dtype=torch.float32)
+    model, config = tiny_drafter(target, block_size=4)
+    config.target = target.identity().to_dict()
+    drafter = save_drafter(model, config, tmp_path / "drafter")
+    scratch, out = tmp_path / "tmp", tmp_path / "eval"
+    scratch.mkdir()
+    return ([sys.executable, "-m", "dflash_train", "eval", "--engine", "vllm", "--dtype", "fp32", "--drafter",
+             str(drafter), "--target", str(engine_target), "--prompts", str(prompts_file), "--out", str(out),
+             "--limit", "1", *extra], scratch, out)
+
+
 @needs_vllm
 @pytest.mark.slow
 def test_ctrl_c_while_the_engine_runs_is_one_line_and_leaves_no_scratch_folder(engine_target, prompts_file,
@@ -571,20 +590,7 @@ def test_ctrl_c_while_the_engine_runs_is_one_line_and_leaves_no_scratch_folder(e
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) once the engine is running: exit 130,
     one line, no traceback, and neither the eval folder nor its scratch folder of engine runs is left (an eval
     used to leave a dflash-eval-engine-* folder in the temporary folder whenever it ended after an engine ran)."""
-    from test_spec_decode import tiny_drafter
-
-    from dflash_train.model.checkpoint import save_drafter
-    from dflash_train.target import load_target
-
-    target = load_target(str(engine_target), dtype=torch.float32)
-    model, config = tiny_drafter(target, block_size=4)  # untrained: the engine is stopped before it drafts
-    config.target = target.identity().to_dict()
-    drafter = save_drafter(model, config, tmp_path / "drafter")
-    scratch, out = tmp_path / "tmp", tmp_path / "eval"
-    scratch.mkdir()
-    command = [sys.executable, "-m", "dflash_train", "eval", "--engine", "vllm", "--dtype", "fp32", "--drafter",
-               str(drafter), "--target", str(engine_target), "--prompts", str(prompts_file), "--out", str(out),
-               "--limit", "1"]
+    command, scratch, out = untrained_eval_command(engine_target, prompts_file, tmp_path)
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=dict(os.environ, TMPDIR=str(scratch)))
     engine_pid_of(proc)
@@ -746,22 +752,11 @@ def test_an_eval_killed_while_its_engine_runs_leaves_no_engine_nor_scratch_and_i
     """`kill` (or `kill -9`) of the eval alone, once its engine runs: the engine stops with it, nothing is left but
     the eval folder, holding no report (at most its engine runs, which the rerun removes); the eval used to leave its
     scratch folder of engine runs in the temporary folder. The same command run again writes the whole report."""
-    from test_spec_decode import tiny_drafter
-
-    from dflash_train.model.checkpoint import save_drafter
     from dflash_train.provenance import INCOMPLETE_MARKER, LOCK_FILE, is_complete
     from dflash_train.stages.evaluate.command import ENGINE_RUNS
-    from dflash_train.target import load_target
 
-    target = load_target(str(engine_target), dtype=torch.float32)
-    model, config = tiny_drafter(target, block_size=4)
-    config.target = target.identity().to_dict()
-    drafter = save_drafter(model, config, tmp_path / "drafter")
-    scratch, out = tmp_path / "tmp", tmp_path / "eval"
-    scratch.mkdir()
-    command = [sys.executable, "-m", "dflash_train", "eval", "--engine", "vllm", "--dtype", "fp32", "--drafter",
-               str(drafter), "--target", str(engine_target), "--prompts", str(prompts_file), "--out", str(out),
-               "--limit", "1", "--max-new-tokens", "8", "--training-prompts"]
+    command, scratch, out = untrained_eval_command(engine_target, prompts_file, tmp_path, "--max-new-tokens", "8",
+                                                   "--training-prompts")
     env = dict(os.environ, TMPDIR=str(scratch))
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=env)
