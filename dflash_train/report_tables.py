@@ -233,7 +233,9 @@ def ranking_lines(engine: dict[str, Any]) -> list[str]:
     rows = [(str(i), r.get("speculator"), fmt(r.get("k")), with_interval(r.get("tau"), r.get("tau_interval")),
              with_interval(r.get("speedup"), r.get("speedup_interval")) + "×", fmt(r.get("lossless_mismatches")))
             for i, r in enumerate(ranked, 1)]
-    return ["", "Ranked by speed one request at a time, each at its own fastest K, on the same prompts:", "",
+    prompts = {r.get("prompts") for r in ranked}
+    on = f"the same {prompts.pop()} prompts" if len(prompts) == 1 and None not in prompts else "the same prompts"
+    return ["", f"Ranked by speed one request at a time, each at its own fastest K, on {on}:", "",
             table(rows, ("Rank", "Speculator", "K", "τ", "Speedup", "Lossless mismatches"))]
 
 

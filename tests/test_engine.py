@@ -391,6 +391,32 @@ def test_constrained_requests_are_decoded_under_them_losslessly_in_both_engines_
 
 @needs_vllm
 @pytest.mark.slow
+def test_a_free_limit_times_the_free_speculators_on_the_first_prompts_and_ranks_all_on_those(
+        overfit_drafter, engine_target, prompts_file, tmp_path):
+    """`--free-limit 2`: prompt lookup and the combined speculator are timed on the first two prompts only, the
+    drafter on all; the ranking compares every speculator on those two (the drafter's figure there, not its
+    headline over all), and says so."""
+    out = tmp_path / "eval"
+    assert eval_cli("--engine", "vllm", "--drafter", overfit_drafter, "--target", engine_target, "--prompts",
+                    prompts_file, "--out", out, "--speculative-tokens", "7", "--concurrency", "2", "--ngram", "3",
+                    "--combined", "k=3,confidence=1", "--free-limit", "2") == 0
+    vllm = json.loads((out / "report.json").read_text())["engines"]["vllm"]
+    drafted = [p["id"] for p in vllm["per_prompt"]]
+    assert len(drafted) == len(PROMPTS)
+    for free in (vllm["ngram"], vllm["combined"]):
+        assert [p["id"] for p in free["per_prompt"]] == drafted[:2] and free["lossless_mismatches"] == 0
+    ranked = {r["speculator"]: r for r in vllm["ranking"]}
+    assert set(ranked) == {"drafter", "prompt lookup", "drafter + prompt lookup"}
+    assert {r["prompts"] for r in ranked.values()} == {2}
+    first = vllm["per_prompt"][:2]
+    on_two = sum(p["plain_core_s"] for p in first) / sum(p["spec_core_s"] for p in first)
+    assert ranked["drafter"]["speedup"] == pytest.approx(on_two) and vllm["speedup"] != ranked["drafter"]["speedup"]
+    assert ranked["prompt lookup"]["speedup"] == vllm["ngram"]["speedup"]
+    assert "each at its own fastest K, on the same 2 prompts:" in (out / "report.md").read_text()
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_the_lossless_check_alone_decodes_each_prompt_plain_and_speculative_to_its_stop(overfit_drafter,
                                                                                        engine_target, tmp_path):
     """The eval's fp32 rerun of its mismatches (`check` mode): per prompt the plain output to its natural stop and

@@ -257,7 +257,8 @@ def _timed(job: EngineJob, plain: Any, start, generate, params: Callable[[Engine
     3. Then vLLM's prompt lookup at K = `job.ngram_tokens`, the same way, at batch 1 and at each concurrency
        (whatever the budget: a baseline asked for is measured); its run says `"method": "ngram"` (or, with
        `job.lookup_method` "suffix", vLLM's suffix decoding: `"method": "suffix"`; "combined", the drafter with
-       the combined speculator's plugin on: `"method": "combined"`, each output with its blocks by source)."""
+       the combined speculator's plugin on: `"method": "combined"`, each output with its blocks by source), on
+       the first `job.free_limit` prompts where it is set."""
     import gc
 
     todo = [("dflash", k) for k in job.speculative_tokens]
@@ -287,7 +288,8 @@ def _timed(job: EngineJob, plain: Any, start, generate, params: Callable[[Engine
         if i:
             t0 = time.perf_counter()
             opened = start(k, method)
-        run = _timed_k(job, plain, opened, generate, warm_up, fixed, method, k)
+        run = _timed_k(job, plain, opened, generate, warm_up,
+                       fixed if method == "dflash" else fixed[:job.free_limit], method, k)
         del opened
         gc.collect()
         run["seconds"] = time.perf_counter() - t0

@@ -64,6 +64,7 @@ class EngineJob:
     # lookup's block where `combined`, a lookup.CombinedRule setting, picks it (engine.combined; check mode too)
     lookup_method: str = "ngram"
     combined: str | None = None
+    free_limit: int | None = None  # timed mode: the free speculators (not "dflash") time only the first N prompts
 
     def max_num_seqs(self) -> int | None:
         """timed, check: the largest concurrency (one engine serves batch 1 and every concurrency); batch: vLLM's."""

@@ -85,6 +85,10 @@ class EvalConfig:
                                help="vLLM: also time the engine's suffix decoding (method suffix: drafts from a suffix "
                                     "tree over the prompt and the answers it gave before; no model) at these K, the "
                                     "same way, each K in an engine of its own (needs arctic-inference: make install)")
+    free_limit: int | None = option(None, check=at_least(1), metavar="N",
+                                    help="vLLM: time prompt lookup, suffix decoding and the combined speculator on "
+                                         "the first N prompts only (the drafter on all; the ranking compares every "
+                                         "speculator on the prompts all of them decoded): a shorter eval")
     combined: str | None = option(None, metavar="RULE", check=combined_problem,
                                   help="vLLM: also time the combined speculator (this package's vLLM plugin: the "
                                        "suffix tree's block where its score reaches the rule's suffix, else prompt "

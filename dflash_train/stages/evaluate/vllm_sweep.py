@@ -264,12 +264,28 @@ def ranking(drafter: dict[str, Any], lookup: dict[str, Any] | None, suffix: dict
     """The drafter, prompt lookup, suffix decoding and the combined speculator at each one's fastest K (the
     combined one at combined_entry's), fastest first at batch 1 (by the engine's speedup over plain decoding on the
     same prompts), with tau and the intervals: what to serve."""
-    rows = [{"speculator": name, "k": row["k"], "tau": row["tau"], "tau_interval": row.get("tau_interval"),
-             "speedup": row["speedup"], "speedup_interval": row.get("speedup_interval"),
-             "lossless_mismatches": row.get("lossless_mismatches")}
-            for name, row in (("drafter", drafter), ("prompt lookup", lookup), ("suffix decoding", suffix),
-                              (combined and parse_combined(combined["setting"]).name, combined)) if row]
+    named = [(name, row) for name, row in (("drafter", drafter), ("prompt lookup", lookup),
+                                           ("suffix decoding", suffix),
+                                           (combined and parse_combined(combined["setting"]).name, combined)) if row]
+    shared = set.intersection(*({p["id"] for p in row["per_prompt"]} for _, row in named))
+    rows = [{"speculator": name, "k": row["k"], **on_prompts(row, shared),
+             "lossless_mismatches": row.get("lossless_mismatches")} for name, row in named]
     return sorted(rows, key=lambda r: -(r["speedup"] if math.isfinite(r["speedup"] or math.nan) else -1.0))
+
+
+def on_prompts(row: dict[str, Any], ids: set[str]) -> dict[str, Any]:
+    """A K row's tau (the mean of per-prompt taus) and engine speedup, with their intervals, on the prompts `ids`
+    of those it timed (all of them: the row's own figures; fewer where a speculator timed only the first prompts,
+    eval --free-limit, so that the ranking compares every speculator on the same prompts); and how many."""
+    picked = [p for p in row["per_prompt"] if p["id"] in ids]
+    if len(picked) == len(row["per_prompt"]):
+        return {"tau": row["tau"], "tau_interval": row.get("tau_interval"), "speedup": row["speedup"],
+                "speedup_interval": row.get("speedup_interval"), "prompts": len(picked)}
+    taus = [p["tau"] for p in picked if p["tau"] is not None]
+    timing = timing_figures(picked)
+    return {"tau": sum(taus) / len(taus) if taus else None,
+            "tau_interval": bootstrap_interval(mean_of(taus), len(taus)), "speedup": timing["speedup"],
+            "speedup_interval": timing["speedup_interval"], "prompts": len(picked)}
 
 
 def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], block_size: int, dtype_name: str,
@@ -395,7 +411,8 @@ class EngineRunner:
                         device=torch.device(self.device).type, engine_args=cfg.engine_args,
                         speculative_tokens=ks, concurrency=concurrency, repeats=cfg.repeats, budget_s=budget_s,
                         ngram_tokens=cfg.ngram[0] if cfg.ngram and mode == "timed" else None,
-                        lookup_method="combined" if combined else "ngram", combined=combined)
+                        lookup_method="combined" if combined else "ngram", combined=combined,
+                        free_limit=cfg.free_limit if mode == "timed" else None)
         budget = f", {budget_s:.0f} s budget" if budget_s is not None and len(ks) > 1 else ""
         if self.first is not None and mode == "timed":
             budget += f"; K = {self.first} first, " + (
