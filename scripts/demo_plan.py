@@ -20,7 +20,8 @@ from pathlib import Path
 
 from demo_probe import ENGINE_DECODE_PROBE_PROMPTS, ENGINE_PROBE_PROMPTS, demo_recipe, rendered_prompts
 
-from dflash_train.engine.child import IDLE_S
+from dflash_train.device import default_device
+from dflash_train.engine.child import idle_s
 from dflash_train.errors import UserError
 
 VLLM_START_S = 25.0  # the engine's child process on a 2-core CPU: its start, vLLM's import, the plain engine
@@ -133,7 +134,7 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     def per_k_s(slowdown: float, n: int = n_eval) -> float:
         """One K in vLLM: its speculative engine's start, then each of n prompts and the concurrent requests timed."""
         return spec_start_s + (n + EVAL_CONCURRENCY / 2) * (
-            pair_s(engine_prefill_s, engine_decode_s, slowdown) + 2 * IDLE_S)
+            pair_s(engine_prefill_s, engine_decode_s, slowdown) + 2 * idle_s(default_device()))
 
     least_sweep_s = n_eval * (engine_prefill_s + engine_decode_s) + per_k_s(drafter_slowdown)  # plain's
     #               natural lengths, then one K
@@ -243,7 +244,7 @@ def probe_rest_s(args: argparse.Namespace, first: dict) -> float:
         #   prompt to its natural stop, then plain and speculative, at the project's loop's rate and the worst slowdown
         request_s = first["prefill_s"] + args.eval_max_new_tokens / first["decode_tok_s"]
         rest_s += SLOW_VLLM_START_S + SPEC_ENGINE_START_S + ENGINE_DECODE_PROBE_PROMPTS * (
-            request_s * (2 + ENGINE_SLOWDOWN) + 2 * IDLE_S)
+            request_s * (2 + ENGINE_SLOWDOWN) + 2 * idle_s(default_device()))
     return rest_s
 
 

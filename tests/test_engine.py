@@ -230,6 +230,7 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
     vllm, own = report["engines"]["vllm"], report["engines"]["own"]
     assert vllm["version"] == vllm_version()
     assert vllm["environment"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # on CPU, the engine in the child itself
+    assert "each request right after the last (on CPU no idle engine polls)" in vllm["timing"]["protocol"]
     rows = {row["k"]: row for row in vllm["sweep"]}
     assert sorted(rows) == [1, 7] and vllm["timing"]["skipped_k"] == []
     for row in rows.values():

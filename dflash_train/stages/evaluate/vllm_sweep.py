@@ -16,7 +16,7 @@ import torch
 
 from dflash_train.engine import runner
 from dflash_train.engine.args import serve_command
-from dflash_train.engine.child import IDLE_S
+from dflash_train.engine.child import idle_s
 from dflash_train.engine.install import suffix_problem
 from dflash_train.engine.jobs import (LOOKUP_METHODS, VLLM_DTYPES, EngineJob, EngineOutput, EngineRequest, EngineResult,
                                      engine_steps, lookup_job)
@@ -39,7 +39,7 @@ HEADLINE = ("tau", "tau_interval", "tau_steps", "per_position_acceptance", "tau_
 TIMING_PROTOCOL = ("warm engines (one short request each first), plain and speculative side by side in one process; "
                    "each prompt decoded alone to its natural stop by plain decoding, then timed plain and speculative "
                    "at that length with ignore_eos (the same number of new tokens on both sides), alternating which "
-                   f"side goes first, each request {IDLE_S} s after the last (the idle engine stops polling) with "
+                   "side goes first, each request {idle} with "
                    "both engines' prefix caches emptied (every timed prompt prefilled in full); timed "
                    "by the engine core from the request's arrival to its last token (the decode phase alone: from "
                    "its first token) and by a stopwatch around the whole request; concurrency c: the first c "
@@ -583,7 +583,9 @@ def timing_entry(run: EngineRunner, result: EngineResult, seconds: float, natura
               *(f"suffix decoding {r['k']}" for r in suffix_rows),
               *(f"{parse_combined(r['setting']).name} {r['k']}" for r in combined_rows)]
     drift = host_drift(rates)
-    return {"protocol": TIMING_PROTOCOL, "repeats": run.cfg.repeats, "budget_s": run.cfg.sweep_budget_s,
+    idle = idle_s(torch.device(run.device).type)
+    return {"protocol": TIMING_PROTOCOL.format(idle=f"{idle:g} s after the last (the idle engine stops polling)" if idle
+                                               else "right after the last (on CPU no idle engine polls)"), "repeats": run.cfg.repeats, "budget_s": run.cfg.sweep_budget_s,
             "measured_k": [row["k"] for row in sweep], "skipped_k": result.timed["skipped"],
             "first_k": None if run.first is None else {"k": run.first, "from": run.source, "slack": SWEEP_FIRST_SLACK,
                                                        "step_cost": run.cfg.step_cost},
