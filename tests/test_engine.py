@@ -690,9 +690,10 @@ def test_a_request_the_engine_refuses_is_dropped_with_its_reason_and_every_other
 @pytest.mark.slow
 def test_a_prompt_the_engine_refuses_is_left_out_of_every_comparison_and_named_in_the_report(
         engine_target, tmp_path, capsys):
-    """`eval --engine vllm` where vLLM refuses one prompt: plain decoding and the drafter both decode only the
-    others (paired by prompt), the report names the refused one with the engine's reason; where it refuses every
-    prompt, one line, exit 2, no folder."""
+    """`eval --engine both` where vLLM refuses one prompt: plain decoding and the drafter both decode only the
+    others (paired by prompt), and so does the project's loop (whose grammar backend cannot read that prompt's
+    regex either: it stopped the eval with a RuntimeError); the report names the refused one with the engine's
+    reason in both engines' entries; where vLLM refuses every prompt, one line, exit 2, no folder."""
     from test_spec_decode import tiny_drafter
 
     from dflash_train.cli import main
@@ -708,18 +709,23 @@ def test_a_prompt_the_engine_refuses_is_left_out_of_every_comparison_and_named_i
     ids = ids_by_text(log)
 
     def eval_of(prompts: Path, out: Path) -> int:
-        return main(["eval", "--engine", "vllm", "--dtype", "fp32", "--threads", "1", "--drafter", str(drafter),
+        return main(["eval", "--engine", "both", "--dtype", "fp32", "--threads", "1", "--drafter", str(drafter),
                      "--target", str(engine_target), "--prompts", str(prompts), "--out", str(out),
                      "--max-new-tokens", "6", "--speculative-tokens", "2", "--concurrency", "2"])
 
     assert eval_of(log, tmp_path / "eval") == 0
-    vllm = json.loads((tmp_path / "eval" / "report.json").read_text())["engines"]["vllm"]
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    vllm, own = report["engines"]["vllm"], report["engines"]["own"]
     refused, kept = ids[texts[1]], sorted(ids[t] for t in (texts[0], texts[2]))
     (why,) = vllm["refused_by_engine"].values()
     assert list(vllm["refused_by_engine"]) == [refused] and why.startswith("VLLMValidationError: "), why
     (row,) = vllm["sweep"]
     assert sorted(p["id"] for p in row["per_prompt"]) == kept and row["lossless_checked"] == 2
-    assert f"- {refused}: {why}" in (tmp_path / "eval" / "report.md").read_text()
+    assert own["refused_by_engine"] == {refused: why}
+    assert sorted(p["id"] for p in report["per_prompt"]) == kept and own["lossless_checked"] == 2
+    md = (tmp_path / "eval" / "report.md").read_text()
+    assert f"- {refused}: {why}" in md
+    assert f"Not decoded here: the 1 prompt(s) vLLM refused ({refused}; its reasons above)" in md
     assert f"vLLM refused 1 prompt(s), left out of every comparison: {refused}: {why}" in capsys.readouterr().out
 
     only = log_with_one_refused(tmp_path / "only.jsonl", [texts[1]], refused_at=0)

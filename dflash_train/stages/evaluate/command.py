@@ -24,8 +24,9 @@ set it recorded) are compared with the prompts to evaluate. `--store` is re-hash
 
 The stage's modules, in the order the data goes through them: config (EvalConfig, the flags), this one (the checks,
 `evaluate` that runs the rest, the CLI), metrics (tau, acceptance by position, bootstrap intervals, the offline
-estimate), own_loop (the project's decoding loop and its lossless check), vllm_sweep (the same drafter in vLLM at each
-speculation length, with requests decoded together), report (report.json, report.md, the plots).
+estimate), vllm_sweep (the drafter in vLLM at each speculation length, with requests decoded together), own_loop (the
+project's decoding loop and its lossless check, on the prompts vLLM took: one it refused is left out of every
+comparison), report (report.json, report.md, the plots).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from dflash_train.report_tables import by_role
 from dflash_train.stages.evaluate.metrics import offline_estimate
 from dflash_train.stages.evaluate.own_loop import load_methods, own_engine_summary, own_loop_eval
 from dflash_train.stages.evaluate.report import markdown, write_report
-from dflash_train.stages.evaluate.vllm_sweep import engine_eval, tau_by_k_of
+from dflash_train.stages.evaluate.vllm_sweep import engine_eval
 from dflash_train.target import Features, Target, check_fits, load_target
 
 STAGE = "eval"
@@ -162,16 +163,18 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     if store is not None:
         report["offline"] = offline_entry(cfg, store, main, target, B, prompts)
         report["tau_offline"] = report["offline"]["tau"]
-    if own:
-        own_prompts = dict(list(prompts.items())[:cfg.own_limit])
-        report["settings"]["own_prompts"] = len(own_prompts)
-        report.update(own_loop_eval(cfg, device, methods, target, own_prompts, dtype, constraints))
-        report["engines"]["own"] = own_engine_summary(report)
+    refused: dict[str, str] = {}  # by vLLM: id -> its reason
     if in_engine:
         if workdir is None:
             raise ValueError("evaluate(..., workdir) is needed when the engine takes part")
         report["engines"]["vllm"] = engine_eval(cfg, target, prompts, B, dtype_name, device, Path(workdir),
-                                                expected_tau(report, own), constraints)
+                                                expected_tau(report), constraints)
+        refused = report["engines"]["vllm"]["refused_by_engine"]
+    if own:  # after vLLM: a prompt it refused is left out of every comparison, the project's loop's too
+        own_prompts = dict([(rid, ids) for rid, ids in prompts.items() if rid not in refused][:cfg.own_limit])
+        report["settings"]["own_prompts"] = len(own_prompts)
+        report.update(own_loop_eval(cfg, device, methods, target, own_prompts, dtype, constraints))
+        report["engines"]["own"] = {**own_engine_summary(report), "refused_by_engine": refused}
     report["tau_gap"] = tau_gap(report)
     return report
 
@@ -233,11 +236,10 @@ def offline_entry(cfg: EvalConfig, store, main: DFlashProposer, target: Target, 
     return offline
 
 
-def expected_tau(report: dict[str, Any], own: bool) -> tuple[str, list[float]] | None:
+def expected_tau(report: dict[str, Any]) -> tuple[str, list[float]] | None:
     """What the engine sweep starts from (vllm_sweep.sweep_first_k): the expected tau at each K by the offline
-    estimate, else by the project's loop's acceptance by position, else nothing."""
-    return (("offline estimate", report["offline"]["tau_by_k"]) if report["offline"] else
-            ("project's loop", tau_by_k_of(report["per_position_acceptance"])) if own else None)
+    estimate, else nothing (the project's loop decodes after the engine, the prompts it took)."""
+    return ("offline estimate", report["offline"]["tau_by_k"]) if report["offline"] else None
 
 
 def tau_gap(report: dict[str, Any]) -> float | None:
