@@ -13,10 +13,12 @@ every anchor, no target forward), walked as greedy decoding walks each answer, w
 reported beside the online tau.
 
 Writes OUT/report.json, OUT/report.md, OUT/acceptance_by_position.png, OUT/tau_histogram.png and
-OUT/provenance.json; the folder stays marked incomplete until all of them are written. OUT is claimed for the run
-(provenance.OutputClaim): a folder another stage wrote, or one another eval is writing, is refused up front. While
-it runs, OUT/.engine-runs holds the engine runs (jobs and logs; their logs are copied to OUT/engine at the end): an
-eval killed outright leaves nothing outside OUT, and no engine (engine.child stops with its stage).
+OUT/provenance.json. OUT is claimed for the run (provenance.OutputClaim): a folder another stage wrote, or one
+another eval is writing, is refused up front; then it is marked incomplete until all of them are written, so that an
+eval killed (SIGKILL, SIGTERM, Ctrl-C) leaves it marked and its rerun completes it (an eval refused with one line
+leaves it as it was). While it runs, OUT/.engine-runs holds the engine runs (jobs and logs; their logs are copied to
+OUT/engine at the end): an eval killed outright leaves nothing outside OUT, and no engine (engine.child stops with its
+stage).
 
 Prompts the drafter was trained on are refused (`check_held_out`): they would overstate tau. The drafter's
 training_args.json names its training stores; their sample ids (or, where a store is not on this machine, the prompt
@@ -42,8 +44,8 @@ import torch
 from dflash_train import constraints as request_constraints
 from dflash_train.errors import UserError, writing
 from dflash_train.options import add_options, from_args, validate
-from dflash_train.provenance import (LOCK_FILE, OutputClaim, complete_output, read_json, start_output,
-                                     write_provenance)
+from dflash_train.provenance import (INCOMPLETE_MARKER, LOCK_FILE, OutputClaim, complete_output, read_json,
+                                     start_output, write_provenance)
 from dflash_train.spec_decode import DFlashProposer
 from dflash_train.stages.evaluate.config import EvalConfig
 from dflash_train.report_tables import by_role
@@ -56,8 +58,8 @@ from dflash_train.target import Features, Target, check_fits, load_target
 STAGE = "eval"
 ENGINE_RUNS = ".engine-runs"  # OUT's scratch folder of engine runs while the eval runs
 # what a Ctrl-C leaves (errors.run_as_command prints it)
-INTERRUPTED = ("no report was written (an eval writes its folder only once every run has finished); rerun the same "
-               "command to evaluate again")
+INTERRUPTED = ("the folder stays marked INCOMPLETE (an eval completes it only once every run has finished); rerun "
+               "the same command to evaluate again")
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -319,7 +321,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def is_eval_folder(folder: Path) -> bool:
     """An eval's output from before folders recorded their stage: its report.json holds a tau and the settings (a
-    report.json alone may be anyone's); or what a killed eval left in a folder it had created: its engine runs."""
+    report.json alone may be anyone's); or what an eval killed before evals marked their folder left in one it had
+    created: its engine runs."""
     if {p.name for p in folder.iterdir()} <= {ENGINE_RUNS, LOCK_FILE}:
         return True
     try:
@@ -344,12 +347,14 @@ def run(args: argparse.Namespace) -> int:
         # the failure report: then moved to the temporary folder, the line naming it there
         workdir = out / ENGINE_RUNS
         shutil.rmtree(workdir, ignore_errors=True)  # a killed run's
+        marked = (out / INCOMPLETE_MARKER).exists()  # by an eval killed before this one
         with writing(out):
+            start_output(out, STAGE)  # until the report is written: an eval killed (or Ctrl-C) leaves it marked
             workdir.mkdir()
+        report = None
         try:
             report = evaluate(cfg, workdir)  # all checks and decoding first: a bad input leaves no half-written folder
             with writing(out):
-                start_output(out, STAGE)
                 write_report(report, out)
                 if report["engines"].get("vllm"):
                     logs = out / "engine"
@@ -360,6 +365,8 @@ def run(args: argparse.Namespace) -> int:
                                  target=report["target"])
                 complete_output(out)
         except UserError as err:
+            if report is None and not marked:  # refused before any write: the folder as it was (one it made goes)
+                (out / INCOMPLETE_MARKER).unlink()
             if str(workdir) in str(err):
                 kept = Path(tempfile.mkdtemp(prefix="dflash-eval-engine-"))
                 for run_dir in workdir.iterdir():
