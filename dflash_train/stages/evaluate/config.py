@@ -62,8 +62,8 @@ class EvalConfig:
     speculative_tokens: list[int] | None = option(
         None, metavar="K,K,...", check=SPECULATION_LENGTHS,
         help="vLLM: the speculation lengths K to time, in this order (default: 1 to B - 1, the most telling "
-             "first: the shortest K that keeps tau by the --store's offline estimate, else by the project's loop, "
-             "else B - 1; then 1 and the middle of the widest gap); the fastest at batch 1 is best_k")
+             "first: the shortest K that keeps tau by the --store's offline estimate, else B - 1; then 1 and the "
+             "middle of the widest gap); the fastest at batch 1 is best_k")
     sweep_budget_s: float = option(900.0, check=at_least(0), metavar="S",
                                    help="vLLM: seconds for the timed runs; the first K always runs, each next one "
                                         "while the time left holds the most a K has cost")

@@ -130,6 +130,9 @@ def _own_loop_markdown(report: dict[str, Any]) -> list[str]:
                      f"{_fmt(row['draft_s'] / row['decode_s'] if row['decode_s'] and row['draft_s'] else None)} | "
                      f"{row.get('lossless_mismatches', '-')} |")
     lines.append("")
+    if refused := (report.get("engines") or {}).get("own", {}).get("refused_by_engine"):
+        lines += [f"Not decoded here: the {len(refused)} prompt(s) vLLM refused ({', '.join(refused)}; its reasons "
+                  f"above), left out of every comparison.", ""]
     mismatches = report["lossless_mismatches"]
     lines.append(f"Lossless check: {mismatches} of {report['lossless_checked']} prompts differ from plain decoding "
                  f"for the drafter.")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +143,15 @@ def timing_figures(rows: list[dict[str, Any]], intervals: bool = True) -> dict[s
 
 def _mean_times(run: dict[str, Any]) -> dict[str, float]:
     return {key: sum(run[key]) / len(run[key]) for key in TIMING}
+
+
+def taken(run: dict[str, Any], refused: dict[str, str]) -> dict[str, Any]:
+    """A timed run (engine.child._timed) without the prompts `refused` names, the eval's one rule for a prompt vLLM
+    refuses: refused by any engine run (the first, a later K's, prompt lookup's, suffix decoding's, the combined
+    speculator's, an fp32 recheck's), it is left out of every run's comparison, so that every row and every pairing
+    holds the same prompts. Its batches of requests decoded together stay as timed (the same batch on both sides)."""
+    return {**run, "batch1": [t for t in run["batch1"] if t["id"] not in refused],
+            "outputs": [o for o in run["outputs"] if o["id"] not in refused]}
 
 
 def k_row(run: dict[str, Any], natural: dict[str, Any], greedy: bool) -> dict[str, Any]:
@@ -299,41 +308,58 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     clocks with bootstrap intervals over prompts, the lossless check (greedy: speculative token ids equal plain
     ones, prompt by prompt). The fastest K at batch 1 is best_k: the entry's headline figures (what push's gate and
     the card read) are its own, and its mismatches in a low-precision dtype are rerun in fp32 through the engine.
-    Plain decoding's own speed over the sweep (plain_rates) says whether the machine held still while it measured."""
+    Plain decoding's own speed over the sweep (plain_rates) says whether the machine held still while it measured.
+    Every figure is over the prompts no engine run refused (`taken`), computed once the runs have ended (the
+    combined speculator's rule and K from the figures before its run) and again where an fp32 recheck refused a
+    prompt they held."""
     from dflash_train.model.checkpoint import drafter_identity
 
     drafter_sha256 = drafter_identity(Path(cfg.drafter))["sha256"]  # the drafter as the engine is about to read it
     source, tau_by_k = expected_tau or (None, None)
     first, ks = sweep_plan(cfg, block_size, tau_by_k)
     max_len = max(len(ids) for ids in prompts.values()) + cfg.max_new_tokens + block_size
-    run = EngineRunner(cfg, target, device, workdir, constraints or {}, max_len, first, source)
+    run = EngineRunner(cfg, target, device, workdir, prompts, constraints or {}, max_len, first, source)
     job, result = run(prompts, dtype_name, "timed", ks, cfg.concurrency, cfg.sweep_budget_s)
-    prompts, job = without_refused(cfg, prompts, job, result)
     natural, greedy = result.by_id(), cfg.temperature == 0
     drafted = [r for r in result.timed["runs"] if r.get("method", "dflash") == "dflash"]
-    sweep = [k_row(r, natural, greedy) for r in drafted]
-    free, seconds = free_speculator_runs(run, job, result, len(prompts))
-    lookup_rows, lookup = free_speculator(free["ngram"], natural, greedy)
-    suffix_rows, suffix = free_speculator(free["suffix"], natural, greedy)
-    best = fastest_at_batch_1(sweep)
-    best_run = {r["k"]: r for r in drafted}[best["k"]]
-    mismatches, recheck_s = lossless_at_best_k(run, best, best_run, natural, prompts, dtype_name)
-    rule = combined_rule(cfg.combined, best, lookup) if cfg.combined else None
-    longest = max(best["k"], rule.k, suffix["k"] if suffix and rule.suffix is not None else 0) if rule else 0
-    combined, combined_s = combined_entry(run, job, natural, rule, min(longest, block_size - 1),
-                                          prompts, dtype_name) if rule else (None, 0.0)
+    free, seconds = free_speculator_runs(run, job, result)
+
+    def rows() -> tuple:
+        """The drafter's row per K, prompt lookup's and suffix decoding's rows and entries, each over the prompts no
+        engine run has refused so far (`taken`)."""
+        return ([k_row(taken(r, run.refused), natural, greedy) for r in drafted],
+                *free_speculator([taken(r, run.refused) for r in free["ngram"]], natural, greedy),
+                *free_speculator([taken(r, run.refused) for r in free["suffix"]], natural, greedy))
+
+    rule = combined_timed = None
+    if cfg.combined:
+        sweep, _, lookup, _, suffix = rows()
+        best = fastest_at_batch_1(sweep)
+        rule = combined_rule(cfg.combined, best, lookup)
+        longest = max(best["k"], rule.k, suffix["k"] if suffix and rule.suffix is not None else 0)
+        combined_timed, seconds_combined = combined_run(run, job, natural, rule, min(longest, block_size - 1))
+        seconds += seconds_combined
+    while True:  # until no fp32 recheck refuses a prompt the figures hold
+        known = len(run.refused)
+        sweep, lookup_rows, lookup, suffix_rows, suffix = rows()
+        best = fastest_at_batch_1(sweep)
+        best_run = {r["k"]: r for r in drafted}[best["k"]]
+        mismatches = lossless_at_best_k(run, best, best_run, natural, dtype_name)
+        combined = combined_entry(run, combined_timed, natural, rule, dtype_name) if rule else None
+        if len(run.refused) == known:
+            break
     if combined:  # what it is worth against each of the others at its own fastest K, paired by prompt
         combined["against"] = {name: paired_against(combined, other) for name, other in
                                (("drafter", best), ("prompt lookup", lookup), ("suffix decoding", suffix)) if other}
     return {
         "engine": "vllm",
         "version": result.version,
-        "refused_by_engine": result.refused,  # prompts left out of every run: id -> the engine's reason
+        "refused_by_engine": run.refused,  # prompts left out of every run: id -> the engine's reason
         "best_k": best["k"],
         "num_speculative_tokens": best["k"],
         "best_k_share": best_k_share(sweep, best["k"]),
         **{key: best[key] for key in HEADLINE},
-        **lossless_entry(best, mismatches, recheck_s, greedy, dtype_name),
+        **lossless_entry(best, mismatches, run.recheck_s.get(None), greedy, dtype_name),
         "tokens_unaccounted_by_steps": best["tokens_unaccounted_by_steps"],
         "drafter_sha256": drafter_sha256,  # weights and config.json (checkpoint.drafter_identity)
         "dtype": dtype_name,
@@ -350,26 +376,10 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         "suffix_sweep": suffix_rows,
         "combined": combined,  # the drafter with prompt lookup's blocks where the rule picks them (combined_entry)
         "ranking": ranking(best, lookup, suffix, combined),
-        "timing": timing_entry(run, result, seconds + combined_s, natural, sweep, lookup_rows, suffix_rows,
+        "timing": timing_entry(run, result, seconds, natural, sweep, lookup_rows, suffix_rows,
                                [combined] if combined else []),
         "per_prompt": best["per_prompt"],
     }
-
-
-def without_refused(cfg: EvalConfig, prompts: dict[str, list[int]], job: EngineJob, result: EngineResult
-                    ) -> tuple[dict[str, list[int]], EngineJob]:
-    """The prompts and the job without those the engine refused (the child left them out of plain decoding and of
-    every speculator alike, so every comparison stays paired by prompt); one line names them. None left: one line."""
-    if not result.refused:
-        return prompts, job
-    named = "; ".join(f"{rid}: {why}" for rid, why in result.refused.items())
-    if not set(prompts) - set(result.refused):
-        rid, why = next(iter(result.refused.items()))
-        raise UserError(f"{cfg.prompts}: vLLM refused all {len(result.refused)} prompts (e.g. {rid}: {why}): "
-                        f"nothing to evaluate")
-    print(f"engine: vLLM refused {len(result.refused)} prompt(s), left out of every comparison: {named}", flush=True)
-    return ({rid: ids for rid, ids in prompts.items() if rid not in result.refused},
-            replace(job, requests=[r for r in job.requests if r.id not in result.refused]))
 
 
 def sweep_plan(cfg: EvalConfig, block_size: int, tau_by_k: list[float] | None) -> tuple[int | None, list[int]]:
@@ -385,17 +395,24 @@ def sweep_plan(cfg: EvalConfig, block_size: int, tau_by_k: list[float] | None) -
 
 @dataclass
 class EngineRunner:
-    """Runs vLLM for the eval (runner.run_engine, a process of its own each time, in workdir/tag): the prompts by id,
-    each under its request's `constraints`, plain and with the drafter at the K given; says what it runs. `first`
-    and `source`: the sweep's first K and the estimate that chose it, for that line."""
+    """Runs vLLM for the eval (`engine`: runner.run_engine, a process of its own each time, in workdir/tag) and keeps
+    what each run refused; called, the prompts by id, each under its request's `constraints`, plain and with the
+    drafter at the K given, and says what it runs. `first` and `source`: the sweep's first K and the estimate that
+    chose it, for that line."""
     cfg: EvalConfig
     target: Target
     device: str
     workdir: Path
+    prompts: dict[str, list[int]]  # the eval's
     constraints: dict[str, dict[str, Any] | None]
     max_len: int  # every run's max_model_len: the longest prompt, its new tokens and a block
     first: int | None = None
     source: str | None = None
+    refused: dict[str, str] = field(default_factory=dict)  # by any run so far: id -> the engine's reason (`taken`)
+    # the fp32 rechecks so far (lossless_at_best_k), by the combined speculator's setting (None: the drafter's): each
+    # prompt's verdict at a K, and their seconds
+    rechecked: dict[tuple[str | None, int, str], bool] = field(default_factory=dict)
+    recheck_s: dict[str | None, float] = field(default_factory=dict)
 
     def __call__(self, ids: dict[str, list[int]], dtype: str, tag: str, ks: list[int], concurrency: list[int],
                  budget_s: float | None, mode: str = "timed", combined: str | None = None
@@ -423,13 +440,29 @@ class EngineRunner:
             budget += f"; then vLLM's prompt lookup at K = {', '.join(map(str, cfg.ngram))}"
         speculator = f"the combined speculator ({combined}) with drafter" if combined else "with drafter"
         print(f"engine: vLLM, plain and {speculator} {cfg.drafter} at K = {', '.join(map(str, ks))} "
-              f"({len(requests)} prompts, concurrency 1{''.join(f', {c}' for c in concurrency)}, {dtype}{budget}"
+              f"({len(ids.keys() - self.refused.keys())} prompts, concurrency 1"
+              f"{''.join(f', {c}' for c in concurrency)}, {dtype}{budget}"
               f"{', the lossless check alone' if mode == 'check' else ''})",
               flush=True)
-        return job, runner.run_engine(job, self.workdir / tag, f"vLLM with drafter {cfg.drafter}")
+        return job, self.engine(job, tag, f"vLLM with drafter {cfg.drafter}")
+
+    def engine(self, job: EngineJob, tag: str, what: str) -> EngineResult:
+        """`job` in vLLM (in workdir/tag; `what` names it in errors) without the prompts an earlier run refused; those
+        it refuses join `refused`, named in one line. Every prompt refused: one line, nothing to evaluate."""
+        result = runner.run_engine(replace(job, requests=[r for r in job.requests if r.id not in self.refused]),
+                                   self.workdir / tag, what)
+        if result.refused:
+            self.refused |= result.refused
+            if not self.prompts.keys() - self.refused.keys():
+                rid, why = next(iter(self.refused.items()))
+                raise UserError(f"{self.cfg.prompts}: vLLM refused all {len(self.refused)} prompts (e.g. {rid}: "
+                                f"{why}): nothing to evaluate")
+            print(f"engine: vLLM refused {len(result.refused)} prompt(s), left out of every comparison: "
+                  + "; ".join(f"{rid}: {why}" for rid, why in result.refused.items()), flush=True)
+        return result
 
 
-def free_speculator_runs(run: EngineRunner, job: EngineJob, result: EngineResult, num_prompts: int
+def free_speculator_runs(run: EngineRunner, job: EngineJob, result: EngineResult
                          ) -> tuple[dict[str, list[dict[str, Any]]], float]:
     """The timed runs of vLLM's model-free speculators by method ("ngram": prompt lookup, "suffix": suffix
     decoding): --ngram's first K ran beside the drafter (`result`); each further lookup K, and each suffix decoding
@@ -441,9 +474,9 @@ def free_speculator_runs(run: EngineRunner, job: EngineJob, result: EngineResult
     natural = result.by_id()
     for method, k in [("ngram", k) for k in cfg.ngram[1:]] + [("suffix", k) for k in cfg.suffix]:
         what, tag = FREE_SPECULATORS[method]
-        print(f"engine: vLLM, plain and {what} at K = {k} ({num_prompts} prompts at their lengths above)", flush=True)
-        again = runner.run_engine(lookup_job(job, natural, k, method), run.workdir / f"{tag}-{k}",
-                                  f"vLLM with {what} at K = {k}")
+        print(f"engine: vLLM, plain and {what} at K = {k} ({len(natural.keys() - run.refused.keys())} prompts at "
+              f"their lengths above)", flush=True)
+        again = run.engine(lookup_job(job, natural, k, method), f"{tag}-{k}", f"vLLM with {what} at K = {k}")
         free[method] += again.timed["runs"]
         seconds += again.load_s + again.wall_s
     return free, seconds
@@ -490,21 +523,29 @@ def combined_rule(option: str, drafter: dict[str, Any], lookup: dict[str, Any] |
     return CombinedRule.for_taus(drafter["tau"], lookup["tau"], rule.k, suffix)
 
 
-def combined_entry(run: EngineRunner, job: EngineJob, natural: dict[str, EngineOutput], rule: CombinedRule, k: int,
-                   prompts: dict[str, list[int]], dtype_name: str) -> tuple[dict[str, Any], float]:
+def combined_run(run: EngineRunner, job: EngineJob, natural: dict[str, EngineOutput], rule: CombinedRule, k: int
+                 ) -> tuple[dict[str, Any], float]:
     """The combined speculator (engine.combined: the drafter, and the suffix tree's or prompt lookup's block where the
     rule picks it) at K (the longest of the drafter's fastest K, the rule's k and, with the suffix tree, suffix
-    decoding's fastest K, within the drafter's block: a shorter K would cut the free blocks), timed as the drafter was, in an engine process of its own, on the same prompts at their
-    lengths; its blocks by source (summed over the prompts), its lossless check (a mismatch rerun in fp32 as the
-    drafter's). Also the seconds of its engine runs."""
-    cfg, setting = run.cfg, rule.setting()
-    print(f"engine: vLLM, plain and the combined speculator ({setting}) at K = {k} ({len(prompts)} prompts at "
-          f"their lengths above)", flush=True)
+    decoding's fastest K, within the drafter's block: a shorter K would cut the free blocks), timed as the drafter
+    was, in an engine process of its own, on the same prompts at their lengths: its timed run, and its seconds."""
+    setting = rule.setting()
+    print(f"engine: vLLM, plain and the combined speculator ({setting}) at K = {k} "
+          f"({len(natural.keys() - run.refused.keys())} prompts at their lengths above)", flush=True)
     t0 = time.perf_counter()
-    again = runner.run_engine(replace(lookup_job(job, natural, k, "combined"), combined=setting),
-                              run.workdir / "combined", "vLLM with the combined speculator")
+    again = run.engine(replace(lookup_job(job, natural, k, "combined"), combined=setting), "combined",
+                       "vLLM with the combined speculator")
     (timed,) = again.timed["runs"]
-    row = k_row(timed, natural, cfg.temperature == 0)
+    return timed, time.perf_counter() - t0
+
+
+def combined_entry(run: EngineRunner, timed: dict[str, Any], natural: dict[str, EngineOutput], rule: CombinedRule,
+                   dtype_name: str) -> dict[str, Any]:
+    """The combined speculator's row from its timed run (combined_run), over the prompts no engine run has refused so
+    far (`taken`): its blocks by source (summed over the prompts), its lossless check (a mismatch rerun in fp32 as
+    the drafter's)."""
+    greedy, setting, timed = run.cfg.temperature == 0, rule.setting(), taken(timed, run.refused)
+    row = k_row(timed, natural, greedy)
     row["concurrency"] = concurrency_rows([row], [timed])
     sources: dict[str, dict[str, int]] = {}
     for out in timed["outputs"]:
@@ -512,35 +553,38 @@ def combined_entry(run: EngineRunner, job: EngineJob, natural: dict[str, EngineO
             for key, n in count.items():
                 sources.setdefault(source, {}).setdefault(key, 0)
                 sources[source][key] += n
-    mismatches, _ = lossless_at_best_k(run, row, timed, natural, prompts, dtype_name, setting)
-    row |= {"setting": setting, "engine_args": timed["llm_kwargs"], "sources": sources,
-            # per prompt in order, the answers its suffix tree held before it: the warm-up's and the earlier
-            # prompts' (the engine's own), never a held-out answer it had not produced yet
-            "suffix_answers_before": [out.get("suffix_answers_before") for out in timed["outputs"]],
-            **lossless_entry(row, mismatches, None, cfg.temperature == 0, dtype_name)}
-    return row, time.perf_counter() - t0
+    mismatches = lossless_at_best_k(run, row, timed, natural, dtype_name, setting)
+    return row | {"setting": setting, "engine_args": timed["llm_kwargs"], "sources": sources,
+                  # per prompt in order, the answers its suffix tree held before it: the warm-up's and the earlier
+                  # prompts' (the engine's own), never a held-out answer it had not produced yet
+                  "suffix_answers_before": [out.get("suffix_answers_before") for out in timed["outputs"]],
+                  **lossless_entry(row, mismatches, run.recheck_s.get(setting), greedy, dtype_name)}
 
 
 def lossless_at_best_k(run: EngineRunner, best: dict[str, Any], best_run: dict[str, Any], natural: dict[str, Any],
-                       prompts: dict[str, list[int]], dtype_name: str, combined: str | None = None
-                       ) -> tuple[list[dict[str, Any]], float | None]:
+                       dtype_name: str, combined: str | None = None) -> list[dict[str, Any]]:
     """The prompts whose output at best_k differs from plain decoding's, each diagnosed (diagnose_mismatch); in a
     low-precision dtype they are rerun in fp32 through the engine (the lossless check alone), which says whether
-    each was rounding (with `combined`, a rule setting: the combined speculator's). Returns them and the seconds
-    of that rerun (None where none ran)."""
+    each was rounding (with `combined`, a rule setting: the combined speculator's). Each prompt is rerun once at a
+    K (`run.rechecked`, its seconds in `run.recheck_s`); one that rerun refuses leaves every comparison
+    (engine_eval computes the figures again), and this list."""
     spec = {o["id"]: o["token_ids"] for o in best_run["outputs"]}
-    mismatches = [{"id": p["id"], **diagnose_mismatch(run.target, prompts[p["id"]], natural[p["id"]].token_ids,
+    mismatches = [{"id": p["id"], **diagnose_mismatch(run.target, run.prompts[p["id"]], natural[p["id"]].token_ids,
                                                       spec[p["id"]])}
                   for p in best["per_prompt"] if p["mismatch"]]
     if not mismatches or dtype_name == "fp32":
-        return mismatches, None
-    t0 = time.perf_counter()
-    _, again = run({d["id"]: prompts[d["id"]] for d in mismatches}, "fp32", "fp32" if combined is None else
-                   "fp32-combined", [best["k"]], [], None, "check", combined)
-    spec32, plain32 = {o["id"]: o["token_ids"] for o in again.timed["runs"][0]["outputs"]}, again.by_id()
+        return mismatches
+    todo = {d["id"]: run.prompts[d["id"]] for d in mismatches if (combined, best["k"], d["id"]) not in run.rechecked}
+    if todo:
+        t0 = time.perf_counter()
+        _, again = run(todo, "fp32", "fp32" if combined is None else "fp32-combined", [best["k"]], [], None, "check",
+                       combined)
+        spec32, plain32 = {o["id"]: o["token_ids"] for o in again.timed["runs"][0]["outputs"]}, again.by_id()
+        run.rechecked |= {(combined, best["k"], rid): spec32[rid] == plain.token_ids for rid, plain in plain32.items()}
+        run.recheck_s[combined] = run.recheck_s.get(combined, 0.0) + time.perf_counter() - t0
     for d in mismatches:
-        d["fp32_spec_equals_plain"] = spec32[d["id"]] == plain32[d["id"]].token_ids
-    return mismatches, time.perf_counter() - t0
+        d["fp32_spec_equals_plain"] = run.rechecked.get((combined, best["k"], d["id"]))
+    return [d for d in mismatches if d["id"] not in run.refused]
 
 
 def lossless_entry(best: dict[str, Any], mismatches: list[dict[str, Any]], recheck_s: float | None, greedy: bool,
