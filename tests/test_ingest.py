@@ -164,6 +164,29 @@ def test_each_constraint_the_api_refuses_is_a_counted_bad_record_named_in_the_re
     assert "constrained traffic: 2 record(s)" in format_report(report)
 
 
+def test_every_skipped_record_is_listed_with_its_reason_beside_the_report(tmp_path):
+    """The report quotes the first few skips per log; skipped.jsonl lists every one (a production log skips
+    thousands): its log, line, reason and the reason's words; a rerun that skips nothing leaves it empty."""
+    rows = [{"request": {"messages": [user(f"q{i}")], **extra}} for i, extra in enumerate(
+        [{}, {"seed": 2**80}, {"temperature": 5}, {}, *({"presence_penalty": 9} for _ in range(8))])]
+    rows.insert(3, "{not json")
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    report = run_ingest([log], tmp_path / "out", max_bad_fraction=0.9)
+    skipped = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
+    assert report["kept"] == 2 and len(skipped) == 11 > len(report["sources"][0]["examples"])
+    assert [(s["where"], s["reason"]) for s in skipped[:4]] == [
+        ("line 2", "bad_constraint"), ("line 3", "bad_sampling"), ("line 4", "malformed"), ("line 6", "bad_constraint")]
+    assert skipped[0] == {"source": "log.jsonl", "where": "line 2", "reason": "bad_constraint", "records": 1,
+                          "detail": f"seed must be an integer in [0, 2**63 - 1] (what both engines seed alike), got "
+                                    f"{2**80}"}
+    assert sum(s["records"] for s in skipped) == sum(report[r] for r in SKIP_REASONS)
+    assert "(each with its reason: skipped.jsonl)" in format_report(report)
+    write_jsonl(log, rows[:1])
+    run_ingest([log], tmp_path / "out", max_bad_fraction=0.9)
+    assert (tmp_path / "out" / "skipped.jsonl").read_text() == ""
+
+
 def test_a_seed_or_penalty_an_engine_would_refuse_or_read_otherwise_is_a_counted_bad_constraint(tmp_path):
     """A seed both engines seed alike is in [0, 2**63 - 1] (2**80 was a torch traceback at capture, -1 is "no seed"
     to vLLM); penalties and biases in vLLM's ranges, finite."""
