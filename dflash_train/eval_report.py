@@ -30,7 +30,7 @@ from dflash_train.errors import UserError
 from dflash_train.target import TargetIdentity
 
 SCHEMA_VERSION = "1.0"
-MAJOR = 1  # the major version this module reads (and writes)
+MAJOR = SCHEMA_VERSION.split(".")[0]  # the major version this module reads (and writes)
 
 Interval = list[float]  # [low, high]: the 95% bootstrap interval over prompts (evaluate.metrics.bootstrap_interval)
 
@@ -463,11 +463,11 @@ def from_json(raw: Any, where: str = "the eval report") -> EvalReport:
     major = version.split(".")[0]
     if major == "0":
         raw = _migrate_v0(raw)
-    elif major != str(MAJOR):
+    elif major != MAJOR:
         raise UserError(f"{where}: eval report schema version {version}, and this dflash-train reads major version "
                         f"{MAJOR}: upgrade dflash-train, or evaluate again")
-    try:
-        return _decode(EvalReport, {**raw, "schema_version": raw.get("schema_version", SCHEMA_VERSION)})
+    try:  # read, it is a report of this schema (a newer minor's fields left out)
+        return _decode(EvalReport, {**raw, "schema_version": SCHEMA_VERSION})
     except (TypeError, ValueError, AttributeError) as err:
         raise UserError(f"{where}: not an eval report of schema {version}: {err}") from None
 
