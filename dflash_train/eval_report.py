@@ -29,7 +29,7 @@ from typing import Any
 from dflash_train.errors import UserError
 from dflash_train.target import TargetIdentity
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1: RankRow.prompts
 MAJOR = SCHEMA_VERSION.split(".")[0]  # the major version this module reads (and writes)
 
 Interval = list[float]  # [low, high]: the 95% bootstrap interval over prompts (evaluate.metrics.bootstrap_interval)
@@ -234,6 +234,8 @@ class CombinedEntry(SpeculatorEntry):
 
 @dataclass(frozen=True)
 class RankRow:
+    """A speculator at its fastest K in the ranking (vllm_sweep.ranking), its figures on the prompts every ranked
+    speculator timed (vllm_sweep.on_prompts)."""
     speculator: str = ""
     k: int = 0
     tau_steps: float | None = None
@@ -242,6 +244,7 @@ class RankRow:
     speedup: float | None = None
     speedup_interval: Interval | None = None
     lossless_mismatches: int | None = None
+    prompts: int | None = None  # how many prompts these figures are of (None: written before schema 1.1)
 
 
 @dataclass(frozen=True)

@@ -228,7 +228,9 @@ def ranking_lines(engine: VllmEval) -> list[str]:
     rows = [(str(i), r.speculator, fmt(r.k), with_interval(r.tau_steps, r.tau_steps_interval),
              with_interval(r.speedup, r.speedup_interval) + "×", fmt(r.lossless_mismatches))
             for i, r in enumerate(engine.ranking, 1)]
-    return ["", "Ranked by speed one request at a time, each at its own fastest K, on the same prompts:", "",
+    prompts = {r.prompts for r in engine.ranking}
+    on = f"the same {prompts.pop()} prompts" if len(prompts) == 1 and None not in prompts else "the same prompts"
+    return ["", f"Ranked by speed one request at a time, each at its own fastest K, on {on}:", "",
             table(rows, ("Rank", "Speculator", "K", "τ", "Speedup", "Lossless mismatches"))]
 
 

@@ -226,10 +226,13 @@ def eval_options(args: argparse.Namespace, plan: dict | None) -> list[str]:
         sizes += ["--sweep-budget-s", str(plan["sweep_budget_s"] if plan else 0)]
         cost = plan and plan.get("rates", {}).get("engine_step_cost")
         sizes += ["--step-cost", ",".join(f"{x:.4f}" for x in cost)] if cost else []
+    ngram, suffix = (plan["ngram"], plan["suffix"]) if plan and "ngram" in plan else (args.ngram, args.suffix)
+    free_limit = plan.get("free_limit") if plan else None
     return ["--concurrency", str(EVAL_CONCURRENCY), *sizes,
-            *(["--ngram", ",".join(map(str, args.ngram))] if args.ngram else []),
-            *(["--suffix", ",".join(map(str, args.suffix))] if args.suffix else []),
-            *(["--combined", args.combined] if args.combined else [])]
+            *(["--ngram", ",".join(map(str, ngram))] if ngram else []),
+            *(["--suffix", ",".join(map(str, suffix))] if suffix else []),
+            *(["--combined", args.combined] if args.combined else []),
+            *(["--free-limit", str(free_limit)] if free_limit else [])]
 
 
 def demo_summary(args: argparse.Namespace, plan: dict | None, log: runs.Log, report: EvalReport, wall: float,
@@ -278,7 +281,11 @@ def demo_summary(args: argparse.Namespace, plan: dict | None, log: runs.Log, rep
         took = "done before" if stage["skipped"] else f"{stage['seconds'] or 0:.0f} s"
         lines.append(f"| {name} | {f'{planned[name]:.0f} s' if name in planned else '-'} | {took} |")
     budget = f"{args.budget_min * 60:.0f} s budget" if plan else "-"
-    lines += [f"| total | {budget} | {wall:.0f} s |", "", "Artefacts:", ""]
+    lines += [f"| total | {budget} | {wall:.0f} s |", ""]
+    if plan and plan.get("eval_left_out"):
+        lines += [f"The eval was cut so that capture and training kept their share of the budget: "
+                  f"{'; '.join(plan['eval_left_out'])}.", ""]
+    lines += ["Artefacts:", ""]
     lines += [f"- {label}: `{path}`" for label, path in artefacts]
     return "\n".join(lines)
 

@@ -5,7 +5,10 @@ asked, the fp32 rerun of low-precision mismatches), the rest goes to capture (pr
 (`train.time_budget_s`, at most the recipe's max_steps; after the capture, plus what it saved against its plan or
 less what it overran). It stores the states with the responses, or captures token-only and trains online
 (`data.hidden_states: online`), whichever costs less per token at the epochs the plan trains (dflash_train.measure's
-rule). A budget too short for this machine is refused, naming the one that fits, as early as the probe can tell.
+rule). Where the eval as asked would leave capture and training less than CAPTURE_AND_TRAIN_SHARE of the time, the
+eval is cut first (EVAL_CUTS: one K for each free speculator, then the free speculators on fewer prompts), and the
+plan says what it left out. A budget too short for this machine even so is refused, naming the one that fits, as
+early as the probe can tell.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from pathlib import Path
 
 from demo_probe import ENGINE_DECODE_PROBE_PROMPTS, ENGINE_PROBE_PROMPTS, demo_recipe, rendered_prompts
 
-from dflash_train.engine.child import IDLE_S
+from dflash_train.device import default_device
+from dflash_train.engine.child import idle_s
 from dflash_train.errors import UserError
 
 VLLM_START_S = 25.0  # the engine's child process on a 2-core CPU: its start, vLLM's import, the plain engine
@@ -46,6 +50,13 @@ CAPTURE_SHARE = 0.3  # of the rest: capture (more conversations) vs training (mo
                      # max_steps reached) goes to capture too: on this budget the data, not the steps, limits tau
                      # (BENCHMARKS: 3x the steps on the same data bought 0.01)
 MIN_CAPTURE_AND_TRAIN_S = 120.0  # less is not a demo of training: the plan refuses and names the budget that fits
+CAPTURE_AND_TRAIN_SHARE = 0.5  # of the time left after ingest, the probe and the stages' starts: where the eval as
+#                               asked leaves capture and training less, the eval is cut first (EVAL_CUTS, in order)
+FREE_EVAL_PROMPTS = 10  # the free speculators' prompts in the second cut (eval --free-limit; the drafter keeps all
+#                        MIN_EVAL_PROMPTS): on the AVX2 host they were most of the eval (614-760 s planned of ~1,000)
+EVAL_CUTS = ("one K each for prompt lookup and suffix decoding",
+             f"prompt lookup, suffix decoding and the combined speculator timed on the first {FREE_EVAL_PROMPTS} "
+             f"prompts (the drafter on all)")
 MARGIN = 0.05  # of the budget, kept free for what the model above does not see
 PROBE_STEP_CAPTURES = {"stored": 2.1, "online": 3.5}  # a probe's training step in one-pass captures of a prompt, at
 #                      most: 8.09 s (13.26 online) against 3.88 s and 7.83 (12.2) against 4.08 on the AVX2 host,
@@ -94,7 +105,9 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     starting drafter's slowdown), else the project's loop's rate and ENGINE_SLOWDOWN. Prompt lookup's K (--ngram)
     and suffix decoding's (--suffix) run whatever the budget: each costs a K at FREE_SLOWDOWN, and each but the
     first lookup K an engine child's start too (`lookup_s`); so does the combined speculator (--combined), with its
-    fp32 recheck as the drafter's."""
+    fp32 recheck as the drafter's. Where that leaves capture and training less than CAPTURE_AND_TRAIN_SHARE of the
+    time after the starts, the eval is cut, one cut of `eval_cuts` on top of the other, until it does or none is
+    left; the refusal counts the smallest eval."""
     T = args.eval_max_new_tokens
     own, engine = args.engine != "vllm", args.engine != "own"
     engine_start_s = rates.get("engine_start_s", VLLM_START_S)
@@ -118,49 +131,90 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     drafter_slowdown = rates["engine_spec_slowdown"] if measured else ENGINE_SLOWDOWN
     spec_start_s = rates["engine_spec_start_s"] if measured else SPEC_ENGINE_START_S
 
-    def per_k_s(slowdown: float) -> float:
-        """One K in vLLM: its speculative engine's start, then each prompt and the concurrent requests timed."""
-        return spec_start_s + (n_eval + EVAL_CONCURRENCY / 2) * (
-            pair_s(engine_prefill_s, engine_decode_s, slowdown) + 2 * IDLE_S)
+    def per_k_s(slowdown: float, n: int = n_eval) -> float:
+        """One K in vLLM: its speculative engine's start, then each of n prompts and the concurrent requests timed."""
+        return spec_start_s + (n + EVAL_CONCURRENCY / 2) * (
+            pair_s(engine_prefill_s, engine_decode_s, slowdown) + 2 * idle_s(default_device()))
 
     least_sweep_s = n_eval * (engine_prefill_s + engine_decode_s) + per_k_s(drafter_slowdown)  # plain's
     #               natural lengths, then one K
-    free_k_s = per_k_s(FREE_SLOWDOWN)
-    lookup_s = (len(args.ngram) * free_k_s + (len(args.ngram) - 1) * engine_start_s) if engine and args.ngram else 0.0
-    lookup_s += len(args.suffix) * (free_k_s + engine_start_s) if engine else 0.0  # each suffix K: an engine child
     combined = engine and args.combined  # the combined speculator: an engine child of its own
-    lookup_s += free_k_s + engine_start_s if combined else 0.0
-    recheck_s = 0.0
+
+    def free_s(ngram: list[int], suffix: list[int], n_free: int) -> float:
+        """Prompt lookup's K (the first in the drafter's engine child), suffix decoding's and the combined
+        speculator, each on n_free prompts."""
+        if not engine:
+            return 0.0
+        free_k_s = per_k_s(FREE_SLOWDOWN, n_free)
+        seconds = (len(ngram) * free_k_s + (len(ngram) - 1) * engine_start_s) if ngram else 0.0
+        seconds += len(suffix) * (free_k_s + engine_start_s)  # each suffix K: an engine child
+        return seconds + (free_k_s + engine_start_s if combined else 0.0)
+
+    recheck_own_s = recheck_start_s = recheck_prompt_s = 0.0
     if "fp32_decode_tok_s" in rates:  # a low-precision eval: its mismatches are rerun in fp32, plain and speculative
         prefill32_s, decode32_s = rates["fp32_prefill_s"], T / rates["fp32_decode_tok_s"]
-        recheck_s += FP32_RECHECK_SHARE["own"] * n_own * pair_s(prefill32_s, decode32_s, DRAFT_SLOWDOWN)
+        recheck_own_s = FP32_RECHECK_SHARE["own"] * n_own * pair_s(prefill32_s, decode32_s, DRAFT_SLOWDOWN)
         if engine:  # one more engine child at the chosen K, untimed: plain, then speculative, to the natural stop
             fp32 = rates["decode_tok_s"] / rates["fp32_decode_tok_s"]  # vLLM's requests slow down as the loop's do
             request32_s = (engine_prefill_s * fp32, engine_decode_s * fp32) if measured else (prefill32_s, decode32_s)
-            recheck_s += (1 + bool(combined)) * (engine_start_s + spec_start_s + FP32_RECHECK_SHARE["vllm"] * n_eval
-                                                 * pair_s(*request32_s, drafter_slowdown))  # the combined's too
-    fixed_s = own_s + n_eval * heldout_s + recheck_s + lookup_s  # the eval's parts no budget shrinks
+            recheck_start_s = engine_start_s + spec_start_s
+            recheck_prompt_s = FP32_RECHECK_SHARE["vllm"] * pair_s(*request32_s, drafter_slowdown)
 
-    def split(budget_min: float, spent_s: float = spent_s) -> tuple[float, float]:
-        """(vLLM's K sweep, what is left for capture and training) in a budget of budget_min: the sweep gets what
-        the eval's share leaves, at least one K."""
+    def fixed_parts(cut: dict) -> tuple[float, float]:
+        """(the free speculators' seconds, the fp32 recheck's) at an eval cut `cut` (eval_cuts)."""
+        recheck_s = recheck_own_s  # and vLLM's: the drafter's mismatches, and the combined speculator's
+        if recheck_start_s:
+            recheck_s += recheck_start_s + n_eval * recheck_prompt_s
+            recheck_s += recheck_start_s + cut["n_free"] * recheck_prompt_s if combined else 0.0
+        return free_s(cut["ngram"], cut["suffix"], cut["n_free"]), recheck_s
+
+    def split(budget_min: float, cut: dict, spent_s: float = spent_s) -> tuple[float, float, float]:
+        """(vLLM's K sweep, what is left for capture and training, the time left after the stages' starts) in a
+        budget of budget_min with the eval cut as `cut`: the sweep gets what the eval's share leaves, at least one
+        K."""
         available = budget_min * 60 * (1 - MARGIN) - spent_s - sum(starts.values())
+        fixed_s = own_s + n_eval * heldout_s + sum(fixed_parts(cut))  # the eval's parts no budget shrinks
         sweep_s = max(least_sweep_s, EVAL_SHARE * available - fixed_s) if engine else 0.0
-        return sweep_s, available - fixed_s - sweep_s
+        return sweep_s, available - fixed_s - sweep_s, available
 
-    sweep_s, flexible = split(args.budget_min)
+    cuts = eval_cuts(args, n_eval)
+    for cut in cuts:  # the eval as asked, then cut step by step while capture and training get less than their share
+        sweep_s, flexible, available = split(args.budget_min, cut)
+        if flexible >= max(MIN_CAPTURE_AND_TRAIN_S, CAPTURE_AND_TRAIN_SHARE * available):
+            break
+    lookup_s, recheck_s = fixed_parts(cut)
     if flexible < MIN_CAPTURE_AND_TRAIN_S:
         fits = next(m for m in itertools.count(math.ceil(args.budget_min) + 1)
-                    if split(m, spent_s + unmeasured_s)[1] >= MIN_CAPTURE_AND_TRAIN_S)
+                    if split(m, cut, spent_s + unmeasured_s)[1] >= MIN_CAPTURE_AND_TRAIN_S)
         starts_at = f", each engine start at {engine_start_s:.0f} s" if engine else ""
         rest = f" (counting ~{unmeasured_s:.0f} s of probe to come{starts_at})" if unmeasured_s else ""
+        smallest = f" ({'; '.join(cut['left_out'])})" if cut["left_out"] else ""
         raise UserError(f"--budget-min {args.budget_min:g}: the budget leaves {flexible:.0f} s for capture and "
                         f"training on this machine after {spent_s:.0f} s of ingest and probe and an eval of {n_eval} "
-                        f"prompts x {T} tokens (~{fixed_s + sweep_s:.0f} s); "
+                        f"prompts x {T} tokens{smallest} (~{available - flexible:.0f} s); "
                         f"{measured_line(rates)}; --budget-min {fits} fits{rest}")
     return {"starts": starts, "n_eval": n_eval, "n_own": n_own, "own_s": own_s, "heldout_s": heldout_s,
             "recheck_s": recheck_s, "lookup_s": lookup_s, "eval_kept": eval_kept, "sweep_s": sweep_s,
-            "flexible": flexible}
+            "flexible": flexible, "cut": cut}
+
+
+def eval_cuts(args: argparse.Namespace, n_eval: int) -> list[dict]:
+    """The eval as asked, then each cut of EVAL_CUTS that changes it, each on top of the ones before: the K of
+    prompt lookup and suffix decoding, and the free speculators' prompts (eval --free-limit). Each: the ngram and
+    suffix K, the free speculators' prompt count, and what was left out, in words."""
+    cut = {"ngram": list(args.ngram), "suffix": list(args.suffix), "n_free": n_eval, "free_limit": None,
+           "left_out": []}
+    cuts = [cut]
+    free = args.engine != "own" and bool(args.ngram or args.suffix or args.combined)
+    if len(args.ngram) > 1 or len(args.suffix) > 1:
+        cut = {**cut, "ngram": args.ngram[:1], "suffix": args.suffix[:1],
+               "left_out": [*cut["left_out"], EVAL_CUTS[0]]}
+        cuts.append(cut)
+    if free and n_eval > FREE_EVAL_PROMPTS:
+        cut = {**cut, "n_free": FREE_EVAL_PROMPTS, "free_limit": FREE_EVAL_PROMPTS,
+               "left_out": [*cut["left_out"], EVAL_CUTS[1]]}
+        cuts.append(cut)
+    return cuts
 
 
 def early_check(args: argparse.Namespace, prompts: Path, first: dict, spent_s: float) -> None:
@@ -190,7 +244,7 @@ def probe_rest_s(args: argparse.Namespace, first: dict) -> float:
         #   prompt to its natural stop, then plain and speculative, at the project's loop's rate and the worst slowdown
         request_s = first["prefill_s"] + args.eval_max_new_tokens / first["decode_tok_s"]
         rest_s += SLOW_VLLM_START_S + SPEC_ENGINE_START_S + ENGINE_DECODE_PROBE_PROMPTS * (
-            request_s * (2 + ENGINE_SLOWDOWN) + 2 * IDLE_S)
+            request_s * (2 + ENGINE_SLOWDOWN) + 2 * idle_s(default_device()))
     return rest_s
 
 
@@ -215,6 +269,7 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     hidden_states, reason = choose_states(args, rates, recipe.train.micro_batch_size, options)
     chosen = options[hidden_states]
     capture_s, train_s = chosen["capture_s"], flexible - chosen["capture_s"]
+    cut = e["cut"]
     return {"spent_s": round(spent_s), "hidden_states": hidden_states, "hidden_states_reason": reason,
             "hidden_states_options": {mode: {k: o[k] for k in ("capture_engine", "capture_kept", "expected_steps")}
                                       for mode, o in options.items()},
@@ -223,6 +278,8 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
             "expected_steps": chosen["expected_steps"], "max_steps": recipe.train.max_steps,
             "eval_limit": read_for(eval_kept, n_eval), "eval_prompts": n_eval, "own_eval_prompts": n_own,
             "sweep_budget_s": round(sweep_s), "fp32_recheck_s": round(recheck_s), "lookup_s": round(lookup_s),
+            "ngram": cut["ngram"], "suffix": cut["suffix"], "free_limit": cut["free_limit"],
+            "eval_left_out": cut["left_out"],
             "stage_s": {"capture": starts["capture"] + capture_s, "train": starts["train"] + train_s,
                         "held-out capture": starts["held-out capture"] + n_eval * heldout_s,
                         "eval": starts["eval"] + own_s + sweep_s + recheck_s + lookup_s,
@@ -345,9 +402,12 @@ def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
           f"the project's loop on the first {plan['own_eval_prompts']}"
           + (f", the fp32 rerun of bf16 mismatches ~{plan['fp32_recheck_s']} s" if plan.get("fp32_recheck_s") else "")
           + (f", {' and '.join(free)} ~{plan['lookup_s']} s" if plan.get("lookup_s") and (free := [
-              f"{what} at K = {','.join(map(str, ks))}" for what, ks in (("prompt lookup", args.ngram),
-                                                                          ("suffix decoding", args.suffix)) if ks]
+              f"{what} at K = {','.join(map(str, ks))}" for what, ks in (("prompt lookup", plan["ngram"]),
+                                                                          ("suffix decoding", plan["suffix"])) if ks]
               + (["the combined speculator"] if args.combined else []))
              else "")
           + f" (~{plan['stage_s']['eval']:.0f} s in all; their capture for the offline "
           f"estimate ~{plan['stage_s']['held-out capture']:.0f} s)", flush=True)
+    if plan.get("eval_left_out"):
+        print(f"         cut to leave capture and training {CAPTURE_AND_TRAIN_SHARE:.0%} of the time: "
+              f"{'; '.join(plan['eval_left_out'])}", flush=True)

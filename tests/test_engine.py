@@ -232,6 +232,7 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
     vllm, own = report.vllm, report.own
     assert vllm.version == vllm_version()
     assert vllm.environment["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # on CPU, the engine in the child itself
+    assert "each request right after the last (on CPU no idle engine polls)" in vllm.timing.protocol
     rows = {row.k: row for row in vllm.sweep}
     assert sorted(rows) == [1, 7] and vllm.timing.skipped_k == []
     for row in rows.values():
@@ -390,6 +391,37 @@ def test_constrained_requests_are_decoded_under_them_losslessly_in_both_engines_
         assert vllm.suffix.engine_args == {"method": "suffix", "num_speculative_tokens": 4}
     md = (out / "report.md").read_text()
     assert "Constrained traffic: 5 of 6 prompts (83%)" in md and "1 without their min_p" in md
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_free_limit_times_the_free_speculators_on_the_first_prompts_and_ranks_all_on_those(
+        overfit_drafter, engine_target, prompts_file, tmp_path):
+    """`--free-limit 2`: prompt lookup and the combined speculator are timed on the first two prompts only, the
+    drafter on all; the ranking compares every speculator on those two (the drafter's figure there, not its
+    headline over all), and says so."""
+    out = tmp_path / "eval"
+    assert eval_cli("--engine", "vllm", "--drafter", overfit_drafter, "--target", engine_target, "--prompts",
+                    prompts_file, "--out", out, "--speculative-tokens", "7", "--concurrency", "2", "--ngram", "3",
+                    "--combined", "k=3,confidence=1", "--free-limit", "2") == 0
+    vllm = eval_report.load(out).vllm
+    drafted = [p.id for p in vllm.per_prompt]
+    assert len(drafted) == len(PROMPTS)
+    for free in (vllm.ngram, vllm.combined):
+        assert [p.id for p in free.per_prompt] == drafted[:2] and free.lossless_mismatches == 0
+    ranked = {r.speculator: r for r in vllm.ranking}
+    assert set(ranked) == {"drafter", "prompt lookup", "drafter + prompt lookup"}
+    assert {r.prompts for r in ranked.values()} == {2}
+    first = vllm.per_prompt[:2]
+    on_two = sum(p.plain_core_s for p in first) / sum(p.spec_core_s for p in first)
+    assert ranked["drafter"].speedup == pytest.approx(on_two) and vllm.speedup != ranked["drafter"].speedup
+    assert ranked["drafter"].tau_per_prompt == pytest.approx(sum(p.tau for p in first) / 2)
+    committed = [p.new_tokens - 1 for p in first]  # tau_steps pools the two prompts' steps
+    steps = [c / p.tau for c, p in zip(committed, first)]
+    assert ranked["drafter"].tau_steps == pytest.approx(sum(committed) / sum(steps))
+    assert ranked["prompt lookup"].speedup == vllm.ngram.speedup
+    assert ranked["prompt lookup"].tau_steps == vllm.ngram.tau_steps
+    assert "each at its own fastest K, on the same 2 prompts:" in (out / "report.md").read_text()
 
 
 @needs_vllm
@@ -586,25 +618,50 @@ def untrained_eval_command(engine_target, prompts_file, tmp_path: Path, *extra: 
              "--limit", "1", *extra], scratch, out)
 
 
+def marked_incomplete(out: Path) -> bool:
+    """Whether `out` is an eval's folder marked INCOMPLETE, holding nothing but what an eval writes while it runs."""
+    from dflash_train.provenance import INCOMPLETE_MARKER, LOCK_FILE, stage_of
+    from dflash_train.stages.evaluate.command import ENGINE_RUNS
+
+    return ((out / INCOMPLETE_MARKER).is_file() and stage_of(out) == "eval"
+            and {p.name for p in out.iterdir()} <= {LOCK_FILE, INCOMPLETE_MARKER, ENGINE_RUNS})
+
+
+def rerun_completes(command: list[str], env: dict[str, str], out: Path) -> None:
+    """The same eval command again: it clears the INCOMPLETE mark and writes the whole report, nothing left over."""
+    from dflash_train.provenance import INCOMPLETE_MARKER, is_complete
+    from dflash_train.stages.evaluate.command import ENGINE_RUNS
+
+    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert is_complete(out) and not (out / INCOMPLETE_MARKER).exists()
+    assert eval_report.load(out).vllm and not (out / ENGINE_RUNS).exists()
+
+
 @needs_vllm
 @pytest.mark.slow
-def test_ctrl_c_while_the_engine_runs_is_one_line_and_leaves_no_scratch_folder(engine_target, prompts_file,
-                                                                               tmp_path):
+def test_ctrl_c_while_the_engine_runs_is_one_line_and_leaves_the_folder_marked_incomplete(engine_target, prompts_file,
+                                                                                          tmp_path):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) once the engine is running: exit 130,
-    one line, no traceback, and neither the eval folder nor its scratch folder of engine runs is left (an eval
-    used to leave a dflash-eval-engine-* folder in the temporary folder whenever it ended after an engine ran)."""
-    command, scratch, out = untrained_eval_command(engine_target, prompts_file, tmp_path)
+    one line, no traceback; the eval folder is left marked INCOMPLETE (it used to be removed), with no scratch folder
+    of engine runs in it or in the temporary folder (an eval used to leave a dflash-eval-engine-* folder there
+    whenever it ended after an engine ran); the same command run again completes it."""
+    from dflash_train.stages.evaluate.command import ENGINE_RUNS
+
+    command, scratch, out = untrained_eval_command(engine_target, prompts_file, tmp_path, "--max-new-tokens", "8")
+    env = dict(os.environ, TMPDIR=str(scratch))
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=dict(os.environ, TMPDIR=str(scratch)))
+                            start_new_session=True, env=env)
     engine_pid_of(proc)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=300)
     lines = err.strip().splitlines()
     assert "Traceback" not in err, err[-3000:]
     assert proc.returncode == 130 and lines[-1] == (
-        "dflash-train eval: interrupted: no report was written (an eval writes its folder only once every run has "
-        "finished); rerun the same command to evaluate again"), err[-3000:]
-    assert not out.exists() and not list(scratch.glob("dflash-eval-engine-*"))
+        "dflash-train eval: interrupted: the folder stays marked INCOMPLETE (an eval completes it only once every run "
+        "has finished); rerun the same command to evaluate again"), err[-3000:]
+    assert marked_incomplete(out) and not (out / ENGINE_RUNS).exists() and not list(scratch.iterdir())
+    rerun_completes(command, env, out)
 
 
 @needs_vllm
@@ -693,9 +750,11 @@ def test_a_request_the_engine_refuses_is_dropped_with_its_reason_and_every_other
 @pytest.mark.slow
 def test_a_prompt_the_engine_refuses_is_left_out_of_every_comparison_and_named_in_the_report(
         engine_target, tmp_path, capsys):
-    """`eval --engine vllm` where vLLM refuses one prompt: plain decoding and the drafter both decode only the
-    others (paired by prompt), the report names the refused one with the engine's reason; where it refuses every
-    prompt, one line, exit 2, no folder."""
+    """`eval --engine both` where vLLM refuses one prompt: plain decoding and the drafter both decode only the
+    others (paired by prompt), and so does the project's loop (whose grammar backend cannot read that prompt's
+    regex either: it stopped the eval with a RuntimeError); the report names the refused one with the engine's
+    reason (vLLM's refused_by_engine), and the project's loop's section says it did not decode it; where vLLM
+    refuses every prompt, one line, exit 2, no folder."""
     from test_spec_decode import tiny_drafter
 
     from dflash_train.cli import main
@@ -711,18 +770,23 @@ def test_a_prompt_the_engine_refuses_is_left_out_of_every_comparison_and_named_i
     ids = ids_by_text(log)
 
     def eval_of(prompts: Path, out: Path) -> int:
-        return main(["eval", "--engine", "vllm", "--dtype", "fp32", "--threads", "1", "--drafter", str(drafter),
+        return main(["eval", "--engine", "both", "--dtype", "fp32", "--threads", "1", "--drafter", str(drafter),
                      "--target", str(engine_target), "--prompts", str(prompts), "--out", str(out),
                      "--max-new-tokens", "6", "--speculative-tokens", "2", "--concurrency", "2"])
 
     assert eval_of(log, tmp_path / "eval") == 0
-    vllm = eval_report.load(tmp_path / "eval").vllm
+    report = eval_report.load(tmp_path / "eval")
+    vllm, own = report.vllm, report.own
     refused, kept = ids[texts[1]], sorted(ids[t] for t in (texts[0], texts[2]))
     (why,) = vllm.refused_by_engine.values()
     assert list(vllm.refused_by_engine) == [refused] and why.startswith("VLLMValidationError: "), why
     (row,) = vllm.sweep
     assert sorted(p.id for p in row.per_prompt) == kept and row.lossless_checked == 2
-    assert f"- {refused}: {why}" in (tmp_path / "eval" / "report.md").read_text()
+    assert sorted(p.id for p in own.per_prompt) == kept and own.lossless_checked == 2
+    assert report.settings.own_prompts == 2
+    md = (tmp_path / "eval" / "report.md").read_text()
+    assert f"- {refused}: {why}" in md
+    assert f"Not decoded here: the 1 prompt(s) vLLM refused ({refused}; its reasons above)" in md
     assert f"vLLM refused 1 prompt(s), left out of every comparison: {refused}: {why}" in capsys.readouterr().out
 
     only = log_with_one_refused(tmp_path / "only.jsonl", [texts[1]], refused_at=0)
@@ -753,11 +817,9 @@ def _gone(pid: int, timeout_s: float = 60) -> bool:
 def test_an_eval_killed_while_its_engine_runs_leaves_no_engine_nor_scratch_and_its_rerun_completes(
         engine_target, prompts_file, tmp_path, sig):
     """`kill` (or `kill -9`) of the eval alone, once its engine runs: the engine stops with it, nothing is left but
-    the eval folder, holding no report (at most its engine runs, which the rerun removes); the eval used to leave its
-    scratch folder of engine runs in the temporary folder. The same command run again writes the whole report."""
-    from dflash_train.provenance import INCOMPLETE_MARKER, LOCK_FILE, is_complete
-    from dflash_train.stages.evaluate.command import ENGINE_RUNS
-
+    the eval folder, marked INCOMPLETE (it was left unmarked) and holding no report (at most its engine runs, which
+    the rerun removes); the eval used to leave its scratch folder of engine runs in the temporary folder. The same
+    command run again clears the mark and writes the whole report."""
     command, scratch, out = untrained_eval_command(engine_target, prompts_file, tmp_path, "--max-new-tokens", "8",
                                                    "--training-prompts")
     env = dict(os.environ, TMPDIR=str(scratch))
@@ -767,12 +829,9 @@ def test_an_eval_killed_while_its_engine_runs_leaves_no_engine_nor_scratch_and_i
     os.kill(proc.pid, sig)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0 and _gone(engine), err[-3000:]
-    assert not out.exists() or {p.name for p in out.iterdir()} <= {LOCK_FILE, INCOMPLETE_MARKER, ENGINE_RUNS}
-    assert not is_complete(out) and not list(scratch.iterdir())  # nothing in the temporary folder
-    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert is_complete(out) and eval_report.load(out).vllm
-    assert not (out / ENGINE_RUNS).exists() and not list(scratch.iterdir())
+    assert marked_incomplete(out) and not list(scratch.iterdir())  # nothing in the temporary folder
+    rerun_completes(command, env, out)
+    assert not list(scratch.iterdir())
 
 
 @needs_vllm

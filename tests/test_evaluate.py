@@ -117,18 +117,21 @@ def test_where_speculation_stops_paying_and_vllms_per_batch_size_k():
 
 
 def fake_engine(calls: list, natural: dict[str, list[int]], spec_s: dict[int, float], together_s: dict[int, float],
-                skipped: list[int], plain_s: dict[int, float] | None = None):
+                skipped: list[int], plain_s: dict[int, float] | None = None, refuses=None):
     """A stand-in for runner.run_engine that answers a timed job the way the child does (child._timed): plain
     outputs to the natural stop (decode phase 0.8 s), and per K the timings (plain 1 s per prompt, or plain_s[K],
     and 2 s per batch, speculative spec_s[K] and together_s[K]; the decode phase 0.2 s less, the stopwatch 0.1 s
     more, on both sides) and the speculative outputs (K=3: the first prompt differs from plain in bf16). A job with
     ngram_tokens then times prompt lookup (or its lookup_method, suffix) at that K the same way, its timings under the
-    key (method, K), else the method."""
+    key (method, K), else the method. `refuses(job)`: the requests the engine refuses (id -> why), left out of
+    every output as the child leaves them."""
     from dflash_train.engine.jobs import EngineOutput, EngineResult
 
     def run_engine(job, workdir, what):
         calls.append(job)
-        ids = [r.id for r in job.requests]
+        asked = refuses(job) if refuses else {}
+        refused = {r.id: asked[r.id] for r in job.requests if r.id in asked}
+        ids = [r.id for r in job.requests if r.id not in refused]
         runs = []
         todo = [("dflash", k, k) for k in job.speculative_tokens if k not in skipped]
         if job.ngram_tokens:
@@ -156,7 +159,8 @@ def fake_engine(calls: list, natural: dict[str, list[int]], spec_s: dict[int, fl
         return EngineResult(version="0.32.0", llm_kwargs=job.llm_kwargs(), load_s=30.0, wall_s=100.0,
                             outputs=[EngineOutput(id=rid, token_ids=natural[rid], finish_reason="stop", decode_s=0.8)
                                      for rid in ids], environment={},
-                            timed={"runs": runs, "skipped": [k for k in job.speculative_tokens if k in skipped]})
+                            timed={"runs": runs, "skipped": [k for k in job.speculative_tokens if k in skipped]},
+                            refused=refused)
     return run_engine
 
 
@@ -395,6 +399,56 @@ def test_the_combined_speculator_is_timed_at_lookups_k_ranked_and_served_with_it
             "[1.143, 1.143]×") in text
     assert f"serve the drafter as below with `DFLASH_TRAIN_LOOKUP={setting}` set" in text
     assert f"{name} 3" in v.timing.plain_tokens_per_s_decode  # its plain runs: host drift
+
+
+def test_a_prompt_a_later_engine_run_refuses_is_left_out_of_every_comparison(tiny_target, drafters, monkeypatch,
+                                                                             tmp_path, capsys):
+    """vLLM refuses a prompt in one engine run only, after the first: prompt lookup at its second K, the combined
+    speculator, the fp32 recheck of the drafter's one bf16 mismatch. Each is left out of every run's figures (the
+    runs before it took it), named with its reason, and of the later runs' jobs; the recheck that refuses its prompt
+    is no KeyError. A later run that refuses every prompt left is one line."""
+    from dflash_train.engine import runner
+    from dflash_train.errors import UserError
+    from dflash_train.stages.evaluate.config import EvalConfig
+    from dflash_train.stages.evaluate.vllm_sweep import engine_eval
+
+    prompts = {f"p{i}": prompt_ids(tiny_target, text) for i, text in enumerate(PROMPTS + ["Tell me a story."])}
+    natural = {rid: [7 + i] * 9 for i, rid in enumerate(prompts)}
+    why = {rid: f"VLLMValidationError: no {rid} here" for rid in prompts}
+    spec_s = {3: 0.5, 1: 0.8, ("ngram", 2): 0.9, ("ngram", 4): 0.85, "combined": 0.6}
+    calls: list = []
+
+    def refuses(job) -> dict[str, str]:  # the timed run (lookup at K = 2 last) refuses none
+        run = "check" if job.mode == "check" else (job.lookup_method, job.ngram_tokens)
+        rid = {("ngram", 4): "p2", ("combined", 3): "p1", "check": "p0"}.get(run)  # p0: the K = 3 bf16 mismatch
+        return {rid: why[rid]} if rid else {}
+
+    monkeypatch.setattr(runner, "run_engine", fake_engine(calls, natural, spec_s, {}, [], refuses=refuses))
+    config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[3, 1],
+                        concurrency=[], ngram=[2, 4], combined="k=2,confidence=1")
+    v = engine_eval(config, tiny_target, prompts, 4, "bf16", "cpu", tmp_path)
+    assert v.refused_by_engine == {rid: why[rid] for rid in ("p2", "p1", "p0")}
+    kept = ["p3", "p4"]
+    for row in v.sweep + v.ngram_sweep + [v.combined]:
+        assert [p.id for p in row.per_prompt] == kept, row
+        assert row.lossless_checked == 2 and row.lossless_mismatches == 0
+    assert v.best_k == 3 and [p.id for p in v.per_prompt] == kept
+    assert (v.lossless_checked, v.lossless_mismatches, v.mismatches) == (2, 0, [])
+    assert {c.prompts for c in v.combined.against.values()} == {2}  # paired on the same prompts
+    assert {r.prompts for r in v.ranking} == {2}  # and ranked on them
+    lookup_4, combined_job, recheck = calls[1:]
+    assert [r.id for r in lookup_4.requests] == ["p0", "p1", "p2", "p3", "p4"]
+    assert [r.id for r in combined_job.requests] == ["p0", "p1", "p3", "p4"]  # not p2, refused before
+    assert recheck.mode == "check" and [r.id for r in recheck.requests] == ["p0"]
+    printed = capsys.readouterr().out
+    for rid in ("p2", "p1", "p0"):
+        assert f"engine: vLLM refused 1 prompt(s), left out of every comparison: {rid}: {why[rid]}" in printed
+    monkeypatch.setattr(runner, "run_engine", fake_engine([], natural, spec_s, {}, [], refuses=lambda job: {
+        r.id: "VLLMValidationError: none left" for r in job.requests} if job.lookup_method == "combined" else
+        refuses(job)))
+    with pytest.raises(UserError, match=r"^-: vLLM refused all 5 prompts \(e\.g\. p2: VLLMValidationError: no p2 "
+                                        r"here\): nothing to evaluate$"):
+        engine_eval(config, tiny_target, prompts, 4, "bf16", "cpu", tmp_path)
 
 
 def test_combined_on_takes_its_rule_from_the_measured_taus_and_a_written_rule_stays_as_written():

@@ -12,7 +12,7 @@ from dflash_train.logs.records import Skip, iter_records, parse_record, prompt_i
 from dflash_train.logs.values import SKIP_REASONS, Bad, SourceStats, read_values
 from dflash_train.pii import KINDS as PII_KINDS
 from dflash_train.prompts import load_prompts, split_hash
-from dflash_train.provenance import is_complete
+from dflash_train.provenance import LOCK_FILE, is_complete
 from dflash_train.stages.ingest.command import default_logs, ingest
 from dflash_train.stages.ingest.config import IngestConfig
 from dflash_train.stages.ingest.report import format_report
@@ -37,6 +37,13 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 def run_ingest(paths, out, **config) -> dict:
     return ingest(paths, out, IngestConfig(**{**FAST, **config}))
+
+
+def folder_files(folder: Path) -> dict:
+    """Every file under `folder` by path: its bytes; the lock file's holder record without the time it was taken,
+    which every run that claims the folder writes again (to the second: a run a second later differs there alone)."""
+    return {p.relative_to(folder): {k: v for k, v in json.loads(p.read_text()).items() if k != "since"}
+            if p.name == LOCK_FILE else p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
 # --- formats ----------------------------------------------------------------------------------------------
@@ -155,6 +162,29 @@ def test_each_constraint_the_api_refuses_is_a_counted_bad_record_named_in_the_re
     assert json.loads(kept["q0"]) == {"structured": {"kind": "json_schema", "spec": ROUTE}}
     assert json.loads(kept["q1"]) == {"stop": ["\n"], "seed": 7} and kept["q2"] is None
     assert "constrained traffic: 2 record(s)" in format_report(report)
+
+
+def test_every_skipped_record_is_listed_with_its_reason_beside_the_report(tmp_path):
+    """The report quotes the first few skips per log; skipped.jsonl lists every one (a production log skips
+    thousands): its log, line, reason and the reason's words; a rerun that skips nothing leaves it empty."""
+    rows = [{"request": {"messages": [user(f"q{i}")], **extra}} for i, extra in enumerate(
+        [{}, {"seed": 2**80}, {"temperature": 5}, {}, *({"presence_penalty": 9} for _ in range(8))])]
+    rows.insert(3, "{not json")
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    report = run_ingest([log], tmp_path / "out", max_bad_fraction=0.9)
+    skipped = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
+    assert report["kept"] == 2 and len(skipped) == 11 > len(report["sources"][0]["examples"])
+    assert [(s["where"], s["reason"]) for s in skipped[:4]] == [
+        ("line 2", "bad_constraint"), ("line 3", "bad_sampling"), ("line 4", "malformed"), ("line 6", "bad_constraint")]
+    assert skipped[0] == {"source": "log.jsonl", "where": "line 2", "reason": "bad_constraint", "records": 1,
+                          "detail": f"seed must be an integer in [0, 2**63 - 1] (what both engines seed alike), got "
+                                    f"{2**80}"}
+    assert sum(s["records"] for s in skipped) == sum(report[r] for r in SKIP_REASONS)
+    assert "(each with its reason: skipped.jsonl)" in format_report(report)
+    write_jsonl(log, rows[:1])
+    run_ingest([log], tmp_path / "out", max_bad_fraction=0.9)
+    assert (tmp_path / "out" / "skipped.jsonl").read_text() == ""
 
 
 def test_a_seed_or_penalty_an_engine_would_refuse_or_read_otherwise_is_a_counted_bad_constraint(tmp_path):
@@ -438,7 +468,7 @@ def test_an_eval_fraction_that_holds_out_every_prompt_is_one_line_and_writes_not
     log = write_jsonl(tmp_path / "three.jsonl", [{"prompt": f"question {i}"} for i in range(3)])
     out, earlier = tmp_path / "new", tmp_path / "earlier"
     run_ingest([log], earlier)
-    before = {p.relative_to(earlier): p.read_bytes() for p in earlier.rglob("*") if p.is_file()}
+    before = folder_files(earlier)
     capsys.readouterr()  # what that ingest printed
     for folder in (out, earlier):
         rc = cli_main(["ingest", str(log), "--out", str(folder), "--eval-fraction", "0.999999",
@@ -448,7 +478,7 @@ def test_an_eval_fraction_that_holds_out_every_prompt_is_one_line_and_writes_not
                                    "all 3 kept prompts fall under it (0 train, 3 eval). Lower --eval-fraction "
                                    "(nothing was written)"], err
     assert not out.exists()
-    assert {p.relative_to(earlier): p.read_bytes() for p in earlier.rglob("*") if p.is_file()} == before
+    assert folder_files(earlier) == before
 
 
 # --- bad input --------------------------------------------------------------------------------------------
@@ -513,13 +543,11 @@ def test_a_bad_log_leaves_the_earlier_output_of_its_folder_as_it_was(tmp_path):
     folder."""
     out = tmp_path / "out"
     run_ingest([EXAMPLES / "prompts.jsonl"], out)
-    files = lambda: {p.relative_to(out): p.read_bytes() for p in out.rglob("*")  # noqa: E731
-                     if p.is_file() and p.name != ".dflash-train.lock"}
-    before = files()
+    before = folder_files(out)
     garbage = write_jsonl(tmp_path / "garbage.jsonl", [{"text": 1}, {"text": 2}])
     with pytest.raises(UserError, match="garbage.jsonl: 2 of 2 records are unusable"):
         run_ingest([garbage], out)
-    assert files() == before and is_complete(out)
+    assert folder_files(out) == before and is_complete(out)
 
 
 def test_a_gzip_log_cut_before_its_first_record_says_where_it_stopped(tmp_path):

@@ -34,11 +34,17 @@ from dflash_train.engine.jobs import EngineJob, EngineOutput, EngineRequest, at_
 from dflash_train.engine.runner import JOB_FILE, RESULT_FILE
 from dflash_train.lookup import COMBINED_SETTING, CombinedRule, parse_combined
 
-# A vLLM worker keeps polling its message queue for 1 s after its last request (shm_broadcast's busy loop): the
-# timed protocol waits this long before each timed request, so that the other engine's worker is asleep. On CPU the
-# workers run in the child (`install.engine_environment`) and nothing polls; the wait stays, one protocol on every
-# device.
+# A vLLM worker process keeps polling its message queue for 1 s after its last request (shm_broadcast's busy loop):
+# where the workers are processes of their own (a GPU), the timed protocol waits this long before each timed request,
+# so that the other engine's worker is asleep.
 IDLE_S = 1.2
+
+
+def idle_s(device: str) -> float:
+    """The wait before each timed request on `device`: IDLE_S, none on CPU, where the engine and its worker run in
+    the child (`install.engine_environment`) and nothing polls (the wait was 45% of a timed K there; without it the
+    speedups agree: BENCHMARKS "The eval without the idle wait on CPU")."""
+    return 0.0 if device == "cpu" else IDLE_S
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STREAM_EVERY_S = 10.0
 
@@ -249,7 +255,7 @@ def _timed(job: EngineJob, plain: Any, start, generate, params: Callable[[Engine
        beside the plain one and warms up; every prompt is decoded `repeats` times by each side, alone, at its
        natural length with `ignore_eos` (both sides decode the same number of tokens; greedy: the same tokens),
        alternating which side goes first from prompt to prompt and from repeat to repeat (ABBA), so that a change
-       of load on the machine hits both alike, each run IDLE_S after the last and after both engines' prefix caches
+       of load on the machine hits both alike, each run `idle_s` after the last and after both engines' prefix caches
        are emptied (no prompt is served from an earlier request's cache); then each concurrency c: the first
        c prompts (cycled), decoded together, the same way. Every run is timed by the engine core (from the
        arrival of its first request to its last token: `core_s`; from its first token to its last: `decode_s`)
@@ -257,7 +263,8 @@ def _timed(job: EngineJob, plain: Any, start, generate, params: Callable[[Engine
     3. Then vLLM's prompt lookup at K = `job.ngram_tokens`, the same way, at batch 1 and at each concurrency
        (whatever the budget: a baseline asked for is measured); its run says `"method": "ngram"` (or, with
        `job.lookup_method` "suffix", vLLM's suffix decoding: `"method": "suffix"`; "combined", the drafter with
-       the combined speculator's plugin on: `"method": "combined"`, each output with its blocks by source)."""
+       the combined speculator's plugin on: `"method": "combined"`, each output with its blocks by source), on
+       the first `job.free_limit` prompts where it is set."""
     import gc
 
     todo = [("dflash", k) for k in job.speculative_tokens]
@@ -287,7 +294,8 @@ def _timed(job: EngineJob, plain: Any, start, generate, params: Callable[[Engine
         if i:
             t0 = time.perf_counter()
             opened = start(k, method)
-        run = _timed_k(job, plain, opened, generate, warm_up, fixed, method, k)
+        run = _timed_k(job, plain, opened, generate, warm_up,
+                       fixed if method == "dflash" else fixed[:job.free_limit], method, k)
         del opened
         gc.collect()
         run["seconds"] = time.perf_counter() - t0
@@ -314,7 +322,7 @@ def _timed_k(job: EngineJob, plain: Any, opened: tuple[Any, dict[str, Any], floa
             (c, [replace(fixed[j % len(fixed)], id=f"{fixed[j % len(fixed)].id}#{j}") for j in range(c)])
             for c in job.concurrency]:
         times, outputs = _time_batch(sides, generate, n, batch, job.repeats,
-                                     len(run["batch1"]) + len(run["concurrency"]))
+                                     len(run["batch1"]) + len(run["concurrency"]), idle_s(job.device))
         if n == 1:
             run["outputs"] += outputs
         run["batch1" if n == 1 else "concurrency"].append(times)
@@ -323,17 +331,17 @@ def _timed_k(job: EngineJob, plain: Any, opened: tuple[Any, dict[str, Any], floa
 
 
 def _time_batch(sides: dict[str, Any], generate, n: int, batch: list[EngineRequest], repeats: int,
-                parity: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+                parity: int, idle: float) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One batch of `n` requests timed `repeats` times by each side, the side that goes first alternating from
-    batch to batch (`parity`: the batches timed before it) and from repeat to repeat (ABBA). Returns its times and
-    the speculative side's outputs of the first repeat."""
+    batch to batch (`parity`: the batches timed before it) and from repeat to repeat (ABBA), each run `idle`
+    seconds after the last. Returns its times and the speculative side's outputs of the first repeat."""
     times: dict[str, Any] = {"requests": n, "tokens": sum(r.max_tokens for r in batch)}
     if n == 1:
         times["id"] = batch[0].id
     outputs: list[dict[str, Any]] = []
     for repeat in range(repeats):
         for side in ("plain", "spec") if (parity + repeat) % 2 == 0 else ("spec", "plain"):
-            time.sleep(IDLE_S)
+            time.sleep(idle)
             # Every timed run prefills cold: the plain engine holds the prompts of its natural pass, the
             # speculative one has not seen them, and with room for several sequences (--concurrency) plain's
             # prefill would be a cache hit (BENCHMARKS "A prompt cached on one side only").

