@@ -26,9 +26,10 @@ set it recorded) are compared with the prompts to evaluate. `--store` is re-hash
 
 The stage's modules, in the order the data goes through them: config (EvalConfig, the flags), this one (the checks,
 `evaluate` that runs the rest, the CLI), metrics (tau, acceptance by position, bootstrap intervals, the offline
-estimate), vllm_sweep (the drafter in vLLM at each speculation length, with requests decoded together), own_loop (the
-project's decoding loop and its lossless check, on the prompts vLLM took: one it refused is left out of every
-comparison), report (report.json through dflash_train.eval_report, report.md, the plots).
+estimate), vllm_sweep (the drafter in vLLM at each speculation length, with requests decoded together; its engine
+runs through engine_runs, which keeps the prompts each refused), own_loop (the project's decoding loop and its
+lossless check, on the prompts vLLM took: one it refused is left out of every comparison), report (report.json
+through dflash_train.eval_report, report.md, the plots).
 """
 
 from __future__ import annotations
