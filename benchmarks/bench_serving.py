@@ -40,6 +40,7 @@ from typing import Any
 from dflash_train import runs
 from dflash_train.engine.jobs import EngineRequest
 from dflash_train.errors import CommandParser
+from dflash_train.eval_report import EvalReport, KRow, VllmEval, fields_of
 from dflash_train.options import at_least, int_list
 
 AGREEMENT = 0.05  # the eval's speedup and the independent stopwatch's may differ by this much
@@ -111,10 +112,10 @@ def run_eval(args: argparse.Namespace, out: Path, log: list[dict[str, Any]]) -> 
         entry["seconds"] = time.perf_counter() - started
     entry["uptime_after"] = uptime()
     log.append(entry)
-    return runs.read_report(out / "report.json")
+    return runs.read_report(out / "report.json", own=False)
 
 
-def held_out_prompts(args: argparse.Namespace, report: dict[str, Any], target) -> list[EngineRequest]:
+def held_out_prompts(args: argparse.Namespace, report: EvalReport, target) -> list[EngineRequest]:
     """The prompts the eval timed as its timed runs decoded them: rendered as the eval renders them, each under its
     request's own constraints (less what the eval leaves out), at the length plain decoding found
     (`engine.jobs.at_length`)."""
@@ -123,9 +124,9 @@ def held_out_prompts(args: argparse.Namespace, report: dict[str, Any], target) -
     from dflash_train.prompts import load_prompt_records
     from dflash_train.stages.evaluate.command import LEFT_OUT
 
-    lengths = {p["id"]: p["new_tokens"] for p in report["engines"]["vllm"]["per_prompt"]}
+    lengths = {p.id: p.new_tokens for p in report.vllm.per_prompt}
     records, _ = load_prompt_records(args.prompts, "eval", args.limit)
-    kwargs = report["settings"].get("template_kwargs") or {}
+    kwargs = report.settings.template_kwargs
     return [at_length(EngineRequest(id=r.id, prompt_token_ids=target.render(r.messages, r.tools, **kwargs),
                                     max_tokens=lengths[r.id],
                                     constraints=request_constraints.without(r.constraints, LEFT_OUT)), lengths[r.id])
@@ -134,7 +135,7 @@ def held_out_prompts(args: argparse.Namespace, report: dict[str, Any], target) -
 
 # ------------------------------------------------------------------------------------------------ 2. own loop
 
-def own_loop(args: argparse.Namespace, report: dict[str, Any], log: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def own_loop(args: argparse.Namespace, report: EvalReport, log: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The project's loop at every K the eval measured: plain and speculative alternating, prompt by prompt, at
     the eval's fixed lengths (no stop token), by the loop's decode clock and by a stopwatch around each call."""
     import torch
@@ -146,11 +147,11 @@ def own_loop(args: argparse.Namespace, report: dict[str, Any], log: list[dict[st
 
     entry = {"part": "the project's loop", "uptime_before": uptime()}
     started = time.perf_counter()
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[report["settings"]["dtype"]]
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[report.settings.dtype]
     target = load_target(args.target, dtype=dtype)
     prompts = held_out_prompts(args, report, target)
     rows = []
-    measured = sorted(r["k"] for r in report["engines"]["vllm"]["sweep"])
+    measured = sorted(r.k for r in report.vllm.sweep)
     for k in measured if args.own_k is None else [int(k) for k in args.own_k.split(",")]:
         proposer = _load_proposer(args.drafter, target, k + 1, dtype)
         timed: dict[str, list[float]] = {"plain_s": [], "spec_s": [], "plain_wall_s": [], "spec_wall_s": []}
@@ -171,7 +172,7 @@ def own_loop(args: argparse.Namespace, report: dict[str, Any], log: list[dict[st
         decoded = [t - 1 for t in tokens]
         n = len(prompts)
         every = list(range(n))
-        row = {"k": k, **acceptance_stats(steps, k + 1),
+        row = {"k": k, **fields_of(acceptance_stats(steps, k + 1)),
                "tokens_per_s_baseline": ratio_of_sums(decoded, timed["plain_s"])(every),
                "tokens_per_s": ratio_of_sums(decoded, timed["spec_s"])(every),
                "speedup": ratio_of_sums(timed["plain_s"], timed["spec_s"])(every),
@@ -180,7 +181,7 @@ def own_loop(args: argparse.Namespace, report: dict[str, Any], log: list[dict[st
                "speedup_wall_interval": bootstrap_interval(ratio_of_sums(timed["plain_wall_s"],
                                                                          timed["spec_wall_s"]), n),
                "per_prompt_tau": [mean_tau(s) for s in steps], "lossless_mismatches": n - same, "prompts": n}
-        print(f"bench: project's loop K={k}: tau {row['tau']:.3f}, speedup {row['speedup']:.3f} "
+        print(f"bench: project's loop K={k}: tau {row['tau_steps']:.3f}, speedup {row['speedup']:.3f} "
               f"(stopwatch {row['speedup_wall']:.3f})", flush=True)
         rows.append(row)
     entry.update(seconds=time.perf_counter() - started, uptime_after=uptime())
@@ -190,7 +191,7 @@ def own_loop(args: argparse.Namespace, report: dict[str, Any], log: list[dict[st
 
 # ------------------------------------------------------------------------------------------------ 3. stopwatch
 
-def stopwatch(args: argparse.Namespace, report: dict[str, Any], out: Path, log: list[dict[str, Any]]
+def stopwatch(args: argparse.Namespace, report: EvalReport, out: Path, log: list[dict[str, Any]]
               ) -> dict[str, Any]:
     """The independent stopwatch: fresh engines, one at a time, each in a process of its own (vLLM's CPU
     environment is set before vLLM is imported; vLLM 0.32 on CPU cannot start another engine in a process after a
@@ -200,15 +201,15 @@ def stopwatch(args: argparse.Namespace, report: dict[str, Any], out: Path, log: 
     from dflash_train.engine.install import engine_environment
     from dflash_train.target import load_target
 
-    v = report["engines"]["vllm"]
+    v = report.vllm
     target = load_target(args.target)
-    sides = {"plain": v["engine_args_plain"], "spec": v["engine_args"]}
-    if v.get("ngram"):  # prompt lookup: plain decoding's arguments with the eval's ngram speculative config
-        sides["lookup"] = {**v["engine_args_plain"], "speculative_config": v["ngram"]["engine_args"]}
+    sides = {"plain": v.engine_args_plain, "spec": v.engine_args}
+    if v.ngram:  # prompt lookup: plain decoding's arguments with the eval's ngram speculative config
+        sides["lookup"] = {**v.engine_args_plain, "speculative_config": v.ngram.engine_args}
     requests = held_out_prompts(args, report, target)
     out.mkdir(parents=True, exist_ok=True)
-    entry = {"part": f"independent stopwatch (vLLM, K = {v['best_k']}"
-                     + (f"; prompt lookup, K = {v['ngram']['k']})" if "lookup" in sides else ")"),
+    entry = {"part": f"independent stopwatch (vLLM, K = {v.best_k}"
+                     + (f"; prompt lookup, K = {v.ngram.k})" if "lookup" in sides else ")"),
              "uptime_before": uptime()}
     started = time.perf_counter()
     times: dict[str, list[list[float]]] = {side: [] for side in sides}
@@ -233,8 +234,8 @@ def stopwatch(args: argparse.Namespace, report: dict[str, Any], out: Path, log: 
         spec = sum(map(sum, times[side]))
         return {"speedup": plain / spec, "tokens_per_s": tokens * len(times[side]) / spec,
                 "speedup_by_round": [sum(p) / sum(s) for p, s in zip(times["plain"], times[side])]}
-    return {"k": v["best_k"], **against_plain("spec"), "tokens_per_s_baseline": tokens * len(times["plain"]) / plain,
-            "lookup": ({"k": v["ngram"]["k"], **against_plain("lookup")} if "lookup" in sides else None),
+    return {"k": v.best_k, **against_plain("spec"), "tokens_per_s_baseline": tokens * len(times["plain"]) / plain,
+            "lookup": ({"k": v.ngram.k, **against_plain("lookup")} if "lookup" in sides else None),
             "times": times}
 
 
@@ -266,54 +267,54 @@ def stopwatch_child(job_file: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------ the tables
 
-def tables(report: dict[str, Any], own: list[dict[str, Any]], watch: dict[str, Any]) -> str:
+def tables(report: EvalReport, own: list[dict[str, Any]], watch: dict[str, Any]) -> str:
     from dflash_train.report_tables import concurrency_table, describe_machine, fmt, table, with_interval
 
-    v = report["engines"]["vllm"]
+    v = report.vllm
     mine = {r["k"]: r for r in own}
     rows = []
-    for r in sorted(v["sweep"], key=lambda r: r["k"]):
-        o = mine.get(r["k"], {})
-        rows.append((f"**{r['k']}**" if r["k"] == v["best_k"] else str(r["k"]),
-                     with_interval(r["tau"], r["tau_interval"]),
-                     f"{fmt(r['tokens_per_s_baseline'])} / {fmt(r['tokens_per_s'])}",
-                     with_interval(r["speedup"], r["speedup_interval"]) + "×",
-                     with_interval(r["speedup_wall"], r["speedup_wall_interval"]) + "×",
-                     f"{fmt(watch['speedup'])}×" if r["k"] == watch["k"] else "",
-                     fmt(o.get("tau")), f"{fmt(o.get('tokens_per_s_baseline'))} / {fmt(o.get('tokens_per_s'))}"
+    for r in sorted(v.sweep, key=lambda r: r.k):
+        o = mine.get(r.k, {})
+        rows.append((f"**{r.k}**" if r.k == v.best_k else str(r.k),
+                     with_interval(r.tau_steps, r.tau_steps_interval),
+                     f"{fmt(r.tokens_per_s_baseline)} / {fmt(r.tokens_per_s)}",
+                     with_interval(r.speedup, r.speedup_interval) + "×",
+                     with_interval(r.speedup_wall, r.speedup_wall_interval) + "×",
+                     f"{fmt(watch['speedup'])}×" if r.k == watch["k"] else "",
+                     fmt(o.get("tau_steps")), f"{fmt(o.get('tokens_per_s_baseline'))} / {fmt(o.get('tokens_per_s'))}"
                      if o else "", with_interval(o.get("speedup"), o.get("speedup_interval")) + "×" if o else "",
                      with_interval(o.get("speedup_wall"), o.get("speedup_wall_interval")) + "×" if o else ""))
-    if r := v.get("ngram"):  # vLLM's prompt lookup (eval --ngram): the baseline, in vLLM only
-        rows.append((f"{r['k']}, prompt lookup", with_interval(r["tau"], r["tau_interval"]),
-                     f"{fmt(r['tokens_per_s_baseline'])} / {fmt(r['tokens_per_s'])}",
-                     with_interval(r["speedup"], r["speedup_interval"]) + "×",
-                     with_interval(r["speedup_wall"], r["speedup_wall_interval"]) + "×",
+    if r := v.ngram:  # vLLM's prompt lookup (eval --ngram): the baseline, in vLLM only
+        rows.append((f"{r.k}, prompt lookup", with_interval(r.tau_steps, r.tau_steps_interval),
+                     f"{fmt(r.tokens_per_s_baseline)} / {fmt(r.tokens_per_s)}",
+                     with_interval(r.speedup, r.speedup_interval) + "×",
+                     with_interval(r.speedup_wall, r.speedup_wall_interval) + "×",
                      f"{fmt(watch['lookup']['speedup'])}×" if watch.get("lookup") else "", "", "", "", ""))
     k_table = table(rows, ("K", "vLLM τ", "vLLM tokens/s plain / spec (engine)", "vLLM speedup (engine)",
                            "vLLM speedup (stopwatch, same runs)", "vLLM speedup (independent stopwatch)",
                            "loop τ", "loop tokens/s plain / spec", "loop speedup (loop clock)",
                            "loop speedup (stopwatch)"))
 
-    def agreement(what: str, eval_row: dict[str, Any], watched: dict[str, Any]) -> str:
-        agree = eval_row["speedup"] / watched["speedup"] - 1
-        return (f"Agreement {what}: the eval's speedup {fmt(eval_row['speedup'])}× (engine core; "
-                f"{fmt(eval_row['speedup_wall'])}× by the stopwatch around the same runs) against the independent "
+    def agreement(what: str, eval_row: VllmEval | KRow, watched: dict[str, Any]) -> str:
+        agree = eval_row.speedup / watched["speedup"] - 1
+        return (f"Agreement {what}: the eval's speedup {fmt(eval_row.speedup)}× (engine core; "
+                f"{fmt(eval_row.speedup_wall)}× by the stopwatch around the same runs) against the independent "
                 f"stopwatch's {fmt(watched['speedup'])}× (rounds: "
                 f"{', '.join(fmt(x) for x in watched['speedup_by_round'])}): {agree:+.1%}, "
                 f"{'within' if abs(agree) <= AGREEMENT else 'NOT within'} {AGREEMENT:.0%}.")
     agreements = [agreement("at best_k", v, watch)]
     if watch.get("lookup"):
-        agreements.append(agreement(f"for prompt lookup (K = {watch['lookup']['k']})", v["ngram"], watch["lookup"]))
-    s = report["settings"]
+        agreements.append(agreement(f"for prompt lookup (K = {watch['lookup']['k']})", v.ngram, watch["lookup"]))
+    s = report.settings
     return "\n".join([
-        f"Drafter `{s['drafter']}` on `{report['target']['name']}`, {s['num_prompts']} held-out prompts, up to "
-        f"{s['max_new_tokens']} new tokens, greedy; measured on {describe_machine(s.get('machine'), v['dtype'])}, "
-        f"vLLM {v['version']}.", "",
+        f"Drafter `{report.drafter.path}` on `{report.target.name if report.target else '-'}`, {s.num_prompts} "
+        f"held-out prompts, up to {s.options.get('max_new_tokens')} new tokens, greedy; measured on "
+        f"{describe_machine(s.machine, v.dtype)}, vLLM {v.version}.", "",
         "Speculation length K, one request at a time (best_k in bold; intervals: 95% bootstrap over prompts):", "",
         k_table, "",
-        f"best_k = {v['best_k']}" + (f" (the fastest in {v['best_k_share']:.0%} of the resamples)"
-                                     if v.get("best_k_share") is not None else "")
-        + (f"; not measured for the time budget: K = {v['timing']['skipped_k']}" if v["timing"]["skipped_k"] else "")
+        f"best_k = {v.best_k}" + (f" (the fastest in {v.best_k_share:.0%} of the resamples)"
+                                  if v.best_k_share is not None else "")
+        + (f"; not measured for the time budget: K = {v.timing.skipped_k}" if v.timing and v.timing.skipped_k else "")
         + ".", "",
         " ".join(agreements), "",
         *concurrency_table(v)[1:]])

@@ -3,7 +3,8 @@ the probes (probes/) share.
 
 Running a stage's command with its wall time and a clear failure message; skipping a stage whose output folder is
 complete (and was made by the same command); parsing `NAME:key=value,key=value` variants; reading a run's
-metrics.jsonl and an eval report.json into table rows; plotting curves; describing the machine; writing results.
+metrics.jsonl and an eval report.json (through dflash_train.eval_report) into table rows; plotting curves;
+describing the machine; writing results.
 Like cli.py, it sits above the stages (it runs their commands from the checkout's root and reads what they wrote),
 not among the services they stand on. Everything here except running commands is pure and covered by
 tests/test_scripts.py.
@@ -24,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from dflash_train import eval_report
 from dflash_train.errors import UserError
+from dflash_train.eval_report import EvalReport, MethodRow
 from dflash_train.options import at_least
 from dflash_train.provenance import PROVENANCE_FILE, is_complete, without_local_paths, write_json_atomic
 from dflash_train.report_tables import by_role, table
@@ -342,45 +345,45 @@ def run_summary(metrics: Path) -> dict[str, Any]:
             "final_sim_acc": evals[-1].get("eval_acc") if evals else None}
 
 
-def read_report(path: Path) -> dict[str, Any]:
-    """An eval report.json (path to the file or to its folder)."""
-    path = path / "report.json" if path.is_dir() else path
-    if not path.is_file():
-        raise UserError(f"eval report {path} does not exist")
-    report = json.loads(path.read_text())
-    if not isinstance(report.get("methods"), list):
-        raise UserError(f"eval report {path} has no 'methods' list")
+def read_report(path: Path, own: bool = True) -> EvalReport:
+    """An eval report.json (path to the file or to its folder), through dflash_train.eval_report; with `own`, one
+    where the project's loop ran (the experiments compare drafters there)."""
+    report = eval_report.load(path)
+    if own and report.own is None:
+        raise UserError(f"eval report {path} has no run of the project's loop (eval --engine own or both)")
     return report
 
 
-def method_for(report: dict[str, Any], drafter: Path) -> dict[str, Any]:
-    """The report's row of one drafter (matched by its resolved folder)."""
+def method_for(report: EvalReport, drafter: Path) -> MethodRow:
+    """The report's row of one drafter in the project's loop (matched by its resolved folder)."""
     want = Path(drafter).resolve()
-    for m in report["methods"]:
-        if m.get("drafter") and Path(m["drafter"]).resolve() == want:
+    methods = report.own.methods if report.own else []
+    for m in methods:
+        if m.drafter and Path(m.drafter).resolve() == want:
             return m
     raise UserError(f"the eval report has no method for drafter {drafter} "
-                    f"(methods: {', '.join(str(m.get('drafter')) for m in report['methods'])})")
+                    f"(methods: {', '.join(str(m.drafter) for m in methods)})")
 
 
-def plain_tokens_per_s(report: dict[str, Any]) -> float | None:
-    plain = by_role(report["methods"], "plain")
-    return plain[0].get("tokens_per_s") if plain else None
+def plain_tokens_per_s(report: EvalReport) -> float | None:
+    plain = by_role(report.own.methods if report.own else [], "plain")
+    return plain[0].tokens_per_s if plain else None
 
 
-def online_row(report: dict[str, Any], drafter: Path, positions: int = 3) -> dict[str, Any]:
-    """tau, the first `positions` per-position acceptances, tokens/s and its ratio to plain decoding."""
+def online_row(report: EvalReport, drafter: Path, positions: int = 3) -> dict[str, Any]:
+    """tau (over all steps), the first `positions` per-position acceptances, tokens/s and its ratio to plain
+    decoding: a row of an experiment's results."""
     m = method_for(report, drafter)
-    acc = list(m.get("per_position_acceptance") or [])
+    acc = list(m.per_position_acceptance)
     plain = plain_tokens_per_s(report)
-    tps = m.get("tokens_per_s")
-    return {"online_tau": m.get("tau"), "acceptance": acc, "acceptance_first": acc[:positions],
+    tps = m.tokens_per_s
+    return {"online_tau": m.tau_steps, "acceptance": acc, "acceptance_first": acc[:positions],
             "tokens_per_s": tps, "tokens_per_s_plain": plain,
             "tokens_per_s_ratio": tps / plain if tps is not None and plain else None,
-            "lossless_mismatches": m.get("lossless_mismatches")}
+            "lossless_mismatches": m.lossless_mismatches}
 
 
-def run_rows(plan: dict[str, tuple[Path, list[str]]], report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def run_rows(plan: dict[str, tuple[Path, list[str]]], report: EvalReport) -> dict[str, dict[str, Any]]:
     """Per run (label -> (run folder, overrides)): its training summary and its online eval row."""
     return {label: {"run": str(run_dir), "overrides": overrides, **run_summary(run_dir / "metrics.jsonl"),
                     **online_row(report, run_dir / "drafter")} for label, (run_dir, overrides) in plan.items()}
@@ -511,11 +514,10 @@ def header(title: str, script: str) -> str:
             f"Reproduce: `{invocation}`")
 
 
-def eval_description(report: dict[str, Any], limit: int, max_prompt_tokens: int, max_new_tokens: int) -> str:
-    settings = report.get("settings", {})
-    return (f"Online eval: {settings.get('num_prompts')} held-out prompts (the first {limit} of the eval split, "
+def eval_description(report: EvalReport, limit: int, max_prompt_tokens: int, max_new_tokens: int) -> str:
+    return (f"Online eval: {report.settings.num_prompts} held-out prompts (the first {limit} of the eval split, "
             f"those under {max_prompt_tokens} prompt tokens), {max_new_tokens} new tokens, "
-            f"{settings.get('sampling', 'greedy')}; plain decoding {fmt(plain_tokens_per_s(report), 1)} tokens/s.")
+            f"{report.settings.sampling}; plain decoding {fmt(plain_tokens_per_s(report), 1)} tokens/s.")
 
 
 def script_main(main: Callable[[], int]) -> None:

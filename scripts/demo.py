@@ -37,14 +37,15 @@ from pathlib import Path
 from demo_plan import EVAL_CONCURRENCY, OWN_EVAL_PROMPTS, early_check, make_plan, print_plan, rebudget_training
 from demo_probe import demo_recipe, probe
 
-from dflash_train import runs
+from dflash_train import eval_report, runs
 from dflash_train.engine.args import SPECULATION_LENGTHS
 from dflash_train.engine.install import suffix_problem
 from dflash_train.errors import CommandParser
+from dflash_train.eval_report import Acceptance, CombinedEntry, EvalReport, KRow, OwnLoop, VllmEval
 from dflash_train.lookup import combined_problem
 from dflash_train.options import at_least, in_range, int_list
 from dflash_train.provenance import is_complete
-from dflash_train.report_tables import BESIDE_THE_DRAFTER, combined_line, combined_name, speculator_to_serve
+from dflash_train.report_tables import beside_the_drafter, combined_line, combined_name, speculator_to_serve
 
 REPO = runs.REPO
 
@@ -187,8 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
     artefacts = [("prompts", prompts), ("capture store", store), ("held-out store", eval_store),
                  ("training run", run), ("drafter", drafter), ("eval report", report), ("push folder (dry run)", push)]
-    summary = demo_summary(args, plan, log, json.loads((report / "report.json").read_text()),
-                           time.perf_counter() - total, artefacts)
+    summary = demo_summary(args, plan, log, eval_report.load(report), time.perf_counter() - total, artefacts)
     print("\n" + "=" * 80 + "\n" + (report / "report.md").read_text() + "\n" + summary)
     (report.parent / f"{args.name}.demo.md").write_text(summary)
     print(f"this summary: {report.parent / f'{args.name}.demo.md'}")
@@ -235,7 +235,7 @@ def eval_options(args: argparse.Namespace, plan: dict | None) -> list[str]:
             *(["--free-limit", str(free_limit)] if free_limit else [])]
 
 
-def demo_summary(args: argparse.Namespace, plan: dict | None, log: runs.Log, report: dict, wall: float,
+def demo_summary(args: argparse.Namespace, plan: dict | None, log: runs.Log, report: EvalReport, wall: float,
                  artefacts: list[tuple[str, Path]]) -> str:
     """What the demo did, as markdown: the workload (which traffic), the drafter it started from, the headline
     figures of each engine, the wall time of each stage against the plan, and where everything is."""
@@ -250,29 +250,30 @@ def demo_summary(args: argparse.Namespace, plan: dict | None, log: runs.Log, rep
              f"Drafter: recipe `{args.recipe}`, " + (f"warm-started from "
              f"{describe({'name': start, 'revision': recipe.drafter.init_revision})}" if start else "from scratch")
              + (f"; it drafts {vocab:,} of the target's token ids (a draft vocabulary: the ones its training answers "
-                f"use most, then their prompts')" if (vocab := (report.get("drafter") or {}).get("draft_vocab_size"))
-                else "") + ".", ""]
-    for name, e in (report.get("engines") or {}).items():
-        best = f", best K {e['best_k']}" if e.get("best_k") is not None else ""
-        timing = e.get("timing") or {}
-        unsteady = (f"; the machine's speed changed by {timing['host_drift']:.0%} while it was measured: not to be "
-                    f"believed" if timing.get("host_unsteady") else "")
-        lines.append(f"- {name}: tau {_num(e.get('tau'))}{best}, speedup over plain decoding {_speedup(e)} (95% "
-                     f"interval over prompts{unsteady}), lossless mismatches {e.get('lossless_mismatches')}")
-        served = speculator_to_serve(e)
-        for key, what in BESIDE_THE_DRAFTER:
-            if isinstance(other := e.get(key), dict):
-                verdict = (": faster than the drafter here, serve it instead (the eval report says how)"
-                           if served and served["name"] == what else
-                           f": faster than the drafter, slower than {served['name']}" if served and
-                           (other.get("speedup") or 0) > (e.get("speedup") or 0) else ": the drafter is the faster")
-                named = f"{what} ({combined_name(other)})" if key == "combined" else f"{what} (no model)"
-                lines.append(f"- {name}, {named}: tau "
-                             f"{_num(other.get('tau'))}, K {other.get('k')}, speedup {_speedup(other)}{verdict}")
-                if key == "combined":
-                    lines.append(f"  {combined_line(other)}")
-    lines.append(f"- offline (simulated) tau {_num(report.get('tau_offline'))}, the held-out answers walked as greedy "
-                 "decoding walks them")
+                f"use most, then their prompts')" if (vocab := report.drafter.draft_vocab_size) else "") + ".", ""]
+    if own := report.own:
+        lines.append(f"- own: tau {_tau(own)}, speedup over plain decoding {_speedup(own)} (95% interval over "
+                     f"prompts), lossless mismatches {own.lossless_mismatches}")
+    if v := report.vllm:
+        unsteady = (f"; the machine's speed changed by {v.timing.host_drift:.0%} while it was measured: not to be "
+                    f"believed" if v.timing and v.timing.host_unsteady else "")
+        lines.append(f"- vllm: tau {_tau(v)}, best K {v.best_k}, speedup over plain decoding {_speedup(v)} (95% "
+                     f"interval over prompts{unsteady}), lossless mismatches {v.lossless_mismatches}")
+        served = speculator_to_serve(v)
+        for what, other in beside_the_drafter(v):
+            verdict = (": faster than the drafter here, serve it instead (the eval report says how)"
+                       if served and served.name == what else
+                       f": faster than the drafter, slower than {served.name}" if served and
+                       (other.speedup or 0) > (v.speedup or 0) else ": the drafter is the faster")
+            combined = isinstance(other, CombinedEntry)
+            named = f"{what} ({combined_name(other)})" if combined else f"{what} (no model)"
+            lines.append(f"- vllm, {named}: tau {_tau(other)}, K {other.k}, speedup {_speedup(other)}{verdict}")
+            if combined:
+                lines.append(f"  {combined_line(other)}")
+    lines.append(f"- offline (simulated) tau {_tau(report.offline) if report.offline else '-'}, the held-out "
+                 "answers walked as greedy decoding walks them")
+    lines.append("- tau: the tokens committed per verification step over all steps, what throughput follows; in "
+                 "brackets its mean over prompts of each prompt's own")
     planned = plan["stage_s"] if plan else {}
     lines += ["", "| stage | planned | wall time |", "|---|---|---|"]
     for stage in log.stages:
@@ -303,10 +304,16 @@ def _num(x) -> str:
     return f"{x:.2f}" if isinstance(x, (int, float)) else "-"
 
 
-def _speedup(e: dict) -> str:
-    """An engine entry's speedup with its interval: 1.10x [1.02, 1.18]."""
-    interval = e.get("speedup_interval")
-    return _num(e.get("speedup")) + "x" + (f" [{_num(interval[0])}, {_num(interval[1])}]" if interval else "")
+def _tau(e: Acceptance) -> str:
+    """tau over all steps, and its mean over prompts where recorded: 1.79 (mean over prompts 1.91)."""
+    return _num(e.tau_steps) + (f" (mean over prompts {_num(e.tau_per_prompt)})" if e.tau_per_prompt is not None
+                                else "")
+
+
+def _speedup(e: OwnLoop | KRow | VllmEval) -> str:
+    """A speedup with its interval: 1.10x [1.02, 1.18]."""
+    interval = e.speedup_interval
+    return _num(e.speedup) + "x" + (f" [{_num(interval[0])}, {_num(interval[1])}]" if interval else "")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train import runs
+from dflash_train.eval_report import MethodRow
 from dflash_train.engine.args import SPECULATION_LENGTHS
 from dflash_train.engine.install import suffix_problem
 from dflash_train.errors import CommandParser, UserError
@@ -282,34 +283,35 @@ def workload_rows(result: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[st
     for label in result["main"]:
         run_dir = Path(result["plan"][label][1])
         summary = runs.run_summary(run_dir / "metrics.jsonl")
-        method = runs.method_for(own, run_dir / "drafter") if own else {"method": None}
-        vllm = runs.read_report(Path(result["vllm_evals"][label]))["engines"]["vllm"]
+        method = runs.method_for(own, run_dir / "drafter") if own else MethodRow()
+        vllm = runs.read_report(Path(result["vllm_evals"][label]), own=False).vllm
         if own:
-            per_prompt["own"][label] = {p["id"]: p["tau"].get(method["method"]) for p in own["per_prompt"]}
-        per_prompt["vllm"][label] = {p["id"]: p["tau"] for p in vllm["per_prompt"]}
+            per_prompt["own"][label] = {p.id: p.tau.get(method.method) for p in own.own.per_prompt}
+        per_prompt["vllm"][label] = {p.id: p.tau for p in vllm.per_prompt}
         rows.append({"label": label, "drafter": NAMES[label], "steps": summary["steps"],
-                     "sim_tau": summary["final_sim_tau"], "own_tau": method.get("tau"),
-                     "own_tau_interval": method.get("tau_interval"), "own_speedup": method.get("speedup"),
-                     "vllm_best_k": vllm.get("best_k"), "vllm_tau": vllm.get("tau"),
-                     "vllm_tau_interval": vllm.get("tau_interval"), "vllm_speedup": vllm.get("speedup"),
-                     "vllm_speedup_interval": vllm.get("speedup_interval"),
-                     "vllm_speedup_wall": vllm.get("speedup_wall"),
-                     "lossless_mismatches": [method.get("lossless_mismatches"), vllm.get("lossless_mismatches")],
-                     "lossless_mismatches_fp32": [unresolved_in_fp32(own.get("mismatches", []), method["method"])
-                                                  if own else None, vllm.get("lossless_mismatches_fp32") or 0]})
+                     "sim_tau": summary["final_sim_tau"], "own_tau": method.tau_steps,
+                     "own_tau_interval": method.tau_steps_interval, "own_speedup": method.speedup,
+                     "vllm_best_k": vllm.best_k, "vllm_tau": vllm.tau_steps,
+                     "vllm_tau_interval": vllm.tau_steps_interval, "vllm_speedup": vllm.speedup,
+                     "vllm_speedup_interval": vllm.speedup_interval, "vllm_speedup_wall": vllm.speedup_wall,
+                     "lossless_mismatches": [method.lossless_mismatches, vllm.lossless_mismatches],
+                     "lossless_mismatches_fp32": [unresolved_in_fp32(own.own.mismatches, method.method)
+                                                  if own else None, vllm.lossless_mismatches_fp32 or 0]})
     comparisons = {f"{b} vs {a}": {engine: paired(per_prompt[engine][a], per_prompt[engine][b])
                                    for engine in ("vllm", "own") if per_prompt[engine]}
                    for b, a in (("b", "a"), ("b", "c"), ("b", "d"), ("b", "e"))
                    if a in result["main"] and b in result["main"]}
-    general = runs.read_report(Path(result["vllm_evals"]["a"]))["engines"]["vllm"] if "a" in result["main"] else {}
-    for key, name in (("ngram", "vLLM prompt lookup (no model)"), ("suffix", "vLLM suffix decoding (no model)")):
-        if isinstance(free := general.get(key), dict):
+    general = runs.read_report(Path(result["vllm_evals"]["a"]), own=False).vllm if "a" in result["main"] else None
+    free_speculators = (("ngram", "vLLM prompt lookup (no model)", general.ngram),
+                        ("suffix", "vLLM suffix decoding (no model)", general.suffix)) if general else ()
+    for key, name, free in free_speculators:
+        if free:
             rows.append({"label": key, "drafter": name, "steps": None, "sim_tau": None, "own_tau": None,
-                         "own_tau_interval": None, "own_speedup": None, "vllm_best_k": free.get("k"),
-                         "vllm_tau": free.get("tau"), "vllm_tau_interval": free.get("tau_interval"),
-                         "vllm_speedup": free.get("speedup"), "vllm_speedup_interval": free.get("speedup_interval"),
-                         "vllm_speedup_wall": free.get("speedup_wall"),
-                         "lossless_mismatches": [None, free.get("lossless_mismatches")],
+                         "own_tau_interval": None, "own_speedup": None, "vllm_best_k": free.k,
+                         "vllm_tau": free.tau_steps, "vllm_tau_interval": free.tau_steps_interval,
+                         "vllm_speedup": free.speedup, "vllm_speedup_interval": free.speedup_interval,
+                         "vllm_speedup_wall": free.speedup_wall,
+                         "lossless_mismatches": [None, free.lossless_mismatches],
                          "lossless_mismatches_fp32": [None, None]})
     return rows, comparisons
 

@@ -18,17 +18,22 @@ from conftest import REPO_ROOT
 from test_engine import needs_vllm
 from test_scripts import refused_in_one_line
 
-from dflash_train import runs
+from dflash_train import eval_report, runs
 from dflash_train.engine.child import IDLE_S, idle_s
 from dflash_train.errors import UserError
 
 
+def eval_of(**fields) -> eval_report.EvalReport:
+    """An eval report with these fields (report.json's keys), read through the schema."""
+    return eval_report.from_json({"schema_version": eval_report.SCHEMA_VERSION, **fields})
+
+
 def test_the_demo_summary_flags_a_speedup_measured_while_the_machine_changed_speed():
     args = demo.parse_args(["--logs", "data/workloads/router.jsonl.gz"])
-    vllm = {"tau": 1.26, "best_k": 2, "speedup": 1.096, "speedup_interval": [1.018, 1.177], "lossless_mismatches": 0,
-            "timing": {"host_drift": 0.72, "host_unsteady": True}}
+    vllm = {"tau_steps": 1.26, "best_k": 2, "speedup": 1.096, "speedup_interval": [1.018, 1.177],
+            "lossless_mismatches": 0, "timing": {"host_drift": 0.72, "host_unsteady": True}}
     steady = {**vllm, "timing": {"host_drift": 0.05, "host_unsteady": False}}
-    summaries = [demo.demo_summary(args, None, runs.Log(), {"engines": {"vllm": e}}, 1.0, []) for e in (vllm, steady)]
+    summaries = [demo.demo_summary(args, None, runs.Log(), eval_of(vllm=e), 1.0, []) for e in (vllm, steady)]
     assert ("- vllm: tau 1.26, best K 2, speedup over plain decoding 1.10x [1.02, 1.18] (95% interval over prompts; "
             "the machine's speed changed by 72% while it was measured: not to be believed)") in summaries[0]
     assert "(95% interval over prompts), lossless" in summaries[1]
@@ -36,8 +41,8 @@ def test_the_demo_summary_flags_a_speedup_measured_while_the_machine_changed_spe
 
 def test_the_demo_summary_says_how_many_ids_the_drafter_drafts():
     args = demo.parse_args(["--logs", "data/workloads/router.jsonl.gz"])
-    vllm = {"tau": 1.9, "best_k": 3, "speedup": 1.2, "lossless_mismatches": 0}
-    cut, whole = (demo.demo_summary(args, None, runs.Log(), {"engines": {"vllm": vllm}, "drafter": drafter}, 1.0, [])
+    vllm = {"tau_steps": 1.9, "best_k": 3, "speedup": 1.2, "lossless_mismatches": 0}
+    cut, whole = (demo.demo_summary(args, None, runs.Log(), eval_of(vllm=vllm, drafter=drafter), 1.0, [])
                   for drafter in ({"draft_vocab_size": 1150}, {"draft_vocab_size": None}))
     assert ("warm-started from drafters/smollm2-135m-instruct-general; it drafts 1,150 of the target's token ids (a "
             "draft vocabulary: the ones its training answers use most, then their prompts').") in cut
@@ -210,10 +215,11 @@ def test_suffix_decoding_in_the_demo_is_planned_as_an_engine_of_its_own_per_k(de
     assert both["lookup_s"] == pytest.approx(2 * per_k + 43.1, abs=1.5)
     assert 214.0 + sum(both["stage_s"].values()) <= 45 * 60 * (1 - demo_plan.MARGIN) + 1e-6
     args = demo.parse_args(["--logs", "data/workloads/router_json.jsonl.gz", "--ngram", "4", "--suffix", "8"])
-    vllm = {"tau": 1.5, "best_k": 2, "speedup": 0.98, "speedup_interval": [0.94, 1.04], "lossless_mismatches": 0,
-            "timing": {}, "ngram": {"k": 4, "tau": 1.4, "speedup": 1.2, "speedup_interval": None},
-            "suffix": {"k": 8, "tau": 1.7, "speedup": 1.35, "speedup_interval": None}}
-    summary = demo.demo_summary(args, None, runs.Log(), {"engines": {"vllm": vllm}}, 1.0, [])
+    vllm = {"tau_steps": 1.5, "best_k": 2, "speedup": 0.98, "speedup_interval": [0.94, 1.04],
+            "lossless_mismatches": 0, "timing": {},
+            "ngram": {"k": 4, "tau_steps": 1.4, "speedup": 1.2, "speedup_interval": None},
+            "suffix": {"k": 8, "tau_steps": 1.7, "speedup": 1.35, "speedup_interval": None}}
+    summary = demo.demo_summary(args, None, runs.Log(), eval_of(vllm=vllm), 1.0, [])
     assert "- vllm, suffix decoding (no model): tau 1.70, K 8, speedup 1.35x: faster than the drafter here" in summary
     assert "- vllm, prompt lookup (no model): tau 1.40, K 4, speedup 1.20x: faster than the drafter, slower than " \
            "suffix decoding" in summary
@@ -237,12 +243,14 @@ def test_the_combined_speculator_in_the_demo_is_planned_as_an_engine_of_its_own_
     assert combined["fp32_recheck_s"] == pytest.approx(2 * alone["fp32_recheck_s"], abs=1.5)
     args = demo.parse_args(["--logs", "data/workloads/router_json.jsonl.gz", "--ngram", "4", "--combined", "on"])
     assert args.combined == "on" and demo.eval_options(args, None)[-2:] == ["--combined", "on"]
-    vllm = {"tau": 2.0, "best_k": 9, "speedup": 1.2, "speedup_interval": [1.1, 1.3], "lossless_mismatches": 0,
-            "timing": {}, "ngram": {"k": 4, "tau": 1.4, "speedup": 1.25, "speedup_interval": None},
-            "combined": {"k": 9, "tau": 2.6, "speedup": 1.45, "speedup_interval": None, "setting": "k=4,confidence=0.6",
+    vllm = {"tau_steps": 2.0, "best_k": 9, "speedup": 1.2, "speedup_interval": [1.1, 1.3],
+            "lossless_mismatches": 0, "timing": {},
+            "ngram": {"k": 4, "tau_steps": 1.4, "speedup": 1.25, "speedup_interval": None},
+            "combined": {"k": 9, "tau_steps": 2.6, "speedup": 1.45, "speedup_interval": None,
+                         "setting": "k=4,confidence=0.6",
                          "sources": {"drafter": {"blocks": 30, "drafted": 270, "accepted": 40},
                                      "lookup": {"blocks": 10, "drafted": 40, "accepted": 25}}}}
-    summary = demo.demo_summary(args, None, runs.Log(), {"engines": {"vllm": vllm}}, 1.0, [])
+    summary = demo.demo_summary(args, None, runs.Log(), eval_of(vllm=vllm), 1.0, [])
     assert ("- vllm, the combined speculator (drafter + prompt lookup): tau 2.60, K 9, speedup 1.45x: faster than "
             "the drafter here, serve it instead") in summary
     assert "of 40 blocks 10 came from lookup (40 of 270 drafts kept from drafter, 25 of 40 drafts kept from " \
@@ -270,16 +278,16 @@ def test_the_probe_names_max_prompt_tokens_when_no_training_prompt_fits(demo_pro
         demo_probe.probe(args, demo_prompts)
 
     args = demo.parse_args(["--logs", "data/workloads/router.jsonl.gz", "--ngram", "3"])
-    vllm = {"tau": 1.29, "best_k": 2, "speedup": 0.98, "speedup_interval": [0.94, 1.04], "lossless_mismatches": 0,
-            "timing": {}}
-    lookup = {"k": 3, "tau": 1.46, "speedup": 1.171, "speedup_interval": [1.057, 1.311]}
-    summary = demo.demo_summary(args, None, runs.Log(), {"engines": {"vllm": {**vllm, "ngram": lookup}}}, 1.0, [])
+    vllm = {"tau_steps": 1.29, "best_k": 2, "speedup": 0.98, "speedup_interval": [0.94, 1.04],
+            "lossless_mismatches": 0, "timing": {}}
+    lookup = {"k": 3, "tau_steps": 1.46, "speedup": 1.171, "speedup_interval": [1.057, 1.311]}
+    summary = demo.demo_summary(args, None, runs.Log(), eval_of(vllm={**vllm, "ngram": lookup}), 1.0, [])
     assert ("- vllm, prompt lookup (no model): tau 1.46, K 3, speedup 1.17x [1.06, 1.31]: faster than the drafter "
             "here, serve it instead (the eval report says how)") in summary
     slower = {**lookup, "speedup": 0.9, "speedup_interval": None}
-    summary = demo.demo_summary(args, None, runs.Log(), {"engines": {"vllm": {**vllm, "ngram": slower}}}, 1.0, [])
+    summary = demo.demo_summary(args, None, runs.Log(), eval_of(vllm={**vllm, "ngram": slower}), 1.0, [])
     assert "K 3, speedup 0.90x: the drafter is the faster" in summary
-    assert "prompt lookup" not in demo.demo_summary(args, None, runs.Log(), {"engines": {"vllm": vllm}}, 1.0, [])
+    assert "prompt lookup" not in demo.demo_summary(args, None, runs.Log(), eval_of(vllm=vllm), 1.0, [])
 
 
 def test_time_training_cannot_use_goes_to_capture(demo_prompts, tiny_target_dir):
@@ -521,7 +529,7 @@ def test_the_eval_is_cut_before_capture_and_training_and_the_demo_says_what_it_l
     roomy = demo_plan.make_plan(demo.parse_args([*argv[:-1], "90"]), demo_prompts, rates, 300.0)  # no cut needed
     assert roomy["eval_left_out"] == [] and roomy["free_limit"] is None and roomy["ngram"] == [3, 4]
     assert "--free-limit" not in demo.eval_options(args, roomy)
-    summary = demo.demo_summary(args, plan, runs.Log(), {"engines": {}}, 1.0, [])
+    summary = demo.demo_summary(args, plan, runs.Log(), eval_of(), 1.0, [])
     assert ("The eval was cut so that capture and training kept their share of the budget: one K each for prompt "
             "lookup and suffix decoding; prompt lookup, suffix decoding and the combined speculator timed on the "
             "first 10 prompts (the drafter on all).") in summary
@@ -572,13 +580,13 @@ def test_shrunken_demo_end_to_end_and_rerun_skips(tmp_path):
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     for stage in ("ingest", "capture", "train", "capture (held-out)", "eval", "push (dry run)"):
         assert f"=== {stage}: " in first.stdout
-    report = json.loads((tmp_path / "eval" / "smollm2-demo" / "report.json").read_text())
+    report = eval_report.load(tmp_path / "eval" / "smollm2-demo")
     # lossless: every speculative output equals plain decoding, in bf16 or, where a near-tie rounded differently
     # there, when rerun in fp32 (the warm-started drafter accepts drafts from its first step)
-    assert report["lossless_mismatches"] == 0 or report["lossless_mismatches_fp32"] == 0, report["mismatches"]
-    assert 1.0 <= report["tau"] <= 16
-    lookup = report["engines"]["vllm"]["ngram"]  # --ngram 2: the engine's own prompt lookup beside the drafter
-    assert lookup["k"] == 2 and lookup["lossless_mismatches"] == 0, lookup
+    assert report.own.standing_mismatches() == 0, report.own.mismatches
+    assert 1.0 <= report.own.tau_steps <= 16
+    lookup = report.vllm.ngram  # --ngram 2: the engine's own prompt lookup beside the drafter
+    assert lookup.k == 2 and lookup.lossless_mismatches == 0, lookup
     assert "- vllm, prompt lookup (no model): tau " in (tmp_path / "eval" / "smollm2-demo.demo.md").read_text()
     card = (tmp_path / "push" / "smollm2-demo" / "README.md").read_text()
     assert "HuggingFaceTB/SmolLM2-135M-Instruct" in card

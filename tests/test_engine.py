@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_train import eval_report
 from dflash_train.engine.args import serve_command
 from dflash_train.engine.install import vllm_version
 from dflash_train.engine.jobs import EngineOutput, engine_steps
 from dflash_train.engine.runner import engine_error
+from dflash_train.eval_report import ConstraintsSummary
 from test_capture import teacher_forced
 from test_trainer import launch, read_metrics, write_recipe
 
@@ -226,38 +228,39 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
     assert eval_cli("--engine", "both", "--drafter", overfit_drafter, "--target", engine_target,
                     "--prompts", prompts_file, "--out", out, "--speculative-tokens", "7,1", "--concurrency", "2",
                     "--engine-args", engine_args, "--ngram", "3,2") == 0
-    report = json.loads((out / "report.json").read_text())
-    vllm, own = report["engines"]["vllm"], report["engines"]["own"]
-    assert vllm["version"] == vllm_version()
-    assert vllm["environment"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # on CPU, the engine in the child itself
-    assert "each request right after the last (on CPU no idle engine polls)" in vllm["timing"]["protocol"]
-    rows = {row["k"]: row for row in vllm["sweep"]}
-    assert sorted(rows) == [1, 7] and vllm["timing"]["skipped_k"] == []
+    report = eval_report.load(out)
+    vllm, own = report.vllm, report.own
+    assert vllm.version == vllm_version()
+    assert vllm.environment["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # on CPU, the engine in the child itself
+    assert "each request right after the last (on CPU no idle engine polls)" in vllm.timing.protocol
+    rows = {row.k: row for row in vllm.sweep}
+    assert sorted(rows) == [1, 7] and vllm.timing.skipped_k == []
     for row in rows.values():
-        assert row["lossless_checked"] == len(PROMPTS) and row["lossless_mismatches"] == 0, row
-        assert row["tokens_unaccounted_by_steps"] == 0 and len(row["per_position_acceptance"]) == row["k"]
-        assert len(row["per_prompt"]) == len(PROMPTS)
-        for p in row["per_prompt"]:  # the decode phase lies in the engine's request time, that in the stopwatch's
+        assert row.lossless_checked == len(PROMPTS) and row.lossless_mismatches == 0, row
+        assert row.tokens_unaccounted_by_steps == 0 and len(row.per_position_acceptance) == row.k
+        assert len(row.per_prompt) == len(PROMPTS)
+        for p in row.per_prompt:  # the decode phase lies in the engine's request time, that in the stopwatch's
             for side in ("plain", "spec"):
-                assert 0 < p[f"{side}_decode_s"] < p[f"{side}_core_s"] < p[f"{side}_wall_s"], p
+                seconds = [getattr(p, f"{side}_{clock}") for clock in ("decode_s", "core_s", "wall_s")]
+                assert 0 < seconds[0] < seconds[1] < seconds[2], p
                 # both prefill every prompt in full: the plain engine's cache, room for several sequences here,
                 # holds them all from its natural pass
-                assert p[f"{side}_cached_tokens"] == 0, p
+                assert getattr(p, f"{side}_cached_tokens") == 0, p
         # both sides decode the same tokens: the engine's speedup and the stopwatch's around the same requests
         # agree, within their noise (the intervals over prompts overlap) and within 10%
-        (lo, hi), (wall_lo, wall_hi) = row["speedup_interval"], row["speedup_wall_interval"]
-        assert lo <= row["speedup"] <= hi and wall_lo <= hi and lo <= wall_hi, row
-        assert row["speedup"] == pytest.approx(row["speedup_wall"], rel=0.1), row
-    best = max(rows.values(), key=lambda row: row["speedup"])
-    assert vllm["best_k"] == best["k"] and (vllm["speedup"], vllm["tau"]) == (best["speedup"], best["tau"])
-    assert vllm["engine_args"]["speculative_config"] == {"method": "dflash", "model": str(overfit_drafter),
-                                                          "num_speculative_tokens": best["k"]}
-    assert vllm["engine_args"]["max_num_seqs"] == 4 and report["settings"]["engine_args"] == json.loads(engine_args)
-    assert vllm["lossless_mismatches"] == 0 and own["lossless_mismatches"] == 0
-    assert rows[7]["tau"] > 2 and rows[7]["per_position_acceptance"][0] > 0.5, rows[7]
-    assert report["held_out_check"]["prompts"]["training_prompts"] == len(PROMPTS)  # counted, so push refuses it
+        (lo, hi), (wall_lo, wall_hi) = row.speedup_interval, row.speedup_wall_interval
+        assert lo <= row.speedup <= hi and wall_lo <= hi and lo <= wall_hi, row
+        assert row.speedup == pytest.approx(row.speedup_wall, rel=0.1), row
+    best = max(rows.values(), key=lambda row: row.speedup)
+    assert vllm.best_k == best.k and (vllm.speedup, vllm.tau_steps) == (best.speedup, best.tau_steps)
+    assert vllm.engine_args["speculative_config"] == {"method": "dflash", "model": str(overfit_drafter),
+                                                      "num_speculative_tokens": best.k}
+    assert vllm.engine_args["max_num_seqs"] == 4 and report.settings.options["engine_args"] == json.loads(engine_args)
+    assert vllm.lossless_mismatches == 0 and own.lossless_mismatches == 0
+    assert rows[7].tau_steps > 2 and rows[7].per_position_acceptance[0] > 0.5, rows[7]
+    assert report.held_out_check["prompts"].training_prompts == len(PROMPTS)  # counted, so push refuses it
     # the engine and the project's loop decode the same prompts with the same drafter and block: the same acceptance
-    assert rows[7]["tau"] == pytest.approx(own["tau"], rel=SAME_DRAFTS), (rows[7]["tau"], own["tau"])
+    assert rows[7].tau_steps == pytest.approx(own.tau_steps, rel=SAME_DRAFTS), (rows[7].tau_steps, own.tau_steps)
     # At K = 1 vLLM drafts from the block [anchor, MASK] (vllm/v1/spec_decode/dflash.py: 1 + K query tokens that
     # attend to each other), not from the drafter's [anchor, MASK x 7]: slot 1 sees one mask token where it was
     # trained with seven, and is accepted about half the time, against 0.9 for slot 1 of the whole block (so a
@@ -265,28 +268,28 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
     # 2; a step commits one or two tokens.
     assert eval_cli("--engine", "own", "--drafter", overfit_drafter, "--target", engine_target, "--prompts",
                     prompts_file, "--out", tmp_path / "block-2", "--block-size", "2") == 0
-    short = json.loads((tmp_path / "block-2" / "report.json").read_text())["engines"]["own"]
-    assert 1 <= rows[1]["tau"] <= 2 and short["lossless_mismatches"] == 0
-    assert rows[1]["tau"] == pytest.approx(short["tau"], rel=SAME_DRAFTS), (rows[1]["tau"], short["tau"])
-    assert vllm["drafter_sha256"] == report["drafter"]["sha256"]  # the very drafter, weights and config.json
-    assert [(r["requests"], r["k"]) for r in vllm["concurrency"]] == [(1, 1), (1, 7), (2, 1), (2, 7)]
+    short = eval_report.load(tmp_path / "block-2").own
+    assert 1 <= rows[1].tau_steps <= 2 and short.lossless_mismatches == 0
+    assert rows[1].tau_steps == pytest.approx(short.tau_steps, rel=SAME_DRAFTS), (rows[1].tau_steps, short.tau_steps)
+    assert vllm.drafter_sha256 == report.drafter.sha256  # the very drafter, weights and config.json
+    assert [(r.requests, r.k) for r in vllm.concurrency] == [(1, 1), (1, 7), (2, 1), (2, 7)]
     # vLLM's prompt lookup, timed the same way after the drafter's K (K = 2 in an engine process of its own), on the
     # same prompts at the same lengths: lossless
-    looked = {row["k"]: row for row in vllm["ngram_sweep"]}
-    assert sorted(looked) == [2, 3] and vllm["ngram"]["k"] in looked
+    looked = {row.k: row for row in vllm.ngram_sweep}
+    assert sorted(looked) == [2, 3] and vllm.ngram.k in looked
     for k, lookup in looked.items():
-        assert lookup["engine_args"]["method"] == "ngram" and lookup["engine_args"]["num_speculative_tokens"] == k
-        assert lookup["lossless_checked"] == len(PROMPTS) and lookup["lossless_mismatches"] == 0, lookup
-        assert 1 <= lookup["tau"] <= k + 1 and len(lookup["per_position_acceptance"]) == k, lookup
-        assert [(p["id"], p["new_tokens"]) for p in lookup["per_prompt"]] == \
-            [(p["id"], p["new_tokens"]) for p in rows[7]["per_prompt"]]
-        assert all(p[f"{side}_cached_tokens"] == 0 for p in lookup["per_prompt"] for side in ("plain", "spec"))
+        assert lookup.engine_args["method"] == "ngram" and lookup.engine_args["num_speculative_tokens"] == k
+        assert lookup.lossless_checked == len(PROMPTS) and lookup.lossless_mismatches == 0, lookup
+        assert 1 <= lookup.tau_steps <= k + 1 and len(lookup.per_position_acceptance) == k, lookup
+        assert [(p.id, p.new_tokens) for p in lookup.per_prompt] == \
+            [(p.id, p.new_tokens) for p in rows[7].per_prompt]
+        assert all(getattr(p, f"{side}_cached_tokens") == 0 for p in lookup.per_prompt for side in ("plain", "spec"))
     # at the drafter's batches
-    assert [(r["requests"], r["k"]) for r in vllm["ngram"]["concurrency"]] == [(1, 2), (1, 3), (2, 2), (2, 3)]
-    assert vllm["serve_command"].startswith("vllm serve ") and report["settings"]["machine"]["cores"] >= 1
+    assert [(r.requests, r.k) for r in vllm.ngram.concurrency] == [(1, 2), (1, 3), (2, 2), (2, 3)]
+    assert vllm.serve_command.startswith("vllm serve ") and report.settings.machine.cores >= 1
     md = (out / "report.md").read_text()
     assert "The drafter in the engine and in the project's loop" in md and f"vLLM {vllm_version()}" in md
-    assert f"best_k = {best['k']}: the fastest at batch 1" in md and "| 3, prompt lookup |" in md
+    assert f"best_k = {best.k}: the fastest at batch 1" in md and "| 3, prompt lookup |" in md
     assert "| 2 | 3, prompt lookup |" in md and "| 2, prompt lookup |" in md
     assert {p.name for p in (out / "engine").iterdir()} == {"timed.log", "lookup-2.log"}
 
@@ -317,15 +320,15 @@ def test_a_draft_vocabulary_drafts_the_same_in_vllm_as_in_the_own_loop(overfit_d
     for name, drafter, engine in (("whole", overfit_drafter, "own"), ("cut", folder, "both")):
         assert eval_cli("--engine", engine, "--drafter", drafter, "--target", engine_target, "--prompts",
                         prompts_file, "--out", tmp_path / f"eval-{name}", "--speculative-tokens", "7") == 0
-        reports[name] = json.loads((tmp_path / f"eval-{name}" / "report.json").read_text())["engines"]
-    (whole_own, cut_own), cut_vllm = (reports[name]["own"] for name in ("whole", "cut")), reports["cut"]["vllm"]
-    assert whole_own["lossless_mismatches"] == cut_own["lossless_mismatches"] == cut_vllm["lossless_mismatches"] == 0
+        reports[name] = eval_report.load(tmp_path / f"eval-{name}")
+    (whole_own, cut_own), cut_vllm = (reports[name].own for name in ("whole", "cut")), reports["cut"].vllm
+    assert whole_own.lossless_mismatches == cut_own.lossless_mismatches == cut_vllm.lossless_mismatches == 0
     # tokens per verification over all steps: the mean of per-prompt taus moves by a whole prompt's where one near tie
     # flips inside a run of accepted drafts (on a 2-core AMD EPYC with AVX-512 BF16: prompts at 8.0 in the project's
     # loop, 5.75 and 7.67 in vLLM, the other four equal; 4.02 against 3.59 per prompt, 2.25 against 2.19 over all
     # steps), where a row mapped to the wrong target id would draft nothing right
-    assert cut_vllm["tau_steps"] == pytest.approx(cut_own["tau_steps"], rel=SAME_DRAFTS), (cut_vllm, cut_own)
-    assert cut_own["tau"] < whole_own["tau"] - 0.5, (cut_own["tau"], whole_own["tau"])
+    assert cut_vllm.tau_steps == pytest.approx(cut_own.tau_steps, rel=SAME_DRAFTS), (cut_vllm, cut_own)
+    assert cut_own.tau_per_prompt < whole_own.tau_per_prompt - 0.5, (cut_own.tau_per_prompt, whole_own.tau_per_prompt)
 
 
 CONSTRAINED = [  # one per prompt: what each request of a structured application asks of its answer
@@ -358,14 +361,14 @@ def test_constrained_requests_are_decoded_under_them_losslessly_in_both_engines_
     assert eval_cli("--engine", "both", "--drafter", overfit_drafter, "--target", engine_target, "--prompts", log,
                     "--out", out, "--speculative-tokens", "7", "--concurrency", "2", "--ngram", "3", *suffix,
                     "--combined", "on") == 0
-    report = json.loads((out / "report.json").read_text())
-    assert report["settings"]["constraints"] == {
-        "constrained": 5, "of": 6, "by_kind": {"regex": 1, "json_schema": 1, "choice": 1, "settings": 2, "none": 1},
-        "decoded_without": {"min_p": 1, "logit_bias": 1}}
-    vllm, own = report["engines"]["vllm"], report["engines"]["own"]
-    assert vllm["lossless_mismatches"] == 0 and own["lossless_mismatches"] == 0
-    lengths = {p["id"]: p["new_tokens"] for p in vllm["per_prompt"]}
-    assert lengths == {p["id"]: p["new_tokens"] for p in report["per_prompt"]}  # the same answers' lengths
+    report = eval_report.load(out)
+    assert report.settings.constraints == ConstraintsSummary(
+        constrained=5, of=6, by_kind={"regex": 1, "json_schema": 1, "choice": 1, "settings": 2, "none": 1},
+        decoded_without={"min_p": 1, "logit_bias": 1})
+    vllm, own = report.vllm, report.own
+    assert vllm.lossless_mismatches == 0 and own.lossless_mismatches == 0
+    lengths = {p.id: p.new_tokens for p in vllm.per_prompt}
+    assert lengths == {p.id: p.new_tokens for p in own.per_prompt}  # the same answers' lengths
     from dflash_train.prompts import load_prompt_records
 
     from transformers import AutoTokenizer
@@ -374,18 +377,18 @@ def test_constrained_requests_are_decoded_under_them_losslessly_in_both_engines_
     tok = AutoTokenizer.from_pretrained(engine_target)
     longest = max(len(tok.encode(c, add_special_tokens=False)) for c in CONSTRAINED[2]["guided_choice"])
     assert lengths[ids[2]] <= longest + 1 < NEW_TOKENS  # a choice, then its stop token: far below the cap
-    ranked = [r["speculator"] for r in vllm["ranking"]]  # with the suffix tree as a source where it loads
+    ranked = [r.speculator for r in vllm.ranking]  # with the suffix tree as a source where it loads
     assert sorted(ranked) == sorted(["drafter", "prompt lookup"] + (
         ["suffix decoding", "drafter + suffix + prompt lookup"] if suffix else ["drafter + prompt lookup"]))
-    combined = vllm["combined"]  # the plugin under each request's grammar: lossless, every block counted by source
-    assert combined["k"] == 7 and combined["lossless_mismatches"] == 0
-    assert set(combined["sources"]) == {"drafter", "lookup"} | ({"suffix"} if suffix else set())
+    combined = vllm.combined  # the plugin under each request's grammar: lossless, every block counted by source
+    assert combined.k == 7 and combined.lossless_mismatches == 0
+    assert set(combined.sources) == {"drafter", "lookup"} | ({"suffix"} if suffix else set())
     if suffix:  # before each request the tree held only the answers this engine gave before it
-        assert combined["suffix_answers_before"] == list(range(1, len(combined["per_prompt"]) + 1))
-    assert sum(c["blocks"] for c in combined["sources"].values()) >= len(combined["per_prompt"])
+        assert combined.suffix_answers_before == list(range(1, len(combined.per_prompt) + 1))
+    assert sum(c.blocks for c in combined.sources.values()) >= len(combined.per_prompt)
     if suffix:
-        assert vllm["suffix"]["k"] == 4 and vllm["suffix"]["lossless_mismatches"] == 0
-        assert vllm["suffix"]["engine_args"] == {"method": "suffix", "num_speculative_tokens": 4}
+        assert vllm.suffix.k == 4 and vllm.suffix.lossless_mismatches == 0
+        assert vllm.suffix.engine_args == {"method": "suffix", "num_speculative_tokens": 4}
     md = (out / "report.md").read_text()
     assert "Constrained traffic: 5 of 6 prompts (83%)" in md and "1 without their min_p" in md
 
@@ -401,18 +404,23 @@ def test_a_free_limit_times_the_free_speculators_on_the_first_prompts_and_ranks_
     assert eval_cli("--engine", "vllm", "--drafter", overfit_drafter, "--target", engine_target, "--prompts",
                     prompts_file, "--out", out, "--speculative-tokens", "7", "--concurrency", "2", "--ngram", "3",
                     "--combined", "k=3,confidence=1", "--free-limit", "2") == 0
-    vllm = json.loads((out / "report.json").read_text())["engines"]["vllm"]
-    drafted = [p["id"] for p in vllm["per_prompt"]]
+    vllm = eval_report.load(out).vllm
+    drafted = [p.id for p in vllm.per_prompt]
     assert len(drafted) == len(PROMPTS)
-    for free in (vllm["ngram"], vllm["combined"]):
-        assert [p["id"] for p in free["per_prompt"]] == drafted[:2] and free["lossless_mismatches"] == 0
-    ranked = {r["speculator"]: r for r in vllm["ranking"]}
+    for free in (vllm.ngram, vllm.combined):
+        assert [p.id for p in free.per_prompt] == drafted[:2] and free.lossless_mismatches == 0
+    ranked = {r.speculator: r for r in vllm.ranking}
     assert set(ranked) == {"drafter", "prompt lookup", "drafter + prompt lookup"}
-    assert {r["prompts"] for r in ranked.values()} == {2}
-    first = vllm["per_prompt"][:2]
-    on_two = sum(p["plain_core_s"] for p in first) / sum(p["spec_core_s"] for p in first)
-    assert ranked["drafter"]["speedup"] == pytest.approx(on_two) and vllm["speedup"] != ranked["drafter"]["speedup"]
-    assert ranked["prompt lookup"]["speedup"] == vllm["ngram"]["speedup"]
+    assert {r.prompts for r in ranked.values()} == {2}
+    first = vllm.per_prompt[:2]
+    on_two = sum(p.plain_core_s for p in first) / sum(p.spec_core_s for p in first)
+    assert ranked["drafter"].speedup == pytest.approx(on_two) and vllm.speedup != ranked["drafter"].speedup
+    assert ranked["drafter"].tau_per_prompt == pytest.approx(sum(p.tau for p in first) / 2)
+    committed = [p.new_tokens - 1 for p in first]  # tau_steps pools the two prompts' steps
+    steps = [c / p.tau for c, p in zip(committed, first)]
+    assert ranked["drafter"].tau_steps == pytest.approx(sum(committed) / sum(steps))
+    assert ranked["prompt lookup"].speedup == vllm.ngram.speedup
+    assert ranked["prompt lookup"].tau_steps == vllm.ngram.tau_steps
     assert "each at its own fastest K, on the same 2 prompts:" in (out / "report.md").read_text()
 
 
@@ -627,7 +635,7 @@ def rerun_completes(command: list[str], env: dict[str, str], out: Path) -> None:
     again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert is_complete(out) and not (out / INCOMPLETE_MARKER).exists()
-    assert json.loads((out / "report.json").read_text())["engines"]["vllm"] and not (out / ENGINE_RUNS).exists()
+    assert eval_report.load(out).vllm and not (out / ENGINE_RUNS).exists()
 
 
 @needs_vllm
@@ -745,7 +753,8 @@ def test_a_prompt_the_engine_refuses_is_left_out_of_every_comparison_and_named_i
     """`eval --engine both` where vLLM refuses one prompt: plain decoding and the drafter both decode only the
     others (paired by prompt), and so does the project's loop (whose grammar backend cannot read that prompt's
     regex either: it stopped the eval with a RuntimeError); the report names the refused one with the engine's
-    reason in both engines' entries; where vLLM refuses every prompt, one line, exit 2, no folder."""
+    reason (vLLM's refused_by_engine), and the project's loop's section says it did not decode it; where vLLM
+    refuses every prompt, one line, exit 2, no folder."""
     from test_spec_decode import tiny_drafter
 
     from dflash_train.cli import main
@@ -766,15 +775,15 @@ def test_a_prompt_the_engine_refuses_is_left_out_of_every_comparison_and_named_i
                      "--max-new-tokens", "6", "--speculative-tokens", "2", "--concurrency", "2"])
 
     assert eval_of(log, tmp_path / "eval") == 0
-    report = json.loads((tmp_path / "eval" / "report.json").read_text())
-    vllm, own = report["engines"]["vllm"], report["engines"]["own"]
+    report = eval_report.load(tmp_path / "eval")
+    vllm, own = report.vllm, report.own
     refused, kept = ids[texts[1]], sorted(ids[t] for t in (texts[0], texts[2]))
-    (why,) = vllm["refused_by_engine"].values()
-    assert list(vllm["refused_by_engine"]) == [refused] and why.startswith("VLLMValidationError: "), why
-    (row,) = vllm["sweep"]
-    assert sorted(p["id"] for p in row["per_prompt"]) == kept and row["lossless_checked"] == 2
-    assert own["refused_by_engine"] == {refused: why}
-    assert sorted(p["id"] for p in report["per_prompt"]) == kept and own["lossless_checked"] == 2
+    (why,) = vllm.refused_by_engine.values()
+    assert list(vllm.refused_by_engine) == [refused] and why.startswith("VLLMValidationError: "), why
+    (row,) = vllm.sweep
+    assert sorted(p.id for p in row.per_prompt) == kept and row.lossless_checked == 2
+    assert sorted(p.id for p in own.per_prompt) == kept and own.lossless_checked == 2
+    assert report.settings.own_prompts == 2
     md = (tmp_path / "eval" / "report.md").read_text()
     assert f"- {refused}: {why}" in md
     assert f"Not decoded here: the 1 prompt(s) vLLM refused ({refused}; its reasons above)" in md

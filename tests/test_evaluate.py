@@ -11,7 +11,9 @@ import pytest
 import torch
 from tiny import TOOL_CALL_REQUEST
 
+from dflash_train import eval_report
 from dflash_train.engine.install import suffix_problem
+from dflash_train.eval_report import SCHEMA_VERSION, ConcurrencyRow, FirstK, KRow, Machine, SourceCount
 from dflash_train.lookup import SUFFIX_SCORE
 from dflash_train.model.modeling_dflash import DFlashDraftModel
 from dflash_train.stages.evaluate.metrics import acceptance_stats, offline_estimate
@@ -42,13 +44,16 @@ def test_tau_and_per_position_on_hand_made_step_logs():
         [],  # ended on the prefill token: no step, not counted
     ]
     stats = acceptance_stats(logs, block_size=4)
-    assert stats["tau"] == pytest.approx(((4 + 1 + 2) / 3 + 4) / 2)
-    assert stats["tau_steps"] == pytest.approx((4 + 1 + 2 + 4) / 4)
-    assert stats["per_position_acceptance"] == pytest.approx([3 / 4, 2 / 4, 2 / 4])
-    assert stats["tau_histogram"] == {"1": 1, "2": 1, "3": 0, "4": 2}
-    assert stats["num_steps"] == 4
-    assert stats["tau_steps"] == pytest.approx(1 + sum(stats["per_position_acceptance"]))
-    assert math.isnan(acceptance_stats([[]], 4)["tau"])
+    assert stats.tau_steps == pytest.approx((4 + 1 + 2 + 4) / 4)  # the headline: every step alike
+    assert stats.tau_per_prompt == pytest.approx(((4 + 1 + 2) / 3 + 4) / 2)  # each prompt alike
+    assert stats.per_position_acceptance == pytest.approx([3 / 4, 2 / 4, 2 / 4])
+    assert stats.tau_histogram == {"1": 1, "2": 1, "3": 0, "4": 2}
+    assert stats.num_steps == 4
+    assert stats.tau_steps == pytest.approx(1 + sum(stats.per_position_acceptance))
+    assert math.isnan(acceptance_stats([[]], 4).tau_per_prompt)
+    # intervals over prompts: tau_steps' a ratio of sums (a prompt weighs by its steps)
+    lo, hi = acceptance_stats(logs * 3, block_size=4).tau_steps_interval
+    assert lo <= (4 + 1 + 2 + 4) / 4 <= hi
 
 
 def test_bootstrap_interval_is_seeded_and_holds_the_whole_sample_figure():
@@ -98,17 +103,16 @@ def test_the_sweep_times_first_the_shortest_k_that_keeps_the_whole_blocks_tau():
 def test_where_speculation_stops_paying_and_vllms_per_batch_size_k():
     from dflash_train.stages.evaluate.vllm_sweep import best_per_concurrency, pays_up_to, per_batch_size_schedule
 
-    rows = [{"requests": 1, "k": 3, "speedup": 1.4}, {"requests": 1, "k": 1, "speedup": 1.2},
-            {"requests": 4, "k": 3, "speedup": 0.9}, {"requests": 4, "k": 1, "speedup": 1.1},
-            {"requests": 16, "k": 3, "speedup": 0.6}, {"requests": 16, "k": 1, "speedup": 0.8}]
+    rows = [ConcurrencyRow(requests=c, k=k, speedup=x) for c, k, x in ((1, 3, 1.4), (1, 1, 1.2), (4, 3, 0.9),
+                                                                        (4, 1, 1.1), (16, 3, 0.6), (16, 1, 0.8))]
     best = best_per_concurrency(rows)
-    assert [(r["requests"], r["k"]) for r in best] == [(1, 3), (4, 1), (16, 1)]
+    assert [(r.requests, r.k) for r in best] == [(1, 3), (4, 1), (16, 1)]
     assert pays_up_to(best) == 4
     # each range runs the K fastest at the concurrency it holds, split between measured ones; 0 = no drafts
     assert per_batch_size_schedule(best) == [[1, 2, 3], [3, 8, 1], [9, 16, 0]]
-    one_k = [dict(r, k=3) for r in best[:2]]
+    one_k = [dataclasses.replace(r, k=3) for r in best[:2]]
     assert per_batch_size_schedule(one_k) is None  # one K serves all: num_speculative_tokens says it
-    losing = [dict(r, speedup=0.9) for r in best]
+    losing = [dataclasses.replace(r, speedup=0.9) for r in best]
     assert pays_up_to(losing) == 0 and per_batch_size_schedule(losing) is None
 
 
@@ -181,39 +185,39 @@ def test_the_engine_eval_reports_the_fastest_k_with_its_figures_and_intervals(ti
     job = calls[0]
     assert (job.mode, job.speculative_tokens, job.concurrency, job.budget_s) == ("timed", [1, 3, 2], [2], 900.0)
     assert job.llm_kwargs(3)["max_num_seqs"] == 8  # the user's engine arguments over the job's
-    assert [r["k"] for r in v["sweep"]] == [1, 3] and v["timing"]["skipped_k"] == [2]
-    assert v["best_k"] == v["num_speculative_tokens"] == 3
-    best = next(r for r in v["sweep"] if r["k"] == 3)
-    assert v["tau"] == best["tau"] == 4.0 and len(v["per_position_acceptance"]) == 3
-    assert v["speedup"] == pytest.approx(2.0) and v["speedup_wall"] == pytest.approx(1.1 / 0.6)
-    assert v["speedup_decode"] == pytest.approx(0.8 / 0.3)
-    assert v["tokens_per_s"] == pytest.approx(9 / 0.5) and v["tokens_per_s_wall"] == pytest.approx(9 / 0.6)
-    assert v["tokens_per_s_decode"] == pytest.approx(8 / 0.3)  # the tokens after the first, as the own loop counts
-    assert v["speedup_interval"] == pytest.approx([2.0, 2.0]) and v["tau_interval"] == [4.0, 4.0]
-    assert v["best_k_share"] == 1.0
-    assert '"num_speculative_tokens":3' in v["serve_command"] and "--max-num-seqs 8" in v["serve_command"]
+    assert [r.k for r in v.sweep] == [1, 3] and v.timing.skipped_k == [2]
+    assert v.best_k == 3
+    best = next(r for r in v.sweep if r.k == 3)
+    assert v.tau_steps == best.tau_steps == v.tau_per_prompt == 4.0 and len(v.per_position_acceptance) == 3
+    assert v.speedup == pytest.approx(2.0) and v.speedup_wall == pytest.approx(1.1 / 0.6)
+    assert v.speedup_decode == pytest.approx(0.8 / 0.3)
+    assert v.tokens_per_s == pytest.approx(9 / 0.5) and v.tokens_per_s_wall == pytest.approx(9 / 0.6)
+    assert v.tokens_per_s_decode == pytest.approx(8 / 0.3)  # the tokens after the first, as the own loop counts
+    assert v.speedup_interval == pytest.approx([2.0, 2.0]) and v.tau_steps_interval == [4.0, 4.0]
+    assert v.best_k_share == 1.0
+    assert '"num_speculative_tokens":3' in v.serve_command and "--max-num-seqs 8" in v.serve_command
     # the lossless check is best_k's; its bf16 mismatch is rerun in fp32 (that K only, that prompt only)
-    assert (v["lossless_mismatches"], v["lossless_mismatches_fp32"]) == (1, 0) and best["lossless_mismatches"] == 1
+    assert (v.lossless_mismatches, v.lossless_mismatches_fp32) == (1, 0) and best.lossless_mismatches == 1
     rerun = calls[1]
     assert (rerun.dtype, rerun.speculative_tokens, [r.id for r in rerun.requests]) == ("float32", [3], ["p0"])
-    assert rerun.mode == "check" and v["lossless_recheck_s"] >= 0  # the lossless check alone, its seconds kept
-    assert v["mismatches"][0]["id"] == "p0" and v["mismatches"][0]["fp32_spec_equals_plain"] is True
+    assert rerun.mode == "check" and v.lossless_recheck_s >= 0  # the lossless check alone, its seconds kept
+    assert v.mismatches[0].id == "p0" and v.mismatches[0].fp32_spec_equals_plain is True
     # concurrency: batch 1 from the sweep, 2 from its runs; the 2-request batch is slower with drafts here
-    assert [(r["requests"], r["k"]) for r in v["concurrency"]] == [(1, 1), (1, 3), (2, 1), (2, 3)]
-    assert [(r["requests"], r["k"]) for r in v["concurrency_best"]] == [(1, 3), (2, 1)]
-    assert v["pays_up_to_concurrency"] == 1 and v["per_batch_size_schedule"] == [[1, 1, 3], [2, 2, 0]]
-    assert v["timing"]["first_k"] is None  # the user's K, in the user's order
-    assert v["timing"]["host_drift"] == pytest.approx(0.0)  # plain decoding as fast in every pass: a steady machine
-    assert v["timing"]["host_unsteady"] is False
-    assert "speed changed" not in "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
+    assert [(r.requests, r.k) for r in v.concurrency] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    assert [(r.requests, r.k) for r in v.concurrency_best] == [(1, 3), (2, 1)]
+    assert v.pays_up_to_concurrency == 1 and v.per_batch_size_schedule == [[1, 1, 3], [2, 2, 0]]
+    assert v.timing.first_k is None  # the user's K, in the user's order
+    assert v.timing.host_drift == pytest.approx(0.0)  # plain decoding as fast in every pass: a steady machine
+    assert v.timing.host_unsteady is False
+    assert "speed changed" not in "\n".join(serving_tables(v, Machine(cpu="Some CPU", cores=2)))
     # without --speculative-tokens the sweep starts at the K the acceptance estimate keeps tau with, and says so
     calls.clear()
     ordered = engine_eval(EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12,
                                      concurrency=[2]), tiny_target, prompts, 4, "fp32", "cpu", tmp_path,
                           ("offline estimate", [0.5, 0.0, 0.0]))
     assert calls[0].speculative_tokens == [1, 3, 2]
-    assert ordered["timing"]["first_k"] == {"k": 1, "from": "offline estimate", "slack": 0.01, "step_cost": None}
-    first = "\n".join(serving_tables(ordered, {"cpu": "Some CPU", "cores": 2, "load_average": [0.5, 0.5, 0.5]}))
+    assert ordered.timing.first_k == FirstK(k=1, source="offline estimate", slack=0.01, step_cost=None)
+    first = "\n".join(serving_tables(ordered, Machine(cpu="Some CPU", cores=2, load_average=[0.5, 0.5, 0.5])))
     assert "Timed first: K = 1, the shortest whose expected tau by the offline estimate is within 1% of the best." \
         in first
     calls.clear()  # with --step-cost: the best expected tau over a step's cost, and the report says so
@@ -221,16 +225,16 @@ def test_the_engine_eval_reports_the_fastest_k_with_its_figures_and_intervals(ti
                                     concurrency=[2], step_cost=[1.0, 0.5]), tiny_target, prompts, 4, "fp32", "cpu",
                          tmp_path, ("offline estimate", [1.5, 2.1, 2.2]))
     assert calls[0].speculative_tokens[0] == 2  # 1.5 / 1.5, 2.1 / 2.0, 2.2 / 2.5 (by tau alone: 3)
-    assert costed["timing"]["first_k"]["step_cost"] == [1.0, 0.5]
+    assert costed.timing.first_k.step_cost == [1.0, 0.5]
     assert ("Timed first: K = 2, the shortest whose expected speed (tau by the offline estimate over a step's cost "
             "of 1.00 + 0.500 x K plain decoding steps, as measured on this machine) is within 1% of the best.") in \
-        "\n".join(serving_tables(costed, {"cpu": "Some CPU", "cores": 2, "load_average": [0.5, 0.5, 0.5]}))
-    assert all(row["step_cost"] > 0 for row in costed["sweep"])  # each K's step in plain steps, in the report
+        "\n".join(serving_tables(costed, Machine(cpu="Some CPU", cores=2, load_average=[0.5, 0.5, 0.5])))
+    assert all(row.step_cost > 0 for row in costed.sweep)  # each K's step in plain steps, in the report
     with pytest.raises(UserError, match="--speculative-tokens 4 is more than the verify block holds "
                                         r"\(B - 1 = 3"):
         engine_eval(EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", speculative_tokens=[4]), tiny_target,
                     prompts, 4, "bf16", "cpu", tmp_path)
-    text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2, "load_average": [0.5, 0.5, 0.5]}))
+    text = "\n".join(serving_tables(v, Machine(cpu="Some CPU", cores=2, load_average=[0.5, 0.5, 0.5])))
     assert "best_k = 3: the fastest at batch 1 (in 100% of the bootstrap" in text and "K = 2" in text
     assert "| **3** | 4 [4, 4] | 9 / 18 | 2 [2, 2]× |" in text and "Some CPU (2 cores), bf16" in text
     assert "Speculation pays one request at a time only." in text and "[[1, 1, 3], [2, 2, 0]]" in text
@@ -252,11 +256,11 @@ def test_a_sweep_on_a_machine_whose_speed_changed_says_so(tiny_target, drafters,
     v = engine_eval(EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12,
                                speculative_tokens=[3, 1], concurrency=[]), tiny_target, prompts, 4, "fp32", "cpu",
                     tmp_path)
-    rates = v["timing"]["plain_tokens_per_s_decode"]
+    rates = v.timing.plain_tokens_per_s_decode
     assert rates == pytest.approx({"reference": 10.0, "3": 5.0, "1": 10.0})  # 8 tokens after the first in 0.8 s
-    assert v["timing"]["host_drift"] == pytest.approx(1.0) and v["timing"]["host_unsteady"] is True
-    assert v["best_k"] == 3  # "faster" because plain decoding slowed down in its runs
-    text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
+    assert v.timing.host_drift == pytest.approx(1.0) and v.timing.host_unsteady is True
+    assert v.best_k == 3  # "faster" because plain decoding slowed down in its runs
+    text = "\n".join(serving_tables(v, Machine(cpu="Some CPU", cores=2)))
     assert ("**The machine's speed changed while it was measured**: plain decoding ran at 5.0 to 10.0 tokens/s "
             "(decode phase) over the reference pass and the K's runs, 100% apart") in text
 
@@ -276,13 +280,13 @@ def test_a_machine_that_slowed_while_prompt_lookup_was_timed_is_flagged_too(tiny
     config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1],
                         concurrency=[])
     steady = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
-    assert steady["ngram"] is None and steady["timing"]["host_unsteady"] is False  # the drafter's K alone: steady
+    assert steady.ngram is None and steady.timing.host_unsteady is False  # the drafter's K alone: steady
     v = engine_eval(dataclasses.replace(config, ngram=[2]), tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
-    assert v["ngram"]["k"] == 2 and v["ngram"]["speedup"] == pytest.approx(1.8 / 1.5)  # against its own plain runs
-    rates = v["timing"]["plain_tokens_per_s_decode"]
+    assert v.ngram.k == 2 and v.ngram.speedup == pytest.approx(1.8 / 1.5)  # against its own plain runs
+    rates = v.timing.plain_tokens_per_s_decode
     assert rates == pytest.approx({"reference": 10.0, "1": 10.0, "prompt lookup 2": 5.0})
-    assert v["timing"]["host_drift"] == pytest.approx(1.0) and v["timing"]["host_unsteady"] is True
-    text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
+    assert v.timing.host_drift == pytest.approx(1.0) and v.timing.host_unsteady is True
+    text = "\n".join(serving_tables(v, Machine(cpu="Some CPU", cores=2)))
     assert ("plain decoding ran at 5.0 to 10.0 tokens/s (decode phase) over the reference pass and the K's runs and "
             "prompt lookup's, 100% apart") in text
 
@@ -305,7 +309,7 @@ def test_where_prompt_lookup_is_faster_than_the_drafter_the_tables_say_how_to_se
     for lookup_s, faster in ((0.8, True), (0.95, False)):  # the drafter's K = 1 at 0.9 s against plain's 1 s
         monkeypatch.setattr(runner, "run_engine", fake_engine([], natural, {1: 0.9, "ngram": lookup_s}, {}, []))
         v = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
-        text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
+        text = "\n".join(serving_tables(v, Machine(cpu="Some CPU", cores=2)))
         assert (advice in text) is faster, text
 
 
@@ -328,12 +332,12 @@ def test_suffix_decoding_is_timed_beside_lookup_and_the_fastest_of_the_three_is_
     v = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
     assert [(c.lookup_method, c.ngram_tokens) for c in calls] == [("ngram", 3), ("suffix", 4), ("suffix", 8)]
     assert calls[1].llm_kwargs(4, "suffix")["speculative_config"] == {"method": "suffix", "num_speculative_tokens": 4}
-    assert v["suffix"]["k"] == 8 and [r["k"] for r in v["suffix_sweep"]] == [4, 8]
-    assert [(r["speculator"], r["k"]) for r in v["ranking"]] == [("suffix decoding", 8), ("prompt lookup", 3),
+    assert v.suffix.k == 8 and [r.k for r in v.suffix_sweep] == [4, 8]
+    assert [(r.speculator, r.k) for r in v.ranking] == [("suffix decoding", 8), ("prompt lookup", 3),
                                                                  ("drafter", 1)]
-    assert v["ranking"][0]["speedup"] == pytest.approx(1 / 0.6)
-    assert speculator_to_serve(v)["name"] == "suffix decoding"
-    text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
+    assert v.ranking[0].speedup == pytest.approx(1 / 0.6)
+    assert speculator_to_serve(v).name == "suffix decoding"
+    text = "\n".join(serving_tables(v, Machine(cpu="Some CPU", cores=2)))
     assert ("Suffix decoding is the fastest here: serve it with `--speculative-config "
             "'{\"method\":\"suffix\",\"num_speculative_tokens\":8}'`") in text
     assert "| 1 | suffix decoding | 8 |" in text and "8, suffix decoding" in text
@@ -375,26 +379,26 @@ def test_the_combined_speculator_is_timed_at_lookups_k_ranked_and_served_with_it
         "combined", 3, setting)  # the rule's k 4, cut to the block's 3; the rule spelled out
     assert combined_job.speculative_tokens == [] and combined_job.drafter == str(drafters[0])
     assert combined_job.llm_kwargs(2, "combined")["speculative_config"]["method"] == "dflash"
-    c = v["combined"]
-    assert c["k"] == 3 and c["setting"] == setting and c["lossless_mismatches"] == 0
-    assert c["sources"] == {"drafter": {"blocks": 4, "drafted": 8, "accepted": 4},
-                            "lookup": {"blocks": 8, "drafted": 16, "accepted": 12, "without_drafter": 4}}
-    assert [r["speculator"] for r in v["ranking"]] == [name, "drafter", "prompt lookup"]
+    c = v.combined
+    assert c.k == 3 and c.setting == setting and c.lossless_mismatches == 0
+    assert c.sources == {"drafter": SourceCount(blocks=4, drafted=8, accepted=4),
+                         "lookup": SourceCount(blocks=8, drafted=16, accepted=12, without_drafter=4)}
+    assert [r.speculator for r in v.ranking] == [name, "drafter", "prompt lookup"]
     # paired by prompt against each other at its own fastest K: every prompt 0.7 s (tau 4 at K = 3) against 0.8 s
     # (the drafter at K = 2, tau 3), against 0.85 s (lookup at K = 3, tau 4), plain 1 s on each side
-    drafter, lookup = c["against"]["drafter"], c["against"]["prompt lookup"]
-    assert (drafter["k"], drafter["prompts"], lookup["k"]) == (2, 4, 3)
-    assert drafter["speedup_ratio"] == pytest.approx(0.8 / 0.7) and lookup["speedup_ratio"] == pytest.approx(0.85 / 0.7)
-    assert drafter["speedup_ratio_interval"] == pytest.approx([0.8 / 0.7] * 2)  # the same on every prompt
-    assert drafter["tau_ratio"] == pytest.approx(4 / 3) and lookup["tau_ratio"] == pytest.approx(1.0)
-    assert speculator_to_serve(v)["environment"] == f"DFLASH_TRAIN_LOOKUP={setting}"
-    text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
+    drafter, lookup = c.against["drafter"], c.against["prompt lookup"]
+    assert (drafter.k, drafter.prompts, lookup.k) == (2, 4, 3)
+    assert drafter.speedup_ratio == pytest.approx(0.8 / 0.7) and lookup.speedup_ratio == pytest.approx(0.85 / 0.7)
+    assert drafter.speedup_ratio_interval == pytest.approx([0.8 / 0.7] * 2)  # the same on every prompt
+    assert drafter.tau_ratio == pytest.approx(4 / 3) and lookup.tau_ratio == pytest.approx(1.0)
+    assert speculator_to_serve(v).environment == f"DFLASH_TRAIN_LOOKUP={setting}"
+    text = "\n".join(serving_tables(v, Machine(cpu="Some CPU", cores=2)))
     assert f"3, {name}" in text
     assert "of 12 blocks 8 came from lookup, 4 at steps that skipped the drafter's pass" in text
-    assert ("against the drafter at K = 2, paired by prompt: τ 1.333 [1.333, 1.333]×, speedup 1.143 "
+    assert ("against the drafter at K = 2, paired by prompt: τ per prompt 1.333 [1.333, 1.333]×, speedup 1.143 "
             "[1.143, 1.143]×") in text
     assert f"serve the drafter as below with `DFLASH_TRAIN_LOOKUP={setting}` set" in text
-    assert f"{name} 3" in v["timing"]["plain_tokens_per_s_decode"]  # its plain runs: host drift
+    assert f"{name} 3" in v.timing.plain_tokens_per_s_decode  # its plain runs: host drift
 
 
 def test_a_prompt_a_later_engine_run_refuses_is_left_out_of_every_comparison(tiny_target, drafters, monkeypatch,
@@ -423,14 +427,15 @@ def test_a_prompt_a_later_engine_run_refuses_is_left_out_of_every_comparison(tin
     config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[3, 1],
                         concurrency=[], ngram=[2, 4], combined="k=2,confidence=1")
     v = engine_eval(config, tiny_target, prompts, 4, "bf16", "cpu", tmp_path)
-    assert v["refused_by_engine"] == {rid: why[rid] for rid in ("p2", "p1", "p0")}
+    assert v.refused_by_engine == {rid: why[rid] for rid in ("p2", "p1", "p0")}
     kept = ["p3", "p4"]
-    for row in v["sweep"] + v["ngram_sweep"] + [v["combined"]]:
-        assert [p["id"] for p in row["per_prompt"]] == kept, row
-        assert row["lossless_checked"] == 2 and row["lossless_mismatches"] == 0
-    assert v["best_k"] == 3 and [p["id"] for p in v["per_prompt"]] == kept
-    assert (v["lossless_checked"], v["lossless_mismatches"], v["mismatches"]) == (2, 0, [])
-    assert {c["prompts"] for c in v["combined"]["against"].values()} == {2}  # paired on the same prompts
+    for row in v.sweep + v.ngram_sweep + [v.combined]:
+        assert [p.id for p in row.per_prompt] == kept, row
+        assert row.lossless_checked == 2 and row.lossless_mismatches == 0
+    assert v.best_k == 3 and [p.id for p in v.per_prompt] == kept
+    assert (v.lossless_checked, v.lossless_mismatches, v.mismatches) == (2, 0, [])
+    assert {c.prompts for c in v.combined.against.values()} == {2}  # paired on the same prompts
+    assert {r.prompts for r in v.ranking} == {2}  # and ranked on them
     lookup_4, combined_job, recheck = calls[1:]
     assert [r.id for r in lookup_4.requests] == ["p0", "p1", "p2", "p3", "p4"]
     assert [r.id for r in combined_job.requests] == ["p0", "p1", "p3", "p4"]  # not p2, refused before
@@ -451,10 +456,13 @@ def test_combined_on_takes_its_rule_from_the_measured_taus_and_a_written_rule_st
     from dflash_train.stages.evaluate.vllm_sweep import combined_rule
 
     tree = None if suffix_problem() else SUFFIX_SCORE  # the suffix tree where arctic-inference loads
-    assert combined_rule("on", {"tau": 2.0}, {"tau": 1.5}) == CombinedRule(k=4, confidence=0.6, suffix=tree)
-    assert combined_rule("on", {"tau": 1.3}, {"tau": 1.5}) == CombinedRule(k=4, confidence=1, suffix=tree)
-    assert combined_rule("on", {"tau": 1.3}, None) == CombinedRule(suffix=tree)  # lookup not timed: the default
-    assert combined_rule("k=3,confidence=0.6", {"tau": 1.3}, {"tau": 1.5}) == CombinedRule(k=3, confidence=0.6)
+    def measured(tau: float) -> KRow:
+        return KRow(tau_steps=tau)
+
+    assert combined_rule("on", measured(2.0), measured(1.5)) == CombinedRule(k=4, confidence=0.6, suffix=tree)
+    assert combined_rule("on", measured(1.3), measured(1.5)) == CombinedRule(k=4, confidence=1, suffix=tree)
+    assert combined_rule("on", measured(1.3), None) == CombinedRule(suffix=tree)  # lookup not timed: the default
+    assert combined_rule("k=3,confidence=0.6", measured(1.3), measured(1.5)) == CombinedRule(k=3, confidence=0.6)
 
 
 def test_prompt_lookup_is_timed_with_requests_together_and_the_tables_say_how_far_it_pays(tiny_target, drafters,
@@ -477,12 +485,12 @@ def test_prompt_lookup_is_timed_with_requests_together_and_the_tables_say_how_fa
                         concurrency=[4], ngram=[3])
     v = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
     assert calls[0].ngram_tokens == 3 and calls[0].concurrency == [4]
-    lookup = v["ngram"]
-    assert [(r["requests"], r["k"]) for r in lookup["concurrency"]] == [(1, 3), (4, 3)]
-    assert lookup["concurrency"][1]["speedup"] == pytest.approx(2.0 / 2.5)
-    assert lookup["pays_up_to_concurrency"] == 1 and v["pays_up_to_concurrency"] == 4
-    assert [(r["requests"], r["k"]) for r in v["concurrency"]] == [(1, 1), (4, 1)]  # the drafter's own, unchanged
-    text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
+    lookup = v.ngram
+    assert [(r.requests, r.k) for r in lookup.concurrency] == [(1, 3), (4, 3)]
+    assert lookup.concurrency[1].speedup == pytest.approx(2.0 / 2.5)
+    assert lookup.pays_up_to_concurrency == 1 and v.pays_up_to_concurrency == 4
+    assert [(r.requests, r.k) for r in v.concurrency] == [(1, 1), (4, 1)]  # the drafter's own, unchanged
+    text = "\n".join(serving_tables(v, Machine(cpu="Some CPU", cores=2)))
     assert "| 4 | **1** | 18 / 22.5 | 1.25× |" in text and "| 4 | 3, prompt lookup | 18 / 14.4 | 0.8× |" in text
     assert ("Speculation pays up to 4 requests decoded together (of those measured). Prompt lookup pays one "
             "request at a time only.") in text
@@ -514,14 +522,14 @@ def test_each_prompt_lookup_k_is_timed_in_an_engine_of_its_own_and_the_fastest_i
     assert [(r.max_tokens, r.ignore_eos) for r in again.requests] == [(9, True), (10, True), (11, True), (12, True)]
     assert [r.prompt_token_ids for r in again.requests] == list(prompts.values())
     assert again.concurrency == [4] and again.drafter == calls[0].drafter and again.budget_s is None
-    assert [row["k"] for row in v["ngram_sweep"]] == [2, 4]
-    assert v["ngram"]["k"] == 4 and v["ngram"]["speedup"] == pytest.approx(1 / 0.7)
-    assert v["ngram"]["engine_args"]["num_speculative_tokens"] == 4
-    assert [(r["requests"], r["k"]) for r in v["ngram"]["concurrency"]] == [(1, 2), (1, 4), (4, 2), (4, 4)]
-    assert v["ngram"]["pays_up_to_concurrency"] == 4  # K = 2 pays at 4 together, K = 4 does not
-    assert set(v["timing"]["plain_tokens_per_s_decode"]) == {"reference", "1", "prompt lookup 2", "prompt lookup 4"}
-    assert v["best_k"] == 1 and [row["k"] for row in v["sweep"]] == [1]  # the drafter's own, unchanged
-    text = "\n".join(serving_tables(v, {"cpu": "Some CPU", "cores": 2}))
+    assert [row.k for row in v.ngram_sweep] == [2, 4]
+    assert v.ngram.k == 4 and v.ngram.speedup == pytest.approx(1 / 0.7)
+    assert v.ngram.engine_args["num_speculative_tokens"] == 4
+    assert [(r.requests, r.k) for r in v.ngram.concurrency] == [(1, 2), (1, 4), (4, 2), (4, 4)]
+    assert v.ngram.pays_up_to_concurrency == 4  # K = 2 pays at 4 together, K = 4 does not
+    assert set(v.timing.plain_tokens_per_s_decode) == {"reference", "1", "prompt lookup 2", "prompt lookup 4"}
+    assert v.best_k == 1 and [row.k for row in v.sweep] == [1]  # the drafter's own, unchanged
+    text = "\n".join(serving_tables(v, Machine(cpu="Some CPU", cores=2)))
     assert "| 2, prompt lookup |" in text and "| 4, prompt lookup |" in text
     assert "1.429× at K = 4 (the fastest of K = 2, 4) against the drafter's 1.111× at best_k." in text
     assert "| 4 | 2, prompt lookup | 18 / 18.947 | 1.053× |" in text
@@ -593,14 +601,15 @@ def test_offline_estimate_equals_online_tau_for_the_oracle(tiny_target):
                 pos += step.committed
         online = acceptance_stats(online_logs, B)
         offline = offline_estimate(_selecting(samples, oracle), oracle, embed.weight, torch.eye(V), B)
-        assert offline["num_samples"] == len(prompts)
-        assert offline["tau"] == pytest.approx(online["tau"])
-        assert offline["per_position_acceptance"] == pytest.approx(online["per_position_acceptance"])
-        assert offline["tau_by_k"][-1] == pytest.approx(online["tau"])
+        assert offline.num_samples == len(prompts)
+        assert offline.tau_steps == pytest.approx(online.tau_steps)
+        assert offline.tau_per_prompt == pytest.approx(online.tau_per_prompt)
+        assert offline.per_position_acceptance == pytest.approx(online.per_position_acceptance)
+        assert offline.tau_by_k[-1] == pytest.approx(online.tau_per_prompt)
         if horizon <= 1:
-            assert offline["tau_every_anchor"] == pytest.approx(online["tau"]) == pytest.approx(1 + horizon)
+            assert offline.tau_every_anchor == pytest.approx(online.tau_per_prompt) == pytest.approx(1 + horizon)
         else:  # only the tails differ: every anchor counts the ones the answer's end cuts short
-            assert offline["tau_every_anchor"] < online["tau"] <= 1 + horizon
+            assert offline.tau_every_anchor < online.tau_per_prompt <= 1 + horizon
 
 
 def _selecting(samples, oracle):
@@ -680,27 +689,28 @@ def test_eval_command_writes_the_report(tiny_target, tiny_target_dir, drafters, 
                   "--prompts", prompts_dir, "--split", "eval", "--store", store_dir, "--out", out)
     assert rc == 0
     assert is_complete(out)
-    report = json.loads((out / "report.json").read_text())
-    for key in ("tau", "tau_offline", "lossless_mismatches", "per_position_acceptance", "tokens_per_s",
-                "tokens_per_s_baseline", "speedup", "per_prompt", "settings", "drafter", "target"):
-        assert key in report, key
-    n = report["settings"]["num_prompts"]
-    assert n >= 1 and len(report["per_prompt"]) == n == report["lossless_checked"]
-    assert report["lossless_mismatches"] == 0 and report["mismatches"] == []
-    assert 1 <= report["tau"] <= 4 and len(report["per_position_acceptance"]) == 3
-    assert 1 <= report["tau_offline"] <= 4 and report["offline"]["num_samples"] == n
-    assert report["offline"]["samples_of_eval_prompts"] == n  # the store holds the same held-out prompts
-    assert report["tau_gap"] == pytest.approx(report["tau"] - report["tau_offline"])
-    assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["tokens_per_s_baseline"])
-    assert report["target"]["config_hash"] == tiny_target.identity().config_hash
-    methods = [m["method"] for m in report["methods"]]
+    assert json.loads((out / "report.json").read_text())["schema_version"] == SCHEMA_VERSION
+    report = eval_report.load(out)
+    own, n = report.own, report.settings.num_prompts
+    assert report.vllm is None and report.settings.options["drafter"] == str(drafters[0])
+    assert n >= 1 and len(own.per_prompt) == n == own.lossless_checked
+    assert own.lossless_mismatches == 0 and own.mismatches == []
+    assert 1 <= own.tau_steps <= 4 and 1 <= own.tau_per_prompt <= 4 and len(own.per_position_acceptance) == 3
+    assert own.tau_steps == pytest.approx(1 + sum(own.per_position_acceptance))
+    lo, hi = own.tau_steps_interval
+    assert lo <= own.tau_steps <= hi
+    assert 1 <= report.offline.tau_steps <= 4 and report.offline.num_samples == n
+    assert report.offline.samples_of_eval_prompts == n  # the store holds the same held-out prompts
+    assert report.tau_gap == pytest.approx(own.tau_steps - report.offline.tau_steps)
+    assert own.speedup == pytest.approx(own.tokens_per_s / own.tokens_per_s_baseline)
+    assert report.target.config_hash == tiny_target.identity().config_hash
+    methods = [m.method for m in own.methods]
     assert methods[0].startswith("plain") and methods[-1] == "block size 1" and len(methods) == 4
-    assert [m["role"] for m in report["methods"]] == ["plain", "drafter", "baseline", "no_speculation"]
-    blocks = [m["block_size"] for m in report["methods"]]
-    assert blocks == [1, 4, 3, 1]
-    no_spec = report["methods"][-1]
-    assert no_spec["tau"] == 1 and no_spec["lossless_mismatches"] == 0
-    assert sum(sum(m["tau_histogram"].values()) for m in report["methods"][1:2]) == report["methods"][1]["num_steps"]
+    assert [m.role for m in own.methods] == ["plain", "drafter", "baseline", "no_speculation"]
+    assert [m.block_size for m in own.methods] == [1, 4, 3, 1]
+    no_spec = own.methods[-1]
+    assert no_spec.tau_steps == no_spec.tau_per_prompt == 1 and no_spec.lossless_mismatches == 0
+    assert sum(own.methods[1].tau_histogram.values()) == own.methods[1].num_steps
     md = (out / "report.md").read_text()
     assert "| method |" in md and "Offline estimate" in md and "0 of" in md
     for png in ("acceptance_by_position.png", "tau_histogram.png"):
@@ -728,10 +738,10 @@ def test_the_vllm_sweep_starts_where_the_held_out_estimate_keeps_tau(tiny_target
     out = tmp_path / "eval"
     assert eval_cli("--engine", "vllm", "--drafter", drafters[0], "--target", tiny_target_dir, "--prompts",
                     prompts_dir, "--split", "eval", "--store", store_dir, "--out", out) == 0
-    report = json.loads((out / "report.json").read_text())
-    first = report["engines"]["vllm"]["timing"]["first_k"]
-    assert first["k"] == sweep_first_k(report["offline"]["tau_by_k"]) == calls[0].speculative_tokens[0]
-    assert first["from"] == "offline estimate" and sorted(calls[0].speculative_tokens) == [1, 2, 3]
+    report = eval_report.load(out)
+    first = report.vllm.timing.first_k
+    assert first.k == sweep_first_k(report.offline.tau_by_k) == calls[0].speculative_tokens[0]
+    assert first.source == "offline estimate" and sorted(calls[0].speculative_tokens) == [1, 2, 3]
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -783,17 +793,17 @@ def test_mismatch_diagnosis_and_fp32_recheck(tiny_target, tiny_target_dir, draft
     ids = prompt_ids(tiny_target, PROMPTS[0])
     plain = plain_generate(tiny_target.model, ids, 12, []).tokens
     broken = plain[:5] + [(plain[5] + 1) % 1024] + plain[6:]
-    info = diagnose_mismatch(tiny_target, ids, plain, broken)
-    assert info["index"] == 5 and info["plain_token"] == plain[5] and info["spec_token"] == broken[5]
-    assert info["top2_margin"] > 0
+    info = diagnose_mismatch(tiny_target, ids, plain, broken, "p")
+    assert info.index == 5 and info.plain_token == plain[5] and info.spec_token == broken[5]
+    assert info.top2_margin > 0
     cfg = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", target=str(tiny_target_dir), max_new_tokens=12)
     methods = [Method(PLAIN, "plain", None),
                Method("drafter", "drafter", _load_proposer(cfg.drafter, tiny_target, None, torch.float32),
                       cfg.drafter, 4), Method(NO_SPECULATION, "no_speculation", NoDraft())]
-    details = [{"id": "p", "method": "drafter", **info}, {"id": "p", "method": NO_SPECULATION, **info}]
+    details = [dataclasses.replace(info, method="drafter"), dataclasses.replace(info, method=NO_SPECULATION)]
     recheck_in_fp32(cfg, "cpu", methods, details, {"p": ids}, {"p": broken})
     for d in details:
-        assert d["fp32_spec_equals_plain"] is True and d["plain_equals_fp32_plain"] is False
+        assert d.fp32_spec_equals_plain is True and d.plain_equals_fp32_plain is False
 
 
 def test_prompts_all_too_long_are_refused(tiny_target_dir, drafters, prompts_dir, tmp_path, capsys):
@@ -809,9 +819,9 @@ def test_eval_command_with_sampling_is_lossless_too(tiny_target_dir, drafters, p
     out = tmp_path / "eval"
     rc = eval_cli("--drafter", drafters[0], "--target", tiny_target_dir, "--prompts", prompts_dir,
                   "--temperature", "1.0", "--seed", "3", "--limit", "2", "--no-warmup", "--out", out)
-    report = json.loads((out / "report.json").read_text())
-    assert rc == 0 and report["lossless_mismatches"] == 0 and report["lossless_checked"] >= 1
-    assert report["settings"]["sampling"].startswith("temperature 1.0")
+    report = eval_report.load(out)
+    assert rc == 0 and report.own.lossless_mismatches == 0 and report.own.lossless_checked >= 1
+    assert report.settings.sampling.startswith("temperature 1.0")
 
 
 def test_a_step_cost_is_read_off_a_ks_timed_runs_and_drawn_through_two_k():
@@ -831,7 +841,7 @@ def test_a_step_cost_is_read_off_a_ks_timed_runs_and_drawn_through_two_k():
     def cost(batch1: list[dict], outputs: list[dict]) -> float | None:
         natural = {o["id"]: EngineOutput(**o) for o in outputs}
         run = {"k": 3, "load_s": 1.0, "seconds": 9.0, "batch1": batch1, "outputs": outputs}
-        return k_row(run, natural, greedy=True)["step_cost"]
+        return k_row(run, natural, greedy=True).step_cost
 
     # 9 decode tokens in 4 steps (accepting 2, 1, 0, 2) and 5 in 5: 14 plain tokens in 1.4 s; 9 steps in 1.8 s
     (a, out_a), (b, out_b) = timed(0, [2, 1, 0, 2], 0.9, 0.8), timed(1, [0] * 5, 0.5, 1.0)
@@ -879,8 +889,7 @@ def test_eval_renders_tool_traffic_like_capture(tiny_target, tiny_target_dir, dr
     assert len(rendered) > len(tiny_target.render(record.messages))  # the tools block is part of the prompt
     assert eval_cli("--drafter", drafters[0], "--target", tiny_target_dir, "--prompts", log, "--no-warmup",
                     "--out", tmp_path / "eval") == 0
-    report = json.loads((tmp_path / "eval" / "report.json").read_text())
-    assert report["per_prompt"][0]["prompt_tokens"] == len(rendered)
+    assert eval_report.load(tmp_path / "eval").own.per_prompt[0].prompt_tokens == len(rendered)
 
 
 # --- refusals: training prompts, damaged inputs, the output folder ---------------------------------------------------
@@ -916,20 +925,20 @@ def test_eval_refuses_prompts_the_drafter_was_trained_on(tiny_target_dir, drafte
     assert rc == 2 and f"{len(train)} of the {len(train)} prompts to evaluate" in err and str(store) in err, err
     assert "overstates" in err and not out.exists()
     checked = check_held_out(str(drafter), {r.id for r in held_out}, "prompts", prompt_set(prompts_dir, "eval", None))
-    assert checked["by_id"] == [str(store)]
+    assert checked.by_id == [str(store)]
     # a training store that is not on this machine: the prompt set it recorded decides
     elsewhere = trained_on(drafters[0], tmp_path / "drafter2", tmp_path / "gone", prompt_set(prompts_dir, "train", None))
     with pytest.raises(UserError, match="the prompts are training prompts"):
         check_held_out(str(elsewhere), {r.id for r in train}, "prompts", prompt_set(prompts_dir, "train", None))
     checked = check_held_out(str(elsewhere), {r.id for r in held_out}, "prompts", prompt_set(prompts_dir, "eval", None))
-    assert checked["by_prompt_set"] == [str(tmp_path / "gone")]
+    assert checked.by_prompt_set == [str(tmp_path / "gone")]
     # --training-prompts (an overfit check) evaluates them and counts them in the report
     checked = check_held_out(str(drafter), {r.id for r in train}, "prompts", prompt_set(prompts_dir, "train", None),
                              allow=True)
-    assert checked["training_prompts"] == len(train)
+    assert checked.training_prompts == len(train)
     checked = check_held_out(str(elsewhere), {r.id for r in train}, "prompts", prompt_set(prompts_dir, "train", None),
                              allow=True)
-    assert checked["training_prompts"] == len(train)
+    assert checked.training_prompts == len(train)
 
 
 def test_eval_refuses_a_store_with_a_corrupted_shard(tiny_target_dir, drafters, prompts_dir, store_dir, tmp_path,

@@ -5,14 +5,22 @@ server before huggingface_hub is imported (this process may already have importe
 
 import json
 import os
+from dataclasses import replace
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import yaml
 
+from dflash_train import eval_report
+from dflash_train.eval_report import (CombinedEntry, ConcurrencyRow, DrafterRecord, EvalReport, HeldOutCheck, KRow,
+                                      Machine, MethodRow, OfflineEstimate, OwnLoop, OwnPrompt, SampleTau, Settings,
+                                      SweepTiming, TimedPrompt, VllmEval)
+from dflash_train.target import TargetIdentity
 from dflash_train.stages.push.card import safe_summary_rows, serve_commands
 from dflash_train.cli import main
 from dflash_train.hub_server import LoopbackHub
@@ -70,50 +78,63 @@ def drafter_dir(tmp_path_factory, tiny_target):
     return out
 
 
-def vllm_entry(drafter_dir: Path | None, **overrides) -> dict:
-    """The `engines.vllm` entry of an eval report, measured on `drafter_dir` (None: another drafter)."""
+ACCEPTANCE = [0.8, 0.5, 0.3, 0.1, 0.05, 0.01, 0.0]
+
+
+def vllm_entry(drafter_dir: Path | None, **overrides) -> VllmEval:
+    """vLLM's eval of `drafter_dir` (None: of another drafter), as the eval records it."""
     sha = drafter_identity(drafter_dir)["sha256"] if drafter_dir else "0" * 64
-    entry = {"engine": "vllm", "version": "0.32.0", "tau": 2.3, "tau_steps": 2.3,
-             "per_position_acceptance": [0.75, 0.45, 0.3, 0.1, 0.05, 0.0, 0.0], "tokens_per_s": 25.0,
-             "tokens_per_s_baseline": 18.0, "speedup": 25.0 / 18.0, "lossless_checked": 2, "lossless_mismatches": 0,
-             "lossless_mismatches_fp32": None, "mismatches": [], "drafter_sha256": sha, "dtype": "fp32",
-             "engine_args": {"model": "/home/me/.cache/target", "dtype": "float32", "max_model_len": 600,
-                             "seed": 0, "enforce_eager": True, "max_num_seqs": 1,
-                             "speculative_config": {"method": "dflash", "model": "/home/me/runs/tiny/drafter",
-                                                    "num_speculative_tokens": 7}},
-             "serve_command": "vllm serve /home/me/.cache/target --speculative-config ...",
-             "per_prompt": [{"id": "p0", "tau": 2.4, "new_tokens": 64, "mismatch": False}]}
-    entry.update(overrides)
-    return entry
+    entry = VllmEval(version="0.32.0", tau_steps=2.3, tau_per_prompt=2.45,
+                     per_position_acceptance=[0.75, 0.45, 0.3, 0.1, 0.05, 0.0, 0.0], tokens_per_s=25.0,
+                     tokens_per_s_baseline=18.0, speedup=25.0 / 18.0, lossless_checked=2, lossless_mismatches=0,
+                     drafter_sha256=sha, dtype="fp32",
+                     engine_args={"model": "/home/me/.cache/target", "dtype": "float32", "max_model_len": 600,
+                                  "seed": 0, "enforce_eager": True, "max_num_seqs": 1,
+                                  "speculative_config": {"method": "dflash", "model": "/home/me/runs/tiny/drafter",
+                                                         "num_speculative_tokens": 7}},
+                     serve_command="vllm serve /home/me/.cache/target --speculative-config ...",
+                     per_prompt=[TimedPrompt(id="p0", tau=2.4, new_tokens=64)])
+    return replace(entry, **overrides)
 
 
-def write_report(folder: Path, drafter_dir: Path | None = None, **overrides) -> Path:
+def own_loop(**overrides) -> OwnLoop:
+    """The project's loop as the eval records it: the drafter's figures (tau over all steps 2.4, its mean over
+    prompts 2.5) and every method's row."""
+    methods = [MethodRow(method="plain (target only)", role="plain", block_size=1, tokens_per_target_forward=1.0,
+                         tokens_per_s=20.0, speedup=1.0),
+               MethodRow(method="tiny/drafter", role="drafter", drafter="runs/tiny/drafter", block_size=8,
+                         tau_steps=2.4, tau_per_prompt=2.5, per_position_acceptance=ACCEPTANCE,
+                         lossless_mismatches=0, tokens_per_target_forward=2.4, tokens_per_s=30.0, speedup=1.5),
+               MethodRow(method="block size 1", role="no_speculation", drafter="runs/tiny/drafter", block_size=1,
+                         tau_steps=1.0, tau_per_prompt=1.0, lossless_mismatches=0, tokens_per_target_forward=1.0,
+                         tokens_per_s=18.0, speedup=0.9)]
+    own = OwnLoop(tau_steps=2.4, tau_per_prompt=2.5, lossless_mismatches=0, lossless_checked=2,
+                  per_position_acceptance=ACCEPTANCE, tau_histogram={"1": 3, "2": 4}, tokens_per_s=30.0,
+                  tokens_per_s_baseline=20.0, speedup=1.5, methods=methods,
+                  per_prompt=[OwnPrompt(id="p0", prompt_tokens=9, tau={"tiny/drafter": 2.5})])
+    return replace(own, **overrides)
+
+
+AS_MEASURED = MappingProxyType({})  # write_report's figures unchanged
+
+
+def write_report(folder: Path, drafter_dir: Path | None = None, own: Mapping | None = AS_MEASURED,
+                 vllm: Mapping | None = AS_MEASURED, **overrides) -> Path:
     """An eval folder as the eval stage writes it (stages.evaluate.report: report.json, plots, provenance.json); it
-    measured the drafter in `drafter_dir` (None: some other drafter)."""
+    measured the drafter in `drafter_dir` (None: some other drafter). `own` and `vllm` change the project's loop's
+    and vLLM's figures (None: it did not run), `overrides` the report's other fields."""
     folder.mkdir(parents=True, exist_ok=True)
-    acceptance = [0.8, 0.5, 0.3, 0.1, 0.05, 0.01, 0.0]
-    drafter = {"path": "runs/tiny/drafter", "block_size": 8, "num_hidden_layers": 2, "target_layer_ids": [1, 5],
-               "mask_token_id": 484, "num_parameters": 82368, **(drafter_identity(drafter_dir) if drafter_dir else {})}
-    methods = [{"method": "plain (target only)", "drafter": None, "block_size": 1, "tokens_per_target_forward": 1.0,
-                "tokens_per_s": 20.0, "speedup": 1.0},
-               {"method": "tiny/drafter", "drafter": "runs/tiny/drafter", "block_size": 8, "tau": 2.4,
-                "per_position_acceptance": acceptance, "lossless_mismatches": 0, "tokens_per_target_forward": 2.4,
-                "tokens_per_s": 30.0, "speedup": 1.5},
-               {"method": "block size 1", "drafter": "runs/tiny/drafter", "block_size": 1, "tau": 1.0,
-                "lossless_mismatches": 0, "tokens_per_target_forward": 1.0, "tokens_per_s": 18.0, "speedup": 0.9}]
-    report = {"tau": 2.4, "tau_steps": 2.35, "tau_offline": 2.6, "tau_gap": -0.2, "lossless_mismatches": 0,
-              "lossless_checked": 2, "per_position_acceptance": acceptance, "tau_histogram": {"1": 3, "2": 4},
-              "tokens_per_s": 30.0, "tokens_per_s_baseline": 20.0, "speedup": 1.5, "block_size": 8,
-              "methods": methods, "mismatches": [],
-              "offline": {"tau": 2.6, "per_sample": [{"id": "s0", "tau": 2.6}], "num_samples": 1},
-              "per_prompt": [{"id": "p0", "prompt_tokens": 9, "tau": {"tiny/drafter": 2.5}, "prompt": SECRET}],
-              "settings": {"max_new_tokens": 64, "temperature": 0.0, "num_prompts": 2, "prompts": "data/prompts",
-                           "device": "cpu", "dtype": "bf16"},
-              "drafter": drafter, "target": None,
-              "engines": {"own": {"engine": "own", "tau": 2.4, "lossless_mismatches": 0, "lossless_checked": 2},
-                          "vllm": vllm_entry(drafter_dir)}}
-    report.update(overrides)
-    (folder / "report.json").write_text(json.dumps(report))
+    drafter = DrafterRecord(path="runs/tiny/drafter", block_size=8, num_hidden_layers=2, target_layer_ids=[1, 5],
+                            mask_token_id=484, num_parameters=82368,
+                            **(drafter_identity(drafter_dir) if drafter_dir else {}))
+    report = EvalReport(block_size=8, drafter=drafter, own=None if own is None else own_loop(**own),
+                        vllm=None if vllm is None else vllm_entry(drafter_dir, **vllm),
+                        offline=OfflineEstimate(tau_steps=2.6, per_sample=[SampleTau(id="s0", tau=2.6)],
+                                                num_samples=1),
+                        settings=Settings(options={"max_new_tokens": 64, "temperature": 0.0,
+                                                   "prompts": "data/prompts"},
+                                          num_prompts=2, device="cpu", dtype="bf16"))
+    eval_report.dump(replace(report, **overrides), folder / "report.json")
     for name in ("acceptance_by_position.png", "tau_histogram.png"):
         (folder / name).write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
     (folder / "provenance.json").write_text(json.dumps({"created": "2026-11-29T12:00:00+0000",
@@ -166,9 +187,12 @@ def test_dry_run_writes_the_card_and_never_touches_the_network(drafter_dir, tmp_
     assert SECRET.encode() not in all_text(out)
     assert TOKEN.encode() not in all_text(out)
     summary = json.loads((out / "eval" / "summary.json").read_text())
-    assert summary["tau"] == 2.4 and summary["methods"][1]["tau"] == 2.4 and summary["offline"]["tau"] == 2.6
-    assert "per_prompt" not in summary and "per_sample" not in summary["offline"]
-    assert "prompts" not in summary["settings"]
+    assert summary["schema_version"] == eval_report.SCHEMA_VERSION
+    own = summary["own"]
+    assert own["tau_steps"] == own["methods"][1]["tau_steps"] == 2.4 and summary["offline"]["tau_steps"] == 2.6
+    assert "per_prompt" not in own and "per_prompt" not in summary["vllm"]
+    assert "per_sample" not in summary["offline"]
+    assert "prompts" not in summary["settings"]["options"]
 
     card = (out / "README.md").read_text()
     meta = yaml.safe_load(card.split("---\n")[1])
@@ -190,7 +214,8 @@ def test_dry_run_writes_the_card_and_never_touches_the_network(drafter_dir, tmp_
     assert "![eval/acceptance_by_position.png](eval/acceptance_by_position.png)" in card
     assert "| Lossless check | passed: 0 of 2 prompts differ, every output is token-for-token the target's own |" \
         in card
-    assert "| block size 1 | 1 | 1 | 1 | 18 | 0.9× | 0 |" in card
+    assert "| block size 1 | 1 | 1 | 1 | 1 | 18 | 0.9× | 0 |" in card
+    assert "| τ, mean over prompts | 2.5 |" in card  # the distribution figure beside the headline
     assert "| Evaluated with dflash-train | commit `abcdef123456`, 2026-11-29T12:00:00+0000 |" in card
     assert "| Training samples (prompt + target response) | 2 |" in card
     assert "| Log records read | 120 from 1 file(s) (sharegpt 100, prompt 20) |" in card
@@ -210,7 +235,7 @@ def test_dry_run_writes_the_card_and_never_touches_the_network(drafter_dir, tmp_
             "\"num_speculative_tokens\":7}'") in card
     assert [m["value"] for m in meta["model-index"][0]["results"][0]["metrics"]] == [2.4, 2.3]
     assert b"/home/me" not in all_text(out)
-    assert summary["engines"]["vllm"]["engine_args"]["speculative_config"]["model"] == REPO
+    assert summary["vllm"]["engine_args"]["speculative_config"]["model"] == REPO
 
 
 def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir, tmp_path, capsys):
@@ -223,36 +248,49 @@ def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir
     rc, err = run()
     assert rc == 2 and "refusing to push: no eval report" in err and "--force" in err
     assert not (tmp_path / "out").exists()
-    rc, err = run("--eval-report", str(write_report(tmp_path / "bad", lossless_mismatches=3)))
+    rc, err = run("--eval-report", str(write_report(tmp_path / "bad", own={"lossless_mismatches": 3})))
     assert rc == 2 and "lossless check failed: 3 outputs" in err
-    rc, err = run("--eval-report", str(write_report(tmp_path / "bf16_still", lossless_mismatches=2,
-                                                    lossless_mismatches_fp32=1)))
+    rc, err = run("--eval-report", str(write_report(tmp_path / "bf16_still", own={"lossless_mismatches": 2,
+                                                                                  "lossless_mismatches_fp32": 1})))
     assert rc == 2 and "lossless check failed: 1 outputs" in err and "(still, when rerun in fp32)" in err
-    rc, err = run("--eval-report", str(write_report(tmp_path / "bf16_ties", drafter_dir, lossless_mismatches=2,
-                                                    lossless_mismatches_fp32=0)), "--dry-run")
+    rc, err = run("--eval-report", str(write_report(tmp_path / "bf16_ties", drafter_dir, own={
+        "lossless_mismatches": 2, "lossless_mismatches_fp32": 0})), "--dry-run")
     assert rc == 0, err
     assert "2 of 2 prompts differed in bf16 by rounding near-ties" in (tmp_path / "out" / "README.md").read_text()
-    rc, err = run("--eval-report", str(write_report(tmp_path / "no_check", lossless_mismatches=None)))
+    rc, err = run("--eval-report", str(write_report(tmp_path / "no_check", own={"lossless_mismatches": None})))
     assert rc == 2 and "lossless check did not run" in err
-    low = write_report(tmp_path / "low", drafter_dir, tau=1.1)
+    # the gate reads tau over all steps (tokens per verification), not its mean over prompts
+    low = write_report(tmp_path / "low", drafter_dir, own={"tau_steps": 1.1, "tau_per_prompt": 1.6})
     rc, err = run("--eval-report", str(low))
     assert rc == 2 and "online tau 1.100 is below the minimum 1.2 (the training recipe's push.min_tau)" in err
+    # and so it does in a report written before schema_version, whose `tau` was that mean
+    before = write_report(tmp_path / "before", drafter_dir)
+    raw = eval_report.to_json(eval_report.load(before))
+    old_vllm = {**raw.pop("vllm"), "tau": 2.45}
+    raw = {**{k: v for k, v in raw.pop("own").items() if k != "tau_per_prompt"}, **raw, "tau": 1.6, "tau_steps": 1.1,
+           "engines": {"vllm": old_vllm}}
+    del raw["schema_version"]
+    (before / "report.json").write_text(json.dumps(raw))
+    rc, err = run("--eval-report", str(before))
+    assert rc == 2 and "online tau 1.100 is below the minimum" in err and "vLLM tau" not in err
     rc, err = run("--eval-report", str(low), "--min-tau", "1.05", "--dry-run")
     assert rc == 0, err
     rc, err = run("--eval-report", str(write_report(tmp_path / "other", drafter_dir, block_size=4)))
     assert rc == 2 and "measured a different drafter or block size (eval block size 4 vs the drafter's 8)" in err
     record = drafter_identity(drafter_dir)
-    stale = write_report(tmp_path / "stale", drafter={"block_size": 8, **record, "weights_sha256": "0" * 64})
+    stale = write_report(tmp_path / "stale", drafter=DrafterRecord(block_size=8, **{**record,
+                                                                                   "weights_sha256": "0" * 64}))
     rc, err = run("--eval-report", str(stale))
     assert rc == 2 and "model.safetensors are not the ones evaluated (sha256 differs)" in err
-    rc, err = run("--eval-report", str(write_report(tmp_path / "fresh", drafter_dir, drafter=record)), "--dry-run")
+    rc, err = run("--eval-report", str(write_report(tmp_path / "fresh", drafter_dir, drafter=DrafterRecord(**record))),
+                  "--dry-run")
     assert rc == 0, err
-    other_target = write_report(tmp_path / "other_target", target={"name": "x", "config_hash": "0" * 64})
+    other_target = write_report(tmp_path / "other_target", target=TargetIdentity(name="x", config_hash="0" * 64))
     rc, err = run("--eval-report", str(other_target))
     assert rc == 2 and "measured another target (x)" in err
     assert not (tmp_path / "out" / "INCOMPLETE").exists()
 
-    rc, err = run("--eval-report", str(write_report(tmp_path / "bad2", lossless_mismatches=2)), "--force",
+    rc, err = run("--eval-report", str(write_report(tmp_path / "bad2", own={"lossless_mismatches": 2})), "--force",
                   "--dry-run")
     assert rc == 0 and "gate overridden with --force" in err
     card = (tmp_path / "out" / "README.md").read_text()
@@ -265,14 +303,14 @@ def test_gate_refuses_without_report_on_lossless_failure_and_low_tau(drafter_dir
             (no_recipe / f.name).write_bytes(f.read_bytes())
     (no_recipe / "INCOMPLETE").write_text("")
     rc = main(["push", str(no_recipe), "--repo", REPO, "--dry-run", "--out", str(tmp_path / "out2"),
-               "--eval-report", str(write_report(tmp_path / "meh", tau=1.4))])
+               "--eval-report", str(write_report(tmp_path / "meh", own={"tau_steps": 1.4}))])
     assert rc == 2 and "is marked incomplete: its training run did not finish" in capsys.readouterr().err
     (no_recipe / "INCOMPLETE").unlink()
     rc = main(["push", str(no_recipe), "--repo", REPO, "--out", str(tmp_path / "out2"),
-               "--eval-report", str(write_report(tmp_path / "meh", tau=1.4))])
+               "--eval-report", str(write_report(tmp_path / "meh", own={"tau_steps": 1.4}))])
     assert rc == 2 and "below the minimum 1.5 (dflash-train's default)" in capsys.readouterr().err
     rc = main(["push", str(no_recipe), "--repo", REPO, "--dry-run", "--out", str(tmp_path / "out2"),
-               "--eval-report", str(write_report(tmp_path / "ok", no_recipe, tau=1.6))])
+               "--eval-report", str(write_report(tmp_path / "ok", no_recipe, own={"tau_steps": 1.6}))])
     card = (tmp_path / "out2" / "README.md").read_text()
     assert rc == 0 and "license: apache-2.0" in card and "the recipe set no license" in card
     assert "did not record a data summary" in card and "did not record its recipe" in card
@@ -293,28 +331,23 @@ def test_gate_needs_a_passing_vllm_eval_of_these_very_weights(drafter_dir, tmp_p
         assert rc == 2
         return capsys.readouterr().err
 
-    own_only = write_report(tmp_path / "own_only", drafter_dir)
-    report = json.loads((own_only / "report.json").read_text())
-    del report["engines"]["vllm"]
-    (own_only / "report.json").write_text(json.dumps(report))
+    own_only = write_report(tmp_path / "own_only", drafter_dir, vllm=None)
     assert "has no vLLM eval of this drafter (run `dflash-train eval --engine both`" in refusal(own_only)
     err = refusal(write_report(tmp_path / "other_weights"))  # vLLM measured some other drafter
     assert f"the vLLM eval in {tmp_path / 'other_weights'}" in err and f"measured another drafter than {drafter_dir}" in err
     assert "(the sha256 of its weights and config.json differs)" in err
-    err = refusal(write_report(tmp_path / "lossy", drafter_dir, engines={"vllm": vllm_entry(
-        drafter_dir, lossless_mismatches=1)}))
+    err = refusal(write_report(tmp_path / "lossy", drafter_dir, vllm={"lossless_mismatches": 1}))
     assert "the lossless check failed: 1 outputs in the vLLM eval in" in err
-    err = refusal(write_report(tmp_path / "sampled", drafter_dir, engines={"vllm": vllm_entry(
-        drafter_dir, lossless_mismatches=None, lossless_note="not checked: at temperature > 0 ...")}))
+    err = refusal(write_report(tmp_path / "sampled", drafter_dir, vllm={
+        "lossless_mismatches": None, "lossless_note": "not checked: at temperature > 0 ..."}))
     assert "the lossless check did not run (not checked: at temperature > 0" in err
-    err = refusal(write_report(tmp_path / "slow", drafter_dir, engines={"vllm": vllm_entry(drafter_dir, tau=1.1)}))
+    err = refusal(write_report(tmp_path / "slow", drafter_dir, vllm={"tau_steps": 1.1, "tau_per_prompt": 1.5}))
     assert "vLLM tau 1.100 is below the minimum 1.2" in err
-    err = refusal(write_report(tmp_path / "overfit", drafter_dir, held_out_check={"prompts": {
-        "checked": True, "by_id": ["data/store/x"], "training_prompts": 2}}))
+    err = refusal(write_report(tmp_path / "overfit", drafter_dir, held_out_check={"prompts": HeldOutCheck(
+        checked=True, by_id=["data/store/x"], training_prompts=2)}))
     assert "evaluated 2 prompts or samples the drafter was trained on (--training-prompts)" in err
     # an engine-only eval (no own loop) passes on the engine's figures alone
-    engine_only = write_report(tmp_path / "engine_only", drafter_dir, tau=None, lossless_mismatches=None,
-                               methods=[], engines={"vllm": vllm_entry(drafter_dir)})
+    engine_only = write_report(tmp_path / "engine_only", drafter_dir, own=None)
     assert main(["push", str(drafter_dir), "--repo", REPO, "--out", str(tmp_path / "out"), "--dry-run",
                  "--eval-report", str(engine_only)]) == 0
     assert "REFUSED" not in capsys.readouterr().out
@@ -329,29 +362,28 @@ def test_gate_needs_a_passing_vllm_eval_of_these_very_weights(drafter_dir, tmp_p
 def test_the_card_serves_the_measured_best_k_and_the_gate_reads_its_figures(drafter_dir, tmp_path, capsys):
     """The eval's fastest K is the card's `num_speculative_tokens`, said to be measured and where; the K and
     concurrency tables and vLLM's per-batch-size setting are shown; the gate reads that K's figures."""
-    row = {"tau_interval": [1.9, 2.3], "tokens_per_s_baseline": 18.0, "speedup_interval": [1.1, 1.5],
-           "tokens_per_s_baseline_wall": 17.0, "lossless_checked": 2, "lossless_mismatches": 0}
-    sweep = [{**row, "k": 3, "tau": 2.1, "tokens_per_s": 23.4, "speedup": 1.3, "tokens_per_s_wall": 22.1,
-              "speedup_wall": 1.3, "speedup_wall_interval": [1.1, 1.5]},
-             {**row, "k": 7, "tau": 2.3, "tokens_per_s": 19.8, "speedup": 1.1, "tokens_per_s_wall": 18.7,
-              "speedup_wall": 1.1, "speedup_wall_interval": [0.9, 1.3]}]
-    together = [{"requests": 4, "k": 3, "tokens_per_s_baseline": 60.0, "tokens_per_s": 54.0, "speedup": 0.9,
-                 "tokens_per_s_baseline_wall": 58.0, "tokens_per_s_wall": 52.0, "speedup_wall": 0.9}]
-    args = dict(vllm_entry(drafter_dir)["engine_args"])
+    row = KRow(tau_steps_interval=[1.9, 2.3], tokens_per_s_baseline=18.0, speedup_interval=[1.1, 1.5],
+               tokens_per_s_baseline_wall=17.0, lossless_checked=2, lossless_mismatches=0)
+    sweep = [replace(row, k=3, tau_steps=2.1, tokens_per_s=23.4, speedup=1.3, tokens_per_s_wall=22.1,
+                     speedup_wall=1.3, speedup_wall_interval=[1.1, 1.5]),
+             replace(row, k=7, tau_steps=2.3, tokens_per_s=19.8, speedup=1.1, tokens_per_s_wall=18.7,
+                     speedup_wall=1.1, speedup_wall_interval=[0.9, 1.3])]
+    together = ConcurrencyRow(requests=4, k=3, tokens_per_s_baseline=60.0, tokens_per_s=54.0, speedup=0.9,
+                              tokens_per_s_baseline_wall=58.0, tokens_per_s_wall=52.0, speedup_wall=0.9)
+    at_batch_1 = [ConcurrencyRow(requests=1, k=r.k, tokens_per_s=r.tokens_per_s, speedup=r.speedup) for r in sweep]
+    args = dict(vllm_entry(drafter_dir).engine_args)
     args["speculative_config"] = dict(args["speculative_config"], num_speculative_tokens=3)
-    entry = vllm_entry(drafter_dir, best_k=3, num_speculative_tokens=3, tau=2.1, tau_interval=[1.9, 2.3],
-                       speedup=1.3, speedup_interval=[1.1, 1.5], speedup_wall=1.3, speedup_wall_interval=[1.1, 1.5],
-                       engine_args=args, sweep=sweep, best_k_share=0.8,
-                       concurrency=[{**r, "requests": 1} for r in sweep] + together,
-                       concurrency_best=[{**sweep[0], "requests": 1}, together[0]], pays_up_to_concurrency=1,
-                       per_batch_size_schedule=[[1, 2, 3], [3, 4, 0]],
-                       timing={"protocol": "warm engines", "repeats": 1, "budget_s": 900, "skipped_k": [1],
-                               "load_average_after": [2.5, 2.0, 1.0]})
-    settings = {"max_new_tokens": 64, "temperature": 0.0, "num_prompts": 2, "device": "cpu", "dtype": "fp32",
-                "machine": {"cpu": "Some CPU", "cores": 2, "load_average": [1.5, 1.0, 0.5]}}
+    figures = dict(best_k=3, tau_steps=2.1, tau_steps_interval=[1.9, 2.3], speedup=1.3, speedup_interval=[1.1, 1.5],
+                   speedup_wall=1.3, speedup_wall_interval=[1.1, 1.5], engine_args=args, sweep=sweep,
+                   best_k_share=0.8, concurrency=at_batch_1 + [together], concurrency_best=[at_batch_1[0], together],
+                   pays_up_to_concurrency=1, per_batch_size_schedule=[[1, 2, 3], [3, 4, 0]],
+                   timing=SweepTiming(protocol="warm engines", repeats=1, budget_s=900, skipped_k=[1],
+                                      load_average_after=[2.5, 2.0, 1.0]))
+    settings = Settings(options={"max_new_tokens": 64, "temperature": 0.0}, num_prompts=2, device="cpu",
+                        dtype="fp32", machine=Machine(cpu="Some CPU", cores=2, load_average=[1.5, 1.0, 0.5]))
     out = tmp_path / "out"
     assert main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(out), "--eval-report",
-                 str(write_report(tmp_path / "eval", drafter_dir, settings=settings, engines={"vllm": entry}))]) == 0
+                 str(write_report(tmp_path / "eval", drafter_dir, settings=settings, vllm=figures))]) == 0
     card = (out / "README.md").read_text()
     _, vllm = serve_commands("tiny-org/tiny-target", REPO, 8, None, 3)
     assert vllm in card and '"num_speculative_tokens": 3' in vllm
@@ -367,7 +399,7 @@ def test_the_card_serves_the_measured_best_k_and_the_gate_reads_its_figures(draf
     assert "| Acceptance length τ at K = 3 | 2.1 [1.9, 2.3] |" in card
     assert "Release gate: passed (vLLM τ 2.1 at K = 3" in card
     assert main(["push", str(drafter_dir), "--repo", REPO, "--out", str(tmp_path / "out2"), "--eval-report", str(
-        write_report(tmp_path / "slow", drafter_dir, engines={"vllm": dict(entry, tau=1.1)}))]) == 2
+        write_report(tmp_path / "slow", drafter_dir, vllm={**figures, "tau_steps": 1.1}))]) == 2
     assert "vLLM tau (K = 3) 1.100 is below the minimum 1.2" in capsys.readouterr().err
 
 
@@ -376,7 +408,7 @@ def test_dry_run_with_a_failing_gate_writes_the_preview_and_exits_2_in_one_line(
     checks the preview's exit status learns the push would fail); the preview folder is written all the same."""
     out = tmp_path / "out"
     rc = main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(out),
-               "--eval-report", str(write_report(tmp_path / "low", drafter_dir, tau=1.07))])
+               "--eval-report", str(write_report(tmp_path / "low", drafter_dir, own={"tau_steps": 1.07}))])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1, err
     assert ("dflash-train push: error: dry run: a real push would be REFUSED: online tau 1.070 is below the minimum "
@@ -571,9 +603,9 @@ def test_nothing_uploaded_names_a_local_absolute_path(drafter_dir, tmp_path, tmp
     args["data"]["stores"][0]["ingest_report"]["sources"][0]["path"] = raw_log
     args["data"]["stores"][0]["prompts"] = {"source": "/srv/prod/prompts", "split": "train"}
     (drafter / "training_args.json").write_text(json.dumps(args))
-    report = write_report(tmp_path / "eval", drafter, settings={
-        "max_new_tokens": 64, "temperature": 0.0, "num_prompts": 2, "prompts": "/srv/prod/prompts",
-        "store": "/srv/prod/store-eval", "drafter": str(drafter), "device": "cpu", "dtype": "bf16"})
+    report = write_report(tmp_path / "eval", drafter, settings=Settings(
+        options={"max_new_tokens": 64, "temperature": 0.0, "prompts": "/srv/prod/prompts",
+                 "store": "/srv/prod/store-eval", "drafter": str(drafter)}, num_prompts=2, device="cpu", dtype="bf16"))
     out = tmp_path / "out"
     assert main(["push", str(drafter), "--repo", REPO, "--eval-report", str(report), "--dry-run", "--out",
                  str(out)]) == 0
@@ -684,14 +716,14 @@ def test_the_published_eval_names_hub_repos_for_the_drafter_and_the_combined_spe
 
     local = {"model": "/home/me/target", "speculative_config": {"method": "dflash", "model": "/home/me/runs/d",
                                                                 "num_speculative_tokens": 9}}
-    engine = {"engine_args": local, "engine_args_plain": {"model": "/home/me/target"},
-              "combined": {"k": 9, "setting": "k=4,confidence=0.6", "engine_args": local}}
+    engine = VllmEval(engine_args=local, engine_args_plain={"model": "/home/me/target"},
+                      combined=CombinedEntry(k=9, setting="k=4,confidence=0.6", engine_args=local))
     published = publishable_engine(engine, "org/target", "org/drafter")
-    for args in (published["engine_args"], published["combined"]["engine_args"]):
+    for args in (published.engine_args, published.combined.engine_args):
         assert args["model"] == "org/target" and args["speculative_config"]["model"] == "org/drafter"
-    assert published["engine_args_plain"] == {"model": "org/target"}
-    assert published["combined"]["setting"] == "k=4,confidence=0.6"
-    assert "/home/me" not in published["serve_command"] and engine["engine_args"] is local  # the report untouched
+    assert published.engine_args_plain == {"model": "org/target"}
+    assert published.combined.setting == "k=4,confidence=0.6"
+    assert "/home/me" not in published.serve_command and engine.engine_args is local  # the report untouched
 
 
 def test_the_card_names_a_draft_vocabulary_and_what_each_engine_drafts_with():

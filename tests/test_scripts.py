@@ -13,8 +13,9 @@ import pytest
 import ablate_sample_efficiency as ablate
 import experiment_own_outputs as experiment
 
-from dflash_train import runs
+from dflash_train import eval_report, runs
 from dflash_train.errors import UserError
+from dflash_train.eval_report import EvalReport, MethodRow, OwnLoop, Settings
 from dflash_train.provenance import INCOMPLETE_MARKER, PROVENANCE_FILE
 
 
@@ -168,17 +169,16 @@ def test_bad_metrics_name_the_file_and_line(tmp_path):
 
 def write_report(folder: Path, drafters: list[Path]) -> Path:
     """An eval report.json as the eval stage writes it: rows with their roles (stages.evaluate.own_loop.ROLES)."""
-    methods = [{"method": "plain (target only)", "role": "plain", "drafter": None, "block_size": 1,
-                "tokens_per_s": 20.0}]
+    methods = [MethodRow(method="plain (target only)", role="plain", block_size=1, tokens_per_s=20.0)]
     for i, d in enumerate(drafters):
-        methods.append({"method": f"drafter {d.name}", "role": "drafter" if i == 0 else "baseline",
-                        "drafter": str(d), "block_size": 16, "tau": 2.0 + i,
-                        "per_position_acceptance": [0.9, 0.5 - 0.1 * i, 0.25, 0.1], "tokens_per_s": 10.0 * (i + 1),
-                        "lossless_mismatches": 0})
-    methods.append({"method": "block size 1", "role": "no_speculation", "drafter": None, "block_size": 1,
-                    "tokens_per_s": 21.0})
+        methods.append(MethodRow(method=f"drafter {d.name}", role="drafter" if i == 0 else "baseline",
+                                 drafter=str(d), block_size=16, tau_steps=2.0 + i, tau_per_prompt=2.1 + i,
+                                 per_position_acceptance=[0.9, 0.5 - 0.1 * i, 0.25, 0.1],
+                                 tokens_per_s=10.0 * (i + 1), lossless_mismatches=0))
+    methods.append(MethodRow(method="block size 1", role="no_speculation", block_size=1, tokens_per_s=21.0))
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "report.json").write_text(json.dumps({"methods": methods, "settings": {"num_prompts": 3}}))
+    eval_report.dump(EvalReport(own=OwnLoop(methods=methods), settings=Settings(num_prompts=3)),
+                     folder / "report.json")
     return folder
 
 
@@ -197,8 +197,8 @@ def test_online_rows_match_drafters_by_folder(tmp_path, monkeypatch):
 def test_read_report_errors(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         runs.read_report(tmp_path)
-    (tmp_path / "report.json").write_text("{}")
-    with pytest.raises(UserError, match="'methods'"):
+    (tmp_path / "report.json").write_text(json.dumps({"schema_version": "1.0", "vllm": {"tau_steps": 2.0}}))
+    with pytest.raises(UserError, match="no run of the project's loop"):
         runs.read_report(tmp_path)
 
 
@@ -602,7 +602,7 @@ def test_bench_serving_reusing_an_eval_names_the_command_that_made_it(tmp_path):
     (out / "report.json").write_text(json.dumps({"methods": []}))
     args = bench_serving.parse_args(["drafter", "--eval-out", str(out), "--sweep-budget-s", "3600"])
     log: list = []
-    assert bench_serving.run_eval(args, out, log) == {"methods": []}
+    assert bench_serving.run_eval(args, out, log).own is None  # read through the schema, an old report too
     assert log[0]["reused"] and log[0]["command"] == "dflash-train eval --engine both --sweep-budget-s 483"
 
 

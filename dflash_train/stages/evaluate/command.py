@@ -6,8 +6,8 @@
 For every prompt, in one run: plain target decoding (the reference and the tokens/s baseline), then the
 speculative loop with the drafter, with each baseline drafter and with block size 1 (no speculation). Every
 speculative output is compared with the plain one token by token (the lossless check). Acceptance length
-(tau) of a verification step = 1 + the accepted drafts, at most B (spec_decode.Step.tau); a prompt's tau
-is the mean over its steps, the reported tau the mean over prompts (and, beside it, over all steps). With
+(tau) of a verification step = 1 + the accepted drafts, at most B (spec_decode.Step.tau); the reported tau
+(tau_steps) is the mean over all steps, and beside it the mean over prompts of each prompt's mean. With
 `--store`, the offline estimate runs the trainer's simulated acceptance on captured held-out samples (a block at
 every anchor, no target forward), walked as greedy decoding walks each answer, with the same definition, and is
 reported beside the online tau.
@@ -26,16 +26,17 @@ set it recorded) are compared with the prompts to evaluate. `--store` is re-hash
 
 The stage's modules, in the order the data goes through them: config (EvalConfig, the flags), this one (the checks,
 `evaluate` that runs the rest, the CLI), metrics (tau, acceptance by position, bootstrap intervals, the offline
-estimate), vllm_sweep (the drafter in vLLM at each speculation length, with requests decoded together), own_loop (the
-project's decoding loop and its lossless check, on the prompts vLLM took: one it refused is left out of every
-comparison), report (report.json, report.md, the plots).
+estimate), vllm_sweep (the drafter in vLLM at each speculation length, with requests decoded together; its engine
+runs through engine_runs, which keeps the prompts each refused), own_loop (the project's decoding loop and its
+lossless check, on the prompts vLLM took: one it refused is left out of every comparison), report (report.json
+through dflash_train.eval_report, report.md, the plots).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ import torch
 
 from dflash_train import constraints as request_constraints
 from dflash_train.errors import UserError, writing
+from dflash_train.eval_report import (ConstraintsSummary, DrafterRecord, EvalReport, HeldOutCheck, Machine,
+                                      OfflineEstimate, Settings, is_report)
 from dflash_train.options import add_options, from_args, validate
 from dflash_train.provenance import (INCOMPLETE_MARKER, LOCK_FILE, OutputClaim, complete_output, read_json,
                                      start_output, write_provenance)
@@ -50,7 +53,7 @@ from dflash_train.spec_decode import DFlashProposer
 from dflash_train.stages.evaluate.config import EvalConfig
 from dflash_train.report_tables import by_role
 from dflash_train.stages.evaluate.metrics import offline_estimate
-from dflash_train.stages.evaluate.own_loop import load_methods, own_engine_summary, own_loop_eval
+from dflash_train.stages.evaluate.own_loop import load_methods, own_loop_eval
 from dflash_train.stages.evaluate.report import markdown, write_report
 from dflash_train.stages.evaluate.vllm_sweep import engine_eval
 from dflash_train.target import Features, Target, check_fits, load_target
@@ -71,7 +74,7 @@ def check_store_fits(manifest: dict[str, Any], config, target: Target, where: st
 
 
 def check_held_out(drafter: str, ids: set[str], what: str, prompt_set: dict[str, Any] | None,
-                   allow: bool = False) -> dict[str, Any]:
+                   allow: bool = False) -> HeldOutCheck:
     """Refuse to evaluate a drafter on prompts it was trained on (they would overstate tau). Its training_args.json
     names its training stores: a store on this machine is compared by id (a sample's id is its prompt's id), one that
     is not by the prompt set it recorded (prompts.prompt_set: the same source and split). `ids` and `prompt_set` are
@@ -81,18 +84,18 @@ def check_held_out(drafter: str, ids: set[str], what: str, prompt_set: dict[str,
 
     args_file = folder_file(Path(drafter), "training_args.json", str(Path(drafter) / "training_args.json"))
     if not args_file.exists():
-        return {"checked": False, "why": f"{args_file} does not exist: the training data is unknown"}
+        return HeldOutCheck(checked=False, why=f"{args_file} does not exist: the training data is unknown")
     stores = ((read_json(args_file, "the trainer's record of the run").get("data") or {}).get("stores") or [])
-    checked: dict[str, Any] = {"checked": True, "by_id": [], "by_prompt_set": [], "not_checked": []}
+    by_id, by_prompt_set, not_checked, training_prompts = [], [], [], 0
     for entry in stores:
         path = Path(str(entry.get("path")))
         if (path / "manifest.json").exists():
             from dflash_train.store.reader import open_store
 
             trained = ids.intersection(open_store(path).ids)
-            checked["by_id"].append(str(path))
+            by_id.append(str(path))
             if trained and allow:
-                checked["training_prompts"] = checked.get("training_prompts", 0) + len(trained)
+                training_prompts += len(trained)
             elif trained:
                 raise UserError(f"{len(trained)} of the {len(ids)} {what} are in the training store {path} of drafter "
                                 f"{drafter} (e.g. {', '.join(sorted(trained)[:3])}): tau on training prompts "
@@ -101,22 +104,23 @@ def check_held_out(drafter: str, ids: set[str], what: str, prompt_set: dict[str,
             continue
         held = entry.get("prompts")
         if isinstance(held, dict) and held.get("source") and prompt_set:
-            checked["by_prompt_set"].append(str(path))
+            by_prompt_set.append(str(path))
             same_split = None in (held.get("split"), prompt_set.get("split")) or held["split"] == prompt_set["split"]
             if held["source"] == prompt_set.get("source") and same_split and allow:
-                checked["training_prompts"] = checked.get("training_prompts", 0) + len(ids)
+                training_prompts += len(ids)
             elif held["source"] == prompt_set.get("source") and same_split:
                 raise UserError(f"drafter {drafter} was trained on store {path}, captured from {held['source']} split "
                                 f"{held.get('split')!r}: the {what} are training prompts. Evaluate on held-out prompts "
                                 f"(--split eval)")
         else:
-            checked["not_checked"].append(str(path))
-    return checked
+            not_checked.append(str(path))
+    return HeldOutCheck(checked=True, by_id=by_id, by_prompt_set=by_prompt_set, not_checked=not_checked,
+                        training_prompts=training_prompts)
 
 
 # ------------------------------------------------------------------------------------------------ the run
 
-def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
+def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> EvalReport:
     """Run the eval; `workdir` holds the engine runs (jobs and logs) when the engine takes part."""
     from dflash_train.device import default_device, machine, resolve_precision
     from dflash_train.prompts import check_records, load_prompt_records, prompt_set
@@ -147,38 +151,25 @@ def evaluate(cfg: EvalConfig, workdir: Path | None = None) -> dict[str, Any]:
     template_kwargs = template_kwargs or {}
     prompts, too_long = render_prompts(cfg, records, target, template_kwargs)
     constraints, constrained = eval_constraints([r for r in records if r.id in prompts], cfg, own)
-    report: dict[str, Any] = {
-        "tau": None, "tau_interval": None, "tau_steps": None, "tau_offline": None, "tau_gap": None,
-        "lossless_mismatches": None, "lossless_checked": 0, "lossless_mismatches_fp32": None,
-        "per_position_acceptance": None, "tau_histogram": None, "tokens_per_s": None, "tokens_per_s_baseline": None,
-        "speedup": None, "speedup_interval": None,
-        "block_size": B, "methods": [], "mismatches": [], "offline": None, "per_prompt": [], "engines": {},
-        "settings": {**asdict(cfg), "template_kwargs": template_kwargs, "device": str(device),
-                     "dtype": dtype_name, "dtype_reason": precision.reason, "block_size": B,
-                     "num_prompts": len(prompts), "skipped_long_prompts": len(too_long), "constraints": constrained,
-                     "threads": torch.get_num_threads(), "machine": where, "sampling": sampling_of(cfg)},
-        "drafter": _drafter_summary(cfg.drafter, main),
-        "baseline_drafters": [_drafter_summary(m.drafter_path, m.proposer) for m in by_role(methods, "baseline")],
-        "target": target.identity().to_dict(),
-        "held_out_check": held_out,
-    }
-    if store is not None:
-        report["offline"] = offline_entry(cfg, store, main, target, B, prompts)
-        report["tau_offline"] = report["offline"]["tau"]
-    refused: dict[str, str] = {}  # by vLLM: id -> its reason
-    if in_engine:
-        if workdir is None:
-            raise ValueError("evaluate(..., workdir) is needed when the engine takes part")
-        report["engines"]["vllm"] = engine_eval(cfg, target, prompts, B, dtype_name, device, Path(workdir),
-                                                expected_tau(report), constraints)
-        refused = report["engines"]["vllm"]["refused_by_engine"]
-    if own:  # after vLLM: a prompt it refused is left out of every comparison, the project's loop's too
-        own_prompts = dict([(rid, ids) for rid, ids in prompts.items() if rid not in refused][:cfg.own_limit])
-        report["settings"]["own_prompts"] = len(own_prompts)
-        report.update(own_loop_eval(cfg, device, methods, target, own_prompts, dtype, constraints))
-        report["engines"]["own"] = {**own_engine_summary(report), "refused_by_engine": refused}
-    report["tau_gap"] = tau_gap(report)
-    return report
+    offline = offline_entry(cfg, store, main, target, B, prompts) if store is not None else None
+    if in_engine and workdir is None:
+        raise ValueError("evaluate(..., workdir) is needed when the engine takes part")
+    vllm = engine_eval(cfg, target, prompts, B, dtype_name, device, Path(workdir), expected_tau(offline),
+                       constraints) if in_engine else None
+    refused = vllm.refused_by_engine if vllm else {}
+    # after vLLM: a prompt it refused is left out of every comparison, the project's loop's too
+    own_prompts = dict([(rid, ids) for rid, ids in prompts.items() if rid not in refused][:cfg.own_limit]
+                       if own else [])
+    own_loop = own_loop_eval(cfg, device, methods, target, own_prompts, dtype, constraints) if own else None
+    settings = Settings(options=asdict(cfg), template_kwargs=template_kwargs, device=str(device), dtype=dtype_name,
+                        dtype_reason=precision.reason, block_size=B, num_prompts=len(prompts),
+                        own_prompts=len(own_prompts) if own else None, skipped_long_prompts=len(too_long),
+                        constraints=constrained, threads=torch.get_num_threads(), machine=Machine(**where),
+                        sampling=sampling_of(cfg))
+    return EvalReport(block_size=B, settings=settings, drafter=_drafter_summary(cfg.drafter, main),
+                      baseline_drafters=[_drafter_summary(m.drafter_path, m.proposer)
+                                         for m in by_role(methods, "baseline")],
+                      target=target.identity(), held_out_check=held_out, own=own_loop, vllm=vllm, offline=offline)
 
 
 def check_options(cfg: EvalConfig) -> tuple[bool, bool]:
@@ -227,37 +218,27 @@ def sampling_of(cfg: EvalConfig) -> str:
 
 
 def offline_entry(cfg: EvalConfig, store, main: DFlashProposer, target: Target, block_size: int,
-                  prompts: dict[str, list[int]]) -> dict[str, Any]:
+                  prompts: dict[str, list[int]]) -> OfflineEstimate:
     """The offline estimate on the --store's samples (its first --limit), and how many of them are of the prompts
     evaluated online."""
     n = len(store) if cfg.limit is None else min(cfg.limit, len(store))
     offline = offline_estimate((store[i] for i in range(n)), main.drafter, target.model.get_input_embeddings().weight,
                                target.model.get_output_embeddings().weight, block_size)
-    offline["store"] = str(cfg.store)
-    offline["samples_of_eval_prompts"] = sum(r["id"] in prompts for r in offline["per_sample"])
-    return offline
+    return replace(offline, store=str(cfg.store),
+                   samples_of_eval_prompts=sum(r.id in prompts for r in offline.per_sample))
 
 
-def expected_tau(report: dict[str, Any]) -> tuple[str, list[float]] | None:
+def expected_tau(offline: OfflineEstimate | None) -> tuple[str, list[float]] | None:
     """What the engine sweep starts from (vllm_sweep.sweep_first_k): the expected tau at each K by the offline
     estimate, else nothing (the project's loop decodes after the engine, the prompts it took)."""
-    return ("offline estimate", report["offline"]["tau_by_k"]) if report["offline"] else None
-
-
-def tau_gap(report: dict[str, Any]) -> float | None:
-    """Online tau (the project's loop's, else vLLM's) less the offline estimate; None without both."""
-    if not report["offline"]:
-        return None
-    online = report["tau"] if report["tau"] is not None else report["engines"]["vllm"]["tau"]
-    offline_tau = report["offline"]["tau"]
-    return online - offline_tau if online is not None and offline_tau is not None else None
+    return ("offline estimate", offline.tau_by_k) if offline else None
 
 
 LEFT_OUT = request_constraints.NOT_WITH_SPECULATION + ("seed", "n")  # what eval_constraints decodes without
 
 
 def eval_constraints(records: list, cfg: EvalConfig, own: bool
-                     ) -> tuple[dict[str, dict[str, Any] | None], dict[str, Any]]:
+                     ) -> tuple[dict[str, dict[str, Any] | None], ConstraintsSummary]:
     """Each prompt's constraints as the eval decodes it (plain and speculative alike), and what the report says of
     them: how many prompts were constrained, by kind, and how many were decoded without a setting vLLM refuses with
     speculative decoding (min_p, logit_bias: left out on both sides, never silently). The eval samples by its own
@@ -278,7 +259,7 @@ def eval_constraints(records: list, cfg: EvalConfig, own: bool
         kind = request_constraints.kind(c)
         kinds[kind] = kinds.get(kind, 0) + 1
     constrained = sum(n for kind, n in kinds.items() if kind != "none")
-    return by_id, {"constrained": constrained, "of": len(records), "by_kind": kinds, "decoded_without": without}
+    return by_id, ConstraintsSummary(constrained=constrained, of=len(records), by_kind=kinds, decoded_without=without)
 
 
 def open_eval_store(cfg: EvalConfig, target: Target):
@@ -300,17 +281,17 @@ def open_eval_store(cfg: EvalConfig, target: Target):
     return store, held_out
 
 
-def _drafter_summary(path: str, proposer: DFlashProposer) -> dict[str, Any]:
+def _drafter_summary(path: str, proposer: DFlashProposer) -> DrafterRecord:
     """The drafter the report measured: its shape, and what decides its outputs (checkpoint.drafter_identity:
     sha256, weights_sha256 and config), which push holds the folder it releases against."""
     from dflash_train.model.checkpoint import drafter_identity, read_config
 
     cfg = read_config(path)
-    return {"path": str(path), "block_size": cfg.block_size, "num_hidden_layers": cfg.num_hidden_layers,
-            "target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id,
-            "draft_vocab_size": cfg.draft_vocab_size,
-            "num_parameters": sum(p.numel() for p in proposer.drafter.parameters()),
-            **drafter_identity(Path(path)), "made_for_target": (cfg.target or {}).get("name")}
+    return DrafterRecord(path=str(path), block_size=cfg.block_size, num_hidden_layers=cfg.num_hidden_layers,
+                         target_layer_ids=list(cfg.target_layer_ids), mask_token_id=cfg.mask_token_id,
+                         draft_vocab_size=cfg.draft_vocab_size,
+                         num_parameters=sum(p.numel() for p in proposer.drafter.parameters()),
+                         **drafter_identity(Path(path)), made_for_target=(cfg.target or {}).get("name"))
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -329,7 +310,7 @@ def is_eval_folder(folder: Path) -> bool:
         report = json.loads((folder / "report.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(report, dict) and {"tau", "settings"} <= report.keys()
+    return is_report(report)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -356,13 +337,13 @@ def run(args: argparse.Namespace) -> int:
             report = evaluate(cfg, workdir)  # all checks and decoding first: a bad input leaves no half-written folder
             with writing(out):
                 write_report(report, out)
-                if report["engines"].get("vllm"):
+                if report.vllm:
                     logs = out / "engine"
                     logs.mkdir(exist_ok=True)
                     for log in sorted(workdir.glob("*/engine.log")):
                         shutil.copyfile(log, logs / f"{log.parent.name}.log")
-                write_provenance(out, config=asdict(cfg), stage=STAGE, drafter=report["drafter"],
-                                 target=report["target"])
+                write_provenance(out, config=asdict(cfg), stage=STAGE, drafter=asdict(report.drafter),
+                                 target=report.target.to_dict())
                 complete_output(out)
         except UserError as err:
             if report is None and not marked:  # refused before any write: the folder as it was (one it made goes)

@@ -6,36 +6,40 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Callable, Iterator
+from dataclasses import replace
+from typing import Callable, Iterator
 
 import torch
 
+from dflash_train.eval_report import Acceptance, OfflineEstimate, SampleTau, fields_of
 from dflash_train.spec_decode import Step, mean_tau
 
 BOOTSTRAP_RESAMPLES = 2000
 
 
-def acceptance_stats(step_logs: list[list[Step]], block_size: int) -> dict[str, Any]:
+def acceptance_stats(step_logs: list[list[Step]], block_size: int) -> Acceptance:
     """tau and per-position acceptance of one method from its per-prompt step logs.
 
-    tau: mean over prompts of the mean step tau within each prompt (prompts that ended on the prefill token
-    have no step and do not count); tau_steps: mean over all steps pooled. per_position_acceptance[k-1]: share
-    of all steps whose tau - 1 (accepted drafts) is >= k, k = 1..B-1; so tau_steps = 1 + sum of it."""
-    per_prompt = [mean_tau(steps) for steps in step_logs if steps]
+    tau_steps (the headline): the mean over all steps pooled, its interval over prompts a ratio of sums (a prompt
+    weighs by its steps); tau_per_prompt: the mean over prompts of the mean step tau within each prompt (prompts
+    that ended on the prefill token have no step and do not count). per_position_acceptance[k-1]: share of all steps
+    whose tau - 1 (accepted drafts) is >= k, k = 1..B-1; so tau_steps = 1 + sum of it."""
+    per_prompt = [mean_tau(steps) for steps in step_logs]
     taus = [s.tau for steps in step_logs for s in steps]
-    return _stats(per_prompt, taus, block_size)
+    pooled = ratio_of_sums([sum(s.tau for s in steps) for steps in step_logs], [len(steps) for steps in step_logs])
+    return replace(_stats([t for t in per_prompt if t is not None], taus, block_size),
+                   tau_steps_interval=bootstrap_interval(pooled, len(step_logs)),
+                   tau_per_prompt_interval=bootstrap_interval(mean_of(per_prompt), len(step_logs)))
 
 
-def _stats(per_unit: list[float], taus: list[int], block_size: int) -> dict[str, Any]:
+def _stats(per_unit: list[float], taus: list[int], block_size: int) -> Acceptance:
     n = len(taus)
-    return {
-        "tau": sum(per_unit) / len(per_unit) if per_unit else math.nan,
-        "tau_steps": sum(taus) / n if n else math.nan,
-        "per_position_acceptance": [sum(t - 1 >= k for t in taus) / n if n else math.nan
-                                    for k in range(1, block_size)],
-        "tau_histogram": {str(v): sum(t == v for t in taus) for v in range(1, block_size + 1)},
-        "num_steps": n,
-    }
+    return Acceptance(
+        tau_steps=sum(taus) / n if n else math.nan,
+        tau_per_prompt=sum(per_unit) / len(per_unit) if per_unit else math.nan,
+        per_position_acceptance=[sum(t - 1 >= k for t in taus) / n if n else math.nan for k in range(1, block_size)],
+        tau_histogram={str(v): sum(t == v for t in taus) for v in range(1, block_size + 1)},
+        num_steps=n)
 
 
 def bootstrap_interval(statistic: Callable[[list[int]], float | None], n: int, resamples: int = BOOTSTRAP_RESAMPLES,
@@ -74,10 +78,12 @@ def mean_of(values: list[float | None]) -> Callable[[list[int]], float | None]:
     return statistic
 
 
-def offline_estimate(samples, drafter, embed: torch.Tensor, lm_head: torch.Tensor, block_size: int) -> dict[str, Any]:
+def offline_estimate(samples, drafter, embed: torch.Tensor, lm_head: torch.Tensor, block_size: int
+                     ) -> OfflineEstimate:
     """Simulated tau from stored samples, as greedy decoding would take it (the trainer's `simulated_acceptance` at
     every anchor, walked as decoding walks it: objective.decoded_steps), with the same definition as online: per
-    sample the mean over its steps, then the mean over samples. tau_by_k[K-1]: the same at speculation length K;
+    sample the mean over its steps, then the mean over samples (tau_per_prompt), and over all steps pooled
+    (tau_steps). tau_by_k[K-1]: the per-sample mean at speculation length K;
     tau_every_anchor: the mean over every anchor instead, which overstates tau where easy and hard stretches
     alternate (objective.decoded_steps)."""
     from tqdm import tqdm
@@ -97,10 +103,8 @@ def offline_estimate(samples, drafter, embed: torch.Tensor, lm_head: torch.Tenso
             every_anchor.append(sum(lengths) / len(lengths))
             anchors += len(lengths)
     per_sample = by_k[-1]
-    stats = _stats(per_sample, taus, block_size)
-    stats["tau_by_k"] = [sum(t) / len(t) if t else math.nan for t in by_k]
-    stats["tau_every_anchor"] = sum(every_anchor) / len(every_anchor) if every_anchor else math.nan
-    stats["num_samples"] = len(per_sample)
-    stats["num_anchors"] = anchors
-    stats["per_sample"] = [{"id": i, "tau": t} for i, t in zip(ids, per_sample)]
-    return stats
+    return OfflineEstimate(**fields_of(_stats(per_sample, taus, block_size)),
+                           tau_by_k=[sum(t) / len(t) if t else math.nan for t in by_k],
+                           tau_every_anchor=sum(every_anchor) / len(every_anchor) if every_anchor else math.nan,
+                           num_samples=len(per_sample), num_anchors=anchors,
+                           per_sample=[SampleTau(id=i, tau=t) for i, t in zip(ids, per_sample)])

@@ -1,23 +1,25 @@
 """The project's own decoding loop (spec_decode) on the eval's prompts: plain target decoding (the reference and the
 tokens/s baseline), the drafter, each baseline drafter and block size 1, prompt by prompt; every speculative output
 compared with the plain one token by token (the lossless check), mismatches in a low-precision dtype rerun in fp32 to
-tell rounding from errors. One row per method (`Method`), the report's headline fields from the drafter's row."""
+tell rounding from errors. One row per method (`Method`); the report's `own` (eval_report.OwnLoop), its headline
+the drafter's row."""
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dflash_train import constraints as request_constraints
+from dflash_train.eval_report import MethodRow, Mismatch, OwnLoop, OwnPrompt, fields_of
 from dflash_train.spec_decode import (DFlashProposer, Generation, NoDraft, TokenChooser, mean_tau, plain_generate,
                                       speculative_generate)
 from dflash_train.stages.evaluate.config import EvalConfig
-from dflash_train.stages.evaluate.metrics import acceptance_stats, bootstrap_interval, mean_of, ratio_of_sums
+from dflash_train.stages.evaluate.metrics import acceptance_stats, bootstrap_interval, ratio_of_sums
 from dflash_train.target import Target, check_fits, load_target, prompt_seed
 from dflash_train.report_tables import by_role
 
@@ -74,21 +76,23 @@ def _run_one(method: Method, target: Target, ids: list[int], max_new_tokens: int
 
 
 @torch.inference_mode()
-def diagnose_mismatch(target: Target, ids: list[int], plain: list[int], spec: list[int]) -> dict[str, Any]:
+def diagnose_mismatch(target: Target, ids: list[int], plain: list[int], spec: list[int], rid: str,
+                      method: str | None = None) -> Mismatch:
     """Where a speculative output left the plain one: the position, both tokens, and the target's top-2 logit
     margin there (from a forward over the prompt and the common prefix): a margin of a rounding step means a
-    near-tie that the block verification and the one-token decode round differently."""
+    near-tie that the block verification and the one-token decode round differently. `rid`: the prompt's id;
+    `method`: whose output (the project's loop)."""
     i = next((k for k, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
-    info: dict[str, Any] = {"index": i, "plain_token": plain[i] if i < len(plain) else None,
-                            "spec_token": spec[i] if i < len(spec) else None}
+    found = Mismatch(id=rid, index=i, plain_token=plain[i] if i < len(plain) else None,
+                     spec_token=spec[i] if i < len(spec) else None, method=method)
     if i < len(plain) and i < len(spec):
         full = torch.tensor([ids + plain[:i]], device=target.model.device)
         top = target.model(input_ids=full, logits_to_keep=1).logits[0, -1].float().topk(2)
-        info["top2_margin"] = float(top.values[0] - top.values[1])
-    return info
+        found.top2_margin = float(top.values[0] - top.values[1])
+    return found
 
 
-def recheck_in_fp32(cfg: EvalConfig, device: str, methods: list["Method"], mismatches: list[dict[str, Any]],
+def recheck_in_fp32(cfg: EvalConfig, device: str, methods: list["Method"], mismatches: list[Mismatch],
                     prompts: dict[str, list[int]], plain_outputs: dict[str, list[int]],
                     constraints: dict[str, dict[str, Any] | None] | None = None) -> None:
     """Rerun every mismatching prompt in fp32, plain and speculative. Records whether they agree there (the
@@ -98,17 +102,17 @@ def recheck_in_fp32(cfg: EvalConfig, device: str, methods: list["Method"], misma
     by_name = {m.name: m for m in methods}
     proposers: dict[str, Any] = {}
     for d in mismatches:
-        m = by_name[d["method"]]
-        if d["method"] not in proposers:
-            proposers[d["method"]] = NoDraft() if m.drafter_path is None else \
+        m = by_name[d.method]
+        if d.method not in proposers:
+            proposers[d.method] = NoDraft() if m.drafter_path is None else \
                 _load_proposer(m.drafter_path, target, cfg.block_size, torch.float32)
-        ids, c = prompts[d["id"]], (constraints or {}).get(d["id"])
-        chooser = TokenChooser(cfg.temperature, prompt_seed(cfg.seed, d["id"]))
+        ids, c = prompts[d.id], (constraints or {}).get(d.id)
+        chooser = TokenChooser(cfg.temperature, prompt_seed(cfg.seed, d.id))
         plain = _run_one(Method(PLAIN, "plain", None), target, ids, cfg.max_new_tokens, chooser, c).tokens
-        spec = _run_one(Method(d["method"], "drafter", proposers[d["method"]]), target, ids, cfg.max_new_tokens,
+        spec = _run_one(Method(d.method, "drafter", proposers[d.method]), target, ids, cfg.max_new_tokens,
                         chooser, c).tokens
-        d["fp32_spec_equals_plain"] = spec == plain
-        d["plain_equals_fp32_plain"] = plain_outputs[d["id"]] == plain
+        d.fp32_spec_equals_plain = spec == plain
+        d.plain_equals_fp32_plain = plain_outputs[d.id] == plain
 
 
 def load_methods(cfg: EvalConfig, target: Target, dtype: torch.dtype) -> list[Method]:
@@ -145,58 +149,47 @@ def decode_all(methods: list[Method], target: Target, prompts: dict[str, list[in
         for m in methods:
             m.generations.append(outputs[m.name])
         plain = outputs[PLAIN].tokens
-        row = {"id": rid, "prompt_tokens": len(ids), "new_tokens": len(plain), "tau": {}, "mismatch": []}
-        for m in methods:
-            if m.proposer is None:
-                continue
-            steps = outputs[m.name].steps
-            row["tau"][m.name] = mean_tau(steps)
-            if outputs[m.name].tokens != plain:
-                row["mismatch"].append(m.name)
-                mismatches.append({"id": rid, "method": m.name,
-                                   **diagnose_mismatch(target, ids, plain, outputs[m.name].tokens)})
-                plain_of_mismatching[rid] = plain
-        per_prompt.append(row)
-        done = [r["tau"][mine] for r in per_prompt if r["tau"][mine] is not None]
+        speculative = [m for m in methods if m.proposer is not None]
+        differ = [m.name for m in speculative if outputs[m.name].tokens != plain]
+        per_prompt.append(OwnPrompt(id=rid, prompt_tokens=len(ids), new_tokens=len(plain), mismatch=differ,
+                                    tau={m.name: mean_tau(outputs[m.name].steps) for m in speculative}))
+        for name in differ:
+            mismatches.append(diagnose_mismatch(target, ids, plain, outputs[name].tokens, rid, name))
+            plain_of_mismatching[rid] = plain
+        done = [r.tau[mine] for r in per_prompt if r.tau[mine] is not None]
         bar.set_postfix(tau=f"{sum(done) / len(done):.2f}" if done else "-")
     return per_prompt, mismatches, plain_of_mismatching
 
 
-def method_row(m: Method, per_prompt: list[dict[str, Any]], plain: list[Generation]) -> dict[str, Any]:
-    row: dict[str, Any] = {"method": m.name, "role": m.role, "drafter": m.drafter_path, "block_size": m.block_size}
-    n = len(m.generations)
-    if m.proposer is not None:
-        row.update(acceptance_stats([g.steps for g in m.generations], m.block_size))
-        row["tau_interval"] = bootstrap_interval(mean_of([mean_tau(g.steps) for g in m.generations]), n)
-        row["lossless_mismatches"] = sum(m.name in r["mismatch"] for r in per_prompt)
+def method_row(m: Method, per_prompt: list[OwnPrompt], plain: list[Generation]) -> MethodRow:
     tokens = sum(g.decode_tokens for g in m.generations)
     forwards = sum(len(g.steps) if m.proposer is not None else g.decode_tokens for g in m.generations)
-    row["tokens_per_target_forward"] = tokens / forwards if forwards else math.nan
-    row["decode_tokens"] = tokens
-    row["decode_s"] = sum(g.decode_s for g in m.generations)
-    row["draft_s"] = sum(g.draft_s for g in m.generations)
-    plain_tps = _tokens_per_s(plain)
-    row["tokens_per_s"] = _tokens_per_s(m.generations)
-    row["speedup"] = row["tokens_per_s"] / plain_tps if plain_tps else math.nan
-    if m.proposer is not None:
-        mine = ratio_of_sums([g.decode_tokens for g in m.generations], [g.decode_s for g in m.generations])
-        theirs = ratio_of_sums([g.decode_tokens for g in plain], [g.decode_s for g in plain])
-        row["speedup_interval"] = bootstrap_interval(
-            lambda idx: a / b if (a := mine(idx)) is not None and (b := theirs(idx)) else None, n)
-    return row
+    plain_tps, tokens_per_s = _tokens_per_s(plain), _tokens_per_s(m.generations)
+    row = MethodRow(method=m.name, role=m.role, drafter=m.drafter_path, block_size=m.block_size,
+                    tokens_per_target_forward=tokens / forwards if forwards else math.nan, decode_tokens=tokens,
+                    decode_s=sum(g.decode_s for g in m.generations), draft_s=sum(g.draft_s for g in m.generations),
+                    tokens_per_s=tokens_per_s, speedup=tokens_per_s / plain_tps if plain_tps else math.nan)
+    if m.proposer is None:
+        return row
+    mine = ratio_of_sums([g.decode_tokens for g in m.generations], [g.decode_s for g in m.generations])
+    theirs = ratio_of_sums([g.decode_tokens for g in plain], [g.decode_s for g in plain])
+    interval = bootstrap_interval(lambda idx: a / b if (a := mine(idx)) is not None and (b := theirs(idx)) else None,
+                                  len(m.generations))
+    return replace(row, **fields_of(acceptance_stats([g.steps for g in m.generations], m.block_size)),
+                   lossless_mismatches=sum(m.name in r.mismatch for r in per_prompt), speedup_interval=interval)
 
 
-def unresolved_in_fp32(mismatches: list[dict[str, Any]], method: str) -> int:
+def unresolved_in_fp32(mismatches: list[Mismatch], method: str) -> int:
     """The method's mismatches in the project's loop that are not near-ties resolved by the fp32 rerun (a mismatch
     that was not rerun, as in an fp32 eval, stands)."""
-    return sum(not d.get("fp32_spec_equals_plain", False) for d in mismatches if d["method"] == method)
+    return sum(not d.fp32_spec_equals_plain for d in mismatches if d.method == method)
 
 
 def own_loop_eval(cfg: EvalConfig, device: str, methods: list[Method], target: Target,
                   prompts: dict[str, list[int]], dtype: torch.dtype,
-                  constraints: dict[str, dict[str, Any] | None] | None = None) -> dict[str, Any]:
+                  constraints: dict[str, dict[str, Any] | None] | None = None) -> OwnLoop:
     """Every method through the project's own decoding loop, each prompt under its request's `constraints` (by
-    id); the headline fields of the report."""
+    id): the report's `own`, its headline the drafter's row."""
     constraints = constraints or {}
     per_prompt, mismatch_details, plain_of_mismatching = decode_all(methods, target, prompts, cfg, constraints)
     fp32_mismatches = recheck_s = None
@@ -207,34 +200,12 @@ def own_loop_eval(cfg: EvalConfig, device: str, methods: list[Method], target: T
         fp32_mismatches = unresolved_in_fp32(mismatch_details, by_role(methods, "drafter")[0].name)
     plain = by_role(methods, "plain")[0].generations
     table = [method_row(m, per_prompt, plain) for m in methods]
-    mine = by_role(table, "drafter")[0]
-    return {
-        "tau": mine["tau"],
-        "tau_interval": mine["tau_interval"],
-        "tau_steps": mine["tau_steps"],
-        "lossless_mismatches": mine["lossless_mismatches"],
-        "lossless_checked": len(per_prompt),
-        "lossless_mismatches_fp32": fp32_mismatches,  # of those, still different when rerun in fp32
-        "lossless_recheck_s": recheck_s,  # the seconds that rerun took (the demo's plan counts it)
-        "per_position_acceptance": mine["per_position_acceptance"],
-        "tau_histogram": mine["tau_histogram"],
-        "tokens_per_s": mine["tokens_per_s"],
-        "tokens_per_s_baseline": _tokens_per_s(plain),
-        "speedup": mine["speedup"],
-        "speedup_interval": mine["speedup_interval"],
-        "methods": table,
-        "mismatches": mismatch_details,
-        "per_prompt": per_prompt,
-    }
-
-
-def own_engine_summary(report: dict[str, Any]) -> dict[str, Any]:
-    """The project's loop in the shape of an engine entry, for the side-by-side table."""
-    keys = ("tau", "tau_interval", "tau_steps", "per_position_acceptance", "tau_histogram", "num_steps",
-            "tokens_per_s", "tokens_per_s_baseline", "speedup", "speedup_interval", "lossless_checked",
-            "lossless_mismatches", "lossless_mismatches_fp32")
-    mine = by_role(report["methods"], "drafter")[0]
-    return {"engine": "own", **{k: report.get(k, mine.get(k)) for k in keys}, "num_steps": mine.get("num_steps")}
+    (mine,) = by_role(table, "drafter")
+    return OwnLoop(**fields_of(mine.acceptance()), lossless_checked=len(per_prompt),
+                   lossless_mismatches=mine.lossless_mismatches, lossless_mismatches_fp32=fp32_mismatches,
+                   lossless_recheck_s=recheck_s, mismatches=mismatch_details, tokens_per_s=mine.tokens_per_s,
+                   tokens_per_s_baseline=_tokens_per_s(plain), speedup=mine.speedup,
+                   speedup_interval=mine.speedup_interval, methods=table, per_prompt=per_prompt)
 
 
 def drafter_label(path: str) -> str:

@@ -8,34 +8,33 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from dflash_train.engine import runner
 from dflash_train.engine.args import serve_command
 from dflash_train.engine.child import idle_s
 from dflash_train.engine.install import suffix_problem
-from dflash_train.engine.jobs import (LOOKUP_METHODS, VLLM_DTYPES, EngineJob, EngineOutput, EngineRequest, EngineResult,
-                                     engine_steps, lookup_job)
+from dflash_train.engine.jobs import LOOKUP_METHODS, EngineJob, EngineOutput, EngineResult, engine_steps, lookup_job
 from dflash_train.errors import UserError
+from dflash_train.eval_report import (CombinedEntry, ConcurrencyRow, FirstK, KRow, LoadSeconds, Lossless, Mismatch,
+                                      Paired, RankRow, SourceCount, SpeculatorEntry, Speed, SweepTiming, TimedPrompt,
+                                      VllmEval, fields_of)
 from dflash_train.lookup import SUFFIX_SCORE, CombinedRule, parse_combined
 from dflash_train.spec_decode import mean_tau
 from dflash_train.stages.evaluate.config import EvalConfig
-from dflash_train.stages.evaluate.metrics import (acceptance_stats, bootstrap_interval, bootstrap_resamples, mean_of,
+from dflash_train.stages.evaluate.engine_runs import EngineRunner
+from dflash_train.stages.evaluate.metrics import (acceptance_stats, bootstrap_interval, bootstrap_resamples,
                                                   ratio_of_sums)
 from dflash_train.stages.evaluate.own_loop import diagnose_mismatch
-from dflash_train.target import Target, prompt_seed
+from dflash_train.target import Target
 
 
 CLOCKS = ("core_s", "decode_s", "wall_s")  # engine core: arrival to last token, first to last token; stopwatch
 TIMING = tuple(f"{side}_{clock}" for side in ("plain", "spec") for clock in CLOCKS)
-FIGURES = tuple(f"{figure}{clock}" for clock in ("", "_decode", "_wall")
-                for figure in ("tokens_per_s", "tokens_per_s_baseline", "speedup"))
-HEADLINE = ("tau", "tau_interval", "tau_steps", "per_position_acceptance", "tau_histogram", "num_steps", *FIGURES,
-            "speedup_interval", "speedup_decode_interval", "speedup_wall_interval")
+FIGURES = tuple(f.name for f in fields(Speed) if not f.name.endswith("_interval"))  # of a concurrency run
 TIMING_PROTOCOL = ("warm engines (one short request each first), plain and speculative side by side in one process; "
                    "each prompt decoded alone to its natural stop by plain decoding, then timed plain and speculative "
                    "at that length with ignore_eos (the same number of new tokens on both sides), alternating which "
@@ -63,13 +62,13 @@ def sweep_first_k(tau_by_k: list[float] | None, step_cost: list[float] | None = 
     return next(k for k, s in enumerate(speed, 1) if s * (1 + slack) >= max(speed))
 
 
-def step_cost(step_logs: list[list], per_prompt: list[dict[str, Any]]) -> float | None:
+def step_cost(step_logs: list[list], per_prompt: list[TimedPrompt]) -> float | None:
     """What a verification step cost in one K's timed runs at batch 1 (k_row's steps and per-prompt mean times), in
     plain decoding steps: the speculative side's decode-phase seconds per verification step over plain decoding's
     per token (the same prompts at the same lengths); None where either side has none."""
     steps = sum(map(len, step_logs))
-    tokens = sum(p["new_tokens"] - 1 for p in per_prompt)
-    spec_s, plain_s = (sum(p[f"{side}_decode_s"] for p in per_prompt) for side in ("spec", "plain"))
+    tokens = sum(p.new_tokens - 1 for p in per_prompt)
+    spec_s, plain_s = sum(p.spec_decode_s for p in per_prompt), sum(p.plain_decode_s for p in per_prompt)
     return (spec_s / steps) / (plain_s / tokens) if steps and tokens and spec_s > 0 and plain_s > 0 else None
 
 
@@ -107,14 +106,14 @@ HOST_DRIFT_LIMIT = 0.15  # plain decoding's own speed may move this much over a 
 #                        speedup above 1 at tau 1.26-1.30 proved to be noise: BENCHMARKS.md)
 
 
-def plain_rates(natural: dict[str, Any], sweep: list[dict[str, Any]]) -> list[float | None]:
+def plain_rates(natural: dict[str, EngineOutput], sweep: list[KRow]) -> list[float | None]:
     """Plain decoding's decode-phase tokens/s in the reference pass (every prompt to its natural stop, before any
     K) and in each row's timed runs (each K's, then prompt lookup's): the same engine on the same prompts at the
     same lengths, so on a steady machine the same figure; how far they move apart is how far the machine's speed
     moved while the sweep measured."""
     seconds = sum(o.decode_s for o in natural.values())
     reference = sum(len(o.token_ids) - 1 for o in natural.values()) / seconds if seconds > 0 else None
-    return [reference, *(row["tokens_per_s_baseline_decode"] for row in sweep)]
+    return [reference, *(row.tokens_per_s_baseline_decode for row in sweep)]
 
 
 def host_drift(rates: list[float | None]) -> float | None:
@@ -123,22 +122,23 @@ def host_drift(rates: list[float | None]) -> float | None:
     return max(rates) / min(rates) - 1 if len(rates) > 1 else None
 
 
-def timing_figures(rows: list[dict[str, Any]], intervals: bool = True) -> dict[str, Any]:
+def timing_figures(rows: list[TimedPrompt], intervals: bool = True) -> Speed:
     """Tokens/s of both sides and the speedup over timed runs (`rows`: new_tokens, requests and the mean seconds of
     each side by each clock), by the engine core over the whole request (every new token, prefill included: the
     headline), over the decode phase alone (tokens after each request's first, as the project's loop counts:
     `_decode`) and by the stopwatch (`_wall`); ratios of sums, with bootstrap intervals over the rows."""
-    figures: dict[str, Any] = {}
-    for suffix, clock in zip(("", "_decode", "_wall"), CLOCKS):
-        tokens = [r["new_tokens"] - (r["requests"] if clock == "decode_s" else 0) for r in rows]
-        plain, spec = [r[f"plain_{clock}"] for r in rows], [r[f"spec_{clock}"] for r in rows]
+    def figures(tokens: list[int], plain: list[float], spec: list[float]) -> tuple:
         everything = list(range(len(rows)))
-        figures[f"tokens_per_s{suffix}"] = ratio_of_sums(tokens, spec)(everything)
-        figures[f"tokens_per_s_baseline{suffix}"] = ratio_of_sums(tokens, plain)(everything)
-        figures[f"speedup{suffix}"] = ratio_of_sums(plain, spec)(everything)
-        if intervals:
-            figures[f"speedup{suffix}_interval"] = bootstrap_interval(ratio_of_sums(plain, spec), len(rows))
-    return figures
+        return (ratio_of_sums(tokens, spec)(everything), ratio_of_sums(tokens, plain)(everything),
+                ratio_of_sums(plain, spec)(everything),
+                bootstrap_interval(ratio_of_sums(plain, spec), len(rows)) if intervals else None)
+
+    tokens = [r.new_tokens for r in rows]
+    core = figures(tokens, [r.plain_core_s for r in rows], [r.spec_core_s for r in rows])
+    decode = figures([r.new_tokens - r.requests for r in rows], [r.plain_decode_s for r in rows],
+                     [r.spec_decode_s for r in rows])
+    wall = figures(tokens, [r.plain_wall_s for r in rows], [r.spec_wall_s for r in rows])
+    return Speed(*core, *decode, *wall)
 
 
 def _mean_times(run: dict[str, Any]) -> dict[str, float]:
@@ -154,7 +154,7 @@ def taken(run: dict[str, Any], refused: dict[str, str]) -> dict[str, Any]:
             "outputs": [o for o in run["outputs"] if o["id"] not in refused]}
 
 
-def k_row(run: dict[str, Any], natural: dict[str, Any], greedy: bool) -> dict[str, Any]:
+def k_row(run: dict[str, Any], natural: dict[str, EngineOutput], greedy: bool) -> KRow:
     """One speculation length's figures from its timed runs (engine.child._timed): tau and acceptance by position from
     vLLM's verification steps, tokens/s and speedup by each clock with intervals, the lossless check against the
     plain outputs, and the per-prompt figures."""
@@ -166,82 +166,83 @@ def k_row(run: dict[str, Any], natural: dict[str, Any], greedy: bool) -> dict[st
         step_logs.append(steps)
         unaccounted += left
         times = _mean_times(timed)
-        per_prompt.append({"id": timed["id"], "new_tokens": timed["tokens"], "requests": 1, "tau": mean_tau(steps),
-                           "mismatch": greedy and out.token_ids != natural[timed["id"]].token_ids, **times,
-                           **{f"{side}_cached_tokens": max(timed.get(f"{side}_cached_tokens") or [0])
-                              for side in ("plain", "spec")},  # 0: both prefilled every prompt in full
-                           **{f"speedup{suffix}": times[f"plain_{clock}"] / times[f"spec_{clock}"]
-                              for suffix, clock in zip(("", "_decode", "_wall"), CLOCKS)}})
+        prompt = TimedPrompt(id=timed["id"], new_tokens=timed["tokens"], requests=1, tau=mean_tau(steps),
+                             mismatch=greedy and out.token_ids != natural[timed["id"]].token_ids, **times,
+                             # 0: both prefilled every prompt in full
+                             plain_cached_tokens=max(timed.get("plain_cached_tokens") or [0]),
+                             spec_cached_tokens=max(timed.get("spec_cached_tokens") or [0]))
+        per_prompt.append(replace(prompt, speedup=prompt.plain_core_s / prompt.spec_core_s,
+                                  speedup_decode=prompt.plain_decode_s / prompt.spec_decode_s,
+                                  speedup_wall=prompt.plain_wall_s / prompt.spec_wall_s))
         spreads += [(max(v) - min(v)) / (sum(v) / len(v)) for key in TIMING if len(v := timed[key]) > 1]
-    row = {"k": run["k"], **acceptance_stats(step_logs, run["k"] + 1),
-           "tau_interval": bootstrap_interval(mean_of([p["tau"] for p in per_prompt]), len(per_prompt)),
-           **timing_figures(per_prompt), "lossless_checked": len(per_prompt) if greedy else 0,
-           "lossless_mismatches": sum(p["mismatch"] for p in per_prompt) if greedy else None,
-           "step_cost": step_cost(step_logs, per_prompt), "tokens_unaccounted_by_steps": unaccounted,
-           "load_s": run["load_s"], "seconds": run["seconds"],
-           "repeat_spread": sorted(spreads)[len(spreads) // 2] if spreads else None, "per_prompt": per_prompt}
-    return row
+    return KRow(**fields_of(acceptance_stats(step_logs, run["k"] + 1), timing_figures(per_prompt)), k=run["k"],
+                lossless_checked=len(per_prompt) if greedy else 0,
+                lossless_mismatches=sum(p.mismatch for p in per_prompt) if greedy else None,
+                step_cost=step_cost(step_logs, per_prompt), tokens_unaccounted_by_steps=unaccounted,
+                load_s=run["load_s"], seconds=run["seconds"],
+                repeat_spread=sorted(spreads)[len(spreads) // 2] if spreads else None, per_prompt=per_prompt)
 
 
-def fastest_at_batch_1(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def fastest_at_batch_1(rows: list[KRow]) -> KRow:
     """The row of the fastest K at batch 1, by the engine's speedup (a K without a finite one comes last)."""
-    return max(rows, key=lambda row: row["speedup"] if math.isfinite(row["speedup"] or math.nan) else -1.0)
+    return max(rows, key=lambda row: row.speedup if math.isfinite(row.speedup or math.nan) else -1.0)
 
 
-def best_k_share(sweep: list[dict[str, Any]], best: int) -> float | None:
+def best_k_share(sweep: list[KRow], best: int) -> float | None:
     """How often `best` is the fastest K at batch 1 when the prompts are resampled (the bootstrap of the
     intervals): near 1, another set of prompts would pick it too."""
     if len(sweep) < 2:
         return None
-    stats = [(row["k"], ratio_of_sums([p["plain_core_s"] for p in row["per_prompt"]],
-                                      [p["spec_core_s"] for p in row["per_prompt"]])) for row in sweep]
-    n = len(sweep[0]["per_prompt"])
+    stats = [(row.k, ratio_of_sums([p.plain_core_s for p in row.per_prompt], [p.spec_core_s for p in row.per_prompt]))
+             for row in sweep]
+    n = len(sweep[0].per_prompt)
     wins = [max(stats, key=lambda ks: ks[1](idx) or 0.0)[0] == best for idx in bootstrap_resamples(n)]
     return sum(wins) / len(wins)
 
 
-def concurrency_rows(sweep: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def concurrency_rows(sweep: list[KRow], runs: list[dict[str, Any]]) -> list[ConcurrencyRow]:
     """Every (concurrency, K) measured: batch 1 from the sweep, the others from the concurrency runs."""
-    rows = [{"requests": 1, "k": row["k"], **{key: row[key] for key in FIGURES}} for row in sweep]
+    rows = [ConcurrencyRow(**{key: getattr(row, key) for key in FIGURES}, requests=1, k=row.k) for row in sweep]
     for run in runs:
         for timed in run["concurrency"]:
-            mean = {"new_tokens": timed["tokens"], "requests": timed["requests"], **_mean_times(timed)}
-            rows.append({"requests": timed["requests"], "k": run["k"], **timing_figures([mean], intervals=False)})
-    return sorted(rows, key=lambda r: (r["requests"], r["k"]))
+            mean = TimedPrompt(new_tokens=timed["tokens"], requests=timed["requests"], **_mean_times(timed))
+            rows.append(ConcurrencyRow(**fields_of(timing_figures([mean], intervals=False)),
+                                       requests=timed["requests"], k=run["k"]))
+    return sorted(rows, key=lambda r: (r.requests, r.k))
 
 
-def best_per_concurrency(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def best_per_concurrency(rows: list[ConcurrencyRow]) -> list[ConcurrencyRow]:
     """For each concurrency, its fastest K (by the engine's speedup) and its figures."""
-    best: dict[int, dict[str, Any]] = {}
+    best: dict[int, ConcurrencyRow] = {}
     for row in rows:
-        if row["requests"] not in best or (row["speedup"] or 0) > (best[row["requests"]]["speedup"] or 0):
-            best[row["requests"]] = row
+        if row.requests not in best or (row.speedup or 0) > (best[row.requests].speedup or 0):
+            best[row.requests] = row
     return [best[c] for c in sorted(best)]
 
 
-def pays_up_to(best: list[dict[str, Any]]) -> int:
+def pays_up_to(best: list[ConcurrencyRow]) -> int:
     """The largest measured concurrency up to which speculation (at its best K) beats plain decoding at every
     measured concurrency; 0 when it does not even at batch 1."""
     paid = 0
     for row in best:
-        if not (row["speedup"] or 0) > 1:
+        if not (row.speedup or 0) > 1:
             break
-        paid = row["requests"]
+        paid = row.requests
     return paid
 
 
-def per_batch_size_schedule(best: list[dict[str, Any]]) -> list[list[int]] | None:
+def per_batch_size_schedule(best: list[ConcurrencyRow]) -> list[list[int]] | None:
     """vLLM's `num_speculative_tokens_per_batch_size` (inclusive batch-size ranges and their K; 0 = no drafts)
     from the measured concurrencies: each range runs the K that was fastest at the concurrency it holds (0 where
     plain decoding was faster), split at the geometric middle between measured concurrencies; vLLM carries the
     last K on to larger batches. None when one K serves every measured concurrency (set num_speculative_tokens)
     or speculation loses already at batch 1 (serve without it)."""
-    if not best or best[0]["requests"] != 1 or not (best[0]["speedup"] or 0) > 1:
+    if not best or best[0].requests != 1 or not (best[0].speedup or 0) > 1:
         return None
-    ks = [row["k"] if (row["speedup"] or 0) > 1 else 0 for row in best]
+    ks = [row.k if (row.speedup or 0) > 1 else 0 for row in best]
     if len(set(ks)) == 1:
         return None
-    cs = [row["requests"] for row in best]
+    cs = [row.requests for row in best]
     ends = [math.isqrt(a * b) for a, b in zip(cs, cs[1:])] + [cs[-1]]
     schedule: list[list[int]] = []
     for start, end, k in zip([1] + [e + 1 for e in ends], ends, ks):
@@ -255,51 +256,62 @@ def per_batch_size_schedule(best: list[dict[str, Any]]) -> list[list[int]] | Non
 FREE_SPECULATORS = {"ngram": ("prompt lookup", "lookup"), "suffix": ("suffix decoding", "suffix")}  # name, log tag
 
 
-def free_speculator(runs: list[dict[str, Any]], natural: dict[str, Any], greedy: bool
-                    ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+def free_speculator(runs: list[dict[str, Any]], natural: dict[str, EngineOutput], greedy: bool
+                    ) -> tuple[list[KRow], SpeculatorEntry | None]:
     """The rows of one of the engine's model-free speculators (prompt lookup, suffix decoding), a row per K timed,
     and its entry: the fastest K at batch 1, with every K's rows at each concurrency (None where none ran)."""
-    rows = [k_row(r, natural, greedy) | {"engine_args": r["llm_kwargs"]["speculative_config"]} for r in runs]
+    rows = [replace(k_row(r, natural, greedy), engine_args=r["llm_kwargs"]["speculative_config"]) for r in runs]
     if not rows:
         return rows, None
-    best = dict(fastest_at_batch_1(rows))
-    best["concurrency"] = concurrency_rows(rows, runs)
-    best["pays_up_to_concurrency"] = pays_up_to(best_per_concurrency(best["concurrency"]))
-    return rows, best
+    together = concurrency_rows(rows, runs)
+    return rows, SpeculatorEntry(**fields_of(fastest_at_batch_1(rows)), concurrency=together,
+                                 pays_up_to_concurrency=pays_up_to(best_per_concurrency(together)))
 
 
-def ranking(drafter: dict[str, Any], lookup: dict[str, Any] | None, suffix: dict[str, Any] | None,
-            combined: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def ranking(drafter: KRow, lookup: KRow | None, suffix: KRow | None, combined: CombinedEntry | None = None
+            ) -> list[RankRow]:
     """The drafter, prompt lookup, suffix decoding and the combined speculator at each one's fastest K (the
     combined one at combined_entry's), fastest first at batch 1 (by the engine's speedup over plain decoding on the
     same prompts), with tau and the intervals: what to serve."""
     named = [(name, row) for name, row in (("drafter", drafter), ("prompt lookup", lookup),
                                            ("suffix decoding", suffix),
-                                           (combined and parse_combined(combined["setting"]).name, combined)) if row]
-    shared = set.intersection(*({p["id"] for p in row["per_prompt"]} for _, row in named))
-    rows = [{"speculator": name, "k": row["k"], **on_prompts(row, shared),
-             "lossless_mismatches": row.get("lossless_mismatches")} for name, row in named]
-    return sorted(rows, key=lambda r: -(r["speedup"] if math.isfinite(r["speedup"] or math.nan) else -1.0))
+                                           (combined and parse_combined(combined.setting).name, combined)) if row]
+    shared = set.intersection(*({p.id for p in row.per_prompt} for _, row in named))
+    rows = [replace(on_prompts(row, shared), speculator=name) for name, row in named]
+    return sorted(rows, key=lambda r: -(r.speedup if math.isfinite(r.speedup or math.nan) else -1.0))
 
 
-def on_prompts(row: dict[str, Any], ids: set[str]) -> dict[str, Any]:
-    """A K row's tau (the mean of per-prompt taus) and engine speedup, with their intervals, on the prompts `ids`
-    of those it timed (all of them: the row's own figures; fewer where a speculator timed only the first prompts,
-    eval --free-limit, so that the ranking compares every speculator on the same prompts); and how many."""
-    picked = [p for p in row["per_prompt"] if p["id"] in ids]
-    if len(picked) == len(row["per_prompt"]):
-        return {"tau": row["tau"], "tau_interval": row.get("tau_interval"), "speedup": row["speedup"],
-                "speedup_interval": row.get("speedup_interval"), "prompts": len(picked)}
-    taus = [p["tau"] for p in picked if p["tau"] is not None]
-    timing = timing_figures(picked)
-    return {"tau": sum(taus) / len(taus) if taus else None,
-            "tau_interval": bootstrap_interval(mean_of(taus), len(taus)), "speedup": timing["speedup"],
-            "speedup_interval": timing["speedup_interval"], "prompts": len(picked)}
+def on_prompts(row: KRow, ids: set[str]) -> RankRow:
+    """A K row's ranking figures on the prompts `ids` of those it timed, and how many (`prompts`). All of them: the
+    row's own figures. Fewer (another speculator timed only the first prompts: eval --free-limit): recomputed on
+    those, so that the ranking compares every speculator on the same prompts: the engine's speedup (timing_figures:
+    the sum of plain_core_s over the sum of spec_core_s) with its bootstrap interval, tau_per_prompt (the mean of
+    the prompts' taus), and tau_steps (with its interval) pooled over the prompts' verification steps as
+    sum(committed) / sum(committed / tau), committed = new_tokens - 1 per prompt (the first token is the
+    prefill's): a prompt's tau is its committed tokens over its steps, so committed / tau is its steps and this
+    pools them exactly as the row's own tau_steps does. (Exactly where every step commits its tau, 1 + its accepted
+    drafts; an output's last step cut short by a stop token or the length limit still counts the drafts past the
+    cut in its tau, engine.jobs.engine_steps, and there committed / tau falls short of the steps by a fraction of
+    one: a TimedPrompt keeps no step count.) lossless_mismatches stays the row's own, over every prompt it timed."""
+    picked = [p for p in row.per_prompt if p.id in ids]
+    if len(picked) == len(row.per_prompt):
+        return RankRow(k=row.k, tau_steps=row.tau_steps, tau_steps_interval=row.tau_steps_interval,
+                       tau_per_prompt=row.tau_per_prompt, speedup=row.speedup, speedup_interval=row.speedup_interval,
+                       lossless_mismatches=row.lossless_mismatches, prompts=len(picked))
+    stepped = [p for p in picked if p.tau is not None]  # a prompt without a verification step has no tau
+    committed = [p.new_tokens - 1 for p in stepped]
+    pooled = ratio_of_sums(committed, [c / p.tau for c, p in zip(committed, stepped)])
+    speed = timing_figures(picked)
+    return RankRow(k=row.k, tau_steps=pooled(list(range(len(stepped)))),
+                   tau_steps_interval=bootstrap_interval(pooled, len(stepped)),
+                   tau_per_prompt=sum(p.tau for p in stepped) / len(stepped) if stepped else None,
+                   speedup=speed.speedup, speedup_interval=speed.speedup_interval,
+                   lossless_mismatches=row.lossless_mismatches, prompts=len(picked))
 
 
 def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], block_size: int, dtype_name: str,
                 device: str, workdir: Path, expected_tau: tuple[str, list[float]] | None = None,
-                constraints: dict[str, dict[str, Any] | None] | None = None) -> dict[str, Any]:
+                constraints: dict[str, dict[str, Any] | None] | None = None) -> VllmEval:
     """What users buy, measured in vLLM: plain decoding and the drafter folder as vLLM's `dflash` speculator at
     each speculation length K (`--speculative-tokens`, else `k_sweep_order` as far as `--sweep-budget-s`
     affords, first the shortest K that keeps the best tau by `expected_tau` (its source, tau at each K):
@@ -324,7 +336,7 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     drafted = [r for r in result.timed["runs"] if r.get("method", "dflash") == "dflash"]
     free, seconds = free_speculator_runs(run, job, result)
 
-    def rows() -> tuple:
+    def rows() -> tuple[list[KRow], list[KRow], SpeculatorEntry | None, list[KRow], SpeculatorEntry | None]:
         """The drafter's row per K, prompt lookup's and suffix decoding's rows and entries, each over the prompts no
         engine run has refused so far (`taken`)."""
         return ([k_row(taken(r, run.refused), natural, greedy) for r in drafted],
@@ -336,50 +348,39 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         sweep, _, lookup, _, suffix = rows()
         best = fastest_at_batch_1(sweep)
         rule = combined_rule(cfg.combined, best, lookup)
-        longest = max(best["k"], rule.k, suffix["k"] if suffix and rule.suffix is not None else 0)
+        longest = max(best.k, rule.k, suffix.k if suffix and rule.suffix is not None else 0)
         combined_timed, seconds_combined = combined_run(run, job, natural, rule, min(longest, block_size - 1))
         seconds += seconds_combined
     while True:  # until no fp32 recheck refuses a prompt the figures hold
         known = len(run.refused)
         sweep, lookup_rows, lookup, suffix_rows, suffix = rows()
         best = fastest_at_batch_1(sweep)
-        best_run = {r["k"]: r for r in drafted}[best["k"]]
+        best_run = {r["k"]: r for r in drafted}[best.k]
         mismatches = lossless_at_best_k(run, best, best_run, natural, dtype_name)
         combined = combined_entry(run, combined_timed, natural, rule, dtype_name) if rule else None
         if len(run.refused) == known:
             break
     if combined:  # what it is worth against each of the others at its own fastest K, paired by prompt
-        combined["against"] = {name: paired_against(combined, other) for name, other in
-                               (("drafter", best), ("prompt lookup", lookup), ("suffix decoding", suffix)) if other}
-    return {
-        "engine": "vllm",
-        "version": result.version,
-        "refused_by_engine": run.refused,  # prompts left out of every run: id -> the engine's reason
-        "best_k": best["k"],
-        "num_speculative_tokens": best["k"],
-        "best_k_share": best_k_share(sweep, best["k"]),
-        **{key: best[key] for key in HEADLINE},
-        **lossless_entry(best, mismatches, run.recheck_s.get(None), greedy, dtype_name),
-        "tokens_unaccounted_by_steps": best["tokens_unaccounted_by_steps"],
-        "drafter_sha256": drafter_sha256,  # weights and config.json (checkpoint.drafter_identity)
-        "dtype": dtype_name,
-        "engine_args": best_run["llm_kwargs"],
-        "engine_args_plain": result.llm_kwargs,
-        "serve_command": serve_command(best_run["llm_kwargs"]),
-        "load_s": {"plain": result.load_s, "speculative": best_run["load_s"]},
-        "environment": result.environment,
-        "sweep": sweep,
-        **concurrency_entry(sweep, drafted),
-        "ngram": lookup,  # vLLM's prompt lookup at --ngram's fastest K, timed the same way: the baseline (or None)
-        "ngram_sweep": lookup_rows,  # every --ngram K's row (batch 1)
-        "suffix": suffix,  # vLLM's suffix decoding at --suffix's fastest K, timed the same way (or None)
-        "suffix_sweep": suffix_rows,
-        "combined": combined,  # the drafter with prompt lookup's blocks where the rule picks them (combined_entry)
-        "ranking": ranking(best, lookup, suffix, combined),
-        "timing": timing_entry(run, result, seconds, natural, sweep, lookup_rows, suffix_rows,
-                               [combined] if combined else []),
-        "per_prompt": best["per_prompt"],
-    }
+        combined = replace(combined, against={
+            name: paired_against(combined, other) for name, other in
+            (("drafter", best), ("prompt lookup", lookup), ("suffix decoding", suffix)) if other})
+    together = concurrency_rows(sweep, drafted)
+    fastest = best_per_concurrency(together)
+    return VllmEval(
+        **fields_of(best.acceptance(), best.speed(),
+                    lossless_entry(best, mismatches, run.recheck_s.get(None), greedy, dtype_name)),
+        # refused_by_engine: the prompts left out of every run and comparison, id -> the engine's reason
+        version=result.version, refused_by_engine=dict(run.refused), best_k=best.k,
+        best_k_share=best_k_share(sweep, best.k), tokens_unaccounted_by_steps=best.tokens_unaccounted_by_steps,
+        drafter_sha256=drafter_sha256, dtype=dtype_name, engine_args=best_run["llm_kwargs"],
+        engine_args_plain=result.llm_kwargs, serve_command=serve_command(best_run["llm_kwargs"]),
+        load_s=LoadSeconds(plain=result.load_s, speculative=best_run["load_s"]), environment=result.environment,
+        sweep=sweep, concurrency=together, concurrency_best=fastest, pays_up_to_concurrency=pays_up_to(fastest),
+        per_batch_size_schedule=per_batch_size_schedule(fastest), ngram=lookup, ngram_sweep=lookup_rows,
+        suffix=suffix, suffix_sweep=suffix_rows, combined=combined, ranking=ranking(best, lookup, suffix, combined),
+        timing=timing_entry(run, result, seconds, natural, sweep, lookup_rows, suffix_rows,
+                            [combined] if combined else []),
+        per_prompt=best.per_prompt)
 
 
 def sweep_plan(cfg: EvalConfig, block_size: int, tau_by_k: list[float] | None) -> tuple[int | None, list[int]]:
@@ -391,75 +392,6 @@ def sweep_plan(cfg: EvalConfig, block_size: int, tau_by_k: list[float] | None) -
         raise UserError(f"--speculative-tokens {too_long[0]} is more than the verify block holds (B - 1 = "
                         f"{block_size - 1}: the drafter's block size, or --block-size)")
     return first, ks
-
-
-@dataclass
-class EngineRunner:
-    """Runs vLLM for the eval (`engine`: runner.run_engine, a process of its own each time, in workdir/tag) and keeps
-    what each run refused; called, the prompts by id, each under its request's `constraints`, plain and with the
-    drafter at the K given, and says what it runs. `first` and `source`: the sweep's first K and the estimate that
-    chose it, for that line."""
-    cfg: EvalConfig
-    target: Target
-    device: str
-    workdir: Path
-    prompts: dict[str, list[int]]  # the eval's
-    constraints: dict[str, dict[str, Any] | None]
-    max_len: int  # every run's max_model_len: the longest prompt, its new tokens and a block
-    first: int | None = None
-    source: str | None = None
-    refused: dict[str, str] = field(default_factory=dict)  # by any run so far: id -> the engine's reason (`taken`)
-    # the fp32 rechecks so far (lossless_at_best_k), by the combined speculator's setting (None: the drafter's): each
-    # prompt's verdict at a K, and their seconds
-    rechecked: dict[tuple[str | None, int, str], bool] = field(default_factory=dict)
-    recheck_s: dict[str | None, float] = field(default_factory=dict)
-
-    def __call__(self, ids: dict[str, list[int]], dtype: str, tag: str, ks: list[int], concurrency: list[int],
-                 budget_s: float | None, mode: str = "timed", combined: str | None = None
-                 ) -> tuple[EngineJob, EngineResult]:
-        cfg = self.cfg
-        requests = [EngineRequest(id=rid, prompt_token_ids=p, max_tokens=cfg.max_new_tokens,
-                                  temperature=cfg.temperature, seed=prompt_seed(cfg.seed, rid),
-                                  constraints=self.constraints.get(rid))
-                    for rid, p in ids.items()]
-        job = EngineJob(target=str(self.target.path), requests=requests,
-                        stop_token_ids=self.target.stop_token_ids(), dtype=VLLM_DTYPES[dtype],
-                        drafter=cfg.drafter, max_model_len=self.max_len, mode=mode, seed=cfg.seed,
-                        device=torch.device(self.device).type, engine_args=cfg.engine_args,
-                        speculative_tokens=ks, concurrency=concurrency, repeats=cfg.repeats, budget_s=budget_s,
-                        ngram_tokens=cfg.ngram[0] if cfg.ngram and mode == "timed" else None,
-                        lookup_method="combined" if combined else "ngram", combined=combined,
-                        free_limit=cfg.free_limit if mode == "timed" else None)
-        budget = f", {budget_s:.0f} s budget" if budget_s is not None and len(ks) > 1 else ""
-        if self.first is not None and mode == "timed":
-            budget += f"; K = {self.first} first, " + (
-                f"the best expected speed by the {self.source} at a step cost of {cfg.step_cost[0]:.2f} + "
-                f"{cfg.step_cost[1]:.3f} x K plain steps" if cfg.step_cost else
-                f"the shortest that keeps tau by the {self.source}")
-        if cfg.ngram and mode == "timed":
-            budget += f"; then vLLM's prompt lookup at K = {', '.join(map(str, cfg.ngram))}"
-        speculator = f"the combined speculator ({combined}) with drafter" if combined else "with drafter"
-        print(f"engine: vLLM, plain and {speculator} {cfg.drafter} at K = {', '.join(map(str, ks))} "
-              f"({len(ids.keys() - self.refused.keys())} prompts, concurrency 1"
-              f"{''.join(f', {c}' for c in concurrency)}, {dtype}{budget}"
-              f"{', the lossless check alone' if mode == 'check' else ''})",
-              flush=True)
-        return job, self.engine(job, tag, f"vLLM with drafter {cfg.drafter}")
-
-    def engine(self, job: EngineJob, tag: str, what: str) -> EngineResult:
-        """`job` in vLLM (in workdir/tag; `what` names it in errors) without the prompts an earlier run refused; those
-        it refuses join `refused`, named in one line. Every prompt refused: one line, nothing to evaluate."""
-        result = runner.run_engine(replace(job, requests=[r for r in job.requests if r.id not in self.refused]),
-                                   self.workdir / tag, what)
-        if result.refused:
-            self.refused |= result.refused
-            if not self.prompts.keys() - self.refused.keys():
-                rid, why = next(iter(self.refused.items()))
-                raise UserError(f"{self.cfg.prompts}: vLLM refused all {len(self.refused)} prompts (e.g. {rid}: "
-                                f"{why}): nothing to evaluate")
-            print(f"engine: vLLM refused {len(result.refused)} prompt(s), left out of every comparison: "
-                  + "; ".join(f"{rid}: {why}" for rid, why in result.refused.items()), flush=True)
-        return result
 
 
 def free_speculator_runs(run: EngineRunner, job: EngineJob, result: EngineResult
@@ -482,34 +414,34 @@ def free_speculator_runs(run: EngineRunner, job: EngineJob, result: EngineResult
     return free, seconds
 
 
-def paired_against(row: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+def paired_against(row: KRow, other: KRow) -> Paired:
     """`row` against `other` on the prompts both timed (with a tau), paired by prompt: the ratio of their mean taus
     and of their speedups over plain decoding (each a ratio of sums, engine core), each with its 95% bootstrap
     interval over the same resampled prompts."""
-    theirs = {p["id"]: p for p in other["per_prompt"] if p["tau"] is not None}
-    pairs = [(p, theirs[p["id"]]) for p in row["per_prompt"] if p["id"] in theirs and p["tau"] is not None]
+    theirs = {p.id: p for p in other.per_prompt if p.tau is not None}
+    pairs = [(p, theirs[p.id]) for p in row.per_prompt if p.id in theirs and p.tau is not None]
 
-    def total(idx: list[int], side: int, key: str) -> float:
-        return sum(pairs[i][side][key] for i in idx)
+    def total(idx: list[int], side: int, value: Callable[[TimedPrompt], float]) -> float:
+        return sum(value(pairs[i][side]) for i in idx)
 
     def tau_ratio(idx: list[int]) -> float | None:
-        return total(idx, 0, "tau") / total(idx, 1, "tau") if idx else None
+        return total(idx, 0, lambda p: p.tau) / total(idx, 1, lambda p: p.tau) if idx else None
 
     def speedup_ratio(idx: list[int]) -> float | None:
         if not idx:
             return None
-        return (total(idx, 0, "plain_core_s") / total(idx, 0, "spec_core_s")) / (
-            total(idx, 1, "plain_core_s") / total(idx, 1, "spec_core_s"))
+        plain, spec = (lambda p: p.plain_core_s), (lambda p: p.spec_core_s)
+        return (total(idx, 0, plain) / total(idx, 0, spec)) / (total(idx, 1, plain) / total(idx, 1, spec))
 
     everything = list(range(len(pairs)))
-    return {"prompts": len(pairs), "k": other["k"], "tau_ratio": tau_ratio(everything),
-            "tau_ratio_interval": bootstrap_interval(tau_ratio, len(pairs)),
-            "speedup_ratio": speedup_ratio(everything),
-            "speedup_ratio_interval": bootstrap_interval(speedup_ratio, len(pairs))}
+    return Paired(prompts=len(pairs), k=other.k, tau_ratio=tau_ratio(everything),
+                  tau_ratio_interval=bootstrap_interval(tau_ratio, len(pairs)),
+                  speedup_ratio=speedup_ratio(everything),
+                  speedup_ratio_interval=bootstrap_interval(speedup_ratio, len(pairs)))
 
 
-def combined_rule(option: str, drafter: dict[str, Any], lookup: dict[str, Any] | None) -> CombinedRule:
-    """--combined's rule: as given, or for "on" the one for the drafter's and prompt lookup's tau at their fastest
+def combined_rule(option: str, drafter: KRow, lookup: KRow | None) -> CombinedRule:
+    """--combined's rule: as given, or for "on" the one for the drafter's and prompt lookup's tau_steps at their fastest
     K (CombinedRule.for_taus; the default where lookup was not timed), with the suffix tree as a source at
     SUFFIX_SCORE where arctic-inference loads (else without it, and one line says why)."""
     rule = parse_combined(option)
@@ -520,7 +452,7 @@ def combined_rule(option: str, drafter: dict[str, Any], lookup: dict[str, Any] |
     suffix = SUFFIX_SCORE if why_not is None else None
     if lookup is None:
         return replace(rule, suffix=suffix)
-    return CombinedRule.for_taus(drafter["tau"], lookup["tau"], rule.k, suffix)
+    return CombinedRule.for_taus(drafter.tau_steps, lookup.tau_steps, rule.k, suffix)
 
 
 def combined_run(run: EngineRunner, job: EngineJob, natural: dict[str, EngineOutput], rule: CombinedRule, k: int
@@ -540,13 +472,12 @@ def combined_run(run: EngineRunner, job: EngineJob, natural: dict[str, EngineOut
 
 
 def combined_entry(run: EngineRunner, timed: dict[str, Any], natural: dict[str, EngineOutput], rule: CombinedRule,
-                   dtype_name: str) -> dict[str, Any]:
-    """The combined speculator's row from its timed run (combined_run), over the prompts no engine run has refused so
-    far (`taken`): its blocks by source (summed over the prompts), its lossless check (a mismatch rerun in fp32 as
+                   dtype_name: str) -> CombinedEntry:
+    """The combined speculator's entry from its timed run (combined_run), over the prompts no engine run has refused
+    so far (`taken`): its blocks by source (summed over the prompts), its lossless check (a mismatch rerun in fp32 as
     the drafter's)."""
     greedy, setting, timed = run.cfg.temperature == 0, rule.setting(), taken(timed, run.refused)
     row = k_row(timed, natural, greedy)
-    row["concurrency"] = concurrency_rows([row], [timed])
     sources: dict[str, dict[str, int]] = {}
     for out in timed["outputs"]:
         for source, count in (out.get("sources") or {}).items():
@@ -554,87 +485,73 @@ def combined_entry(run: EngineRunner, timed: dict[str, Any], natural: dict[str, 
                 sources.setdefault(source, {}).setdefault(key, 0)
                 sources[source][key] += n
     mismatches = lossless_at_best_k(run, row, timed, natural, dtype_name, setting)
-    return row | {"setting": setting, "engine_args": timed["llm_kwargs"], "sources": sources,
-                  # per prompt in order, the answers its suffix tree held before it: the warm-up's and the earlier
-                  # prompts' (the engine's own), never a held-out answer it had not produced yet
-                  "suffix_answers_before": [out.get("suffix_answers_before") for out in timed["outputs"]],
-                  **lossless_entry(row, mismatches, run.recheck_s.get(setting), greedy, dtype_name)}
+    lossless = lossless_entry(row, mismatches, run.recheck_s.get(setting), greedy, dtype_name)
+    return CombinedEntry(
+        **{**fields_of(row), **fields_of(lossless), "engine_args": timed["llm_kwargs"]},
+        concurrency=concurrency_rows([row], [timed]), setting=setting,
+        sources={source: SourceCount(**count) for source, count in sources.items()},
+        # per prompt in order, the answers its suffix tree held before it: the warm-up's and the earlier prompts'
+        # (the engine's own), never a held-out answer it had not produced yet
+        suffix_answers_before=[out.get("suffix_answers_before") for out in timed["outputs"]])
 
 
-def lossless_at_best_k(run: EngineRunner, best: dict[str, Any], best_run: dict[str, Any], natural: dict[str, Any],
-                       dtype_name: str, combined: str | None = None) -> list[dict[str, Any]]:
+def lossless_at_best_k(run: EngineRunner, best: KRow, best_run: dict[str, Any], natural: dict[str, EngineOutput],
+                       dtype_name: str, combined: str | None = None) -> list[Mismatch]:
     """The prompts whose output at best_k differs from plain decoding's, each diagnosed (diagnose_mismatch); in a
     low-precision dtype they are rerun in fp32 through the engine (the lossless check alone), which says whether
     each was rounding (with `combined`, a rule setting: the combined speculator's). Each prompt is rerun once at a
     K (`run.rechecked`, its seconds in `run.recheck_s`); one that rerun refuses leaves every comparison
     (engine_eval computes the figures again), and this list."""
     spec = {o["id"]: o["token_ids"] for o in best_run["outputs"]}
-    mismatches = [{"id": p["id"], **diagnose_mismatch(run.target, run.prompts[p["id"]], natural[p["id"]].token_ids,
-                                                      spec[p["id"]])}
-                  for p in best["per_prompt"] if p["mismatch"]]
+    mismatches = [diagnose_mismatch(run.target, run.prompts[p.id], natural[p.id].token_ids, spec[p.id], p.id)
+                  for p in best.per_prompt if p.mismatch]
     if not mismatches or dtype_name == "fp32":
         return mismatches
-    todo = {d["id"]: run.prompts[d["id"]] for d in mismatches if (combined, best["k"], d["id"]) not in run.rechecked}
+    todo = {d.id: run.prompts[d.id] for d in mismatches if (combined, best.k, d.id) not in run.rechecked}
     if todo:
         t0 = time.perf_counter()
-        _, again = run(todo, "fp32", "fp32" if combined is None else "fp32-combined", [best["k"]], [], None, "check",
+        _, again = run(todo, "fp32", "fp32" if combined is None else "fp32-combined", [best.k], [], None, "check",
                        combined)
         spec32, plain32 = {o["id"]: o["token_ids"] for o in again.timed["runs"][0]["outputs"]}, again.by_id()
-        run.rechecked |= {(combined, best["k"], rid): spec32[rid] == plain.token_ids for rid, plain in plain32.items()}
+        run.rechecked |= {(combined, best.k, rid): spec32[rid] == plain.token_ids for rid, plain in plain32.items()}
         run.recheck_s[combined] = run.recheck_s.get(combined, 0.0) + time.perf_counter() - t0
     for d in mismatches:
-        d["fp32_spec_equals_plain"] = run.rechecked.get((combined, best["k"], d["id"]))
-    return [d for d in mismatches if d["id"] not in run.refused]
+        d.fp32_spec_equals_plain = run.rechecked.get((combined, best.k, d.id))
+    return [d for d in mismatches if d.id not in run.refused]
 
 
-def lossless_entry(best: dict[str, Any], mismatches: list[dict[str, Any]], recheck_s: float | None, greedy: bool,
-                   dtype_name: str) -> dict[str, Any]:
+def lossless_entry(best: KRow, mismatches: list[Mismatch], recheck_s: float | None, greedy: bool,
+                   dtype_name: str) -> Lossless:
     """The entry's lossless check at best_k: prompts checked, mismatches, those the fp32 rerun did not resolve."""
-    return {
-        "lossless_checked": best["lossless_checked"],
-        "lossless_mismatches": len(mismatches) if greedy else None,
-        "lossless_mismatches_fp32": (sum(not d["fp32_spec_equals_plain"] for d in mismatches)
-                                     if mismatches and dtype_name != "fp32" else None),
-        "lossless_recheck_s": recheck_s,
-        "lossless_note": None if greedy else "not checked: at temperature > 0 vLLM's rejection sampler keeps the "
-                                             "target's distribution, not its tokens",
-        "mismatches": mismatches,
-    }
+    return Lossless(
+        lossless_checked=best.lossless_checked, lossless_mismatches=len(mismatches) if greedy else None,
+        lossless_mismatches_fp32=(sum(not d.fp32_spec_equals_plain for d in mismatches)
+                                  if mismatches and dtype_name != "fp32" else None),
+        lossless_recheck_s=recheck_s, mismatches=mismatches,
+        lossless_note=None if greedy else "not checked: at temperature > 0 vLLM's rejection sampler keeps the "
+                                          "target's distribution, not its tokens")
 
 
-def concurrency_entry(sweep: list[dict[str, Any]], drafted: list[dict[str, Any]]) -> dict[str, Any]:
-    """The entry's figures of requests decoded together: every (concurrency, K), the fastest K at each, how far
-    speculation pays and vLLM's per-batch-size K."""
-    table = concurrency_rows(sweep, drafted)
-    fastest = best_per_concurrency(table)
-    return {
-        "concurrency": table,
-        "concurrency_best": fastest,
-        "pays_up_to_concurrency": pays_up_to(fastest),
-        "per_batch_size_schedule": per_batch_size_schedule(fastest),
-    }
-
-
-def timing_entry(run: EngineRunner, result: EngineResult, seconds: float, natural: dict[str, Any],
-                 sweep: list[dict[str, Any]], lookup_rows: list[dict[str, Any]], suffix_rows: list[dict[str, Any]],
-                 combined_rows: list[dict[str, Any]]) -> dict[str, Any]:
+def timing_entry(run: EngineRunner, result: EngineResult, seconds: float, natural: dict[str, EngineOutput],
+                 sweep: list[KRow], lookup_rows: list[KRow], suffix_rows: list[KRow],
+                 combined_rows: list[CombinedEntry]) -> SweepTiming:
     """How the sweep was timed (the entry's `timing`): the protocol, the K measured and those the budget left out,
     the first K and the estimate that chose it, plain decoding's own speed in the reference pass and in each row's
     runs and how far apart they are (host_drift; above HOST_DRIFT_LIMIT the machine's speed changed while it
     measured), the engine's seconds and the load average at the end."""
     rates = plain_rates(natural, sweep + lookup_rows + suffix_rows + combined_rows)
-    labels = ["reference", *(str(r["k"]) for r in sweep), *(f"prompt lookup {r['k']}" for r in lookup_rows),
-              *(f"suffix decoding {r['k']}" for r in suffix_rows),
-              *(f"{parse_combined(r['setting']).name} {r['k']}" for r in combined_rows)]
+    labels = ["reference", *(str(r.k) for r in sweep), *(f"prompt lookup {r.k}" for r in lookup_rows),
+              *(f"suffix decoding {r.k}" for r in suffix_rows),
+              *(f"{parse_combined(r.setting).name} {r.k}" for r in combined_rows)]
     drift = host_drift(rates)
     idle = idle_s(torch.device(run.device).type)
-    return {"protocol": TIMING_PROTOCOL.format(idle=f"{idle:g} s after the last (the idle engine stops polling)" if idle
-                                               else "right after the last (on CPU no idle engine polls)"), "repeats": run.cfg.repeats, "budget_s": run.cfg.sweep_budget_s,
-            "measured_k": [row["k"] for row in sweep], "skipped_k": result.timed["skipped"],
-            "first_k": None if run.first is None else {"k": run.first, "from": run.source, "slack": SWEEP_FIRST_SLACK,
-                                                       "step_cost": run.cfg.step_cost},
-            "plain_tokens_per_s_decode": dict(zip(labels, rates)),
-            "host_drift": drift, "host_drift_limit": HOST_DRIFT_LIMIT,
-            "host_unsteady": drift is not None and drift > HOST_DRIFT_LIMIT,
-            "concurrency": [1, *run.cfg.concurrency], "seconds": seconds,
-            "load_average_after": [round(x, 2) for x in os.getloadavg()]}
+    wait = (f"{idle:g} s after the last (the idle engine stops polling)" if idle else
+            "right after the last (on CPU no idle engine polls)")
+    return SweepTiming(
+        protocol=TIMING_PROTOCOL.format(idle=wait), repeats=run.cfg.repeats, budget_s=run.cfg.sweep_budget_s,
+        measured_k=[row.k for row in sweep], skipped_k=result.timed["skipped"],
+        first_k=None if run.first is None else FirstK(k=run.first, source=run.source, slack=SWEEP_FIRST_SLACK,
+                                                      step_cost=run.cfg.step_cost),
+        plain_tokens_per_s_decode=dict(zip(labels, rates)), host_drift=drift, host_drift_limit=HOST_DRIFT_LIMIT,
+        host_unsteady=drift is not None and drift > HOST_DRIFT_LIMIT, concurrency=[1, *run.cfg.concurrency],
+        seconds=seconds, load_average_after=[round(x, 2) for x in os.getloadavg()])

@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from dflash_train import eval_report
+from dflash_train.eval_report import EvalReport, OwnLoop, VllmEval
 from dflash_train.report_tables import (constraints_markdown, describe_machine, fmt, serving_tables, table,
                                           with_interval)
 
@@ -60,7 +62,7 @@ class CardInputs:
     recipe: dict[str, Any] | None = None
     data: dict[str, Any] | None = None  # training data summary
     generation: dict[str, Any] | None = None  # decoding settings and template options the data was captured with
-    report: dict[str, Any] | None = None  # eval report.json
+    report: EvalReport | None = None  # eval report.json
     run: dict[str, Any] | None = None  # the trainer's run summary (steps, final losses, wall time, device)
     training_provenance: dict[str, Any] | None = None
     eval_provenance: dict[str, Any] | None = None
@@ -129,11 +131,11 @@ def metadata(inp: CardInputs) -> dict[str, Any]:
         "pipeline_tag": "text-generation",
         "tags": list(CARD_TAGS),
     }
-    report = inp.report or {}
-    engine = (report.get("engines") or {}).get("vllm") or {}
+    own, engine = (inp.report.own, inp.report.vllm) if inp.report else (None, None)
     metrics = [{"type": "acceptance_length", "name": name, "value": round(float(value), 4)}
-               for name, value in (("acceptance length (tau)", report.get("tau")),
-                                   (f"acceptance length (tau) in vLLM {engine.get('version')}", engine.get("tau")))
+               for name, value in (("acceptance length (tau)", own and own.tau_steps),
+                                   (f"acceptance length (tau) in vLLM {engine and engine.version}",
+                                    engine and engine.tau_steps))
                if isinstance(value, (int, float)) and not isinstance(value, bool)]
     if metrics:
         meta["model-index"] = [{
@@ -226,23 +228,22 @@ def _starting_drafter(start: dict[str, Any]) -> str:
 def _how_to_serve(inp: CardInputs) -> str:
     target = inp.target.get("base_model")
     block = int(inp.drafter_config.get("block_size") or 16)
-    report = inp.report or {}
-    engine = (report.get("engines") or {}).get("vllm") or {}
-    best_k = engine.get("best_k") if isinstance(engine.get("best_k"), int) else None
+    engine = inp.report.vllm if inp.report else None
+    best_k = engine.best_k if engine else None
     sglang, vllm = serve_commands(target, inp.repo_id, block, inp.revision, best_k)
-    if best_k:
+    if engine and best_k:
         measured = (f"`num_speculative_tokens` counts drafted tokens, at most B - 1 = {block - 1}; {best_k} was the "
                     f"fastest of the lengths measured one request at a time, on "
-                    f"{describe_machine((report.get('settings') or {}).get('machine'), engine.get('dtype'))} with "
-                    f"vLLM {fmt(engine.get('version'))} (see [Evaluation](#evaluation)): on other hardware, measure "
+                    f"{describe_machine(inp.report.settings.machine, engine.dtype)} with "
+                    f"vLLM {fmt(engine.version)} (see [Evaluation](#evaluation)): on other hardware, measure "
                     f"again")
     else:
         measured = f"`num_speculative_tokens` counts drafted tokens: B - 1 = {block - 1}"
-    schedule = engine.get("per_batch_size_schedule")
+    schedule = engine.per_batch_size_schedule if engine else None
     lines = ["## How to serve", "", "SGLang (`--speculative-num-draft-tokens` is the verify block size B):", "",
              "```bash", sglang, "```", "", f"vLLM ({measured}):", "", "```bash", vllm, "```", ""]
-    if isinstance(schedule, list) and schedule:
-        lines += [f"Serving many requests at once, speculation paid up to {fmt(engine.get('pays_up_to_concurrency'))} "
+    if engine and schedule:
+        lines += [f"Serving many requests at once, speculation paid up to {fmt(engine.pays_up_to_concurrency)} "
                   f"requests decoded together in the eval: vLLM can change K with the batch size, e.g. add "
                   f"`\"num_speculative_tokens_per_batch_size\": {json.dumps(schedule)}` to the speculative config "
                   f"(with `num_speculative_tokens` at least its largest K), as derived from the eval's concurrency "
@@ -286,36 +287,11 @@ def _as_generated(gen: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _acceptance(report: dict[str, Any]) -> list[float]:
-    per_position = report.get("per_position_acceptance") or []
-    if isinstance(per_position, dict):  # {"1": 0.9, ...}
-        per_position = [per_position[k] for k in sorted(per_position, key=lambda k: int(k))]
-    return [float(v) for v in per_position]
-
-
-def _count(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (list, tuple)):
-        return len(value)
-    return int(value) if isinstance(value, (int, float)) else None
-
-
-def lossless_mismatches(report: dict[str, Any]) -> int | None:
-    """Prompts whose speculative output differs from plain decoding. In bf16 a verify forward over a whole block
-    can round a near-tie differently from the one-token decode; the eval reruns such prompts in fp32, and the
-    fp32 count is the one that says whether decoding was lossless."""
-    in_dtype = _count(report.get("lossless_mismatches"))
-    in_fp32 = _count(report.get("lossless_mismatches_fp32"))
-    return in_fp32 if in_dtype and in_fp32 is not None else in_dtype
-
-
-def _lossless_verdict(report: dict[str, Any], dtype: str) -> str:
+def _lossless_verdict(own: OwnLoop, dtype: str) -> str:
     """The project's loop's lossless check in words: passed, passed once near-ties were rerun in fp32, or failed."""
-    mismatches = lossless_mismatches(report)
-    in_dtype = _count(report.get("lossless_mismatches"))
-    checked = report.get("lossless_checked")
-    of = f" of {fmt(checked)} prompts" if isinstance(checked, int) else ""
+    mismatches = own.standing_mismatches()
+    in_dtype = own.lossless_mismatches
+    of = f" of {fmt(own.lossless_checked)} prompts"
     if mismatches is None:
         return "not recorded"
     if mismatches == 0 and in_dtype:
@@ -326,43 +302,46 @@ def _lossless_verdict(report: dict[str, Any], dtype: str) -> str:
     return f"FAILED: {mismatches}{of} differ from the target's own decoding"
 
 
+TAU_DEFINITION = ("τ = 1 + the drafts the target accepted per verification, i.e. the tokens it commits, bonus token "
+                  "included, also counted so on a last step cut short by a stop token (1 ≤ τ ≤ B = {block}), over "
+                  "all verification steps of the held-out prompts: tokens per target forward, what throughput "
+                  "follows. Beside it, the mean over prompts of each prompt's own τ (a prompt of a few long steps "
+                  "weighs as much as one of many).")
+
+
 def _evaluation(inp: CardInputs) -> str:
     report = inp.report
     lines = ["## Evaluation", ""]
     if not report:
         return "\n".join(lines + ["No eval report was attached to this push: its acceptance was not measured."])
-    settings = report.get("settings") or {}
-    block = inp.drafter_config.get("block_size")
-    offline = report.get("tau_offline")
-    rows = [
-        ("Acceptance length τ, online (real speculative decoding with the target)",
-         with_interval(report.get("tau"), report.get("tau_interval"))),
-        ("Acceptance length τ, offline (held-out captured samples, walked as greedy decoding walks them)",
-         fmt(offline) if offline is not None else "not measured"),
-        ("Lossless check", _lossless_verdict(report, settings.get("dtype", "the eval dtype"))),
-        ("Tokens/s, with the drafter vs the target alone",
-         f"{fmt(report.get('tokens_per_s'))} vs {fmt(report.get('tokens_per_s_baseline'))}"),
-        ("Speedup (tokens/s ratio)", with_interval(report.get("speedup"), report.get("speedup_interval")) + "×"
-         if report.get("speedup") is not None else "—"),
-    ]
-    lines += [
-        f"τ = 1 + the drafts the target accepted per verification, i.e. the tokens it commits, bonus token included, "
-        f"also counted so on a last step cut short by a stop token (1 ≤ τ ≤ B = {fmt(block)}); "
-        f"online τ is the mean over held-out prompts of each prompt's mean over its verification steps.",
-        "",
-        table(rows, ("Metric", "Value")),
-    ]
-    lines += [""] + constraints_markdown(settings.get("constraints"))[:1]
+    settings = report.settings
+    lines += [TAU_DEFINITION.format(block=fmt(inp.drafter_config.get("block_size"))), ""]
+    if own := report.own:
+        offline = report.offline.tau_steps if report.offline else None
+        rows = [
+            ("Acceptance length τ, online (real speculative decoding with the target)",
+             with_interval(own.tau_steps, own.tau_steps_interval)),
+            ("τ, mean over prompts", with_interval(own.tau_per_prompt, own.tau_per_prompt_interval)),
+            ("Acceptance length τ, offline (held-out captured samples, walked as greedy decoding walks them)",
+             fmt(offline) if offline is not None else "not measured"),
+            ("Lossless check", _lossless_verdict(own, settings.dtype or "the eval dtype")),
+            ("Tokens/s, with the drafter vs the target alone",
+             f"{fmt(own.tokens_per_s)} vs {fmt(own.tokens_per_s_baseline)}"),
+            ("Speedup (tokens/s ratio)", with_interval(own.speedup, own.speedup_interval) + "×"
+             if own.speedup is not None else "—"),
+        ]
+        lines += [table(rows, ("Metric", "Value"))]
+    lines += [""] + constraints_markdown(settings.constraints)[:1]
     lines += _engine_evaluation(inp)
-    methods = [m for m in report.get("methods") or [] if isinstance(m, dict)]
+    methods = own.methods if own else []
     if len(methods) > 1:
-        method_rows = [(fmt(m.get("method")), fmt(m.get("block_size")), fmt(m.get("tau")),
-                        fmt(m.get("tokens_per_target_forward")), fmt(m.get("tokens_per_s")),
-                        f"{fmt(m.get('speedup'))}×", fmt(m.get("lossless_mismatches"))) for m in methods]
+        method_rows = [(fmt(m.method), fmt(m.block_size), fmt(m.tau_steps), fmt(m.tau_per_prompt),
+                        fmt(m.tokens_per_target_forward), fmt(m.tokens_per_s), f"{fmt(m.speedup)}×",
+                        fmt(m.lossless_mismatches)) for m in methods]
         lines += ["", "All methods in the same run, on the same prompts:", "",
-                  table(method_rows, ("Method", "B", "τ", "Tokens / target forward", "Tokens/s", "Speedup",
-                                      "Lossless mismatches"))]
-    acceptance = _acceptance(report)
+                  table(method_rows, ("Method", "B", "τ", "τ, mean over prompts", "Tokens / target forward",
+                                      "Tokens/s", "Speedup", "Lossless mismatches"))]
+    acceptance = [a for a in (own.per_position_acceptance if own else []) if a is not None]
     if acceptance:
         lines += [
             "",
@@ -371,7 +350,8 @@ def _evaluation(inp: CardInputs) -> str:
             "",
             table([tuple([fmt(a) for a in acceptance])], tuple(f"k={i + 1}" for i in range(len(acceptance)))),
         ]
-    setting_rows = [(k, v) for k, v in flatten(settings) if _is_safe_scalar(v) or isinstance(v, (list, tuple))]
+    setting_rows = [(k, v) for k, v in flatten(eval_report.to_json(report)["settings"])
+                    if _is_safe_scalar(v) or isinstance(v, (list, tuple))]
     setting_rows = [(k, v) for k, v in setting_rows
                     if not ({p.split("[")[0].lower() for p in k.split(".")} & TEXT_KEYS)]
     if setting_rows:
@@ -388,41 +368,39 @@ def _engine_evaluation(inp: CardInputs) -> list[str]:
     """What the serving engine measured, and the exact command it ran (with the Hub repos for local folders)."""
     from dflash_train.engine.args import serve_command
 
-    engine = ((inp.report or {}).get("engines") or {}).get("vllm")
-    if not isinstance(engine, dict):
+    engine = inp.report.vllm if inp.report else None
+    if engine is None:
         return ["", "Not measured in a serving engine (the eval ran without `--engine vllm`)."]
-    mismatches = lossless_mismatches(engine)
-    checked = engine.get("lossless_checked")
-    lossless = ("not checked" + (f": {engine['lossless_note']}" if engine.get("lossless_note") else "")
+    mismatches = engine.standing_mismatches()
+    lossless = ("not checked" + (f": {engine.lossless_note}" if engine.lossless_note else "")
                 if mismatches is None else
-                f"{'passed' if mismatches == 0 else 'FAILED'}: {mismatches} of {fmt(checked)} prompts differ from "
-                f"vLLM's own plain decoding")
-    acceptance = _acceptance(engine)
-    k = engine.get("best_k")
+                f"{'passed' if mismatches == 0 else 'FAILED'}: {mismatches} of {fmt(engine.lossless_checked)} "
+                f"prompts differ from vLLM's own plain decoding")
+    k = engine.best_k
     rows = [("Acceptance length τ" + (f" at K = {k}" if k else ""),
-             with_interval(engine.get("tau"), engine.get("tau_interval"))),
-            ("Acceptance at positions 1, 2, 3", ", ".join(fmt(a) for a in acceptance[:3]) or "—"),
+             with_interval(engine.tau_steps, engine.tau_steps_interval)),
+            ("τ, mean over prompts", with_interval(engine.tau_per_prompt, engine.tau_per_prompt_interval)),
+            ("Acceptance at positions 1, 2, 3", ", ".join(fmt(a) for a in engine.per_position_acceptance[:3]) or "—"),
             ("Tokens/s, with the drafter vs the target alone",
-             f"{fmt(engine.get('tokens_per_s'))} vs {fmt(engine.get('tokens_per_s_baseline'))}"),
-            ("Speedup, whole requests (tokens/s ratio, engine core)" if "speedup_wall" in engine else
-             "Speedup (tokens/s ratio)", with_interval(engine.get("speedup"), engine.get("speedup_interval")) + "×"
-             if engine.get("speedup") is not None else "—")]
-    if engine.get("speedup_wall") is not None:
+             f"{fmt(engine.tokens_per_s)} vs {fmt(engine.tokens_per_s_baseline)}"),
+            ("Speedup, whole requests (tokens/s ratio, engine core)" if engine.speedup_wall is not None else
+             "Speedup (tokens/s ratio)", with_interval(engine.speedup, engine.speedup_interval) + "×"
+             if engine.speedup is not None else "—")]
+    if engine.speedup_wall is not None:
         rows.append(("Speedup by a stopwatch around each whole request",
-                     with_interval(engine.get("speedup_wall"), engine.get("speedup_wall_interval")) + "×"))
+                     with_interval(engine.speedup_wall, engine.speedup_wall_interval) + "×"))
     rows.append(("Lossless check", lossless))
-    args = dict(engine.get("engine_args") or {})
+    args = dict(engine.engine_args)
     command = None
     if args:
         args["model"] = inp.target.get("base_model")
         if isinstance(args.get("speculative_config"), dict):
             args["speculative_config"] = dict(args["speculative_config"], model=inp.repo_id)
         command = serve_command(args)
-    settings = (inp.report or {}).get("settings") or {}
-    return ["", f"Measured in vLLM {fmt(engine.get('version'))}, the serving engine itself (the same held-out "
-                f"prompts, greedy, one request at a time, {fmt(engine.get('dtype'))}), loading this folder as its "
+    return ["", f"Measured in vLLM {fmt(engine.version)}, the serving engine itself (the same held-out "
+                f"prompts, greedy, one request at a time, {fmt(engine.dtype)}), loading this folder as its "
                 f"`dflash` speculator:", "", table(rows, ("Metric (vLLM)", "Value"))] + (
-        ["", *serving_tables(engine, settings.get("machine"))] if engine.get("sweep") else []) + (
+        ["", *serving_tables(engine, inp.report.settings.machine)] if engine.sweep else []) + (
         ["", "The engine ran with the equivalent of:", "", "```bash", command, "```"] if command else [])
 
 
@@ -441,13 +419,13 @@ def _gate(inp: CardInputs) -> str:
             f"> **This drafter fails the release gate**: {reasons}. `dflash-train push` refuses to upload it "
             "(this card is a dry-run preview); `--force` would upload it with a warning.",
         ])
-    tau = (inp.report or {}).get("tau")
-    engine = ((inp.report or {}).get("engines") or {}).get("vllm") or {}
-    k = f" at K = {engine['best_k']}" if engine.get("best_k") else ""
-    measured = f"vLLM τ {fmt(engine.get('tau'))}{k}" + (f", online τ {fmt(tau)}" if tau is not None else "")
+    own = inp.report.own if inp.report else None
+    engine = (inp.report.vllm if inp.report else None) or VllmEval()  # a gate that passed had vLLM's eval
+    k = f" at K = {engine.best_k}" if engine.best_k else ""
+    measured = f"vLLM τ {fmt(engine.tau_steps)}{k}" + (f", online τ {fmt(own.tau_steps)}" if own else "")
     return (f"Release gate: passed ({measured} ≥ {fmt(gate.min_tau)}, minimum from {gate.min_tau_source}; "
-            f"lossless check passed; vLLM {fmt(engine.get('version'))} evaluated this very drafter: its weights and "
-            f"config.json, sha256 `{engine.get('drafter_sha256')}`).")
+            f"lossless check passed; vLLM {fmt(engine.version)} evaluated this very drafter: its weights and "
+            f"config.json, sha256 `{engine.drafter_sha256}`).")
 
 
 # top-level integers of an ingest report that are not skip counts

@@ -3,9 +3,9 @@
     dflash-train push runs/NAME/drafter --repo ORG/NAME --eval-report eval/NAME [--private] [--revision BRANCH]
                       [--min-tau X] [--dry-run] [--force] [--out DIR]
 
-1. Gate: refuse (exit 2) without an eval report, when its lossless check failed, or when its online tau is below
-   the minimum (--min-tau, else the recipe's push.min_tau, else DEFAULT_MIN_TAU). --force pushes anyway and the
-   card says so.
+1. Gate: refuse (exit 2) without an eval report, when its lossless check failed, or when its online tau (tau_steps:
+   tokens per verification over all steps, the project's loop's and vLLM's) is below the minimum (--min-tau, else
+   the recipe's push.min_tau, else DEFAULT_MIN_TAU). --force pushes anyway and the card says so.
 2. Assemble the folder to upload (default push/<repo name>): the drafter's files, README.md (the card), the eval
    summary and plots (aggregates only: per-prompt records stay local). provenance.json stays local too.
 3. Upload it with huggingface_hub: create_repo(exist_ok=True), upload_folder as one commit, each step retried
@@ -24,13 +24,14 @@ import shlex
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from dflash_train.stages.push.card import (DEFAULT_LICENSE, CardInputs, Gate, lossless_mismatches, render_card,
-                                           without_text)
+from dflash_train import eval_report
+from dflash_train.stages.push.card import DEFAULT_LICENSE, CardInputs, Gate, render_card, without_text
 from dflash_train.errors import UserError, writing
+from dflash_train.eval_report import DrafterRecord, EvalReport, OwnLoop, VllmEval
 from dflash_train.model.checkpoint import DrafterFolder, drafter_identity, read_drafter_folder, weight_files
 from dflash_train.options import add_options, at_least, from_args, option
 from dflash_train.provenance import (INCOMPLETE_MARKER, LOCK_FILE, PROVENANCE_FILE, OutputClaim, complete_output,
@@ -112,20 +113,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---- reading the inputs -------------------------------------------------------------------------------------
 
 
-def load_report(path: str | None) -> tuple[dict[str, Any] | None, Path | None]:
+def load_report(path: str | None) -> tuple[EvalReport | None, Path | None]:
     if path is None:
         return None, None
     p = Path(path)
     report_file = p / "report.json" if p.is_dir() else p
-    if not report_file.exists():
-        raise UserError(f"eval report {report_file} does not exist (run `dflash-train eval` first)")
-    if (report_file.parent / INCOMPLETE_MARKER).exists():
+    if report_file.exists() and (report_file.parent / INCOMPLETE_MARKER).exists():
         raise UserError(f"eval folder {report_file.parent} is marked incomplete: the eval did not finish "
                         f"(rerun it)")
-    report = read_json(report_file, "the eval report")
-    if not isinstance(report, dict):
-        raise UserError(f"{report_file}: expected a JSON object")
-    return report, report_file
+    return eval_report.load(report_file), report_file
 
 
 def recipe_of(training_args: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -176,54 +172,54 @@ def data_summary(training_args: dict[str, Any] | None, recipe: dict[str, Any] | 
 # ---- the gate -----------------------------------------------------------------------------------------------
 
 
-def drafter_differences(report: dict[str, Any], drafter: DrafterFolder, identity: dict[str, Any]) -> list[str]:
+def drafter_differences(report: EvalReport, drafter: DrafterFolder, identity: dict[str, Any]) -> list[str]:
     """Where the drafter the report measured (its `drafter` record, its block size) differs from this one, whose
     `identity` (checkpoint.drafter_identity) is what it is now."""
-    measured = report.get("drafter") if isinstance(report.get("drafter"), dict) else {}
+    measured = report.drafter
     config = drafter.config_json
-    mine = {"block_size": config.get("block_size"), "num_hidden_layers": config.get("num_hidden_layers"),
-            "target_layer_ids": config["dflash_config"].get("target_layer_ids"),
-            "mask_token_id": config["dflash_config"].get("mask_token_id")}
-    differences = [f"{key} {measured[key]} vs {value}" for key, value in mine.items()
-                   if measured.get(key) is not None and measured[key] != value]
+    pairs = (("block_size", measured.block_size, config.get("block_size")),
+             ("num_hidden_layers", measured.num_hidden_layers, config.get("num_hidden_layers")),
+             ("target_layer_ids", measured.target_layer_ids or None,
+              config["dflash_config"].get("target_layer_ids")),
+             ("mask_token_id", measured.mask_token_id, config["dflash_config"].get("mask_token_id")))
+    differences = [f"{key} {was} vs {now}" for key, was, now in pairs if was is not None and was != now]
     differences += identity_changes(measured, identity, drafter.dir)
-    if report.get("block_size") not in (None, config.get("block_size")):
-        differences.append(f"eval block size {report['block_size']} vs the drafter's {config.get('block_size')}")
+    if report.block_size not in (0, config.get("block_size")):
+        differences.append(f"eval block size {report.block_size} vs the drafter's {config.get('block_size')}")
     return differences
 
 
-def identity_changes(measured: dict[str, Any], identity: dict[str, Any], drafter_dir: Path) -> list[str]:
+def identity_changes(measured: DrafterRecord, identity: dict[str, Any], drafter_dir: Path) -> list[str]:
     """THE rule that binds a release to its eval: the drafter the eval recorded (`measured`, its
     checkpoint.drafter_identity) must be the one in `drafter_dir` now (`identity`), weights and config.json alike.
     One phrase per config key changed since the eval, and one for the weights."""
-    if not isinstance(measured.get("config"), dict) or not measured.get("weights_sha256"):
+    if not isinstance(measured.config, dict) or not measured.weights_sha256:
         return ["it records no config.json and weights sha256 of the drafter (an eval made before both were "
                 "recorded): evaluate this drafter again"]
     changes = [f"config.json {key} was {was} when evaluated, is {now} now" for key, old, new in
-               config_differences(measured["config"], identity["config"]) for was, now in [shown_pair(old, new)]]
-    if measured["weights_sha256"] != identity["weights_sha256"]:
+               config_differences(measured.config, identity["config"]) for was, now in [shown_pair(old, new)]]
+    if measured.weights_sha256 != identity["weights_sha256"]:
         files = ", ".join(str(f) for f in weight_files(drafter_dir))
         changes.append(f"the weights in {files} are not the ones evaluated (sha256 differs)")
     return changes
 
 
-def check_gate(report: dict[str, Any] | None, report_file: Path | None, target: dict[str, Any],
+def check_gate(report: EvalReport | None, report_file: Path | None, target: dict[str, Any],
                drafter: DrafterFolder, min_tau: float, min_tau_source: str, force: bool) -> Gate:
     reasons = []
     if report is None:
         reasons.append("no eval report (pass --eval-report DIR; run `dflash-train eval` first)")
     else:
         identity = drafter_identity(drafter.dir)
-        engines = report.get("engines") if isinstance(report.get("engines"), dict) else None
-        if engines is None or engines.get("own"):  # the project's loop ran (reports before engines: always)
-            reasons += measured_reasons(report, f"{report_file}", "online tau", min_tau, min_tau_source)
+        if report.own:  # the project's loop ran
+            reasons += measured_reasons(report.own, f"{report_file}", "online tau", min_tau, min_tau_source)
         reasons += engine_reasons(report, report_file, drafter.dir, identity, min_tau, min_tau_source)
         if differences := drafter_differences(report, drafter, identity):
             reasons.append(f"{report_file} measured a different drafter or block size ({'; '.join(differences)})")
         if trained := training_prompts_evaluated(report):
             reasons.append(f"{report_file} evaluated {trained} prompts or samples the drafter was trained on "
                            f"(--training-prompts): its tau overstates the drafter; evaluate on held-out prompts")
-        measured = TargetIdentity.from_dict(report.get("target") if isinstance(report.get("target"), dict) else None)
+        measured = report.target
         made_for = TargetIdentity.from_dict(target)
         if measured is not None and made_for is not None and not measured.matches(made_for):
             reasons.append(f"{report_file} measured another target ({measured.name}) than the one "
@@ -231,27 +227,26 @@ def check_gate(report: dict[str, Any] | None, report_file: Path | None, target: 
     return Gate(passed=not reasons, forced=force, min_tau=min_tau, min_tau_source=min_tau_source, reasons=reasons)
 
 
-def training_prompts_evaluated(report: dict[str, Any]) -> int:
+def training_prompts_evaluated(report: EvalReport) -> int:
     """How many of the evaluated prompts (and --store samples) the drafter was trained on (eval's
     held_out_check, where --training-prompts let them through)."""
-    checks = report.get("held_out_check") if isinstance(report.get("held_out_check"), dict) else {}
-    return sum(int(c.get("training_prompts") or 0) for c in checks.values() if isinstance(c, dict))
+    return sum(c.training_prompts for c in report.held_out_check.values())
 
 
-def measured_reasons(measured: dict[str, Any], where: str, what: str, min_tau: float, min_tau_source: str
+def measured_reasons(measured: OwnLoop | VllmEval, where: str, what: str, min_tau: float, min_tau_source: str
                      ) -> list[str]:
-    """The lossless check and the minimum tau, for the project's loop (the report's top level) or an engine's
-    entry (same keys)."""
+    """The lossless check and the minimum tau (the headline tau_steps: tokens per verification over all steps), for
+    the project's loop or vLLM."""
     reasons = []
-    mismatches = lossless_mismatches(measured)
+    mismatches = measured.standing_mismatches()
     if mismatches is None:
         reasons.append(f"{where} has no lossless_mismatches count: the lossless check did not run"
-                       + (f" ({measured['lossless_note']})" if measured.get("lossless_note") else ""))
+                       + (f" ({measured.lossless_note})" if measured.lossless_note else ""))
     elif mismatches > 0:
-        fp32 = " (still, when rerun in fp32)" if measured.get("lossless_mismatches_fp32") else ""
+        fp32 = " (still, when rerun in fp32)" if measured.lossless_mismatches_fp32 else ""
         reasons.append(f"the lossless check failed: {mismatches} outputs in {where} differ from the "
                        f"target's own decoding{fp32}")
-    tau = measured.get("tau")
+    tau = measured.tau_steps
     if not isinstance(tau, (int, float)) or isinstance(tau, bool):
         reasons.append(f"{where} has no {what}")
     elif tau < min_tau:
@@ -259,31 +254,31 @@ def measured_reasons(measured: dict[str, Any], where: str, what: str, min_tau: f
     return reasons
 
 
-def engine_reasons(report: dict[str, Any], report_file: Path | None, drafter_dir: Path, identity: dict[str, Any],
+def engine_reasons(report: EvalReport, report_file: Path | None, drafter_dir: Path, identity: dict[str, Any],
                    min_tau: float, min_tau_source: str) -> list[str]:
     """A release needs the serving engine's own eval of this very drafter (`identity`: checkpoint.drafter_identity,
     weights and config.json): vLLM loaded it as its dflash speculator, decoded losslessly and accepted enough
     drafts, at the speculation length the card serves it with (the entry's headline figures are its best_k's)."""
-    engine = (report.get("engines") or {}).get("vllm") if isinstance(report.get("engines"), dict) else None
-    if not isinstance(engine, dict):
+    engine = report.vllm
+    if engine is None:
         return [f"{report_file} has no vLLM eval of this drafter (run `dflash-train eval --engine both`: the "
                 f"engine users serve with must load it and accept its drafts)"]
     reasons = []
-    if engine.get("drafter_sha256") != identity["sha256"]:
-        why = "differs" if engine.get("drafter_sha256") else "not recorded: an eval made before it was"
+    if engine.drafter_sha256 != identity["sha256"]:
+        why = "differs" if engine.drafter_sha256 else "not recorded: an eval made before it was"
         reasons.append(f"the vLLM eval in {report_file} measured another drafter than {drafter_dir} (the sha256 of "
                        f"its weights and config.json {why})")
-    at_k = f" (K = {engine['best_k']})" if engine.get("best_k") else ""  # the K the card serves with
+    at_k = f" (K = {engine.best_k})" if engine.best_k else ""  # the K the card serves with
     return reasons + measured_reasons(engine, f"the vLLM eval in {report_file}", f"vLLM tau{at_k}", min_tau,
                                       min_tau_source)
 
 
-def publishable_engine(engine: dict[str, Any], target_hub_id: str, repo_id: str) -> dict[str, Any]:
-    """An engine entry of the eval report as it may be published: the local target and drafter folders in its
-    arguments (and the combined speculator's) replaced by the Hub repos, the serve command rebuilt from them."""
+def publishable_engine(engine: VllmEval, target_hub_id: str, repo_id: str) -> VllmEval:
+    """vLLM's eval as it may be published: the local target and drafter folders in its arguments (and the combined
+    speculator's) replaced by the Hub repos, the serve command rebuilt from them."""
     from dflash_train.engine.args import serve_command
 
-    def on_the_hub(engine_args: Any) -> dict[str, Any]:
+    def on_the_hub(engine_args: dict[str, Any] | None) -> dict[str, Any]:
         args = dict(engine_args or {})
         if args:
             args["model"] = target_hub_id
@@ -291,12 +286,10 @@ def publishable_engine(engine: dict[str, Any], target_hub_id: str, repo_id: str)
                 args["speculative_config"] = dict(args["speculative_config"], model=repo_id)
         return args
 
-    args = on_the_hub(engine.get("engine_args"))
-    published = {**engine, "engine_args": args, "engine_args_plain": on_the_hub(engine.get("engine_args_plain")),
-                 "serve_command": serve_command(args) if args else None}
-    if isinstance(engine.get("combined"), dict):
-        published["combined"] = {**engine["combined"], "engine_args": on_the_hub(engine["combined"].get("engine_args"))}
-    return published
+    args = on_the_hub(engine.engine_args)
+    combined = engine.combined and replace(engine.combined, engine_args=on_the_hub(engine.combined.engine_args))
+    return replace(engine, engine_args=args, engine_args_plain=on_the_hub(engine.engine_args_plain),
+                   serve_command=serve_command(args) if args else None, combined=combined)
 
 
 # ---- assembling the folder ----------------------------------------------------------------------------------
@@ -312,14 +305,12 @@ def without_records(obj: Any) -> Any:
     return obj
 
 
-def eval_summary(report: dict[str, Any], target_hub_id: str, repo_id: str) -> dict[str, Any]:
-    """What of the eval report is published: aggregates and settings, no per-prompt records, no text, no local
-    folder in the engine's arguments."""
-    summary = without_text(without_records(report))
-    engines = summary.get("engines")
-    if isinstance(engines, dict) and isinstance(engines.get("vllm"), dict):
-        summary["engines"] = {**engines, "vllm": publishable_engine(engines["vllm"], target_hub_id, repo_id)}
-    return summary
+def eval_summary(report: EvalReport, target_hub_id: str, repo_id: str) -> dict[str, Any]:
+    """What of the eval report is published (as report.json's JSON): aggregates and settings, no per-prompt
+    records, no text, no local folder in the engine's arguments."""
+    if report.vllm:
+        report = replace(report, vllm=publishable_engine(report.vllm, target_hub_id, repo_id))
+    return without_text(without_records(eval_report.to_json(report)))
 
 
 def default_out(repo_id: str) -> Path:
@@ -344,7 +335,7 @@ def prepare_out(out: Path) -> None:
     start_output(out, STAGE)
 
 
-def assemble(out: Path, drafter: DrafterFolder, report: dict[str, Any] | None, report_file: Path | None,
+def assemble(out: Path, drafter: DrafterFolder, report: EvalReport | None, report_file: Path | None,
              card: CardInputs) -> list[Path]:
     prepare_out(out)
     for src in sorted(drafter.dir.iterdir()):
@@ -469,7 +460,7 @@ def run(namespace: argparse.Namespace) -> int:
     args = from_args(PushConfig, namespace)  # --repo and --revision checked first: nothing read or written yet
     drafter = read_drafter_folder(args.drafter)
     report, report_file = load_report(args.eval_report)
-    target = drafter.target or (report or {}).get("target")
+    target = drafter.target or (report.target.to_dict() if report and report.target else None)
     if not isinstance(target, dict) or not target.get("base_model"):
         raise UserError(f"{Path(args.drafter) / 'config.json'} names no target (dflash_train.target.base_model): the "
                         f"card must name the target this drafter was trained for")
