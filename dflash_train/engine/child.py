@@ -42,8 +42,8 @@ IDLE_S = 1.2
 
 def idle_s(device: str) -> float:
     """The wait before each timed request on `device`: IDLE_S, none on CPU, where the engine and its worker run in
-    the child (`install.engine_environment`) and nothing polls (the wait was 45% of a timed K there; without it the
-    speedups agree: BENCHMARKS "The eval without the idle wait on CPU")."""
+    the child (`install.engine_environment`) and nothing polls (the wait was 45% of a free speculator's timed K
+    there; without it the speedups agree: BENCHMARKS "How the eval times speculative decoding")."""
     return 0.0 if device == "cpu" else IDLE_S
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STREAM_EVERY_S = 10.0
