@@ -290,9 +290,9 @@ def probe_engine_decoding(args: argparse.Namespace, target, rendered: list[list[
     rows = {run["k"]: k_row(run, natural, greedy=True) for run in runs}  # as the eval reads its runs
     tokens = sum(t["tokens"] for run in runs for t in run["batch1"])
     plain_s = sum(sum(t["plain_wall_s"]) for run in runs for t in run["batch1"])
-    costs = {k: row["step_cost"] for k, row in rows.items()}
+    costs = {k: row.step_cost for k, row in rows.items()}
     return {"engine_plain_tok_s": tokens / plain_s,
-            "engine_spec_slowdown": min(1 / row["speedup_wall"] for row in rows.values()),
+            "engine_spec_slowdown": min(1 / row.speedup_wall for row in rows.values()),
             "engine_spec_start_s": max(run["load_s"] for run in runs),
             **({"engine_step_cost": step_cost_line(costs)} if None not in costs.values() else {})}
 
