@@ -1,4 +1,5 @@
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,10 @@ def smollm2():
     from dflash_train.target import load_target
 
     return load_target("smollm2-135m-instruct")
+
+
+def default_sigint() -> None:
+    """`preexec_fn` of a subprocess a test interrupts as Ctrl-C does: SIGINT back to its default action, whatever
+    this process inherited (a shell's background job, `cmd &`, ignores SIGINT, and so would the command, which then
+    never sees the interrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

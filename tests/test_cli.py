@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, default_sigint
 from dflash_train import cli
 from dflash_train.errors import UserError
 
@@ -94,7 +94,7 @@ def test_ctrl_c_during_a_capture_keeps_its_shards_in_one_line(tiny_target_dir, t
            "--dtype", "fp32", "--shard-size-mb", "0.005"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), TQDM_DISABLE="1")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=default_sigint)
     journal = out / "journal-r000.json"
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:

@@ -22,6 +22,7 @@ from dflash_train.engine.install import vllm_version
 from dflash_train.engine.jobs import EngineOutput, engine_steps
 from dflash_train.engine.runner import engine_error
 from dflash_train.eval_report import ConstraintsSummary
+from conftest import default_sigint
 from test_capture import teacher_forced
 from test_trainer import launch, read_metrics, write_recipe
 
@@ -651,7 +652,7 @@ def test_ctrl_c_while_the_engine_runs_is_one_line_and_leaves_the_folder_marked_i
     command, scratch, out = untrained_eval_command(engine_target, prompts_file, tmp_path, "--max-new-tokens", "8")
     env = dict(os.environ, TMPDIR=str(scratch))
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=env)
+                            start_new_session=True, env=env, preexec_fn=default_sigint)
     engine_pid_of(proc)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=300)
