@@ -45,6 +45,8 @@ def idle_s(device: str) -> float:
     the child (`install.engine_environment`) and nothing polls (the wait was 45% of a free speculator's timed K
     there; without it the speedups agree: BENCHMARKS "How the eval times speculative decoding")."""
     return 0.0 if device == "cpu" else IDLE_S
+
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STREAM_EVERY_S = 10.0
 
