@@ -131,10 +131,12 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     drafter_slowdown = rates["engine_spec_slowdown"] if measured else ENGINE_SLOWDOWN
     spec_start_s = rates["engine_spec_start_s"] if measured else SPEC_ENGINE_START_S
 
+    idle = idle_s(default_device())  # before each timed request
+
     def per_k_s(slowdown: float, n: int = n_eval) -> float:
         """One K in vLLM: its speculative engine's start, then each of n prompts and the concurrent requests timed."""
         return spec_start_s + (n + EVAL_CONCURRENCY / 2) * (
-            pair_s(engine_prefill_s, engine_decode_s, slowdown) + 2 * idle_s(default_device()))
+            pair_s(engine_prefill_s, engine_decode_s, slowdown) + 2 * idle)
 
     least_sweep_s = n_eval * (engine_prefill_s + engine_decode_s) + per_k_s(drafter_slowdown)  # plain's
     #               natural lengths, then one K
@@ -163,10 +165,11 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     def fixed_parts(cut: dict) -> tuple[float, float]:
         """(the free speculators' seconds, the fp32 recheck's) at an eval cut `cut` (eval_cuts)."""
         recheck_s = recheck_own_s  # and vLLM's: the drafter's mismatches, and the combined speculator's
+        n_free = cut["free_limit"] or n_eval
         if recheck_start_s:
             recheck_s += recheck_start_s + n_eval * recheck_prompt_s
-            recheck_s += recheck_start_s + cut["n_free"] * recheck_prompt_s if combined else 0.0
-        return free_s(cut["ngram"], cut["suffix"], cut["n_free"]), recheck_s
+            recheck_s += recheck_start_s + n_free * recheck_prompt_s if combined else 0.0
+        return free_s(cut["ngram"], cut["suffix"], n_free), recheck_s
 
     def split(budget_min: float, cut: dict, spent_s: float = spent_s) -> tuple[float, float, float]:
         """(vLLM's K sweep, what is left for capture and training, the time left after the stages' starts) in a
@@ -201,9 +204,8 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
 def eval_cuts(args: argparse.Namespace, n_eval: int) -> list[dict]:
     """The eval as asked, then each cut of EVAL_CUTS that changes it, each on top of the ones before: the K of
     prompt lookup and suffix decoding, and the free speculators' prompts (eval --free-limit). Each: the ngram and
-    suffix K, the free speculators' prompt count, and what was left out, in words."""
-    cut = {"ngram": list(args.ngram), "suffix": list(args.suffix), "n_free": n_eval, "free_limit": None,
-           "left_out": []}
+    suffix K, the free speculators' prompt count (None: all n_eval), and what was left out, in words."""
+    cut = {"ngram": list(args.ngram), "suffix": list(args.suffix), "free_limit": None, "left_out": []}
     cuts = [cut]
     free = args.engine != "own" and bool(args.ngram or args.suffix or args.combined)
     if len(args.ngram) > 1 or len(args.suffix) > 1:
@@ -211,7 +213,7 @@ def eval_cuts(args: argparse.Namespace, n_eval: int) -> list[dict]:
                "left_out": [*cut["left_out"], EVAL_CUTS[0]]}
         cuts.append(cut)
     if free and n_eval > FREE_EVAL_PROMPTS:
-        cut = {**cut, "n_free": FREE_EVAL_PROMPTS, "free_limit": FREE_EVAL_PROMPTS,
+        cut = {**cut, "free_limit": FREE_EVAL_PROMPTS,
                "left_out": [*cut["left_out"], EVAL_CUTS[1]]}
         cuts.append(cut)
     return cuts
