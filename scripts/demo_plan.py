@@ -103,9 +103,10 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     share holds one K and a little (the triage demo planned two K and timed one; the second K's time went unused).
     vLLM's requests cost what the probe timed there (`probe_engine_decoding`: its batch-1 rate, each K at the
     starting drafter's slowdown), else the project's loop's rate and ENGINE_SLOWDOWN. Prompt lookup's K (--ngram)
-    and suffix decoding's (--suffix) run whatever the budget: each costs a K at FREE_SLOWDOWN, and each but the
-    first lookup K an engine child's start too (`lookup_s`); so does the combined speculator (--combined), with its
-    fp32 recheck as the drafter's. Where that leaves capture and training less than CAPTURE_AND_TRAIN_SHARE of the
+    and suffix decoding's (--suffix) run whatever the budget, beside the drafter's first K and sharing plain
+    decoding's runs: each costs its engine's start and its own runs at FREE_SLOWDOWN (`lookup_s`); the combined
+    speculator (--combined) a K at FREE_SLOWDOWN beside plain decoding's runs in an engine child of its own, with
+    its fp32 recheck as the drafter's. Where that leaves capture and training less than CAPTURE_AND_TRAIN_SHARE of the
     time after the starts, the eval is cut, one cut of `eval_cuts` on top of the other, until it does or none is
     left; the refusal counts the smallest eval."""
     T = args.eval_max_new_tokens
@@ -143,14 +144,15 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     combined = engine and args.combined  # the combined speculator: an engine child of its own
 
     def free_s(ngram: list[int], suffix: list[int], n_free: int) -> float:
-        """Prompt lookup's K (the first in the drafter's engine child), suffix decoding's and the combined
-        speculator, each on n_free prompts."""
+        """Each K of prompt lookup and suffix decoding (beside the drafter's first K in its engine child, sharing
+        plain decoding's runs: its engine's start and its own runs) and the combined speculator (an engine child of
+        its own, beside plain decoding's runs), each on n_free prompts."""
         if not engine:
             return 0.0
-        free_k_s = per_k_s(FREE_SLOWDOWN, n_free)
-        seconds = (len(ngram) * free_k_s + (len(ngram) - 1) * engine_start_s) if ngram else 0.0
-        seconds += len(suffix) * (free_k_s + engine_start_s)  # each suffix K: an engine child
-        return seconds + (free_k_s + engine_start_s if combined else 0.0)
+        alone_s = spec_start_s + (n_free + EVAL_CONCURRENCY / 2) * (
+            engine_prefill_s + engine_decode_s * FREE_SLOWDOWN + idle)
+        seconds = (len(ngram) + len(suffix)) * alone_s
+        return seconds + (per_k_s(FREE_SLOWDOWN, n_free) + engine_start_s if combined else 0.0)
 
     recheck_own_s = recheck_start_s = recheck_prompt_s = 0.0
     if "fp32_decode_tok_s" in rates:  # a low-precision eval: its mismatches are rerun in fp32, plain and speculative

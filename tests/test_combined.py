@@ -126,7 +126,7 @@ def decode_losslessly(prompts: dict[str, str], rule: CombinedRule, tmp_path: Pat
                               max_tokens=64) for name, p in prompts.items()]
     job = EngineJob(target=str(target), requests=requests, stop_token_ids=[tokenizer.eos_token_id],
                     drafter=str(GENERAL), max_model_len=512, mode="check", speculative_tokens=[7],
-                    lookup_method="combined", combined=rule.setting())
+                    combined=rule.setting())
     result = run_engine(job, tmp_path, "the combined speculator")
     (run,) = result.timed["runs"]
     plain = result.by_id()
@@ -237,7 +237,7 @@ def test_a_bad_combined_setting_stops_the_engine_job_at_its_start_in_one_line_na
     from dflash_train.engine.runner import LOG_FILE, run_engine
     from dflash_train.errors import UserError
 
-    job = _two_prompt_job(lookup_method="combined", combined=setting)
+    job = _two_prompt_job(combined=setting)
     with pytest.raises(UserError) as stopped:
         run_engine(job, tmp_path, "the combined speculator")
     assert f"the combined speculator: the vLLM engine exited with 1: ValueError: DFLASH_TRAIN_LOOKUP={setting!r}: " \

@@ -121,10 +121,10 @@ def fake_engine(calls: list, natural: dict[str, list[int]], spec_s: dict[int, fl
     """A stand-in for runner.run_engine that answers a timed job the way the child does (child._timed): plain
     outputs to the natural stop (decode phase 0.8 s), and per K the timings (plain 1 s per prompt, or plain_s[K],
     and 2 s per batch, speculative spec_s[K] and together_s[K]; the decode phase 0.2 s less, the stopwatch 0.1 s
-    more, on both sides) and the speculative outputs (K=3: the first prompt differs from plain in bf16). A job with
-    ngram_tokens then times prompt lookup (or its lookup_method, suffix) at that K the same way, its timings under the
-    key (method, K), else the method. `refuses(job)`: the requests the engine refuses (id -> why), left out of
-    every output as the child leaves them."""
+    more, on both sides) and the speculative outputs (K=3: the first prompt differs from plain in bf16). Each free
+    speculator (method, K) of the job's `free` is timed the same way, its timings under the key (method, K), else
+    the method. `refuses(job)`: the requests the engine refuses (id -> why), left out of every output as the child
+    leaves them."""
     from dflash_train.engine.jobs import EngineOutput, EngineResult
 
     def run_engine(job, workdir, what):
@@ -134,10 +134,7 @@ def fake_engine(calls: list, natural: dict[str, list[int]], spec_s: dict[int, fl
         ids = [r.id for r in job.requests if r.id not in refused]
         runs = []
         todo = [("dflash", k, k) for k in job.speculative_tokens if k not in skipped]
-        if job.ngram_tokens:
-            method = job.lookup_method
-            todo.append((method, job.ngram_tokens, (method, job.ngram_tokens) if (method, job.ngram_tokens)
-                         in spec_s else method))
+        todo += [(method, k, (method, k) if (method, k) in spec_s else method) for method, k in job.free]
         for method, k, key in todo:
             outputs = []
             for i, rid in enumerate(ids):
@@ -315,8 +312,9 @@ def test_where_prompt_lookup_is_faster_than_the_drafter_the_tables_say_how_to_se
 
 def test_suffix_decoding_is_timed_beside_lookup_and_the_fastest_of_the_three_is_the_one_to_serve(
         tiny_target, drafters, monkeypatch, tmp_path):
-    """Each free speculator at its own fastest K, each K of suffix decoding in an engine of its own; the report ranks
-    drafter, lookup and suffix, and the tables name the winner's config."""
+    """Each free speculator at its own fastest K, every K of lookup and suffix decoding in the drafter's engine job
+    (sharing plain decoding's runs); the report ranks drafter, lookup and suffix, and the tables name the winner's
+    config."""
     from dflash_train.engine import runner
     from dflash_train.report_tables import serving_tables, speculator_to_serve
     from dflash_train.stages.evaluate.config import EvalConfig
@@ -330,8 +328,8 @@ def test_suffix_decoding_is_timed_beside_lookup_and_the_fastest_of_the_three_is_
     config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1],
                         concurrency=[], ngram=[3], suffix=[4, 8])
     v = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
-    assert [(c.lookup_method, c.ngram_tokens) for c in calls] == [("ngram", 3), ("suffix", 4), ("suffix", 8)]
-    assert calls[1].llm_kwargs(4, "suffix")["speculative_config"] == {"method": "suffix", "num_speculative_tokens": 4}
+    assert [c.free for c in calls] == [[("ngram", 3), ("suffix", 4), ("suffix", 8)]]
+    assert calls[0].llm_kwargs(4, "suffix")["speculative_config"] == {"method": "suffix", "num_speculative_tokens": 4}
     assert v.suffix.k == 8 and [r.k for r in v.suffix_sweep] == [4, 8]
     assert [(r.speculator, r.k) for r in v.ranking] == [("suffix decoding", 8), ("prompt lookup", 3),
                                                                  ("drafter", 1)]
@@ -375,8 +373,8 @@ def test_the_combined_speculator_is_timed_at_lookups_k_ranked_and_served_with_it
     # with the suffix tree where arctic-inference loads (no suffix decoding timed here: K stays lookup's)
     setting = "k=4,confidence=1" + ("" if suffix_problem() else f",suffix={SUFFIX_SCORE:g}")
     name = "drafter + prompt lookup" if suffix_problem() else "drafter + suffix + prompt lookup"
-    assert (combined_job.lookup_method, combined_job.ngram_tokens, combined_job.combined) == (
-        "combined", 3, setting)  # the rule's k 4, cut to the block's 3; the rule spelled out
+    assert (combined_job.free, combined_job.combined) == (
+        [("combined", 3)], setting)  # the rule's k 4, cut to the block's 3; the rule spelled out
     assert combined_job.speculative_tokens == [] and combined_job.drafter == str(drafters[0])
     assert combined_job.llm_kwargs(2, "combined")["speculative_config"]["method"] == "dflash"
     c = v.combined
@@ -403,7 +401,7 @@ def test_the_combined_speculator_is_timed_at_lookups_k_ranked_and_served_with_it
 
 def test_a_prompt_a_later_engine_run_refuses_is_left_out_of_every_comparison(tiny_target, drafters, monkeypatch,
                                                                              tmp_path, capsys):
-    """vLLM refuses a prompt in one engine run only, after the first: prompt lookup at its second K, the combined
+    """vLLM refuses a prompt in one engine run only: prompt lookup at its second K (in the first run), the combined
     speculator, the fp32 recheck of the drafter's one bf16 mismatch. Each is left out of every run's figures (the
     runs before it took it), named with its reason, and of the later runs' jobs; the recheck that refuses its prompt
     is no KeyError. A later run that refuses every prompt left is one line."""
@@ -418,8 +416,8 @@ def test_a_prompt_a_later_engine_run_refuses_is_left_out_of_every_comparison(tin
     spec_s = {3: 0.5, 1: 0.8, ("ngram", 2): 0.9, ("ngram", 4): 0.85, "combined": 0.6}
     calls: list = []
 
-    def refuses(job) -> dict[str, str]:  # the timed run (lookup at K = 2 last) refuses none
-        run = "check" if job.mode == "check" else (job.lookup_method, job.ngram_tokens)
+    def refuses(job) -> dict[str, str]:  # the timed run's lookup K = 4 refuses p2
+        run = "check" if job.mode == "check" else tuple(job.free[-1]) if job.free else None
         rid = {("ngram", 4): "p2", ("combined", 3): "p1", "check": "p0"}.get(run)  # p0: the K = 3 bf16 mismatch
         return {rid: why[rid]} if rid else {}
 
@@ -436,15 +434,15 @@ def test_a_prompt_a_later_engine_run_refuses_is_left_out_of_every_comparison(tin
     assert (v.lossless_checked, v.lossless_mismatches, v.mismatches) == (2, 0, [])
     assert {c.prompts for c in v.combined.against.values()} == {2}  # paired on the same prompts
     assert {r.prompts for r in v.ranking} == {2}  # and ranked on them
-    lookup_4, combined_job, recheck = calls[1:]
-    assert [r.id for r in lookup_4.requests] == ["p0", "p1", "p2", "p3", "p4"]
+    timed, combined_job, recheck = calls
+    assert [r.id for r in timed.requests] == ["p0", "p1", "p2", "p3", "p4"]
     assert [r.id for r in combined_job.requests] == ["p0", "p1", "p3", "p4"]  # not p2, refused before
     assert recheck.mode == "check" and [r.id for r in recheck.requests] == ["p0"]
     printed = capsys.readouterr().out
     for rid in ("p2", "p1", "p0"):
         assert f"engine: vLLM refused 1 prompt(s), left out of every comparison: {rid}: {why[rid]}" in printed
     monkeypatch.setattr(runner, "run_engine", fake_engine([], natural, spec_s, {}, [], refuses=lambda job: {
-        r.id: "VLLMValidationError: none left" for r in job.requests} if job.lookup_method == "combined" else
+        r.id: "VLLMValidationError: none left" for r in job.requests} if job.combined else
         refuses(job)))
     with pytest.raises(UserError, match=r"^-: vLLM refused all 5 prompts \(e\.g\. p2: VLLMValidationError: no p2 "
                                         r"here\): nothing to evaluate$"):
@@ -484,7 +482,7 @@ def test_prompt_lookup_is_timed_with_requests_together_and_the_tables_say_how_fa
     config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1],
                         concurrency=[4], ngram=[3])
     v = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
-    assert calls[0].ngram_tokens == 3 and calls[0].concurrency == [4]
+    assert calls[0].free == [("ngram", 3)] and calls[0].concurrency == [4]
     lookup = v.ngram
     assert [(r.requests, r.k) for r in lookup.concurrency] == [(1, 3), (4, 3)]
     assert lookup.concurrency[1].speedup == pytest.approx(2.0 / 2.5)
@@ -496,11 +494,11 @@ def test_prompt_lookup_is_timed_with_requests_together_and_the_tables_say_how_fa
             "request at a time only.") in text
 
 
-def test_each_prompt_lookup_k_is_timed_in_an_engine_of_its_own_and_the_fastest_is_the_baseline(
+def test_every_prompt_lookup_k_is_timed_beside_the_drafter_and_the_fastest_is_the_baseline(
         tiny_target, drafters, monkeypatch, tmp_path):
-    """--ngram 2,4: vLLM starts no engine after a prompt-lookup one in the same process, so the first lookup K is
-    timed after the drafter's and each further K in a job of its own, on the same prompts at the lengths the first
-    job's reference pass found (no second reference pass); the fastest lookup K at batch 1 is the baseline."""
+    """--ngram 2,4: both lookup K are timed in the drafter's job beside its first K, on the prompts of its reference
+    pass, sharing plain decoding's runs (one job, no second reference pass); the fastest lookup K at batch 1 is the
+    baseline."""
     from dflash_train.engine import runner
     from dflash_train.report_tables import serving_tables
     from dflash_train.stages.evaluate.config import EvalConfig
@@ -517,11 +515,7 @@ def test_each_prompt_lookup_k_is_timed_in_an_engine_of_its_own_and_the_fastest_i
     config = EvalConfig(drafter=str(drafters[0]), prompts="-", out="-", max_new_tokens=12, speculative_tokens=[1],
                         concurrency=[4], ngram=[2, 4])
     v = engine_eval(config, tiny_target, prompts, 4, "fp32", "cpu", tmp_path)
-    assert [(c.speculative_tokens, c.ngram_tokens) for c in calls] == [([1], 2), ([], 4)]
-    again = calls[1]
-    assert [(r.max_tokens, r.ignore_eos) for r in again.requests] == [(9, True), (10, True), (11, True), (12, True)]
-    assert [r.prompt_token_ids for r in again.requests] == list(prompts.values())
-    assert again.concurrency == [4] and again.drafter == calls[0].drafter and again.budget_s is None
+    assert [(c.speculative_tokens, c.free) for c in calls] == [([1], [("ngram", 2), ("ngram", 4)])]
     assert [row.k for row in v.ngram_sweep] == [2, 4]
     assert v.ngram.k == 4 and v.ngram.speedup == pytest.approx(1 / 0.7)
     assert v.ngram.engine_args["num_speculative_tokens"] == 4

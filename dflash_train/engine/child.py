@@ -2,13 +2,14 @@
 `runner.run_engine`): read the job, decode it in vLLM, write result.json atomically.
 
 Three modes. `batch` (capture): every request at once, continuous batching. `timed` (eval): the speedup protocol,
-`_timed` below: plain decoding and one speculative engine per speculation length K, alive side by side in the
-child, each warmed up; every prompt decoded first to its natural stop (the reference outputs and lengths), then
-timed plain and speculative at that fixed length (`ignore_eos`: both sides decode the same number of tokens),
-alternating which goes first, at batch 1 and at the requested concurrencies; each run timed twice, by the engine
-core's timestamps (request arrival, first and last token) and by a stopwatch around the call. `check` (the eval's
+`_timed` below: plain decoding and the speculative engines (the drafter at its first K and every free speculator
+asked for) alive side by side in the child, each warmed up; every prompt decoded first to its natural stop (the
+reference outputs and lengths), then timed by plain decoding once and by each speculator at that fixed length
+(`ignore_eos`: every side decodes the same number of tokens), rotating which goes first, at batch 1 and at the
+requested concurrencies; each run timed twice, by the engine core's timestamps (request arrival, first and last
+token) and by a stopwatch around the call. `check` (the eval's
 fp32 rerun of its mismatches): each prompt alone, plain and speculative at one K (the drafter, or the combined
-speculator with `lookup_method` "combined"), once each to its natural stop, untimed. Acceptance comes from vLLM's
+speculator where the job names its `combined` setting), once each to its natural stop, untimed. Acceptance comes from vLLM's
 per-request speculative-decoding metrics (the accepted drafts of every verification step). The prompts are token
 ids rendered by the project (`target.render`), so the engine and the project's loop decode the very same prompts.
 A request the engine refuses when it is added (vLLM validates its sampling parameters and compiles its grammar
@@ -18,6 +19,7 @@ there) is left out in every mode, the others decoded: result.json's `refused` na
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -26,7 +28,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from dflash_train.engine.combined import source_counts, suffix_answers
 from dflash_train.engine.install import engine_environment_keys, vllm_version
@@ -87,6 +89,22 @@ def refused_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, TypeError, VLLMClientError)
 
 
+@contextlib.contextmanager
+def _kernel_scan_safe() -> Iterator[None]:
+    """An engine's start with llvmlite's modules out of `sys.modules`. vLLM 0.32's CPU backend rebinds its kernel
+    overrides at every engine's start by scanning each module's attributes, and trips over llvmlite's function
+    wrappers (`AttributeError: '_lib_fn_wrapper' object has no attribute 'get'`), which prompt lookup's proposer
+    imports: without this no engine starts in a process after a prompt-lookup one. No llvmlite module holds a
+    vLLM kernel, and they are back as they were when the start returns."""
+    hidden = {name: mod for name, mod in sys.modules.items() if name.partition(".")[0] == "llvmlite"}
+    for name in hidden:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
+
+
 def _screened(engines: list[Any], requests: list[EngineRequest], params: Callable[[EngineRequest], Any]
               ) -> tuple[list[EngineRequest], dict[str, str]]:
     """The requests every engine of `engines` takes, and those one refuses (id: `refusal`): each is added to each
@@ -113,7 +131,7 @@ def _child(workdir: Path) -> None:
     job_raw = json.loads((workdir / JOB_FILE).read_text())
     job = EngineJob(**{**job_raw, "requests": [EngineRequest(**r) for r in job_raw["requests"]]})
     setting = job.combined or CombinedRule().setting()
-    if job.lookup_method == "combined":
+    if job.combined:
         # checked before any engine starts: vLLM loads the plugin, whose register checks it, once per process, and
         # that is at the plain engine here, before the setting is in the environment
         parse_combined(setting)
@@ -129,7 +147,8 @@ def _child(workdir: Path) -> None:
         else:
             os.environ.pop(COMBINED_SETTING, None)
         t0 = time.perf_counter()
-        llm = LLM(**kwargs, **metrics, disable_log_stats=False)
+        with _kernel_scan_safe():
+            llm = LLM(**kwargs, **metrics, disable_log_stats=False)
         return llm, kwargs, time.perf_counter() - t0
 
     def params(r: EngineRequest) -> Any:
@@ -247,113 +266,138 @@ def _generated(requests: list[EngineRequest], results: list[Any], wall_s: float)
 def _timed(job: EngineJob, plain: Any, start, generate, params: Callable[[EngineRequest], Any], started: float
            ) -> tuple[list[dict], dict[str, Any], dict[str, str]]:
     """The eval's speedup protocol (runs in the child). Returns the plain outputs to each prompt's natural stop
-    (the reference: the lossless check and each prompt's length), per speculation length K the timings, and the
-    requests the plain engine or the first speculative one refuses (`_screened`: left out of every run).
+    (the reference: the lossless check and each prompt's length), per speculator and K the timings, and the
+    requests the plain engine or one of the group's refuses (`_screened`: left out of every run).
 
     1. Plain decoding warms up (one short request), then decodes every prompt alone to its natural stop (skipped
-       where every request already has its timed length and `ignore_eos`: a `lookup_job`; no outputs then).
-    2. For each K of `job.speculative_tokens` in order (the first always; each next one only while the budget,
-       counted from the child's start, still holds the most any K has cost so far): a speculative engine starts
-       beside the plain one and warms up; every prompt is decoded `repeats` times by each side, alone, at its
-       natural length with `ignore_eos` (both sides decode the same number of tokens; greedy: the same tokens),
-       alternating which side goes first from prompt to prompt and from repeat to repeat (ABBA), so that a change
-       of load on the machine hits both alike, each run `idle_s` after the last and after both engines' prefix caches
-       are emptied (no prompt is served from an earlier request's cache); then each concurrency c: the first
-       c prompts (cycled), decoded together, the same way. Every run is timed by the engine core (from the
-       arrival of its first request to its last token: `core_s`; from its first token to its last: `decode_s`)
-       and by a stopwatch around the call (`wall_s`). The speculative engine is shut down before the next K starts.
-    3. Then vLLM's prompt lookup at K = `job.ngram_tokens`, the same way, at batch 1 and at each concurrency
-       (whatever the budget: a baseline asked for is measured); its run says `"method": "ngram"` (or, with
-       `job.lookup_method` "suffix", vLLM's suffix decoding: `"method": "suffix"`; "combined", the drafter with
-       the combined speculator's plugin on: `"method": "combined"`, each output with its blocks by source), on
-       the first `job.free_limit` prompts where it is set."""
+       where every request already has its timed length and `ignore_eos`: a `free_job`; no outputs then).
+    2. The group: the drafter at the first K of `job.speculative_tokens` and each free speculator of `job.free`
+       (vLLM's prompt lookup "ngram", suffix decoding "suffix", or "combined": the drafter with the combined
+       speculator's plugin on, each output with its blocks by source), their engines started beside the plain one
+       before the reference pass, and warmed up. Every prompt is decoded `repeats` times by plain decoding and by each speculator, alone, at
+       its natural length with `ignore_eos` (every side decodes the same number of tokens; greedy: the same
+       tokens), rotating which side goes first from prompt to prompt and from repeat to repeat (with one
+       speculator: ABBA), so that a change of load on the machine hits every side alike; plain decoding's run is
+       shared by every speculator, and a free speculator times only the first `job.free_limit` prompts where it is
+       set. Each run comes `idle_s` after the last, after its engine's prefix cache is emptied (no prompt is served
+       from an earlier request's cache); then each concurrency c: the first c prompts (cycled), decoded together,
+       the same way. Every run is timed by the engine core (from the arrival of its first request to its last
+       token: `core_s`; from its first token to its last: `decode_s`) and by a stopwatch around the call
+       (`wall_s`). The group's engines are shut down after it.
+    3. Each further K of `job.speculative_tokens` in order, while the budget, counted from the child's start,
+       still holds the most a drafter K has cost so far (its engine's start, its runs and plain decoding's beside
+       them): its engine alone beside the plain one, the same way."""
     import gc
 
-    todo = [("dflash", k) for k in job.speculative_tokens]
-    todo += [(job.lookup_method, job.ngram_tokens)] if job.ngram_tokens else []
-    opened = start(todo[0][1], todo[0][0])  # before minutes of decoding: a drafter vLLM refuses fails first
-    requests, refused = _screened([plain, opened[0]], job.requests, params)
+    group = [("dflash", k) for k in job.speculative_tokens[:1]] + [(method, k) for method, k in job.free]
+    # before minutes of decoding: a drafter vLLM refuses fails first, and a request one of them refuses is left out
+    opened = [start(k, method) for method, k in group]
+    requests, refused = _screened([plain, *(llm for llm, _, _ in opened)], job.requests, params)
     if not requests:
         return [], {"runs": [], "skipped": [], "repeats": job.repeats, "budget_s": job.budget_s,
                     "concurrency": job.concurrency}, refused
     first = requests[0]
     warm_up = [replace(first, id="warm-up", max_tokens=min(8, first.max_tokens))]
     generate(plain, warm_up)
-    if all(r.ignore_eos for r in requests):  # lengths fixed by an earlier job's reference pass (`lookup_job`)
+    if all(r.ignore_eos for r in requests):  # lengths fixed by an earlier job's reference pass (`free_job`)
         natural, fixed = [], requests
     else:
         natural = [generate(plain, [r]).outputs[0] for r in requests]
         fixed = [at_length(r, len(o["token_ids"])) for r, o in zip(requests, natural)]
-    t0 = time.perf_counter() - opened[2]  # the first K's cost: its engine's start, and its runs
-    runs: list[dict[str, Any]] = []
+    runs = _timed_group(job, plain, group, opened, generate, warm_up, fixed)
+    del opened
+    gc.collect()
+    _said(runs, started)
     skipped: list[int] = []
-    most = 0.0  # the most any K has cost so far, seconds
-    for i, (method, k) in enumerate(todo):
-        if i and method == "dflash" and job.budget_s is not None and \
-                time.perf_counter() - started + most > job.budget_s:
+    most = max((r["seconds"] + r["plain_shared_s"] for r in runs if r["method"] == "dflash"), default=0.0)
+    free_s = sum(r["seconds"] for r in runs if r["method"] != "dflash")  # not the K sweep's budget
+    for k in job.speculative_tokens[1:]:
+        if job.budget_s is not None and time.perf_counter() - started - free_s + most > job.budget_s:
             skipped.append(k)
             continue
-        if i:
-            t0 = time.perf_counter()
-            opened = start(k, method)
-        run = _timed_k(job, plain, opened, generate, warm_up,
-                       fixed if method == "dflash" else fixed[:job.free_limit], method, k)
-        del opened
+        more = _timed_group(job, plain, [("dflash", k)], [start(k)], generate, warm_up, fixed)
         gc.collect()
-        run["seconds"] = time.perf_counter() - t0
-        most = max(most, run["seconds"])
-        named = {"ngram": "prompt lookup ", "suffix": "suffix decoding ", "combined": "combined "}.get(method, "")
-        print(f"timed: {named}K={k} done in {run['seconds']:.0f} s "
-              f"({time.perf_counter() - started:.0f} s in all)", flush=True)
-        runs.append(run)
+        _said(more, started)
+        most = max(most, more[0]["seconds"])
+        runs += more
     return natural, {"runs": runs, "skipped": skipped, "repeats": job.repeats, "budget_s": job.budget_s,
                      "concurrency": job.concurrency}, refused
 
 
-def _timed_k(job: EngineJob, plain: Any, opened: tuple[Any, dict[str, Any], float], generate,
-             warm_up: list[EngineRequest], fixed: list[EngineRequest], method: str, k: int) -> dict[str, Any]:
-    """Step 2 (or 3) of `_timed` at one K: the speculative engine `opened` (LLM, its kwargs, load s) warms up,
-    every prompt of `fixed` (at its natural length) is timed alone beside plain decoding, then each concurrency;
-    the engine is shut down. Returns the K's run: its timings and its speculative outputs at batch 1."""
-    spec, kwargs, load_s = opened
-    generate(spec, warm_up)
-    sides = {"plain": plain, "spec": spec}
-    run: dict[str, Any] = {"k": k, "method": method, "llm_kwargs": kwargs, "load_s": load_s, "outputs": [],
-                           "batch1": [], "concurrency": []}
-    for n, batch in [(1, [r]) for r in fixed] + [
-            (c, [replace(fixed[j % len(fixed)], id=f"{fixed[j % len(fixed)].id}#{j}") for j in range(c)])
-            for c in job.concurrency]:
-        times, outputs = _time_batch(sides, generate, n, batch, job.repeats,
-                                     len(run["batch1"]) + len(run["concurrency"]), idle_s(job.device))
-        if n == 1:
-            run["outputs"] += outputs
-        run["batch1" if n == 1 else "concurrency"].append(times)
-    spec.llm_engine.engine_core.shutdown()
-    return run
+def _said(runs: list[dict[str, Any]], started: float) -> None:
+    """One line per timed run: what it timed and its seconds, and the child's so far."""
+    for run in runs:
+        named = {"ngram": "prompt lookup ", "suffix": "suffix decoding ", "combined": "combined "}.get(run["method"], "")
+        print(f"timed: {named}K={run['k']} done in {run['seconds']:.0f} s ({time.perf_counter() - started:.0f} s in "
+              f"all)", flush=True)
 
 
-def _time_batch(sides: dict[str, Any], generate, n: int, batch: list[EngineRequest], repeats: int,
-                parity: int, idle: float) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """One batch of `n` requests timed `repeats` times by each side, the side that goes first alternating from
-    batch to batch (`parity`: the batches timed before it) and from repeat to repeat (ABBA), each run `idle`
-    seconds after the last. Returns its times and the speculative side's outputs of the first repeat."""
-    times: dict[str, Any] = {"requests": n, "tokens": sum(r.max_tokens for r in batch)}
+def _timed_group(job: EngineJob, plain: Any, group: list[tuple[str, int]], opened: list[tuple[Any, dict, float]],
+                 generate, warm_up: list[EngineRequest], fixed: list[EngineRequest]) -> list[dict[str, Any]]:
+    """Steps 2 and 3 of `_timed`: the speculative engines `opened` (LLM, its kwargs, load s), one per (method, K) of
+    `group`, warm up; every prompt of `fixed` (at its natural length) is timed alone by plain decoding and by each
+    of them (a free speculator: the first `job.free_limit`), then each concurrency; the engines are shut down.
+    Returns each one's run: its timings, each beside plain decoding's of the same request, its speculative outputs
+    at batch 1, and its seconds (its engine's start, its runs and its share of plain decoding's beside them)."""
+    runs = [{"k": k, "method": method, "llm_kwargs": kwargs, "load_s": load_s, "outputs": [], "batch1": [],
+             "concurrency": [], "seconds": load_s, "plain_shared_s": 0.0}
+            for (method, k), (_, kwargs, load_s) in zip(group, opened)]
+    for (spec, _, _), run in zip(opened, runs):
+        t0 = time.perf_counter()
+        generate(spec, warm_up)
+        run["seconds"] += time.perf_counter() - t0
+    limit = len(fixed) if job.free_limit is None else job.free_limit
+    batches = [(1, [r], [run for run in runs if run["method"] == "dflash" or i < limit])
+               for i, r in enumerate(fixed)]
+    batches += [(c, [replace(fixed[j % len(fixed)], id=f"{fixed[j % len(fixed)].id}#{j}") for j in range(c)], runs)
+                for c in job.concurrency]
+    for parity, (n, batch, timing) in enumerate(batches):
+        sides = [(plain, None)] + [(opened[runs.index(run)][0], run) for run in timing]
+        times, outputs, seconds = _time_batch(sides, generate, n, batch, job.repeats, parity, idle_s(job.device))
+        for run, side_times, side_outputs, side_s in zip(timing, times, outputs, seconds[1:]):
+            # plain decoding's runs shared out among the speculators it ran beside; the rest of them, which the
+            # others paid, in plain_shared_s (alone, a K would cost both)
+            run["seconds"] += side_s + seconds[0] / len(timing)
+            run["plain_shared_s"] += seconds[0] * (1 - 1 / len(timing))
+            if n == 1:
+                run["outputs"] += side_outputs
+            run["batch1" if n == 1 else "concurrency"].append(side_times)
+    for spec, _, _ in opened:
+        spec.llm_engine.engine_core.shutdown()
+    return runs
+
+
+def _time_batch(sides: list[tuple[Any, Any]], generate, n: int, batch: list[EngineRequest], repeats: int,
+                parity: int, idle: float) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]], list[float]]:
+    """One batch of `n` requests timed `repeats` times by each engine of `sides` (plain decoding first in the list,
+    then each speculator), the order rotated from batch to batch (`parity`: the batches timed before it) and from
+    repeat to repeat (two sides: ABBA), each run `idle` seconds after the last. Returns per speculator its times
+    beside plain decoding's, its outputs of the first repeat, and each side's seconds (plain decoding's first)."""
+    common: dict[str, Any] = {"requests": n, "tokens": sum(r.max_tokens for r in batch)}
     if n == 1:
-        times["id"] = batch[0].id
-    outputs: list[dict[str, Any]] = []
+        common["id"] = batch[0].id
+    clocks: list[dict[str, list]] = [{} for _ in sides]
+    outputs: list[list[dict[str, Any]]] = [[] for _ in sides]
+    seconds = [0.0 for _ in sides]
     for repeat in range(repeats):
-        for side in ("plain", "spec") if (parity + repeat) % 2 == 0 else ("spec", "plain"):
+        shift = (parity + repeat) % len(sides)
+        for i in list(range(len(sides)))[shift:] + list(range(len(sides)))[:shift]:
             time.sleep(idle)
-            # Every timed run prefills cold: the plain engine holds the prompts of its natural pass, the
-            # speculative one has not seen them, and with room for several sequences (--concurrency) plain's
-            # prefill would be a cache hit (BENCHMARKS "A prompt cached on one side only").
-            sides[side].reset_prefix_cache()
-            got = generate(sides[side], batch)
+            # Every timed run prefills cold: the plain engine holds the prompts of its natural pass, a speculative
+            # one has not seen them, and with room for several sequences (--concurrency) plain's prefill would be
+            # a cache hit (BENCHMARKS "A prompt cached on one side only").
+            llm = sides[i][0]
+            llm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            got = generate(llm, batch)
+            seconds[i] += time.perf_counter() - t0
             for clock in ("core_s", "decode_s", "wall_s", "cached_tokens"):
-                times.setdefault(f"{side}_{clock}", []).append(getattr(got, clock))
-            if side == "spec" and repeat == 0:
-                outputs = got.outputs
-    return times, outputs
+                clocks[i].setdefault(clock, []).append(getattr(got, clock))
+            if repeat == 0:
+                outputs[i] = got.outputs
+    times = [{**common, **{f"plain_{clock}": v for clock, v in clocks[0].items()},
+              **{f"spec_{clock}": v for clock, v in own.items()}} for own in clocks[1:]]
+    return times, outputs[1:], seconds
 
 
 def _check(job: EngineJob, plain: Any, start, generate, params: Callable[[EngineRequest], Any]
@@ -364,7 +408,7 @@ def _check(job: EngineJob, plain: Any, start, generate, params: Callable[[Engine
     its timed runs (two decodes per prompt instead of three, no idle gaps), and the requests either engine refuses
     (`_screened`: left out of both)."""
     k = job.speculative_tokens[0]
-    spec, kwargs, load_s = start(k, "combined" if job.lookup_method == "combined" else "dflash")
+    spec, kwargs, load_s = start(k, "combined" if job.combined else "dflash")
     requests, refused = _screened([plain, spec], job.requests, params)
     natural = [generate(plain, [r]).outputs[0] for r in requests]
     outputs = [generate(spec, [r]).outputs[0] for r in requests]

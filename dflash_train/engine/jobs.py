@@ -54,15 +54,12 @@ class EngineJob:
     concurrency: list[int] = field(default_factory=list)
     repeats: int = 1
     budget_s: float | None = None
-    # timed mode: the K at which vLLM's prompt lookup (lookup.PROMPT_LOOKUP) is timed after the drafter's K, the same
-    # way, whatever the budget (a baseline asked for is measured). One K, last: vLLM 0.32 cannot start another engine
-    # in a process after a prompt-lookup one (its CPU kernel overrides trip over an object llvmlite, imported by the
-    # lookup, leaves in sys.modules: AttributeError '_lib_fn_wrapper' object has no attribute 'get'); each further
-    # lookup K is a job of its own (no drafter K, its requests already at their timed lengths: `lookup_job`).
-    ngram_tokens: int | None = None
-    # the speculator timed at ngram_tokens: prompt lookup, suffix decoding, or "combined": the drafter with prompt
-    # lookup's block where `combined`, a lookup.CombinedRule setting, picks it (engine.combined; check mode too)
-    lookup_method: str = "ngram"
+    # timed mode: the free speculators timed beside the drafter's first K, sharing plain decoding's runs, whatever
+    # the budget (a baseline asked for is measured): (method, K) each, "ngram" vLLM's prompt lookup
+    # (lookup.PROMPT_LOOKUP), "suffix" its suffix decoding, "combined" the drafter with the combined speculator's
+    # block where `combined` picks it (engine.combined)
+    free: list[tuple[str, int]] = field(default_factory=list)
+    # a lookup.CombinedRule setting: the combined speculator's, in timed mode ("combined" in `free`) and check mode
     combined: str | None = None
     free_limit: int | None = None  # timed mode: the free speculators (not "dflash") time only the first N prompts
 
@@ -104,7 +101,7 @@ def kv_cache_bytes_for(job: EngineJob) -> int:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
         per_token += 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4  # K and V, up to 4 bytes each
-    k = max(job.speculative_tokens, default=0)
+    k = max([*job.speculative_tokens, *(k for _, k in job.free)], default=0)
     return max(64 << 20, 2 * per_token * job.max_num_seqs() * (job.max_model_len + 2 * k + 32))
 
 
@@ -130,12 +127,12 @@ def sampling_params(request: EngineRequest, stop_token_ids: list[int]) -> dict[s
             "detokenize": bool(extra.get("stop")), **extra}
 
 
-def lookup_job(job: EngineJob, natural: dict[str, EngineOutput], k: int, method: str = "ngram") -> EngineJob:
-    """A further prompt-lookup K of the timed `job` (or, method "suffix", suffix decoding at K), in a process of its
-    own (see EngineJob.ngram_tokens): the same prompts at the lengths the job's reference pass found (`natural`, by
-    id; a prompt it refused has none and is left out), no drafter K."""
+def free_job(job: EngineJob, natural: dict[str, EngineOutput], free: list[tuple[str, int]]) -> EngineJob:
+    """The free speculators `free` ((method, K) each, as EngineJob.free) timed after the timed `job`, in a process of
+    their own: the same prompts at the lengths the job's reference pass found (`natural`, by id; a prompt it refused
+    has none and is left out), no drafter K."""
     return replace(job, requests=[at_length(r, len(natural[r.id].token_ids)) for r in job.requests if r.id in natural],
-                   speculative_tokens=[], ngram_tokens=k, lookup_method=method, budget_s=None)
+                   speculative_tokens=[], free=free, budget_s=None)
 
 
 @dataclass

@@ -12,6 +12,9 @@ import torch
 
 from dflash_train.engine import runner
 from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest, EngineResult
+
+FREE_SPECULATORS = {"ngram": "vLLM's prompt lookup", "suffix": "vLLM's suffix decoding",
+                    "combined": "the combined speculator"}  # EngineJob.free's methods, in words
 from dflash_train.errors import UserError
 from dflash_train.stages.evaluate.config import EvalConfig
 from dflash_train.target import Target, prompt_seed
@@ -51,8 +54,8 @@ class EngineRunner:
                         drafter=cfg.drafter, max_model_len=self.max_len, mode=mode, seed=cfg.seed,
                         device=torch.device(self.device).type, engine_args=cfg.engine_args,
                         speculative_tokens=ks, concurrency=concurrency, repeats=cfg.repeats, budget_s=budget_s,
-                        ngram_tokens=cfg.ngram[0] if cfg.ngram and mode == "timed" else None,
-                        lookup_method="combined" if combined else "ngram", combined=combined,
+                        free=([("ngram", k) for k in cfg.ngram] + [("suffix", k) for k in cfg.suffix]
+                              if mode == "timed" else []), combined=combined,
                         free_limit=cfg.free_limit if mode == "timed" else None)
         budget = f", {budget_s:.0f} s budget" if budget_s is not None and len(ks) > 1 else ""
         if self.first is not None and mode == "timed":
@@ -60,8 +63,9 @@ class EngineRunner:
                 f"the best expected speed by the {self.source} at a step cost of {cfg.step_cost[0]:.2f} + "
                 f"{cfg.step_cost[1]:.3f} x K plain steps" if cfg.step_cost else
                 f"the shortest that keeps tau by the {self.source}")
-        if cfg.ngram and mode == "timed":
-            budget += f"; then vLLM's prompt lookup at K = {', '.join(map(str, cfg.ngram))}"
+        if job.free:
+            budget += "; beside the first, sharing plain decoding's runs: " + ", ".join(
+                f"{FREE_SPECULATORS[method]} at K = {k}" for method, k in job.free)
         speculator = f"the combined speculator ({combined}) with drafter" if combined else "with drafter"
         print(f"engine: vLLM, plain and {speculator} {cfg.drafter} at K = {', '.join(map(str, ks))} "
               f"({len(ids.keys() - self.refused.keys())} prompts, concurrency 1"

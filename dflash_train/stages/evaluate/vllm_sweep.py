@@ -17,7 +17,7 @@ import torch
 from dflash_train.engine.args import serve_command
 from dflash_train.engine.child import idle_s
 from dflash_train.engine.install import suffix_problem
-from dflash_train.engine.jobs import LOOKUP_METHODS, EngineJob, EngineOutput, EngineResult, engine_steps, lookup_job
+from dflash_train.engine.jobs import LOOKUP_METHODS, EngineJob, EngineOutput, EngineResult, engine_steps, free_job
 from dflash_train.errors import UserError
 from dflash_train.eval_report import (CombinedEntry, ConcurrencyRow, FirstK, KRow, LoadSeconds, Lossless, Mismatch,
                                       Paired, RankRow, SourceCount, SpeculatorEntry, Speed, SweepTiming, TimedPrompt,
@@ -35,11 +35,13 @@ from dflash_train.target import Target
 CLOCKS = ("core_s", "decode_s", "wall_s")  # engine core: arrival to last token, first to last token; stopwatch
 TIMING = tuple(f"{side}_{clock}" for side in ("plain", "spec") for clock in CLOCKS)
 FIGURES = tuple(f.name for f in fields(Speed) if not f.name.endswith("_interval"))  # of a concurrency run
-TIMING_PROTOCOL = ("warm engines (one short request each first), plain and speculative side by side in one process; "
-                   "each prompt decoded alone to its natural stop by plain decoding, then timed plain and speculative "
-                   "at that length with ignore_eos (the same number of new tokens on both sides), alternating which "
-                   "side goes first, each request {idle} with "
-                   "both engines' prefix caches emptied (every timed prompt prefilled in full); timed "
+TIMING_PROTOCOL = ("warm engines (one short request each first), plain decoding and the speculators side by side in "
+                   "one process; each prompt decoded alone to its natural stop by plain decoding, then timed by plain "
+                   "decoding once and by each speculator at that length with ignore_eos (the same number of new "
+                   "tokens on every side; the drafter's first K and the free speculators share plain decoding's run, "
+                   "each further K and the combined speculator are timed beside plain decoding's own), rotating which "
+                   "side goes first, each request {idle} with its engine's prefix cache emptied (every timed prompt "
+                   "prefilled in full); timed "
                    "by the engine core from the request's arrival to its last token (the decode phase alone: from "
                    "its first token) and by a stopwatch around the whole request; concurrency c: the first c "
                    "prompts (cycled) decoded together, timed the same way")
@@ -253,9 +255,6 @@ def per_batch_size_schedule(best: list[ConcurrencyRow]) -> list[list[int]] | Non
     return schedule
 
 
-FREE_SPECULATORS = {"ngram": ("prompt lookup", "lookup"), "suffix": ("suffix decoding", "suffix")}  # name, log tag
-
-
 def free_speculator(runs: list[dict[str, Any]], natural: dict[str, EngineOutput], greedy: bool
                     ) -> tuple[list[KRow], SpeculatorEntry | None]:
     """The rows of one of the engine's model-free speculators (prompt lookup, suffix decoding), a row per K timed,
@@ -334,7 +333,8 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     job, result = run(prompts, dtype_name, "timed", ks, cfg.concurrency, cfg.sweep_budget_s)
     natural, greedy = result.by_id(), cfg.temperature == 0
     drafted = [r for r in result.timed["runs"] if r.get("method", "dflash") == "dflash"]
-    free, seconds = free_speculator_runs(run, job, result)
+    free = {method: [r for r in result.timed["runs"] if r.get("method") == method] for method in LOOKUP_METHODS}
+    seconds = result.load_s + result.wall_s
 
     def rows() -> tuple[list[KRow], list[KRow], SpeculatorEntry | None, list[KRow], SpeculatorEntry | None]:
         """The drafter's row per K, prompt lookup's and suffix decoding's rows and entries, each over the prompts no
@@ -394,26 +394,6 @@ def sweep_plan(cfg: EvalConfig, block_size: int, tau_by_k: list[float] | None) -
     return first, ks
 
 
-def free_speculator_runs(run: EngineRunner, job: EngineJob, result: EngineResult
-                         ) -> tuple[dict[str, list[dict[str, Any]]], float]:
-    """The timed runs of vLLM's model-free speculators by method ("ngram": prompt lookup, "suffix": suffix
-    decoding): --ngram's first K ran beside the drafter (`result`); each further lookup K, and each suffix decoding
-    K, runs in an engine process of its own (EngineJob.ngram_tokens), on the same prompts at their lengths in
-    `result`. Also the seconds of every engine run so far."""
-    cfg = run.cfg
-    free = {"ngram": [r for r in result.timed["runs"] if r.get("method") == "ngram"], "suffix": []}
-    seconds = result.load_s + result.wall_s
-    natural = result.by_id()
-    for method, k in [("ngram", k) for k in cfg.ngram[1:]] + [("suffix", k) for k in cfg.suffix]:
-        what, tag = FREE_SPECULATORS[method]
-        print(f"engine: vLLM, plain and {what} at K = {k} ({len(natural.keys() - run.refused.keys())} prompts at "
-              f"their lengths above)", flush=True)
-        again = run.engine(lookup_job(job, natural, k, method), f"{tag}-{k}", f"vLLM with {what} at K = {k}")
-        free[method] += again.timed["runs"]
-        seconds += again.load_s + again.wall_s
-    return free, seconds
-
-
 def paired_against(row: KRow, other: KRow) -> Paired:
     """`row` against `other` on the prompts both timed (with a tau), paired by prompt: the ratio of their mean taus
     and of their speedups over plain decoding (each a ratio of sums, engine core), each with its 95% bootstrap
@@ -465,7 +445,7 @@ def combined_run(run: EngineRunner, job: EngineJob, natural: dict[str, EngineOut
     print(f"engine: vLLM, plain and the combined speculator ({setting}) at K = {k} "
           f"({len(natural.keys() - run.refused.keys())} prompts at their lengths above)", flush=True)
     t0 = time.perf_counter()
-    again = run.engine(replace(lookup_job(job, natural, k, "combined"), combined=setting), "combined",
+    again = run.engine(replace(free_job(job, natural, [("combined", k)]), combined=setting), "combined",
                        "vLLM with the combined speculator")
     (timed,) = again.timed["runs"]
     return timed, time.perf_counter() - t0
