@@ -83,9 +83,15 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
     from dflash_train.stages.capture.command import resolve_layer_ids
     from dflash_train.target import load_target
 
+    parts: dict[str, float] = {}  # each measurement's seconds (`probe_s`), so that a slow probe says where
+
+    def part(name: str, fn, *a, **kw):
+        out, parts[name] = timed(fn, *a, **kw)
+        return out
+
     device = default_device()
     precision = resolve_precision(dtype, device)
-    target = load_target(args.target, dtype=precision.dtype, device=device)
+    target = part("target", load_target, args.target, dtype=precision.dtype, device=device)
     requests = sorted((r for r in rendered_prompts(prompts, "train", args.capture_limit, args.target)
                        if len(r[0]) <= args.max_prompt_tokens), key=lambda r: len(r[0]))  # what capture keeps
     rendered = [ids for ids, _ in requests]
@@ -94,24 +100,26 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
                         f"{args.max_prompt_tokens}: raise it (or --capture-limit)")
     stop, pad = target.stop_token_ids(), target.tokenizer.pad_token_id
     layers = resolve_layer_ids(target.num_layers, None, 5)  # capture's default taps
-    generate_and_capture(target.model, rendered[:2], layers, 2, stop, pad)  # warm-up
-    capture = capture_rates(args, target, rendered, layers)
+    part("capture warm-up", generate_and_capture, target.model, rendered[:2], layers, 2, stop, pad)
+    capture = part("capture", capture_rates, args, target, rendered, layers)
     median_prompt = rendered[len(rendered) // 2]
-    first = {"precision": precision.describe(), **capture, **decode_rates(target.model, median_prompt)}
+    first = {"precision": precision.describe(), **capture, **part("decode", decode_rates, target.model, median_prompt)}
     if precision.dtype != torch.float32:  # the eval reruns its mismatches in fp32: the plan counts that rerun
-        fp32 = load_target(args.target, dtype=torch.float32, device=device).model
-        first.update(decode_rates(fp32, median_prompt, "fp32_"))
+        fp32 = part("fp32 target", load_target, args.target, dtype=torch.float32, device=device).model
+        first.update(part("fp32 decode", decode_rates, fp32, median_prompt, "fp32_"))
     if check is not None:
         check(first)
 
     recipe = demo_recipe(args)
-    steps = training_step_rates(args, target, layers, recipe, precision.dtype, torch.device(device))
-    engine = probe_engine_capture(args, target, requests, layers, precision) if args.capture_engine != "own" else {}
+    steps = part("training steps", training_step_rates, args, target, layers, recipe, precision.dtype,
+                 torch.device(device))
+    engine = part("vLLM capture", probe_engine_capture, args, target, requests, layers, precision) \
+        if args.capture_engine != "own" else {}
     if args.engine != "own" and recipe.drafter.init_from is not None:
-        engine.update(probe_engine_decoding(args, target, rendered, precision, recipe))
+        engine.update(part("vLLM decoding", probe_engine_decoding, args, target, rendered, precision, recipe))
     return {**first, "cpu_capability": torch.backends.cpu.get_cpu_capability(), **engine,
             "state_bytes_per_token": 2.0 * len(layers) * target.config.hidden_size,  # bf16 states
-            **steps}
+            **steps, "probe_s": {name: round(seconds, 1) for name, seconds in parts.items()}}
 
 
 def timed(fn, *a, **kw):

@@ -385,6 +385,10 @@ def test_demo_probe_times_a_training_step_with_online_states(demo_prompts, tiny_
     assert 0 < rates["train_step_s"] and 0 < rates["train_online_step_s"] and 0 < rates["prefill_s"]
     assert rates["capture_mean_tokens"] > rates["capture_mean_new_tokens"] == 4
     assert rates["state_bytes_per_token"] == 2 * 5 * 64  # bf16, five taps of the tiny target's 64
+    # what each measurement cost, so that a slow probe says where (no vLLM here)
+    assert {"target", "capture", "decode", "training steps"} <= set(rates["probe_s"]) and \
+        not {"vLLM capture", "vLLM decoding"} & set(rates["probe_s"])
+    assert all(s >= 0 for s in rates["probe_s"].values())
     plan = demo_plan.make_plan(args, demo_prompts, rates, 140.0)
     assert plan["hidden_states"] in ("stored", "online") and "break-even" in plan["hidden_states_reason"]
 
