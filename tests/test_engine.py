@@ -279,6 +279,9 @@ def test_overfit_drafter_in_vllm_is_lossless_accepts_and_agrees_with_the_own_loo
     looked = {row.k: row for row in vllm.ngram_sweep}
     for k in (2, 3):
         assert [p.plain_core_s for p in looked[k].per_prompt] == [p.plain_core_s for p in rows[7].per_prompt]
+    # and that run is the reference, each prompt decoded by plain decoding to its natural stop
+    rates = vllm.timing.plain_tokens_per_s_decode
+    assert rates["reference"] == pytest.approx(rates["7"]) and rates["reference"] != pytest.approx(rates["1"])
     assert [p.plain_core_s for p in rows[1].per_prompt] != [p.plain_core_s for p in rows[7].per_prompt]
     assert sorted(looked) == [2, 3] and vllm.ngram.k in looked
     for k, lookup in looked.items():

@@ -269,19 +269,20 @@ def _timed(job: EngineJob, plain: Any, start, generate, params: Callable[[Engine
     (the reference: the lossless check and each prompt's length), per speculator and K the timings, and the
     requests the plain engine or one of the group's refuses (`_screened`: left out of every run).
 
-    1. Plain decoding warms up (one short request), then decodes every prompt alone to its natural stop (skipped
-       where every request already has its timed length and `ignore_eos`: a `free_job`; no outputs then).
-    2. The group: the drafter at the first K of `job.speculative_tokens` and each free speculator of `job.free`
+    1. The group: the drafter at the first K of `job.speculative_tokens` and each free speculator of `job.free`
        (vLLM's prompt lookup "ngram", suffix decoding "suffix", or "combined": the drafter with the combined
        speculator's plugin on, each output with its blocks by source), their engines started beside the plain one
-       before the reference pass, and warmed up. Every prompt is decoded `repeats` times by plain decoding and by each speculator, alone, at
-       its natural length with `ignore_eos` (every side decodes the same number of tokens; greedy: the same
-       tokens), rotating which side goes first from prompt to prompt and from repeat to repeat (with one
-       speculator: ABBA), so that a change of load on the machine hits every side alike; plain decoding's run is
-       shared by every speculator, and a free speculator times only the first `job.free_limit` prompts where it is
-       set. Each run comes `idle_s` after the last, after its engine's prefix cache is emptied (no prompt is served
-       from an earlier request's cache); then each concurrency c: the first c prompts (cycled), decoded together,
-       the same way. Every run is timed by the engine core (from the arrival of its first request to its last
+       and warmed up, as plain decoding is (one short request).
+    2. Prompt by prompt, plain decoding decodes it alone to its natural stop (the reference; its first timed run),
+       then each speculator at that length with `ignore_eos` (every side decodes the same number of tokens; greedy:
+       the same tokens), the order of the speculators rotated from prompt to prompt; each further repeat of
+       `repeats` times every side, plain decoding too, the order rotated from repeat to repeat (with one speculator:
+       ABBA), so that a change of load on the machine hits every side alike. Plain decoding's run is shared by every
+       speculator, and a free speculator times only the first `job.free_limit` prompts where it is set. (Where
+       every request already has its timed length and `ignore_eos`, a `free_job`, there is no reference: plain
+       decoding's first run is rotated with the others, and no outputs are returned.) Each run comes `idle_s`
+       after the last, after its engine's prefix cache is emptied (no prompt is served from an earlier request's
+       cache); then each concurrency c: the first c prompts (cycled), decoded together, the same way. Every run is timed by the engine core (from the arrival of its first request to its last
        token: `core_s`; from its first token to its last: `decode_s`) and by a stopwatch around the call
        (`wall_s`). The group's engines are shut down after it.
     3. Each further K of `job.speculative_tokens` in order, while the budget, counted from the child's start,
@@ -299,12 +300,10 @@ def _timed(job: EngineJob, plain: Any, start, generate, params: Callable[[Engine
     first = requests[0]
     warm_up = [replace(first, id="warm-up", max_tokens=min(8, first.max_tokens))]
     generate(plain, warm_up)
-    if all(r.ignore_eos for r in requests):  # lengths fixed by an earlier job's reference pass (`free_job`)
-        natural, fixed = [], requests
-    else:
-        natural = [generate(plain, [r]).outputs[0] for r in requests]
-        fixed = [at_length(r, len(o["token_ids"])) for r, o in zip(requests, natural)]
-    runs = _timed_group(job, plain, group, opened, generate, warm_up, fixed)
+    # lengths fixed by an earlier job's reference pass (`free_job`), else found by this one's
+    natural: list[dict[str, Any]] | None = None if all(r.ignore_eos for r in requests) else []
+    runs = _timed_group(job, plain, group, opened, generate, warm_up, requests, natural)
+    fixed = requests if natural is None else [at_length(r, len(o["token_ids"])) for r, o in zip(requests, natural)]
     del opened
     gc.collect()
     _said(runs, started)
@@ -320,8 +319,8 @@ def _timed(job: EngineJob, plain: Any, start, generate, params: Callable[[Engine
         _said(more, started)
         most = max(most, more[0]["seconds"])
         runs += more
-    return natural, {"runs": runs, "skipped": skipped, "repeats": job.repeats, "budget_s": job.budget_s,
-                     "concurrency": job.concurrency}, refused
+    return natural or [], {"runs": runs, "skipped": skipped, "repeats": job.repeats, "budget_s": job.budget_s,
+                           "concurrency": job.concurrency}, refused
 
 
 def _said(runs: list[dict[str, Any]], started: float) -> None:
@@ -333,12 +332,15 @@ def _said(runs: list[dict[str, Any]], started: float) -> None:
 
 
 def _timed_group(job: EngineJob, plain: Any, group: list[tuple[str, int]], opened: list[tuple[Any, dict, float]],
-                 generate, warm_up: list[EngineRequest], fixed: list[EngineRequest]) -> list[dict[str, Any]]:
-    """Steps 2 and 3 of `_timed`: the speculative engines `opened` (LLM, its kwargs, load s), one per (method, K) of
-    `group`, warm up; every prompt of `fixed` (at its natural length) is timed alone by plain decoding and by each
-    of them (a free speculator: the first `job.free_limit`), then each concurrency; the engines are shut down.
-    Returns each one's run: its timings, each beside plain decoding's of the same request, its speculative outputs
-    at batch 1, and its seconds (its engine's start, its runs and its share of plain decoding's beside them)."""
+                 generate, warm_up: list[EngineRequest], requests: list[EngineRequest],
+                 natural: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Steps 1 to 3 of `_timed`: the speculative engines `opened` (LLM, its kwargs, load s), one per (method, K) of
+    `group`, warm up; every prompt of `requests` is timed alone by plain decoding and by each of them (a free
+    speculator: the first `job.free_limit`), then each concurrency; the engines are shut down. With `natural` (a
+    list) plain decoding's first run of each prompt is its reference, to its natural stop, appended there, and the
+    others decode at its length; without, `requests` are at their lengths already. Returns each one's run: its
+    timings, each beside plain decoding's of the same request, its speculative outputs at batch 1, and its seconds
+    (its engine's start, its runs and its share of plain decoding's beside them)."""
     runs = [{"k": k, "method": method, "llm_kwargs": kwargs, "load_s": load_s, "outputs": [], "batch1": [],
              "concurrency": [], "seconds": load_s, "plain_shared_s": 0.0}
             for (method, k), (_, kwargs, load_s) in zip(group, opened)]
@@ -346,14 +348,25 @@ def _timed_group(job: EngineJob, plain: Any, group: list[tuple[str, int]], opene
         t0 = time.perf_counter()
         generate(spec, warm_up)
         run["seconds"] += time.perf_counter() - t0
-    limit = len(fixed) if job.free_limit is None else job.free_limit
-    batches = [(1, [r], [run for run in runs if run["method"] == "dflash" or i < limit])
-               for i, r in enumerate(fixed)]
-    batches += [(c, [replace(fixed[j % len(fixed)], id=f"{fixed[j % len(fixed)].id}#{j}") for j in range(c)], runs)
-                for c in job.concurrency]
-    for parity, (n, batch, timing) in enumerate(batches):
+    limit = len(requests) if job.free_limit is None else job.free_limit
+    idle, fixed = idle_s(job.device), []
+    batches = [(1, r, [run for run in runs if run["method"] == "dflash" or i < limit]) for i, r in enumerate(requests)]
+    batches += [(c, None, runs) for c in job.concurrency]
+    for parity, (n, request, timing) in enumerate(batches):
         sides = [(plain, None)] + [(opened[runs.index(run)][0], run) for run in timing]
-        times, outputs, seconds = _time_batch(sides, generate, n, batch, job.repeats, parity, idle_s(job.device))
+        reference = None
+        if request is not None and natural is not None:  # plain decoding's first run: the reference
+            time.sleep(idle)
+            plain.reset_prefix_cache()
+            t0 = time.perf_counter()
+            reference = generate(plain, [request]), time.perf_counter() - t0
+            natural.append(reference[0].outputs[0])
+            request = at_length(request, len(natural[-1]["token_ids"]))
+        if request is not None:
+            fixed.append(request)
+        batch = [request] if request is not None else [
+            replace(fixed[j % len(fixed)], id=f"{fixed[j % len(fixed)].id}#{j}") for j in range(n)]
+        times, outputs, seconds = _time_batch(sides, generate, n, batch, job.repeats, parity, idle, reference)
         for run, side_times, side_outputs, side_s in zip(timing, times, outputs, seconds[1:]):
             # plain decoding's runs shared out among the speculators it ran beside; the rest of them, which the
             # others paid, in plain_shared_s (alone, a K would cost both)
@@ -368,20 +381,32 @@ def _timed_group(job: EngineJob, plain: Any, group: list[tuple[str, int]], opene
 
 
 def _time_batch(sides: list[tuple[Any, Any]], generate, n: int, batch: list[EngineRequest], repeats: int,
-                parity: int, idle: float) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]], list[float]]:
+                parity: int, idle: float, reference: tuple[Generated, float] | None = None
+                ) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]], list[float]]:
     """One batch of `n` requests timed `repeats` times by each engine of `sides` (plain decoding first in the list,
     then each speculator), the order rotated from batch to batch (`parity`: the batches timed before it) and from
-    repeat to repeat (two sides: ABBA), each run `idle` seconds after the last. Returns per speculator its times
-    beside plain decoding's, its outputs of the first repeat, and each side's seconds (plain decoding's first)."""
+    repeat to repeat (two sides: ABBA), each run `idle` seconds after the last; with `reference` (plain decoding's
+    run of the batch just before, and its seconds) that is plain decoding's first repeat, and the speculators'
+    first runs follow it, rotated among themselves. Returns per speculator its times beside plain decoding's, its
+    outputs of the first repeat, and each side's seconds (plain decoding's first)."""
     common: dict[str, Any] = {"requests": n, "tokens": sum(r.max_tokens for r in batch)}
     if n == 1:
         common["id"] = batch[0].id
     clocks: list[dict[str, list]] = [{} for _ in sides]
     outputs: list[list[dict[str, Any]]] = [[] for _ in sides]
     seconds = [0.0 for _ in sides]
+
+    def record(i: int, got: Generated, took: float) -> None:
+        seconds[i] += took
+        for clock in ("core_s", "decode_s", "wall_s", "cached_tokens"):
+            clocks[i].setdefault(clock, []).append(getattr(got, clock))
+
+    if reference is not None:
+        record(0, *reference)
     for repeat in range(repeats):
-        shift = (parity + repeat) % len(sides)
-        for i in list(range(len(sides)))[shift:] + list(range(len(sides)))[:shift]:
+        order = list(range(1 if reference is not None and repeat == 0 else 0, len(sides)))
+        shift = (parity + repeat) % len(order)
+        for i in order[shift:] + order[:shift]:
             time.sleep(idle)
             # Every timed run prefills cold: the plain engine holds the prompts of its natural pass, a speculative
             # one has not seen them, and with room for several sequences (--concurrency) plain's prefill would be
@@ -390,9 +415,7 @@ def _time_batch(sides: list[tuple[Any, Any]], generate, n: int, batch: list[Engi
             llm.reset_prefix_cache()
             t0 = time.perf_counter()
             got = generate(llm, batch)
-            seconds[i] += time.perf_counter() - t0
-            for clock in ("core_s", "decode_s", "wall_s", "cached_tokens"):
-                clocks[i].setdefault(clock, []).append(getattr(got, clock))
+            record(i, got, time.perf_counter() - t0)
             if repeat == 0:
                 outputs[i] = got.outputs
     times = [{**common, **{f"plain_{clock}": v for clock, v in clocks[0].items()},

@@ -36,15 +36,15 @@ CLOCKS = ("core_s", "decode_s", "wall_s")  # engine core: arrival to last token,
 TIMING = tuple(f"{side}_{clock}" for side in ("plain", "spec") for clock in CLOCKS)
 FIGURES = tuple(f.name for f in fields(Speed) if not f.name.endswith("_interval"))  # of a concurrency run
 TIMING_PROTOCOL = ("warm engines (one short request each first), plain decoding and the speculators side by side in "
-                   "one process; each prompt decoded alone to its natural stop by plain decoding, then timed by plain "
-                   "decoding once and by each speculator at that length with ignore_eos (the same number of new "
-                   "tokens on every side; the drafter's first K and the free speculators share plain decoding's run, "
-                   "each further K and the combined speculator are timed beside plain decoding's own), rotating which "
-                   "side goes first, each request {idle} with its engine's prefix cache emptied (every timed prompt "
-                   "prefilled in full); timed "
-                   "by the engine core from the request's arrival to its last token (the decode phase alone: from "
-                   "its first token) and by a stopwatch around the whole request; concurrency c: the first c "
-                   "prompts (cycled) decoded together, timed the same way")
+                   "one process; each prompt decoded alone by plain decoding to its natural stop (the reference and "
+                   "plain decoding's timed run), then by each speculator at that length with ignore_eos (the same "
+                   "number of new tokens on every side), the speculators' order rotated from prompt to prompt; the "
+                   "drafter's first K and the free speculators share plain decoding's run, each further K and the "
+                   "combined speculator are timed beside a plain run of their own at that length, alternating which "
+                   "goes first; each request {idle} with its engine's prefix cache emptied (every timed prompt "
+                   "prefilled in full); timed by the engine core from the request's arrival to its last token (the "
+                   "decode phase alone: from its first token) and by a stopwatch around the whole request; "
+                   "concurrency c: the first c prompts (cycled) decoded together, timed the same way")
 
 
 SWEEP_FIRST_SLACK = 0.01  # the sweep's first K keeps the expected speed within 1% of the best, by the estimate
