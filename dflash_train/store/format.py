@@ -167,20 +167,24 @@ class Manifest(StoreSettings, total=False):
     capture: StageConfig  # the capture's options, world size, prompts and precision
 
 
-class _SampleTokens(TypedDict):
+class _Tokens(TypedDict):
     input_ids: torch.Tensor  # int64 [S]
     loss_mask: torch.Tensor  # bool [S]: the target's response tokens
-    id: str
-    weight: int
 
 
-class Sample(_SampleTokens, total=False):
-    """One sample as a store reads it (store.reader.Store): its tokens, and the tapped states where the store holds
-    them ([S, n*H]; training computes them for a token-only store) and the top-k where it was captured with them
+class SampleTensors(_Tokens, total=False):
+    """A sample's tensors, what the objective reads: its tokens, and the tapped states where the store holds them
+    ([S, n*H]; training computes them for a token-only store) and the top-k where it was captured with them
     (topk_ids int64, topk_logprobs float32, [S, K])."""
     hidden_states: torch.Tensor
     topk_ids: torch.Tensor
     topk_logprobs: torch.Tensor
+
+
+class Sample(SampleTensors):
+    """One sample as a store reads it (store.reader.Store)."""
+    id: str
+    weight: int
 
 
 def holds_states(manifest: StoreSettings) -> bool:
