@@ -24,9 +24,12 @@ import select
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dflash_train.errors import UserError
+
+if TYPE_CHECKING:
+    from dflash_train.constraints import Constraints
 
 # the same bound vLLM puts on a regex's compile (VLLM_REGEX_COMPILATION_TIMEOUT_S, default 5), here on every kind
 COMPILE_SECONDS = 5.0
@@ -51,7 +54,7 @@ class CompileCheck:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def problem(self, constraints: dict[str, Any] | None) -> str | None:
+    def problem(self, constraints: Constraints | None) -> str | None:
         """Why the request's structured constraint does not compile as the engine compiles it, or None (also
         for a request without one)."""
         structured = (constraints or {}).get("structured")

@@ -1,7 +1,7 @@
 """What a logged request asked of its answer besides temperature, top_p and max_tokens: the one place that reads it
 from a log, checks it, hands it to vLLM and applies it in the project's own decoding loops.
 
-A request's constraints are one JSON object, absent (null) for a request that set none, with these keys:
+A request's constraints are one JSON object (`Constraints`), absent (null) for a request that set none, with these keys:
 
     structured         {"kind", "spec"}: the answer must match a grammar (vLLM's structured outputs)
                          json_schema  spec = the JSON Schema      response_format {"type": "json_schema",
@@ -48,11 +48,12 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
 from dflash_train import sampling
+from dflash_train.sampling import RequestBody
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # vLLM's structured-output fields -> our kinds (the request's `structured_outputs` object, or `guided_<field>`)
@@ -74,14 +75,59 @@ REF_KEYS = ("$ref", "$dynamicRef")  # a reference to another schema; "#..." is a
 MAX_CHOICES = 5_000
 MAX_SPEC_CHARS = 100_000
 
+JsonSchema = dict[str, Any]
+"""A JSON Schema as a request carries it (response_format, vLLM's `json`, a tool's parameters): the user's own
+document, open; `_schema` checks it."""
+
+
+class Structured(TypedDict):
+    """The structured constraint: its kind (STRUCTURED_KINDS) and spec (the table above: a JsonSchema, None, the
+    pattern, the list of strings or the grammar text)."""
+    kind: str
+    spec: Any
+
+
+class Constraints(TypedDict, total=False):
+    """A request's constraints, the keys of the table above; a key is present only where the request set it."""
+    structured: Structured
+    stop: list[str]
+    stop_token_ids: list[int]
+    seed: int
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_p: float
+    logit_bias: dict[str, float]  # token id (as JSON keys are: text) -> bias
+    n: int
+
+
+class StructuredOutputs(TypedDict, total=False):
+    """vLLM's `StructuredOutputsParams` fields (VLLM_FIELDS): one of them, set."""
+    json: JsonSchema
+    json_object: bool
+    regex: str
+    choice: list[str]
+    grammar: str
+
+
+class SamplingKwargs(TypedDict, total=False):
+    """The `vllm.SamplingParams` keyword arguments of a request's constraints (`sampling_kwargs`)."""
+    stop: list[str]
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_p: float
+    logit_bias: dict[int, float]
+    structured_outputs: StructuredOutputs
+
 
 # ------------------------------------------------------------------------------------------------ reading a log
 
-def from_request(request: dict[str, Any]) -> dict[str, Any] | None:
+def from_request(request: RequestBody) -> Constraints | None:
     """The constraints of one logged request (the chat-completions body), canonical, or None; ValueError naming
     the key that is not valid."""
     body = {**(request.get("extra_body") if isinstance(request.get("extra_body"), dict) else {}), **request}
-    out: dict[str, Any] = {}
+    out: Constraints = {}
     structured = _structured(body)
     if structured is not None:
         out["structured"] = structured
@@ -113,8 +159,8 @@ def from_request(request: dict[str, Any]) -> dict[str, Any] | None:
     return out or None
 
 
-def _structured(body: dict[str, Any]) -> dict[str, Any] | None:
-    found: list[tuple[str, dict[str, Any]]] = []
+def _structured(body: RequestBody) -> Structured | None:
+    found: list[tuple[str, Structured]] = []
     rf = body.get("response_format")
     if rf is not None:
         kind = rf.get("type") if isinstance(rf, dict) else None
@@ -180,7 +226,7 @@ def _check_size(key: str, text: str) -> None:
         raise ValueError(f"{key} is {len(text):,} characters long, over the limit of {MAX_SPEC_CHARS:,}")
 
 
-def _schema(value: Any, key: str) -> dict[str, Any]:
+def _schema(value: Any, key: str) -> JsonSchema:
     import jsonschema
 
     if isinstance(value, str):
@@ -203,7 +249,7 @@ def _schema(value: Any, key: str) -> dict[str, Any]:
     return value
 
 
-def _schema_problem(schema: dict[str, Any]) -> str | None:
+def _schema_problem(schema: JsonSchema) -> str | None:
     """Why a schema is not taken (nested deeper than MAX_SCHEMA_DEPTH, a remote $ref), or None; walked without
     recursion, so that no depth of nesting can exhaust the stack here."""
     stack: list[tuple[Any, int]] = [(schema, 1)]
@@ -220,7 +266,7 @@ def _schema_problem(schema: dict[str, Any]) -> str | None:
     return None
 
 
-def _forced_tool(body: dict[str, Any]) -> dict[str, Any] | None:
+def _forced_tool(body: RequestBody) -> Structured | None:
     """The JSON Schema vLLM decodes a forced tool call under (`tool_choice` required or a named function)."""
     choice = body.get("tool_choice")
     if choice is None or choice in ("auto", "none"):
@@ -235,7 +281,7 @@ def _forced_tool(body: dict[str, Any]) -> dict[str, Any] | None:
         items = [{"properties": {"name": {"type": "string", "enum": [name]},
                                  "parameters": _parameters(params, name)},
                   "required": ["name", "parameters"]} for name, params in functions.items()]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+        schema: JsonSchema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
         if body.get("parallel_tool_calls") is False:
             schema["maxItems"] = 1
         return {"kind": "json_schema", "spec": schema}
@@ -247,7 +293,7 @@ def _forced_tool(body: dict[str, Any]) -> dict[str, Any] | None:
     return {"kind": "json_schema", "spec": _parameters(functions[name], name)}
 
 
-def _parameters(params: Any, name: str) -> dict[str, Any]:
+def _parameters(params: Any, name: str) -> JsonSchema:
     return _schema(params, f"tools[{name}].parameters") if params else {"type": "object", "properties": {}}
 
 
@@ -262,25 +308,25 @@ def _shown(value: Any) -> str:
 
 # ------------------------------------------------------------------------------------------------ the record
 
-def dumps(constraints: dict[str, Any] | None) -> str | None:
+def dumps(constraints: Constraints | None) -> str | None:
     """The stored form (the prompt record's `constraints` column): canonical JSON, null for none."""
     return json.dumps(constraints, sort_keys=True, ensure_ascii=False) if constraints else None
 
 
-def loads(text: str | dict | None) -> dict[str, Any] | None:
+def loads(text: str | dict | None) -> Constraints | None:
     if text is None or isinstance(text, dict):
         return text or None
     return json.loads(text) or None
 
 
-def identity(constraints: dict[str, Any] | None) -> str:
+def identity(constraints: Constraints | None) -> str:
     """What of the constraints makes two requests with the same turns two prompts (ingest's dedup key): everything
     that shapes the answer, not the seed or n."""
     shaping = {k: v for k, v in (constraints or {}).items() if k not in ("seed", "n")}
     return json.dumps(shaping, sort_keys=True, ensure_ascii=False) if shaping else ""
 
 
-def kinds(constraints: dict[str, Any] | None) -> list[str]:
+def kinds(constraints: Constraints | None) -> list[str]:
     """The report's labels of one request's constraints: the structured kind and each other setting it has."""
     if not constraints:
         return []
@@ -288,24 +334,24 @@ def kinds(constraints: dict[str, Any] | None) -> list[str]:
     return out + [k for k in constraints if k != "structured"]
 
 
-def kind(constraints: dict[str, Any] | None) -> str:
+def kind(constraints: Constraints | None) -> str:
     """One label per request: its structured kind, else 'settings' (stop, penalties, ...), else 'none'."""
     if not constraints:
         return "none"
     return constraints["structured"]["kind"] if "structured" in constraints else "settings"
 
 
-def without(constraints: dict[str, Any] | None, keys: tuple[str, ...]) -> dict[str, Any] | None:
+def without(constraints: Constraints | None, keys: tuple[str, ...]) -> Constraints | None:
     return {k: v for k, v in (constraints or {}).items() if k not in keys} or None
 
 
 # ------------------------------------------------------------------------------------------------ vLLM
 
-def sampling_kwargs(constraints: dict[str, Any] | None) -> dict[str, Any]:
+def sampling_kwargs(constraints: Constraints | None) -> SamplingKwargs:
     """`vllm.SamplingParams` keyword arguments for the constraints (structured outputs as the dict of
     `StructuredOutputsParams` fields, to be built where vLLM is imported)."""
     c = constraints or {}
-    out: dict[str, Any] = {k: c[k] for k in ("stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    out: SamplingKwargs = {k: c[k] for k in ("stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
                                             "min_p") if k in c}
     if "logit_bias" in c:
         out["logit_bias"] = {int(k): v for k, v in c["logit_bias"].items()}
@@ -321,7 +367,7 @@ def sampling_kwargs(constraints: dict[str, Any] | None) -> dict[str, Any]:
 REGEX_CHECK_SECONDS = 1.0  # a regex that backtracks (nested quantifiers) may take exponential time on an answer
 
 
-def check_answer(constraints: dict[str, Any] | None, text: str) -> dict[str, str | None]:
+def check_answer(constraints: Constraints | None, text: str) -> dict[str, str | None]:
     """What checking an answer that ended by itself against its request's structured constraint found:
     {"problem": None} valid, {"problem": why} not valid, {"unchecked": why} when no check could run (an EBNF or Lark
     grammar, which only the decoder's own matcher reads; a regex that ran out of time; a $ref that would need a
@@ -356,7 +402,7 @@ def check_answer(constraints: dict[str, Any] | None, text: str) -> dict[str, str
     return {"unchecked": "a grammar is read only by the decoder's own matcher"}
 
 
-def _schema_check(spec: dict[str, Any], value: Any) -> dict[str, str | None]:
+def _schema_check(spec: JsonSchema, value: Any) -> dict[str, str | None]:
     """`value` against the JSON Schema `spec`, resolving no reference outside it (nothing is fetched)."""
     import jsonschema
     from referencing import Registry
@@ -385,7 +431,7 @@ class Rules:
     string completed: the target's stop tokens end it in the loop itself). Call them in token order: the grammar
     follows the accepted tokens."""
 
-    def __init__(self, constraints: dict[str, Any] | None, tokenizer, vocab_size: int, stop_ids: list[int],
+    def __init__(self, constraints: Constraints | None, tokenizer, vocab_size: int, stop_ids: list[int],
                  prompt_ids: list[int]):
         c = constraints or {}
         self.constraints = c
@@ -450,7 +496,7 @@ class Rules:
         return False
 
 
-def check_replayable(constraints: dict[str, Any] | None, greedy: bool, where: str) -> None:
+def check_replayable(constraints: Constraints | None, greedy: bool, where: str) -> None:
     """The project's loops replay every constraint but min_p in sampling (at temperature 0 it changes nothing, as
     in vLLM); ValueError saying so otherwise, and when the grammar library is missing."""
     c = constraints or {}

@@ -27,12 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.errors import UserError
-from dflash_train.target import TargetIdentity
+from dflash_train.model.configuration import HfConfig
+from dflash_train.provenance import StageConfig
+from dflash_train.target import TargetIdentity, TemplateKwargs
 
 SCHEMA_VERSION = "1.1"  # 1.1: RankRow.prompts
 MAJOR = SCHEMA_VERSION.split(".")[0]  # the major version this module reads (and writes)
 
 Interval = list[float]  # [low, high]: the 95% bootstrap interval over prompts (evaluate.metrics.bootstrap_interval)
+
+ReportJson = dict[str, Any]
+"""report.json as JSON (`to_json`), or as read before it is decoded: of this schema version or of another."""
 
 
 # ---- what every speculator's figures share ------------------------------------------------------------------------
@@ -353,8 +358,8 @@ class ConstraintsSummary:
 @dataclass(frozen=True)
 class Settings:
     """How the eval ran: its flags as given (`options`: evaluate.config.EvalConfig's fields) and what it found."""
-    options: dict[str, Any] = field(default_factory=dict)
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    options: StageConfig = field(default_factory=dict)
+    template_kwargs: TemplateKwargs = field(default_factory=dict)
     device: str | None = None
     dtype: str | None = None
     dtype_reason: str | None = None
@@ -391,7 +396,7 @@ class DrafterRecord:
     num_parameters: int | None = None
     sha256: str | None = None
     weights_sha256: str | None = None
-    config: dict[str, Any] | None = None  # its config.json but for this project's records
+    config: HfConfig | None = None  # its config.json but for this project's records
     made_for_target: str | None = None
 
 
@@ -429,7 +434,7 @@ def fields_of(*records: Any) -> dict[str, Any]:
 # ---- reading and writing ------------------------------------------------------------------------------------------
 
 
-def to_json(report: EvalReport) -> dict[str, Any]:
+def to_json(report: EvalReport) -> ReportJson:
     """The report as strict JSON: NaN (a figure over nothing, e.g. no steps) is null."""
     return _finite(asdict(report))
 
@@ -475,7 +480,7 @@ def from_json(raw: Any, where: str = "the eval report") -> EvalReport:
         raise UserError(f"{where}: not an eval report of schema {version}: {err}") from None
 
 
-def _migrate_v0(raw: dict[str, Any]) -> dict[str, Any]:
+def _migrate_v0(raw: ReportJson) -> ReportJson:
     """Major 0 (reports written before schema_version) -> 1: `tau`/`tau_interval` were the per-prompt mean, now
     tau_per_prompt; the project's loop's figures sat at the top level (and in engines.own), now in `own` where it ran
     (it had methods); engines.vllm is `vllm`; settings held the eval's flags flat, now in settings.options; the

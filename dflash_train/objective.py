@@ -23,12 +23,15 @@ gradient w.r.t. the logits z is q_j - p_j (j in K) and q_j (1 - p_tail / q_tail)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from dflash_train.model.masks import Blocks, attention_for, make_blocks
+
+if TYPE_CHECKING:
+    from dflash_train.store.format import SampleTensors
 
 
 # --- anchors and blocks ------------------------------------------------------------------------------------
@@ -366,7 +369,7 @@ def dflash_loss(drafter, embed: torch.Tensor, lm_head: torch.Tensor, batch: dict
 
 
 @torch.no_grad()
-def simulated_acceptance(drafter, embed: torch.Tensor, lm_head: torch.Tensor, sample: dict[str, Any],
+def simulated_acceptance(drafter, embed: torch.Tensor, lm_head: torch.Tensor, sample: SampleTensors,
                          block_size: int | None = None, mask_token_id: int | None = None,
                          max_blocks: int = 256, attention: str = "blockwise",
                          confidence: list[float] | None = None, draft_ids: torch.Tensor | None = None
@@ -413,7 +416,7 @@ def simulated_acceptance(drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
     return torch.cat(accepted).cpu()
 
 
-def decoded_steps(sample: dict[str, Any], lengths: list[int], block_size: int, k: int | None = None) -> list[int]:
+def decoded_steps(sample: SampleTensors, lengths: list[int], block_size: int, k: int | None = None) -> list[int]:
     """The acceptance lengths greedy speculative decoding of `sample`'s response would take, from
     simulated_acceptance's `lengths` at every anchor: the first step at the first anchor, each next one at the
     anchor after the tokens the last one committed, each at most K + 1 (K drafts verified; default B - 1).

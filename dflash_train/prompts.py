@@ -21,13 +21,15 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable, TypedDict
 
 from dflash_train import constraints as request_constraints
 from dflash_train import sampling
+from dflash_train.constraints import Constraints
 from dflash_train.errors import UserError, in_brief
-from dflash_train.logs.records import iter_records
-from dflash_train.provenance import check_made_by, is_complete, read_json
+from dflash_train.logs.records import Message, PromptRow, ToolDefinition, iter_records
+from dflash_train.provenance import StageConfig, check_made_by, is_complete, read_json
+from dflash_train.sampling import LoggedSettings
 
 STAGE = "ingest"  # the stage whose output a prompt folder is (its provenance records it)
 TURN_KEYS = {"tool_calls": None, "tool_call_id": None, "name": None}  # null in a stored turn that lacks them
@@ -36,19 +38,68 @@ TURN_KEYS = {"tool_calls": None, "tool_call_id": None, "name": None}  # null in 
 @dataclass
 class PromptRecord:
     id: str
-    messages: list[dict[str, Any]]  # {role, content} plus tool_calls / tool_call_id / name where the turn has them
+    messages: list[Message]  # without the keys a turn does not have
     weight: int = 1
-    sampling: dict[str, Any] | None = None
+    sampling: LoggedSettings | None = None
     response: str | None = None
-    tools: list[dict[str, Any]] | None = None  # the request's tool definitions, rendered by the chat template
-    constraints: dict[str, Any] | None = None  # what else the request asked of its answer (`constraints`)
+    tools: list[ToolDefinition] | None = None  # the request's tool definitions, rendered by the chat template
+    constraints: Constraints | None = None  # what else the request asked of its answer
+
+
+class SourceReport(TypedDict):
+    """One log file in the ingest report (stages/ingest/report.build_report); and a count for each of
+    logs.values.SKIP_REASONS."""
+    name: str
+    path: str
+    read: int
+    kept: int
+    duplicates: int
+    blank_lines: int
+    formats: dict[str, int]  # records by shape (logs.records.Parsed.format)
+    truncated_at_cut: int
+    stopped_at: str | None
+    damaged: list[str]
+    examples: list[str]  # the first skipped records and why
+
+
+class IngestReport(TypedDict):
+    """An ingest folder's report.json (stages/ingest/report.build_report), which each store made from it keeps;
+    and a count for each of logs.values.SKIP_REASONS."""
+    read: int
+    kept: int
+    duplicates: int
+    blank_lines: int
+    with_tools: int
+    constrained: int
+    constraints: dict[str, int]  # records by constraint kind (`constraints.kinds`)
+    truncated_at_cut: int
+    pii: dict[str, int] | None  # replaced, by kind; None: not scrubbed
+    formats: dict[str, int]
+    train: int
+    eval: int
+    eval_fallback: str | None  # the record eval holds when none fell under the eval fraction
+    total_weight: int
+    max_weight: int
+    stopped_at_max_prompts: bool
+    unread_files: list[str]
+    sources: list[SourceReport]
+    config: StageConfig  # the ingest options (its split rule: eval_fraction, seed)
+    wall_s: float
+
+
+class PromptSet(TypedDict):
+    """Which prompts a store holds (`prompt_set`), as its settings record them."""
+    source: str  # the ingest folder or raw log, resolved
+    split: str | None  # None: a raw log, which has no split
+    eval_fraction: float | None
+    seed: int | None
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The id, the split and the template inputs
 
 
-def template_inputs(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+def template_inputs(row: PromptRow) -> tuple[list[Message], list[ToolDefinition] | None]:
     """A stored prompt record as `target.chat_text` takes it: its messages without the keys a turn does not have
     (stored as null: folders written before tool support have no such keys at all) and its tool definitions."""
     messages = [{k: v for k, v in m.items() if v is not None} for m in row["messages"]]
@@ -104,7 +155,7 @@ def load_prompts(prompts_dir: str | Path, split: str = "train"):
 
 
 def load_prompt_records(path: str | Path, split: str = "train", limit: int | None = None
-                        ) -> tuple[list[PromptRecord], dict[str, Any] | None]:
+                        ) -> tuple[list[PromptRecord], IngestReport | None]:
     """Records of a finished ingest output folder (its `split`) or of one raw log file, and the ingest report.
 
     A raw log is parsed and scrubbed as ingest reads it (`dflash_train.logs.records.iter_records`) and deduplicated
@@ -145,8 +196,8 @@ def check_records(records: Iterable[PromptRecord], vocab_size: int | None) -> No
             raise UserError(f"prompt {record.id}: logged {err}") from None
 
 
-def _dedup(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    by_id: dict[str, dict[str, Any]] = {}
+def _dedup(rows: Iterable[PromptRow]) -> list[PromptRow]:
+    by_id: dict[str, PromptRow] = {}
     for row in rows:
         if row["id"] in by_id:
             by_id[row["id"]]["weight"] += row.get("weight") or 1
@@ -155,7 +206,7 @@ def _dedup(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(by_id.values())
 
 
-def _to_record(row: dict[str, Any], path: Path) -> PromptRecord:
+def _to_record(row: PromptRow, path: Path) -> PromptRecord:
     rid = row.get("id")
     if not isinstance(rid, str) or not rid:
         raise UserError(f"{path}: a record has no string 'id' (keys: {', '.join(row)})")
@@ -185,7 +236,7 @@ def _to_record(row: dict[str, Any], path: Path) -> PromptRecord:
                         constraints=constraints)
 
 
-def prompt_set(prompts: str | Path, split: str, ingest_report: dict[str, Any] | None) -> dict[str, Any]:
+def prompt_set(prompts: str | Path, split: str, ingest_report: IngestReport | None) -> PromptSet:
     """Which prompts a store holds, as its settings record it: the ingest folder (or raw log) they come from, the
     split, and the split rule (eval fraction and seed) that decided it. A store holds one such set: a capture of
     another split or source into it is refused, so that eval prompts never reach a training store."""

@@ -17,15 +17,38 @@ import sys
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict
 
 PROVENANCE_FILE = "provenance.json"
 INCOMPLETE_MARKER = "INCOMPLETE"
 _PACKAGES = ("dflash-train", "torch", "transformers", "datasets", "accelerate", "deepspeed", "safetensors",
              "huggingface_hub", "gguf", "numpy")
 
+StageConfig = dict[str, Any]
+"""What a stage ran with, as its records keep it (provenance.json's `config`, the ingest report's `config`, the eval
+report's settings.options, training_args.json's `recipe`): `dataclasses.asdict` of the stage's config (the train
+stage's: its recipe, by section; capture's: its store's settings). Its keys are that stage's own."""
 
-def git_commit(repo_dir: str | Path | None = None) -> dict[str, Any]:
+
+class GitCommit(TypedDict):
+    commit: str | None  # None: not run from a git checkout
+    dirty: bool | None  # uncommitted changes to tracked files
+
+
+class Provenance(TypedDict, total=False):
+    """provenance.json (`provenance`): these keys, then the stage's own (`extra`: stage, run, drafter, ...)."""
+    created: str
+    command: list[str]
+    cwd: str
+    git: GitCommit
+    packages: dict[str, str | None]  # version of each of _PACKAGES, None: not installed
+    python: str
+    host: str
+    config: StageConfig
+    stage: str
+
+
+def git_commit(repo_dir: str | Path | None = None) -> GitCommit:
     """The commit of the checkout dflash_train runs from, and whether it has uncommitted changes."""
     cwd = Path(repo_dir) if repo_dir else Path(__file__).resolve().parent
     try:
@@ -129,8 +152,8 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
-def provenance(config: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
-    record = {
+def provenance(config: StageConfig | None = None, **extra: Any) -> Provenance:
+    record: Provenance = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
         "cwd": os.getcwd(),
@@ -145,7 +168,7 @@ def provenance(config: dict[str, Any] | None = None, **extra: Any) -> dict[str, 
     return record
 
 
-def write_provenance(out_dir: str | Path, config: dict[str, Any] | None = None, **extra: Any) -> Path:
+def write_provenance(out_dir: str | Path, config: StageConfig | None = None, **extra: Any) -> Path:
     path = Path(out_dir) / PROVENANCE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, provenance(config, **extra))

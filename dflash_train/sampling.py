@@ -30,9 +30,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
+
+
+RequestBody = dict[str, Any]
+"""A chat-completions request body as logged (OpenAI's API, with vLLM's extras, or a log's own record holding the
+same keys): an open JSON object, read here for its settings and by `constraints.from_request` for the rest."""
+
+
+class LoggedSettings(TypedDict):
+    """A prompt record's `sampling`: the decoding settings its request logged (`logged`), null where not logged."""
+    temperature: float | None
+    top_p: float | None
+    max_tokens: int | None
 
 
 @dataclass(frozen=True)
@@ -131,7 +143,7 @@ def check_token_ids(key: str, ids: list[int], vocab_size: int) -> None:
                          f"{vocab_size - 1})")
 
 
-def check_record(settings: dict[str, Any] | None, constraints: dict[str, Any] | None,
+def check_record(settings: LoggedSettings | None, constraints: dict[str, Any] | None,
                  vocab_size: int | None = None) -> None:
     """A prompt record's stored settings (`sampling`) and constraints, checked by the same ranges ingest read them
     with (a folder written by an older ingest, or edited, may hold any value); with `vocab_size`, also the token ids
@@ -158,7 +170,7 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def logged(request: dict[str, Any]) -> dict[str, float | int | None]:
+def logged(request: RequestBody) -> LoggedSettings:
     """The decoding settings of a logged request ({temperature, top_p, max_tokens}, null where not logged);
     ValueError naming the key when one is not valid. Numbers logged as strings ("0.7") are read as numbers."""
     def number(key: str) -> Any:
@@ -177,7 +189,7 @@ def logged(request: dict[str, Any]) -> dict[str, float | int | None]:
             "max_tokens": None if max_tokens is None else check_max_tokens(max_tokens)}
 
 
-def response_cap(max_new_tokens: int, logged_settings: dict[str, Any] | None = None) -> int:
+def response_cap(max_new_tokens: int, logged_settings: LoggedSettings | None = None) -> int:
     """The most tokens a response may have: the stage's cap, or the request's logged max_tokens where smaller (the
     application's own limit is part of how the target is served)."""
     logged_max = (logged_settings or {}).get("max_tokens")
@@ -185,7 +197,7 @@ def response_cap(max_new_tokens: int, logged_settings: dict[str, Any] | None = N
 
 
 def resolve(temperature: float | None, top_p: float | None,
-            logged_settings: dict[str, Any] | None = None) -> Sampling:
+            logged_settings: LoggedSettings | None = None) -> Sampling:
     """A prompt's settings: each given one wins over the logged one; what neither gives is greedy / top_p 1.
     ValueError when a value is out of range. temperature 0 or top_p 0 -> greedy (0.0, 1.0)."""
     logged_settings = logged_settings or {}

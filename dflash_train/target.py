@@ -19,12 +19,19 @@ import os
 import shutil
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, TypedDict
 
 import torch
 
 from dflash_train.errors import UserError
 from dflash_train.provenance import cache_dir, files_sha256
+
+if TYPE_CHECKING:  # the log reader loads the PII scrubber: not for a target
+    from dflash_train.logs.records import Message, ToolCall, ToolDefinition
+
+TemplateKwargs = dict[str, Any]
+"""Chat template options (`apply_chat_template`'s keyword arguments, e.g. {"enable_thinking": false}): whatever the
+target's own template reads, passed through as given."""
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
@@ -177,7 +184,7 @@ class Target:
         cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         return Features(self.identity(), None, cfg.hidden_size)
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+    def render(self, messages: list[Message], tools: list[ToolDefinition] | None = None,
                **template_kwargs: Any) -> list[int]:
         return render_prompt(self.tokenizer, messages, tools, **template_kwargs)
 
@@ -227,7 +234,7 @@ def cpu_attention() -> str:
     return CPU_ATTENTION
 
 
-def chat_text(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+def chat_text(tokenizer, messages: list[Message], tools: list[ToolDefinition] | None = None,
               add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
     """`messages` (and the request's tool definitions) through the target's chat template, as an OpenAI-compatible
     server (vLLM) renders a request: the one place a prompt is rendered, for ingest's token limit, capture and eval.
@@ -253,7 +260,7 @@ def chat_text(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, A
                                          **template_kwargs)
 
 
-def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+def _template_tool_call(call: ToolCall) -> dict[str, Any]:
     call = {k: v for k, v in call.items() if v is not None}
     function = dict(call.get("function") or {})
     arguments = function.get("arguments")
@@ -266,7 +273,7 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": function}
 
 
-def render_prompt(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+def render_prompt(tokenizer, messages: list[Message], tools: list[ToolDefinition] | None = None,
                   **template_kwargs: Any) -> list[int]:
     """Token ids of the prompt exactly as served: `chat_text` with the generation prompt."""
     text = chat_text(tokenizer, messages, tools, **template_kwargs)
@@ -347,6 +354,21 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+class TargetRecord(TypedDict, total=False):
+    """A TargetIdentity as JSON (`to_dict`, `from_dict`): its fields, by name (tests/test_target.py holds them
+    equal)."""
+    name: str | None
+    base_model: str | None
+    model_type: str | None
+    num_hidden_layers: int | None
+    hidden_size: int | None
+    vocab_size: int | None
+    config_hash: str | None
+    tokenizer_hash: str | None
+    chat_template_hash: str | None
+    weights_hash: str | None
+
+
 @dataclass(frozen=True)
 class TargetIdentity:
     """What makes a target the same target: its config, tokenizer, chat template and weights, by hash (and, for
@@ -367,13 +389,13 @@ class TargetIdentity:
     HASHES = ("config_hash", "tokenizer_hash", "chat_template_hash", "weights_hash")
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None) -> "TargetIdentity | None":
+    def from_dict(cls, raw: TargetRecord | None) -> "TargetIdentity | None":
         if not raw:
             return None
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in raw.items() if k in known})
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> TargetRecord:
         return asdict(self)
 
     def differences(self, other: "TargetIdentity") -> list[str]:

@@ -1,11 +1,12 @@
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from dflash_train.errors import UserError
-from dflash_train.target import (TargetIdentity, check_layer_ids, load_embedding_and_head, resolve_target,
-                                 target_identity)
+from dflash_train.target import (TargetIdentity, TargetRecord, check_layer_ids, load_embedding_and_head,
+                                 resolve_target, target_identity)
 
 
 def test_tappable_layers_are_those_whose_hidden_state_is_the_layers_own_output(tiny_target):
@@ -183,3 +184,7 @@ def test_cpu_attention_shares_kv_heads_under_a_padding_mask_and_matches_sdpa(tin
         for r, row in enumerate(rows):
             alone = ours(input_ids=torch.tensor([row])).logits[0]
             assert torch.allclose(a[r, -len(row):], alone, atol=model_tolerance(ours.config, alone), rtol=0)
+
+
+def test_the_json_form_of_a_target_identity_has_its_fields():
+    assert list(TargetRecord.__annotations__) == [f.name for f in dataclasses.fields(TargetIdentity)]

@@ -9,10 +9,12 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypedDict
 
 from dflash_train import constraints as request_constraints
 from dflash_train import sampling
+from dflash_train.constraints import Constraints
+from dflash_train.sampling import LoggedSettings, RequestBody
 from dflash_train.errors import UserError
 from dflash_train.logs.values import Bad, SourceStats, read_values
 from dflash_train.pii import scrub_text
@@ -25,17 +27,63 @@ class Skip(Exception):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The canonical record
+
+
+class ToolFunction(TypedDict):
+    name: str
+    arguments: str  # a JSON text, as the API logs it
+
+
+class ToolCall(TypedDict):
+    """An OpenAI tool call of an assistant turn."""
+    id: str | None  # the call's own random id, where logged
+    type: str  # "function"
+    function: ToolFunction
+
+
+class _Turn(TypedDict):
+    role: str  # system | user | assistant | tool (ROLES' values)
+    content: str
+
+
+class Message(_Turn, total=False):
+    """One turn of a prompt: {role, content} plus tool_calls / tool_call_id / name where the turn has them (null
+    where a prompt folder stores a turn without them)."""
+    tool_calls: list[ToolCall] | None
+    tool_call_id: str | None  # a tool turn: the call it answers
+    name: str | None  # a tool turn: the tool's name
+
+
+ToolDefinition = dict[str, Any]
+"""One of a request's tool definitions, {type: function, function: {name, description, parameters}}, as the API
+takes it: passed to the chat template as it is (its parameters are the tool's own JSON Schema)."""
+
+
+class PromptRow(TypedDict):
+    """A canonical prompt record as `iter_records` yields it and a prompt folder stores it (`prompts.features`)."""
+    id: str  # `prompt_id`
+    messages: list[Message]
+    sampling: LoggedSettings
+    response: str | None
+    source: str  # the log file's name
+    weight: int  # how often the prompt occurred
+    tools: str | None  # the request's tool definitions, a JSON list of ToolDefinition
+    constraints: str | None  # `constraints.dumps`
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Parsing: one JSON value -> messages, sampling, response
 
 
 @dataclass
 class Parsed:
     format: str  # openai_request | messages | sharegpt | prompt
-    messages: list[dict[str, Any]]  # {role, content} plus tool_calls / tool_call_id / name where logged
-    sampling: dict[str, float | int | None]
+    messages: list[Message]
+    sampling: LoggedSettings
     response: str | None
     tools: str | None = None  # the request's tool definitions, a JSON list as logged (legacy `functions` converted)
-    constraints: dict[str, Any] | None = None  # what else the request asked of its answer (`constraints`)
+    constraints: Constraints | None = None  # what else the request asked of its answer
 
 
 # ShareGPT: human/gpt/system, plus a few replies from other chatbots; OpenAI: system/developer/user/assistant, and
@@ -50,13 +98,12 @@ def normalize(text: str) -> str:
     return " ".join(text.split()).casefold()
 
 
-def prompt_id(messages: list[dict[str, Any]], tools: str | None = None,
-              constraints: dict[str, Any] | None = None) -> str:
+def prompt_id(messages: list[Message], tools: str | None = None, constraints: Constraints | None = None) -> str:
     """Stable id of a prompt: sha256 of its turns with whitespace collapsed and case folded (128 bits), plus
     its tool calls (names and arguments, not their random call ids), tool names and tool definitions where it
     has them, and the constraints that shape its answer (`constraints.identity`: one prompt under two schemas is
     two prompts). A prompt of plain turns without constraints has the id it always had."""
-    def turn(m: dict[str, Any]) -> str:
+    def turn(m: Message) -> str:
         text = m["role"] + "\x1f" + normalize(m["content"])
         calls = [[c["function"]["name"], c["function"]["arguments"]] for c in m.get("tool_calls") or []]
         if calls or m.get("name"):
@@ -106,7 +153,7 @@ def parse_record(value: Any) -> Parsed:
     raise Skip("unknown_format", f"no request/messages/conversations/prompt key (keys: {keys})")
 
 
-def _turns(raw: Any, role_key: str, content_key: str, where: str) -> list[dict[str, Any]]:
+def _turns(raw: Any, role_key: str, content_key: str, where: str) -> list[Message]:
     if not isinstance(raw, list):
         raise Skip("unknown_format", f"{where} is a {type(raw).__name__}, not a list")
     turns = []
@@ -128,7 +175,7 @@ def _turns(raw: Any, role_key: str, content_key: str, where: str) -> list[dict[s
             if not isinstance(raw_calls, list):
                 raise Skip("unknown_format", f"{here}.tool_calls is not a list")
             calls = [_tool_call(call, f"{here}.tool_calls[{k}]") for k, call in enumerate(raw_calls)]
-        out: dict[str, Any] = {"role": role, "content": "" if content is None and calls else _text(content, here)}
+        out: Message = {"role": role, "content": "" if content is None and calls else _text(content, here)}
         if calls:
             out["tool_calls"] = calls
         if role == "tool":  # which call it answers; a participant's name on other turns is not kept
@@ -148,7 +195,7 @@ def _json_value(value: Any, where: str) -> Any:
     return value
 
 
-def _tool_call(call: Any, where: str) -> dict[str, Any]:
+def _tool_call(call: Any, where: str) -> ToolCall:
     """An OpenAI tool call {id, type, function: {name, arguments}}, arguments as a JSON string (as the API logs
     it; an object is dumped)."""
     function = call.get("function") if isinstance(call, dict) else None
@@ -162,7 +209,7 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
             "function": {"name": function["name"], "arguments": arguments}}
 
 
-def _tools(src: dict, where: str) -> str | None:
+def _tools(src: RequestBody, where: str) -> str | None:
     """The request's tool definitions as a JSON list of {type: function, function: {...}}; the legacy
     `functions` list is converted. A JSON string is read (LLaMA-Factory keeps `tools` as one)."""
     tools = src.get("tools")
@@ -196,7 +243,7 @@ def _text(content: Any, where: str) -> str:
     raise Skip("unknown_format", f"{where} has non-text content ({type(content).__name__})")
 
 
-def _cut_at_last_input(turns: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str | None]:
+def _cut_at_last_input(turns: list[Message]) -> tuple[list[Message], str | None]:
     """The prompt (every turn up to and including the last user turn with text or tool result, whichever is
     later: the turn the model answered) and the assistant reply that follows it, if logged as text. Trailing
     blank user turns are ignored."""
@@ -228,7 +275,7 @@ def _response_text(response: Any) -> str | None:
     return text if isinstance(text, str) and text else None
 
 
-def _constraints(src: dict, where: str) -> dict[str, Any] | None:
+def _constraints(src: RequestBody, where: str) -> Constraints | None:
     """Every other setting of the request that shapes its answer, checked as the API defines it (`constraints`).
     The tools are read as `_tools` reads them (a JSON string, or the legacy `functions`), so that a forced call
     finds its function."""
@@ -242,7 +289,7 @@ def _constraints(src: dict, where: str) -> dict[str, Any] | None:
         raise Skip("bad_constraint", str(err)) from None
 
 
-def _sampling(src: dict) -> dict[str, float | int | None]:
+def _sampling(src: RequestBody) -> LoggedSettings:
     """The logged decoding settings, checked as the API defines them (`dflash_train.sampling`)."""
     try:
         return sampling.logged(src)
@@ -275,8 +322,8 @@ def _scrub_json(text: str, counts: Counter) -> str:
     return text if scrubbed == value else json.dumps(scrubbed, ensure_ascii=False)
 
 
-def _scrub_turn(m: dict[str, Any], counts: Counter) -> dict[str, Any]:
-    out = {**m, "content": scrub_text(m["content"], counts)}
+def _scrub_turn(m: Message, counts: Counter) -> Message:
+    out: Message = {**m, "content": scrub_text(m["content"], counts)}
     if m.get("tool_calls"):
         out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _scrub_json(c["function"]["arguments"],
                                                                                           counts)}}
@@ -285,7 +332,7 @@ def _scrub_turn(m: dict[str, Any], counts: Counter) -> dict[str, Any]:
 
 
 def located_records(path: Path, stats: SourceStats, scrub: bool,
-                    progress: Callable[[int], None] | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+                    progress: Callable[[int], None] | None = None) -> Iterator[tuple[str, PromptRow]]:
     """(where, canonical record) for every usable record of a log file; the others are counted in `stats`."""
     for where, value in read_values(path, stats, progress):
         if isinstance(value, Bad):
@@ -318,7 +365,7 @@ def located_records(path: Path, stats: SourceStats, scrub: bool,
                       "tools": tools, "constraints": request_constraints.dumps(parsed.constraints)}
 
 
-def iter_records(path: str | Path, scrub: bool = True, stats: SourceStats | None = None) -> Iterator[dict[str, Any]]:
+def iter_records(path: str | Path, scrub: bool = True, stats: SourceStats | None = None) -> Iterator[PromptRow]:
     """Canonical records of one raw log file, in file order, neither deduplicated nor token-limited.
 
     Records that cannot be used are skipped and counted in `stats` (pass one to see them)."""

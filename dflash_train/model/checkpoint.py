@@ -17,18 +17,20 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
 from dflash_train.errors import UserError
-from dflash_train.model.configuration import LAYER_TENSORS, DFlashConfig, expected_tensor_shapes
-from dflash_train.provenance import (INCOMPLETE_MARKER, PROVENANCE_FILE, file_sha256, files_sha256, read_json,
-                                     write_json_atomic)
-from dflash_train.target import TargetTensors
+from dflash_train.model.configuration import LAYER_TENSORS, DFlashConfig, HfConfig, expected_tensor_shapes
+from dflash_train.provenance import (INCOMPLETE_MARKER, PROVENANCE_FILE, Provenance, StageConfig, file_sha256,
+                                     files_sha256, read_json, write_json_atomic)
+from dflash_train.target import TargetRecord, TargetTensors
 
 if TYPE_CHECKING:  # the module loads transformers; reading a folder for push must not
     from dflash_train.model.modeling_dflash import DFlashDraftModel
+    from dflash_train.prompts import IngestReport, PromptSet
+    from dflash_train.store.format import Generation
 
 REMOTE_MODULE = Path(__file__).resolve().parent / "modeling_dflash.py"  # shipped as dflash.py (config.json's auto_map)
 
@@ -78,7 +80,7 @@ def read_config(folder: str | Path) -> DFlashConfig:
     return config_json(Path(folder))[1]
 
 
-def config_json(folder: Path) -> tuple[dict[str, Any], DFlashConfig]:
+def config_json(folder: Path) -> tuple[HfConfig, DFlashConfig]:
     """A drafter folder's config.json as written and as read (DFlashConfig.from_config_json: its dimensions bounded),
     the file inside the folder (`folder_file`)."""
     path = folder_file(folder, "config.json", f"{folder / 'config.json'}")
@@ -108,18 +110,85 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None,
 # Reading a folder for push (no model built)
 
 
+class StoreSummary(TypedDict):
+    """A capture store a drafter was trained on, as training_args.json records it (its manifest's counts and
+    settings)."""
+    path: str
+    num_samples: int
+    num_tokens: int
+    generation: Generation | None
+    storage_dtype: str
+    kind: str  # states | tokens
+    ingest_report: IngestReport | None
+    prompts: PromptSet | None
+
+
+class DataSummary(TypedDict):
+    """training_args.json's `data` (stages/train/data.StoreSet.summary): every store, and their totals."""
+    stores: list[StoreSummary]
+    num_samples: int
+    num_tokens: int
+
+
+class DraftVocabularyRecord(TypedDict):
+    """What a chosen draft vocabulary covers (stages/train/draft_vocab.choose_draft_vocabulary), as the run records
+    it."""
+    size: int
+    asked: int  # recipe drafter.draft_vocab_size
+    answer_ids: int  # distinct ids in the training answers
+    answer_tokens_covered: float | None  # the share of the training answers' tokens inside it
+    chosen_from: str
+
+
+class DraftVocabulary(DraftVocabularyRecord):
+    ids: list[int]  # the target ids it drafts, ascending
+
+
+class RunSummary(TypedDict, total=False):
+    """training_args.json's `run` (stages/train/trainer): how the run went, and final_<key> for each figure of its
+    last validation (stages/train/validation.HeldOutMetrics)."""
+    steps: int
+    final_train_loss: float | None
+    train_time_s: float
+    bad_steps: int
+    wall_time_s: float
+    world_size: int
+    device: str
+    resumed_from: str | None
+    last_checkpoint_step: int
+    precision: dict[str, str]  # device.Precision.as_dict
+    hidden_states: str  # stored | online
+    computed_by: str  # online: the target
+    compute_dtype: str
+    draft_vocab: DraftVocabularyRecord
+
+
+class TrainingArgs(TypedDict, total=False):
+    """training_args.json, beside the drafter the trainer exports (older drafters hold the recipe alone)."""
+    recipe: StageConfig  # the resolved recipe, by section
+    data: DataSummary
+    run: RunSummary
+
+
+class DrafterIdentity(TypedDict):
+    """What decides a drafter's outputs (`drafter_identity`)."""
+    sha256: str  # over both of these
+    weights_sha256: str
+    config: HfConfig  # its config.json but for this project's records
+
+
 @dataclass
 class DrafterFolder:
     dir: Path
-    config_json: dict[str, Any]  # config.json as written (the card quotes it)
+    config_json: HfConfig  # config.json as written (the card quotes it)
     config: DFlashConfig
     num_parameters: int
     dtype: str  # of the stored weights, e.g. "bf16"
-    training_args: dict[str, Any] | None  # training_args.json: the resolved recipe, data summary, run summary
-    provenance: dict[str, Any] | None  # what made it (its own provenance.json, else the run folder's)
+    training_args: TrainingArgs | None
+    provenance: Provenance | None  # what made it (its own provenance.json, else the run folder's)
 
     @property
-    def target(self) -> dict[str, Any] | None:
+    def target(self) -> TargetRecord | None:
         """The identity of the target it was trained for (config.json's dflash_train.target)."""
         return self.config.target
 
@@ -178,7 +247,14 @@ def damaged_weights(path: Path, why: str) -> UserError:
                      f"train it again")
 
 
-def safetensors_header(path: Path) -> dict[str, Any]:
+class TensorEntry(TypedDict):
+    """One tensor in a safetensors file's header."""
+    dtype: str  # "BF16", "F32", ...
+    shape: list[int]
+    data_offsets: list[int]  # [begin, end) in the data after the header
+
+
+def safetensors_header(path: Path) -> dict[str, TensorEntry]:
     """The tensor entries of a safetensors file's header ({name: {dtype, shape, data_offsets}}), without reading
     the weights; a UserError naming the file when the header is damaged."""
     size = path.stat().st_size
@@ -299,7 +375,7 @@ def check_draft_map(d2t: torch.Tensor, source: Path, vocab_size: int) -> None:
                         f"the draft vocabulary is damaged; restore or retrain the drafter")
 
 
-def drafter_identity(folder: Path) -> dict[str, Any]:
+def drafter_identity(folder: Path) -> DrafterIdentity:
     """What decides a drafter's outputs, as eval records it and push checks it: the sha256 of its weights (of
     model.safetensors; of each shard's name and sha256 for a sharded drafter), its config.json but for our own
     `dflash_train` records (every key an engine may read: vLLM and SGLang read keys this project's model does not,

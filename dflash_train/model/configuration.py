@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
 from dflash_train.errors import UserError
-from dflash_train.target import Features, TargetIdentity, check_layer_ids, layer_ids_problem
+from dflash_train.target import Features, TargetIdentity, TargetRecord, check_layer_ids, layer_ids_problem
 
 ARCHITECTURE = "DFlashDraftModel"
 FORMAT_VERSION = 1
@@ -51,6 +51,21 @@ MAX_DIMENSIONS = {"hidden_size": 1 << 16, "intermediate_size": 1 << 18, "num_hid
                   "vocab_size": 1 << 21, "max_position_embeddings": 1 << 26, "num_target_layers": 1 << 10,
                   "block_size": 1 << 10}
 
+HfConfig = dict[str, Any]
+"""A model's config.json as Hugging Face writes and reads it: transformers' keys for its model type, and whatever
+else a tool put there (a drafter's: `to_config_json`)."""
+
+RopeParameters = dict[str, Any]
+"""transformers' rope settings (config.json's `rope_parameters`): rope_type, rope_theta and that type's own keys."""
+
+
+class DflashSection(TypedDict, total=False):
+    """config.json's `dflash_config`, as the reference drafters write it."""
+    mask_token_id: int
+    target_layer_ids: list[int]
+    mask_token: str  # where the mask token is a tokenizer entry
+    block_size: int  # some write it here rather than at the top level
+
 
 def expected_tensor_names(num_layers: int) -> list[str]:
     """Every tensor of a drafter with `num_layers` layers: no embedding, no LM head (the target's are used)."""
@@ -69,14 +84,14 @@ def expected_tensor_shapes(config: "DFlashConfig") -> dict[str, tuple[int, ...]]
     return {name: tuple(dims[dim] for dim in shape) for name, shape in tables.items()}
 
 
-def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
+def _rope_scaling(rope: RopeParameters) -> RopeParameters | None:
     """transformers 4.x spelling of the rope settings: None for plain RoPE, else everything but the theta."""
     if rope.get("rope_type", "default") == "default":
         return None
     return {k: v for k, v in rope.items() if k != "rope_theta"}
 
 
-def _rope_parameters(cfg: Any) -> dict[str, Any]:
+def _rope_parameters(cfg: Any) -> RopeParameters:
     """transformers >= 5 rope settings of a config (object or config.json dict), from the 4.x spelling if need be."""
     get = cfg.get if isinstance(cfg, dict) else lambda key, default=None: getattr(cfg, key, default)
     rope = get("rope_parameters")
@@ -86,7 +101,7 @@ def _rope_parameters(cfg: Any) -> dict[str, Any]:
     return dict(rope)
 
 
-def _unbuildable(cfg: dict[str, Any], dflash: dict[str, Any], block_size: Any, rope: dict[str, Any]) -> str | None:
+def _unbuildable(cfg: HfConfig, dflash: DflashSection, block_size: Any, rope: RopeParameters) -> str | None:
     """What keeps a config.json from being built, naming the key (None: nothing), checked before anything is built
     from it: every dimension an integer within MAX_DIMENSIONS (head_dim and num_target_layers may be left out),
     whole key-value head groups, the taps a list of layer ids, a positive finite norm eps and rope theta."""
@@ -121,7 +136,7 @@ class DFlashConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_parameters: dict[str, Any]  # transformers' rope settings, incl. rope_type and rope_theta
+    rope_parameters: RopeParameters
     max_position_embeddings: int
     vocab_size: int  # the target's embedding rows (the drafter has no embedding of its own)
     num_target_layers: int | None  # None: not recorded (speculators' layout); the target it meets decides
@@ -133,7 +148,7 @@ class DFlashConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    target: dict[str, Any] | None = None  # the target identity as written (dflash_train.target.TargetIdentity)
+    target: TargetRecord | None = None  # the target identity as written
     # a draft vocabulary: the drafter drafts only this many of the target's ids, with its own copy of the target
     # head's rows for them (DRAFT_VOCAB_TENSORS); None: the whole vocabulary, through the target's head
     draft_vocab_size: int | None = None
@@ -170,12 +185,12 @@ class DFlashConfig:
 
         return Qwen3Config.from_dict(self.to_config_json(torch.float32))
 
-    def to_config_json(self, dtype: torch.dtype) -> dict[str, Any]:
+    def to_config_json(self, dtype: torch.dtype) -> HfConfig:
         """config.json exactly as the public DFlash checkpoints write it, plus our `dflash_train` section."""
         import transformers
 
         rope = dict(self.rope_parameters)
-        dflash_config: dict[str, Any] = {"mask_token_id": self.mask_token_id,
+        dflash_config: DflashSection = {"mask_token_id": self.mask_token_id,
                                          "target_layer_ids": list(self.target_layer_ids)}
         if self.mask_token is not None:
             dflash_config["mask_token"] = self.mask_token
@@ -222,7 +237,7 @@ class DFlashConfig:
         }
 
     @classmethod
-    def from_config_json(cls, cfg: dict[str, Any], source: str = "config.json") -> "DFlashConfig":
+    def from_config_json(cls, cfg: HfConfig, source: str = "config.json") -> "DFlashConfig":
         if ARCHITECTURE not in (cfg.get("architectures") or []):
             raise UserError(f"{source}: architectures is {cfg.get('architectures')!r}, not [{ARCHITECTURE!r}]: "
                             f"not a DFlash drafter")
@@ -264,7 +279,7 @@ class DFlashConfig:
     @classmethod
     def from_target(cls, target_config, num_layers: int = 5, block_size: int = 16,
                     target_layer_ids: list[int] | None = None, mask_token_id: int | None = None,
-                    tokenizer=None, target_identity: dict[str, Any] | None = None) -> "DFlashConfig":
+                    tokenizer=None, target_identity: TargetRecord | None = None) -> "DFlashConfig":
         """A new drafter's config for a target (its transformers config): hidden size, heads, head_dim, MLP width,
         rope settings and norm eps are the target's; the tapped layers default to the reference's rule."""
         cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config

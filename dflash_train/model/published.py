@@ -29,13 +29,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import torch
 
 from dflash_train.errors import UserError, in_brief
 from dflash_train.model.checkpoint import check_weights_fit_config, folder_file, read_weights, weight_files
-from dflash_train.model.configuration import ARCHITECTURE, DFlashConfig
+from dflash_train.model.configuration import ARCHITECTURE, DFlashConfig, HfConfig
 from dflash_train.target import Features, check_fits
 
 LAYOUTS = ("dflash-train", "z-lab", "SpecForge", "speculators")
@@ -44,6 +44,22 @@ LAYOUTS = ("dflash-train", "z-lab", "SpecForge", "speculators")
 TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight", "t2d",
                   "d2t")
 WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.md"]
+
+
+class SourceRecord(TypedDict):
+    """A DrafterSource as provenance, config.json (dflash_train.fine_tuned_from) and the card keep it."""
+    name: str
+    repo: str | None
+    revision: str | None
+    layout: str | None
+    weights_sha256: dict[str, str]
+
+
+class RecipeDrafterKeys(TypedDict):
+    """The recipe's explicit drafter keys a starting drafter must have (None: the starting drafter's own)."""
+    num_layers: int | None
+    mask_token_id: int | None
+    target_layer_ids: list[int] | None
 
 
 @dataclass
@@ -56,7 +72,7 @@ class DrafterSource:
     layout: str | None = None  # one of LAYOUTS, once read
     weights_sha256: dict[str, str] = field(default_factory=dict)  # file name -> sha256
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> SourceRecord:
         return {"name": self.name, "repo": self.repo, "revision": self.revision, "layout": self.layout,
                 "weights_sha256": dict(self.weights_sha256)}
 
@@ -125,7 +141,7 @@ def read_drafter(source: DrafterSource) -> PublishedDrafter:
                             set_aside=sorted(k for k in found if k in TARGET_TENSORS))
 
 
-def _as_zlab(raw: dict[str, Any], name: str) -> tuple[str, dict[str, Any]]:
+def _as_zlab(raw: HfConfig, name: str) -> tuple[str, HfConfig]:
     """(layout, config.json in the z-lab layout) of any public layout, refusing drafters whose math differs."""
     if "speculators_model_type" in raw:
         kind = raw["speculators_model_type"]
@@ -166,7 +182,7 @@ def _as_zlab(raw: dict[str, Any], name: str) -> tuple[str, dict[str, Any]]:
     return ("SpecForge" if projector else "z-lab"), raw
 
 
-def _refuse_other_math(cfg: dict[str, Any], name: str) -> None:
+def _refuse_other_math(cfg: HfConfig, name: str) -> None:
     """Settings some DFlash variants use that this project's model does not compute: one line naming them."""
     dflash = cfg.get("dflash_config") or {}
     found = []
@@ -187,7 +203,7 @@ def _refuse_other_math(cfg: dict[str, Any], name: str) -> None:
                         f"here")
 
 
-def describe(source: dict[str, Any]) -> str:
+def describe(source: SourceRecord) -> str:
     """One line for people: 'org/name (z-lab layout) at revision abc1234'."""
     text = source.get("repo") or source.get("name") or "a drafter"
     if source.get("layout"):
@@ -197,7 +213,7 @@ def describe(source: dict[str, Any]) -> str:
     return text
 
 
-def drafter_to_start_from(init_from: str, revision: str | None, wanted: dict[str, Any], block_size: int,
+def drafter_to_start_from(init_from: str, revision: str | None, wanted: RecipeDrafterKeys, block_size: int,
                           reads: Features, target_name: str, target_config, tokenizer, stop_ids: list[int]):
     """The published drafter a run fine-tunes (`drafter.init_from`, a folder or Hub repo id in any public layout:
     this module), checked against what the run trains for, every mismatch named in one line: the target

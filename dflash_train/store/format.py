@@ -39,12 +39,17 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 import torch
 
 from dflash_train.errors import UserError
+
+if TYPE_CHECKING:
+    from dflash_train.prompts import IngestReport, PromptSet
+    from dflash_train.provenance import StageConfig
+    from dflash_train.target import TargetRecord, TemplateKwargs
 
 FORMAT = "dflash-train-store"
 FORMAT_VERSION = 1
@@ -66,18 +71,134 @@ BYTES_PER_TOPK = 4 + 2  # int32 id + float16 log-prob
 STAGE = "capture"  # the stage whose folders stores are (provenance)
 
 
-def holds_states(manifest: dict[str, Any]) -> bool:
+class Generation(TypedDict, total=False):
+    """How a store's answers were decoded (capture's options), as its settings record them; a store captured before
+    a key was recorded lacks it."""
+    responses: str  # generate | logged
+    max_new_tokens: int  # per prompt: the logged request's max_tokens where smaller
+    max_prompt_tokens: int
+    temperature: float | None  # None: per logged request, greedy where the log has none
+    top_p: float | None
+    seed: int
+    template_kwargs: TemplateKwargs
+    add_generation_prompt: bool
+    stop_token_ids: list[int]
+    compute_dtype: str
+    engine: str  # own | vllm
+    constraints: str  # "ignore" (recorded only then)
+    engine_version: str  # vLLM's, under engine vllm
+
+
+class StoreSettings(TypedDict):
+    """What a store is started with and every rerun must match (each journal's `settings`); a store written before
+    `topk` or `prompts` was recorded lacks it."""
+    target: TargetRecord
+    target_layer_ids: list[int]
+    hidden_size: int
+    num_tapped: int
+    storage_dtype: str  # one of STORAGE_CHOICES
+    generation: Generation
+    topk: int
+    prompts: PromptSet | None
+
+
+class ShardEntry(TypedDict):
+    """A finished shard, as the manifest lists it."""
+    file: str
+    num_samples: int
+    num_tokens: int
+    bytes: int
+    sha256: str
+
+
+class _JournaledShard(ShardEntry):
+    ids: list[str]
+    dropped: list[tuple[str, ...]]  # (id, reason) or (id, reason, why): the samples left out
+
+
+class JournaledShard(_JournaledShard, total=False):
+    """A finished shard, as its rank's journal lists it: its samples' ids, those left out, and capture's notes."""
+    notes: list[AnswerNote | None]  # by sample, where any sample has one
+
+
+class Journal(TypedDict):
+    """journal-rNNN.json: one rank's settings and the shards it finished."""
+    rank: int
+    settings: StoreSettings
+    shards: list[JournaledShard]
+
+
+class AnswerNote(TypedDict, total=False):
+    """What capture says of one answer (stages/capture/responses.answer_note): its request's constraint kind, why
+    it ended, and what checking it found (`constraints.check_answer`: "problem", or "unchecked" and why)."""
+    constraint: str
+    ended: str | None
+    problem: str | None  # None: valid under its structured constraint
+    unchecked: str
+
+
+class AnswerCounts(TypedDict):
+    """The manifest's `answers` (store.writer.answer_counts)."""
+    constraint: dict[str, int]  # stored answers by constraint kind
+    ended: dict[str, int]  # ... by why they ended
+    structured_checked: int
+    structured_invalid: dict[str, str]  # id -> why
+    structured_unchecked: dict[str, str]  # id -> why no check ran
+
+
+class Manifest(StoreSettings, total=False):
+    """manifest.json of a finished store (store.writer.finalize_store): its settings, then what it holds; a store
+    written before a key was recorded lacks it (store.reader.REQUIRED_KEYS are always there)."""
+    format: str  # FORMAT
+    format_version: int
+    kind: str  # `store_kind`
+    num_samples: int
+    num_tokens: int
+    dropped: dict[str, int]  # samples left out, by reason
+    dropped_ids: dict[str, list[str]]  # ... their ids
+    dropped_why: dict[str, str]  # the dropped samples recorded with their own reason (id: why)
+    num_dropped_nonfinite: int
+    answers: AnswerCounts
+    bytes: int
+    floor_bytes_per_token: int
+    bytes_per_token: float | None
+    shards: list[ShardEntry]
+    ingest_report: IngestReport | None
+    capture: StageConfig  # the capture's options, world size, prompts and precision
+
+
+class _Tokens(TypedDict):
+    input_ids: torch.Tensor  # int64 [S]
+    loss_mask: torch.Tensor  # bool [S]: the target's response tokens
+
+
+class SampleTensors(_Tokens, total=False):
+    """A sample's tensors, what the objective reads: its tokens, and the tapped states where the store holds them
+    ([S, n*H]; training computes them for a token-only store) and the top-k where it was captured with them
+    (topk_ids int64, topk_logprobs float32, [S, K])."""
+    hidden_states: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_logprobs: torch.Tensor
+
+
+class Sample(SampleTensors):
+    """One sample as a store reads it (store.reader.Store)."""
+    id: str
+    weight: int
+
+
+def holds_states(manifest: StoreSettings) -> bool:
     """Whether a store (its manifest, or a writer's settings) holds the tapped hidden states: THE test for a
     token-only store."""
     return manifest["storage_dtype"] != NO_STATES
 
 
-def store_kind(manifest: dict[str, Any]) -> str:
+def store_kind(manifest: StoreSettings) -> str:
     """The manifest's `kind`: "states" (tapped hidden states stored) or "tokens" (a token-only store)."""
     return "states" if holds_states(manifest) else "tokens"
 
 
-def floor_bytes_per_token(settings: dict[str, Any]) -> int:
+def floor_bytes_per_token(settings: StoreSettings) -> int:
     """The payload per token a store cannot do without: its states (n*H values) and top-k; for a token-only store,
     the token id and loss mask. Shards add the offsets, weights, fp8 scales and headers on top."""
     states = settings["num_tapped"] * settings["hidden_size"] * BYTES_PER_VALUE[settings["storage_dtype"]]

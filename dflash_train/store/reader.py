@@ -15,8 +15,8 @@ import torch
 
 from dflash_train.errors import UserError
 from dflash_train.provenance import INCOMPLETE_MARKER, check_made_by
-from dflash_train.store.format import (FORMAT, MANIFEST, STAGE, STORAGE_CHOICES, dequantize_fp8, holds_states,
-                                       is_store_folder, read_json)
+from dflash_train.store.format import (FORMAT, MANIFEST, STAGE, STORAGE_CHOICES, Manifest, Sample, ShardEntry,
+                                       dequantize_fp8, holds_states, is_store_folder, read_json)
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Store(Sequence):
     access costs the sample's bytes, not the shard's. Safe to use from DataLoader workers: file handles are
     opened lazily per process."""
 
-    def __init__(self, root: Path, manifest: dict[str, Any], shards: list[_Shard]):
+    def __init__(self, root: Path, manifest: Manifest, shards: list[_Shard]):
         self.root = root
         self.manifest = manifest
         self._shards = shards
@@ -82,12 +82,12 @@ class Store(Sequence):
     def ids(self) -> list[str]:
         return [i for shard in self._shards for i in shard.ids]
 
-    def __getitem__(self, index: int) -> dict[str, Any]:  # type: ignore[override]
+    def __getitem__(self, index: int) -> Sample:  # type: ignore[override]
         s, j = self._locate(index)
         shard = self._shards[s]
         a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
         f = self._handle(s)
-        item = {
+        item: Sample = {
             "input_ids": f.get_slice("input_ids")[a:b].long(),
             "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
             "id": shard.ids[j],
@@ -111,7 +111,7 @@ class Store(Sequence):
                 a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
                 yield ids[a:b], mask[a:b], int(shard.weights[j])
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[Sample]:
         for i in range(len(self)):
             yield self[i]
 
@@ -120,7 +120,7 @@ REQUIRED_KEYS = ("format", "target", "target_layer_ids", "hidden_size", "num_tap
                  "generation", "num_samples", "num_tokens", "shards")
 
 
-def load_manifest(root: Path) -> dict[str, Any]:
+def load_manifest(root: Path) -> Manifest:
     """The manifest of a finished store folder, its values checked; a UserError says what the folder lacks."""
     if not root.exists():
         raise UserError(f"store {root} does not exist (run `dflash-train capture --out {root}` first)")
@@ -147,7 +147,7 @@ def load_manifest(root: Path) -> dict[str, Any]:
     return manifest
 
 
-def _manifest_problem(manifest: dict[str, Any]) -> str | None:
+def _manifest_problem(manifest: Manifest) -> str | None:
     """What is wrong with the values the readers take from a manifest (a hand-edited or damaged one), or None."""
     def count(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= 0
@@ -173,7 +173,7 @@ def _manifest_problem(manifest: dict[str, Any]) -> str | None:
     return None
 
 
-def read_shard(root: Path, entry: dict[str, Any], manifest: dict[str, Any]) -> _Shard:
+def read_shard(root: Path, entry: ShardEntry, manifest: Manifest) -> _Shard:
     """Open one shard's header and index, checking it against its manifest entry (size, counts, shapes)."""
     from safetensors import SafetensorError, safe_open
 

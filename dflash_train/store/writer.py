@@ -10,7 +10,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -19,8 +19,14 @@ from dflash_train.provenance import (OutputClaim, complete_output, config_differ
                                      shown_pair, start_output, write_json_atomic, write_provenance)
 from dflash_train.store.format import (BYTES_PER_TOKEN_ID, BYTES_PER_TOPK, BYTES_PER_VALUE, FORMAT, FORMAT_VERSION,
                                        MANIFEST, STAGE, STORAGE_CHOICES, STORAGE_DTYPES, TOPK_LOGPROB_DTYPE,
-                                       floor_bytes_per_token, holds_states, is_store_folder, journal_name,
-                                       quantize_fp8, read_json, shard_name, store_kind)
+                                       AnswerCounts, AnswerNote, Generation, Journal, JournaledShard, Manifest,
+                                       StoreSettings, floor_bytes_per_token, holds_states, is_store_folder,
+                                       journal_name, quantize_fp8, read_json, shard_name, store_kind)
+
+if TYPE_CHECKING:
+    from dflash_train.prompts import IngestReport, PromptSet
+    from dflash_train.provenance import StageConfig
+    from dflash_train.target import TargetRecord
 
 DEFAULT_SHARD_BYTES = 1 << 30
 # writer settings added after the first stores were written, with the value those stores implicitly have
@@ -53,7 +59,7 @@ class _Pending:
     topk_ids: list[torch.Tensor] = field(default_factory=list)
     topk_logprobs: list[torch.Tensor] = field(default_factory=list)
     dropped: list[tuple[str, ...]] = field(default_factory=list)  # (id, reason) or (id, reason, why)
-    notes: list[dict[str, Any] | None] = field(default_factory=list)  # capture's note on each answer, or None
+    notes: list[AnswerNote | None] = field(default_factory=list)  # capture's note on each answer, or None
     nbytes: int = 0
 
     @property
@@ -86,11 +92,11 @@ class StoreWriter:
     ranks open their writers after rank 0's (stages/capture/command.py does it in that order).
     """
 
-    def __init__(self, out_dir: str | Path, *, target: dict[str, Any], target_layer_ids: list[int],
-                 hidden_size: int, storage_dtype: str = "bf16", generation: dict[str, Any] | None = None,
-                 ingest_report: dict[str, Any] | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 rank: int = 0, world_size: int = 1, extra: dict[str, Any] | None = None, topk: int = 0,
-                 prompts: dict[str, Any] | None = None):
+    def __init__(self, out_dir: str | Path, *, target: TargetRecord, target_layer_ids: list[int],
+                 hidden_size: int, storage_dtype: str = "bf16", generation: Generation | None = None,
+                 ingest_report: IngestReport | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 rank: int = 0, world_size: int = 1, extra: dict[str, StageConfig] | None = None, topk: int = 0,
+                 prompts: PromptSet | None = None):
         if storage_dtype not in STORAGE_CHOICES:
             raise UserError(f"storage dtype {storage_dtype!r} is not one of {', '.join(STORAGE_CHOICES)}")
         if topk < 0:
@@ -102,7 +108,7 @@ class StoreWriter:
         self.storage_dtype = storage_dtype
         self.shard_bytes = max(1, int(shard_bytes))
         self.width = len(target_layer_ids) * hidden_size
-        self.settings = {
+        self.settings: StoreSettings = {
             "target": target,
             "target_layer_ids": [int(i) for i in target_layer_ids],
             "hidden_size": int(hidden_size),
@@ -159,9 +165,9 @@ class StoreWriter:
                     f"store {self.out} was started with {what}: {key!r} is {old_text} in {path.name}, "
                     f"{new_text} in this run{more}; use a new --out folder or the same settings")
 
-    def _load_own_journal(self) -> dict[str, Any]:
+    def _load_own_journal(self) -> Journal:
         path = self.out / journal_name(self.rank)
-        journal = read_json(path) if path.exists() else {"rank": self.rank, "settings": self.settings,
+        journal: Journal = read_json(path) if path.exists() else {"rank": self.rank, "settings": self.settings,
                                                             "shards": []}
         for key in UNRECORDED_BEFORE:  # a store from before a setting was recorded records it from now on
             journal["settings"].setdefault(key, self.settings[key])
@@ -195,7 +201,7 @@ class StoreWriter:
     # appending ---------------------------------------------------------------------------------------
     def add(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden_states: torch.Tensor | None, id: str,
             weight: int = 1, topk_ids: torch.Tensor | None = None,
-            topk_logprobs: torch.Tensor | None = None, note: dict[str, Any] | None = None) -> bool:
+            topk_logprobs: torch.Tensor | None = None, note: AnswerNote | None = None) -> bool:
         """Buffer one sample; returns False (and counts it) when its states hold NaN/inf (or its top-k log-probs
         NaN/+inf) and it was dropped. `topk_ids`/`topk_logprobs` [S, K] are required iff the writer has topk=K;
         `note` is what capture says of the answer (its constraint kind, why it ended, its validity), journaled
@@ -315,7 +321,7 @@ class StoreWriter:
             if user := write_error(err, tmp, WRITE_ADVICE):
                 raise user from None
             raise
-        entry = {"file": name, "num_samples": len(p.ids), "num_tokens": int(offsets[-1]),
+        entry: JournaledShard = {"file": name, "num_samples": len(p.ids), "num_tokens": int(offsets[-1]),
                  "bytes": final.stat().st_size, "sha256": digest, "ids": p.ids, "dropped": p.dropped}
         if any(n is not None for n in p.notes):
             entry["notes"] = p.notes
@@ -333,7 +339,7 @@ class StoreWriter:
                 raise user from None
             raise
 
-    def close(self, finalize: bool = True) -> dict[str, Any] | None:
+    def close(self, finalize: bool = True) -> Manifest | None:
         """Flush the last shard; with finalize (single process, or rank 0 after a barrier) write the manifest."""
         if self._closed:
             return None
@@ -375,11 +381,12 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
 
 
 
-def finalize_store(out_dir: str | Path, ingest_report: dict[str, Any] | None = None,
-                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Merge every rank's journal into manifest.json, write provenance and mark the folder complete."""
+def finalize_store(out_dir: str | Path, ingest_report: IngestReport | None = None,
+                   extra: dict[str, StageConfig] | None = None) -> Manifest:
+    """Merge every rank's journal into manifest.json, write provenance and mark the folder complete; `extra`: more
+    manifest keys (capture's: {"capture": its options})."""
     out = Path(out_dir)
-    journals = [read_json(p) for p in sorted(out.glob("journal-r*.json"))]
+    journals: list[Journal] = [read_json(p) for p in sorted(out.glob("journal-r*.json"))]
     if not journals:
         raise UserError(f"store {out} has no journal-r*.json: nothing was captured into it")
     settings = journals[0]["settings"]
@@ -399,7 +406,7 @@ def finalize_store(out_dir: str | Path, ingest_report: dict[str, Any] | None = N
     settings = {**SETTING_DEFAULTS, **settings}
     floor = floor_bytes_per_token(settings)
     shard_bytes = sum(e["bytes"] for e in shards)
-    manifest = {
+    manifest: Manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         **settings,
@@ -434,7 +441,7 @@ def finalize_store(out_dir: str | Path, ingest_report: dict[str, Any] | None = N
     return manifest
 
 
-def answer_counts(shards: list[dict[str, Any]]) -> dict[str, Any]:
+def answer_counts(shards: list[JournaledShard]) -> AnswerCounts:
     """The manifest's `answers`: the stored answers by constraint kind and by why they ended, and those under a
     structured constraint that ended by themselves: how many were checked, which of those are not valid under it
     (id: why), and which no check could run on (id: why; never counted as valid)."""

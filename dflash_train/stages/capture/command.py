@@ -38,7 +38,6 @@ import datetime
 import os
 import time
 from dataclasses import asdict, replace
-from typing import Any
 
 import torch
 
@@ -48,13 +47,13 @@ from dflash_train.device import default_device, resolve_precision
 from dflash_train.errors import UserError, decided_by_rank0
 from dflash_train.model.configuration import default_layer_ids
 from dflash_train.options import add_options, from_args, validate
-from dflash_train.prompts import PromptRecord, check_records, load_prompt_records, prompt_set
+from dflash_train.prompts import IngestReport, PromptRecord, check_records, load_prompt_records, prompt_set
 from dflash_train.sampling import Sampling
 from dflash_train.stages.capture.config import CaptureConfig
 from dflash_train.stages.capture.responses import (REFUSED_BY_ENGINE, answer_note, engine_responses,
                                                    logged_response_ids, request_seed, sampling_for)
 from dflash_train.states import Captured, generate_and_capture, prefill_capture
-from dflash_train.store.format import NO_STATES
+from dflash_train.store.format import NO_STATES, Generation, Manifest
 from dflash_train.store.writer import StoreWriter, finalize_store
 from dflash_train.target import Target, check_layer_ids, load_target, vocab_size
 
@@ -90,7 +89,7 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-def capture(cfg: CaptureConfig) -> dict[str, Any] | None:
+def capture(cfg: CaptureConfig) -> Manifest | None:
     """Run the capture stage; returns the manifest on rank 0 (None on other ranks)."""
     validate(cfg)
     _check_engine(cfg)
@@ -151,7 +150,7 @@ def _check_engine(cfg: CaptureConfig) -> None:
         raise UserError("--engine-args configures vLLM: pass --engine vllm")
 
 
-def _records(cfg: CaptureConfig) -> tuple[list[PromptRecord], dict[str, Any] | None, dict[str, Sampling]]:
+def _records(cfg: CaptureConfig) -> tuple[list[PromptRecord], IngestReport | None, dict[str, Sampling]]:
     """The prompts to capture, their ingest report and each prompt's sampling; the samplings, each record's
     settings (`prompts.check_records`), and under the own engine the constraints it replays, are checked for every
     prompt before anything is loaded."""
@@ -169,9 +168,9 @@ def _records(cfg: CaptureConfig) -> tuple[list[PromptRecord], dict[str, Any] | N
     return records, ingest_report, samplings
 
 
-def _generation(cfg: CaptureConfig, stop_ids: list[int], compute_dtype: str) -> dict[str, Any]:
+def _generation(cfg: CaptureConfig, stop_ids: list[int], compute_dtype: str) -> Generation:
     """How the answers are decoded, as the store's settings record it."""
-    generation = {
+    generation: Generation = {
         "responses": cfg.responses,
         "max_new_tokens": cfg.max_new_tokens,  # per prompt: the logged request's max_tokens where smaller
         "max_prompt_tokens": cfg.max_prompt_tokens,
@@ -195,7 +194,7 @@ def _generation(cfg: CaptureConfig, stop_ids: list[int], compute_dtype: str) -> 
 
 def _capture_into(writer: StoreWriter, cfg: CaptureConfig, target: Target, records: list[PromptRecord],
                   samplings: dict[str, Sampling], layer_ids: list[int], stop_ids: list[int], pad_id: int, rank: int,
-                  world: int, ingest_report: dict[str, Any] | None, started: float) -> dict[str, Any] | None:
+                  world: int, ingest_report: IngestReport | None, started: float) -> Manifest | None:
     from tqdm import tqdm
 
     mine = [r for i, r in enumerate(records) if i % world == rank]
@@ -285,8 +284,8 @@ def _answers(cfg: CaptureConfig, target: Target, batch: list[tuple[PromptRecord,
                            [len(ids) for _, ids in batch], taps, pad_id, topk=cfg.store_topk)
 
 
-def _finish(writer: StoreWriter, cfg: CaptureConfig, rank: int, world: int, ingest_report: dict[str, Any] | None,
-            started: float) -> dict[str, Any] | None:
+def _finish(writer: StoreWriter, cfg: CaptureConfig, rank: int, world: int, ingest_report: IngestReport | None,
+            started: float) -> Manifest | None:
     """After every rank has closed its shards, rank 0 merges the manifest; returns it (None on other ranks)."""
     _barrier(world)
     manifest = None
@@ -301,7 +300,7 @@ def _finish(writer: StoreWriter, cfg: CaptureConfig, rank: int, world: int, inge
     return manifest
 
 
-def _print_summary(m: dict[str, Any], seconds: float, out: str) -> None:
+def _print_summary(m: Manifest, seconds: float, out: str) -> None:
     per_token = m["bytes"] / m["num_tokens"] if m["num_tokens"] else 0.0
     over = 100 * (per_token / m["floor_bytes_per_token"] - 1) if m["num_tokens"] else 0.0
     dropped = ", ".join(f"{k} {v}" for k, v in m["dropped"].items()) or "none"

@@ -10,7 +10,7 @@ from dflash_train.device import device_problem
 from dflash_train.engine.args import ENGINE_ARGS_HELP, engine_args_problem
 from dflash_train.options import at_least, in_range, option
 from dflash_train.store.writer import DEFAULT_SHARD_BYTES
-from dflash_train.target import DEFAULT_TARGET
+from dflash_train.target import DEFAULT_TARGET, TemplateKwargs
 
 
 @dataclass
@@ -48,7 +48,7 @@ class CaptureConfig:
                        "measure what replaying them is worth)")
     shard_size_mb: float = option(DEFAULT_SHARD_BYTES / 2**20, check=in_range(0, 1e6, low_open=True),
                                   help="shard size in MiB")
-    template_kwargs: dict[str, Any] = option(default_factory=dict, metavar="JSON",
+    template_kwargs: TemplateKwargs = option(default_factory=dict, metavar="JSON",
                                              help='chat template options as JSON, e.g. \'{"enable_thinking": false}\'')
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = option(
         "auto", help="the target's compute dtype (auto: bf16 where the device runs it natively, else fp32); the "

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -19,7 +18,8 @@ from dflash_train.prompts import PromptRecord
 from dflash_train.sampling import Sampling
 from dflash_train.stages.capture.config import CaptureConfig
 from dflash_train.states import Captured
-from dflash_train.target import Target, chat_text, prompt_seed
+from dflash_train.store.format import AnswerNote
+from dflash_train.target import Target, TemplateKwargs, chat_text, prompt_seed
 
 ENGINE_RESPONSES = "engine-responses.jsonl"  # in the store folder: a killed capture keeps what vLLM generated
 REFUSED_BY_ENGINE = "refused_by_engine"  # a request vLLM refused: dropped from the store, with the engine's reason
@@ -40,7 +40,7 @@ def request_seed(seed: int, record: PromptRecord) -> int:
 
 
 def logged_response_ids(target: Target, record: PromptRecord, prompt_ids: list[int],
-                        template_kwargs: dict[str, Any]) -> tuple[list[int], bool]:
+                        template_kwargs: TemplateKwargs) -> tuple[list[int], bool]:
     """The logged response as the target would have emitted it after `prompt_ids`, ending with its stop token.
 
     Rendered with the chat template over the whole conversation; when the template frames the response so that
@@ -108,7 +108,7 @@ def engine_responses(cfg: CaptureConfig, target: Target, rendered: list[tuple[Pr
     return done, refused
 
 
-def answer_note(record: PromptRecord, sample: Captured, tokenizer) -> dict[str, Any] | None:
+def answer_note(record: PromptRecord, sample: Captured, tokenizer) -> AnswerNote | None:
     """What the store records of one answer beside its tokens: its request's constraint kind, why it ended, and,
     for an answer under a structured constraint that ended by itself, what checking it found
     (`constraints.check_answer`: "problem", null when valid, or "unchecked" and why no check ran). None for an
@@ -116,7 +116,7 @@ def answer_note(record: PromptRecord, sample: Captured, tokenizer) -> dict[str, 
     kind = request_constraints.kind(record.constraints)
     if kind == "none" and sample.ended is None:
         return None
-    note: dict[str, Any] = {"constraint": kind, "ended": sample.ended}
+    note: AnswerNote = {"constraint": kind, "ended": sample.ended}
     if kind in request_constraints.STRUCTURED_KINDS and sample.ended in ("eos", "stop_token"):
         text = tokenizer.decode(sample.input_ids[sample.num_prompt_tokens:], skip_special_tokens=True)
         note.update(request_constraints.check_answer(record.constraints, text))

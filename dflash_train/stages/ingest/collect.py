@@ -5,11 +5,11 @@ the kept records to a temporary JSON-lines file, counting everything per source.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from dflash_train import constraints as request_constraints
 from dflash_train import sampling
 from dflash_train.compile_check import CompileCheck
+from dflash_train.logs.records import PromptRow
 from dflash_train.logs.values import SourceStats
 from dflash_train.prompts import split_hash, template_inputs
 from dflash_train.stages.ingest.config import IngestConfig
@@ -42,7 +42,7 @@ class TokenLimit:
     def __exit__(self, *exc) -> None:
         self.grammars.close()
 
-    def reasons(self, records: list[dict[str, Any]]) -> list[tuple[str, str] | None]:
+    def reasons(self, records: list[PromptRow]) -> list[tuple[str, str] | None]:
         """None for a prompt that fits, else (reason, detail)."""
         from jinja2.exceptions import TemplateError
 
@@ -81,14 +81,14 @@ class Collector:
         self.sink, self.limit, self.config = sink, limit, config
         self.occurrences: dict[str, int] = {}  # prompt id -> times seen: the dedup set; its values become weights
         self.rejected: dict[str, str] = {}  # prompt id -> reason, for prompts the token limit or template refused
-        self.pending: list[tuple[str, dict[str, Any], SourceStats]] = []
+        self.pending: list[tuple[str, PromptRow, SourceStats]] = []
         self.kept = self.eval_count = 0
         self.lowest: tuple[float, str | None] = (2.0, None)  # the smallest split hash, for the 1-eval fallback
 
     def full(self) -> bool:
         return self.config.max_prompts is not None and self.kept >= self.config.max_prompts
 
-    def add(self, where: str, record: dict[str, Any], stats: SourceStats) -> None:
+    def add(self, where: str, record: PromptRow, stats: SourceStats) -> None:
         rid = record["id"]
         if rid in self.occurrences:
             self.occurrences[rid] += 1

