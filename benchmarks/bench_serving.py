@@ -37,11 +37,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from dflash_train import runs
 from dflash_train.engine.jobs import EngineRequest
 from dflash_train.errors import CommandParser
 from dflash_train.eval_report import EvalReport, KRow, VllmEval, fields_of
 from dflash_train.options import at_least, int_list
+from dflash_train.support import runs
 
 AGREEMENT = 0.05  # the eval's speedup and the independent stopwatch's may differ by this much
 

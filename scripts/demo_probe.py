@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from dflash_train.errors import UserError
-from dflash_train.runs import REPO
+from dflash_train.support.runs import REPO
 GAUSS_QUANTILES = (0.5 - 0.5 / 3 ** 0.5, 0.5 + 0.5 / 3 ** 0.5)  # the probe's capture batches (two-point quadrature)
 ENGINE_PROBE_PROMPTS = 48
 ENGINE_DECODE_PROBE_PROMPTS = 3
@@ -168,14 +168,14 @@ def decode_rates(model, prompt: list[int], prefix: str = "") -> dict[str, float]
 
 
 def training_step_rates(args: argparse.Namespace, target, layers: list[int], recipe, dtype, device) -> dict:
-    """Seconds per training step of the recipe's shape (dflash_train.measure's step, random data at the longest
+    """Seconds per training step of the recipe's shape (dflash_train.support.measure's step, random data at the longest
     sample capture keeps, the head cut to the recipe's draft vocabulary size) with stored states and, alternating,
     with the states computed online as the trainer does (data.hidden_states: online: the target prefills the micro
     batch first, benchmarks/bench_online.py's probe); the median of each after its first."""
     import torch
 
-    from dflash_train import measure
     from dflash_train.stages.train.data import OnlineStates
+    from dflash_train.support import measure
 
     cfg = target.config
     step_args = argparse.Namespace(hidden=cfg.hidden_size, layers=drafter_layers(recipe), target_layers=5,
