@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from dflash_train.engine.combined import Combined
-from dflash_train.engine.install import suffix_problem
 from dflash_train.lookup import CombinedRule, parse_combined
-from dflash_train.suffix import SuffixDraft
+from dflash_train.suffix import SuffixDraft, suffix_problem
 from test_engine import needs_vllm
 
 REPO = Path(__file__).resolve().parent.parent

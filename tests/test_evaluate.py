@@ -12,12 +12,12 @@ import torch
 from tiny import TOOL_CALL_REQUEST
 
 from dflash_train import eval_report
-from dflash_train.engine.install import suffix_problem
 from dflash_train.eval_report import SCHEMA_VERSION, ConcurrencyRow, FirstK, KRow, Machine, SourceCount
 from dflash_train.lookup import SUFFIX_SCORE
 from dflash_train.model.modeling_dflash import DFlashDraftModel
 from dflash_train.stages.evaluate.metrics import acceptance_stats, offline_estimate
 from dflash_train.spec_decode import DFlashProposer, Step, speculative_generate
+from dflash_train.suffix import suffix_problem
 from test_spec_decode import PROMPTS, prompt_ids, reference
 
 REPO = Path(__file__).resolve().parent.parent

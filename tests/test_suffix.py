@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from dflash_train.engine.install import suffix_problem
+from dflash_train.suffix import suffix_problem
 
 pytestmark = pytest.mark.skipif(suffix_problem() is not None, reason=str(suffix_problem()))
 

@@ -189,7 +189,8 @@ def check_options(cfg: EvalConfig) -> tuple[bool, bool]:
         raise UserError(f"{vllm_only[0]} configures vLLM, and --engine {cfg.engine} does not run it: pass --engine "
                         f"vllm or both")
     if in_engine:
-        from dflash_train.engine.install import check_vllm, suffix_problem
+        from dflash_train.engine.install import check_vllm
+        from dflash_train.suffix import suffix_problem
 
         check_vllm()  # before anything is loaded: a missing engine is one line, not a late failure
         if cfg.suffix and (problem := suffix_problem()):

@@ -16,7 +16,6 @@ import torch
 
 from dflash_train.engine.args import serve_command
 from dflash_train.engine.child import idle_s
-from dflash_train.engine.install import suffix_problem
 from dflash_train.engine.jobs import LOOKUP_METHODS, EngineJob, EngineOutput, EngineResult, engine_steps, lookup_job
 from dflash_train.errors import UserError
 from dflash_train.eval_report import (CombinedEntry, ConcurrencyRow, FirstK, KRow, LoadSeconds, Lossless, Mismatch,
@@ -29,6 +28,7 @@ from dflash_train.stages.evaluate.engine_runs import EngineRunner
 from dflash_train.stages.evaluate.metrics import (acceptance_stats, bootstrap_interval, bootstrap_resamples,
                                                   ratio_of_sums)
 from dflash_train.stages.evaluate.own_loop import diagnose_mismatch
+from dflash_train.suffix import suffix_problem
 from dflash_train.target import Target
 
 
