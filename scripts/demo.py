@@ -41,11 +41,11 @@ from dflash_train import eval_report
 from dflash_train.engine.args import SPECULATION_LENGTHS
 from dflash_train.errors import CommandParser
 from dflash_train.eval_report import Acceptance, CombinedEntry, EvalReport, KRow, OwnLoop, VllmEval
-from dflash_train.lookup import combined_problem
 from dflash_train.options import at_least, in_range, int_list
 from dflash_train.provenance import is_complete
 from dflash_train.report_tables import beside_the_drafter, combined_line, combined_name, speculator_to_serve
-from dflash_train.suffix import suffix_problem
+from dflash_train.spec_decode.lookup import combined_problem
+from dflash_train.spec_decode.suffix import suffix_problem
 from dflash_train.support import runs
 
 REPO = runs.REPO

@@ -157,7 +157,7 @@ def decode_rates(model, prompt: list[int], prefix: str = "") -> dict[str, float]
     against 4), and the prompt's prefill, which every request the eval times runs once more (0.7-1.2 s against
     6.2-6.6 s for 64 tokens on the AVX2 host); the median of three such pairs (one pair read 7.2 to 10.8
     tokens/s within a minute on that host, and the eval's plan scales with it)."""
-    from dflash_train.spec_decode import plain_generate
+    from dflash_train.spec_decode.loop import plain_generate
 
     pairs = []
     for _ in range(3):

@@ -43,7 +43,7 @@ from dflash_train.engine.args import SPECULATION_LENGTHS
 from dflash_train.errors import CommandParser, UserError
 from dflash_train.options import at_least, each, in_range, int_list
 from dflash_train.stages.train.recipe import load_recipe
-from dflash_train.suffix import suffix_problem
+from dflash_train.spec_decode.suffix import suffix_problem
 from dflash_train.support import runs
 
 OUT = "results/experiment_warm_start"

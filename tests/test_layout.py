@@ -127,6 +127,15 @@ def test_no_stage_or_service_imports_the_support_code():
     assert not wrong, "the pipeline imports dflash_train.support:\n" + "\n".join(wrong)
 
 
+def test_the_speculators_stand_below_the_engine_and_the_stages():
+    """dflash_train.spec_decode (the loop, prompt lookup, the suffix tree, the combined speculator's vLLM plugin) is
+    what the engine and the stages run: it imports neither, so the dependency goes one way."""
+    graph = import_graph()
+    wrong = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                   if m.startswith("dflash_train.spec_decode") and (t.startswith("dflash_train.engine") or stage_of(t)))
+    assert not wrong, "a speculator imports the engine or a stage:\n" + "\n".join(wrong)
+
+
 def test_no_import_circle_between_modules():
     assert cycles(import_graph()) == []
 

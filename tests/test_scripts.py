@@ -438,7 +438,7 @@ def test_two_drafters_walked_under_the_served_rule_are_paired_by_answer():
 
     import combined_rule as cr
 
-    from dflash_train.lookup import CombinedRule
+    from dflash_train.spec_decode.lookup import CombinedRule
 
     def answer(drafter: int) -> list[dict]:  # 6 anchors; nothing free drafts; the drafter commits `drafter` a step
         return [{"at": a, "drafter": drafter, "p": 0.9, "lookup": 1, "n": 0, "suffix": 1, "score": 0.0, "slen": 0}

@@ -24,6 +24,6 @@ The modules, in the order a job goes through them:
 - `child`: what runs inside the child process: the batch (capture), timed (eval's speedup protocol) and check
   modes.
 
-Beside them, inside vLLM: `combined`, the package's vLLM plugin (the combined speculator: the DFlash drafter, and
-prompt lookup's block where `lookup.CombinedRule` picks it), loaded by vLLM itself in every process.
+Inside vLLM, not here: `spec_decode.combined`, the package's vLLM plugin (the combined speculator: the DFlash drafter,
+and prompt lookup's block where `spec_decode.lookup.CombinedRule` picks it), loaded by vLLM itself in every process.
 """

@@ -21,14 +21,14 @@ from dflash_train.errors import UserError
 from dflash_train.eval_report import (CombinedEntry, ConcurrencyRow, FirstK, KRow, LoadSeconds, Lossless, Mismatch,
                                       Paired, RankRow, SourceCount, SpeculatorEntry, Speed, SweepTiming, TimedPrompt,
                                       VllmEval, fields_of)
-from dflash_train.lookup import SUFFIX_SCORE, CombinedRule, parse_combined
-from dflash_train.spec_decode import mean_tau
+from dflash_train.spec_decode.lookup import SUFFIX_SCORE, CombinedRule, parse_combined
+from dflash_train.spec_decode.loop import mean_tau
+from dflash_train.spec_decode.suffix import suffix_problem
 from dflash_train.stages.evaluate.config import EvalConfig
 from dflash_train.stages.evaluate.engine_runs import EngineRunner
 from dflash_train.stages.evaluate.metrics import (acceptance_stats, bootstrap_interval, bootstrap_resamples,
                                                   ratio_of_sums)
 from dflash_train.stages.evaluate.own_loop import diagnose_mismatch
-from dflash_train.suffix import suffix_problem
 from dflash_train.target import Target
 
 

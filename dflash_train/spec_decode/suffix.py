@@ -4,7 +4,7 @@ the request's own prompt and answer so far and over the answers the engine gave 
 earlier answers (a structured application's keys, enums and phrasings), which prompt lookup, reading the current
 request only, cannot see.
 
-The combined speculator's plugin (`engine.combined`) drafts with it beside the drafter and prompt lookup, and the
+The combined speculator's plugin (`spec_decode.combined`) drafts with it beside the drafter and prompt lookup, and the
 offline probe (probes/combined_rule.py) replays held-out answers through it in request order; both through
 `SuffixSource`, so the tree is fed one way. Its global cache holds only the answers fed to it in that run: in the
 engine, the ones the engine produced itself."""
