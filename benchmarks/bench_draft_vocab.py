@@ -33,13 +33,13 @@ from pathlib import Path
 
 import torch
 
-from dflash_train import runs
 from dflash_train.device import resolve_precision
 from dflash_train.engine.jobs import EngineRequest
 from dflash_train.model.checkpoint import create_drafter, draft_vocabulary, load_drafter, read_config, save_drafter
 from dflash_train.stages.evaluate.metrics import bootstrap_interval, ratio_of_sums
 from dflash_train.stages.train.data import StoreSet
 from dflash_train.stages.train.draft_vocab import choose, token_counts
+from dflash_train.support import runs
 from dflash_train.target import DEFAULT_TARGET, load_embedding_and_head, load_target
 
 from bench_grammar_cost import heldout_requests, step_costs, timed_at_k  # benchmarks/, beside this file

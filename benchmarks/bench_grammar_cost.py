@@ -22,12 +22,12 @@ import tempfile
 from pathlib import Path
 
 from dflash_train import constraints as request_constraints
-from dflash_train import runs
 from dflash_train.device import resolve_precision
 from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
 from dflash_train.engine.runner import run_engine
 from dflash_train.prompts import load_prompt_records
 from dflash_train.stages.evaluate.command import LEFT_OUT
+from dflash_train.support import runs
 from dflash_train.target import DEFAULT_TARGET, load_target
 
 

@@ -19,8 +19,8 @@ of at most --max-prompt-tokens tokens):
       in every epoch (`break_even_epochs`).
 
 `probe_rates` (a short measurement of the same rates with the one-pass loop: one capture batch each way and a few
-training steps each way) feeds `choose_hidden_states` (dflash_train.measure: a pure decision from those rates, the
-epochs and the disk, which the demo's plan takes too); the tests cover both.
+training steps each way) feeds `choose_hidden_states` (dflash_train.support.measure: a pure decision from those
+rates, the epochs and the disk, which the demo's plan takes too); the tests cover both.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflash_train.measure import break_even_epochs, choose_hidden_states
+from dflash_train.support.measure import break_even_epochs, choose_hidden_states
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,12 +54,12 @@ def probe_rates(target, prompts: list[list[int]], recipe, max_new_tokens: int, b
     after the first of each. `target` is a loaded target.Target in the compute dtype."""
     import torch
 
-    from dflash_train import measure
     from dflash_train.states import generate_and_capture
     from dflash_train.stages.capture.command import resolve_layer_ids
     from dflash_train.stages.train.data import OnlineStates, collate
     from dflash_train.store.writer import StoreWriter
     from dflash_train.store.format import floor_bytes_per_token
+    from dflash_train.support import measure
 
     layers = layer_ids or resolve_layer_ids(target.num_layers, None, 5)
     stop, pad = target.stop_token_ids(), target.tokenizer.pad_token_id

@@ -10,7 +10,7 @@ One command, three measurements of the same held-out prompts, printed side by si
 1. the eval stage itself, `dflash-train eval --engine vllm` (--eval-out): vLLM's K table at batch 1 (tau, tokens/s
    and speedup with bootstrap intervals, by the engine core and by a stopwatch around each request), the
    concurrency table and best_k (with --ngram K,..., vLLM's prompt lookup at those K beside it: the baseline);
-2. the project's loop (spec_decode) at the same K (a verify block of K + 1) on the same prompts at the same fixed
+2. the project's loop (spec_decode.loop) at the same K (a verify block of K + 1) on the same prompts at the same fixed
    lengths, plain and speculative alternating, by its own decode clock and by a stopwatch around each generation
    (without the requests' constraints: on constrained traffic it times other answers than the eval's);
 3. an independent stopwatch: fresh vLLM engines with the eval's arguments, each in a fresh process, each prompt under
@@ -37,11 +37,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from dflash_train import runs
 from dflash_train.engine.jobs import EngineRequest
 from dflash_train.errors import CommandParser
 from dflash_train.eval_report import EvalReport, KRow, VllmEval, fields_of
 from dflash_train.options import at_least, int_list
+from dflash_train.support import runs
 
 AGREEMENT = 0.05  # the eval's speedup and the independent stopwatch's may differ by this much
 
@@ -142,7 +142,7 @@ def own_loop(args: argparse.Namespace, report: EvalReport, log: list[dict[str, A
 
     from dflash_train.stages.evaluate.metrics import acceptance_stats, bootstrap_interval, ratio_of_sums
     from dflash_train.stages.evaluate.own_loop import _load_proposer
-    from dflash_train.spec_decode import mean_tau, plain_generate, speculative_generate
+    from dflash_train.spec_decode.loop import mean_tau, plain_generate, speculative_generate
     from dflash_train.target import load_target
 
     entry = {"part": "the project's loop", "uptime_before": uptime()}

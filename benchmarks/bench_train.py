@@ -3,7 +3,7 @@
     python benchmarks/bench_train.py --hidden 576 --layers 2 --target-layers 5 --vocab 49152 --seq 512 \
         --anchors 64 --block 16 --batch 1 --dtype bf16
 
-A step is what the trainer does per micro batch (dflash_train.measure.step_fn, the demo's probe times the same):
+A step is what the trainer does per micro batch (dflash_train.support.measure.step_fn, the demo's probe times the same):
 sample anchors, drafter forward over all blocks, LM head + CE, backward, AdamW step (no DeepSpeed, one process).
 Reported: median step time over --steps after --warmup steps, tokens/s (sequence tokens: batch x seq per step), peak
 memory, and on CUDA the model FLOPs utilisation.
@@ -28,7 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as train.py: before torch
 
 import torch  # noqa: E402
 
-from dflash_train.measure import make_drafter, step_fn  # noqa: E402
+from dflash_train.support.measure import make_drafter, step_fn  # noqa: E402
 
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s (H100/H200 SXM)
 

@@ -230,7 +230,8 @@ class Paired:
 
 @dataclass(frozen=True)
 class CombinedEntry(SpeculatorEntry):
-    """The combined speculator (engine.combined) at its K: its rule, its blocks by source, and against the others."""
+    """The combined speculator (spec_decode.combined) at its K: its rule, its blocks by source, and against the
+    others."""
     setting: str = ""  # the rule, as lookup.parse_combined reads it
     sources: dict[str, SourceCount] = field(default_factory=dict)
     suffix_answers_before: list[int | None] = field(default_factory=list)

@@ -12,7 +12,7 @@ from typing import Any
 
 from dflash_train.eval_report import (CombinedEntry, ConstraintsSummary, KRow, Machine, SpeculatorEntry, SweepTiming,
                                       VllmEval)
-from dflash_train.lookup import COMBINED_SETTING, CombinedRule, parse_combined
+from dflash_train.spec_decode.lookup import COMBINED_SETTING, CombinedRule, parse_combined
 
 
 def fmt(value: Any) -> str:

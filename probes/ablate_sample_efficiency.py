@@ -20,9 +20,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dflash_train import runs
 from dflash_train.errors import UserError
 from dflash_train.provenance import is_complete
+from dflash_train.support import runs
 
 PUBLIC = ("drafter.init=random,drafter.context_norm=false,objective.num_anchors=64,optimizer.schedule=cosine,"
           "optimizer.lr=6e-4,objective.soft_label_weight=0,objective.context_warmup_ratio=0,"

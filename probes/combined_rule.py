@@ -36,12 +36,12 @@ import torch
 
 from ngram_baseline import accepted, lookup_lengths, segment_ends
 
-from dflash_train import runs
-from dflash_train.lookup import SUFFIX_SCORE, CombinedRule, parse_combined
 from dflash_train.model.checkpoint import load_drafter
 from dflash_train.objective import all_anchors, decoding_walk, simulated_acceptance
+from dflash_train.spec_decode.lookup import SUFFIX_SCORE, CombinedRule, parse_combined
+from dflash_train.spec_decode.suffix import SuffixSource, replay_answer
 from dflash_train.store.reader import open_store
-from dflash_train.suffix import SuffixSource, replay_answer
+from dflash_train.support import runs
 from dflash_train.target import DEFAULT_TARGET, load_embedding_and_head
 
 # Rules: (name, chooser(anchor row) -> ("lookup" | "suffix" | "drafter", whether the drafter ran this step)). A rule

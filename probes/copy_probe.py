@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from dflash_train import runs
 from dflash_train import objective as obj
 from dflash_train.stages.train.data import StoreSet, collate, split_eval
 from dflash_train.errors import UserError
+from dflash_train.support import runs
 
 GAMMA = 5.0  # the adapt recipe's slot decay
 SPAN_P, SPAN_F = (8, 48), (0, 24)  # the lengths of the text before the first X and between the first two

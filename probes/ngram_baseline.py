@@ -33,7 +33,7 @@ from collections.abc import Iterable
 import torch
 
 from dflash_train.stages.train.data import StoreSet, split_eval
-from dflash_train.lookup import lookup_draft, lookup_match
+from dflash_train.spec_decode.lookup import lookup_draft, lookup_match
 from dflash_train.objective import anchor_candidates
 
 Sequence = tuple[list[int], list[bool]]  # token ids, loss mask (True on response tokens)

@@ -20,7 +20,7 @@ stages to the budget: the eval gets at most a share of it, the rest goes to capt
 (`train.time_budget_s`, at most the recipe's max_steps; after the capture, plus what it saved against its plan or
 less what it overran). It stores the states with the responses, or captures token-only and trains online
 (`data.hidden_states: online`), whichever costs less per token at the epochs the plan trains
-(dflash_train.measure's rule): online pays where a token-only capture is much cheaper and the epochs are few.
+(dflash_train.support.measure's rule): online pays where a token-only capture is much cheaper and the epochs are few.
 It prints that plan, with the rates it measured and why, before anything long starts.
 """
 # Here: the command line and the stages, one after another; the probe is scripts/demo_probe.py, the plan
@@ -37,15 +37,16 @@ from pathlib import Path
 from demo_plan import EVAL_CONCURRENCY, OWN_EVAL_PROMPTS, early_check, make_plan, print_plan, rebudget_training
 from demo_probe import demo_recipe, probe
 
-from dflash_train import eval_report, runs
+from dflash_train import eval_report
 from dflash_train.engine.args import SPECULATION_LENGTHS
-from dflash_train.engine.install import suffix_problem
 from dflash_train.errors import CommandParser
 from dflash_train.eval_report import Acceptance, CombinedEntry, EvalReport, KRow, OwnLoop, VllmEval
-from dflash_train.lookup import combined_problem
 from dflash_train.options import at_least, in_range, int_list
 from dflash_train.provenance import is_complete
 from dflash_train.report_tables import beside_the_drafter, combined_line, combined_name, speculator_to_serve
+from dflash_train.spec_decode.lookup import combined_problem
+from dflash_train.spec_decode.suffix import suffix_problem
+from dflash_train.support import runs
 
 REPO = runs.REPO
 
@@ -87,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden-states", choices=["auto", "stored", "online"], default="auto",
                    help="the drafter's input states: captured with the responses (stored), computed by the target "
                         "in every training step from a token-only store (online), or auto: whichever the probe "
-                        "measures to train on more data in the budget (dflash_train.measure's rule)")
+                        "measures to train on more data in the budget (dflash_train.support.measure's rule)")
     p.add_argument("--ngram", type=int_list, default=[], metavar="K,K,...",
                    help="vLLM: also time the engine's own prompt lookup (no model, no training) at these K, beside "
                         "the drafter: the baseline it has to beat, and which of the two to serve (the plan counts "

@@ -2,13 +2,13 @@
 
 The eval gets at most a share of the budget (20 held-out prompts, vLLM's K sweep, the engine's own speculators where
 asked, the fp32 rerun of low-precision mismatches), the rest goes to capture (prompts read) and training
-(`train.time_budget_s`, at most the recipe's max_steps; after the capture, plus what it saved against its plan or
-less what it overran). It stores the states with the responses, or captures token-only and trains online
-(`data.hidden_states: online`), whichever costs less per token at the epochs the plan trains (dflash_train.measure's
-rule). Where the eval as asked would leave capture and training less than CAPTURE_AND_TRAIN_SHARE of the time, the
-eval is cut first (EVAL_CUTS: one K for each free speculator, then the free speculators on fewer prompts), and the
-plan says what it left out. A budget too short for this machine even so is refused, naming the one that fits, as
-early as the probe can tell.
+(`train.time_budget_s`, at most the recipe's max_steps; after the capture, plus what it saved against its plan or less
+what it overran). It stores the states with the responses, or captures token-only and trains online
+(`data.hidden_states: online`), whichever costs less per token at the epochs the plan trains
+(dflash_train.support.measure's rule). Where the eval as asked would leave capture and training less than
+CAPTURE_AND_TRAIN_SHARE of the time, the eval is cut first (EVAL_CUTS: one K for each free speculator, then the free
+speculators on fewer prompts), and the plan says what it left out. A budget too short for this machine even so is
+refused, naming the one that fits, as early as the probe can tell.
 """
 
 from __future__ import annotations
@@ -329,13 +329,13 @@ def faster_capture(costs: dict[str, tuple[float, float]], seconds: float, allowe
 
 
 def choose_states(args: argparse.Namespace, rates: dict, micro_batch: int, options: dict[str, dict]) -> tuple[str, str]:
-    """("stored" | "online", why): dflash_train.measure's rule (`choose_hidden_states`) at the epochs the stored
+    """("stored" | "online", why): dflash_train.support.measure's rule (`choose_hidden_states`) at the epochs the stored
     plan trains (expected steps x micro batch / prompts kept), on the plans' rates per token: each capture's time
     (start-up included) over the tokens it keeps, each step's over the tokens of its micro batch, at the probe's
     mean sample length; with the disk check where the probe measured the states' size. --hidden-states forces one."""
     import shutil
 
-    from dflash_train.measure import choose_hidden_states
+    from dflash_train.support.measure import choose_hidden_states
 
     if args.hidden_states != "auto":
         return args.hidden_states, f"--hidden-states {args.hidden_states}"

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from dflash_train.errors import UserError
-from dflash_train.runs import REPO
+from dflash_train.support.runs import REPO
 GAUSS_QUANTILES = (0.5 - 0.5 / 3 ** 0.5, 0.5 + 0.5 / 3 ** 0.5)  # the probe's capture batches (two-point quadrature)
 ENGINE_PROBE_PROMPTS = 48
 ENGINE_DECODE_PROBE_PROMPTS = 3
@@ -165,7 +165,7 @@ def decode_rates(model, prompt: list[int], prefix: str = "") -> dict[str, float]
     against 4), and the prompt's prefill, which every request the eval times runs once more (0.7-1.2 s against
     6.2-6.6 s for 64 tokens on the AVX2 host); the median of three such pairs (one pair read 7.2 to 10.8
     tokens/s within a minute on that host, and the eval's plan scales with it)."""
-    from dflash_train.spec_decode import plain_generate
+    from dflash_train.spec_decode.loop import plain_generate
 
     pairs = []
     for _ in range(3):
@@ -176,14 +176,14 @@ def decode_rates(model, prompt: list[int], prefix: str = "") -> dict[str, float]
 
 
 def training_step_rates(args: argparse.Namespace, target, layers: list[int], recipe, dtype, device) -> dict:
-    """Seconds per training step of the recipe's shape (dflash_train.measure's step, random data at the longest
+    """Seconds per training step of the recipe's shape (dflash_train.support.measure's step, random data at the longest
     sample capture keeps, the head cut to the recipe's draft vocabulary size) with stored states and, alternating,
     with the states computed online as the trainer does (data.hidden_states: online: the target prefills the micro
     batch first, benchmarks/bench_online.py's probe); the median of each after its first."""
     import torch
 
-    from dflash_train import measure
     from dflash_train.stages.train.data import OnlineStates
+    from dflash_train.support import measure
 
     cfg = target.config
     step_args = argparse.Namespace(hidden=cfg.hidden_size, layers=drafter_layers(recipe), target_layers=5,

@@ -22,8 +22,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dflash_train import runs
 from dflash_train.errors import CommandParser, UserError
+from dflash_train.support import runs
 
 OUT = "results/experiment_own_outputs"
 QUICK = {"limit": 40, "steps": 6, "eval_every": 3, "eval_limit": 12, "eval_max_new_tokens": 16,

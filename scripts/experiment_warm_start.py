@@ -38,13 +38,13 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from dflash_train import runs
 from dflash_train.eval_report import MethodRow
 from dflash_train.engine.args import SPECULATION_LENGTHS
-from dflash_train.engine.install import suffix_problem
 from dflash_train.errors import CommandParser, UserError
 from dflash_train.options import at_least, each, in_range, int_list
 from dflash_train.stages.train.recipe import load_recipe
+from dflash_train.spec_decode.suffix import suffix_problem
+from dflash_train.support import runs
 
 OUT = "results/experiment_warm_start"
 GENERAL = runs.REPO / "drafters" / "smollm2-135m-instruct-general"
@@ -108,9 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def publish(folder: Path, hub_home: Path):
-    """A loopback Hub (dflash_train.hub_server, the tests' too) holding `folder` as HUB_REPO, and the environment
-    that points huggingface_hub at it; returns (hub, env, commit)."""
-    from dflash_train.hub_server import LoopbackHub
+    """A loopback Hub (dflash_train.support.hub_server, the tests' too) holding `folder` as HUB_REPO, and the
+    environment that points huggingface_hub at it; returns (hub, env, commit)."""
+    from dflash_train.support.hub_server import LoopbackHub
 
     hub = LoopbackHub(tokens={"hf_experiment"}).__enter__()
     env = {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": "hf_experiment", "HF_HUB_OFFLINE": "0",

@@ -1,4 +1,4 @@
-"""The combined speculator (engine.combined): per request and step, prompt lookup's block where the rule picks it,
+"""The combined speculator (spec_decode.combined): per request and step, prompt lookup's block where the rule picks it,
 else the drafter's; in the real vLLM on CPU with the embedded target and the shipped general drafter, greedy output
 stays plain decoding's, and its blocks come from lookup where the answer copies its prompt and from the drafter
 where it does not."""
@@ -11,10 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_train.engine.combined import Combined
-from dflash_train.engine.install import suffix_problem
-from dflash_train.lookup import CombinedRule, parse_combined
-from dflash_train.suffix import SuffixDraft
+from dflash_train.spec_decode.combined import Combined
+from dflash_train.spec_decode.lookup import CombinedRule, parse_combined
+from dflash_train.spec_decode.suffix import SuffixDraft, suffix_problem
 from test_engine import needs_vllm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -98,7 +97,7 @@ def test_the_plugin_stays_off_on_a_vllm_it_does_not_know_in_one_line(monkeypatch
     import vllm
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from dflash_train.engine import combined
+    from dflash_train.spec_decode import combined
 
     before = GPUModelRunner.propose_draft_token_ids
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
@@ -172,7 +171,7 @@ def test_in_vllm_an_answer_that_repeats_an_earlier_one_is_drafted_by_the_suffix_
     token plain decoding's; the second request asks what the first asked, so its answer repeats the first one's and
     most of its blocks are the suffix tree's; a request for new text gets most of its blocks from the drafter; before
     each request the tree's global cache held exactly the answers this engine had produced before it."""
-    from dflash_train.lookup import SUFFIX_SCORE
+    from dflash_train.spec_decode.lookup import SUFFIX_SCORE
 
     prompts = {"first": "Name the planets of the solar system, each with one fact about it.",
                "again": "Name the planets of the solar system, each with one fact about it!",
@@ -216,7 +215,7 @@ def test_with_the_setting_unset_a_dflash_engine_decodes_as_it_does_without_the_p
     outputs = {}
     for name, allowed in (("with", None),
                           ("without", [e.name for e in entry_points(group="vllm.general_plugins")
-                                       if e.value != "dflash_train.engine.combined:register"])):
+                                       if e.value != "dflash_train.spec_decode.combined:register"])):
         if allowed is None:
             monkeypatch.delenv("VLLM_PLUGINS", raising=False)
         else:

@@ -18,9 +18,10 @@ from conftest import REPO_ROOT
 from test_engine import needs_vllm
 from test_scripts import refused_in_one_line
 
-from dflash_train import eval_report, runs
+from dflash_train import eval_report
 from dflash_train.engine.child import IDLE_S, idle_s
 from dflash_train.errors import UserError
+from dflash_train.support import runs
 
 
 def eval_of(**fields) -> eval_report.EvalReport:
@@ -344,9 +345,9 @@ FEW_EPOCHS = {**THIS_CPU, "capture_s_per_prompt": 4.0, "train_step_s": 3.0, "tra
 
 
 def test_the_plan_stores_the_states_or_trains_online_whichever_trains_on_more_data(demo_prompts, tiny_target_dir):
-    """The plan sizes both ways and takes dflash_train.measure's rule at the epochs it trains: this CPU trains many
-    epochs and stores the states; where a token-only engine capture is cheap and the epochs few it captures
-    token-only (more prompts in the same budget) and trains online. Either plan fits the budget."""
+    """The plan sizes both ways and takes dflash_train.support.measure's rule at the epochs it trains: this CPU
+    trains many epochs and stores the states; where a token-only engine capture is cheap and the epochs few it
+    captures token-only (more prompts in the same budget) and trains online. Either plan fits the budget."""
     base = ["--target", str(tiny_target_dir), "--max-prompt-tokens", "60", "--store-topk", "0"]
     args = demo.parse_args(base)
     stored = demo_plan.make_plan(args, demo_prompts, THIS_CPU, 140.0)
@@ -439,7 +440,7 @@ def test_the_probe_refuses_a_budget_the_eval_alone_overruns_before_its_slower_me
     neither times training steps nor starts vLLM (8 minutes of probing on the AVX2 host before the old refusal)."""
     import time
 
-    from dflash_train import measure
+    from dflash_train.support import measure
 
     def not_reached(*a, **kw):
         raise AssertionError("the probe went on to time training steps")

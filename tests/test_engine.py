@@ -358,7 +358,7 @@ def test_constrained_requests_are_decoded_under_them_losslessly_in_both_engines_
     alike (both stop each answer at the same token); what vLLM refuses with speculation (min_p, logit_bias) is left
     out on both sides and counted; suffix decoding, prompt lookup and the combined speculator timed the same way,
     all ranked."""
-    from dflash_train.engine.install import suffix_problem
+    from dflash_train.spec_decode.suffix import suffix_problem
 
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}], **c}) + "\n"

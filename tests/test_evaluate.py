@@ -12,12 +12,12 @@ import torch
 from tiny import TOOL_CALL_REQUEST
 
 from dflash_train import eval_report
-from dflash_train.engine.install import suffix_problem
 from dflash_train.eval_report import SCHEMA_VERSION, ConcurrencyRow, FirstK, KRow, Machine, SourceCount
-from dflash_train.lookup import SUFFIX_SCORE
 from dflash_train.model.modeling_dflash import DFlashDraftModel
+from dflash_train.spec_decode.lookup import SUFFIX_SCORE
+from dflash_train.spec_decode.loop import DFlashProposer, Step, speculative_generate
+from dflash_train.spec_decode.suffix import suffix_problem
 from dflash_train.stages.evaluate.metrics import acceptance_stats, offline_estimate
-from dflash_train.spec_decode import DFlashProposer, Step, speculative_generate
 from test_spec_decode import PROMPTS, prompt_ids, reference
 
 REPO = Path(__file__).resolve().parent.parent
@@ -358,7 +358,7 @@ def test_the_combined_speculator_is_timed_at_lookups_k_ranked_and_served_with_it
     calls: list = []
     fake = fake_engine(calls, natural, {1: 0.9, 2: 0.8, "ngram": 0.85, "combined": 0.7}, {}, [])
 
-    def with_sources(job, workdir, what):  # the child's per-request blocks by source (engine.combined)
+    def with_sources(job, workdir, what):  # the child's per-request blocks by source (spec_decode.combined)
         result = fake(job, workdir, what)
         for run in result.timed["runs"]:
             for out in run["outputs"] if run["method"] == "combined" else []:
@@ -450,7 +450,7 @@ def test_a_prompt_a_later_engine_run_refuses_is_left_out_of_every_comparison(tin
 
 
 def test_combined_on_takes_its_rule_from_the_measured_taus_and_a_written_rule_stays_as_written():
-    from dflash_train.lookup import CombinedRule
+    from dflash_train.spec_decode.lookup import CombinedRule
     from dflash_train.stages.evaluate.vllm_sweep import combined_rule
 
     tree = None if suffix_problem() else SUFFIX_SCORE  # the suffix tree where arctic-inference loads
@@ -648,7 +648,7 @@ def prompts_dir(tmp_path_factory):
 def store_dir(tiny_target, prompts_dir, tmp_path_factory):
     """Held-out samples as capture writes them: the target's greedy response and the tapped states."""
     from dflash_train.prompts import load_prompt_records
-    from dflash_train.spec_decode import plain_generate
+    from dflash_train.spec_decode.loop import plain_generate
     from dflash_train.store.writer import StoreWriter
 
     out = tmp_path_factory.mktemp("store") / "s"
@@ -782,7 +782,7 @@ def test_mismatch_diagnosis_and_fp32_recheck(tiny_target, tiny_target_dir, draft
     from dflash_train.stages.evaluate.config import EvalConfig
     from dflash_train.stages.evaluate.own_loop import (NO_SPECULATION, PLAIN, Method, _load_proposer, diagnose_mismatch,
                                                        recheck_in_fp32)
-    from dflash_train.spec_decode import NoDraft, plain_generate
+    from dflash_train.spec_decode.loop import NoDraft, plain_generate
 
     ids = prompt_ids(tiny_target, PROMPTS[0])
     plain = plain_generate(tiny_target.model, ids, 12, []).tokens

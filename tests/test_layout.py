@@ -1,4 +1,5 @@
-"""The package's layout: stages above the services they stand on, no import circle, no module a reader cannot hold.
+"""The package's layout: stages above the services they stand on, the support code beside them (nothing of the
+pipeline imports it), no import circle, no module a reader cannot hold.
 
 Imports are read from the source (every `import` and `from ... import`, at the top, inside functions and under
 TYPE_CHECKING alike), so what this checks is what a reader sees, not what one run happens to load.
@@ -112,6 +113,27 @@ def test_a_stage_stands_on_services_not_on_another_stage():
     wrong = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
                    if stage_of(m) and stage_of(t) and stage_of(m) != stage_of(t))
     assert not wrong, "a stage imports another stage:\n" + "\n".join(wrong)
+
+
+def test_no_stage_or_service_imports_the_support_code():
+    """dflash_train.support (the scripts', tests', benchmarks' and probes' helpers) stands beside the pipeline: only
+    its own modules import it."""
+    def support(module: str) -> bool:
+        return module == "dflash_train.support" or module.startswith("dflash_train.support.")
+
+    graph = import_graph()
+    assert any(support(m) for m in graph)
+    wrong = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets if support(t) and not support(m))
+    assert not wrong, "the pipeline imports dflash_train.support:\n" + "\n".join(wrong)
+
+
+def test_the_speculators_stand_below_the_engine_and_the_stages():
+    """dflash_train.spec_decode (the loop, prompt lookup, the suffix tree, the combined speculator's vLLM plugin) is
+    what the engine and the stages run: it imports neither, so the dependency goes one way."""
+    graph = import_graph()
+    wrong = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                   if m.startswith("dflash_train.spec_decode") and (t.startswith("dflash_train.engine") or stage_of(t)))
+    assert not wrong, "a speculator imports the engine or a stage:\n" + "\n".join(wrong)
 
 
 def test_no_import_circle_between_modules():

@@ -1,6 +1,6 @@
 import numpy as np
 
-from dflash_train.lookup import lookup_draft, lookup_match
+from dflash_train.spec_decode.lookup import lookup_draft, lookup_match
 
 
 def test_prompt_lookup_drafts_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix():
@@ -18,7 +18,7 @@ def test_prompt_lookup_reads_lists_and_arrays_alike():
 
 
 def test_the_combined_rule_takes_lookup_where_it_matched_and_the_drafter_is_unsure():
-    from dflash_train.lookup import CombinedRule
+    from dflash_train.spec_decode.lookup import CombinedRule
 
     rule = CombinedRule(k=4, confidence=0.6)
     assert rule.picks_lookup(matched=2, first_p=0.3) and rule.picks_lookup(matched=1, first_p=0.59)
@@ -29,7 +29,7 @@ def test_the_combined_rule_takes_lookup_where_it_matched_and_the_drafter_is_unsu
 
 
 def test_the_rule_asks_the_drafter_where_it_out_drafts_lookup_and_takes_lookup_wherever_it_matched_elsewhere():
-    from dflash_train.lookup import CombinedRule
+    from dflash_train.spec_decode.lookup import CombinedRule
 
     assert CombinedRule.for_taus(drafter_tau=2.2, lookup_tau=1.7) == CombinedRule(k=4, confidence=0.6)
     assert CombinedRule.for_taus(drafter_tau=1.3, lookup_tau=1.5, k=3) == CombinedRule(k=3, confidence=1)
@@ -38,7 +38,7 @@ def test_the_rule_asks_the_drafter_where_it_out_drafts_lookup_and_takes_lookup_w
 def test_the_combined_setting_reads_back_as_written_and_bad_ones_are_one_line():
     import pytest
 
-    from dflash_train.lookup import CombinedRule, combined_problem, parse_combined
+    from dflash_train.spec_decode.lookup import CombinedRule, combined_problem, parse_combined
 
     assert parse_combined(CombinedRule(k=3, confidence=0.7).setting()) == CombinedRule(k=3, confidence=0.7)
     assert parse_combined("on") == parse_combined("k=4") == CombinedRule()

@@ -1,11 +1,11 @@
-"""What the demo's plan and the benchmarks measure and decide on this machine (dflash_train/measure.py): the choice
-between storing the target's states and computing them online."""
+"""What the demo's plan and the benchmarks measure and decide on this machine (dflash_train/support/measure.py): the
+choice between storing the target's states and computing them online."""
 
 from __future__ import annotations
 
 import pytest
 
-from dflash_train import measure
+from dflash_train.support import measure
 
 RATES = {"capture_states_tok_s": 100.0, "capture_tokens_tok_s": 200.0, "train_stored_tok_s": 800.0,
          "train_online_tok_s": 400.0, "state_bytes_per_token": 5760.0}

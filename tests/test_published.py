@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from tiny import reference_drafter
 
 from dflash_train.errors import UserError
-from dflash_train.hub_server import LoopbackHub
+from dflash_train.support.hub_server import LoopbackHub
 from dflash_train.model.published import fetch_drafter, read_drafter
 
 LAYERS = [1, 3, 5]

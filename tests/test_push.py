@@ -1,4 +1,5 @@
-"""push: the model card, the release gate, and real uploads to a loopback Hugging Face Hub (dflash_train/hub_server.py).
+"""push: the model card, the release gate, and real uploads to a loopback Hugging Face Hub
+(dflash_train/support/hub_server.py).
 
 Every command that may talk to a Hub runs in a subprocess whose environment points HF_ENDPOINT at the loopback
 server before huggingface_hub is imported (this process may already have imported it through transformers)."""
@@ -23,7 +24,7 @@ from dflash_train.eval_report import (CombinedEntry, ConcurrencyRow, DrafterReco
 from dflash_train.target import TargetIdentity
 from dflash_train.stages.push.card import safe_summary_rows, serve_commands
 from dflash_train.cli import main
-from dflash_train.hub_server import LoopbackHub
+from dflash_train.support.hub_server import LoopbackHub
 from dflash_train.model.checkpoint import drafter_identity
 
 TOKEN = "hf_LoopbackToken0123456789abcdefXYZ"

@@ -41,7 +41,7 @@ def test_the_demo_recipe_uses_the_combination_the_ablation_chose():
     vocabulary (measured apart; the ablation drafts the whole vocabulary, as the public recipe does)."""
     import ablate_sample_efficiency as ablate
 
-    from dflash_train import runs
+    from dflash_train.support import runs
 
     demo = load_recipe(REPO / "recipes" / "smollm2-135m-demo.yaml")
     assert demo.drafter.draft_vocab_size is not None

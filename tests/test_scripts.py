@@ -1,6 +1,7 @@
-"""What the scripts share (dflash_train/runs.py: override/variant parsing, metrics and report parsing into table rows,
-the skip-if-complete decision, portable results), the experiments' options (scripts/), the probes (probes/) and the
-benchmarks' testable parts (benchmarks/), on synthetic files and tiny models. The demo's tests: tests/test_demo.py."""
+"""What the scripts share (dflash_train/support/runs.py: override/variant parsing, metrics and report parsing into
+table rows, the skip-if-complete decision, portable results), the experiments' options (scripts/), the probes
+(probes/) and the benchmarks' testable parts (benchmarks/), on synthetic files and tiny models. The demo's tests:
+tests/test_demo.py."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import pytest
 import ablate_sample_efficiency as ablate
 import experiment_own_outputs as experiment
 
-from dflash_train import eval_report, runs
+from dflash_train import eval_report
 from dflash_train.errors import UserError
 from dflash_train.eval_report import EvalReport, MethodRow, OwnLoop, Settings
 from dflash_train.provenance import INCOMPLETE_MARKER, PROVENANCE_FILE
+from dflash_train.support import runs
 
 
 # --- parsing ------------------------------------------------------------------------------------------------------
@@ -436,7 +438,7 @@ def test_two_drafters_walked_under_the_served_rule_are_paired_by_answer():
 
     import combined_rule as cr
 
-    from dflash_train.lookup import CombinedRule
+    from dflash_train.spec_decode.lookup import CombinedRule
 
     def answer(drafter: int) -> list[dict]:  # 6 anchors; nothing free drafts; the drafter commits `drafter` a step
         return [{"at": a, "drafter": drafter, "p": 0.9, "lookup": 1, "n": 0, "suffix": 1, "score": 0.0, "slen": 0}
@@ -563,8 +565,8 @@ def test_copy_probe_trains_a_drafter_on_copy_and_real_batches_and_records_both_l
 def test_probe_measures_both_captures_and_both_training_steps(tiny_target):
     import bench_online
 
-    from dflash_train.measure import choose_hidden_states
     from dflash_train.stages.train.recipe import Recipe
+    from dflash_train.support.measure import choose_hidden_states
 
     recipe = Recipe()
     recipe.drafter.num_layers, recipe.drafter.block_size, recipe.objective.num_anchors = 1, 4, 8

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from dflash_train.spec_decode import (DFlashProposer, NoDraft, TokenChooser, plain_generate,
-                                      speculative_generate)
+from dflash_train.spec_decode.loop import (DFlashProposer, NoDraft, TokenChooser, plain_generate,
+                                           speculative_generate)
 
 PROMPTS = ["Hello! How can I help", "def add(a, b):", "Write a poem about the sea.", "0123456789 + - *"]
 

@@ -8,13 +8,13 @@ import random
 import numpy as np
 import pytest
 
-from dflash_train.engine.install import suffix_problem
+from dflash_train.spec_decode.suffix import suffix_problem
 
 pytestmark = pytest.mark.skipif(suffix_problem() is not None, reason=str(suffix_problem()))
 
 
 def test_a_request_is_drafted_from_an_earlier_answer_and_its_own_prompt_and_nothing_else():
-    from dflash_train.suffix import SuffixSource
+    from dflash_train.spec_decode.suffix import SuffixSource
 
     tree = SuffixSource()
     assert tree.draft("a", [1, 2, 3], [], [1, 2, 3], 7).token_ids == []  # a partial prefill: nothing fed
@@ -36,7 +36,7 @@ def test_a_request_is_drafted_from_an_earlier_answer_and_its_own_prompt_and_noth
 
 
 def test_replaying_answers_in_request_order_drafts_each_anchor_as_any_walk_would_and_holds_only_earlier_answers():
-    from dflash_train.suffix import SuffixSource, replay_answer
+    from dflash_train.spec_decode.suffix import SuffixSource, replay_answer
 
     rng = random.Random(0)
     answers = [[rng.randrange(12) for _ in range(40)] for _ in range(4)]

@@ -511,8 +511,8 @@ def test_warm_starts_from_a_hub_repo_id_and_a_speculators_folder_train_on(chain_
     from test_published import UPLOAD, hub_env
     from tiny import reference_drafter
 
-    from dflash_train.hub_server import LoopbackHub
     from dflash_train.model.published import fetch_drafter, read_drafter
+    from dflash_train.support.hub_server import LoopbackHub
 
     zlab = reference_drafter(tmp_path / "zlab", tiny_parts[0], LAYERS, 1000, dtype=torch.bfloat16)
     zlab_sha = read_drafter(fetch_drafter(str(zlab))).source.weights_sha256

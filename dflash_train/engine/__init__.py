@@ -12,8 +12,8 @@ dies must leave the stage able to say so in one line, with nothing half-written.
 
 The modules, in the order a job goes through them:
 
-- `install`: whether a vLLM that runs DFlash is installed (`check_vllm`, `vllm_version`, `suffix_problem`) and the
-  environment the child starts in (`engine_environment`, tcmalloc).
+- `install`: whether a vLLM that runs DFlash is installed (`check_vllm`, `vllm_version`) and the environment the
+  child starts in (`engine_environment`, tcmalloc).
 - `args`: the user's `--engine-args`, checked against the keys the project passes through (ENGINE_ARGS,
   `engine_args_problem`), and the `vllm serve` command line of an engine's arguments (`serve_command`).
 - `jobs`: what a stage builds and reads: the job and its requests (`EngineJob`, `EngineRequest`, their
@@ -24,6 +24,6 @@ The modules, in the order a job goes through them:
 - `child`: what runs inside the child process: the batch (capture), timed (eval's speedup protocol) and check
   modes.
 
-Beside them, inside vLLM: `combined`, the package's vLLM plugin (the combined speculator: the DFlash drafter, and
-prompt lookup's block where `lookup.CombinedRule` picks it), loaded by vLLM itself in every process.
+Inside vLLM, not here: `spec_decode.combined`, the package's vLLM plugin (the combined speculator: the DFlash drafter,
+and prompt lookup's block where `spec_decode.lookup.CombinedRule` picks it), loaded by vLLM itself in every process.
 """

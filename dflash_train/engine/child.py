@@ -30,11 +30,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from dflash_train.engine.combined import source_counts, suffix_answers
 from dflash_train.engine.install import engine_environment_keys, vllm_version
 from dflash_train.engine.jobs import EngineJob, EngineOutput, EngineRequest, at_length, sampling_params
 from dflash_train.engine.runner import JOB_FILE, RESULT_FILE
-from dflash_train.lookup import COMBINED_SETTING, CombinedRule, parse_combined
+from dflash_train.spec_decode.combined import source_counts, suffix_answers
+from dflash_train.spec_decode.lookup import COMBINED_SETTING, CombinedRule, parse_combined
 
 # A vLLM worker process keeps polling its message queue for 1 s after its last request (shm_broadcast's busy loop):
 # where the workers are processes of their own (a GPU), the timed protocol waits this long before each timed request,
@@ -142,7 +142,7 @@ def _child(workdir: Path) -> None:
         k tokens: (LLM, its kwargs, load s)."""
         kwargs = job.llm_kwargs(k, method)
         metrics = {"per_request_spec_decode_metrics": "detailed"} if k else {}
-        if method == "combined":  # engine.combined reads it at the engine's first drafting step
+        if method == "combined":  # spec_decode.combined reads it at the engine's first drafting step
             os.environ[COMBINED_SETTING] = setting
         else:
             os.environ.pop(COMBINED_SETTING, None)

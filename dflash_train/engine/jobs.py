@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dflash_train.lookup import PROMPT_LOOKUP
+from dflash_train.spec_decode.lookup import PROMPT_LOOKUP
 
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the project's dtype names -> vLLM's
 LOOKUP_METHODS = ("ngram", "suffix")  # the engine's own model-free speculators, timed beside the drafter
@@ -57,7 +57,7 @@ class EngineJob:
     # timed mode: the free speculators timed beside the drafter's first K, sharing plain decoding's runs, whatever
     # the budget (a baseline asked for is measured): (method, K) each, "ngram" vLLM's prompt lookup
     # (lookup.PROMPT_LOOKUP), "suffix" its suffix decoding, "combined" the drafter with the combined speculator's
-    # block where `combined` picks it (engine.combined)
+    # block where `combined` picks it (spec_decode.combined)
     free: list[tuple[str, int]] = field(default_factory=list)
     # a lookup.CombinedRule setting: the combined speculator's, in timed mode ("combined" in `free`) and check mode
     combined: str | None = None
@@ -144,7 +144,7 @@ class EngineOutput:
     stop_reason: Any = None  # vLLM's: None (its EOS), the stop token id or the stop string that ended it
     accepted: list[int] = field(default_factory=list)  # accepted drafts per verification step (speculative only)
     drafted: list[int] = field(default_factory=list)  # drafts proposed per verification step
-    sources: dict[str, dict[str, int]] | None = None  # the combined speculator's blocks by source (engine.combined)
+    sources: dict[str, dict[str, int]] | None = None  # combined speculator's blocks by source (spec_decode.combined)
     suffix_answers_before: int | None = None  # the answers its suffix tree held before this request (ditto)
 
 
@@ -176,7 +176,7 @@ def ending(finish_reason: str | None, stop_reason: Any, stop_token_ids: list[int
 
 
 def engine_steps(output: EngineOutput, undrafted_steps: bool = False) -> tuple[list, int]:
-    """The verification steps of one speculative request as `spec_decode.Step`s, and how many output tokens no
+    """The verification steps of one speculative request as `spec_decode.loop.Step`s, and how many output tokens no
     step accounts for (should be 0).
 
     The prefill gives the first token; verification step i commits its accepted drafts plus the target's own
@@ -187,7 +187,7 @@ def engine_steps(output: EngineOutput, undrafted_steps: bool = False) -> tuple[l
     vLLM records no step where the speculator drafted nothing (prompt lookup without a match: a plain decoding
     step). With `undrafted_steps`, each token no recorded step accounts for is such a step (accepted 0, committed
     1), so that tau stays tokens per target forward; a DFlash drafter drafts at every step."""
-    from dflash_train.spec_decode import Step
+    from dflash_train.spec_decode.loop import Step
 
     remaining = max(len(output.token_ids) - 1, 0)
     steps = []

@@ -6,7 +6,7 @@
 For every prompt, in one run: plain target decoding (the reference and the tokens/s baseline), then the
 speculative loop with the drafter, with each baseline drafter and with block size 1 (no speculation). Every
 speculative output is compared with the plain one token by token (the lossless check). Acceptance length
-(tau) of a verification step = 1 + the accepted drafts, at most B (spec_decode.Step.tau); the reported tau
+(tau) of a verification step = 1 + the accepted drafts, at most B (spec_decode.loop.Step.tau); the reported tau
 (tau_steps) is the mean over all steps, and beside it the mean over prompts of each prompt's mean. With
 `--store`, the offline estimate runs the trainer's simulated acceptance on captured held-out samples (a block at
 every anchor, no target forward), walked as greedy decoding walks each answer, with the same definition, and is
@@ -49,7 +49,7 @@ from dflash_train.eval_report import (ConstraintsSummary, DrafterRecord, EvalRep
 from dflash_train.options import add_options, from_args, validate
 from dflash_train.provenance import (INCOMPLETE_MARKER, LOCK_FILE, OutputClaim, complete_output, read_json,
                                      start_output, write_provenance)
-from dflash_train.spec_decode import DFlashProposer
+from dflash_train.spec_decode.loop import DFlashProposer
 from dflash_train.stages.evaluate.config import EvalConfig
 from dflash_train.report_tables import by_role
 from dflash_train.stages.evaluate.metrics import offline_estimate
@@ -189,7 +189,8 @@ def check_options(cfg: EvalConfig) -> tuple[bool, bool]:
         raise UserError(f"{vllm_only[0]} configures vLLM, and --engine {cfg.engine} does not run it: pass --engine "
                         f"vllm or both")
     if in_engine:
-        from dflash_train.engine.install import check_vllm, suffix_problem
+        from dflash_train.engine.install import check_vllm
+        from dflash_train.spec_decode.suffix import suffix_problem
 
         check_vllm()  # before anything is loaded: a missing engine is one line, not a late failure
         if cfg.suffix and (problem := suffix_problem()):

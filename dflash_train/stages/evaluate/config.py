@@ -10,8 +10,8 @@ from typing import Any, Literal
 from dflash_train import sampling
 from dflash_train.device import device_problem
 from dflash_train.engine.args import ENGINE_ARGS_HELP, SPECULATION_LENGTHS, engine_args_problem
-from dflash_train.lookup import SUFFIX_SCORE, CombinedRule, combined_problem
 from dflash_train.options import at_least, each, option
+from dflash_train.spec_decode.lookup import SUFFIX_SCORE, CombinedRule, combined_problem
 from dflash_train.target import DEFAULT_TARGET
 
 

@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 import torch
 
 from dflash_train.eval_report import Acceptance, OfflineEstimate, SampleTau, fields_of
-from dflash_train.spec_decode import Step, mean_tau
+from dflash_train.spec_decode.loop import Step, mean_tau
 
 BOOTSTRAP_RESAMPLES = 2000
 

@@ -1,5 +1,5 @@
-"""The project's own decoding loop (spec_decode) on the eval's prompts: plain target decoding (the reference and the
-tokens/s baseline), the drafter, each baseline drafter and block size 1, prompt by prompt; every speculative output
+"""The project's own decoding loop (spec_decode.loop) on the eval's prompts: plain target decoding (the reference and
+the tokens/s baseline), the drafter, each baseline drafter and block size 1, prompt by prompt; every speculative output
 compared with the plain one token by token (the lossless check), mismatches in a low-precision dtype rerun in fp32 to
 tell rounding from errors. One row per method (`Method`); the report's `own` (eval_report.OwnLoop), its headline
 the drafter's row."""
@@ -16,8 +16,8 @@ import torch
 
 from dflash_train import constraints as request_constraints
 from dflash_train.eval_report import MethodRow, Mismatch, OwnLoop, OwnPrompt, fields_of
-from dflash_train.spec_decode import (DFlashProposer, Generation, NoDraft, TokenChooser, mean_tau, plain_generate,
-                                      speculative_generate)
+from dflash_train.spec_decode.loop import (DFlashProposer, Generation, NoDraft, TokenChooser, mean_tau, plain_generate,
+                                           speculative_generate)
 from dflash_train.stages.evaluate.config import EvalConfig
 from dflash_train.stages.evaluate.metrics import acceptance_stats, bootstrap_interval, ratio_of_sums
 from dflash_train.target import Target, check_fits, load_target, prompt_seed

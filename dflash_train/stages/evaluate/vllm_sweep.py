@@ -16,14 +16,14 @@ import torch
 
 from dflash_train.engine.args import serve_command
 from dflash_train.engine.child import idle_s
-from dflash_train.engine.install import suffix_problem
 from dflash_train.engine.jobs import LOOKUP_METHODS, EngineJob, EngineOutput, EngineResult, engine_steps, free_job
 from dflash_train.errors import UserError
 from dflash_train.eval_report import (CombinedEntry, ConcurrencyRow, FirstK, KRow, LoadSeconds, Lossless, Mismatch,
                                       Paired, RankRow, SourceCount, SpeculatorEntry, Speed, SweepTiming, TimedPrompt,
                                       VllmEval, fields_of)
-from dflash_train.lookup import SUFFIX_SCORE, CombinedRule, parse_combined
-from dflash_train.spec_decode import mean_tau
+from dflash_train.spec_decode.lookup import SUFFIX_SCORE, CombinedRule, parse_combined
+from dflash_train.spec_decode.loop import mean_tau
+from dflash_train.spec_decode.suffix import suffix_problem
 from dflash_train.stages.evaluate.config import EvalConfig
 from dflash_train.stages.evaluate.engine_runs import EngineRunner
 from dflash_train.stages.evaluate.metrics import (acceptance_stats, bootstrap_interval, bootstrap_resamples,
@@ -437,7 +437,7 @@ def combined_rule(option: str, drafter: KRow, lookup: KRow | None) -> CombinedRu
 
 def combined_run(run: EngineRunner, job: EngineJob, natural: dict[str, EngineOutput], rule: CombinedRule, k: int
                  ) -> tuple[dict[str, Any], float]:
-    """The combined speculator (engine.combined: the drafter, and the suffix tree's or prompt lookup's block where the
+    """The combined speculator (spec_decode.combined: the drafter, and the suffix tree's or prompt lookup's block where the
     rule picks it) at K (the longest of the drafter's fastest K, the rule's k and, with the suffix tree, suffix
     decoding's fastest K, within the drafter's block: a shorter K would cut the free blocks), timed as the drafter
     was, in an engine process of its own, on the same prompts at their lengths: its timed run, and its seconds."""

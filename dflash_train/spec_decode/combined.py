@@ -37,9 +37,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dflash_train.engine.install import suffix_problem
-from dflash_train.lookup import COMBINED_SETTING, CombinedRule, lookup_match, parse_combined
-from dflash_train.suffix import NO_DRAFT, SuffixDraft, SuffixSettings, SuffixSource
+from dflash_train.spec_decode.lookup import COMBINED_SETTING, CombinedRule, lookup_match, parse_combined
+from dflash_train.spec_decode.suffix import NO_DRAFT, SuffixDraft, SuffixSettings, SuffixSource, suffix_problem
 
 VLLM_SERIES = "0.32."  # the vLLM releases whose model runner this plugin wraps
 STATE = "_dflash_train_combined"  # the model runner's attribute holding its Combined (None: off)

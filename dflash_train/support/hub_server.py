@@ -8,7 +8,7 @@ tree, paths-info, resolve). Standard library only; state lives in memory.
         ...  # run huggingface_hub in a subprocess with `env`
         hub.fail("POST", r"/commit/", status=500, times=2)  # inject transient errors
 
-Run `python -m dflash_train.hub_server --token hf_x` to serve one by hand (HF_ENDPOINT=the printed url).
+Run `python -m dflash_train.support.hub_server --token hf_x` to serve one by hand (HF_ENDPOINT=the printed url).
 
 Modelled on the huggingface_hub client source (hf_api.create_repo / create_commit / _commit_api / lfs /
 file_download): a file is uploaded as LFS when it matches a .gitattributes LFS pattern (as `*.safetensors` does

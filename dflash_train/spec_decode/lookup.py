@@ -1,7 +1,7 @@
 """Prompt lookup, vLLM's `ngram` speculator, as one rule: the draft is the tokens that followed the latest earlier
 occurrence of the context's last n tokens, n from PROMPT_LOOKUP's max down to its min (prompt and answer so far).
 No model, no training: it accepts where the answer repeats its context (loops, quotes, fixed keys, copied code).
-The eval times vLLM's own; the probes and the combined speculator (`engine.combined`) draft with this one."""
+The eval times vLLM's own; the probes and the combined speculator (`spec_decode.combined`) draft with this one."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def lookup_draft(context: Sequence[int] | np.ndarray, k: int) -> list[int]:
 
 @dataclass(frozen=True)
 class CombinedRule:
-    """Which block the combined speculator (`engine.combined`) verifies for a request at a step, from what is known
+    """Which block the combined speculator (`spec_decode.combined`) verifies for a request at a step, from what is known
     before the target verifies. With `suffix` (a score), the suffix tree's block (`suffix.SuffixSource`: this
     engine's earlier answers and the request's own tokens) where its own score, the tokens it expects accepted,
     is at least `suffix`; else prompt lookup's block (at most `k` tokens) where lookup matched and the drafter's

@@ -4,17 +4,34 @@ the request's own prompt and answer so far and over the answers the engine gave 
 earlier answers (a structured application's keys, enums and phrasings), which prompt lookup, reading the current
 request only, cannot see.
 
-The combined speculator's plugin (`engine.combined`) drafts with it beside the drafter and prompt lookup, and the
+The combined speculator's plugin (`spec_decode.combined`) drafts with it beside the drafter and prompt lookup, and the
 offline probe (probes/combined_rule.py) replays held-out answers through it in request order; both through
 `SuffixSource`, so the tree is fed one way. Its global cache holds only the answers fed to it in that run: in the
 engine, the ones the engine produced itself."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+# vLLM's suffix decoding (`suffix`: SuffixDecoding, no model): drafts from a suffix tree over the request's prompt and
+# the answers this engine gave earlier; its tree is arctic-inference's C++ extension (`make install` builds it).
+SUFFIX_PACKAGE, SUFFIX_PIN = "arctic_inference", "arctic-inference==0.3.0"
+
+
+def suffix_problem() -> str | None:
+    """Why vLLM's suffix decoding cannot run here, or None."""
+    if importlib.util.find_spec(SUFFIX_PACKAGE) is None:
+        return (f"vLLM's suffix decoding needs {SUFFIX_PIN} (a C++ suffix tree built from source: `make install` "
+                f"builds it, cmake and a C++ compiler needed)")
+    try:  # the tree itself, a C++ extension: a broken build is found here, not after minutes of decoding
+        importlib.import_module(f"{SUFFIX_PACKAGE}.suffix_decoding")
+    except Exception as e:  # noqa: BLE001 - whatever a broken extension raises on import
+        return f"{SUFFIX_PIN} is installed but its suffix tree does not load ({type(e).__name__}: {e})"
+    return None
 
 
 @dataclass(frozen=True)

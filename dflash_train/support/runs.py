@@ -32,7 +32,7 @@ from dflash_train.options import at_least
 from dflash_train.provenance import PROVENANCE_FILE, is_complete, without_local_paths, write_json_atomic
 from dflash_train.report_tables import by_role, table
 
-REPO = Path(__file__).resolve().parent.parent  # the checkout's root: train.py, recipes/, data/
+REPO = Path(__file__).resolve().parents[2]  # the checkout's root: train.py, recipes/, data/
 PY = sys.executable
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
