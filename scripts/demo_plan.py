@@ -1,6 +1,6 @@
 """`make demo`'s plan: the stages sized to the budget on this machine, from the probe's rates (scripts/demo_probe.py).
 
-The eval gets at most a share of the budget (20 held-out prompts, vLLM's K sweep, the engine's own speculators where
+The eval gets what it costs (20 held-out prompts, the drafter at one K in vLLM, the engine's own speculators where
 asked, the fp32 rerun of low-precision mismatches), the rest goes to capture (prompts read) and training
 (`train.time_budget_s`, at most the recipe's max_steps; after the capture, plus what it saved against its plan or less
 what it overran). It stores the states with the responses, or captures token-only and trains online
@@ -41,7 +41,6 @@ FP32_RECHECK_SHARE = {"own": 1.0, "vllm": 0.6}  # of the eval's prompts that dif
 #                      and are rerun in fp32 (near-ties rounded differently): 5 of 5 in the project's loop and 12 of
 #                      20 in vLLM in the AVX-512 rewrite demo (unplanned, 143 s over its eval's plan), 2 of 5 and 11
 #                      of 20 in the unseen-log demo, 4 of 5 and 1-3 of 20 in earlier ones
-EVAL_SHARE = 0.4  # the eval's share of the time left: 20 prompts, vLLM at one K or more, a few in the project's loop
 MIN_EVAL_PROMPTS = 20  # fewer cannot tell a 10% speedup from noise (the serving issue: 5 prompts said 0.63x-1.27x)
 OWN_EVAL_PROMPTS = 5  # the project's loop decodes the first 5 of them: it runs three passes per prompt
 EVAL_CONCURRENCY = 4  # requests decoded together, timed beside batch 1 (benchmarks/bench_serving.py times more)
@@ -91,17 +90,16 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     counts `unmeasured_s` more, the probe's estimate of what it has still to run (`probe_rest_s`).
 
     Start-ups are fixed costs (the engine's child as the probe's engine capture measured it, else VLLM_START_S;
-    one more engine in it per K); the eval gets EVAL_SHARE of the rest: at least MIN_EVAL_PROMPTS held-out prompts
-    (each captured for the offline estimate), the first OWN_EVAL_PROMPTS of them in the project's loop (plain,
-    drafter and block-size-1 passes), all of them in vLLM (plain to each prompt's natural stop, then per K a
-    speculative engine's start and each prompt timed plain and speculative at that length, and EVAL_CONCURRENCY
-    requests together), and in a low-precision eval the fp32 rerun of FP32_RECHECK_SHARE of them at the probe's
-    fp32 rates. Every request is timed cold: the probe's prefill of the median prompt, then its tokens at the
-    decode rate (without the prefill, the AVX2 router demo's reference pass was planned 124 s and took ~160). The
-    K sweep gets what the share leaves (`eval --sweep-budget-s`), at least one K: the first, the K of the best
-    expected speed by the probe's step cost (`eval --step-cost`), all that the eval's budget rule times where the
-    share holds one K and a little (the triage demo planned two K and timed one; the second K's time went unused).
-    vLLM's requests cost what the probe timed there (`probe_engine_decoding`: its batch-1 rate, each K at the
+    one more engine in it per speculator); the eval is MIN_EVAL_PROMPTS held-out prompts (each captured for the
+    offline estimate), the first OWN_EVAL_PROMPTS of them in the project's loop (plain, drafter and block-size-1
+    passes), all of them in vLLM (each prompt decoded by plain decoding to its natural stop, its timed run, and by
+    the drafter at that length, after its engine's start, and EVAL_CONCURRENCY requests together), and in a
+    low-precision eval the fp32 rerun of FP32_RECHECK_SHARE of them at the probe's fp32 rates. Every request is
+    timed cold: the probe's prefill of the median prompt, then its tokens at the decode rate (without the prefill,
+    the AVX2 router demo's reference pass was planned 124 s and took ~160). The K sweep (`eval --sweep-budget-s`) is
+    one K: the first, the K of the best expected speed by the probe's step cost (`eval --step-cost`), which the
+    eval's budget rule then times alone (a sweep planned at a share of the budget timed one K and left the rest
+    unused: 426 s of a planned 583 in the router demo, 2026-12-07). vLLM's requests cost what the probe timed there (`probe_engine_decoding`: its batch-1 rate, each K at the
     starting drafter's slowdown), else the project's loop's rate and ENGINE_SLOWDOWN. Prompt lookup's K (--ngram)
     and suffix decoding's (--suffix) run whatever the budget, beside the drafter's first K and sharing plain
     decoding's runs: each costs its engine's start and its own runs at FREE_SLOWDOWN (`lookup_s`); the combined
@@ -139,8 +137,15 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
         return spec_start_s + (n + EVAL_CONCURRENCY / 2) * (
             pair_s(engine_prefill_s, engine_decode_s, slowdown) + 2 * idle)
 
-    least_sweep_s = n_eval * (engine_prefill_s + engine_decode_s) + per_k_s(drafter_slowdown)  # plain's
-    #               natural lengths, then one K
+    def alone_s(slowdown: float, n: int) -> float:
+        """One speculator beside plain decoding's runs it shares: its engine's start, its own n prompts and the
+        concurrent requests."""
+        return spec_start_s + (n + EVAL_CONCURRENCY / 2) * (engine_prefill_s + engine_decode_s * slowdown + idle)
+
+    # the K sweep: the first K only (the best expected speed by the probe's step cost), beside plain decoding's
+    # reference runs (each prompt to its natural stop: plain decoding's timed run) and its concurrent requests
+    sweep_s = (n_eval + EVAL_CONCURRENCY / 2) * (engine_prefill_s + engine_decode_s + idle) + \
+        alone_s(drafter_slowdown, n_eval) if engine else 0.0
     combined = engine and args.combined  # the combined speculator: an engine child of its own
 
     def free_s(ngram: list[int], suffix: list[int], n_free: int) -> float:
@@ -149,9 +154,7 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
         its own, beside plain decoding's runs), each on n_free prompts."""
         if not engine:
             return 0.0
-        alone_s = spec_start_s + (n_free + EVAL_CONCURRENCY / 2) * (
-            engine_prefill_s + engine_decode_s * FREE_SLOWDOWN + idle)
-        seconds = (len(ngram) + len(suffix)) * alone_s
+        seconds = (len(ngram) + len(suffix)) * alone_s(FREE_SLOWDOWN, n_free)
         return seconds + (per_k_s(FREE_SLOWDOWN, n_free) + engine_start_s if combined else 0.0)
 
     recheck_own_s = recheck_start_s = recheck_prompt_s = 0.0
@@ -173,24 +176,22 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
             recheck_s += recheck_start_s + n_free * recheck_prompt_s if combined else 0.0
         return free_s(cut["ngram"], cut["suffix"], n_free), recheck_s
 
-    def split(budget_min: float, cut: dict, spent_s: float = spent_s) -> tuple[float, float, float]:
-        """(vLLM's K sweep, what is left for capture and training, the time left after the stages' starts) in a
-        budget of budget_min with the eval cut as `cut`: the sweep gets what the eval's share leaves, at least one
-        K."""
+    def split(budget_min: float, cut: dict, spent_s: float = spent_s) -> tuple[float, float]:
+        """(what is left for capture and training, the time left after the stages' starts) in a budget of
+        budget_min with the eval cut as `cut`."""
         available = budget_min * 60 * (1 - MARGIN) - spent_s - sum(starts.values())
-        fixed_s = own_s + n_eval * heldout_s + sum(fixed_parts(cut))  # the eval's parts no budget shrinks
-        sweep_s = max(least_sweep_s, EVAL_SHARE * available - fixed_s) if engine else 0.0
-        return sweep_s, available - fixed_s - sweep_s, available
+        eval_s = own_s + n_eval * heldout_s + sum(fixed_parts(cut)) + sweep_s
+        return available - eval_s, available
 
     cuts = eval_cuts(args, n_eval)
     for cut in cuts:  # the eval as asked, then cut step by step while capture and training get less than their share
-        sweep_s, flexible, available = split(args.budget_min, cut)
+        flexible, available = split(args.budget_min, cut)
         if flexible >= max(MIN_CAPTURE_AND_TRAIN_S, CAPTURE_AND_TRAIN_SHARE * available):
             break
     lookup_s, recheck_s = fixed_parts(cut)
     if flexible < MIN_CAPTURE_AND_TRAIN_S:
         fits = next(m for m in itertools.count(math.ceil(args.budget_min) + 1)
-                    if split(m, cut, spent_s + unmeasured_s)[1] >= MIN_CAPTURE_AND_TRAIN_S)
+                    if split(m, cut, spent_s + unmeasured_s)[0] >= MIN_CAPTURE_AND_TRAIN_S)
         starts_at = f", each engine start at {engine_start_s:.0f} s" if engine else ""
         rest = f" (counting ~{unmeasured_s:.0f} s of probe to come{starts_at})" if unmeasured_s else ""
         smallest = f" ({'; '.join(cut['left_out'])})" if cut["left_out"] else ""
