@@ -405,7 +405,7 @@ def _time_batch(sides: list[tuple[Any, Any]], generate, n: int, batch: list[Engi
         record(0, *reference)
     for repeat in range(repeats):
         order = list(range(1 if reference is not None and repeat == 0 else 0, len(sides)))
-        shift = (parity + repeat) % len(order)
+        shift = (parity + repeat) % len(order) if order else 0  # none: a prompt past free_limit, no drafter K
         for i in order[shift:] + order[:shift]:
             time.sleep(idle)
             # Every timed run prefills cold: the plain engine holds the prompts of its natural pass, a speculative
