@@ -99,8 +99,9 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     the AVX2 router demo's reference pass was planned 124 s and took ~160). The K sweep (`eval --sweep-budget-s`) is
     one K: the first, the K of the best expected speed by the probe's step cost (`eval --step-cost`), which the
     eval's budget rule then times alone (a sweep planned at a share of the budget timed one K and left the rest
-    unused: 426 s of a planned 583 in the router demo, 2026-12-07). vLLM's requests cost what the probe timed there (`probe_engine_decoding`: its batch-1 rate, each K at the
-    starting drafter's slowdown), else the project's loop's rate and ENGINE_SLOWDOWN. Prompt lookup's K (--ngram)
+    unused: 426 s of a planned 583 in the router demo, 2026-12-07). vLLM's requests cost what the probe timed there
+    (`probe_engine_decoding`: its batch-1 rate, each K at the starting drafter's slowdown), else the project's
+    loop's rate and ENGINE_SLOWDOWN. Prompt lookup's K (--ngram)
     and suffix decoding's (--suffix) run whatever the budget, beside the drafter's first K and sharing plain
     decoding's runs: each costs its engine's start and its own runs at FREE_SLOWDOWN (`lookup_s`); the combined
     speculator (--combined) a K at FREE_SLOWDOWN beside plain decoding's runs in an engine child of its own, with

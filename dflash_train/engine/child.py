@@ -2,18 +2,17 @@
 `runner.run_engine`): read the job, decode it in vLLM, write result.json atomically.
 
 Three modes. `batch` (capture): every request at once, continuous batching. `timed` (eval): the speedup protocol,
-`_timed` below: plain decoding and the speculative engines (the drafter at its first K and every free speculator
-asked for) alive side by side in the child, each warmed up; every prompt decoded first to its natural stop (the
-reference outputs and lengths), then timed by plain decoding once and by each speculator at that fixed length
-(`ignore_eos`: every side decodes the same number of tokens), rotating which goes first, at batch 1 and at the
-requested concurrencies; each run timed twice, by the engine core's timestamps (request arrival, first and last
-token) and by a stopwatch around the call. `check` (the eval's
-fp32 rerun of its mismatches): each prompt alone, plain and speculative at one K (the drafter, or the combined
-speculator where the job names its `combined` setting), once each to its natural stop, untimed. Acceptance comes from vLLM's
-per-request speculative-decoding metrics (the accepted drafts of every verification step). The prompts are token
-ids rendered by the project (`target.render`), so the engine and the project's loop decode the very same prompts.
-A request the engine refuses when it is added (vLLM validates its sampling parameters and compiles its grammar
-there) is left out in every mode, the others decoded: result.json's `refused` names each with its reason
+`_timed` below: plain decoding and the speculative engines (the drafter at its first K and every free speculator asked
+for) alive side by side in the child, each warmed up; every prompt decoded first to its natural stop (the reference
+outputs and lengths), then timed by plain decoding once and by each speculator at that fixed length (`ignore_eos`: every
+side decodes the same number of tokens), rotating which goes first, at batch 1 and at the requested concurrencies; each
+run timed twice, by the engine core's timestamps (request arrival, first and last token) and by a stopwatch around the
+call. `check` (the eval's fp32 rerun of its mismatches): each prompt alone, plain and speculative at one K (the drafter,
+or the combined speculator where the job names its `combined` setting), once each to its natural stop, untimed.
+Acceptance comes from vLLM's per-request speculative-decoding metrics (the accepted drafts of every verification step).
+The prompts are token ids rendered by the project (`target.render`), so the engine and the project's loop decode the
+very same prompts. A request the engine refuses when it is added (vLLM validates its sampling parameters and compiles
+its grammar there) is left out in every mode, the others decoded: result.json's `refused` names each with its reason
 (`refusal`); timed and check first screen every request on each engine they open at the start (`_screened`).
 """
 
@@ -273,18 +272,18 @@ def _timed(job: EngineJob, plain: Any, start, generate, params: Callable[[Engine
        (vLLM's prompt lookup "ngram", suffix decoding "suffix", or "combined": the drafter with the combined
        speculator's plugin on, each output with its blocks by source), their engines started beside the plain one
        and warmed up, as plain decoding is (one short request).
-    2. Prompt by prompt, plain decoding decodes it alone to its natural stop (the reference; its first timed run),
-       then each speculator at that length with `ignore_eos` (every side decodes the same number of tokens; greedy:
-       the same tokens), the order of the speculators rotated from prompt to prompt; each further repeat of
-       `repeats` times every side, plain decoding too, the order rotated from repeat to repeat (with one speculator:
-       ABBA), so that a change of load on the machine hits every side alike. Plain decoding's run is shared by every
-       speculator, and a free speculator times only the first `job.free_limit` prompts where it is set. (Where
-       every request already has its timed length and `ignore_eos`, a `free_job`, there is no reference: plain
-       decoding's first run is rotated with the others, and no outputs are returned.) Each run comes `idle_s`
-       after the last, after its engine's prefix cache is emptied (no prompt is served from an earlier request's
-       cache); then each concurrency c: the first c prompts (cycled), decoded together, the same way. Every run is timed by the engine core (from the arrival of its first request to its last
-       token: `core_s`; from its first token to its last: `decode_s`) and by a stopwatch around the call
-       (`wall_s`). The group's engines are shut down after it.
+    2. Prompt by prompt, plain decoding decodes it alone to its natural stop (the reference; its first timed run), then
+       each speculator at that length with `ignore_eos` (every side decodes the same number of tokens; greedy: the same
+       tokens), the order of the speculators rotated from prompt to prompt; each further repeat of `repeats` times every
+       side, plain decoding too, the order rotated from repeat to repeat (with one speculator: ABBA), so that a change
+       of load on the machine hits every side alike. Plain decoding's run is shared by every speculator, and a free
+       speculator times only the first `job.free_limit` prompts where it is set. (Where every request already has its
+       timed length and `ignore_eos`, a `free_job`, there is no reference: plain decoding's first run is rotated with
+       the others, and no outputs are returned.) Each run comes `idle_s` after the last, after its engine's prefix cache
+       is emptied (no prompt is served from an earlier request's cache); then each concurrency c: the first c prompts
+       (cycled), decoded together, the same way. Every run is timed by the engine core (from the arrival of its first
+       request to its last token: `core_s`; from its first token to its last: `decode_s`) and by a stopwatch around the
+       call (`wall_s`). The group's engines are shut down after it.
     3. Each further K of `job.speculative_tokens` in order, while the budget, counted from the child's start,
        still holds the most a drafter K has cost so far (its engine's start, its runs and plain decoding's beside
        them): its engine alone beside the plain one, the same way."""
@@ -326,7 +325,8 @@ def _timed(job: EngineJob, plain: Any, start, generate, params: Callable[[Engine
 def _said(runs: list[dict[str, Any]], started: float) -> None:
     """One line per timed run: what it timed and its seconds, and the child's so far."""
     for run in runs:
-        named = {"ngram": "prompt lookup ", "suffix": "suffix decoding ", "combined": "combined "}.get(run["method"], "")
+        named = {"ngram": "prompt lookup ", "suffix": "suffix decoding ", "combined": "combined "}.get(
+            run["method"], "")
         print(f"timed: {named}K={run['k']} done in {run['seconds']:.0f} s ({time.perf_counter() - started:.0f} s in "
               f"all)", flush=True)
 

@@ -437,10 +437,11 @@ def combined_rule(option: str, drafter: KRow, lookup: KRow | None) -> CombinedRu
 
 def combined_run(run: EngineRunner, job: EngineJob, natural: dict[str, EngineOutput], rule: CombinedRule, k: int
                  ) -> tuple[dict[str, Any], float]:
-    """The combined speculator (spec_decode.combined: the drafter, and the suffix tree's or prompt lookup's block where the
-    rule picks it) at K (the longest of the drafter's fastest K, the rule's k and, with the suffix tree, suffix
-    decoding's fastest K, within the drafter's block: a shorter K would cut the free blocks), timed as the drafter
-    was, in an engine process of its own, on the same prompts at their lengths: its timed run, and its seconds."""
+    """The combined speculator (spec_decode.combined: the drafter, and the suffix tree's or prompt lookup's block where
+    the rule picks it) at K (the longest of the drafter's fastest K, the rule's k and, with the suffix tree,
+    suffix decoding's fastest K, within the drafter's block: a shorter K would cut the free blocks), timed as the
+    drafter was, in an engine process of its own, on the same prompts at their lengths: its timed run, and its
+    seconds."""
     setting = rule.setting()
     print(f"engine: vLLM, plain and the combined speculator ({setting}) at K = {k} "
           f"({len(natural.keys() - run.refused.keys())} prompts at their lengths above)", flush=True)
