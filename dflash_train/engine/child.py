@@ -3,9 +3,10 @@
 
 Three modes. `batch` (capture): every request at once, continuous batching. `timed` (eval): the speedup protocol,
 `_timed` below: plain decoding and the speculative engines (the drafter at its first K and every free speculator asked
-for) alive side by side in the child, each warmed up; every prompt decoded first to its natural stop (the reference
-outputs and lengths), then timed by plain decoding once and by each speculator at that fixed length (`ignore_eos`: every
-side decodes the same number of tokens), rotating which goes first, at batch 1 and at the requested concurrencies; each
+for) alive side by side in the child, each warmed up; prompt by prompt, plain decoding decodes it to its natural stop
+(the reference output and length, and plain decoding's timed run), then each speculator at that fixed length
+(`ignore_eos`: every side decodes the same number of tokens), in rotated order, at batch 1 and at the requested
+concurrencies; each
 run timed twice, by the engine core's timestamps (request arrival, first and last token) and by a stopwatch around the
 call. `check` (the eval's fp32 rerun of its mismatches): each prompt alone, plain and speculative at one K (the drafter,
 or the combined speculator where the job names its `combined` setting), once each to its natural stop, untimed.
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from dflash_train.engine.install import engine_environment_keys, vllm_version
-from dflash_train.engine.jobs import EngineJob, EngineOutput, EngineRequest, at_length, sampling_params
+from dflash_train.engine.jobs import FREE_NAMES, EngineJob, EngineOutput, EngineRequest, at_length, sampling_params
 from dflash_train.engine.runner import JOB_FILE, RESULT_FILE
 from dflash_train.spec_decode.combined import source_counts, suffix_answers
 from dflash_train.spec_decode.lookup import COMBINED_SETTING, CombinedRule, parse_combined
@@ -301,8 +302,7 @@ def _timed(job: EngineJob, plain: Any, start, generate, params: Callable[[Engine
     generate(plain, warm_up)
     # lengths fixed by an earlier job's reference pass (`free_job`), else found by this one's
     natural: list[dict[str, Any]] | None = None if all(r.ignore_eos for r in requests) else []
-    runs = _timed_group(job, plain, group, opened, generate, warm_up, requests, natural)
-    fixed = requests if natural is None else [at_length(r, len(o["token_ids"])) for r, o in zip(requests, natural)]
+    runs, fixed = _timed_group(job, plain, group, opened, generate, warm_up, requests, natural)
     del opened
     gc.collect()
     _said(runs, started)
@@ -313,7 +313,7 @@ def _timed(job: EngineJob, plain: Any, start, generate, params: Callable[[Engine
         if job.budget_s is not None and time.perf_counter() - started - free_s + most > job.budget_s:
             skipped.append(k)
             continue
-        more = _timed_group(job, plain, [("dflash", k)], [start(k)], generate, warm_up, fixed)
+        more, _ = _timed_group(job, plain, [("dflash", k)], [start(k)], generate, warm_up, fixed)
         gc.collect()
         _said(more, started)
         most = max(most, more[0]["seconds"])
@@ -325,22 +325,22 @@ def _timed(job: EngineJob, plain: Any, start, generate, params: Callable[[Engine
 def _said(runs: list[dict[str, Any]], started: float) -> None:
     """One line per timed run: what it timed and its seconds, and the child's so far."""
     for run in runs:
-        named = {"ngram": "prompt lookup ", "suffix": "suffix decoding ", "combined": "combined "}.get(
-            run["method"], "")
+        named = f"{FREE_NAMES[run['method']]} " if run["method"] in FREE_NAMES else ""
         print(f"timed: {named}K={run['k']} done in {run['seconds']:.0f} s ({time.perf_counter() - started:.0f} s in "
               f"all)", flush=True)
 
 
 def _timed_group(job: EngineJob, plain: Any, group: list[tuple[str, int]], opened: list[tuple[Any, dict, float]],
                  generate, warm_up: list[EngineRequest], requests: list[EngineRequest],
-                 natural: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                 natural: list[dict[str, Any]] | None = None
+                 ) -> tuple[list[dict[str, Any]], list[EngineRequest]]:
     """Steps 1 to 3 of `_timed`: the speculative engines `opened` (LLM, its kwargs, load s), one per (method, K) of
     `group`, warm up; every prompt of `requests` is timed alone by plain decoding and by each of them (a free
     speculator: the first `job.free_limit`), then each concurrency; the engines are shut down. With `natural` (a
     list) plain decoding's first run of each prompt is its reference, to its natural stop, appended there, and the
-    others decode at its length; without, `requests` are at their lengths already. Returns each one's run: its
-    timings, each beside plain decoding's of the same request, its speculative outputs at batch 1, and its seconds
-    (its engine's start, its runs and its share of plain decoding's beside them)."""
+    others decode at its length; without, `requests` are at their lengths already. Returns each one's run (its
+    timings, each beside plain decoding's of the same request, its speculative outputs at batch 1, and its seconds:
+    its engine's start, its runs and its share of plain decoding's beside them), and the requests at their lengths."""
     runs = [{"k": k, "method": method, "llm_kwargs": kwargs, "load_s": load_s, "outputs": [], "batch1": [],
              "concurrency": [], "seconds": load_s, "plain_shared_s": 0.0}
             for (method, k), (_, kwargs, load_s) in zip(group, opened)]
@@ -350,24 +350,23 @@ def _timed_group(job: EngineJob, plain: Any, group: list[tuple[str, int]], opene
         run["seconds"] += time.perf_counter() - t0
     limit = len(requests) if job.free_limit is None else job.free_limit
     idle, fixed = idle_s(job.device), []
-    batches = [(1, r, [run for run in runs if run["method"] == "dflash" or i < limit]) for i, r in enumerate(requests)]
-    batches += [(c, None, runs) for c in job.concurrency]
+    every = range(len(runs))
+    batches = [(1, r, [i for i in every if runs[i]["method"] == "dflash" or at < limit])
+               for at, r in enumerate(requests)]
+    batches += [(c, None, list(every)) for c in job.concurrency]
     for parity, (n, request, timing) in enumerate(batches):
-        sides = [(plain, None)] + [(opened[runs.index(run)][0], run) for run in timing]
         reference = None
         if request is not None and natural is not None:  # plain decoding's first run: the reference
-            time.sleep(idle)
-            plain.reset_prefix_cache()
-            t0 = time.perf_counter()
-            reference = generate(plain, [request]), time.perf_counter() - t0
+            reference = _run(plain, generate, [request], idle)
             natural.append(reference[0].outputs[0])
             request = at_length(request, len(natural[-1]["token_ids"]))
         if request is not None:
             fixed.append(request)
         batch = [request] if request is not None else [
             replace(fixed[j % len(fixed)], id=f"{fixed[j % len(fixed)].id}#{j}") for j in range(n)]
-        times, outputs, seconds = _time_batch(sides, generate, n, batch, job.repeats, parity, idle, reference)
-        for run, side_times, side_outputs, side_s in zip(timing, times, outputs, seconds[1:]):
+        times, outputs, seconds = _time_batch([plain, *(opened[i][0] for i in timing)], generate, n, batch,
+                                              job.repeats, parity, idle, reference)
+        for run, side_times, side_outputs, side_s in zip((runs[i] for i in timing), times, outputs, seconds[1:]):
             # plain decoding's runs shared out among the speculators it ran beside; the rest of them, which the
             # others paid, in plain_shared_s (alone, a K would cost both)
             run["seconds"] += side_s + seconds[0] / len(timing)
@@ -377,10 +376,22 @@ def _timed_group(job: EngineJob, plain: Any, group: list[tuple[str, int]], opene
             run["batch1" if n == 1 else "concurrency"].append(side_times)
     for spec, _, _ in opened:
         spec.llm_engine.engine_core.shutdown()
-    return runs
+    return runs, fixed
 
 
-def _time_batch(sides: list[tuple[Any, Any]], generate, n: int, batch: list[EngineRequest], repeats: int,
+def _run(llm: Any, generate, batch: list[EngineRequest], idle: float) -> tuple[Generated, float]:
+    """One timed run: `idle` seconds after the last, its engine's prefix cache emptied, then `batch` decoded; what it
+    generated and the seconds it took. Every timed run prefills cold: the plain engine holds the prompts it decoded
+    before, a speculative one has not seen them, and with room for several sequences (--concurrency) plain's prefill
+    would be a cache hit (BENCHMARKS "A prompt cached on one side only")."""
+    time.sleep(idle)
+    llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    got = generate(llm, batch)
+    return got, time.perf_counter() - t0
+
+
+def _time_batch(sides: list[Any], generate, n: int, batch: list[EngineRequest], repeats: int,
                 parity: int, idle: float, reference: tuple[Generated, float] | None = None
                 ) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]], list[float]]:
     """One batch of `n` requests timed `repeats` times by each engine of `sides` (plain decoding first in the list,
@@ -407,15 +418,8 @@ def _time_batch(sides: list[tuple[Any, Any]], generate, n: int, batch: list[Engi
         order = list(range(1 if reference is not None and repeat == 0 else 0, len(sides)))
         shift = (parity + repeat) % len(order) if order else 0  # none: a prompt past free_limit, no drafter K
         for i in order[shift:] + order[:shift]:
-            time.sleep(idle)
-            # Every timed run prefills cold: the plain engine holds the prompts of its natural pass, a speculative
-            # one has not seen them, and with room for several sequences (--concurrency) plain's prefill would be
-            # a cache hit (BENCHMARKS "A prompt cached on one side only").
-            llm = sides[i][0]
-            llm.reset_prefix_cache()
-            t0 = time.perf_counter()
-            got = generate(llm, batch)
-            record(i, got, time.perf_counter() - t0)
+            got, took = _run(sides[i], generate, batch, idle)
+            record(i, got, took)
             if repeat == 0:
                 outputs[i] = got.outputs
     times = [{**common, **{f"plain_{clock}": v for clock, v in clocks[0].items()},

@@ -15,6 +15,7 @@ from dflash_train.spec_decode.lookup import PROMPT_LOOKUP
 
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the project's dtype names -> vLLM's
 LOOKUP_METHODS = ("ngram", "suffix")  # the engine's own model-free speculators, timed beside the drafter
+FREE_NAMES = {"ngram": "prompt lookup", "suffix": "suffix decoding", "combined": "the combined speculator"}  # in words
 GiB = 1 << 30
 
 

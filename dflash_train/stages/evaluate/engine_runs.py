@@ -11,10 +11,7 @@ from typing import Any
 import torch
 
 from dflash_train.engine import runner
-from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest, EngineResult
-
-FREE_SPECULATORS = {"ngram": "vLLM's prompt lookup", "suffix": "vLLM's suffix decoding",
-                    "combined": "the combined speculator"}  # EngineJob.free's methods, in words
+from dflash_train.engine.jobs import FREE_NAMES, VLLM_DTYPES, EngineJob, EngineRequest, EngineResult
 from dflash_train.errors import UserError
 from dflash_train.stages.evaluate.config import EvalConfig
 from dflash_train.target import Target, prompt_seed
@@ -65,7 +62,7 @@ class EngineRunner:
                 f"the shortest that keeps tau by the {self.source}")
         if job.free:
             budget += "; beside the first, sharing plain decoding's runs: " + ", ".join(
-                f"{FREE_SPECULATORS[method]} at K = {k}" for method, k in job.free)
+                f"{FREE_NAMES[method]} at K = {k}" for method, k in job.free)
         speculator = f"the combined speculator ({combined}) with drafter" if combined else "with drafter"
         print(f"engine: vLLM, plain and {speculator} {cfg.drafter} at K = {', '.join(map(str, ks))} "
               f"({len(ids.keys() - self.refused.keys())} prompts, concurrency 1"
