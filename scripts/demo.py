@@ -176,11 +176,12 @@ def main(argv: list[str] | None = None) -> int:
             plan_file.write_text(json.dumps(plan, indent=2))
         overrides += [f"train.time_budget_s={plan['train_budget_s']}", "eval.every=0"]
     runs.run_stage("train", drafter, runs.train_command(args.recipe, run, overrides), log)
-    # the held-out prompts' own capture: the store the offline (simulated) tau is computed on
+    # the held-out prompts' own capture, as the training capture runs: the store the offline (simulated) tau is
+    # computed on
     check_store(eval_store)
     runs.run_stage("capture (held-out)", eval_store, runs.capture_command(
-        prompts, eval_store, "eval", eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens, target,
-        args.batch_size), log)
+        prompts, eval_store, "eval", eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens,
+        [*target, "--engine", capture_engine], args.batch_size), log)
     runs.run_stage("eval", report, runs.eval_command(
         [drafter], prompts, eval_limit, args.max_prompt_tokens, args.eval_max_new_tokens, eval_store, report,
         args.engine, [*target, *eval_options(args, plan)]), log)

@@ -22,6 +22,7 @@ from demo_probe import ENGINE_DECODE_PROBE_PROMPTS, ENGINE_PROBE_PROMPTS, demo_r
 
 from dflash_train.device import default_device
 from dflash_train.engine.child import idle_s
+from dflash_train.engine.jobs import FREE_NAMES
 from dflash_train.errors import UserError
 
 VLLM_START_S = 25.0  # the engine's child process on a 2-core CPU: its start, vLLM's import, the plain engine
@@ -37,10 +38,15 @@ ENGINE_SLOWDOWN = 1.7  # the same in vLLM at the slowest K, B - 1 at a low tau (
 FREE_SLOWDOWN = 1.0  # the same for prompt lookup and suffix decoding (no model to run: a K costs the verification
 #                     of its drafts): 1.14x at K = 3 on the AVX2 host, where 1.7 planned 482 s for 372; 1.29x at K = 4
 #                     and suffix 1.63x at K = 8 on the AVX-512 one, where 1.7 planned 544 s for about 250
-FP32_RECHECK_SHARE = {"own": 1.0, "vllm": 0.6}  # of the eval's prompts that differ from plain decoding in bf16
+FP32_RECHECK_SHARE = {"own": 1.0, "vllm": 0.55}  # of the eval's prompts that differ from plain decoding in bf16
 #                      and are rerun in fp32 (near-ties rounded differently): 5 of 5 in the project's loop and 12 of
 #                      20 in vLLM in the AVX-512 rewrite demo (unplanned, 143 s over its eval's plan), 2 of 5 and 11
-#                      of 20 in the unseen-log demo, 4 of 5 and 1-3 of 20 in earlier ones
+#                      of 20 in the unseen-log demo, 10 (the drafter) and 12 (the combined speculator) of 20 in the
+#                      AVX-512 router demo, 4 of 5 and 1-3 of 20 in earlier ones
+TRAINED_SPEEDUP = 1.3  # the drafter the demo trains, in vLLM at its first K, against plain decoding: what its timed
+#                       runs and fp32 rechecks cost. Unknown before it is trained; the router demos measured 1.52x
+#                       (AVX-512 BF16), 1.35x (fp32, AVX2 kernels) and 1.26x (AVX2): counting the starting drafter's
+#                       0.87x instead planned those evals 31-38% long
 MIN_EVAL_PROMPTS = 20  # fewer cannot tell a 10% speedup from noise (the serving issue: 5 prompts said 0.63x-1.27x)
 OWN_EVAL_PROMPTS = 5  # the project's loop decodes the first 5 of them: it runs three passes per prompt
 EVAL_CONCURRENCY = 4  # requests decoded together, timed beside batch 1 (benchmarks/bench_serving.py times more)
@@ -100,12 +106,12 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     one K: the first, the K of the best expected speed by the probe's step cost (`eval --step-cost`), which the
     eval's budget rule then times alone (a sweep planned at a share of the budget timed one K and left the rest
     unused: 426 s of a planned 583 in the router demo, 2026-12-07). vLLM's requests cost what the probe timed there
-    (`probe_engine_decoding`: its batch-1 rate, each K at the starting drafter's slowdown), else the project's
-    loop's rate and ENGINE_SLOWDOWN. Prompt lookup's K (--ngram)
-    and suffix decoding's (--suffix) run whatever the budget, beside the drafter's first K and sharing plain
-    decoding's runs: each costs its engine's start and its own runs at FREE_SLOWDOWN (`lookup_s`); the combined
-    speculator (--combined) a K at FREE_SLOWDOWN beside plain decoding's runs in an engine child of its own, with
-    its fp32 recheck as the drafter's. Where that leaves capture and training less than CAPTURE_AND_TRAIN_SHARE of the
+    (`probe_engine`: its batch-1 rate; the trained drafter at TRAINED_SPEEDUP), else the project's loop's rate and
+    ENGINE_SLOWDOWN. Prompt lookup's K (--ngram) and suffix decoding's (--suffix) run whatever the budget, beside
+    the drafter's first K and sharing plain decoding's runs: each costs its engine's start and its own runs at the
+    speed the probe measured (else FREE_SLOWDOWN) (`lookup_s`); the combined speculator (--combined) a K at the
+    fastest of those speeds beside plain decoding's runs in an engine child of its own, with its fp32 recheck as
+    the drafter's. The held-out capture (a stage of its own) runs as the training capture does. Where that leaves capture and training less than CAPTURE_AND_TRAIN_SHARE of the
     time after the starts, the eval is cut, one cut of `eval_cuts` on top of the other, until it does or none is
     left; the refusal counts the smallest eval."""
     T = args.eval_max_new_tokens
@@ -114,7 +120,8 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     starts = {"held-out capture": STAGE_START_S, "eval": STAGE_START_S + (engine_start_s if engine else 0.0),
               "push (dry run)": 10.0, "capture": STAGE_START_S, "train": STAGE_START_S}
     prefill_s, decode_s = rates["prefill_s"], T / rates["decode_tok_s"]  # one request at batch 1: its prompt, T tokens
-    heldout_s = rates["capture_s_per_prompt"]  # one pass: whole batches as capture runs them, prefill included
+    heldout_start_s, heldout_s = heldout_costs(rates)  # the held-out capture runs as the training capture does
+    starts["held-out capture"] += heldout_start_s
     eval_kept = kept_prompts(prompts, "eval", args.eval_limit, args.target, args.max_prompt_tokens)
     n_eval = min(eval_kept[-1], MIN_EVAL_PROMPTS)
     n_own = min(n_eval, OWN_EVAL_PROMPTS) if own else 0
@@ -124,12 +131,16 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
         return 2 * prefill + decode * (1 + slowdown)
 
     own_s = n_own * (pair_s(prefill_s, decode_s, DRAFT_SLOWDOWN) + prefill_s + decode_s)  # and block size 1
-    # vLLM's requests: at its measured batch-1 rate and the starting drafter's slowdown where the probe timed them
-    # (`probe_engine_decoding`), else at the project's loop's rate and the worst slowdown
+    # vLLM's requests: at its measured batch-1 rate and the trained drafter's expected speed where the probe timed
+    # them (`probe_engine`), else at the project's loop's rate and the worst slowdown
     measured = "engine_plain_tok_s" in rates
     engine_prefill_s, engine_decode_s = (0.0, T / rates["engine_plain_tok_s"]) if measured else (prefill_s, decode_s)
-    drafter_slowdown = rates["engine_spec_slowdown"] if measured else ENGINE_SLOWDOWN
+    drafter_slowdown = 1 / TRAINED_SPEEDUP if measured else ENGINE_SLOWDOWN
     spec_start_s = rates["engine_spec_start_s"] if measured else SPEC_ENGINE_START_S
+    free_slowdown = {**{m: FREE_SLOWDOWN for m in ("ngram", "suffix")}, **rates.get("engine_free_slowdown", {})}
+    # the combined speculator drafts the drafter's blocks and the others' where they are likelier: at least the
+    # fastest of them (1.79x against the drafter's 1.52 and suffix decoding's 1.65 in the AVX-512 router demo)
+    combined_slowdown = min([drafter_slowdown, *(free_slowdown[m] for m in ("ngram", "suffix") if getattr(args, m))])
 
     idle = idle_s(default_device())  # before each timed request
 
@@ -155,8 +166,9 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
         its own, beside plain decoding's runs), each on n_free prompts."""
         if not engine:
             return 0.0
-        seconds = (len(ngram) + len(suffix)) * alone_s(FREE_SLOWDOWN, n_free)
-        return seconds + (per_k_s(FREE_SLOWDOWN, n_free) + engine_start_s if combined else 0.0)
+        seconds = len(ngram) * alone_s(free_slowdown["ngram"], n_free) + \
+            len(suffix) * alone_s(free_slowdown["suffix"], n_free)
+        return seconds + (per_k_s(combined_slowdown, n_free) + engine_start_s if combined else 0.0)
 
     recheck_own_s = recheck_start_s = recheck_prompt_s = 0.0
     if "fp32_decode_tok_s" in rates:  # a low-precision eval: its mismatches are rerun in fp32, plain and speculative
@@ -174,7 +186,8 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
         n_free = cut["free_limit"] or n_eval
         if recheck_start_s:
             recheck_s += recheck_start_s + n_eval * recheck_prompt_s
-            recheck_s += recheck_start_s + n_free * recheck_prompt_s if combined else 0.0
+            recheck_s += recheck_start_s + n_free * recheck_prompt_s * (1 + combined_slowdown) / (
+                1 + drafter_slowdown) if combined else 0.0
         return free_s(cut["ngram"], cut["suffix"], n_free), recheck_s
 
     def split(budget_min: float, cut: dict, spent_s: float = spent_s) -> tuple[float, float]:
@@ -223,6 +236,12 @@ def eval_cuts(args: argparse.Namespace, n_eval: int) -> list[dict]:
     return cuts
 
 
+def heldout_costs(rates: dict) -> tuple[float, float]:
+    """The held-out capture's (start-up seconds, seconds per prompt): the training capture's way, as the probe
+    measured it (capture_costs); before it has (the early check), nothing."""
+    return next(iter(capture_costs(rates).values()), (0.0, 0.0))
+
+
 def early_check(args: argparse.Namespace, prompts: Path, first: dict, spent_s: float) -> None:
     """Refuse, before the probe's slower measurements, a budget the eval alone overruns. The engine is not
     measured yet: the refusal counts each start as 0 and the drafter's K as costing no more than plain decoding at
@@ -234,23 +253,30 @@ def early_check(args: argparse.Namespace, prompts: Path, first: dict, spent_s: f
                                   "engine_spec_slowdown": FREE_SLOWDOWN, "engine_spec_start_s": 0.0}, spent_s)
     except UserError:
         estimated = {**first, "engine_start_s": SLOW_VLLM_START_S}  # only adds time: this plan refuses too
+        if not capture_costs(first):  # vLLM captures, not measured yet: a prompt as plain decoding at batch 1
+            estimated["engine_capture_s_per_prompt"] = first["prefill_s"] + args.max_new_tokens / first["decode_tok_s"]
         eval_plan(args, prompts, estimated, spent_s, unmeasured_s=probe_rest_s(args, first))
         raise
 
 
 def probe_rest_s(args: argparse.Namespace, first: dict) -> float:
-    """What the probe still runs after its early check, estimated from the one-pass capture it has timed: seven
-    training steps (four stored, three online) and, with the capture in vLLM, an engine start and
-    ENGINE_PROBE_PROMPTS prompts, each about a one-pass capture (3.91 s against 3.88 and 3.22 against 4.08 on the
-    AVX2 host, 0.41 against 0.73 on the AVX-512 one)."""
-    capture_s = first["capture_s_per_prompt"]
-    steps_s = capture_s * (4 * PROBE_STEP_CAPTURES["stored"] + 3 * PROBE_STEP_CAPTURES["online"])
-    rest_s = steps_s + (SLOW_VLLM_START_S + ENGINE_PROBE_PROMPTS * capture_s if args.capture_engine != "own" else 0.0)
-    if args.engine != "own" and demo_recipe(args).drafter.init_from is not None:  # `probe_engine_decoding`: each
-        #   prompt to its natural stop, then plain and speculative, at the project's loop's rate and the worst slowdown
+    """What the probe still runs after its early check, estimated from what it has timed (an estimate that errs
+    long): seven training steps (four stored, three online), each PROBE_STEP_CAPTURES one-pass captures of a prompt
+    (where vLLM captures, one prompt decoded at batch 1 stands for one), and its engine child: a start, with the
+    capture in vLLM ENGINE_PROBE_PROMPTS prompts as long again each (3.91 s against 3.88 and 3.22 against 4.08 on
+    the AVX2 host, 0.41 against 0.73 on the AVX-512 one), and the timed requests, at the project's loop's rate and
+    the worst slowdown."""
+    capture_s = first.get("capture_s_per_prompt", first["prefill_s"] + args.max_new_tokens / first["decode_tok_s"])
+    rest_s = capture_s * (4 * PROBE_STEP_CAPTURES["stored"] + 3 * PROBE_STEP_CAPTURES["online"])
+    engine_capture = "capture_s_per_prompt" not in first
+    decoding = args.engine != "own" and demo_recipe(args).drafter.init_from is not None
+    rest_s += SLOW_VLLM_START_S if engine_capture or decoding else 0.0
+    rest_s += ENGINE_PROBE_PROMPTS * capture_s if engine_capture else 0.0
+    if decoding:  # each prompt to its natural stop, then each speculator at that length
         request_s = first["prefill_s"] + args.eval_max_new_tokens / first["decode_tok_s"]
-        rest_s += SLOW_VLLM_START_S + SPEC_ENGINE_START_S + ENGINE_DECODE_PROBE_PROMPTS * (
-            request_s * (2 + ENGINE_SLOWDOWN) + 2 * idle_s(default_device()))
+        sides = 2 + bool(args.ngram) + bool(args.suffix)
+        rest_s += (sides + 1) * SPEC_ENGINE_START_S + ENGINE_DECODE_PROBE_PROMPTS * (
+            request_s * (1 + sides * ENGINE_SLOWDOWN) + (sides + 1) * idle_s(default_device()))
     return rest_s
 
 
@@ -287,7 +313,7 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
             "ngram": cut["ngram"], "suffix": cut["suffix"], "free_limit": cut["free_limit"],
             "eval_left_out": cut["left_out"],
             "stage_s": {"capture": starts["capture"] + capture_s, "train": starts["train"] + train_s,
-                        "held-out capture": starts["held-out capture"] + n_eval * heldout_s,
+                        "held-out capture": starts["held-out capture"] + n_eval * heldout_s,  # its start in it
                         "eval": starts["eval"] + own_s + sweep_s + recheck_s + lookup_s,
                         "push (dry run)": starts["push (dry run)"]}}
 
@@ -313,10 +339,11 @@ def size_capture_and_training(args: argparse.Namespace, rates: dict, flexible: f
 
 
 def capture_costs(rates: dict, token_only: bool = False, topk: int = 0) -> dict[str, tuple[float, float]]:
-    """Each way to capture that the probe measured: engine name -> (start-up seconds, seconds per prompt). Token-only
+    """The way to capture that the probe measured (`capture_engine`): engine name -> (start-up seconds, seconds per
+    prompt); none before the probe has timed it. Token-only
     (`--storage none`) costs the one-pass loop the same (its decode computes the states anyway) and saves the engine
     capture its prefill, unless the prefill is there for the top-k (`--store-topk`)."""
-    costs = {"own": (0.0, rates["capture_s_per_prompt"])}
+    costs = {"own": (0.0, rates["capture_s_per_prompt"])} if "capture_s_per_prompt" in rates else {}
     if "engine_capture_s_per_prompt" in rates:
         saved = rates.get("engine_prefill_s_per_prompt", 0.0) if token_only and not topk else 0.0
         costs["vllm"] = (rates["engine_start_s"], rates["engine_capture_s_per_prompt"] - saved)
@@ -371,9 +398,11 @@ def rebudget_training(plan: dict, capture_end_s: float) -> None:
 
 def measured_line(rates: dict) -> str:
     """The probe's rates, one line."""
-    return (f"measured: compute dtype {rates['precision']}; one-pass capture {rates['capture_s_per_prompt']:.2f} s "
-            f"per prompt (two whole batches of {rates['capture_batch']}, at length quantiles 0.21 and 0.79: "
-            f"{' and '.join(f'{t:.2f}' for t in rates.get('capture_s_per_prompt_by_quantile', []))} s)"
+    return (f"measured: compute dtype {rates['precision']}"
+            + (f"; one-pass capture {rates['capture_s_per_prompt']:.2f} s per prompt (two whole batches of "
+               f"{rates['capture_batch']}, at length quantiles 0.21 and 0.79: "
+               f"{' and '.join(f'{t:.2f}' for t in rates.get('capture_s_per_prompt_by_quantile', []))} s)"
+               if "capture_s_per_prompt" in rates else "")
             + (f"; a training step of the recipe {rates['train_step_s']:.2f} s" if "train_step_s" in rates else "")
             + (f" ({rates['train_online_step_s']:.2f} s online)" if "train_online_step_s" in rates else "")
             + f"; plain decoding {rates['decode_tok_s']:.1f} tokens/s (batch 1)"
@@ -381,6 +410,7 @@ def measured_line(rates: dict) -> str:
             + f" after a {rates['prefill_s']:.2f} s prefill of the median prompt"
             + (f"; in vLLM at batch 1 {rates['engine_plain_tok_s']:.1f} tokens/s (whole requests), the starting "
                f"drafter {1 / rates['engine_spec_slowdown']:.2f}x that" if "engine_plain_tok_s" in rates else "")
+            + "".join(f", {FREE_NAMES[m]} {1 / x:.2f}x" for m, x in rates.get("engine_free_slowdown", {}).items())
             + (f", a verification step {rates['engine_step_cost'][0]:.2f} + {rates['engine_step_cost'][1]:.3f} x K "
                f"plain steps" if "engine_step_cost" in rates else ""))
 

@@ -1,12 +1,12 @@
-"""`make demo`'s probe: a minute or two of measurements on this machine, before anything long starts.
+"""`make demo`'s probe: about a minute of measurements on this machine, before anything long starts.
 
-The one-pass capture of two batches of training prompts (at the 0.21 and 0.79 quantiles of their lengths), plain
-decoding at batch 1 (and in fp32 where the stages compute in less: the eval reruns its mismatches in fp32), training
-steps of the demo recipe's shape with stored states and with the states computed online, and, where the demo
-captures or evaluates in vLLM, a few requests timed there as the stage runs them; all in the compute dtype the stages
-will pick. scripts/demo_plan.py sizes the stages from these rates. Also here: what the probe and the plan both read,
-the demo's recipe and its training prompts as capture renders them.
-"""
+Plain decoding at batch 1 (and in fp32 where the stages compute in less: the eval reruns its mismatches in fp32),
+training steps of the demo recipe's shape with stored states and with the states computed online, the capture as it
+will run (the one-pass capture of two batches of training prompts at the 0.21 and 0.79 quantiles of their lengths,
+or vLLM's of a sample), and, where the demo evaluates in vLLM, a few requests timed there as the eval times them, in
+the same engine child as vLLM's capture; all in the compute dtype the stages will pick. scripts/demo_plan.py sizes
+the stages from these rates. Also here: what the probe and the plan both read, the demo's recipe and its training
+prompts as capture renders them."""
 
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ import functools
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+from dflash_train.engine.jobs import FREE_NAMES
 from dflash_train.errors import UserError
 from dflash_train.support.runs import REPO
 GAUSS_QUANTILES = (0.5 - 0.5 / 3 ** 0.5, 0.5 + 0.5 / 3 ** 0.5)  # the probe's capture batches (two-point quadrature)
-ENGINE_PROBE_PROMPTS = 48
+ENGINE_PROBE_PROMPTS = 24
 ENGINE_DECODE_PROBE_PROMPTS = 3
 
 
@@ -73,9 +75,10 @@ def rendered_prompts(prompts: Path, split: str, limit: int, target: str) -> tupl
 
 def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
           check: Callable[[dict], None] | None = None) -> dict[str, float | str]:
-    """A minute or two of measurements on this machine, in the compute dtype the stages will use (`auto`). `check`
-    (the demo's: the plan's early check) is given the capture and decode rates as soon as they are in, before the
-    training-step and vLLM measurements: it refuses a budget the eval alone leaves too little of."""
+    """About a minute of measurements on this machine, in the compute dtype the stages will use (`auto`). `check`
+    (the demo's: the plan's early check) is given the decode rates (and the one-pass capture's, where it captures) as
+    soon as they are in, before the training-step and vLLM measurements: it refuses a budget the eval alone leaves
+    too little of."""
     import torch
 
     from dflash_train.device import default_device, resolve_precision
@@ -98,12 +101,15 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
     if not rendered:
         raise UserError(f"no training prompt of the first {args.capture_limit} in {prompts} fits --max-prompt-tokens "
                         f"{args.max_prompt_tokens}: raise it (or --capture-limit)")
-    stop, pad = target.stop_token_ids(), target.tokenizer.pad_token_id
     layers = resolve_layer_ids(target.num_layers, None, 5)  # capture's default taps
-    part("capture warm-up", generate_and_capture, target.model, rendered[:2], layers, 2, stop, pad)
-    capture = part("capture", capture_rates, args, target, rendered, layers)
+    engine_capture = capture_engine(args) == "vllm"
+    first: dict = {"precision": precision.describe()}
+    if not engine_capture:  # the one-pass loop captures: its rates
+        stop, pad = target.stop_token_ids(), target.tokenizer.pad_token_id
+        part("capture warm-up", generate_and_capture, target.model, rendered[:2], layers, 2, stop, pad)
+        first.update(part("capture", capture_rates, args, target, rendered, layers))
     median_prompt = rendered[len(rendered) // 2]
-    first = {"precision": precision.describe(), **capture, **part("decode", decode_rates, target.model, median_prompt)}
+    first.update(part("decode", decode_rates, target.model, median_prompt))
     if precision.dtype != torch.float32:  # the eval reruns its mismatches in fp32: the plan counts that rerun
         fp32 = part("fp32 target", load_target, args.target, dtype=torch.float32, device=device).model
         first.update(part("fp32 decode", decode_rates, fp32, median_prompt, "fp32_"))
@@ -113,13 +119,24 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
     recipe = demo_recipe(args)
     steps = part("training steps", training_step_rates, args, target, layers, recipe, precision.dtype,
                  torch.device(device))
-    engine = part("vLLM capture", probe_engine_capture, args, target, requests, layers, precision) \
-        if args.capture_engine != "own" else {}
-    if args.engine != "own" and recipe.drafter.init_from is not None:
-        engine.update(part("vLLM decoding", probe_engine_decoding, args, target, rendered, precision, recipe))
+    engine = {}
+    if engine_capture or (args.engine != "own" and recipe.drafter.init_from is not None):
+        engine = part("vLLM", probe_engine, args, target, requests, layers, precision, recipe, engine_capture)
     return {**first, "cpu_capability": torch.backends.cpu.get_cpu_capability(), **engine,
             "state_bytes_per_token": 2.0 * len(layers) * target.config.hidden_size,  # bf16 states
             **steps, "probe_s": {name: round(seconds, 1) for name, seconds in parts.items()}}
+
+
+def capture_engine(args: argparse.Namespace) -> str:
+    """Who generates the training responses: --capture-engine, and under auto vLLM wherever it is installed: it
+    captured faster than the one-pass loop on every host measured (0.73 s a prompt against 1.12 on the 2-core AVX-512
+    BF16 host, 1.16 against 1.28 there in fp32 with AVX2 kernels, 1.69 against 2.13 on the AVX2 host; the states'
+    prefill included), so the probe measures only the way capture will run (the two took 85-110 s of it)."""
+    from dflash_train.engine.install import vllm_version
+
+    if args.capture_engine != "auto":
+        return args.capture_engine
+    return "vllm" if vllm_version() is not None else "own"
 
 
 def timed(fn, *a, **kw):
@@ -218,89 +235,107 @@ def training_step_rates(args: argparse.Namespace, target, layers: list[int], rec
 # --- vLLM -----------------------------------------------------------------------------------------------------------
 
 
-def probe_engine_capture(args: argparse.Namespace, target, requests: list[tuple[list[int], dict | None]],
-                         layers: list[int], precision) -> dict[str, float]:
-    """The engine capture (`capture --engine vllm`) of ENGINE_PROBE_PROMPTS training prompts spread over the length
-    distribution (every k-th by length; `requests`: rendered_prompts'), timed as the stage runs it: vLLM starts and
-    generates their responses under their requests' constraints with continuous batching, then one batched transformers
-    prefill records their states and top-k. Returns the start-up (the engine process and vLLM's load, once per capture),
-    the seconds per prompt after it, and the prefill's share of them (a token-only capture without top-k runs no
-    prefill). Continuous batching packs more requests together in a real capture than in this sample, so it errs on the
-    slow side."""
+def probe_engine(args: argparse.Namespace, target, requests: list[tuple[list[int], dict | None]],
+                 layers: list[int], precision, recipe, capture: bool) -> dict[str, float | dict[str, float]]:
+    """vLLM as the stages run it, in one engine child (one start: 14-70 s of a probe that was two children):
+
+    - with `capture` (capture --engine vllm), the engine capture of ENGINE_PROBE_PROMPTS training prompts spread over
+      the length distribution (every k-th by length; `requests`: rendered_prompts' by length): their responses under
+      their requests' constraints with continuous batching, then one batched transformers prefill recording their
+      states and top-k, in the parent. Gives the start-up (the engine process and vLLM's load, once per capture),
+      the seconds per prompt after it and the prefill's share of them (a token-only capture without top-k runs no
+      prefill), and the sample's mean lengths. Continuous batching packs more requests together in a real capture
+      than in this sample, so it errs on the slow side.
+    - with a starting drafter and the eval in vLLM, the eval's own protocol (`eval --engine vllm`'s timed job) on
+      ENGINE_DECODE_PROBE_PROMPTS training prompts of the median length, up to --eval-max-new-tokens: plain decoding,
+      the starting drafter at K = 1 and B - 1 (probe_ks), and prompt lookup and suffix decoding at the demo's first K
+      (--ngram, --suffix), every speculator beside the same plain run, each request alone and cold. Gives vLLM's
+      whole-request rate at batch 1 (new tokens over each plain request's stopwatch, its prefill in it), the starting
+      drafter's time over plain's (at the faster K), each free speculator's (`engine_free_slowdown`: what the eval's
+      runs of it cost; suffix decoding's tree holds only the probe's few answers, so it errs slow), the speculative
+      engines' start, and what a verification step costs in plain decoding steps, the line a + b x K through the two K
+      (`engine_step_cost`: the eval's --step-cost, from which its sweep starts at the K of the best expected speed;
+      the triage demo's drafter under its schema on the 2-core AVX-512 host: 1.40 at K = 1, 1.47 at 4, 1.64 at 9,
+      1.87 at 15). Without it the plan counted the project's own loop's decode rate and ENGINE_SLOWDOWN for every
+      K: on the AVX-512 BF16 host 265 s a K for about 130. The timed requests are decoded without their
+      constraints, though the eval decodes under them: what a grammar does to a step depends on the drafter, and the
+      probe has only the starting one. The first K depends on the line's slope over its intercept; measured on the
+      2-core AVX-512 host, the drafters the demo trains, under their schema: 0.016 (router, 1.43 + 0.023 x K) and
+      0.018 (triage); the general drafter under the same schemas: 0.010, 0.005, 0 and 0, which started triage's sweep
+      at K = 9 for 1.20x; without them: 0.028, 0.021 and 0.008."""
     import tempfile
 
     from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
     from dflash_train.engine.runner import run_engine
     from dflash_train.states import prefill_capture
 
-    chosen = requests[::max(1, len(requests) // ENGINE_PROBE_PROMPTS)][:ENGINE_PROBE_PROMPTS]
-    picked = [ids for ids, _ in chosen]
-    job = EngineJob(target=str(target.path), requests=[
-                        EngineRequest(id=str(i), prompt_token_ids=ids, max_tokens=args.max_new_tokens, constraints=c)
-                        for i, (ids, c) in enumerate(chosen)], stop_token_ids=target.stop_token_ids(),
-                    dtype=VLLM_DTYPES[precision.name], max_model_len=max(map(len, picked)) + args.max_new_tokens,
-                    mode="batch")
+    sample = requests[::max(1, len(requests) // ENGINE_PROBE_PROMPTS)][:ENGINE_PROBE_PROMPTS] if capture else []
+    sample_requests = [EngineRequest(id=f"capture-{i}", prompt_token_ids=ids, max_tokens=args.max_new_tokens,
+                                     constraints=c) for i, (ids, c) in enumerate(sample)]
+    decoding = args.engine != "own" and recipe.drafter.init_from is not None
+    lengths = [len(ids) + args.max_new_tokens for ids, _ in sample]
+    job = EngineJob(target=str(target.path), requests=sample_requests, stop_token_ids=target.stop_token_ids(),
+                    dtype=VLLM_DTYPES[precision.name], max_model_len=max(lengths, default=1), mode="batch")
+    ks: tuple[int, int] = (1, 2)
+    if decoding:
+        from dflash_train.model.published import fetch_drafter
+
+        rendered = [ids for ids, _ in requests]
+        middle = len(rendered) // 2
+        picked = rendered[max(0, middle - ENGINE_DECODE_PROBE_PROMPTS // 2):][:ENGINE_DECODE_PROBE_PROMPTS]
+        drafter = fetch_drafter(recipe.drafter.init_from, recipe.drafter.init_revision).folder
+        ks = probe_ks(min(json.loads((drafter / "config.json").read_text())["block_size"], recipe.drafter.block_size))
+        free = [("dflash", ks[1]), *(("ngram", k) for k in args.ngram[:1]), *(("suffix", k) for k in args.suffix[:1])]
+        job = replace(job, mode="timed", drafter=str(drafter), speculative_tokens=[ks[0]], free=free,
+                      capture_sample=sample_requests, requests=[
+                          EngineRequest(id=str(i), prompt_token_ids=ids, max_tokens=args.eval_max_new_tokens)
+                          for i, ids in enumerate(picked)],
+                      max_model_len=max([*lengths, *(len(ids) + args.eval_max_new_tokens + ks[1] + 1
+                                                     for ids in picked)]))
+    what = " and ".join([*(["generating responses"] if capture else []),
+                         *([f"decoding at batch 1, plain, the starting drafter at K = {ks[0]} and {ks[1]}"
+                            + "".join(f", {FREE_NAMES[m]} at K = {k}" for m, k in job.free if m != "dflash")]
+                           if decoding else [])])
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="demo-probe-engine-") as work:
-        result = run_engine(job, work, "demo probe: vLLM generating responses")
-    start_s = time.perf_counter() - started - result.wall_s
-    responses = {o.id: o.token_ids for o in result.outputs}
-    started = time.perf_counter()
-    for at in range(0, len(picked), args.batch_size):
-        batch = list(range(at, min(at + args.batch_size, len(picked))))
-        prefill_capture(target.model, [picked[i] + responses[str(i)] for i in batch], [len(picked[i]) for i in batch],
-                        layers, target.tokenizer.pad_token_id, topk=args.store_topk)
-    prefill_s = time.perf_counter() - started
-    return {"engine_start_s": start_s, "engine_capture_s_per_prompt": (result.wall_s + prefill_s) / len(picked),
-            "engine_prefill_s_per_prompt": prefill_s / len(picked)}
+        result = run_engine(job, work, f"demo probe: vLLM {what}")
+    rates: dict = {"engine_start_s": time.perf_counter() - started - result.wall_s}
+    if capture:
+        outputs = result.capture_sample if decoding else result.outputs
+        responses = {o.id: o.token_ids for o in outputs}
+        sample_s = result.capture_sample_s if decoding else result.wall_s
+        picked_ids = [ids for ids, _ in sample]
+        t0 = time.perf_counter()
+        for at in range(0, len(sample), args.batch_size):
+            batch = range(at, min(at + args.batch_size, len(sample)))
+            prefill_capture(target.model, [picked_ids[i] + responses[f"capture-{i}"] for i in batch],
+                            [len(picked_ids[i]) for i in batch], layers, target.tokenizer.pad_token_id,
+                            topk=args.store_topk)
+        prefill_s = time.perf_counter() - t0
+        new = [len(responses[f"capture-{i}"]) for i in range(len(sample))]
+        rates.update({"engine_capture_s_per_prompt": (sample_s + prefill_s) / len(sample),
+                      "engine_prefill_s_per_prompt": prefill_s / len(sample),
+                      "capture_mean_new_tokens": statistics.mean(new),
+                      "capture_mean_tokens": statistics.mean(map(len, picked_ids)) + statistics.mean(new)})
+    if decoding:
+        rates.update(engine_decoding_rates(result))
+    return rates
 
 
-def probe_engine_decoding(args: argparse.Namespace, target, rendered: list[list[int]], precision,
-                          recipe) -> dict[str, float | list[float]]:
-    """The eval's own protocol (`eval --engine vllm`'s timed job) on ENGINE_DECODE_PROBE_PROMPTS training prompts of the
-    median length (`rendered`: their token ids, by length), up to the eval's --eval-max-new-tokens: plain decoding and
-    the recipe's starting drafter at K = 1 and B - 1 (probe_ks), each request alone and cold. Returns vLLM's
-    whole-request rate at batch 1 (new tokens over each plain request's stopwatch, its prefill in it), the starting
-    drafter's time over plain's (at the faster of the two K: the eval times the K of the best expected speed, and the
-    drafter the demo trains accepts more than the one it starts from, so the plan still errs long), its engine's start,
-    and what a verification step costs on this machine in plain decoding steps, the line a + b x K through the two K
-    (`engine_step_cost`: the eval's --step-cost, from which its sweep starts at the K of the best expected speed; the
-    triage demo's drafter under its schema on the 2-core AVX-512 host: 1.40 at K = 1, 1.47 at 4, 1.64 at 9, 1.87 at 15).
-    Without the probe the plan counted the project's own loop's decode rate and ENGINE_SLOWDOWN for every K: on the
-    AVX-512 BF16 host 265 s a K for about 130, so the router demo's eval took 901 s of its planned 1,326 and training
-    got 139 s. The requests are decoded without their constraints, though the eval decodes under them: what a grammar
-    does to a step depends on the drafter, and the probe has only the starting one. The first K depends on the line's
-    slope over its intercept; measured on the 2-core AVX-512 host, the drafters the demo trains, under their schema:
-    0.016 (router, 1.43 + 0.023 x K) and 0.018 (triage, 1.40 at K = 1 to 1.87 at 15). The general drafter under the same
-    schemas: 0.010, 0.005, 0 and 0 (a step at K = 1 costs as much as at 15: 1.70-2.10 plain steps), which started
-    triage's sweep at K = 9 for 1.20x; without them: 0.028, 0.021 and 0.008."""
-    import tempfile
-
-    from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
-    from dflash_train.engine.runner import run_engine
-    from dflash_train.model.published import fetch_drafter
+def engine_decoding_rates(result) -> dict[str, float | list[float] | dict[str, float]]:
+    """`probe_engine`'s decoding figures from its timed result, read as the eval reads its runs."""
     from dflash_train.stages.evaluate.vllm_sweep import k_row, step_cost_line
 
-    middle = len(rendered) // 2
-    picked = rendered[max(0, middle - ENGINE_DECODE_PROBE_PROMPTS // 2):][:ENGINE_DECODE_PROBE_PROMPTS]
-    drafter = fetch_drafter(recipe.drafter.init_from, recipe.drafter.init_revision).folder
-    ks = probe_ks(min(json.loads((drafter / "config.json").read_text())["block_size"], recipe.drafter.block_size))
-    job = EngineJob(target=str(target.path), requests=[
-                        EngineRequest(id=str(i), prompt_token_ids=ids, max_tokens=args.eval_max_new_tokens)
-                        for i, ids in enumerate(picked)],
-                    stop_token_ids=target.stop_token_ids(), dtype=VLLM_DTYPES[precision.name], drafter=str(drafter),
-                    max_model_len=max(map(len, picked)) + args.eval_max_new_tokens + ks[-1] + 1, mode="timed",
-                    speculative_tokens=list(ks))
-    with tempfile.TemporaryDirectory(prefix="demo-probe-engine-") as work:
-        result = run_engine(job, work, f"demo probe: vLLM decoding at batch 1, plain and at K = {ks[0]} and {ks[1]}")
     runs = result.timed["runs"]
     natural = result.by_id()
-    rows = {run["k"]: k_row(run, natural, greedy=True) for run in runs}  # as the eval reads its runs
+    rows = [(run["method"], run["k"], k_row(run, natural, greedy=True)) for run in runs]
+    drafter = {k: row for method, k, row in rows if method == "dflash"}
     tokens = sum(t["tokens"] for run in runs for t in run["batch1"])
     plain_s = sum(sum(t["plain_wall_s"]) for run in runs for t in run["batch1"])
-    costs = {k: row.step_cost for k, row in rows.items()}
+    costs = {k: row.step_cost for k, row in drafter.items()}
     return {"engine_plain_tok_s": tokens / plain_s,
-            "engine_spec_slowdown": min(1 / row.speedup_wall for row in rows.values()),
+            "engine_spec_slowdown": min(1 / row.speedup_wall for row in drafter.values()),
+            "engine_free_slowdown": {method: 1 / row.speedup_wall for method, _, row in rows if method != "dflash"},
             "engine_spec_start_s": max(run["load_s"] for run in runs),
             **({"engine_step_cost": step_cost_line(costs)} if None not in costs.values() else {})}
 

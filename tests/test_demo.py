@@ -136,20 +136,21 @@ def test_a_low_precision_eval_plans_the_fp32_rerun_of_its_mismatches(demo_prompt
 def test_vllm_requests_are_planned_at_the_rate_and_slowdown_the_probe_measured_in_the_engine(demo_prompts,
                                                                                               tiny_target_dir,
                                                                                               monkeypatch):
-    """Where the probe timed vLLM at batch 1 (plain, and the starting drafter at K = 1 and B - 1: the eval's own
-    protocol),
-    every vLLM request of the plan costs what it measured: each K its engine's measured start and, per prompt and
-    concurrent request, a plain request at the measured rate plus the drafter's (the measured slowdown) and the
-    idle before each; prompt lookup and suffix decoding their engine's start and their own request (at
+    """Where the probe timed vLLM at batch 1 (plain, the starting drafter at K = 1 and B - 1 and the free
+    speculators: the eval's own protocol), every vLLM request of the plan costs what it measured: each K its
+    engine's measured start and, per prompt and concurrent request, a plain request at the measured rate plus the
+    trained drafter's (at TRAINED_SPEEDUP: the starting drafter's speed says little of it) and the idle before each;
+    prompt lookup and suffix decoding their engine's start and their own request at the speed measured (else
     FREE_SLOWDOWN) beside the drafter's first K, whose plain runs they share. An engine measured faster than the
-    project's loop leaves the time to training; one measured slower takes it (the plan errs long, never short).
-    (The eval as asked: no cut for capture and training's share.)"""
+    project's loop leaves the time to training; one measured slower takes it. (The eval as asked: no cut for
+    capture and training's share.)"""
     monkeypatch.setattr(demo_plan, "CAPTURE_AND_TRAIN_SHARE", 0.0)
     base = ["--target", str(tiny_target_dir), "--max-prompt-tokens", "60", "--budget-min", "27", "--engine",
             "vllm", "--ngram", "3"]
     args = demo.parse_args(base)
     unmeasured = {**THIS_CPU, "decode_tok_s": 18.0, "prefill_s": 0.4}
-    fast = {**unmeasured, "engine_plain_tok_s": 30.0, "engine_spec_slowdown": 0.8, "engine_spec_start_s": 3.0}
+    fast = {**unmeasured, "engine_plain_tok_s": 30.0, "engine_spec_slowdown": 0.8, "engine_spec_start_s": 3.0,
+            "engine_free_slowdown": {"ngram": 0.7}}
     slow = {**fast, "engine_plain_tok_s": 9.0, "engine_spec_slowdown": 2.5, "engine_spec_start_s": 30.0}
     plans = {name: demo_plan.make_plan(args, demo_prompts, rates, 214.0)
              for name, rates in (("unmeasured", unmeasured), ("fast", fast), ("slow", slow))}
@@ -157,18 +158,23 @@ def test_vllm_requests_are_planned_at_the_rate_and_slowdown_the_probe_measured_i
     per_prompt = n + demo_plan.EVAL_CONCURRENCY / 2
     request_s = T / fast["engine_plain_tok_s"]
     assert plans["fast"]["lookup_s"] == pytest.approx(3.0 + per_prompt * (
-        request_s * demo_plan.FREE_SLOWDOWN + idle_s("cpu")), abs=1)
+        request_s * 0.7 + idle_s("cpu")), abs=1)
+    assert plans["slow"]["lookup_s"] == pytest.approx(30.0 + per_prompt * (  # its speed as measured beside plain
+        T / slow["engine_plain_tok_s"] * 0.7 + idle_s("cpu")), abs=1)
     # the drafter at one K: plain decoding's reference runs (its timed ones), the K's engine and its own runs
-    one_k_s = per_prompt * (request_s + idle_s("cpu")) + 3.0 + per_prompt * (request_s * 0.8 + idle_s("cpu"))
+    one_k_s = per_prompt * (request_s + idle_s("cpu")) + 3.0 + per_prompt * (
+        request_s / demo_plan.TRAINED_SPEEDUP + idle_s("cpu"))
     assert plans["fast"]["sweep_budget_s"] == pytest.approx(one_k_s, abs=1)
     assert plans["fast"]["stage_s"]["eval"] < plans["unmeasured"]["stage_s"]["eval"] < plans["slow"]["stage_s"]["eval"]
     assert plans["fast"]["train_budget_s"] > plans["unmeasured"]["train_budget_s"] > plans["slow"]["train_budget_s"]
     for plan in plans.values():
         assert 214.0 + sum(plan["stage_s"].values()) <= 27 * 60 * (1 - demo_plan.MARGIN) + 1e-6
-    assert "in vLLM at batch 1 30.0 tokens/s (whole requests), the starting drafter 1.25x that" in \
+    assert "in vLLM at batch 1 30.0 tokens/s (whole requests), the starting drafter 1.25x that, prompt lookup " \
+           "1.43x" in \
         demo_plan.measured_line({**fast, "precision": "fp32", "capture_batch": 16})
     costed = {**fast, "engine_step_cost": [1.38, 0.05], "precision": "fp32", "capture_batch": 16}
-    assert "1.25x that, a verification step 1.38 + 0.050 x K plain steps" in demo_plan.measured_line(costed)
+    assert "1.25x that, prompt lookup 1.43x, a verification step 1.38 + 0.050 x K plain steps" in \
+        demo_plan.measured_line(costed)
     plan = {"sweep_budget_s": 150, "rates": costed}  # the eval's sweep starts from the probe's step cost
     assert demo.eval_options(args, plan)[:6] == ["--concurrency", "4", "--sweep-budget-s", "150", "--step-cost",
                                                 "1.3800,0.0500"]
@@ -230,8 +236,7 @@ def test_suffix_decoding_in_the_demo_is_planned_as_a_lookup_k_and_ranked(demo_pr
 def test_the_combined_speculator_in_the_demo_is_planned_as_an_engine_of_its_own_and_served_when_fastest(
         demo_prompts, tiny_target_dir, monkeypatch):
     """demo --combined RULE: one more engine process, planned as a lookup K beside plain decoding's own runs plus
-    the process's start, and
-    on a bf16 host its own fp32 recheck; the summary says what it did and that it is the one to serve. (The eval
+    the process's start, and on a bf16 host its own fp32 recheck (at the fastest speculator's speed); the summary says what it did and that it is the one to serve. (The eval
     as asked: no cut for capture and training's share.)"""
     monkeypatch.setattr(demo_plan, "CAPTURE_AND_TRAIN_SHARE", 0.0)
     rates = {"capture_s_per_prompt": 1.88, "decode_tok_s": 18.0, "prefill_s": 0.4, "train_step_s": 1.93,
@@ -245,7 +250,10 @@ def test_the_combined_speculator_in_the_demo_is_planned_as_an_engine_of_its_own_
     bf16 = {**rates, "fp32_decode_tok_s": 9.0, "fp32_prefill_s": 0.8}  # vLLM's fp32 recheck, the combined's too
     alone, combined = (demo_plan.make_plan(demo.parse_args([*base, "--engine", "vllm", *extra]), demo_prompts, bf16,
                                            214.0) for extra in ([], ["--combined", "on"]))
-    assert combined["fp32_recheck_s"] == pytest.approx(2 * alone["fp32_recheck_s"], abs=1.5)
+    start = 43.1 + demo_plan.SPEC_ENGINE_START_S  # the check's child: its plain and speculative engines
+    faster = (1 + demo_plan.FREE_SLOWDOWN) / (1 + demo_plan.ENGINE_SLOWDOWN)  # at the fastest speculator's speed
+    assert combined["fp32_recheck_s"] == pytest.approx(alone["fp32_recheck_s"] + start + faster * (
+        alone["fp32_recheck_s"] - start), abs=1.5)
     args = demo.parse_args(["--logs", "data/workloads/router_json.jsonl.gz", "--ngram", "4", "--combined", "on"])
     assert args.combined == "on" and demo.eval_options(args, None)[-2:] == ["--combined", "on"]
     vllm = {"tau_steps": 2.0, "best_k": 9, "speedup": 1.2, "speedup_interval": [1.1, 1.3],
@@ -395,12 +403,15 @@ def test_demo_probe_times_a_training_step_with_online_states(demo_prompts, tiny_
 
 @needs_vllm
 @pytest.mark.slow
-def test_the_probe_times_vllm_requests_plain_and_with_the_starting_drafter_as_the_eval_does(tmp_path,
+def test_the_probe_times_vllm_capture_and_requests_as_the_stages_run_them_in_one_engine_child(tmp_path,
                                                                                              monkeypatch):
-    """The probe's vLLM measurement runs the eval's own timed job (each request alone and cold, without its
-    constraints: under them the starting drafter's steps cost what the adapted drafter's do not; plain and with the
-    recipe's starting drafter at K = 1 and B - 1, B the recipe's block) on real vLLM and returns the rates the plan
-    reads, with what a verification step costs at each K in plain steps (the eval's --step-cost)."""
+    """The probe's vLLM measurement is one engine child: the capture sample first (every k-th training prompt by
+    length, under its request's constraints, all at once as capture decodes them; their states and top-k then
+    prefilled), then the eval's own timed job (each request alone and cold, without its constraints: under them the
+    starting drafter's steps cost what the adapted drafter's do not) on the middle prompts: plain, the recipe's
+    starting drafter at K = 1 and B - 1 (B the recipe's block) and prompt lookup at the demo's first K, beside the
+    same plain runs; it returns the rates the plan reads, with what a verification step costs at each K in plain
+    steps (the eval's --step-cost) and each free speculator's time over plain's."""
     import argparse
 
     import torch
@@ -421,16 +432,27 @@ def test_the_probe_times_vllm_requests_plain_and_with_the_starting_drafter_as_th
     save_drafter(drafter, config, tmp_path / "drafter")
     recipe = argparse.Namespace(drafter=argparse.Namespace(init_from=str(tmp_path / "drafter"), init_revision=None,
                                                            block_size=6))  # trains shorter blocks than it starts from
-    rendered = [[5 + i, 40, 41 + i, 300, 7 * i + 2] for i in range(5)]
-    rates = demo_probe.probe_engine_decoding(argparse.Namespace(eval_max_new_tokens=8), target, rendered,
-                                             resolve_precision("fp32", "cpu"), recipe)
-    assert [r.prompt_token_ids for r in jobs[0].requests] == rendered[1:4]  # the middle ones
+    requests = [([5 + i, 40, 41 + i, 300, 7 * i + 2], {"stop": ["zz"]} if i == 0 else None) for i in range(5)]
+    args = argparse.Namespace(eval_max_new_tokens=8, max_new_tokens=6, engine="both", ngram=[3], suffix=[],
+                              batch_size=2, store_topk=2)
+    rates = demo_probe.probe_engine(args, target, requests, [0, 1], resolve_precision("fp32", "cpu"), recipe,
+                                    capture=True)
+    assert len(jobs) == 1 and jobs[0].mode == "timed"  # one child
+    assert [r.prompt_token_ids for r in jobs[0].capture_sample] == [ids for ids, _ in requests]
+    assert jobs[0].capture_sample[0].constraints == {"stop": ["zz"]}
+    assert [r.prompt_token_ids for r in jobs[0].requests] == [ids for ids, _ in requests[1:4]]  # the middle ones
     assert [r.constraints for r in jobs[0].requests] == [None, None, None]
-    assert set(rates) == {"engine_plain_tok_s", "engine_spec_slowdown", "engine_spec_start_s", "engine_step_cost"}
+    assert jobs[0].speculative_tokens == [1] and [tuple(f) for f in jobs[0].free] == [("dflash", 5), ("ngram", 3)]
+    assert set(rates) == {"engine_start_s", "engine_capture_s_per_prompt", "engine_prefill_s_per_prompt",
+                          "capture_mean_new_tokens", "capture_mean_tokens", "engine_plain_tok_s",
+                          "engine_spec_slowdown", "engine_free_slowdown", "engine_spec_start_s", "engine_step_cost"}
+    assert rates["engine_capture_s_per_prompt"] > rates["engine_prefill_s_per_prompt"] > 0
+    assert 5 < rates["capture_mean_tokens"] <= 11 and 0 < rates["capture_mean_new_tokens"] <= 6
     assert rates["engine_plain_tok_s"] > 0 and 0 < rates["engine_spec_slowdown"] < 20
+    assert set(rates["engine_free_slowdown"]) == {"ngram"} and 0 < rates["engine_free_slowdown"]["ngram"] < 20
     a, b = rates["engine_step_cost"]
-    assert a > 0 and b >= 0 and jobs[0].speculative_tokens == [1, 5]  # the range the trained drafter serves
-    assert rates["engine_spec_start_s"] > 0
+    assert a > 0 and b >= 0  # through the range the trained drafter serves
+    assert rates["engine_spec_start_s"] > 0 and rates["engine_start_s"] > 0
 
 
 def test_the_probe_refuses_a_budget_the_eval_alone_overruns_before_its_slower_measurements(demo_prompts,

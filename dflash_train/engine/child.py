@@ -2,6 +2,7 @@
 `runner.run_engine`): read the job, decode it in vLLM, write result.json atomically.
 
 Three modes. `batch` (capture): every request at once, continuous batching. `timed` (eval): the speedup protocol,
+after the job's capture sample (the demo's probe: capture's batch, then the timed runs, in one engine start),
 `_timed` below: plain decoding and the speculative engines (the drafter at its first K and every free speculator asked
 for) alive side by side in the child, each warmed up; prompt by prompt, plain decoding decodes it to its natural stop
 (the reference output and length, and plain decoding's timed run), then each speculator at that fixed length
@@ -129,7 +130,8 @@ def _child(workdir: Path) -> None:
     _stop_with_the_stage()
     started = time.perf_counter()
     job_raw = json.loads((workdir / JOB_FILE).read_text())
-    job = EngineJob(**{**job_raw, "requests": [EngineRequest(**r) for r in job_raw["requests"]]})
+    job = EngineJob(**{**job_raw, "requests": [EngineRequest(**r) for r in job_raw["requests"]],
+                       "capture_sample": [EngineRequest(**r) for r in job_raw.get("capture_sample") or []]})
     setting = job.combined or CombinedRule().setting()
     if job.combined:
         # checked before any engine starts: vLLM loads the plugin, whose register checks it, once per process, and
@@ -172,7 +174,10 @@ def _child(workdir: Path) -> None:
 
     plain, kwargs, load_s = start(None)
     t0 = time.perf_counter()
-    timed = None
+    timed, sample, sample_s = None, [], 0.0
+    if job.capture_sample:  # as capture decodes them, before the timed runs
+        sample, _ = _continuous_batch(plain, replace(job, requests=job.capture_sample, stream_to=None), params)
+        sample_s = time.perf_counter() - t0
     if job.mode == "timed":
         outputs, timed, refused = _timed(job, plain, start, generate, params, started)
     elif job.mode == "check":
@@ -184,7 +189,7 @@ def _child(workdir: Path) -> None:
     environment["LD_PRELOAD"] = ":".join(Path(p).name for p in environment["LD_PRELOAD"].split(":") if p)
     result = {"version": vllm_version(), "llm_kwargs": kwargs, "load_s": load_s, "wall_s": wall_s,
               "outputs": outputs, "environment": environment, "timed": timed,  # file names only: reports are shared
-              "refused": refused}
+              "refused": refused, "capture_sample": sample, "capture_sample_s": sample_s}
     tmp = workdir / (RESULT_FILE + ".tmp")
     tmp.write_text(json.dumps(result))
     os.replace(tmp, workdir / RESULT_FILE)

@@ -58,15 +58,22 @@ class EngineJob:
     # timed mode: the free speculators timed beside the drafter's first K, sharing plain decoding's runs, whatever
     # the budget (a baseline asked for is measured): (method, K) each, "ngram" vLLM's prompt lookup
     # (lookup.PROMPT_LOOKUP), "suffix" its suffix decoding, "combined" the drafter with the combined speculator's
-    # block where `combined` picks it (spec_decode.combined)
+    # block where `combined` picks it (spec_decode.combined), or "dflash" the drafter at another K (the demo's probe
+    # times two K on the same plain runs)
     free: list[tuple[str, int]] = field(default_factory=list)
     # a lookup.CombinedRule setting: the combined speculator's, in timed mode ("combined" in `free`) and check mode
     combined: str | None = None
     free_limit: int | None = None  # timed mode: the free speculators (not "dflash") time only the first N prompts
+    # timed mode: requests decoded first, all at once on the plain engine as a capture decodes them (continuous
+    # batching), untimed but for their wall time: the demo's probe measures capture and decoding in one child
+    capture_sample: list[EngineRequest] = field(default_factory=list)
 
-    def max_num_seqs(self) -> int | None:
-        """timed, check: the largest concurrency (one engine serves batch 1 and every concurrency); batch: vLLM's."""
-        return None if self.mode == "batch" else max([1, *self.concurrency])
+    def max_num_seqs(self, plain: bool = False) -> int | None:
+        """timed, check: the largest concurrency (one engine serves batch 1 and every concurrency), the plain
+        engine's at least the capture sample's size; batch: vLLM's."""
+        if self.mode == "batch":
+            return None
+        return max([1, *self.concurrency, *([len(self.capture_sample)] if plain else [])])
 
     def llm_kwargs(self, k: int | None = None, method: str = "dflash") -> dict[str, Any]:
         """The `vllm.LLM(...)` arguments (the same names as `vllm serve` flags) of plain decoding, or with the
@@ -75,7 +82,7 @@ class EngineJob:
         last."""
         kwargs: dict[str, Any] = {"model": str(self.target), "dtype": self.dtype, "max_model_len": self.max_model_len,
                                   "seed": self.seed, "enforce_eager": self.device == "cpu",
-                                  "max_num_seqs": self.max_num_seqs()}
+                                  "max_num_seqs": self.max_num_seqs(plain=not k)}
         if k and method == "ngram":
             kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k, **PROMPT_LOOKUP}
         elif k and method == "suffix":
@@ -84,15 +91,16 @@ class EngineJob:
             kwargs["speculative_config"] = {"method": "dflash", "model": str(self.drafter),
                                             "num_speculative_tokens": k}
         if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & self.engine_args.keys():
-            kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes or kv_cache_bytes_for(self)
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes or kv_cache_bytes_for(self, plain=not k)
         return {**{key: value for key, value in kwargs.items() if value is not None}, **self.engine_args}
 
 
-def kv_cache_bytes_for(job: EngineJob) -> int:
+def kv_cache_bytes_for(job: EngineJob, plain: bool = False) -> int:
     """KV-cache memory for a job: a timed job needs its largest concurrency of sequences of max_model_len in the
-    target's and the drafter's layers (twice that, for vLLM's block rounding); a batch run gets 2 GiB, which keeps a
-    SmolLM2-sized target decoding dozens of sequences at once. Sizing it to the job matters on CPU: vLLM allocates
-    and touches the whole cache at start (2 GiB took about 10 s here)."""
+    target's and the drafter's layers (twice that, for vLLM's block rounding), its plain engine room for the
+    capture sample too; a batch run gets 2 GiB, which keeps a SmolLM2-sized target decoding dozens of sequences at
+    once. Sizing it to the job matters on CPU: vLLM allocates and touches the whole cache at start (2 GiB took about
+    10 s here)."""
     if job.mode == "batch":
         return 2 * GiB
     per_token = 0
@@ -103,7 +111,7 @@ def kv_cache_bytes_for(job: EngineJob) -> int:
         kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
         per_token += 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4  # K and V, up to 4 bytes each
     k = max([*job.speculative_tokens, *(k for _, k in job.free)], default=0)
-    return max(64 << 20, 2 * per_token * job.max_num_seqs() * (job.max_model_len + 2 * k + 32))
+    return max(64 << 20, 2 * per_token * job.max_num_seqs(plain) * (job.max_model_len + 2 * k + 32))
 
 
 def at_length(request: EngineRequest, tokens: int) -> EngineRequest:
@@ -159,6 +167,8 @@ class EngineResult:
     environment: dict[str, str]
     timed: dict[str, Any] | None = None  # timed mode: per K, the timings and speculative outputs (`child._timed`)
     refused: dict[str, str] = field(default_factory=dict)  # the requests the engine refused: id -> why (one line)
+    capture_sample: list[EngineOutput] = field(default_factory=list)  # timed mode: the capture sample's outputs
+    capture_sample_s: float = 0.0  # and the seconds they took together
 
     def by_id(self) -> dict[str, EngineOutput]:
         return {o.id: o for o in self.outputs}

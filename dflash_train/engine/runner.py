@@ -49,7 +49,9 @@ def run_engine(job: EngineJob, workdir: str | Path, what: str, timeout_s: float 
     raw = json.loads(result_file.read_text())
     return EngineResult(version=raw["version"], llm_kwargs=raw["llm_kwargs"], load_s=raw["load_s"],
                         wall_s=raw["wall_s"], outputs=[EngineOutput(**o) for o in raw["outputs"]],
-                        environment=raw["environment"], timed=raw.get("timed"), refused=raw.get("refused") or {})
+                        environment=raw["environment"], timed=raw.get("timed"), refused=raw.get("refused") or {},
+                        capture_sample=[EngineOutput(**o) for o in raw.get("capture_sample") or []],
+                        capture_sample_s=raw.get("capture_sample_s") or 0.0)
 
 
 PROGRESS = "timed: "  # the child's line after each K it timed (child._timed): minutes apart in an eval's sweep
