@@ -83,8 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", choices=["own", "vllm", "both"], default="both",
                    help="eval in the project's loop, in vLLM, or both side by side (default)")
     p.add_argument("--capture-engine", choices=["auto", "own", "vllm"], default="auto",
-                   help="who generates the training responses: the one-pass loop, vLLM (then one prefill records "
-                        "the states), or auto: whichever the probe measures to store more tokens per second here")
+                   help="who generates the training responses (and the held-out ones): the one-pass loop, vLLM, or "
+                        "auto: vLLM where it is installed (it captured faster on every host measured)")
     p.add_argument("--hidden-states", choices=["auto", "stored", "online"], default="auto",
                    help="the drafter's input states: captured with the responses (stored), computed by the target "
                         "in every training step from a token-only store (online), or auto: whichever the probe "

@@ -134,7 +134,8 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     # vLLM's requests: at its measured batch-1 rate and the trained drafter's expected speed where the probe timed
     # them (`probe_engine`), else at the project's loop's rate and the worst slowdown
     measured = "engine_plain_tok_s" in rates
-    engine_prefill_s, engine_decode_s = (0.0, T / rates["engine_plain_tok_s"]) if measured else (prefill_s, decode_s)
+    engine_prefill_s, engine_decode_s = (0.0, min(T, rates.get("engine_mean_new_tokens", T)) / rates[
+        "engine_plain_tok_s"]) if measured else (prefill_s, decode_s)  # a request to its natural stop, at most T
     drafter_slowdown = 1 / TRAINED_SPEEDUP if measured else ENGINE_SLOWDOWN
     spec_start_s = rates["engine_spec_start_s"] if measured else SPEC_ENGINE_START_S
     free_slowdown = {**{m: FREE_SLOWDOWN for m in ("ngram", "suffix")}, **rates.get("engine_free_slowdown", {})}

@@ -250,10 +250,11 @@ def probe_engine(args: argparse.Namespace, target, requests: list[tuple[list[int
       ENGINE_DECODE_PROBE_PROMPTS training prompts of the median length, up to --eval-max-new-tokens: plain decoding,
       the starting drafter at K = 1 and B - 1 (probe_ks), and prompt lookup and suffix decoding at the demo's first K
       (--ngram, --suffix), every speculator beside the same plain run, each request alone and cold. Gives vLLM's
-      whole-request rate at batch 1 (new tokens over each plain request's stopwatch, its prefill in it), the starting
+      whole-request rate at batch 1 (new tokens over each plain request's stopwatch, its prefill in it) and the
+      requests' mean length (where they stop before the cap, the eval's do too), the starting
       drafter's time over plain's (at the faster K), each free speculator's (`engine_free_slowdown`: what the eval's
       runs of it cost; suffix decoding's tree holds only the probe's few answers, so it errs slow), the speculative
-      engines' start, and what a verification step costs in plain decoding steps, the line a + b x K through the two K
+      engines' start (their median), and what a verification step costs in plain decoding steps, the line a + b x K through the two K
       (`engine_step_cost`: the eval's --step-cost, from which its sweep starts at the K of the best expected speed;
       the triage demo's drafter under its schema on the 2-core AVX-512 host: 1.40 at K = 1, 1.47 at 4, 1.64 at 9,
       1.87 at 15). Without it the plan counted the project's own loop's decode rate and ENGINE_SLOWDOWN for every
@@ -336,7 +337,9 @@ def engine_decoding_rates(result) -> dict[str, float | list[float] | dict[str, f
     return {"engine_plain_tok_s": tokens / plain_s,
             "engine_spec_slowdown": min(1 / row.speedup_wall for row in drafter.values()),
             "engine_free_slowdown": {method: 1 / row.speedup_wall for method, _, row in rows if method != "dflash"},
-            "engine_spec_start_s": max(run["load_s"] for run in runs),
+            "engine_spec_start_s": statistics.median(run["load_s"] for run in runs),
+            # what the eval's requests decode: its cap, or their natural stop before it (the router's JSON answers)
+            "engine_mean_new_tokens": statistics.mean(len(o.token_ids) for o in result.outputs),
             **({"engine_step_cost": step_cost_line(costs)} if None not in costs.values() else {})}
 
 

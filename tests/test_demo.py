@@ -445,7 +445,9 @@ def test_the_probe_times_vllm_capture_and_requests_as_the_stages_run_them_in_one
     assert jobs[0].speculative_tokens == [1] and [tuple(f) for f in jobs[0].free] == [("dflash", 5), ("ngram", 3)]
     assert set(rates) == {"engine_start_s", "engine_capture_s_per_prompt", "engine_prefill_s_per_prompt",
                           "capture_mean_new_tokens", "capture_mean_tokens", "engine_plain_tok_s",
-                          "engine_spec_slowdown", "engine_free_slowdown", "engine_spec_start_s", "engine_step_cost"}
+                          "engine_spec_slowdown", "engine_free_slowdown", "engine_spec_start_s", "engine_step_cost",
+                          "engine_mean_new_tokens"}
+    assert 0 < rates["engine_mean_new_tokens"] <= 8  # plain decoding's, to the natural stop
     assert rates["engine_capture_s_per_prompt"] > rates["engine_prefill_s_per_prompt"] > 0
     assert 5 < rates["capture_mean_tokens"] <= 11 and 0 < rates["capture_mean_new_tokens"] <= 6
     assert rates["engine_plain_tok_s"] > 0 and 0 < rates["engine_spec_slowdown"] < 20
