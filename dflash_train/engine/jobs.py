@@ -47,6 +47,11 @@ class EngineJob:
     # batch mode: append every finished output to this JSONL file as it is generated, so a killed run keeps what
     # it generated (capture resumes from it)
     stream_to: str | None = None
+    # batch mode: the tapped states of these layers and/or the top-k log-probs recorded from the engine's own
+    # forwards into one file per request in this folder (`taps`), each written before its response is streamed
+    states_to: str | None = None
+    state_layers: list[int] = field(default_factory=list)
+    state_topk: int = 0
     kv_cache_bytes: int | None = None  # None: sized from the job (see `kv_cache_bytes_for`)
     engine_args: dict[str, Any] = field(default_factory=dict)  # the user's, over the job's (args.engine_args_problem)
     # timed mode: the speculation lengths K to measure (the first always, each next one while `budget_s`, counted
