@@ -879,3 +879,68 @@ def test_a_second_eval_into_the_folder_an_eval_is_writing_stops_at_once_naming_i
     assert lines[-1].endswith("): two runs into one folder would mix their outputs. Wait for it to finish or "
                               "choose another folder")
     assert first.returncode == 0 and is_complete(out), err[-3000:]
+
+
+# --- the states recorded in vLLM's own forwards (engine.taps) -----------------------------------------------------
+
+ROUTER = "You route messages. Answer in JSON with the keys intent and summary, nothing else. " * 3
+
+
+def recorded_job(target, folder: Path, dtype: str, **engine_args):
+    """Requests sharing a long system prompt (vLLM's prefix cache serves it: in the step that computes it and after
+    the request that computed it finished and was written), answers of different lengths, one under a JSON grammar,
+    one ended by a stop string; decoded 2 at a time."""
+    from dflash_train.engine.jobs import EngineJob, EngineRequest
+
+    prompts = [target.render([{"role": "system", "content": ROUTER}, {"role": "user", "content": p}]) for p in PROMPTS]
+    prompts.append(target.render([{"role": "user", "content": "Hello there."}]))
+    constraints = {1: {"structured": {"kind": "json_object", "spec": None}}, 2: {"stop": [". ", "e"]}}
+    requests = [EngineRequest(id=f"p{i}", prompt_token_ids=p, max_tokens=NEW_TOKENS - 2 * i,
+                              constraints=constraints.get(i)) for i, p in enumerate(prompts)]
+    return EngineJob(target=str(target.path), requests=requests, stop_token_ids=target.stop_token_ids(), dtype=dtype,
+                     max_model_len=max(map(len, prompts)) + NEW_TOKENS + 1, mode="batch", states_to=str(folder),
+                     state_layers=LAYERS, state_topk=4, engine_args={"max_num_seqs": 2, **engine_args})
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_states_and_topk_vllm_records_are_those_of_a_prefill_over_prompt_and_answer(engine_target, tmp_path,
+                                                                                        dtype):
+    """Every position's tapped states (prompt, answer and the final token, which vLLM never feeds back) and top-k,
+    recorded in the forwards that generated the answer, equal `prefill_capture`'s over prompt + answer (fp32:
+    rounding; bf16: the bf16 bound of tests/tolerance.py), the positions the prefix cache served included."""
+    from dflash_train.engine.runner import run_engine
+    from dflash_train.engine.taps import read_states, states_file
+    from dflash_train.states import prefill_capture
+    from dflash_train.target import load_target
+    from tolerance import model_tolerance
+
+    target = load_target(str(engine_target), dtype=getattr(torch, dtype))
+    job = recorded_job(target, tmp_path / "states", dtype)
+    result = run_engine(job, tmp_path, "recorded states")
+    log = (tmp_path / "engine.log").read_text(errors="replace")
+    cached = int(log.split("states: ")[1].split(" positions taken")[0].split(", ")[1])
+    assert cached >= 5 * 64  # the shared system prompt, served from the cache to most requests
+    assert {o.finish_reason for o in result.outputs} >= {"stop", "length"}
+    for request, output in zip(job.requests, result.outputs):
+        got = read_states(states_file(tmp_path / "states", request.id))
+        sequence = request.prompt_token_ids + output.token_ids
+        assert got["input_ids"].tolist() == sequence
+        ref = prefill_capture(target.model, [sequence], [len(request.prompt_token_ids)], LAYERS,
+                              target.tokenizer.pad_token_id, topk=4)[0]
+        assert got["hidden_states"].dtype == ref.hidden_states.dtype
+        assert got["hidden_states"].shape == ref.hidden_states.shape  # a row for every position
+        scale = ref.hidden_states.float().abs().max()
+        if dtype == "float32":
+            tol = 2e-4 * float(scale)
+            assert torch.equal(got["topk_ids"][:-1], ref.topk_ids)
+        else:
+            tol = model_tolerance(target.config, ref.hidden_states.float(), torch.bfloat16)
+        assert float((got["hidden_states"].float() - ref.hidden_states.float()).abs().max()) < tol
+        assert got["topk_logprobs"][0].isinf().all() and got["topk_ids"][0].eq(0).all()
+        logp = ref.topk_logprobs[1:]
+        # the top-k log-probs: close for fp32; for bf16 the log-prob of the reference's tokens under the recorded
+        # distribution is not compared (other tokens may enter the top-k): the best one's log-prob is
+        bound = 1e-3 if dtype == "float32" else model_tolerance(target.config, logp, torch.bfloat16)
+        assert float((got["topk_logprobs"][1:-1, 0] - logp[:, 0]).abs().max()) < bound

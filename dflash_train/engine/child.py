@@ -256,6 +256,9 @@ def _continuous_batch(llm, job: EngineJob, params: Callable[[EngineRequest], Any
                 _append(job.stream_to, [{k: o[k] for k in ("id", "token_ids", "finish_reason", "stop_reason")}
                                         for o in unsaved])
                 unsaved, saved_at = [], time.monotonic()
+    if recorder:
+        print(f"states: {len(outputs)} requests recorded, {recorder.from_cache} positions taken from the request "
+              f"that computed them (prefix cache)", flush=True)
     order = {r.id: i for i, r in enumerate(job.requests)}
     return sorted(outputs, key=lambda o: order[o["id"]]), refused
 

@@ -91,6 +91,7 @@ class Recorder:
         self.by_prefix: dict[bytes, list[str]] = {}  # hash of a block-aligned token prefix -> requests holding it
         self.outputs: dict[int, torch.Tensor] = {}
         self.runner: Any = None
+        self.from_cache = 0  # positions taken from the request that computed them (the prefix cache served them)
 
     def install(self, worker: Any) -> None:
         """Called in the engine's worker (`LLM.collective_rpc`): the hooks on its model."""
@@ -177,6 +178,8 @@ class Recorder:
                 return {name: f.get_slice(name)[:rows + (name != "hidden_states")] for name in f.keys()
                         if name != "input_ids"}
         out, cached = self._computed(request_id, rows)
+        if cached and not seen:
+            self.from_cache += cached
         if cached:
             donor = self._donor(request_id, req.tokens[:cached], seen | {request_id})
             for name, value in self._rows(donor, cached, seen | {request_id}).items():
