@@ -6,13 +6,15 @@ Each prompt is rendered with the target's chat template exactly as served, the t
 (greedy by default; temperature/top-p from the command or from the logged request), and the hidden states of
 the tapped decoder layers are recorded in the same pass: the prefill gives the prompt's states, every decode
 step the states of the token it feeds. The last generated token is fed once more so that it has states too, so
-no second prefill over the whole sequence is ever run. `--responses logged` instead takes the response from the
+no second prefill over the whole sequence is ever run. `--engine vllm` records them the same way inside vLLM, in
+the forwards that generate the answers (`engine.taps`). `--responses logged` instead takes the response from the
 log (for logs that came from this very target) and runs a single prefill.
 
 `--storage none` writes a token-only store: the same store without the hidden states (token ids, loss mask,
 weights, optional top-k), for training that computes the states with the target (`data.hidden_states: online`).
 Its manifest says `kind: tokens`; it still records the tapped layer ids the drafter will read. Where nothing else
-needs the target's forward (`--engine vllm` or `--responses logged`, without `--store-topk`) no prefill runs.
+needs the target's forward (`--engine vllm` or `--responses logged`, without `--store-topk`) no prefill runs, and
+vLLM records nothing.
 
 `--store-topk K` also stores, for every position t, the target's K most likely tokens and their log-probabilities
 (fp32 log-softmax of the full vocabulary, temperature 1, not renormalised) for the distribution that predicts
