@@ -66,16 +66,19 @@ class _Request:
 
 
 def _scatter(parts: list[tuple[torch.Tensor, ...]], rows: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The rows of `parts` (positions, *values) at their positions below `rows`; and which rows were filled."""
-    filled = torch.zeros(rows, dtype=torch.bool)
-    out: list[torch.Tensor] = []
-    for at, *values in parts:
-        keep = at < rows
-        if not out:
-            out = [torch.zeros(rows, *v.shape[1:], dtype=v.dtype) for v in values]
-        for o, v in zip(out, values):
-            o[at[keep]] = v[keep]
-        filled[at[keep]] = True
+    """The rows of `parts` (positions, *values) at their positions below `rows`, a position computed twice (a
+    preempted request, the tail re-run's last block) from its latest computation; and which rows were filled."""
+    at = torch.cat([p[0] for p in parts])
+    latest = torch.full((rows,), -1, dtype=torch.int64)
+    keep = at < rows
+    latest.scatter_reduce_(0, at[keep], torch.arange(len(at))[keep], "amax")
+    filled = latest >= 0
+    out = []
+    for k in range(1, len(parts[0])):
+        values = torch.cat([p[k] for p in parts])
+        column = torch.zeros(rows, *values.shape[1:], dtype=values.dtype)
+        column[filled] = values[latest[filled]]
+        out.append(column)
     return out, filled
 
 
@@ -92,6 +95,8 @@ class Recorder:
         self.outputs: dict[int, torch.Tensor] = {}
         self.runner: Any = None
         self.from_cache = 0  # positions taken from the request that computed them (the prefix cache served them)
+        # the rows the runner computes logits of after the forward (each request's last): their top-k from those
+        self.pending: tuple[list[tuple[_Request, torch.Tensor]], torch.Tensor] | None = None
 
     def install(self, worker: Any) -> None:
         """Called in the engine's worker (`LLM.collective_rpc`): the hooks on its model."""
@@ -101,7 +106,9 @@ class Recorder:
         for i in self.layer_ids:
             layers[i].register_forward_hook(self._layer_hook(i))
         model.register_forward_hook(self._model_hook, with_kwargs=True)
-        self.model = model
+        self.logits = model.compute_logits
+        if self.topk:
+            model.compute_logits = self._sampled_logits
 
     def _layer_hook(self, i: int):
         def hook(module, args, output) -> None:
@@ -142,17 +149,52 @@ class Recorder:
         positions = positions[:n].to("cpu", torch.int64, copy=True)  # the runner reuses its buffer
         tapped = tap_layers(self.outputs, self.layer_ids)[:n].cpu() if self.layer_ids else None
         self.outputs.clear()
-        top = self._topk(final[:n]) if self.topk else None
+        self._flush_pending()
+        top, last = None, []
+        if self.topk:  # all but each request's last row (`_sampled_logits`)
+            inner = torch.ones(n, dtype=torch.bool)
+            inner[[b - 1 for a, b in zip(starts, starts[1:]) if b > a]] = False
+            top = torch.zeros(n, self.topk, dtype=torch.int32), torch.zeros(n, self.topk)
+            if bool(inner.any()):
+                top[0][inner], top[1][inner] = self._topk(final[:n][inner])
         for r, rid in enumerate(batch.req_ids[:n_reqs]):
             a, b = starts[r], starts[r + 1]
             req = self.requests.get(rid.rpartition("-")[0].removesuffix(TAIL))  # vLLM's id: the user's + "-" + 8
-            if req is None or a == b:
+            if a == b:
                 continue
             at = positions[a:b]
+            if top is not None:
+                last.append((req, at[-1:] + 1))  # logits at t predict t + 1
+            if req is None:
+                continue
             if tapped is not None:
                 req.states.append((at, tapped[a:b].clone()))
-            if top is not None:
-                req.topk.append((at + 1, top[0][a:b].clone(), top[1][a:b].clone()))  # logits at t predict t + 1
+            if top is not None and b - a > 1:
+                req.topk.append((at[:-1] + 1, top[0][a:b - 1].clone(), top[1][a:b - 1].clone()))
+        if last:
+            self.pending = last, final[[b - 1 for a, b in zip(starts, starts[1:]) if b > a]].clone()
+
+    def _sampled_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """vLLM's `compute_logits`, which the runner calls on each request's last row after the forward: their top-k
+        taken from its logits before any sampling parameter or grammar mask touches them."""
+        from dflash_train.states import topk_logprobs
+
+        logits = self.logits(hidden)
+        if self.pending is not None and logits.shape[0] == self.pending[1].shape[0]:
+            ids, values = topk_logprobs(logits, self.topk)
+            self._record_last(ids.cpu(), values.cpu())
+        return logits
+
+    def _flush_pending(self) -> None:
+        """The last rows' top-k, where the runner did not compute their logits (`_sampled_logits`)."""
+        if self.pending is not None:
+            self._record_last(*self._topk(self.pending[1]))
+
+    def _record_last(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        for r, (req, at) in enumerate(self.pending[0]):
+            if req is not None:
+                req.topk.append((at, ids[r:r + 1], values[r:r + 1]))
+        self.pending = None
 
     def _topk(self, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k (`states.topk_logprobs`) of vLLM's own logits of every row of `final`, a bounded number of
@@ -162,7 +204,7 @@ class Recorder:
         step = max(1, TOPK_CHUNK_ELEMENTS // self.runner.model_config.get_vocab_size())
         ids, values = [torch.zeros(0, self.topk, dtype=torch.int32)], [torch.zeros(0, self.topk)]
         for s in range(0, final.shape[0], step):
-            i, v = topk_logprobs(self.model.compute_logits(final[s:s + step]), self.topk)
+            i, v = topk_logprobs(self.logits(final[s:s + step]), self.topk)
             ids.append(i.cpu())
             values.append(v.cpu())
         return torch.cat(ids), torch.cat(values)
