@@ -162,8 +162,10 @@ def engine_states_rows(target, records, prompts, layer_ids, args, dtype: str, wo
     continuous batching, its default max_num_seqs), in one run: vLLM's plain generation alone (its default
     settings, prefix caching on), the capture as `capture --engine vllm` now runs it (the states and top-k recorded
     in the generating forwards, `engine.taps`, then read into the store), the same without top-k, the old way
-    (generation, then a batched transformers prefill of --batch-size sequences, then the store write), and plain
-    generation with prefix caching off (what turning it off for the states would cost). Every variant runs
+    (generation, then a batched transformers prefill of --batch-size sequences, then the store write), plain
+    generation with prefix caching off (what turning it off for the states would cost), and plain generation at the
+    KV block the states capture runs at on CPU (`jobs.STATES_BLOCK_SIZE_CPU`: the ratio at the same settings too).
+    Every variant runs
     --repeats times, in rotated order, each its own engine; its fastest run counts; the engine's start is not
     counted (once per capture)."""
     from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
@@ -202,12 +204,15 @@ def engine_states_rows(target, records, prompts, layer_ids, args, dtype: str, wo
         shutil.rmtree(work / "states-store", ignore_errors=True)
         result = run_engine(job(True, topk), work / "states-store" / "engine", "bench: vLLM generation with states")
         log = (work / "states-store" / "engine" / "engine.log").read_text(errors="replace")
-        cached = int(log.split("states: ")[1].split(" positions taken")[0].split(", ")[1])
+        said = log.split("states: ")[1].split("\n")[0]
+        cached = int(said.split(" positions taken")[0].split(", ")[1])
+        tail = int(said.split(" computed again")[0].split(", ")[-1])
         by_id = result.by_id()
         write_s = store("states-topk" if topk else "states-only", lambda: (
             (r.id, engine_captured(work / "states-store", r.id, r.prompt_token_ids, by_id[r.id].token_ids, None))
             for r in requests), topk)
-        return result.wall_s + write_s, {"generate_s": result.wall_s, "write_s": write_s, "cached": cached}
+        return result.wall_s + write_s, {"generate_s": result.wall_s, "write_s": write_s, "cached": cached,
+                                         "tail": tail}
 
     def old() -> tuple[float, dict]:
         result = run_engine(job(False, 0), work / "engine", "bench: vLLM generation")
@@ -225,8 +230,11 @@ def engine_states_rows(target, records, prompts, layer_ids, args, dtype: str, wo
         return result.wall_s + prefill_s, {"generate_s": result.wall_s, "prefill_s": prefill_s,
                                            "new": sum(len(o.token_ids) for o in result.outputs)}
 
+    from dflash_train.engine.jobs import STATES_BLOCK_SIZE_CPU
+
     variants = {"plain": plain, "states": lambda: recorded(args.store_topk), "old": old,
-                "plain, no prefix cache": lambda: plain(enable_prefix_caching=False)}
+                "plain, no prefix cache": lambda: plain(enable_prefix_caching=False),
+                "plain, states' block": lambda: plain(block_size=STATES_BLOCK_SIZE_CPU)}
     if args.store_topk:
         variants["states, no top-k"] = lambda: recorded(0)
     best: dict[str, tuple[float, dict]] = {}
@@ -239,6 +247,9 @@ def engine_states_rows(target, records, prompts, layer_ids, args, dtype: str, wo
                 best[name] = (seconds, info)
     base = best["plain"][0]
 
+    def base_same(best) -> float:
+        return best["plain, states' block"][0] / best["states"][0]
+
     def rate(name: str) -> str:
         return f"{n / best[name][0]:.2f} ({base / best[name][0]:.2f}x)"
 
@@ -248,13 +259,16 @@ def engine_states_rows(target, records, prompts, layer_ids, args, dtype: str, wo
              f"prompts/s (x plain)", rate("states")),
             ("(f) of which generation with the hooks / reading the files + store write, seconds",
              f"{states['generate_s']:.1f} / {states['write_s']:.1f}"),
-            ("(f) positions the prefix cache served, their rows taken from the request that computed them",
-             f"{states['cached']:,}"),
+            ("(f) positions the prefix cache served, their rows taken from the request that computed them / computed "
+             "again by the tail re-runs (the final tokens')", f"{states['cached']:,} / {states['tail']:,}"),
             (f"(f) capture the old way (generation, transformers prefill batch {args.batch_size}, store write): "
              f"prompts/s (x plain)", rate("old")),
             ("(f) of which generation / prefill + store write, seconds",
              f"{old_run['generate_s']:.1f} / {old_run['prefill_s']:.1f}"),
-            ("(f) plain vLLM generation, prefix caching off: prompts/s (x plain)", rate("plain, no prefix cache"))]
+            ("(f) plain vLLM generation, prefix caching off: prompts/s (x plain)", rate("plain, no prefix cache")),
+            (f"(f) plain vLLM generation, the states capture's KV block ({STATES_BLOCK_SIZE_CPU}): prompts/s (x plain)",
+             rate("plain, states' block")),
+            ("(f) capture with states over plain generation at the same block", f"{base_same(best):.2f}x")]
     if args.store_topk:
         rows.insert(4, ("(f) capture, states only (no top-k): prompts/s (x plain)", rate("states, no top-k")))
     rows.append(("(f) generated tokens (plain run)", f"{old_run['new']:,}"))

@@ -258,7 +258,8 @@ def _continuous_batch(llm, job: EngineJob, params: Callable[[EngineRequest], Any
                 unsaved, saved_at = [], time.monotonic()
     if recorder:
         print(f"states: {len(outputs)} requests recorded, {recorder.from_cache} positions taken from the request "
-              f"that computed them (prefix cache)", flush=True)
+              f"that computed them (prefix cache), {recorder.tail_rows} computed again by the tail re-runs (blocks of "
+              f"{recorder.block})", flush=True)
     order = {r.id: i for i, r in enumerate(job.requests)}
     return sorted(outputs, key=lambda o: order[o["id"]]), refused
 

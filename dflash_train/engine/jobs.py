@@ -17,6 +17,11 @@ VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the 
 LOOKUP_METHODS = ("ngram", "suffix")  # the engine's own model-free speculators, timed beside the drafter
 FREE_NAMES = {"ngram": "prompt lookup", "suffix": "suffix decoding", "combined": "the combined speculator"}  # in words
 GiB = 1 << 30
+# The KV-cache block of a job that records states on CPU (vLLM's CPU attention takes multiples of 32; its default is
+# 128). The prefix cache serves whole blocks only, so a request's tail re-run (`taps.tail_id`) computes its last
+# partial block again: 58 positions an answer at 128 on the router log, 18 at 32; and shared system prompts are
+# served from the cache at 32 where 128 served none there (BENCHMARKS.md "Capture's states from vLLM's forwards").
+STATES_BLOCK_SIZE_CPU = 32
 
 
 @dataclass
@@ -88,6 +93,8 @@ class EngineJob:
         elif k:
             kwargs["speculative_config"] = {"method": "dflash", "model": str(self.drafter),
                                             "num_speculative_tokens": k}
+        if self.states_to and self.device == "cpu":
+            kwargs["block_size"] = STATES_BLOCK_SIZE_CPU
         if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & self.engine_args.keys():
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes or kv_cache_bytes_for(self)
         return {**{key: value for key, value in kwargs.items() if value is not None}, **self.engine_args}

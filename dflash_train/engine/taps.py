@@ -95,6 +95,7 @@ class Recorder:
         self.outputs: dict[int, torch.Tensor] = {}
         self.runner: Any = None
         self.from_cache = 0  # positions taken from the request that computed them (the prefix cache served them)
+        self.tail_rows = 0  # positions the tail re-runs computed (the final tokens', and the blocks they end)
         # the rows the runner computes logits of after the forward (each request's last): their top-k from those
         self.pending: tuple[list[tuple[_Request, torch.Tensor]], torch.Tensor] | None = None
 
@@ -159,9 +160,12 @@ class Recorder:
                 top[0][inner], top[1][inner] = self._topk(final[:n][inner])
         for r, rid in enumerate(batch.req_ids[:n_reqs]):
             a, b = starts[r], starts[r + 1]
-            req = self.requests.get(rid.rpartition("-")[0].removesuffix(TAIL))  # vLLM's id: the user's + "-" + 8
+            user_id = rid.rpartition("-")[0]  # vLLM's id: the user's + "-" + 8 characters
+            req = self.requests.get(user_id.removesuffix(TAIL))
             if a == b:
                 continue
+            if user_id.endswith(TAIL):
+                self.tail_rows += b - a
             at = positions[a:b]
             if top is not None:
                 last.append((req, at[-1:] + 1))  # logits at t predict t + 1
