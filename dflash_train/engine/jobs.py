@@ -84,7 +84,8 @@ class EngineJob:
         instead; "combined": dflash's, the plugin turned on by the environment); the user's engine arguments
         last."""
         kwargs: dict[str, Any] = {"model": str(self.target), "dtype": self.dtype, "max_model_len": self.max_model_len,
-                                  "seed": self.seed, "enforce_eager": self.device == "cpu",
+                                  # eager where states are recorded: the hooks (`taps`) see no compiled graph
+                                  "seed": self.seed, "enforce_eager": self.device == "cpu" or bool(self.states_to),
                                   "max_num_seqs": self.max_num_seqs()}
         if k and method == "ngram":
             kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k, **PROMPT_LOOKUP}
