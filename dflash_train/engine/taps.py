@@ -9,17 +9,20 @@ log-softmax top-k of the logits at t - 1 (row 0: ids 0, log-probs -inf). How the
   layer's fused add-norm sums them, so the residual stream after layer i is their sum (layer 0's residual is the
   embedding). A hook on the whole model then maps the step's flattened tokens to (request, position): the model
   runner's batch order (`input_batch.req_ids`), its `query_start_loc` and the positions the model was given.
-- Top-k. The model's output is the final norm of every token; vLLM's own `compute_logits` (its LM head, scaling and
-  soft-capping included) over those rows gives the logits each position predicts the next from, before any
-  sampling parameter or grammar touches them.
+- Top-k. From vLLM's own logits (`compute_logits`: its LM head, scaling and soft-capping included), before any
+  sampling parameter or grammar mask touches them: for each request's last token of a step, the logits the runner
+  computes to sample from (`_sampled_logits` wraps the call); for the others (a prompt's), `compute_logits` over
+  the model's output, the final norm of every token (`_topk`).
 - Prefix caching (vLLM's default) serves a prompt's leading blocks from another request's KV cache: those
   positions are never computed in this request. The same token prefix has the same causal states, so they are
   taken from the request that computed them (the same tokens, found by block hashes), in memory while it runs,
-  from its file after. Turning the cache off instead would prefill shared system prompts again (`BENCHMARKS.md`).
+  from its file after. Turning the cache off instead would prefill shared system prompts again, and its on-by-default
+  is what plain generation runs (BENCHMARKS.md "Capture's states from vLLM's forwards").
 - The final token of an answer is never fed back: once a request finishes, its whole sequence is sent again as a
   one-token request (`tail_id`); the prefix cache holds all of it but the last block, so that request computes a
-  few positions, the final token's among them (and the top-k it predicts, kept as one row past the end so that a
-  request served this sequence's blocks from the cache has the top-k its first computed token needs).
+  few positions (its last partial KV block: on CPU such a job runs at a block of 32, `jobs.STATES_BLOCK_SIZE_CPU`),
+  the final token's among them (and the top-k it predicts, kept as one row past the end so that a request served
+  this sequence's blocks from the cache has the top-k its first computed token needs).
 
 Each finished request's rows go to one safetensors file in the job's states folder (`states_file`), written before
 its response is streamed, so that a response on record always has its states on disk.
@@ -97,7 +100,7 @@ class Recorder:
         self.from_cache = 0  # positions taken from the request that computed them (the prefix cache served them)
         self.tail_rows = 0  # positions the tail re-runs computed (the final tokens', and the blocks they end)
         # the rows the runner computes logits of after the forward (each request's last): their top-k from those
-        self.pending: tuple[list[tuple[_Request, torch.Tensor]], torch.Tensor] | None = None
+        self.pending: tuple[list[tuple[_Request | None, torch.Tensor]], torch.Tensor] | None = None
 
     def install(self, worker: Any) -> None:
         """Called in the engine's worker (`LLM.collective_rpc`): the hooks on its model."""
