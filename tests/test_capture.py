@@ -223,7 +223,7 @@ def test_a_token_only_capture_of_given_responses_runs_no_forward(prompts_dir, ti
     capture(config(prompts_dir, tiny_target_dir, tmp_path / "logged", responses="logged", storage="none", limit=6))
     monkeypatch.setattr(install, "check_vllm", lambda: None)  # the engine's responses, as vLLM would return them
     monkeypatch.setattr(capture_mod, "engine_responses",
-                        lambda cfg, target, rendered, stop: ({r.id: ([7, 8, 9] + stop[:1], "eos")
+                        lambda cfg, target, rendered, stop, *_: ({r.id: ([7, 8, 9] + stop[:1], "eos")
                                                               for r, _ in rendered}, {}))
     capture(config(prompts_dir, tiny_target_dir, tmp_path / "engine", engine="vllm", storage="none", limit=6))
     engine_store = open_store(tmp_path / "engine")

@@ -879,3 +879,140 @@ def test_a_second_eval_into_the_folder_an_eval_is_writing_stops_at_once_naming_i
     assert lines[-1].endswith("): two runs into one folder would mix their outputs. Wait for it to finish or "
                               "choose another folder")
     assert first.returncode == 0 and is_complete(out), err[-3000:]
+
+
+# --- the states recorded in vLLM's own forwards (engine.taps) -----------------------------------------------------
+
+ROUTER = "You route messages. Answer in JSON with the keys intent and summary, nothing else. " * 3
+
+
+def recorded_job(target, folder: Path, dtype: str, **engine_args):
+    """Requests sharing a long system prompt (vLLM's prefix cache serves it: in the step that computes it and after
+    the request that computed it finished and was written), answers of different lengths, one under a JSON grammar,
+    one ended by a stop string; decoded 2 at a time."""
+    from dflash_train.engine.jobs import EngineJob, EngineRequest
+
+    prompts = [target.render([{"role": "system", "content": ROUTER}, {"role": "user", "content": p}]) for p in PROMPTS]
+    prompts.append(target.render([{"role": "user", "content": "Hello there."}]))
+    constraints = {1: {"structured": {"kind": "json_object", "spec": None}}, 2: {"stop": [". ", "e"]}}
+    requests = [EngineRequest(id=f"p{i}", prompt_token_ids=p, max_tokens=NEW_TOKENS - 2 * i,
+                              constraints=constraints.get(i)) for i, p in enumerate(prompts)]
+    return EngineJob(target=str(target.path), requests=requests, stop_token_ids=target.stop_token_ids(), dtype=dtype,
+                     max_model_len=max(map(len, prompts)) + NEW_TOKENS + 1, mode="batch", states_to=str(folder),
+                     state_layers=LAYERS, state_topk=4, engine_args={"max_num_seqs": 2, **engine_args})
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_states_and_topk_vllm_records_are_those_of_a_prefill_over_prompt_and_answer(engine_target, tmp_path,
+                                                                                        dtype):
+    """Every position's tapped states (prompt, answer and the final token, which vLLM never feeds back) and top-k,
+    recorded in the forwards that generated the answer, equal `prefill_capture`'s over prompt + answer (fp32:
+    rounding; bf16: the bf16 bound of tests/tolerance.py), the positions the prefix cache served included."""
+    from dflash_train.engine.runner import run_engine
+    from dflash_train.engine.taps import read_states, states_file
+    from dflash_train.states import prefill_capture
+    from dflash_train.target import load_target
+    from tolerance import model_tolerance
+
+    target = load_target(str(engine_target), dtype=getattr(torch, dtype))
+    job = recorded_job(target, tmp_path / "states", dtype)
+    result = run_engine(job, tmp_path, "recorded states")
+    log = (tmp_path / "engine.log").read_text(errors="replace")
+    cached = int(log.split("states: ")[1].split(" positions taken")[0].split(", ")[1])
+    assert cached >= 5 * 64  # the shared system prompt, served from the cache to most requests
+    assert {o.finish_reason for o in result.outputs} >= {"stop", "length"}
+    for request, output in zip(job.requests, result.outputs):
+        got = read_states(states_file(tmp_path / "states", request.id))
+        sequence = request.prompt_token_ids + output.token_ids
+        assert got["input_ids"].tolist() == sequence
+        ref = prefill_capture(target.model, [sequence], [len(request.prompt_token_ids)], LAYERS,
+                              target.tokenizer.pad_token_id, topk=4)[0]
+        assert got["hidden_states"].dtype == ref.hidden_states.dtype
+        assert got["hidden_states"].shape == ref.hidden_states.shape  # a row for every position
+        scale = ref.hidden_states.float().abs().max()
+        if dtype == "float32":
+            tol = 2e-4 * float(scale)
+            assert torch.equal(got["topk_ids"][:-1], ref.topk_ids)
+        else:
+            tol = model_tolerance(target.config, ref.hidden_states.float(), torch.bfloat16)
+        assert float((got["hidden_states"].float() - ref.hidden_states.float()).abs().max()) < tol
+        assert got["topk_logprobs"][0].isinf().all() and got["topk_ids"][0].eq(0).all()
+        logp = ref.topk_logprobs[1:]
+        # the top-k log-probs: close for fp32; for bf16 the log-prob of the reference's tokens under the recorded
+        # distribution is not compared (other tokens may enter the top-k): the best one's log-prob is
+        bound = 1e-3 if dtype == "float32" else model_tolerance(target.config, logp, torch.bfloat16)
+        assert float((got["topk_logprobs"][1:-1, 0] - logp[:, 0]).abs().max()) < bound
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_killed_engine_capture_regenerates_only_the_answers_whose_states_it_lost(engine_target, prompts_file,
+                                                                                    engine_store, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """A capture killed after the engine streamed every answer and its states, while the store was written: the
+    rerun keeps the answers whose states files are there, generates again those it lost (a states file, a streamed
+    line), never those stored, and stores what an uninterrupted capture stores; the states files go at the end."""
+    from dflash_train.engine.taps import states_file
+    from dflash_train.stages.capture.responses import ENGINE_RESPONSES, engine_states_folder
+    from dflash_train.store.reader import open_store
+    from dflash_train.store.writer import StoreWriter
+
+    out = tmp_path / "killed"
+    add, calls = StoreWriter.add, []
+
+    def killed(self, *args, **kwargs):
+        calls.append(kwargs["id"])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return add(self, *args, **kwargs)
+
+    monkeypatch.setattr(StoreWriter, "add", killed)
+    args = ("--engine", "vllm", "--prompts", prompts_file, "--target", engine_target, "--out", out, "--batch-size", 2,
+            "--shard-size-mb", 0.01)  # a shard closes after each batch
+    assert capture_cli(*args) != 0
+    monkeypatch.setattr(StoreWriter, "add", add)
+    stored = [i for shard in json.loads((out / "journal-r000.json").read_text())["shards"] for i in shard["ids"]]
+    assert stored == calls[:2]
+    unstored = [rid for rid in (json.loads(ln)["id"] for ln in
+                                                   (out / ENGINE_RESPONSES).read_text().splitlines())
+                                   if rid not in calls[:2]]
+    folder = engine_states_folder(out)
+    states_file(folder, stored[0]).unlink()  # stored: not needed
+    states_file(folder, unstored[0]).unlink()  # lost: generated again
+    lines = [ln for ln in (out / ENGINE_RESPONSES).read_text().splitlines() if json.loads(ln)["id"] != unstored[1]]
+    (out / ENGINE_RESPONSES).write_text("".join(ln + "\n" for ln in lines))  # its line lost: generated again
+    capsys.readouterr()
+    assert capture_cli(*args) == 0
+    said = capsys.readouterr().out
+    assert f"vLLM generates 2 responses ({len(PROMPTS) - 2} kept from an earlier run)" in said
+    assert not folder.exists()
+    reference = {s["id"]: s for s in open_store(engine_store)}
+    resumed = open_store(out)
+    assert sorted(resumed.ids) == sorted(reference)
+    for sample in resumed:
+        ref = reference[sample["id"]]
+        assert sample["input_ids"].tolist() == ref["input_ids"].tolist()
+        torch.testing.assert_close(sample["hidden_states"], ref["hidden_states"], rtol=1.6e-2, atol=1e-2)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_an_engine_capture_stores_the_topk_a_prefill_computes(engine_target, prompts_file, tmp_path):
+    """--store-topk through `capture --engine vllm`: every position's top-k as `prefill_capture` computes it (fp32),
+    one row per token (the row past the final token the engine also records is not stored)."""
+    from dflash_train.states import prefill_capture
+    from dflash_train.store.reader import open_store
+    from dflash_train.target import load_target
+
+    out = tmp_path / "topk"
+    assert capture_cli("--engine", "vllm", "--prompts", prompts_file, "--target", engine_target, "--out", out,
+                       "--store-topk", 4) == 0
+    target = load_target(str(engine_target), dtype=torch.float32)
+    for sample in open_store(out):
+        ids = sample["input_ids"].tolist()
+        ref = prefill_capture(target.model, [ids], [int((~sample["loss_mask"]).sum())], LAYERS,
+                              target.tokenizer.pad_token_id, topk=4)[0]
+        assert torch.equal(sample["topk_ids"].int(), ref.topk_ids)
+        torch.testing.assert_close(sample["topk_logprobs"].float(), ref.topk_logprobs, rtol=0, atol=2e-2)

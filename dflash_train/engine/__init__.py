@@ -23,6 +23,8 @@ The modules, in the order a job goes through them:
   engine's reason, from its log).
 - `child`: what runs inside the child process: the batch (capture), timed (eval's speedup protocol) and check
   modes.
+- `taps`: in the child's batch mode, the target's tapped states and top-k recorded from vLLM's own forwards
+  (`Recorder`), one file per request, which capture stores.
 
 Inside vLLM, not here: `spec_decode.combined`, the package's vLLM plugin (the combined speculator: the DFlash drafter,
 and prompt lookup's block where `spec_decode.lookup.CombinedRule` picks it), loaded by vLLM itself in every process.

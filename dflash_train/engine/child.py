@@ -200,30 +200,58 @@ def _continuous_batch(llm, job: EngineJob, params: Callable[[EngineRequest], Any
     """Every request queued at once and decoded with continuous batching; each output is taken as it finishes
     and, with `job.stream_to`, appended to that file at least every STREAM_EVERY_S seconds (a killed run keeps
     them). Generating in chunks instead left each chunk's tail of long requests running a nearly empty batch.
-    Returns the outputs and the requests the engine refused (id: `refusal`), those streamed first as
-    `{"id", "refused"}` lines."""
+    With `job.states_to` the tapped states are recorded in the same forwards (`taps.Recorder`): a finished request
+    is sent again whole as a one-token request (`taps.tail_id`, its final token's states), and its output is taken
+    when that one is done and its states file written. Returns the outputs and the requests the engine refused (id:
+    `refusal`), those streamed first as `{"id", "refused"}` lines."""
     from tqdm import tqdm
 
+    from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    from dflash_train.engine.taps import TAIL, Recorder, tail_id
+
+    recorder = None
+    if job.states_to:
+        recorder = Recorder(job.states_to, job.state_layers, job.state_topk,
+                            llm.llm_engine.vllm_config.cache_config.block_size)
+        llm.collective_rpc(recorder.install)
     requests = {r.id: r for r in job.requests}
     refused: dict[str, str] = {}
     for r in job.requests:
         try:
             p = params(r)
             p.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate asks: the finished output only
+            if recorder:
+                recorder.add(r.id, r.prompt_token_ids)
             llm.llm_engine.add_request(r.id, {"prompt_token_ids": r.prompt_token_ids}, p)
         except refused_errors() as err:
             refused[r.id] = refusal(err)
     if job.stream_to and refused:
         _append(job.stream_to, [{"id": rid, "refused": why} for rid, why in refused.items()])
+    tail = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
     outputs: list[dict[str, Any]] = []
     unsaved: list[dict[str, Any]] = []
+    waiting: dict[str, dict[str, Any]] = {}  # finished, their tail re-run not yet
     saved_at = time.monotonic()
     with tqdm(total=len(requests) - len(refused), desc="vLLM generating", unit="request", dynamic_ncols=True,
               mininterval=5) as bar:
         while llm.llm_engine.has_unfinished_requests():
-            finished = [_output(requests[r.request_id], r) for r in llm.llm_engine.step() if r.finished]
+            finished = []
+            for r in llm.llm_engine.step():
+                if not r.finished:
+                    continue
+                if recorder is None:
+                    finished.append(_output(requests[r.request_id], r))
+                elif r.request_id.endswith(TAIL):
+                    rid = r.request_id.removesuffix(TAIL)
+                    recorder.finish(rid)
+                    finished.append(waiting.pop(rid))
+                else:
+                    out = waiting[r.request_id] = _output(requests[r.request_id], r)
+                    sequence = requests[r.request_id].prompt_token_ids + out["token_ids"]
+                    recorder.extend(r.request_id, sequence)
+                    llm.llm_engine.add_request(tail_id(r.request_id), {"prompt_token_ids": sequence}, tail)
             outputs += finished
             unsaved += finished
             if finished:
@@ -233,6 +261,10 @@ def _continuous_batch(llm, job: EngineJob, params: Callable[[EngineRequest], Any
                 _append(job.stream_to, [{k: o[k] for k in ("id", "token_ids", "finish_reason", "stop_reason")}
                                         for o in unsaved])
                 unsaved, saved_at = [], time.monotonic()
+    if recorder:
+        print(f"states: {len(outputs)} requests recorded, {recorder.from_cache} positions taken from the request "
+              f"that computed them (prefix cache), {recorder.tail_rows} computed again by the tail re-runs (blocks of "
+              f"{recorder.block})", flush=True)
     order = {r.id: i for i, r in enumerate(job.requests)}
     return sorted(outputs, key=lambda o: order[o["id"]]), refused
 

@@ -17,6 +17,11 @@ VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the 
 LOOKUP_METHODS = ("ngram", "suffix")  # the engine's own model-free speculators, timed beside the drafter
 FREE_NAMES = {"ngram": "prompt lookup", "suffix": "suffix decoding", "combined": "the combined speculator"}  # in words
 GiB = 1 << 30
+# The KV-cache block of a job that records states on CPU (vLLM's CPU attention takes multiples of 32; its default is
+# 128). The prefix cache serves whole blocks only, so a request's tail re-run (`taps.tail_id`) computes its last
+# partial block again: 58 positions an answer at 128 on the router log, 18 at 32; and shared system prompts are
+# served from the cache at 32 where 128 served none there (BENCHMARKS.md "Capture's states from vLLM's forwards").
+STATES_BLOCK_SIZE_CPU = 32
 
 
 @dataclass
@@ -47,6 +52,11 @@ class EngineJob:
     # batch mode: append every finished output to this JSONL file as it is generated, so a killed run keeps what
     # it generated (capture resumes from it)
     stream_to: str | None = None
+    # batch mode: the tapped states of these layers and/or the top-k log-probs recorded from the engine's own
+    # forwards into one file per request in this folder (`taps`), each written before its response is streamed
+    states_to: str | None = None
+    state_layers: list[int] = field(default_factory=list)
+    state_topk: int = 0
     kv_cache_bytes: int | None = None  # None: sized from the job (see `kv_cache_bytes_for`)
     engine_args: dict[str, Any] = field(default_factory=dict)  # the user's, over the job's (args.engine_args_problem)
     # timed mode: the speculation lengths K to measure (the first always, each next one while `budget_s`, counted
@@ -79,9 +89,11 @@ class EngineJob:
         """The `vllm.LLM(...)` arguments (the same names as `vllm serve` flags) of plain decoding, or with the
         drafter as vLLM's dflash speculator proposing `k` tokens per step (method "ngram": vLLM's prompt lookup
         instead; "combined": dflash's, the plugin turned on by the environment); the user's engine arguments
-        last."""
+        last. The plain engine records states where the job asks (`states_to`: capture, the probe's sample)."""
+        records = bool(self.states_to) and not k
         kwargs: dict[str, Any] = {"model": str(self.target), "dtype": self.dtype, "max_model_len": self.max_model_len,
-                                  "seed": self.seed, "enforce_eager": self.device == "cpu",
+                                  # eager where states are recorded: the hooks (`taps`) see no compiled graph
+                                  "seed": self.seed, "enforce_eager": self.device == "cpu" or records,
                                   "max_num_seqs": self.max_num_seqs(plain=not k)}
         if k and method == "ngram":
             kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k, **PROMPT_LOOKUP}
@@ -90,6 +102,8 @@ class EngineJob:
         elif k:
             kwargs["speculative_config"] = {"method": "dflash", "model": str(self.drafter),
                                             "num_speculative_tokens": k}
+        if records and self.device == "cpu":
+            kwargs["block_size"] = STATES_BLOCK_SIZE_CPU
         if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & self.engine_args.keys():
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes or kv_cache_bytes_for(self, plain=not k)
         return {**{key: value for key, value in kwargs.items() if value is not None}, **self.engine_args}

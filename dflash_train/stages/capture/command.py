@@ -6,13 +6,15 @@ Each prompt is rendered with the target's chat template exactly as served, the t
 (greedy by default; temperature/top-p from the command or from the logged request), and the hidden states of
 the tapped decoder layers are recorded in the same pass: the prefill gives the prompt's states, every decode
 step the states of the token it feeds. The last generated token is fed once more so that it has states too, so
-no second prefill over the whole sequence is ever run. `--responses logged` instead takes the response from the
+no second prefill over the whole sequence is ever run. `--engine vllm` records them the same way inside vLLM, in
+the forwards that generate the answers (`engine.taps`). `--responses logged` instead takes the response from the
 log (for logs that came from this very target) and runs a single prefill.
 
 `--storage none` writes a token-only store: the same store without the hidden states (token ids, loss mask,
 weights, optional top-k), for training that computes the states with the target (`data.hidden_states: online`).
 Its manifest says `kind: tokens`; it still records the tapped layer ids the drafter will read. Where nothing else
-needs the target's forward (`--engine vllm` or `--responses logged`, without `--store-topk`) no prefill runs.
+needs the target's forward (`--engine vllm` or `--responses logged`, without `--store-topk`) no prefill runs, and
+vLLM records nothing.
 
 `--store-topk K` also stores, for every position t, the target's K most likely tokens and their log-probabilities
 (fp32 log-softmax of the full vocabulary, temperature 1, not renormalised) for the distribution that predicts
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shutil
 import time
 from dataclasses import asdict, replace
 
@@ -50,8 +53,9 @@ from dflash_train.options import add_options, from_args, validate
 from dflash_train.prompts import IngestReport, PromptRecord, check_records, load_prompt_records, prompt_set
 from dflash_train.sampling import Sampling
 from dflash_train.stages.capture.config import CaptureConfig
-from dflash_train.stages.capture.responses import (REFUSED_BY_ENGINE, answer_note, engine_responses,
-                                                   logged_response_ids, request_seed, sampling_for)
+from dflash_train.stages.capture.responses import (REFUSED_BY_ENGINE, answer_note, engine_captured,
+                                                   engine_responses, engine_states_folder, logged_response_ids,
+                                                   request_seed, sampling_for)
 from dflash_train.states import Captured, generate_and_capture, prefill_capture
 from dflash_train.store.format import NO_STATES, Generation, Manifest
 from dflash_train.store.writer import StoreWriter, finalize_store
@@ -202,21 +206,22 @@ def _capture_into(writer: StoreWriter, cfg: CaptureConfig, target: Target, recor
     if any(r.id in stored for r in mine):
         print(f"rank {rank}: resuming {cfg.out}: {sum(r.id not in stored for r in mine)} prompt(s) left", flush=True)
     batches = _batches(writer, cfg, target, mine, stored)
-    responses, refused = (engine_responses(cfg, target, [item for batch in batches for item in batch], stop_ids)
+    taps = [] if cfg.storage == NO_STATES else layer_ids  # a token-only store records no states
+    responses, refused = (engine_responses(cfg, target, [item for batch in batches for item in batch], stop_ids,
+                                           taps, stored)
                           if cfg.engine == "vllm" and batches else ({}, {}))
     if refused:  # left out of the store, each with the engine's reason; the batches are cut without them
         for rid, why in refused.items():
             if rid not in stored:
                 writer.skip(rid, REFUSED_BY_ENGINE, why)
         batches = [kept for batch in batches if (kept := [item for item in batch if item[0].id not in refused])]
-    taps = [] if cfg.storage == NO_STATES else layer_ids  # a token-only store records no states
     tokens_done = generated = 0
     bar = tqdm(total=sum(map(len, batches)), desc=f"capture r{rank}" if world > 1 else "capture", unit="prompt",
                position=rank, dynamic_ncols=True)
     loop_start = time.time()
     try:
         for batch in batches:
-            captured = _answers(cfg, target, batch, responses, taps, samplings, stop_ids, pad_id)
+            captured = _answers(cfg, target, batch, responses, taps, samplings, stop_ids, pad_id, stored)
             with writer.batch():  # a shard closes only after a whole batch
                 for (record, _), sample in zip(batch, captured):
                     if record.id in stored:
@@ -235,7 +240,10 @@ def _capture_into(writer: StoreWriter, cfg: CaptureConfig, target: Target, recor
     finally:
         bar.close()  # before any error line, so that the line stands alone
     writer.close(finalize=False)
-    return _finish(writer, cfg, rank, world, ingest_report, started)
+    manifest = _finish(writer, cfg, rank, world, ingest_report, started)
+    if cfg.engine == "vllm":  # in the store now
+        shutil.rmtree(engine_states_folder(cfg.out), ignore_errors=True)
+    return manifest
 
 
 def _batches(writer: StoreWriter, cfg: CaptureConfig, target: Target, mine: list[PromptRecord],
@@ -261,15 +269,16 @@ def _batches(writer: StoreWriter, cfg: CaptureConfig, target: Target, mine: list
 
 def _answers(cfg: CaptureConfig, target: Target, batch: list[tuple[PromptRecord, list[int]]],
              responses: dict[str, tuple[list[int], str | None]], taps: list[int], samplings: dict[str, Sampling],
-             stop_ids: list[int], pad_id: int) -> list[Captured]:
-    """One batch's answers with their tapped states: vLLM's (`responses`) or the logged ones through one prefill,
-    else the target's own, decoded and recorded in one pass."""
-    if cfg.engine == "vllm":  # the engine's responses; their states from one prefill
-        captured = prefill_capture(target.model, [ids + responses[r.id][0] for r, ids in batch],
-                                   [len(ids) for _, ids in batch], taps, pad_id, topk=cfg.store_topk)
-        for (r, _), sample in zip(batch, captured):
-            sample.ended = responses[r.id][1]
-        return captured
+             stop_ids: list[int], pad_id: int, stored: set[str]) -> list[Captured]:
+    """One batch's answers with their tapped states: vLLM's (`responses`, the states and top-k recorded by the
+    engine in the forwards that generated them) or the logged ones through one prefill, else the target's own,
+    decoded and recorded in one pass."""
+    if cfg.engine == "vllm":
+        if not taps and not cfg.store_topk:  # a token-only store: nothing recorded
+            return [Captured(input_ids=ids + responses[r.id][0], num_prompt_tokens=len(ids), hidden_states=None,
+                             ended=responses[r.id][1]) for r, ids in batch]
+        return [Captured(input_ids=ids, num_prompt_tokens=len(ids), hidden_states=None) if r.id in stored else
+                engine_captured(cfg.out, r.id, ids, *responses[r.id]) for r, ids in batch]  # stored: not written
     if cfg.responses == "generate":
         return generate_and_capture(
             target.model, [ids for _, ids in batch], taps,

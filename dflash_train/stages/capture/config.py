@@ -55,7 +55,7 @@ class CaptureConfig:
                      "storage dtype is --storage")
     engine: Literal["own", "vllm"] = option(
         "own", help="own: transformers generates and records the states in one pass; vllm: vLLM generates the "
-                    "responses (continuous batching), then one batched prefill records the states")
+                    "responses (continuous batching) and records the states and top-k in the same forwards")
     device: str | None = option(None, help="default: cuda (this rank's GPU) if available, else cpu",
                                 check=device_problem)
     device_map: str | None = option(None, help="e.g. auto: spread a large target over the GPUs")
