@@ -326,7 +326,7 @@ def size_capture_and_training(args: argparse.Namespace, rates: dict, flexible: f
     capture is token-only and every step computes its states (the probe's `train_online_step_s`)."""
     online = hidden_states == "online"
     step_s = rates["train_online_step_s" if online else "train_step_s"]
-    costs = capture_costs(rates, token_only=online, topk=args.store_topk)
+    costs = capture_costs(rates)
     capture_share_s = CAPTURE_SHARE * flexible
     if cap:  # what training at most needs; the rest of its share goes to capture
         capture_share_s = max(capture_share_s, flexible - cap * step_s)
@@ -339,15 +339,13 @@ def size_capture_and_training(args: argparse.Namespace, rates: dict, flexible: f
             "expected_steps": min(steps, cap) if cap else steps}
 
 
-def capture_costs(rates: dict, token_only: bool = False, topk: int = 0) -> dict[str, tuple[float, float]]:
+def capture_costs(rates: dict) -> dict[str, tuple[float, float]]:
     """The way to capture that the probe measured (`capture_engine`): engine name -> (start-up seconds, seconds per
-    prompt); none before the probe has timed it. Token-only
-    (`--storage none`) costs the one-pass loop the same (its decode computes the states anyway) and saves the engine
-    capture its prefill, unless the prefill is there for the top-k (`--store-topk`)."""
+    prompt); none before the probe has timed it. A token-only capture (`--storage none`) costs about the same: the
+    one-pass loop's decode computes the states anyway, and vLLM records them in the forwards that generate."""
     costs = {"own": (0.0, rates["capture_s_per_prompt"])} if "capture_s_per_prompt" in rates else {}
     if "engine_capture_s_per_prompt" in rates:
-        saved = rates.get("engine_prefill_s_per_prompt", 0.0) if token_only and not topk else 0.0
-        costs["vllm"] = (rates["engine_start_s"], rates["engine_capture_s_per_prompt"] - saved)
+        costs["vllm"] = (rates["engine_start_s"], rates["engine_capture_s_per_prompt"])
     return costs
 
 
@@ -422,8 +420,8 @@ def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
     costs = capture_costs(rates)
     if "vllm" in costs:
         print(f"         capture through vLLM (capture --engine vllm): {costs['vllm'][0]:.0f} s to start, then "
-              f"{costs['vllm'][1]:.2f} s per prompt ({ENGINE_PROBE_PROMPTS} prompts generated and prefilled; the "
-              f"prefill {rates.get('engine_prefill_s_per_prompt', float('nan')):.2f} s of it)")
+              f"{costs['vllm'][1]:.2f} s per prompt ({ENGINE_PROBE_PROMPTS} prompts generated, their states "
+              f"recorded)")
     options = plan["hidden_states_options"]
     print(f"states:  {plan['hidden_states']}: {plan['hidden_states_reason']}; in the budget "
           + ", ".join(f"{mode} {o['capture_kept']} prompts x {o['expected_steps']} steps"

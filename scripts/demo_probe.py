@@ -241,11 +241,11 @@ def probe_engine(args: argparse.Namespace, target, requests: list[tuple[list[int
 
     - with `capture` (capture --engine vllm), the engine capture of ENGINE_PROBE_PROMPTS training prompts spread over
       the length distribution (every k-th by length; `requests`: rendered_prompts' by length): their responses under
-      their requests' constraints with continuous batching, then one batched transformers prefill recording their
-      states and top-k, in the parent. Gives the start-up (the engine process and vLLM's load, once per capture),
-      the seconds per prompt after it and the prefill's share of them (a token-only capture without top-k runs no
-      prefill), and the sample's mean lengths. Continuous batching packs more requests together in a real capture
-      than in this sample, so it errs on the slow side.
+      their requests' constraints with continuous batching, the states and top-k recorded in the same forwards
+      (`engine.taps`; the hooks are taken off after). Gives the start-up (the engine process and vLLM's load, once
+      per capture), the seconds per prompt after it, and the sample's mean lengths. Continuous batching packs more
+      requests together in a real capture than in this sample, and the sample runs at vLLM's KV block where the
+      capture runs at a smaller one (the timed engines keep the eval's), so it errs on the slow side.
     - with a starting drafter and the eval in vLLM, the eval's own protocol (`eval --engine vllm`'s timed job) on
       ENGINE_DECODE_PROBE_PROMPTS training prompts of the median length, up to --eval-max-new-tokens: plain decoding,
       the starting drafter at K = 1 and B - 1 (probe_ks), and prompt lookup and suffix decoding at the demo's first K
@@ -268,15 +268,17 @@ def probe_engine(args: argparse.Namespace, target, requests: list[tuple[list[int
 
     from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
     from dflash_train.engine.runner import run_engine
-    from dflash_train.states import prefill_capture
 
+    work = tempfile.TemporaryDirectory(prefix="demo-probe-engine-")
     sample = requests[::max(1, len(requests) // ENGINE_PROBE_PROMPTS)][:ENGINE_PROBE_PROMPTS] if capture else []
     sample_requests = [EngineRequest(id=f"capture-{i}", prompt_token_ids=ids, max_tokens=args.max_new_tokens,
                                      constraints=c) for i, (ids, c) in enumerate(sample)]
     decoding = args.engine != "own" and recipe.drafter.init_from is not None
-    lengths = [len(ids) + args.max_new_tokens for ids, _ in sample]
+    lengths = [len(ids) + args.max_new_tokens + 1 for ids, _ in sample]  # + 1: the states' tail re-run
     job = EngineJob(target=str(target.path), requests=sample_requests, stop_token_ids=target.stop_token_ids(),
-                    dtype=VLLM_DTYPES[precision.name], max_model_len=max(lengths, default=1), mode="batch")
+                    dtype=VLLM_DTYPES[precision.name], max_model_len=max(lengths, default=1), mode="batch",
+                    states_to=str(Path(work.name) / "states") if capture else None, state_layers=layers,
+                    state_topk=args.store_topk)
     ks: tuple[int, int] = (1, 2)
     if decoding:
         from dflash_train.model.published import fetch_drafter
@@ -298,26 +300,14 @@ def probe_engine(args: argparse.Namespace, target, requests: list[tuple[list[int
                             + "".join(f", {FREE_NAMES[m]} at K = {k}" for m, k in job.free if m != "dflash")]
                            if decoding else [])])
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="demo-probe-engine-") as work:
-        result = run_engine(job, work, f"demo probe: vLLM {what}")
+    with work:
+        result = run_engine(job, work.name, f"demo probe: vLLM {what}")
     rates: dict = {"engine_start_s": time.perf_counter() - started - result.wall_s}
     if capture:
-        outputs = result.capture_sample if decoding else result.outputs
-        responses = {o.id: o.token_ids for o in outputs}
-        sample_s = result.capture_sample_s if decoding else result.wall_s
-        picked_ids = [ids for ids, _ in sample]
-        t0 = time.perf_counter()
-        for at in range(0, len(sample), args.batch_size):
-            batch = range(at, min(at + args.batch_size, len(sample)))
-            prefill_capture(target.model, [picked_ids[i] + responses[f"capture-{i}"] for i in batch],
-                            [len(picked_ids[i]) for i in batch], layers, target.tokenizer.pad_token_id,
-                            topk=args.store_topk)
-        prefill_s = time.perf_counter() - t0
-        new = [len(responses[f"capture-{i}"]) for i in range(len(sample))]
-        rates.update({"engine_capture_s_per_prompt": (sample_s + prefill_s) / len(sample),
-                      "engine_prefill_s_per_prompt": prefill_s / len(sample),
-                      "capture_mean_new_tokens": statistics.mean(new),
-                      "capture_mean_tokens": statistics.mean(map(len, picked_ids)) + statistics.mean(new)})
+        new = [len(o.token_ids) for o in (result.capture_sample if decoding else result.outputs)]
+        rates.update({"engine_capture_s_per_prompt": (result.capture_sample_s if decoding else result.wall_s)
+                      / len(sample), "capture_mean_new_tokens": statistics.mean(new),
+                      "capture_mean_tokens": statistics.mean(len(ids) for ids, _ in sample) + statistics.mean(new)})
     if decoding:
         rates.update(engine_decoding_rates(result))
     return rates

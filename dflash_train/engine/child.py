@@ -262,6 +262,7 @@ def _continuous_batch(llm, job: EngineJob, params: Callable[[EngineRequest], Any
                                         for o in unsaved])
                 unsaved, saved_at = [], time.monotonic()
     if recorder:
+        llm.collective_rpc(recorder.remove)
         print(f"states: {len(outputs)} requests recorded, {recorder.from_cache} positions taken from the request "
               f"that computed them (prefix cache), {recorder.tail_rows} computed again by the tail re-runs (blocks of "
               f"{recorder.block})", flush=True)

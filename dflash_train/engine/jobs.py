@@ -102,8 +102,8 @@ class EngineJob:
         elif k:
             kwargs["speculative_config"] = {"method": "dflash", "model": str(self.drafter),
                                             "num_speculative_tokens": k}
-        if records and self.device == "cpu":
-            kwargs["block_size"] = STATES_BLOCK_SIZE_CPU
+        if records and self.device == "cpu" and self.mode == "batch":  # a timed job's engines keep vLLM's block,
+            kwargs["block_size"] = STATES_BLOCK_SIZE_CPU                 # the eval's (the probe's sample errs slow)
         if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & self.engine_args.keys():
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes or kv_cache_bytes_for(self, plain=not k)
         return {**{key: value for key, value in kwargs.items() if value is not None}, **self.engine_args}

@@ -97,6 +97,7 @@ class Recorder:
         self.by_prefix: dict[bytes, list[str]] = {}  # hash of a block-aligned token prefix -> requests holding it
         self.outputs: dict[int, torch.Tensor] = {}
         self.runner: Any = None
+        self.hooks: list[Any] = []  # torch's handles, for `remove`
         self.from_cache = 0  # positions taken from the request that computed them (the prefix cache served them)
         self.tail_rows = 0  # positions the tail re-runs computed (the final tokens', and the blocks they end)
         # the rows the runner computes logits of after the forward (each request's last): their top-k from those
@@ -107,12 +108,19 @@ class Recorder:
         self.runner = worker.model_runner
         model = self.runner.get_model()
         layers = model.model.layers
-        for i in self.layer_ids:
-            layers[i].register_forward_hook(self._layer_hook(i))
-        model.register_forward_hook(self._model_hook, with_kwargs=True)
+        self.hooks = [layers[i].register_forward_hook(self._layer_hook(i)) for i in self.layer_ids]
+        self.hooks.append(model.register_forward_hook(self._model_hook, with_kwargs=True))
         self.logits = model.compute_logits
         if self.topk:
             model.compute_logits = self._sampled_logits
+
+    def remove(self, worker: Any) -> None:
+        """The hooks taken off again (`LLM.collective_rpc`): the engine decodes on as plain vLLM (the demo's probe
+        times requests on it after its capture sample)."""
+        for hook in self.hooks:
+            hook.remove()
+        if self.topk:
+            worker.model_runner.get_model().compute_logits = self.logits
 
     def _layer_hook(self, i: int):
         def hook(module, args, output) -> None:
