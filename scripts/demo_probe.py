@@ -251,7 +251,8 @@ def probe_engine(args: argparse.Namespace, target, requests: list[tuple[list[int
       the starting drafter at K = 1 and B - 1 (probe_ks), and prompt lookup and suffix decoding at the demo's first K
       (--ngram, --suffix), every speculator beside the same plain run, each request alone and cold. Gives vLLM's
       whole-request rate at batch 1 (new tokens over each plain request's stopwatch, its prefill in it) and the
-      requests' mean length (where they stop before the cap, the eval's do too), the starting
+      eval's mean request length (where answers stop before its cap; from the capture sample's answers, where there
+      is one: three prompts are too few), the starting
       drafter's time over plain's (at the faster K), each free speculator's (`engine_free_slowdown`: what the eval's
       runs of it cost; suffix decoding's tree holds only the probe's few answers, so it errs slow), the speculative
       engines' start (their median), and what a verification step costs in plain decoding steps, the line a + b x K through the two K
@@ -310,6 +311,9 @@ def probe_engine(args: argparse.Namespace, target, requests: list[tuple[list[int
                       "capture_mean_tokens": statistics.mean(len(ids) for ids, _ in sample) + statistics.mean(new)})
     if decoding:
         rates.update(engine_decoding_rates(result))
+        if capture and args.max_new_tokens >= args.eval_max_new_tokens:  # the eval's cap on the sample's answers:
+            rates["engine_mean_new_tokens"] = statistics.mean(  # 43 tokens by the timed 3 router prompts, 62 by the
+                min(n, args.eval_max_new_tokens) for n in new)   # 24 (the eval's held-out 20 decoded 62)
     return rates
 
 
@@ -328,7 +332,8 @@ def engine_decoding_rates(result) -> dict[str, float | list[float] | dict[str, f
             "engine_spec_slowdown": min(1 / row.speedup_wall for row in drafter.values()),
             "engine_free_slowdown": {method: 1 / row.speedup_wall for method, _, row in rows if method != "dflash"},
             "engine_spec_start_s": statistics.median(run["load_s"] for run in runs),
-            # what the eval's requests decode: its cap, or their natural stop before it (the router's JSON answers)
+            # what the eval's requests decode, its cap or their natural stop before it: these few, unless the capture
+            # sample's answers tell it (`probe_engine`)
             "engine_mean_new_tokens": statistics.mean(len(o.token_ids) for o in result.outputs),
             **({"engine_step_cost": step_cost_line(costs)} if None not in costs.values() else {})}
 
