@@ -278,6 +278,15 @@ def engine_states_rows(target, records, prompts, layer_ids, args, dtype: str, wo
     return rows
 
 
+def print_table(rows: list[tuple[str, str]]) -> None:
+    """The results as a markdown table of measures, after a blank line."""
+    print()
+    print("| measure | value |")
+    print("|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", default=None)
@@ -319,11 +328,7 @@ def main() -> None:
               f"{source} (prompt <= {args.max_prompt_tokens} tokens, each under its logged constraints), greedy, "
               f"max_new_tokens {args.max_new_tokens}, top-k {args.store_topk}; each variant's fastest of "
               f"{args.repeats} runs, order rotated; the engine's start not counted.")
-        print()
-        print("| measure | value |")
-        print("|---|---|")
-        for name, value in rows:
-            print(f"| {name} | {value} |")
+        print_table(rows)
         shutil.rmtree(work)
         return
     identity = target.identity().to_dict()
@@ -412,11 +417,7 @@ def main() -> None:
           f"{len(prompts)} prompts from {source} (prompt <= {args.max_prompt_tokens} tokens), batch "
           f"{args.batch_size}, greedy, max_new_tokens {args.max_new_tokens}; {n_cap} generated / {total_tokens} "
           f"stored tokens; (a) sums each batch's fastest of {args.repeats} runs per method, order alternating.")
-    print()
-    print("| measure | value |")
-    print("|---|---|")
-    for name, value in rows:
-        print(f"| {name} | {value} |")
+    print_table(rows)
     shutil.rmtree(work)
 
 
