@@ -111,9 +111,9 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     the drafter's first K and sharing plain decoding's runs: each costs its engine's start and its own runs at the
     speed the probe measured (else FREE_SLOWDOWN) (`lookup_s`); the combined speculator (--combined) a K at the
     fastest of those speeds beside plain decoding's runs in an engine child of its own, with its fp32 recheck as
-    the drafter's. The held-out capture (a stage of its own) runs as the training capture does. Where that leaves capture and training less than CAPTURE_AND_TRAIN_SHARE of the
-    time after the starts, the eval is cut, one cut of `eval_cuts` on top of the other, until it does or none is
-    left; the refusal counts the smallest eval."""
+    the drafter's. The held-out capture (a stage of its own) runs as the training capture does. Where that leaves
+    capture and training less than CAPTURE_AND_TRAIN_SHARE of the time after the starts, the eval is cut, one cut of
+    `eval_cuts` on top of the other, until it does or none is left; the refusal counts the smallest eval."""
     T = args.eval_max_new_tokens
     own, engine = args.engine != "vllm", args.engine != "own"
     engine_start_s = rates.get("engine_start_s", VLLM_START_S)

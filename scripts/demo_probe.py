@@ -252,13 +252,12 @@ def probe_engine(args: argparse.Namespace, target, requests: list[tuple[list[int
       (--ngram, --suffix), every speculator beside the same plain run, each request alone and cold. Gives vLLM's
       whole-request rate at batch 1 (new tokens over each plain request's stopwatch, its prefill in it) and the
       eval's mean request length (where answers stop before its cap; from the capture sample's answers, where there
-      is one: three prompts are too few), the starting
-      drafter's time over plain's (at the faster K), each free speculator's (`engine_free_slowdown`: what the eval's
-      runs of it cost; suffix decoding's tree holds only the probe's few answers, so it errs slow), the speculative
-      engines' start (their median), and what a verification step costs in plain decoding steps, the line a + b x K through the two K
-      (`engine_step_cost`: the eval's --step-cost, from which its sweep starts at the K of the best expected speed;
-      the triage demo's drafter under its schema on the 2-core AVX-512 host: 1.40 at K = 1, 1.47 at 4, 1.64 at 9,
-      1.87 at 15). Without it the plan counted the project's own loop's decode rate and ENGINE_SLOWDOWN for every
+      is one: three prompts are too few), the starting drafter's time over plain's (at the faster K), each free
+      speculator's (`engine_free_slowdown`: what the eval's runs of it cost; suffix decoding's tree holds only the
+      probe's few answers), the speculative engines' start (their median), and what a verification step costs in
+      plain decoding steps, the line a + b x K through the two K (`engine_step_cost`: the eval's --step-cost, from
+      which its sweep starts at the K of the best expected speed; the triage demo's drafter under its schema on the
+      2-core AVX-512 host: 1.40 at K = 1, 1.47 at 4, 1.64 at 9, 1.87 at 15). Without it the plan counted the project's own loop's decode rate and ENGINE_SLOWDOWN for every
       K: on the AVX-512 BF16 host 265 s a K for about 130. The timed requests are decoded without their
       constraints, though the eval decodes under them: what a grammar does to a step depends on the drafter, and the
       probe has only the starting one. The first K depends on the line's slope over its intercept; measured on the

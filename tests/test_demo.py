@@ -236,8 +236,8 @@ def test_suffix_decoding_in_the_demo_is_planned_as_a_lookup_k_and_ranked(demo_pr
 def test_the_combined_speculator_in_the_demo_is_planned_as_an_engine_of_its_own_and_served_when_fastest(
         demo_prompts, tiny_target_dir, monkeypatch):
     """demo --combined RULE: one more engine process, planned as a lookup K beside plain decoding's own runs plus
-    the process's start, and on a bf16 host its own fp32 recheck (at the fastest speculator's speed); the summary says what it did and that it is the one to serve. (The eval
-    as asked: no cut for capture and training's share.)"""
+    the process's start, and on a bf16 host its own fp32 recheck (at the fastest speculator's speed); the summary
+    says what it did and that it is the one to serve. (The eval as asked: no cut for capture and training's share.)"""
     monkeypatch.setattr(demo_plan, "CAPTURE_AND_TRAIN_SHARE", 0.0)
     rates = {"capture_s_per_prompt": 1.88, "decode_tok_s": 18.0, "prefill_s": 0.4, "train_step_s": 1.93,
              "engine_start_s": 43.1}
@@ -443,9 +443,9 @@ def test_the_probe_times_vllm_capture_and_requests_as_the_stages_run_them_in_one
     assert [r.prompt_token_ids for r in jobs[0].requests] == [ids for ids, _ in requests[1:4]]  # the middle ones
     assert [r.constraints for r in jobs[0].requests] == [None, None, None]
     assert jobs[0].speculative_tokens == [1] and [tuple(f) for f in jobs[0].free] == [("dflash", 5), ("ngram", 3)]
-    assert set(rates) == {"engine_start_s", "engine_capture_s_per_prompt", "capture_mean_new_tokens", "capture_mean_tokens", "engine_plain_tok_s",
-                          "engine_spec_slowdown", "engine_free_slowdown", "engine_spec_start_s", "engine_step_cost",
-                          "engine_mean_new_tokens"}
+    assert set(rates) == {"engine_start_s", "engine_capture_s_per_prompt", "capture_mean_new_tokens",
+                          "capture_mean_tokens", "engine_plain_tok_s", "engine_spec_slowdown", "engine_free_slowdown",
+                          "engine_spec_start_s", "engine_step_cost", "engine_mean_new_tokens"}
     assert 0 < rates["engine_mean_new_tokens"] <= 8  # plain decoding's, to the natural stop
     assert rates["engine_capture_s_per_prompt"] > 0
     assert 5 < rates["capture_mean_tokens"] <= 11 and 0 < rates["capture_mean_new_tokens"] <= 6
