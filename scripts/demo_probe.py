@@ -257,8 +257,9 @@ def probe_engine(args: argparse.Namespace, target, requests: list[tuple[list[int
       probe's few answers), the speculative engines' start (their median), and what a verification step costs in
       plain decoding steps, the line a + b x K through the two K (`engine_step_cost`: the eval's --step-cost, from
       which its sweep starts at the K of the best expected speed; the triage demo's drafter under its schema on the
-      2-core AVX-512 host: 1.40 at K = 1, 1.47 at 4, 1.64 at 9, 1.87 at 15). Without it the plan counted the project's own loop's decode rate and ENGINE_SLOWDOWN for every
-      K: on the AVX-512 BF16 host 265 s a K for about 130. The timed requests are decoded without their
+      2-core AVX-512 host: 1.40 at K = 1, 1.47 at 4, 1.64 at 9, 1.87 at 15). Without it the plan counted the
+      project's own loop's decode rate and ENGINE_SLOWDOWN for every K: on the AVX-512 BF16 host 265 s a K for about
+      130. The timed requests are decoded without their
       constraints, though the eval decodes under them: what a grammar does to a step depends on the drafter, and the
       probe has only the starting one. The first K depends on the line's slope over its intercept; measured on the
       2-core AVX-512 host, the drafters the demo trains, under their schema: 0.016 (router, 1.43 + 0.023 x K) and
