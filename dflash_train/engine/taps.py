@@ -34,7 +34,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -58,6 +58,15 @@ def read_states(path: str | Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path))
+
+
+def _prefix_hashes(tokens: list[int], block: int) -> Iterator[tuple[int, bytes]]:
+    """(end, digest) of each block-aligned prefix of `tokens`: one hash chained over its blocks, the key under which
+    `Recorder` files the requests holding that prefix and looks them up."""
+    h = hashlib.sha256()
+    for end in range(block, len(tokens) + 1, block):
+        h.update(torch.tensor(tokens[end - block:end], dtype=torch.int64).numpy().tobytes())
+        yield end, h.digest()
 
 
 @dataclass
@@ -135,12 +144,9 @@ class Recorder:
 
     def _register(self, request_id: str, start: int) -> None:
         """The block-aligned prefixes of the request's tokens past `start` tokens, by hash."""
-        tokens = self.requests[request_id].tokens
-        h = hashlib.sha256()
-        for end in range(self.block, len(tokens) + 1, self.block):
-            h.update(torch.tensor(tokens[end - self.block:end], dtype=torch.int64).numpy().tobytes())
+        for end, digest in _prefix_hashes(self.requests[request_id].tokens, self.block):
             if end > start:
-                self.by_prefix.setdefault(h.copy().digest(), []).append(request_id)
+                self.by_prefix.setdefault(digest, []).append(request_id)
 
     def extend(self, request_id: str, tokens: list[int]) -> None:
         """A request finished with `tokens` (prompt + answer): its tail re-run is about to be added."""
@@ -272,11 +278,9 @@ class Recorder:
 
     def _donor(self, request_id: str, prefix: list[int], seen: frozenset[str]) -> str:
         """A request that holds `prefix` and computed more of it than the asking one did (a written one first)."""
-        h = hashlib.sha256()
-        for s in range(0, len(prefix), self.block):
-            h.update(torch.tensor(prefix[s:s + self.block], dtype=torch.int64).numpy().tobytes())
+        digest = next((d for end, d in _prefix_hashes(prefix, self.block) if end == len(prefix)), None)
         best, best_cached = None, len(prefix)
-        for other in self.by_prefix.get(h.digest(), []):
+        for other in self.by_prefix.get(digest, []):
             req = self.requests[other]
             if other in seen or req.tokens[:len(prefix)] != prefix:
                 continue
