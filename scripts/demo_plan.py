@@ -117,11 +117,11 @@ def eval_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
     T = args.eval_max_new_tokens
     own, engine = args.engine != "vllm", args.engine != "own"
     engine_start_s = rates.get("engine_start_s", VLLM_START_S)
-    starts = {"held-out capture": STAGE_START_S, "eval": STAGE_START_S + (engine_start_s if engine else 0.0),
+    starts = {"capture (held-out)": STAGE_START_S, "eval": STAGE_START_S + (engine_start_s if engine else 0.0),
               "push (dry run)": 10.0, "capture": STAGE_START_S, "train": STAGE_START_S}
     prefill_s, decode_s = rates["prefill_s"], T / rates["decode_tok_s"]  # one request at batch 1: its prompt, T tokens
     heldout_start_s, heldout_s = heldout_costs(rates)  # the held-out capture runs as the training capture does
-    starts["held-out capture"] += heldout_start_s
+    starts["capture (held-out)"] += heldout_start_s
     eval_kept = kept_prompts(prompts, "eval", args.eval_limit, args.target, args.max_prompt_tokens)
     n_eval = min(eval_kept[-1], MIN_EVAL_PROMPTS)
     n_own = min(n_eval, OWN_EVAL_PROMPTS) if own else 0
@@ -314,7 +314,7 @@ def make_plan(args: argparse.Namespace, prompts: Path, rates: dict, spent_s: flo
             "ngram": cut["ngram"], "suffix": cut["suffix"], "free_limit": cut["free_limit"],
             "eval_left_out": cut["left_out"],
             "stage_s": {"capture": starts["capture"] + capture_s, "train": starts["train"] + train_s,
-                        "held-out capture": starts["held-out capture"] + n_eval * heldout_s,  # its start in it
+                        "capture (held-out)": starts["capture (held-out)"] + n_eval * heldout_s,  # its start in it
                         "eval": starts["eval"] + own_s + sweep_s + recheck_s + lookup_s,
                         "push (dry run)": starts["push (dry run)"]}}
 
@@ -367,8 +367,9 @@ def choose_states(args: argparse.Namespace, rates: dict, micro_batch: int, optio
 
     if args.hidden_states != "auto":
         return args.hidden_states, f"--hidden-states {args.hidden_states}"
-    if "online" not in options:
-        return "stored", "the probe measured no online training step"
+    if "online" not in options:  # demo_probe.online_step_needed
+        return "stored", ("the disk holds the states of every prompt capture may read, and recording them costs "
+                          "capture nothing: stored states train faster")
     stored, online = options["stored"], options["online"]
     tokens = rates["capture_mean_tokens"]  # per sample, prompt and response
     per_token = {"capture_states_tok_s": tokens * stored["capture_kept"] / stored["capture_s"],
@@ -410,6 +411,10 @@ def measured_line(rates: dict) -> str:
             + (f"; in vLLM at batch 1 {rates['engine_plain_tok_s']:.1f} tokens/s (whole requests), the starting "
                f"drafter {1 / rates['engine_spec_slowdown']:.2f}x that" if "engine_plain_tok_s" in rates else "")
             + "".join(f", {FREE_NAMES[m]} {1 / x:.2f}x" for m, x in rates.get("engine_free_slowdown", {}).items())
+            + (f" (tau walked over the capture sample's answers: "
+               + ", ".join(f"{FREE_NAMES[m]} {tau:.2f}" for m, tau in rates["engine_free_tau"].items())
+               + f"; a step of theirs {rates['engine_free_step_cost']:.2f} plain steps)"
+               if rates.get("engine_free_tau") else "")
             + (f", a verification step {rates['engine_step_cost'][0]:.2f} + {rates['engine_step_cost'][1]:.3f} x K "
                f"plain steps" if "engine_step_cost" in rates else ""))
 
@@ -442,7 +447,7 @@ def print_plan(args, rates: dict, plan: dict, spent_s: float) -> None:
               + (["the combined speculator"] if args.combined else []))
              else "")
           + f" (~{plan['stage_s']['eval']:.0f} s in all; their capture for the offline "
-          f"estimate ~{plan['stage_s']['held-out capture']:.0f} s)", flush=True)
+          f"estimate ~{plan['stage_s']['capture (held-out)']:.0f} s)", flush=True)
     if plan.get("eval_left_out"):
         print(f"         cut to leave capture and training {CAPTURE_AND_TRAIN_SHARE:.0%} of the time: "
               f"{'; '.join(plan['eval_left_out'])}", flush=True)

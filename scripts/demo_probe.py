@@ -102,7 +102,7 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
         raise UserError(f"no training prompt of the first {args.capture_limit} in {prompts} fits --max-prompt-tokens "
                         f"{args.max_prompt_tokens}: raise it (or --capture-limit)")
     layers = resolve_layer_ids(target.num_layers, None, 5)  # capture's default taps
-    engine_capture = capture_engine(args) == "vllm"
+    engine_capture = who_captures(args) == "vllm"
     first: dict = {"precision": precision.describe()}
     if not engine_capture:  # the one-pass loop captures: its rates
         stop, pad = target.stop_token_ids(), target.tokenizer.pad_token_id
@@ -117,21 +117,23 @@ def probe(args: argparse.Namespace, prompts: Path, dtype: str = "auto",
         check(first)
 
     recipe = demo_recipe(args)
+    state_bytes = 2.0 * len(layers) * target.config.hidden_size  # bf16 states, a token's
     steps = part("training steps", training_step_rates, args, target, layers, recipe, precision.dtype,
-                 torch.device(device))
+                 torch.device(device), online_step_needed(args, state_bytes))
     engine = {}
     if engine_capture or (args.engine != "own" and recipe.drafter.init_from is not None):
         engine = part("vLLM", probe_engine, args, target, requests, layers, precision, recipe, engine_capture)
     return {**first, "cpu_capability": torch.backends.cpu.get_cpu_capability(), **engine,
-            "state_bytes_per_token": 2.0 * len(layers) * target.config.hidden_size,  # bf16 states
+            "state_bytes_per_token": state_bytes,
             **steps, "probe_s": {name: round(seconds, 1) for name, seconds in parts.items()}}
 
 
-def capture_engine(args: argparse.Namespace) -> str:
+def who_captures(args: argparse.Namespace) -> str:
     """Who generates the training responses: --capture-engine, and under auto vLLM wherever it is installed: it
     captured faster than the one-pass loop on every host measured (0.73 s a prompt against 1.12 on the 2-core AVX-512
     BF16 host, 1.16 against 1.28 there in fp32 with AVX2 kernels, 1.69 against 2.13 on the AVX2 host; the states'
-    prefill included), so the probe measures only the way capture will run (the two took 85-110 s of it)."""
+    prefill included), so the probe measures only the way capture will run (the two took 85-110 s of it). The rule
+    of the probe, and of the demo without a plan (--no-plan)."""
     from dflash_train.engine.install import vllm_version
 
     if args.capture_engine != "auto":
@@ -192,11 +194,29 @@ def decode_rates(model, prompt: list[int], prefix: str = "") -> dict[str, float]
             f"{prefix}prefill_s": statistics.median(prefill for _, prefill in pairs)}
 
 
-def training_step_rates(args: argparse.Namespace, target, layers: list[int], recipe, dtype, device) -> dict:
+def online_step_needed(args: argparse.Namespace, state_bytes_per_token: float) -> bool:
+    """Whether the plan may train on states computed online, so that the probe times such a step: --hidden-states
+    online, or auto where the disk may not hold the states of every prompt capture can read (--capture-limit x
+    (--max-prompt-tokens + --max-new-tokens) tokens, against measure.DISK_SHARE of the free disk). Elsewhere stored
+    states win at any rates: both ways to capture record the states in the forwards that generate, so a token-only
+    capture saves nothing, and a step on stored states costs less than one that computes them (3.4x on the AVX2
+    host). Its three online steps were 6-7 s of that host's probe."""
+    import shutil
+
+    from dflash_train.support.measure import DISK_SHARE
+
+    if args.hidden_states != "auto":
+        return args.hidden_states == "online"
+    most = args.capture_limit * (args.max_prompt_tokens + args.max_new_tokens) * state_bytes_per_token
+    return most > DISK_SHARE * shutil.disk_usage(Path(args.workdir)).free
+
+
+def training_step_rates(args: argparse.Namespace, target, layers: list[int], recipe, dtype, device,
+                        online: bool = True) -> dict:
     """Seconds per training step of the recipe's shape (dflash_train.support.measure's step, random data at the longest
     sample capture keeps, the head cut to the recipe's draft vocabulary size) with stored states and, alternating,
-    with the states computed online as the trainer does (data.hidden_states: online: the target prefills the micro
-    batch first, benchmarks/bench_online.py's probe); the median of each after its first."""
+    where `online`, with the states computed online as the trainer does (data.hidden_states: online: the target
+    prefills the micro batch first, benchmarks/bench_online.py's probe); the median of each after its first."""
     import torch
 
     from dflash_train.stages.train.data import OnlineStates
@@ -218,18 +238,18 @@ def training_step_rates(args: argparse.Namespace, target, layers: list[int], rec
             "hidden_states": torch.randn(step_args.batch, step_args.seq, 5 * step_args.hidden, generator=g).to(dtype),
             "position_ids": torch.arange(step_args.seq).expand(step_args.batch, -1)}
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=True)
-    online = OnlineStates(target, layers, step_args.seq)
+    states = OnlineStates(target, layers, step_args.seq) if online else None
     rows = [[{"input_ids": ids}] for ids in data["input_ids"]]
     times: dict[str, list[float]] = {"stored": [], "online": []}
-    for step in range(7):
-        source = ("stored", "online")[step % 2]
+    for step in range(7 if online else 4):
+        source = ("stored", "online")[step % 2] if online else "stored"
         t0 = time.perf_counter()
         batch_data = data if source == "stored" else {**data, "hidden_states": torch.stack(
-            [row[0]["hidden_states"] for row in online.add(rows)]).to(dtype)}
+            [row[0]["hidden_states"] for row in states.add(rows)]).to(dtype)}
         measure.step_fn(step_args, drafter, embed, embed[:head_rows], batch_data, optimizer, step)
         times[source].append(time.perf_counter() - t0)
     return {"train_step_s": statistics.median(times["stored"][1:]),
-            "train_online_step_s": statistics.median(times["online"][1:])}
+            **({"train_online_step_s": statistics.median(times["online"][1:])} if online else {})}
 
 
 # --- vLLM -----------------------------------------------------------------------------------------------------------
@@ -248,23 +268,22 @@ def probe_engine(args: argparse.Namespace, target, requests: list[tuple[list[int
       capture runs at a smaller one (the timed engines keep the eval's), so it errs on the slow side.
     - with a starting drafter and the eval in vLLM, the eval's own protocol (`eval --engine vllm`'s timed job) on
       ENGINE_DECODE_PROBE_PROMPTS training prompts of the median length, up to --eval-max-new-tokens: plain decoding,
-      the starting drafter at K = 1 and B - 1 (probe_ks), and prompt lookup and suffix decoding at the demo's first K
-      (--ngram, --suffix), every speculator beside the same plain run, each request alone and cold. Gives vLLM's
-      whole-request rate at batch 1 (new tokens over each plain request's stopwatch, its prefill in it) and the
-      eval's mean request length (where answers stop before its cap; from the capture sample's answers, where there
-      is one: three prompts are too few), the starting drafter's time over plain's (at the faster K), each free
-      speculator's (`engine_free_slowdown`: what the eval's runs of it cost; suffix decoding's tree holds only the
-      probe's few answers), the speculative engines' start (their median), and what a verification step costs in
-      plain decoding steps, the line a + b x K through the two K (`engine_step_cost`: the eval's --step-cost, from
-      which its sweep starts at the K of the best expected speed; the triage demo's drafter under its schema on the
-      2-core AVX-512 host: 1.40 at K = 1, 1.47 at 4, 1.64 at 9, 1.87 at 15). Without it the plan counted the
-      project's own loop's decode rate and ENGINE_SLOWDOWN for every K: on the AVX-512 BF16 host 265 s a K for about
-      130. The timed requests are decoded without their
-      constraints, though the eval decodes under them: what a grammar does to a step depends on the drafter, and the
-      probe has only the starting one. The first K depends on the line's slope over its intercept; measured on the
-      2-core AVX-512 host, the drafters the demo trains, under their schema: 0.016 (router, 1.43 + 0.023 x K) and
-      0.018 (triage); the general drafter under the same schemas: 0.010, 0.005, 0 and 0, which started triage's sweep
-      at K = 9 for 1.20x; without them: 0.028, 0.021 and 0.008."""
+      the starting drafter at K = 1 and B - 1 (probe_ks), and suffix decoding at the demo's first K (--suffix; else
+      prompt lookup at its first, --ngram; with no capture sample, both), every speculator beside the same plain run,
+      each request alone and cold. Gives vLLM's whole-request rate at batch 1 (at the eval's mean request length:
+      `eval_length_rates`) and that length (where answers stop before its cap; from the capture sample's answers, where
+      there is one: three prompts are too few), the starting drafter's time over plain's (at the faster K), each free
+      speculator's (`engine_free_slowdown`: what the eval's runs of it cost; with a capture sample, from its tau walked
+      over the sample's answers, `eval_length_rates`), the speculative engines' start (their median), and what a
+      verification step costs in plain decoding steps, the line a + b x K through the two K (`engine_step_cost`: the
+      eval's --step-cost, from which its sweep starts at the K of the best expected speed; the triage demo's drafter
+      under its schema on the 2-core AVX-512 host: 1.40 at K = 1, 1.47 at 4, 1.64 at 9, 1.87 at 15). Without it the plan
+      counted the project's own loop's decode rate and ENGINE_SLOWDOWN for every K: on the AVX-512 BF16 host 265 s a K
+      for about 130. The timed requests are decoded without their constraints, though the eval decodes under them: what
+      a grammar does to a step depends on the drafter, and the probe has only the starting one. The first K depends on
+      the line's slope over its intercept; measured on the 2-core AVX-512 host, the drafters the demo trains, under
+      their schema: 0.016 (router, 1.43 + 0.023 x K) and 0.018 (triage); the general drafter under the same schemas:
+      0.010, 0.005, 0 and 0, which started triage's sweep at K = 9 for 1.20x; without them: 0.028, 0.021 and 0.008."""
     import tempfile
 
     from dflash_train.engine.jobs import VLLM_DTYPES, EngineJob, EngineRequest
@@ -275,6 +294,7 @@ def probe_engine(args: argparse.Namespace, target, requests: list[tuple[list[int
     sample_requests = [EngineRequest(id=f"capture-{i}", prompt_token_ids=ids, max_tokens=args.max_new_tokens,
                                      constraints=c) for i, (ids, c) in enumerate(sample)]
     decoding = args.engine != "own" and recipe.drafter.init_from is not None
+    asked = [*(("ngram", k) for k in args.ngram[:1]), *(("suffix", k) for k in args.suffix[:1])]  # free, first K
     lengths = [len(ids) + args.max_new_tokens + 1 for ids, _ in sample]  # + 1: the states' tail re-run
     job = EngineJob(target=str(target.path), requests=sample_requests, stop_token_ids=target.stop_token_ids(),
                     dtype=VLLM_DTYPES[precision.name], max_model_len=max(lengths, default=1), mode="batch",
@@ -289,7 +309,7 @@ def probe_engine(args: argparse.Namespace, target, requests: list[tuple[list[int
         picked = rendered[max(0, middle - ENGINE_DECODE_PROBE_PROMPTS // 2):][:ENGINE_DECODE_PROBE_PROMPTS]
         drafter = fetch_drafter(recipe.drafter.init_from, recipe.drafter.init_revision).folder
         ks = probe_ks(min(json.loads((drafter / "config.json").read_text())["block_size"], recipe.drafter.block_size))
-        free = [("dflash", ks[1]), *(("ngram", k) for k in args.ngram[:1]), *(("suffix", k) for k in args.suffix[:1])]
+        free = [("dflash", ks[1]), *(asked[-1:] if capture else asked)]  # with a sample, one: their step's cost
         job = replace(job, mode="timed", drafter=str(drafter), speculative_tokens=[ks[0]], free=free,
                       capture_sample=sample_requests, requests=[
                           EngineRequest(id=str(i), prompt_token_ids=ids, max_tokens=args.eval_max_new_tokens)
@@ -314,6 +334,11 @@ def probe_engine(args: argparse.Namespace, target, requests: list[tuple[list[int
         if capture and args.max_new_tokens >= args.eval_max_new_tokens:  # the eval's cap on the sample's answers:
             rates["engine_mean_new_tokens"] = statistics.mean(  # 43 tokens by the timed 3 router prompts, 62 by the
                 min(n, args.eval_max_new_tokens) for n in new)   # 24 (the eval's held-out 20 decoded 62)
+        if capture:  # plain decoding at the eval's length; the free speculators walked over the sample's answers
+            at_length = eval_length_rates(result, [ids for ids, _ in sample], args.eval_max_new_tokens,
+                                          rates["engine_mean_new_tokens"], asked)
+            rates["engine_free_slowdown"].update(at_length.pop("engine_free_slowdown", {}))
+            rates.update(at_length)
     return rates
 
 
@@ -336,6 +361,46 @@ def engine_decoding_rates(result) -> dict[str, float | list[float] | dict[str, f
             # sample's answers tell it (`probe_engine`)
             "engine_mean_new_tokens": statistics.mean(len(o.token_ids) for o in result.outputs),
             **({"engine_step_cost": step_cost_line(costs)} if None not in costs.values() else {})}
+
+
+def eval_length_rates(result, prompts: list[list[int]], cap: int, new_tokens: float,
+                      free: list[tuple[str, int]]) -> dict:
+    """Plain decoding's and the free speculators' figures at the eval's request length (`new_tokens`, the capture
+    sample's answers under the eval's cap), from the timed runs and the capture sample's answers:
+
+    - plain decoding's whole-request rate at that length: its timed runs' fixed part (the prefill and the engine's
+      overhead: their wall less their decode phase) once, then its tokens at the decode phase's rate. The three timed
+      prompts stop earlier than the eval's (43 tokens against 62 on the router), so their own rate over-weighted the
+      fixed part.
+    - the time over plain decoding's of each free speculator of `free` (method, K): its tau walked over the capture
+      sample's answers (`spec_decode.walk`, each cut at the eval's cap, in the sample's order: suffix decoding's tree
+      holds the answers before each) at what a step of the free speculators costs in plain decoding steps (the
+      eval's `step_cost` of the one the probe timed, `probe_engine`: a step verifies a draft made without a model;
+      the eval measured prompt lookup's and suffix decoding's within 5% of each other on both hosts). The three
+      timed prompts alone measured 1.01x and 1.11x on the AVX2 host where the eval's twenty measured 1.19x and 1.52x
+      (1.72x and 1.81x against 1.26x and 1.64x on the AVX-512 one); the walk over the eval's own answers gives
+      vLLM's tokens and its steps within 4%. Without a timed step cost or a walked step, the timed figures stay
+      (`engine_decoding_rates`)."""
+    from dflash_train.spec_decode.walk import free_walk
+    from dflash_train.stages.evaluate.vllm_sweep import k_row
+
+    natural, runs = result.by_id(), result.timed["runs"]
+    rows = [(run, k_row(run, natural, greedy=True)) for run in runs]
+    plain = rows[0][1].per_prompt  # plain decoding's runs, shared by every speculator
+    fixed_s = statistics.mean(p.plain_wall_s - p.plain_decode_s for p in plain)
+    decode_s = max(0.0, new_tokens - 1) * sum(p.plain_decode_s for p in plain) / max(
+        1, sum(p.new_tokens - 1 for p in plain))
+    rates: dict = {"engine_plain_tok_s": new_tokens / (fixed_s + decode_s)}
+    timed = [row for run, row in rows if run["method"] != "dflash" and row.step_cost and row.num_steps]
+    if not timed:
+        return rates
+    cost = sum(row.step_cost * row.num_steps for row in timed) / sum(row.num_steps for row in timed)
+    answers = [(prompt, output.token_ids) for prompt, output in zip(prompts, result.capture_sample)]
+    taus = {method: tau for method, k in free if (tau := free_walk(method, answers, k, cap).tau)}
+    return {**rates, "engine_free_tau": {m: round(tau, 3) for m, tau in taus.items()},
+            "engine_free_step_cost": round(cost, 3),
+            "engine_free_slowdown": {m: (fixed_s + decode_s * cost / tau) / (fixed_s + decode_s)
+                                     for m, tau in taus.items()}}
 
 
 def probe_ks(block_size: int) -> tuple[int, int]:

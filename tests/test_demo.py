@@ -383,14 +383,17 @@ def test_hidden_states_stored_when_the_prefill_stays_or_when_forced(demo_prompts
     assert forced["capture_kept"] == forced["hidden_states_options"]["stored"]["capture_kept"]
     older = demo_plan.make_plan(demo.parse_args(base), demo_prompts, {k: v for k, v in FEW_EPOCHS.items()
                                                                       if k != "train_online_step_s"}, 140.0)
-    assert older["hidden_states"] == "stored" and "measured no online" in older["hidden_states_reason"]
+    assert older["hidden_states"] == "stored" and "the disk holds the states" in older["hidden_states_reason"]
 
 
-def test_demo_probe_times_a_training_step_with_online_states(demo_prompts, tiny_target_dir):
+def test_demo_probe_times_an_online_training_step_only_where_the_disk_may_not_hold_the_states(
+        demo_prompts, tiny_target_dir, monkeypatch):
+    import shutil
+
     args = demo.parse_args(["--target", str(tiny_target_dir), "--max-prompt-tokens", "60", "--max-new-tokens", "4",
                             "--batch-size", "2", "--capture-engine", "own", "--capture-limit", "40", "--engine", "own"])
     rates = demo_probe.probe(args, demo_prompts)
-    assert 0 < rates["train_step_s"] and 0 < rates["train_online_step_s"] and 0 < rates["prefill_s"]
+    assert 0 < rates["train_step_s"] and 0 < rates["prefill_s"] and "train_online_step_s" not in rates
     assert rates["capture_mean_tokens"] > rates["capture_mean_new_tokens"] == 4
     assert rates["state_bytes_per_token"] == 2 * 5 * 64  # bf16, five taps of the tiny target's 64
     # what each measurement cost, so that a slow probe says where (no vLLM here)
@@ -398,7 +401,15 @@ def test_demo_probe_times_a_training_step_with_online_states(demo_prompts, tiny_
         not {"vLLM capture", "vLLM decoding"} & set(rates["probe_s"])
     assert all(s >= 0 for s in rates["probe_s"].values())
     plan = demo_plan.make_plan(args, demo_prompts, rates, 140.0)
-    assert plan["hidden_states"] in ("stored", "online") and "break-even" in plan["hidden_states_reason"]
+    assert plan["hidden_states"] == "stored" and "the disk holds the states" in plan["hidden_states_reason"]
+
+    # a disk that cannot hold 40 prompts' states: the online step is timed, and the plan trains online
+    full = shutil.disk_usage(".")._replace(free=40 * 8 * 640)  # 8 tokens each
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: full)
+    rates = demo_probe.probe(args, demo_prompts)
+    assert rates["train_online_step_s"] > 0
+    plan = demo_plan.make_plan(args, demo_prompts, rates, 140.0)
+    assert plan["hidden_states"] == "online" and "GiB on disk" in plan["hidden_states_reason"]
 
 
 @needs_vllm
@@ -409,9 +420,10 @@ def test_the_probe_times_vllm_capture_and_requests_as_the_stages_run_them_in_one
     length, under its request's constraints, all at once as capture decodes them, their states and top-k recorded),
     then the eval's own timed job (each request alone and cold, without its constraints: under them the
     starting drafter's steps cost what the adapted drafter's do not) on the middle prompts: plain, the recipe's
-    starting drafter at K = 1 and B - 1 (B the recipe's block) and prompt lookup at the demo's first K, beside the
-    same plain runs; it returns the rates the plan reads, with what a verification step costs at each K in plain
-    steps (the eval's --step-cost) and each free speculator's time over plain's."""
+    starting drafter at K = 1 and B - 1 (B the recipe's block) and one free speculator at the demo's first K (suffix
+    decoding where it runs), beside the same plain runs; it returns the rates the plan reads, with what a
+    verification step costs at each K in plain steps (the eval's --step-cost) and each free speculator's time over
+    plain's, from its tau walked over the capture sample's answers."""
     import argparse
 
     import torch
@@ -420,6 +432,7 @@ def test_the_probe_times_vllm_capture_and_requests_as_the_stages_run_them_in_one
     from dflash_train.device import resolve_precision
     from dflash_train.engine import runner
     from dflash_train.model.checkpoint import save_drafter
+    from dflash_train.spec_decode.suffix import suffix_problem
     from dflash_train.target import load_target
 
     jobs, real_run = [], runner.run_engine
@@ -433,7 +446,8 @@ def test_the_probe_times_vllm_capture_and_requests_as_the_stages_run_them_in_one
     recipe = argparse.Namespace(drafter=argparse.Namespace(init_from=str(tmp_path / "drafter"), init_revision=None,
                                                            block_size=6))  # trains shorter blocks than it starts from
     requests = [([5 + i, 40, 41 + i, 300, 7 * i + 2], {"stop": ["zz"]} if i == 0 else None) for i in range(5)]
-    args = argparse.Namespace(eval_max_new_tokens=8, max_new_tokens=6, engine="both", ngram=[3], suffix=[],
+    suffix = [4] if suffix_problem() is None else []
+    args = argparse.Namespace(eval_max_new_tokens=8, max_new_tokens=6, engine="both", ngram=[3], suffix=suffix,
                               batch_size=2, store_topk=2)
     rates = demo_probe.probe_engine(args, target, requests, [0, 1], resolve_precision("fp32", "cpu"), recipe,
                                     capture=True)
@@ -442,15 +456,22 @@ def test_the_probe_times_vllm_capture_and_requests_as_the_stages_run_them_in_one
     assert jobs[0].capture_sample[0].constraints == {"stop": ["zz"]}
     assert [r.prompt_token_ids for r in jobs[0].requests] == [ids for ids, _ in requests[1:4]]  # the middle ones
     assert [r.constraints for r in jobs[0].requests] == [None, None, None]
-    assert jobs[0].speculative_tokens == [1] and [tuple(f) for f in jobs[0].free] == [("dflash", 5), ("ngram", 3)]
+    # one free speculator timed (suffix decoding where it runs), for what a step without a model costs
+    timed_free = ("suffix", 4) if suffix else ("ngram", 3)
+    assert jobs[0].speculative_tokens == [1] and [tuple(f) for f in jobs[0].free] == [("dflash", 5), timed_free]
     assert set(rates) == {"engine_start_s", "engine_capture_s_per_prompt", "capture_mean_new_tokens",
                           "capture_mean_tokens", "engine_plain_tok_s", "engine_spec_slowdown", "engine_free_slowdown",
-                          "engine_spec_start_s", "engine_step_cost", "engine_mean_new_tokens"}
+                          "engine_spec_start_s", "engine_step_cost", "engine_mean_new_tokens", "engine_free_tau",
+                          "engine_free_step_cost"}
     assert 0 < rates["engine_mean_new_tokens"] <= 8  # plain decoding's, to the natural stop
     assert rates["engine_capture_s_per_prompt"] > 0
     assert 5 < rates["capture_mean_tokens"] <= 11 and 0 < rates["capture_mean_new_tokens"] <= 6
     assert rates["engine_plain_tok_s"] > 0 and 0 < rates["engine_spec_slowdown"] < 20
-    assert set(rates["engine_free_slowdown"]) == {"ngram"} and 0 < rates["engine_free_slowdown"]["ngram"] < 20
+    # each free speculator priced by its tau walked over the capture sample's answers, at the timed steps' cost
+    free = {"ngram", "suffix"} if suffix else {"ngram"}
+    assert set(rates["engine_free_slowdown"]) == set(rates["engine_free_tau"]) == free
+    assert all(0 < x < 20 for x in rates["engine_free_slowdown"].values())
+    assert all(1 <= tau <= 5 for tau in rates["engine_free_tau"].values()) and rates["engine_free_step_cost"] > 0
     a, b = rates["engine_step_cost"]
     assert a > 0 and b >= 0  # through the range the trained drafter serves
     assert rates["engine_spec_start_s"] > 0 and rates["engine_start_s"] > 0
