@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from demo_plan import EVAL_CONCURRENCY, OWN_EVAL_PROMPTS, early_check, make_plan, print_plan, rebudget_training
-from demo_probe import demo_recipe, probe
+from demo_probe import demo_recipe, probe, who_captures
 
 from dflash_train import eval_report
 from dflash_train.engine.args import SPECULATION_LENGTHS
@@ -160,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     target = ["--target", args.target]
 
     check_store(store)
-    capture_engine = plan.get("capture_engine", "own") if plan else \
-        ("own" if args.capture_engine == "auto" else args.capture_engine)
+    capture_engine = plan.get("capture_engine", "own") if plan else who_captures(args)
     hidden_states = plan.get("hidden_states", "stored") if plan else \
         ("stored" if args.hidden_states == "auto" else args.hidden_states)
     online = hidden_states == "online"  # a token-only store: training computes the states
