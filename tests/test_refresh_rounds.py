@@ -162,3 +162,90 @@ def test_a_damaged_ledger_is_one_line_naming_the_file_exit_2_and_stays_as_it_was
     assert len(err.strip().splitlines()) == 1 and err.startswith(f"dflash-train refresh: error: {path} ")
     assert re.search(named, err), err
     assert path.read_bytes() == before
+
+
+# --- rounds of real ingests: new prompts only, splits that never change -----------------------------------------------
+
+
+def texts_by_hash(low: float, high: float, n: int, start: int = 0) -> list[str]:
+    """`n` prompts whose split hash (as ingest ids them) lies in [low, high), from a pool of questions."""
+    from dflash_train.logs.records import prompt_id
+    from dflash_train.prompts import split_hash
+
+    found = []
+    for i in range(start, start + 5000):
+        text = f"how far is town {i} from the coast?"
+        if low <= split_hash(prompt_id([{"role": "user", "content": text}])) < high:
+            found.append(text)
+            if len(found) == n:
+                return found
+    raise AssertionError("the pool is too small")
+
+
+def ids_of(texts: list[str]) -> set[str]:
+    from dflash_train.logs.records import prompt_id
+
+    return {prompt_id([{"role": "user", "content": t}]) for t in texts}
+
+
+def write_log(tmp_path, name: str, texts: list[str]):
+    log = tmp_path / f"{name}.jsonl"
+    log.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    return log
+
+
+def ingest_round(ledger, rnd, log, tmp_path, exclude=True):
+    """Ingest the round's log (with --exclude-ids holding the ids earlier rounds took) into its prompts folder, as
+    refresh does; returns the folder."""
+    from dflash_train.prompts import write_ids
+    from dflash_train.stages.ingest.command import ingest
+    from dflash_train.stages.ingest.config import IngestConfig
+
+    known = tmp_path / f"{rnd.name}-known.txt"
+    write_ids(known, ledger.known_ids(rnd))
+    out = tmp_path / rnd.name / ("prompts" if exclude else "plain")
+    ingest([log], out, IngestConfig(eval_fraction=RULE.eval_fraction, max_prompt_tokens=0, progress=False,
+                                    exclude_ids=str(known) if exclude else None))
+    return out
+
+
+def test_a_prompts_split_never_changes_from_one_round_to_the_next(tmp_path):
+    """Day 1's logs hold no prompt under the eval fraction, so ingest's fallback holds out the lowest-hash one (P),
+    which the hash rule alone would put in train. Day 2's logs repeat day 1's and add prompts under the fraction: an
+    ingest of them all (no exclusion) moves P into train, a held-out prompt leaking into training; the round's
+    ingest skips day 1's prompts as seen, so P stays held out, and the ledger refuses the leaking result."""
+    from test_ingest import split_ids
+
+    from dflash_train.refresh.rounds import ingested_ids
+
+    day1 = texts_by_hash(0.5, 1.0, 6)
+    day2_new = texts_by_hash(0.0, 0.2, 2) + texts_by_hash(0.2, 1.0, 8, start=1000)
+    ledger = load(tmp_path / "refresh")
+    log1 = write_log(tmp_path, "day1", day1)
+    one = ledger.begin(hash_logs([log1]), SERVING, RULE)
+    ledger.record_ingest(one, *ingested_ids(ingest_round(ledger, one, log1, tmp_path)))
+    assert len(one.eval) == 1 and set(one.train) | set(one.eval) == ids_of(day1)
+    (held_out,) = one.eval
+
+    log2 = write_log(tmp_path, "day2", day1 + day2_new)
+    two = ledger.begin(hash_logs([log2]), SERVING, RULE)
+    plain = ingest_round(ledger, two, log2, tmp_path, exclude=False)
+    assert held_out in split_ids(plain)[0]  # what the round must not do
+    with pytest.raises(UserError, match=r"round-002: 6 prompt\(s\) it ingested as new were ingested by an earlier "
+                                        r"round"):
+        ledger.record_ingest(two, *split_ids(plain), [])
+    ledger.record_ingest(two, *ingested_ids(ingest_round(ledger, two, log2, tmp_path)))
+    assert set(two.seen) == ids_of(day1) and set(two.eval) == ids_of(day2_new[:2])
+    assert set(two.train) == ids_of(day2_new[2:])
+
+    # day 3: nothing new under the fraction, and a held-out prompt of day 2 again: the fallback picks a new prompt
+    day3_new = texts_by_hash(0.5, 1.0, 3, start=2000)
+    log3 = write_log(tmp_path, "day3", day3_new + day2_new[:1])
+    three = ledger.begin(hash_logs([log3]), SERVING, RULE)
+    ledger.record_ingest(three, *ingested_ids(ingest_round(ledger, three, log3, tmp_path)))
+    assert set(three.seen) == ids_of(day2_new[:1]) and len(three.eval) == 1
+    assert set(three.train) | set(three.eval) == ids_of(day3_new)
+
+    reread = load(tmp_path / "refresh")
+    splits = {i: split for r in (one, two, three) for split in ("train", "eval") for i in getattr(r, split)}
+    assert {i: reread.split_of(i) for i in splits} == splits and reread.split_of(held_out) == "eval"

@@ -5,7 +5,7 @@ round began and, once known, the round's figures and its release decision.
     ledger = load(refresh_dir)
     rnd = ledger.begin(hash_logs(paths), serving, SplitRule(eval_fraction, seed, scrub))  # recorded, or the next
     ... ingest with --exclude-ids holding ledger.known_ids(rnd) ...
-    ledger.record_ingest(rnd, train=..., eval=..., seen=...)    # saved: the round is in the ledger from here on
+    ledger.record_ingest(rnd, *ingested_ids(prompts_dir))    # saved: the round is in the ledger from here on
 
 A round's identity is the content of its logs: one sha256 over the sorted sha256s of its files' bytes (their names
 and folders play no part), so the same logs given again, renamed or moved, are the same round: it is resumed or
@@ -195,6 +195,19 @@ def _drafter_key(serving: dict[str, Any]) -> tuple:
 def _describe(serving: dict[str, Any]) -> str:
     text = serving.get("repo") or serving.get("name") or "?"
     return text + (f" at revision {serving['revision']}" if serving.get("revision") else "")
+
+
+def ingested_ids(prompts_dir: str | Path) -> tuple[list[str], list[str], list[str]]:
+    """(train, eval, seen) ids of a round's finished ingest folder, made with --exclude-ids: what `record_ingest`
+    takes."""
+    from dflash_train.prompts import SEEN_IDS_FILE, load_prompts, read_ids  # datasets and torch: when needed
+
+    prompts_dir = Path(prompts_dir)
+    train, eval = (list(load_prompts(prompts_dir, split)["id"]) for split in ("train", "eval"))
+    if not (prompts_dir / SEEN_IDS_FILE).exists():
+        raise UserError(f"{prompts_dir} has no {SEEN_IDS_FILE}: it was ingested without --exclude-ids, so its prompts "
+                        f"may include earlier rounds' (delete it and rerun the round)")
+    return train, eval, sorted(read_ids(prompts_dir / SEEN_IDS_FILE, "the ids its ingest skipped as seen"))
 
 
 # --- reading ------------------------------------------------------------------------------------------------------
