@@ -8,13 +8,14 @@ their round, or find it done, and never make a second one; other logs make the n
 own command, as `make demo` runs them (`support.runs.run_stage`): a stage whose folder is complete is skipped on a
 rerun, so a round killed anywhere reruns to the same result.
 
-This version runs a round's first stage and records it:
+This version runs a round's first stages:
   ingest   the logs' prompts that no earlier round ingested (`dflash-train ingest --exclude-ids` with the ids the
            ledger holds), split by the ledger's rule (the first round's); the ledger keeps the new ids by split and
            the seen ones
-The stages after it (the serving drafter's drift, capture with a bounded replay of earlier rounds, the warm start
-from the serving drafter, the paired eval against it, the release) are the next steps of issue 61; the command says
-where the round stopped.
+  capture  the target's answers to the round's new training prompts, tapping the serving drafter's layers
+  train    the recipe, warm-started from the serving drafter (`drafter.init_from`): the candidate
+The stages after them (the serving drafter's drift, a bounded replay of earlier rounds, the paired eval against the
+serving drafter, the release) are the next steps of issue 61; the command says where the round stopped.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from dflash_train.options import add_options, from_args, option
+from dflash_train.options import add_options, at_least, from_args, option
 from dflash_train.prompts import write_ids
 from dflash_train.provenance import LOCK_FILE, OutputClaim, is_complete
 from dflash_train.refresh.rounds import LEDGER_FILE, Round, SplitRule, hash_logs, ingested_ids, load
+from dflash_train.stages.capture.config import CaptureConfig
 from dflash_train.stages.ingest.config import IngestConfig
 from dflash_train.support import runs
 
@@ -40,11 +42,12 @@ ROUND_FOLDER = re.compile(r"round-\d{3,}")
 INTERRUPTED = ("a round enters the ledger (rounds.json) once its ingest is done, and each stage's folder is complete "
                "or marked incomplete: rerun the same command to resume the round")
 SPLIT_NOTE = "; every round of a refresh folder keeps the first round's"
+CAPTURE_MAX_PROMPT_TOKENS = next(f.default for f in dataclasses.fields(CaptureConfig) if f.name == "max_prompt_tokens")
 
 
-def _ingest_option(name: str, note: str = "") -> Any:
-    """Ingest's own option (its default, help and check), which the round's ingest is given as it is."""
-    f = next(f for f in dataclasses.fields(IngestConfig) if f.name == name)
+def _stage_option(stage: type, name: str, note: str = "") -> Any:
+    """A stage's own option (its default, help and check), which the round's stage is given as it is."""
+    f = next(f for f in dataclasses.fields(stage) if f.name == name)
     return option(f.default, help=f.metadata["help"] + note, check=f.metadata["check"])
 
 
@@ -55,11 +58,20 @@ class RefreshConfig:
     serving: str = option(help="the drafter serving now: a drafter folder or a Hub repo id (org/name)")
     serving_revision: str | None = option(None, help="the Hub revision of --serving (branch, tag or commit; default "
                                                      "main): the ledger records the commit it resolved to")
-    target: str = _ingest_option("target")
-    eval_fraction: float = _ingest_option("eval_fraction", SPLIT_NOTE)
-    seed: int | None = _ingest_option("seed", SPLIT_NOTE)
-    scrub: bool = _ingest_option("scrub", SPLIT_NOTE)
-    max_prompt_tokens: int = _ingest_option("max_prompt_tokens")
+    target: str = _stage_option(IngestConfig, "target")
+    eval_fraction: float = _stage_option(IngestConfig, "eval_fraction", SPLIT_NOTE)
+    seed: int | None = _stage_option(IngestConfig, "seed", SPLIT_NOTE)
+    scrub: bool = _stage_option(IngestConfig, "scrub", SPLIT_NOTE)
+    max_prompt_tokens: int = _stage_option(IngestConfig, "max_prompt_tokens")
+    capture_limit: int = option(2000, check=at_least(1), help="the round's new training prompts captured, at most")
+    max_new_tokens: int = _stage_option(CaptureConfig, "max_new_tokens")
+    batch_size: int = _stage_option(CaptureConfig, "batch_size")
+    capture_engine: Literal["own", "vllm"] = option("own", help="who answers the training prompts at capture "
+                                                                "(capture --engine)")
+    recipe: str = option("recipes/smollm2-135m-adapt.yaml", help="the training recipe; its drafter.init_from is the "
+                                                                  "serving drafter (a warm start from it)")
+    train_override: list[str] = option(default_factory=list, metavar="KEY=VALUE",
+                                       help="recipe override, repeatable (e.g. train.max_steps=50)")
 
 
 def refresh(logs: list[str], config: RefreshConfig) -> Round:
@@ -68,7 +80,7 @@ def refresh(logs: list[str], config: RefreshConfig) -> Round:
     runs."""
     hashed = hash_logs(logs)
     out = Path(config.out).resolve()  # the stages run from the checkout's root
-    serving = serving_record(config.serving, config.serving_revision)
+    serving, layers = serving_drafter(config.serving, config.serving_revision)
     with OutputClaim(out, STAGE, legacy=is_refresh_folder):
         ledger = load(out)
         rnd = ledger.begin(hashed, serving, SplitRule(config.eval_fraction, config.seed, config.scrub))
@@ -86,30 +98,57 @@ def refresh(logs: list[str], config: RefreshConfig) -> Round:
                 prompts, [str(Path(p).resolve()) for p in logs], ingest_options(config, folder / KNOWN_IDS_FILE)),
                 log)
             ledger.record_ingest(rnd, *ingested_ids(prompts))
-    print(f"\nrefresh: {rnd.name}: {len(rnd.train) + len(rnd.eval)} new prompt(s) (train {len(rnd.train)}, eval "
-          f"{len(rnd.eval)}), {len(rnd.seen)} seen in earlier rounds, all recorded in {ledger.path}\n"
-          f"refresh: this version stops after a round's ingest (the drift, capture, warm start, paired eval and "
-          f"release are not built yet)", flush=True)
+        print(f"\nrefresh: {rnd.name}: {len(rnd.train) + len(rnd.eval)} new prompt(s) (train {len(rnd.train)}, eval "
+              f"{len(rnd.eval)}), {len(rnd.seen)} seen in earlier rounds, all recorded in {ledger.path}", flush=True)
+        if not rnd.train:
+            print(f"refresh: {rnd.name} has no new training prompt: nothing to train, the serving drafter stays",
+                  flush=True)
+            return rnd
+        store, run = folder / "store", folder / "run"
+        runs.run_stage("capture", store, runs.capture_command(
+            prompts, store, "train", config.capture_limit, config.max_prompt_tokens or CAPTURE_MAX_PROMPT_TOKENS,
+            config.max_new_tokens, ["--target", here(config.target), "--layers", ",".join(map(str, layers)),
+                                    "--engine", config.capture_engine], config.batch_size), log)
+        runs.run_stage("train", run / "drafter", runs.train_command(here(config.recipe), run, [
+            f"data.stores=[{store}]", *warm_start(config, serving), *config.train_override]), log,
+            {"WANDB_MODE": "disabled"})
+    print(f"refresh: {rnd.name}: the candidate, warm-started from the serving drafter: {run / 'drafter'}\n"
+          f"refresh: this version stops there (the drift, replay, paired eval and release are not built yet)",
+          flush=True)
     return rnd
+
+
+def warm_start(config: RefreshConfig, serving: dict[str, Any]) -> list[str]:
+    """The recipe overrides that start training from the serving drafter: its folder, or its Hub repo at the commit
+    the ledger recorded."""
+    if serving.get("repo"):
+        return [f"drafter.init_from={serving['repo']}", f"drafter.init_revision={serving['revision']}"]
+    return [f"drafter.init_from={here(config.serving)}"]
+
+
+def here(path_or_name: str) -> str:
+    """A file or folder of this machine resolved, as the stages get it (they run from the checkout's root); anything
+    else (a target's name, a Hub repo id) as it is."""
+    return str(Path(path_or_name).resolve()) if Path(path_or_name).exists() else path_or_name
 
 
 def ingest_options(config: RefreshConfig, known_ids: Path) -> list[str]:
     """The round's ingest: the refresh's own ingest options, and the ids earlier rounds took, excluded."""
-    target = Path(config.target)
-    return ["--target", str(target.resolve()) if target.is_dir() else config.target,
+    return ["--target", here(config.target),
             "--eval-fraction", str(config.eval_fraction), *(["--seed", str(config.seed)] if config.seed is not None
                                                             else []),
             *([] if config.scrub else ["--no-scrub"]), "--max-prompt-tokens", str(config.max_prompt_tokens),
             "--exclude-ids", str(known_ids)]
 
 
-def serving_record(source: str, revision: str | None) -> dict[str, Any]:
+def serving_drafter(source: str, revision: str | None) -> tuple[dict[str, Any], list[int]]:
     """The serving drafter as the ledger records it (`published.DrafterSource.record`: its Hub repo and the commit
-    the revision resolved to, or its folder's name; its layout and its weights' sha256), read and checked as a warm
-    start from it will read it."""
+    the revision resolved to, or its folder's name; its layout and its weights' sha256), and the target layers it
+    reads (what capture taps for a warm start from it), read and checked as the warm start will read it."""
     from dflash_train.model.published import fetch_drafter, read_drafter
 
-    return read_drafter(fetch_drafter(source, revision, what="--serving")).source.record()
+    drafter = read_drafter(fetch_drafter(source, revision, what="--serving"))
+    return drafter.source.record(), list(drafter.config.target_layer_ids)
 
 
 def is_refresh_folder(out: Path) -> bool:
