@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "train a drafter from a recipe (same as `accelerate launch train.py`)"),
     "eval": ("dflash_train.stages.evaluate.command", "measure acceptance length with real speculative decoding"),
     "push": ("dflash_train.stages.push.command", "write the model card and upload the drafter to the Hugging Face Hub"),
+    "refresh": ("dflash_train.refresh.command",
+                "a round of new logs: only the new prompts, a candidate warm-started from the serving drafter"),
 }
 
 

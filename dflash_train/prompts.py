@@ -27,11 +27,12 @@ from dflash_train import constraints as request_constraints
 from dflash_train import sampling
 from dflash_train.constraints import Constraints
 from dflash_train.errors import UserError, in_brief
-from dflash_train.logs.records import Message, PromptRow, ToolDefinition, iter_records
+from dflash_train.logs.records import PROMPT_ID_HEX, Message, PromptRow, ToolDefinition, iter_records
 from dflash_train.provenance import StageConfig, check_made_by, is_complete, read_json
 from dflash_train.sampling import LoggedSettings
 
 STAGE = "ingest"  # the stage whose output a prompt folder is (its provenance records it)
+SEEN_IDS_FILE = "seen_ids.txt"  # in a folder ingested with --exclude-ids: the excluded ids its logs held
 TURN_KEYS = {"tool_calls": None, "tool_call_id": None, "name": None}  # null in a stored turn that lacks them
 
 
@@ -54,6 +55,7 @@ class SourceReport(TypedDict):
     read: int
     kept: int
     duplicates: int
+    seen: int  # records of a prompt an earlier ingest took (--exclude-ids)
     blank_lines: int
     formats: dict[str, int]  # records by shape (logs.records.Parsed.format)
     truncated_at_cut: int
@@ -68,6 +70,7 @@ class IngestReport(TypedDict):
     read: int
     kept: int
     duplicates: int
+    seen: int  # records of a prompt an earlier ingest took (--exclude-ids), not ingested again
     blank_lines: int
     with_tools: int
     constrained: int
@@ -78,6 +81,7 @@ class IngestReport(TypedDict):
     train: int
     eval: int
     eval_fallback: str | None  # the record eval holds when none fell under the eval fraction
+    seen_prompts: int  # the distinct prompts of the `seen` records (their ids: SEEN_IDS_FILE)
     total_weight: int
     max_weight: int
     stopped_at_max_prompts: bool
@@ -111,6 +115,33 @@ def split_hash(record_id: str, seed: int | None = None) -> float:
     """Uniform in [0, 1): the record is in eval iff this is below the eval fraction."""
     key = record_id if seed is None else f"{seed}:{record_id}"
     return int(hashlib.sha256(key.encode("utf-8")).hexdigest(), 16) / 2**256
+
+
+def read_ids(path: str | Path, what: str) -> set[str]:
+    """The prompt ids of an id file, one a line (blank lines ignored): what `write_ids` writes. A line that is not
+    a prompt id is one line naming the file and the line."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise UserError(f"{path} does not exist ({what})") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} cannot be read ({what}): {in_brief(err)}") from None
+    ids = set()
+    for n, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text:
+            continue
+        if len(text) != PROMPT_ID_HEX or text.strip("0123456789abcdef"):
+            raise UserError(f"{path} line {n}: {text[:80]!r} is not a prompt id ({PROMPT_ID_HEX} hex digits; "
+                            f"{what})")
+        ids.add(text)
+    return ids
+
+
+def write_ids(path: str | Path, ids: Iterable[str]) -> None:
+    """Prompt ids to a file, sorted, one a line (`read_ids` reads it)."""
+    Path(path).write_text("".join(f"{i}\n" for i in sorted(ids)), encoding="utf-8")
 
 
 # ----------------------------------------------------------------------------------------------------------

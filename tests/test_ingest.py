@@ -11,7 +11,7 @@ from dflash_train.logs import values as log_values
 from dflash_train.logs.records import Skip, iter_records, parse_record, prompt_id
 from dflash_train.logs.values import SKIP_REASONS, Bad, SourceStats, read_values
 from dflash_train.pii import KINDS as PII_KINDS
-from dflash_train.prompts import load_prompts, split_hash
+from dflash_train.prompts import SEEN_IDS_FILE, load_prompts, read_ids, split_hash, write_ids
 from dflash_train.provenance import LOCK_FILE, is_complete
 from dflash_train.stages.ingest.command import default_logs, ingest
 from dflash_train.stages.ingest.config import IngestConfig
@@ -439,6 +439,71 @@ def test_at_least_one_eval_record(tmp_path):
     assert len(eval_) == 1 and len(train) == 4
     lowest = min(train | eval_, key=split_hash)
     assert eval_ == {lowest} and report["eval_fallback"] == lowest
+
+
+def prompt_ids(out: Path) -> set:
+    return set().union(*split_ids(out))
+
+
+def test_excluded_ids_are_counted_as_seen_listed_and_kept_out_of_both_splits(tmp_path, capsys):
+    """--exclude-ids (a refresh round's earlier rounds): a record of a listed prompt is seen, not ingested again,
+    and its id is listed beside the report; the counts still add up."""
+    rows = [{"prompt": f"question number {i}: how far is town {i}?"} for i in range(50)]
+    run_ingest([write_jsonl(tmp_path / "day1.jsonl", rows[:30])], tmp_path / "day1", eval_fraction=0.2)
+    earlier = prompt_ids(tmp_path / "day1")
+    write_ids(tmp_path / "known.txt", earlier)
+    day2 = write_jsonl(tmp_path / "day2.jsonl", rows[20:] + [rows[25], rows[40]])  # one seen twice, one new twice
+    argv = ["ingest", str(day2), "--out", str(tmp_path / "day2"), "--eval-fraction", "0.2", "--max-prompt-tokens",
+            "0", "--exclude-ids", str(tmp_path / "known.txt")]
+    assert cli_main(argv) == 0
+    assert ("seen before: 11 record(s) of 10 prompt(s) an earlier ingest took (--exclude-ids), not ingested again "
+            "(their ids: seen_ids.txt)") in capsys.readouterr().out
+    report = json.loads((tmp_path / "day2" / "report.json").read_text())
+    new = prompt_ids(tmp_path / "day2")
+    assert len(new) == report["kept"] == 20 and not new & earlier
+    seen = read_ids(tmp_path / "day2" / SEEN_IDS_FILE, "seen")
+    assert len(seen) == report["seen_prompts"] == 10 and seen < earlier
+    assert (report["seen"], report["duplicates"]) == (11, 1)
+    for counts in (report, *report["sources"]):
+        assert counts["read"] == counts["kept"] + counts["duplicates"] + counts["seen"] + sum(
+            counts[r] for r in SKIP_REASONS)
+    # the split of the new prompts is the hash rule's, as without exclusion
+    train, eval_ = split_ids(tmp_path / "day2")
+    assert all(split_hash(i) < 0.2 for i in eval_) and all(split_hash(i) >= 0.2 for i in train)
+    # without --exclude-ids there is no seen list, and a rerun into the folder removes a stale one
+    run_ingest([day2], tmp_path / "day2", eval_fraction=0.2)
+    assert not (tmp_path / "day2" / SEEN_IDS_FILE).exists() and prompt_ids(tmp_path / "day2") > new
+
+
+def test_the_one_eval_fallback_picks_among_the_new_prompts_only(tmp_path):
+    """A seen prompt's split was decided before: the fallback must not hold one out again, nor leave the new ones
+    without a held-out prompt."""
+    rows = [{"prompt": f"p{i}"} for i in range(8)]
+    run_ingest([write_jsonl(tmp_path / "a.jsonl", rows[:4])], tmp_path / "a", eval_fraction=1e-9)
+    write_ids(tmp_path / "known.txt", prompt_ids(tmp_path / "a"))
+    report = run_ingest([write_jsonl(tmp_path / "b.jsonl", rows)], tmp_path / "b", eval_fraction=1e-9,
+                        exclude_ids=str(tmp_path / "known.txt"))
+    train, eval_ = split_ids(tmp_path / "b")
+    assert len(train | eval_) == 4 and not (train | eval_) & prompt_ids(tmp_path / "a")
+    assert eval_ == {min(train | eval_, key=split_hash)} == {report["eval_fallback"]}
+
+
+def test_logs_of_seen_prompts_only_say_so_and_a_bad_id_file_is_one_line(tmp_path):
+    log = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"p{i}"} for i in range(3)])
+    out = tmp_path / "out"
+    run_ingest([log], out)
+    before = folder_files(out)
+    write_ids(tmp_path / "known.txt", prompt_ids(out))
+    with pytest.raises(UserError, match=r"no usable prompt in .*a.jsonl: .*; 3 prompt\(s\) ingested before "
+                                        r"\(.*known.txt\), in 3 record\(s\)"):
+        run_ingest([log], out, exclude_ids=str(tmp_path / "known.txt"))
+    (tmp_path / "bad.txt").write_text(f"{min(prompt_ids(out))}\n\nnot-an-id\n")
+    for ids, named in ((tmp_path / "bad.txt", r"bad.txt line 3: 'not-an-id' is not a prompt id \(32 hex digits; "
+                                              r"--exclude-ids\)"),
+                       (tmp_path / "none.txt", r"none.txt does not exist \(--exclude-ids\)")):
+        with pytest.raises(UserError, match=named):
+            run_ingest([log], out, exclude_ids=str(ids))
+    assert folder_files(out) == before and is_complete(out)
 
 
 def test_a_damaged_split_or_another_stages_folder_is_one_line(tmp_path):

@@ -20,6 +20,9 @@ from dflash_train.logs.values import Bad, SourceStats, read_values
 from dflash_train.pii import scrub_text
 
 
+PROMPT_ID_HEX = 32  # hex digits of a prompt id (`prompt_id`): 128 bits
+
+
 class Skip(Exception):
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
@@ -113,7 +116,7 @@ def prompt_id(messages: list[Message], tools: str | None = None, constraints: Co
     norm = "\x1e".join(turn(m) for m in messages) + ("\x1d" + tools if tools else "")
     shaping = request_constraints.identity(constraints)
     norm += "\x1c" + shaping if shaping else ""
-    return hashlib.sha256(norm.encode("utf-8")).hexdigest()[:32]
+    return hashlib.sha256(norm.encode("utf-8")).hexdigest()[:PROMPT_ID_HEX]
 
 
 def parse_record(value: Any) -> Parsed:

@@ -6,8 +6,8 @@ complete (and was made by the same command); parsing `NAME:key=value,key=value` 
 metrics.jsonl and an eval report.json (through dflash_train.eval_report) into table rows; plotting curves;
 describing the machine; writing results.
 Like cli.py, it sits above the stages (it runs their commands from the checkout's root and reads what they wrote),
-not among the services they stand on. Everything here except running commands is pure and covered by
-tests/test_scripts.py.
+not among the services they stand on; `dflash-train refresh` runs each round's stages through it. Everything here
+except running commands is pure and covered by tests/test_scripts.py.
 """
 
 from __future__ import annotations

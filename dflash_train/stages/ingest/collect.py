@@ -75,10 +75,14 @@ class TokenLimit:
 
 class Collector:
     """The first pass: dedups records, applies the token limit in batches and appends the kept ones to a
-    temporary JSON-lines file, counting everything in the records' SourceStats."""
+    temporary JSON-lines file, counting everything in the records' SourceStats. Records of an excluded id are
+    counted as seen and go no further: the split (and its one-eval fallback) is decided among the new prompts
+    only."""
 
-    def __init__(self, sink, limit: TokenLimit | None, config: IngestConfig):
+    def __init__(self, sink, limit: TokenLimit | None, config: IngestConfig, excluded: set[str] = frozenset()):
         self.sink, self.limit, self.config = sink, limit, config
+        self.excluded = excluded  # ids taken by earlier ingests (--exclude-ids): counted as seen, not kept
+        self.seen: set[str] = set()  # the excluded ids found in these logs
         self.occurrences: dict[str, int] = {}  # prompt id -> times seen: the dedup set; its values become weights
         self.rejected: dict[str, str] = {}  # prompt id -> reason, for prompts the token limit or template refused
         self.pending: list[tuple[str, PromptRow, SourceStats]] = []
@@ -90,6 +94,10 @@ class Collector:
 
     def add(self, where: str, record: PromptRow, stats: SourceStats) -> None:
         rid = record["id"]
+        if rid in self.excluded:  # before the limits: an earlier ingest took it as it was, whatever they say now
+            self.seen.add(rid)
+            stats.counts["seen"] += 1
+            return
         if rid in self.occurrences:
             self.occurrences[rid] += 1
             if rid in self.rejected:

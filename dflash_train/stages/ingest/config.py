@@ -26,6 +26,11 @@ class IngestConfig:
     max_bad_fraction: float = option(0.5, check=in_range(0, 1),
                                      help="fail when a file has a larger share of malformed/unknown/empty/non-UTF-8 "
                                           "records")
+    exclude_ids: str | None = option(None, metavar="FILE",
+                                     help="a file of prompt ids, one a line, that earlier ingests took (a refresh "
+                                          "round's earlier rounds): their records are counted as seen and not "
+                                          "ingested again, so their split stays the one decided then; the ids "
+                                          "found are listed in --out's seen_ids.txt")
     progress: bool = True
 
     def validate(self) -> None:

@@ -9,7 +9,7 @@ from typing import Iterable
 
 from dflash_train.logs.values import BAD_REASONS, SKIP_REASONS, SKIPPED_FILE, SourceStats
 from dflash_train.pii import KINDS as PII_KINDS
-from dflash_train.prompts import IngestReport
+from dflash_train.prompts import SEEN_IDS_FILE, IngestReport
 from dflash_train.stages.ingest.config import IngestConfig
 
 
@@ -25,16 +25,17 @@ def format_counts(counts: Counter | dict, keys: Iterable[str] = SKIP_REASONS) ->
 
 
 def build_report(sources: list[SourceStats], paths: list[Path], config: IngestConfig, splits: dict,
-                 fallback_id: str | None, stopped_at_max: bool, weight_stats: tuple[int, int],
+                 fallback_id: str | None, stopped_at_max: bool, weight_stats: tuple[int, int], seen_prompts: int,
                  wall_s: float) -> IngestReport:
-    """report.json: the counts of every source and their totals, what was kept and split, and the config."""
+    """report.json: the counts of every source and their totals, what was kept and split, and the config.
+    `seen_prompts`: how many of the --exclude-ids prompts the logs held (their records: `seen`)."""
     totals = source_totals(sources)
     pii: Counter = Counter()
     formats: Counter = Counter()
     for s in sources:
         pii.update(s.pii)
         formats.update(s.formats)
-    report: IngestReport = {key: totals[key] for key in ("read", "kept", "duplicates") + SKIP_REASONS}
+    report: IngestReport = {key: totals[key] for key in ("read", "kept", "duplicates", "seen") + SKIP_REASONS}
     report.update({
         "blank_lines": totals["blank_lines"],
         "with_tools": totals["with_tools"],  # records with tool calls, tool results or tool definitions
@@ -46,12 +47,13 @@ def build_report(sources: list[SourceStats], paths: list[Path], config: IngestCo
         "train": len(splits["train"]),
         "eval": len(splits["eval"]),
         "eval_fallback": fallback_id,
+        "seen_prompts": seen_prompts,
         "total_weight": weight_stats[0],
         "max_weight": weight_stats[1],
         "stopped_at_max_prompts": stopped_at_max,
         "unread_files": [str(p) for p in paths[len(sources):]],
-        "sources": [{"name": s.name, "path": str(p), **{k: s.counts[k] for k in ("read", "kept", "duplicates")
-                                                          + SKIP_REASONS + ("blank_lines",)},
+        "sources": [{"name": s.name, "path": str(p),
+                     **{k: s.counts[k] for k in ("read", "kept", "duplicates", "seen", *SKIP_REASONS, "blank_lines")},
                      "formats": dict(s.formats), "truncated_at_cut": s.truncated_at_cut, "stopped_at": s.stopped_at,
                      "damaged": s.damaged,
                      "examples": s.examples} for s, p in zip(sources, paths)],
@@ -76,6 +78,9 @@ def format_report(report: IngestReport, out_dir: str | Path | None = None) -> st
     if report.get("with_tools"):
         lines.append(f"  tool-calling traffic: {report['with_tools']} record(s) with tool calls, results or "
                      f"definitions")
+    if report["config"].get("exclude_ids") is not None:
+        lines.append(f"  seen before: {report['seen']} record(s) of {report['seen_prompts']} prompt(s) an earlier "
+                     f"ingest took (--exclude-ids), not ingested again (their ids: {SEEN_IDS_FILE})")
     if report["eval_fallback"]:
         lines.append(f"  no record fell under the eval fraction: eval holds the lowest-hash record "
                      f"{report['eval_fallback']}")
