@@ -335,7 +335,7 @@ def probe_engine(args: argparse.Namespace, target, requests: list[tuple[list[int
             rates["engine_mean_new_tokens"] = statistics.mean(  # 43 tokens by the timed 3 router prompts, 62 by the
                 min(n, args.eval_max_new_tokens) for n in new)   # 24 (the eval's held-out 20 decoded 62)
         if capture:  # plain decoding at the eval's length; the free speculators walked over the sample's answers
-            at_length = eval_length_rates(result, [ids for ids, _ in sample], args.eval_max_new_tokens,
+            at_length = eval_length_rates(result, sample_requests, args.eval_max_new_tokens,
                                           rates["engine_mean_new_tokens"], asked)
             rates["engine_free_slowdown"].update(at_length.pop("engine_free_slowdown", {}))
             rates.update(at_length)
@@ -363,10 +363,10 @@ def engine_decoding_rates(result) -> dict[str, float | list[float] | dict[str, f
             **({"engine_step_cost": step_cost_line(costs)} if None not in costs.values() else {})}
 
 
-def eval_length_rates(result, prompts: list[list[int]], cap: int, new_tokens: float,
-                      free: list[tuple[str, int]]) -> dict:
+def eval_length_rates(result, sample: list, cap: int, new_tokens: float, free: list[tuple[str, int]]) -> dict:
     """Plain decoding's and the free speculators' figures at the eval's request length (`new_tokens`, the capture
-    sample's answers under the eval's cap), from the timed runs and the capture sample's answers:
+    sample's answers under the eval's cap), from the timed runs and the capture sample's answers (`sample`: its
+    EngineRequests, each paired with its answer by id; a request the engine refused has none):
 
     - plain decoding's whole-request rate at that length: its timed runs' fixed part (the prefill and the engine's
       overhead: their wall less their decode phase) once, then its tokens at the decode phase's rate. The three timed
@@ -395,7 +395,8 @@ def eval_length_rates(result, prompts: list[list[int]], cap: int, new_tokens: fl
     if not timed:
         return rates
     cost = sum(row.step_cost * row.num_steps for row in timed) / sum(row.num_steps for row in timed)
-    answers = [(prompt, output.token_ids) for prompt, output in zip(prompts, result.capture_sample)]
+    answered = {output.id: output.token_ids for output in result.capture_sample}
+    answers = [(r.prompt_token_ids, answered[r.id]) for r in sample if r.id in answered]
     taus = {method: tau for method, k in free if (tau := free_walk(method, answers, k, cap).tau)}
     return {**rates, "engine_free_tau": {m: round(tau, 3) for m, tau in taus.items()},
             "engine_free_step_cost": round(cost, 3),
