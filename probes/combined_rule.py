@@ -34,12 +34,13 @@ from pathlib import Path
 
 import torch
 
-from ngram_baseline import accepted, lookup_lengths, segment_ends
+from ngram_baseline import lookup_lengths, segment_ends
 
 from dflash_train.model.checkpoint import load_drafter
 from dflash_train.objective import all_anchors, decoding_walk, simulated_acceptance
 from dflash_train.spec_decode.lookup import SUFFIX_SCORE, CombinedRule, parse_combined
 from dflash_train.spec_decode.suffix import SuffixSource, replay_answer
+from dflash_train.spec_decode.walk import accepted_length
 from dflash_train.store.reader import open_store
 from dflash_train.support import runs
 from dflash_train.target import DEFAULT_TARGET, load_embedding_and_head
@@ -108,7 +109,7 @@ def anchor_table(drafter, embed, head, sample: dict, block_size: int, k_lookup: 
         tree, req_id, k_suffix = suffix
         end = segment_ends(mask)
         for row, draft in zip(rows, replay_answer(tree, req_id, ids, positions, k_suffix), strict=True):
-            row |= {"suffix": 1 + accepted(draft.token_ids, ids, row["at"] + 1, end[row["at"] + 1]),
+            row |= {"suffix": 1 + accepted_length(draft.token_ids, ids, row["at"] + 1, end[row["at"] + 1]),
                     "score": draft.score, "slen": len(draft.token_ids)}
     return rows
 

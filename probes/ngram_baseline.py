@@ -34,6 +34,7 @@ import torch
 
 from dflash_train.stages.train.data import StoreSet, split_eval
 from dflash_train.spec_decode.lookup import lookup_draft, lookup_match
+from dflash_train.spec_decode.walk import accepted_length
 from dflash_train.objective import anchor_candidates
 
 Sequence = tuple[list[int], list[bool]]  # token ids, loss mask (True on response tokens)
@@ -71,14 +72,6 @@ def slot1_accuracy(bigram: dict[int, Counter], trigram: dict[tuple[int, int], Co
     return {"anchors": n, **{k: v / n if n else float("nan") for k, v in hits.items()}}
 
 
-def accepted(draft: list[int], ids: list[int], at: int, end: int) -> int:
-    """How many leading drafts equal the target's tokens ids[at:end] (a draft past `end` cannot be verified)."""
-    n = 0
-    while n < len(draft) and at + n < end and draft[n] == ids[at + n]:
-        n += 1
-    return n
-
-
 def lookup_tau(sequences: list[Sequence], k: int) -> dict[str, float]:
     """Prompt lookup at speculation length k on each sequence's response: tokens per verification step, the first
     response token being the anchor of the first step (the prefill wrote it). Mean over sequences, and over all
@@ -90,7 +83,7 @@ def lookup_tau(sequences: list[Sequence], k: int) -> dict[str, float]:
             continue
         i, end, n_steps = response[0] + 1, response[-1] + 1, 0  # ids[:i] is known; ids[i:end] is to decode
         while i < end:
-            i += min(accepted(lookup_draft(ids[:i], k), ids, i, end) + 1, end - i)
+            i += min(accepted_length(lookup_draft(ids[:i], k), ids, i, end) + 1, end - i)
             n_steps += 1
         taus.append((end - response[0] - 1) / n_steps)
         tokens, steps = tokens + end - response[0] - 1, steps + n_steps
@@ -114,7 +107,7 @@ def lookup_lengths(ids: list[int], mask: list[bool], block_size: int, matched: l
     lengths = []
     for a in anchors(mask, first=0):
         draft, n = lookup_match(ids[:a + 1], block_size - 1)
-        lengths.append(1 + accepted(draft, ids, a + 1, segment_end[a + 1]))
+        lengths.append(1 + accepted_length(draft, ids, a + 1, segment_end[a + 1]))
         if matched is not None:
             matched.append(n)
     return lengths

@@ -34,11 +34,11 @@ class Walk:
         return self.tokens / self.steps if self.steps else None
 
 
-def accepted_length(draft: Sequence[int], answer: Sequence[int], at: int) -> int:
-    """How many of `draft`'s tokens the target keeps at answer position `at`: its longest prefix equal to the
-    answer's next tokens."""
+def accepted_length(draft: Sequence[int], ids: Sequence[int], at: int, end: int | None = None) -> int:
+    """How many of `draft`'s tokens the target keeps at position `at` of `ids`: its longest prefix equal to
+    ids[at:end] (a draft past `end`, the end of the answer it verifies, cannot be kept)."""
     n = 0
-    for token, truth in zip(draft, answer[at:]):
+    for token, truth in zip(draft, ids[at:end]):
         if token != truth:
             break
         n += 1
@@ -47,12 +47,13 @@ def accepted_length(draft: Sequence[int], answer: Sequence[int], at: int) -> int
 
 def walk_answer(drafts: Sequence[Sequence[int]], answer: Sequence[int]) -> tuple[int, int]:
     """(steps, tokens committed) of greedy decoding through `answer` given the draft at every answer position
-    (drafts[j]: the draft from the prompt and answer[:j]; drafts[0] unused: the prefill gives answer[0])."""
-    steps, j = 0, 1
-    while j < len(answer):
-        j += min(accepted_length(drafts[j], answer, j) + 1, len(answer) - j)
-        steps += 1
-    return steps, len(answer) - 1 if len(answer) > 1 else 0
+    (drafts[j]: the draft from the prompt and answer[:j]; drafts[0] unused: the prefill gives answer[0]); the steps
+    are the positions greedy decoding visits (`objective.decoding_walk`)."""
+    from dflash_train.objective import decoding_walk
+
+    positions = list(range(1, len(answer)))
+    committed = [min(accepted_length(drafts[j], answer, j) + 1, len(answer) - j) for j in positions]
+    return len(decoding_walk(positions, committed)), max(0, len(answer) - 1)
 
 
 def free_walk(method: str, requests: Sequence[tuple[Sequence[int], Sequence[int]]], k: int,
@@ -64,7 +65,7 @@ def free_walk(method: str, requests: Sequence[tuple[Sequence[int], Sequence[int]
         raise ValueError(f"free_walk: method {method!r} is not one of {FREE_METHODS}")
     tree = None
     if method == "suffix":
-        from dflash_train.spec_decode.suffix import SuffixSource
+        from dflash_train.spec_decode.suffix import SuffixSource, replay_answer
 
         tree = SuffixSource()
     per_answer = []
@@ -72,8 +73,6 @@ def free_walk(method: str, requests: Sequence[tuple[Sequence[int], Sequence[int]
         prompt, answer = list(prompt), list(answer[:max_answer_tokens])
         ids = prompt + answer
         if tree is not None:
-            from dflash_train.spec_decode.suffix import replay_answer
-
             anchors = range(len(prompt), len(ids) - 1)  # context ids[:a + 1]: the prompt and answer[:a - len + 1]
             drafts = [[]] + [d.token_ids for d in replay_answer(tree, f"walk-{i}", ids, list(anchors), k)]
         else:
