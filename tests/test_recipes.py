@@ -60,6 +60,7 @@ def test_production_recipes_follow_the_dflash_literature(name):
     assert (r.drafter.num_layers, r.objective.num_anchors, r.train.epochs, r.data.max_length) == (5, 512, 6, 3072)
     assert r.optimizer.lr == 6e-4 and r.optimizer.schedule == "cosine" and r.drafter.init == "random"
     assert r.decay_gamma == 7.0
+    assert r.data.replay_stores == [] and r.data.replay_samples is None  # no replay: data.stores alone train
     assert r.train.precision == "auto" and r.train.deepspeed.endswith("zero2.json")
 
 
@@ -102,6 +103,11 @@ def _write(tmp_path, text: str) -> Path:
     ("data: {stores: [s]}\ntrain: {precision: fp16}\n", r"'train.precision' must be 'auto' \| 'bf16' \| 'fp32'"),
     ("data: {stores: [s]}\noptimizer: 3\n", r"'optimizer' must be a mapping"),
     ("data: {stores: []}\n", r"key 'data.stores' must list at least one"),
+    ("data: {stores: [s], replay_samples: -1}\n", r"key 'data.replay_samples' must be >= 0, got -1"),
+    ("data: {stores: [s], replay_stores: [r, ./s]}\n", r"key 'data.replay_stores' must list each store once and "
+                                                       r"none of data.stores"),
+    ("data: {stores: [s], eval_store: e, replay_stores: [r, r]}\n", r"key 'data.replay_stores' must list each"),
+    ("data: {stores: [s], eval_store: e, replay_stores: [e]}\n", r"key 'data.replay_stores' .*data.eval_store"),
     ("data: {stores: [s]}\noptimizer: {warmup_ratio: 1.5}\n", r"'optimizer.warmup_ratio' must be in \[0, 1\)"),
     ("data: {stores: [s]}\ntrain: {deepspeed: nowhere.json}\n", r"'train.deepspeed' names nowhere.json"),
     ("- a\n- b\n", r"top level must be a mapping"),

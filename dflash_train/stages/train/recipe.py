@@ -32,6 +32,13 @@ class DataSection:
     max_length: int = 3072  # longer samples are truncated to their first max_length tokens
     batching: Literal["padding", "packing"] = "padding"  # packing: whole samples back to back up to max_length
     max_samples: int | None = None  # train on the first N training samples only (data-size curves); None = all
+    # earlier rounds' capture stores trained beside `stores` so the drafter keeps what it knew (a refresh round): they
+    # must fit `stores` (target, taps, hidden size), are never held out (eval_fraction, eval_store and max_samples
+    # concern `stores` alone), and a sample whose id is held out from `stores` does not train from them either
+    replay_stores: list[str] = field(default_factory=list)
+    # at most this many replay samples train, those whose id hashes lowest: the same ones in every run and resume,
+    # whatever the order of replay_stores; None = all of them
+    replay_samples: int | None = None
     # Where the drafter's input states come from. stored: the store's tapped states, as captured. online: the frozen
     # target (all of it, on every rank, in train.precision) computes them for each micro batch without gradients;
     # token-only stores (capture --storage none) need it, and a store's own states are then not read
@@ -327,6 +334,11 @@ def check_recipe(recipe: Recipe, source: str) -> None:
     need(recipe.data.eval_samples >= 1, "data.eval_samples", "must be >= 1")
     need(recipe.data.max_length >= 2, "data.max_length", "must be >= 2")
     need(recipe.data.max_samples is None or recipe.data.max_samples >= 1, "data.max_samples", "must be >= 1")
+    need(recipe.data.replay_samples is None or recipe.data.replay_samples >= 0, "data.replay_samples", "must be >= 0")
+    read = {str(Path(f).expanduser().resolve()) for f in [*recipe.data.stores, recipe.data.eval_store] if f}
+    replay = [str(Path(f).expanduser().resolve()) for f in recipe.data.replay_stores]
+    need(len(set(replay)) == len(replay) and not read.intersection(replay), "data.replay_stores",
+         "must list each store once and none of data.stores or data.eval_store (their held-out samples would train)")
     need(recipe.train.time_budget_s is None or recipe.train.time_budget_s > 0, "train.time_budget_s", "must be > 0")
     need(0.0 < recipe.optimizer.decay_ratio <= 1.0, "optimizer.decay_ratio", "must be in (0, 1]")
     need(recipe.drafter.num_layers is None or recipe.drafter.num_layers >= 1, "drafter.num_layers", "must be >= 1")
