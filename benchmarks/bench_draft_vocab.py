@@ -118,8 +118,12 @@ def main() -> int:
     precision = resolve_precision(args.dtype, "cpu")
     target = load_target(args.target, dtype=precision.dtype)
     _, head = load_embedding_and_head(args.target, dtype=torch.float32)
-    answers, prompt_tokens = token_counts(StoreSet([args.store]))
-    heldout = token_counts(StoreSet([args.heldout]))[0] if args.heldout else None
+    def every_sample(folder: str) -> tuple[Counter, Counter]:
+        stores = StoreSet([folder])
+        return token_counts(stores, list(range(len(stores))))
+
+    answers, prompt_tokens = every_sample(args.store)
+    heldout = every_sample(args.heldout)[0] if args.heldout else None
     requests = heldout_requests(args, target)
     figures: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-vocab-drafters-") as tmp:

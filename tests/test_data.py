@@ -163,3 +163,72 @@ def test_copy_anchor_weight_favours_anchors_the_context_already_holds():
     batch = {"input_ids": ids, "doc_start": torch.zeros_like(ids)}
     assert anchor_weights(batch, 1.0) is None  # uniform: the sampler's own path, bit for bit
     assert anchor_weights(batch, 4.0)[0].tolist() == [1, 1, 1, 1, 4, 1, 1, 4]
+
+
+# --- replaying earlier rounds' stores (data.replay_stores, data.replay_samples) -----------------------------------
+
+
+def replay_store(folder, ids: list[str], layers=(1,), tokens: dict[str, list[int]] | None = None) -> str:
+    """A tiny store of samples with these ids: each sample 4 tokens ([1, 2] prompt, [3, 4] answer unless `tokens`
+    gives its own), all of one target."""
+    from dflash_train.store.writer import StoreWriter
+
+    with StoreWriter(folder, target={"name": "x"}, target_layer_ids=list(layers), hidden_size=8) as writer:
+        for sid in ids:
+            got = torch.tensor((tokens or {}).get(sid, [1, 2, 3, 4]))
+            writer.add(got, torch.arange(len(got)) >= 2, torch.randn(len(got), 8 * len(layers)), id=sid)
+    return str(folder)
+
+
+def replay_recipe(stores: list[str], replay: list[str], **data):
+    from dflash_train.stages.train.recipe import Recipe
+
+    recipe = Recipe()
+    recipe.data.stores, recipe.data.replay_stores = stores, replay
+    for key, value in data.items():
+        setattr(recipe.data, key, value)
+    return recipe
+
+
+def test_replay_samples_are_chosen_by_their_ids_bounded_and_never_held_out(tmp_path):
+    """The replay samples that train are the same in every run and whatever the order of the replay stores,
+    data.replay_samples bounds them, max_samples and the eval split leave them alone, and a replay sample whose id
+    is held out from data.stores does not train; the summary says how many trained out of how many."""
+    from dflash_train.stages.train.data import prepare_data
+
+    new = replay_store(tmp_path / "new", [f"n{k}" for k in range(20)])
+    held = {f"n{k}" for k in split_eval([f"n{k}" for k in range(20)], 0.3)[1]}
+    assert held
+    r1 = replay_store(tmp_path / "r1", [f"a{k}" for k in range(10)] + sorted(held))  # an eval id again, as if seen
+    r2 = replay_store(tmp_path / "r2", [f"b{k}" for k in range(10)])
+
+    def trained(stores, replay, **data):
+        got = prepare_data(replay_recipe(stores, replay, eval_fraction=0.3, **data), 1)
+        ids = got.stores.ids()
+        return ([ids[i] for i in got.train_indices if i < got.stores.replay_start],
+                {ids[i] for i in got.train_indices if i >= got.stores.replay_start}, {s["id"] for s in got.eval_samples},
+                got)
+
+    train, chosen, eval_ids, data = trained([new], [r1, r2], replay_samples=5)
+    assert set(train) == {f"n{k}" for k in range(20)} - held and len(chosen) == 5
+    assert eval_ids == held  # the eval samples come from data.stores only
+    assert trained([new], [r2, r1], replay_samples=5)[1] == chosen  # stable, whatever the replay stores' order
+    everything = trained([new], [r1, r2])[1]
+    assert everything == {f"a{k}" for k in range(10)} | {f"b{k}" for k in range(10)}  # held-out ids never train
+    assert chosen < everything and trained([new], [r1, r2], replay_samples=0)[1] == set()
+    few, chosen_few, _, _ = trained([new], [r1, r2], replay_samples=5, max_samples=3)
+    assert len(few) == 3 and chosen_few == chosen  # max_samples concerns data.stores alone
+    summary = data.stores.summary(data.train_indices)
+    assert [s["replay"] for s in summary["stores"]] == [False, True, True]
+    assert (summary["replay_samples_trained"], summary["replay_samples_total"]) == (5, 20 + len(held))
+    assert "replay_samples_trained" not in prepare_data(replay_recipe([new], []), 1).stores.summary([0])
+
+
+def test_a_replay_store_that_does_not_fit_is_one_line_naming_it(tmp_path):
+    from dflash_train.stages.train.data import prepare_data
+
+    new = replay_store(tmp_path / "new", ["n0", "n1"])
+    odd = replay_store(tmp_path / "odd", ["o0"], layers=(2,))
+    with pytest.raises(UserError, match=rf"^replay store {tmp_path / 'odd'} \(data.replay_stores\) does not fit store "
+                                        rf"{tmp_path / 'new'} .*target_layer_ids \[2\] != \[1\]$"):
+        prepare_data(replay_recipe([new], [odd]), 1)

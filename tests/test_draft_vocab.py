@@ -35,9 +35,26 @@ def test_token_counts_read_every_shard_without_the_states_and_weigh_each_sample_
         folders.append(str(tmp_path / name))
     stores = StoreSet(folders)
     assert sum(len(store._shards) for store in stores.stores) == 3
-    answers, prompts = token_counts(stores)
+    answers, prompts = token_counts(stores, [0, 1, 2])
     assert answers == Counter({5: 4, 6: 2 + 2, 7: 1, 8: 6, 9: 3})
     assert prompts == Counter({1: 3, 2: 3, 3: 2, 4: 3})
-    vocab = choose_draft_vocabulary(stores, 4, [0])
+    vocab = choose_draft_vocabulary(stores, [0, 1, 2], 4, [0])
     assert vocab["ids"] == [0, 5, 6, 8] and vocab["answer_ids"] == 5
     assert vocab["answer_tokens_covered"] == round((4 + 4 + 6) / 18, 4)
+
+
+def test_only_the_samples_that_train_are_counted(tmp_path):
+    """Held-out samples and replay samples data.replay_samples leaves out add no id: a token only they use is not
+    drafted."""
+    from test_data import replay_recipe, replay_store
+
+    from dflash_train.stages.train.data import prepare_data
+
+    new = replay_store(tmp_path / "new", [f"n{k}" for k in range(8)])
+    ids = [f"r{k}" for k in range(6)]
+    old = replay_store(tmp_path / "old", ids, tokens={sid: [1, 2, 3, 100 + k] for k, sid in enumerate(ids)})
+    data = prepare_data(replay_recipe([new], [old], eval_fraction=0.3, replay_samples=2), 1)
+    trained = [data.stores.ids()[i] for i in data.train_indices]
+    answers, _ = token_counts(data.stores, data.train_indices)
+    assert set(answers) == {3, 4} | {100 + k for k, sid in enumerate(ids) if sid in trained}
+    assert sum(answers.values()) == 2 * len(trained) and len(answers) == 4  # 2 answer tokens a sample, 2 replayed

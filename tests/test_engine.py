@@ -317,9 +317,10 @@ def test_a_draft_vocabulary_drafts_the_same_in_vllm_as_in_the_own_loop(overfit_d
     from dflash_train.target import checkpoint_stop_token_ids, load_embedding_and_head, load_tokenizer
 
     stores = StoreSet([str(engine_store)])
-    used = choose_draft_vocabulary(stores, 10 ** 6, [])["answer_ids"]
-    vocab = choose_draft_vocabulary(stores, used // 2, checkpoint_stop_token_ids(engine_target,
-                                                                                  load_tokenizer(str(engine_target))))
+    every = list(range(len(stores)))
+    used = choose_draft_vocabulary(stores, every, 10 ** 6, [])["answer_ids"]
+    vocab = choose_draft_vocabulary(stores, every, used // 2,
+                                    checkpoint_stop_token_ids(engine_target, load_tokenizer(str(engine_target))))
     whole, config = load_drafter(overfit_drafter)
     config, rows = draft_vocabulary(config, load_embedding_and_head(str(engine_target))[1], vocab["ids"])
     cut = create_drafter(config)

@@ -17,7 +17,7 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 import torch
 
@@ -121,13 +121,17 @@ class StoreSummary(TypedDict):
     kind: str  # states | tokens
     ingest_report: IngestReport | None
     prompts: PromptSet | None
+    replay: NotRequired[bool]  # an earlier round's store (recipe data.replay_stores); absent in older runs
 
 
 class DataSummary(TypedDict):
-    """training_args.json's `data` (stages/train/data.StoreSet.summary): every store, and their totals."""
+    """training_args.json's `data` (stages/train/data.StoreSet.summary): every store, and their totals; with replay
+    stores, how many of their samples trained out of how many they hold (recipe data.replay_samples)."""
     stores: list[StoreSummary]
     num_samples: int
     num_tokens: int
+    replay_samples_trained: NotRequired[int]
+    replay_samples_total: NotRequired[int]
 
 
 class DraftVocabularyRecord(TypedDict):

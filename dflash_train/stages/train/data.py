@@ -1,8 +1,9 @@
 """Training data from capture stores: which samples train and which are held out, how they form rows and batches,
 and which rows every (step, micro step, rank) reads.
 
-    stores = StoreSet(["data/store/a", "data/store/b"])     several stores that must agree (check_fits), one list
+    stores = StoreSet(["data/store/a"], ["data/store/r0"])  stores that must agree (check_fits), one list, replay last
     train_idx, held = split_eval(stores.ids(), 0.1)          held out by a hash of the sample id: stable across runs
+    replay = choose_replay(ids, candidates, 1000)            earlier rounds' samples that train too: by a hash of the id
     rows = make_rows(train_idx, lengths, 1024, packing, seed) one sample per row, or samples packed back to back
     plan = DataPlan(rows, world, micro_batch, grad_accum, seed)  a seeded permutation of the rows per epoch
     batch = collate([[stores[i] for i in row] for row in plan.rows_for(step, micro, rank)], max_length)
@@ -35,21 +36,30 @@ from dflash_train.target import Features, check_fits
 
 
 class StoreSet:
-    """Several capture stores that must agree on target, tapped layers and hidden size, seen as one list."""
+    """Several capture stores that must agree on target, tapped layers and hidden size, seen as one list: the
+    training stores, then the replay stores (earlier rounds' samples, recipe data.replay_stores), whose samples are
+    the indices from `replay_start` on."""
 
-    def __init__(self, folders: list[str]):
+    def __init__(self, folders: list[str], replay: list[str] = ()):
         from dflash_train.store.reader import open_store
 
         if not folders:
             raise UserError("no capture store given (recipe key data.stores)")
-        self.stores = [open_store(f) for f in folders]
-        self.folders = [str(f) for f in folders]
+        self.folders = [str(f) for f in [*folders, *replay]]
+        self.stores = [open_store(f) for f in self.folders]
+        self.num_replay_stores = len(replay)
         first = self.stores[0].manifest
-        for folder, store in zip(self.folders[1:], self.stores[1:]):
-            check_fits(f"store {folder}", Features.of_store(store.manifest),
+        for k, (folder, store) in enumerate(zip(self.folders[1:], self.stores[1:]), start=1):
+            what = f"replay store {folder} (data.replay_stores)" if self.is_replay(k) else f"store {folder}"
+            check_fits(what, Features.of_store(store.manifest),
                        f"store {self.folders[0]} (stores trained together must match)", Features.of_store(first))
         self.index = [(s, i) for s, store in enumerate(self.stores) for i in range(len(store))]
+        self.replay_start = sum(len(store) for store in self.stores[:len(self.stores) - self.num_replay_stores])
         self.manifest = first
+
+    def is_replay(self, s: int) -> bool:
+        """Whether store number `s` is a replay store."""
+        return s >= len(self.stores) - self.num_replay_stores
 
     def __len__(self) -> int:
         return len(self.index)
@@ -67,13 +77,20 @@ class StoreSet:
             self._ids = [i for store in self.stores for i in store.ids]
         return self._ids
 
-    def summary(self) -> DataSummary:
-        return {"stores": [{"path": f, "num_samples": s.manifest["num_samples"], "num_tokens": s.manifest["num_tokens"],
-                            "generation": s.manifest.get("generation"), "storage_dtype": s.manifest["storage_dtype"],
-                            "kind": store_kind(s.manifest),
-                            "ingest_report": s.manifest.get("ingest_report"), "prompts": s.manifest.get("prompts")}
-                           for f, s in zip(self.folders, self.stores)],
-                "num_samples": len(self), "num_tokens": sum(s.manifest["num_tokens"] for s in self.stores)}
+    def summary(self, train_indices: list[int] | None = None) -> DataSummary:
+        """Every store's counts and settings, and the totals; with replay stores, how many of their samples trained
+        (of `train_indices`) out of how many they hold."""
+        summary: DataSummary = {
+            "stores": [{"path": f, "num_samples": s.manifest["num_samples"], "num_tokens": s.manifest["num_tokens"],
+                        "generation": s.manifest.get("generation"), "storage_dtype": s.manifest["storage_dtype"],
+                        "kind": store_kind(s.manifest), "replay": self.is_replay(k),
+                        "ingest_report": s.manifest.get("ingest_report"), "prompts": s.manifest.get("prompts")}
+                       for k, (f, s) in enumerate(zip(self.folders, self.stores))],
+            "num_samples": len(self), "num_tokens": sum(s.manifest["num_tokens"] for s in self.stores)}
+        if self.num_replay_stores and train_indices is not None:
+            summary["replay_samples_trained"] = sum(i >= self.replay_start for i in train_indices)
+            summary["replay_samples_total"] = len(self) - self.replay_start
+        return summary
 
 
 def _hash_fraction(text: str) -> float:
@@ -85,6 +102,16 @@ def split_eval(ids: list[str], fraction: float) -> tuple[list[int], list[int]]:
     held = [i for i, sid in enumerate(ids) if _hash_fraction("eval:" + sid) < fraction]
     held_set = set(held)
     return [i for i in range(len(ids)) if i not in held_set], held
+
+
+def choose_replay(ids: list[str], candidates: list[int], limit: int | None) -> list[int]:
+    """The replay samples that train (recipe data.replay_samples): at most `limit` of `candidates` (all where None),
+    those whose id hashes lowest, in index order. A pure function of the ids, so the same samples train in every
+    run and resume whatever the order of the replay stores."""
+    if limit is None or limit >= len(candidates):
+        return list(candidates)
+    ranked = sorted(candidates, key=lambda i: (_hash_fraction("replay:" + ids[i]), ids[i]))
+    return sorted(ranked[:limit])
 
 
 def make_rows(indices: list[int], lengths: list[int], max_length: int, packing: bool, seed: int) -> list[list[int]]:
@@ -277,23 +304,30 @@ def check_store_hashes(folders: list[str], rank: int = 0, world: int = 1) -> Non
 
 
 def prepare_data(recipe: Recipe, world: int) -> TrainData:
-    """Open the stores, hold out the eval samples, and lay out the rows every step trains on."""
-    stores = StoreSet(recipe.data.stores)
+    """Open the stores, hold out the eval samples, choose the replay samples, and lay out the rows every step trains
+    on. The eval split, the eval store and max_samples concern data.stores alone; the replay samples that train are
+    added after them, none whose id is held out."""
+    stores = StoreSet(recipe.data.stores, recipe.data.replay_stores)
     check_soft_labels(recipe, stores)
     eval_set = StoreSet([recipe.data.eval_store]) if recipe.data.eval_store else None
     check_state_source(recipe, [stores] + ([eval_set] if eval_set else []))
+    ids, new = stores.ids(), range(stores.replay_start)
     if eval_set is not None:
         check_fits(f"eval store {recipe.data.eval_store}", Features.of_store(eval_set.manifest),
                    "the training stores", Features.of_store(stores.manifest))
-        train_idx = list(range(len(stores)))
+        train_idx, held_ids = list(new), set(eval_set.ids())
         eval_samples = [eval_set[i] for i in range(min(len(eval_set), recipe.data.eval_samples))]
     else:
-        train_idx, held = split_eval(stores.ids(), recipe.data.eval_fraction)
+        train_idx, held = split_eval(ids[:stores.replay_start], recipe.data.eval_fraction)
+        held_ids = {ids[i] for i in held}
         eval_samples = [stores[i] for i in held[:recipe.data.eval_samples]]
     if recipe.data.max_samples is not None:
         train_idx = train_idx[:recipe.data.max_samples]
     if not train_idx:
-        raise UserError(f"no training samples left in {', '.join(stores.folders)} after holding out the eval split")
+        raise UserError(f"no training samples left in {', '.join(recipe.data.stores)} after holding out the eval "
+                        f"split")
+    replay = [i for i in range(stores.replay_start, len(stores)) if ids[i] not in held_ids]
+    train_idx += choose_replay(ids, replay, recipe.data.replay_samples)
     lengths = [stores.length(i) for i in range(len(stores))]
     rows = make_rows(train_idx, lengths, recipe.data.max_length, recipe.data.batching == "packing", recipe.seed)
     plan = DataPlan(rows=rows, world=world, micro_batch=recipe.train.micro_batch_size,

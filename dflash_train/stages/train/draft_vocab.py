@@ -19,15 +19,19 @@ from dflash_train.model.checkpoint import DraftVocabulary
 from dflash_train.stages.train.data import StoreSet
 
 
-def token_counts(stores: StoreSet) -> tuple[Counter, Counter]:
-    """How often each token id occurs in the stores' answers (loss-masked positions) and in the rest (prompts),
-    each sample counted as often as its weight (the copies dedup folded into it)."""
-    answers, prompts = Counter(), Counter()
+def token_counts(stores: StoreSet, indices: list[int]) -> tuple[Counter, Counter]:
+    """How often each token id occurs in the answers (loss-masked positions) and in the rest (prompts) of the samples
+    that train (`indices` into the stores: held-out samples and replay samples not chosen are not counted), each
+    sample counted as often as its weight (the copies dedup folded into it)."""
+    answers, prompts, train, start = Counter(), Counter(), set(indices), 0
     for store in stores.stores:
-        for ids, mask, weight in store.tokens():
+        for j, (ids, mask, weight) in enumerate(store.tokens()):
+            if start + j not in train:
+                continue
             for counts, part in ((answers, ids[mask]), (prompts, ids[~mask])):
                 for token, n in Counter(part.tolist()).items():
                     counts[token] += n * weight
+        start += len(store)
     return answers, prompts
 
 
@@ -38,9 +42,10 @@ def choose(answers: Counter, prompts: Counter, size: int, always: list[int]) -> 
     return sorted(list(ranked)[:size])
 
 
-def choose_draft_vocabulary(stores: StoreSet, size: int, always: list[int]) -> DraftVocabulary:
-    """The ids (`choose`) and what they cover: the share of the training answers' tokens inside them."""
-    answers, prompts = token_counts(stores)
+def choose_draft_vocabulary(stores: StoreSet, indices: list[int], size: int, always: list[int]) -> DraftVocabulary:
+    """The ids (`choose`) of the samples that train (`indices`) and what they cover: the share of their answers'
+    tokens inside them."""
+    answers, prompts = token_counts(stores, indices)
     ids = choose(answers, prompts, size, always)
     inside = set(ids)
     total = sum(answers.values())

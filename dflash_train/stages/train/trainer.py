@@ -83,8 +83,8 @@ class DFlashTrainer:
         self.claim = decided_by_rank0(functools.partial(claim_run_folder, recipe, self.run_dir, self.world),
                                       self.rank, self.world)
         try:  # every rank hashes its share of the shards (a large store would outlast a collective's timeout)
-            check_store_hashes([*recipe.data.stores, *([recipe.data.eval_store] if recipe.data.eval_store else [])],
-                               self.rank, self.world)
+            check_store_hashes([*recipe.data.stores, *recipe.data.replay_stores,
+                                *([recipe.data.eval_store] if recipe.data.eval_store else [])], self.rank, self.world)
         except UserError:
             if self.claim is not None:
                 self.claim.release(failed=True)
@@ -406,24 +406,25 @@ class DFlashTrainer:
         save_drafter(final.to(dtype), config, out)
         recorded = {**summary, "precision": self.precision.as_dict(), **self.state_source(),
                     **({"draft_vocab": {k: v for k, v in vocab.items() if k != "ids"}} if vocab else {})}
-        write_json_atomic(out / "training_args.json",
-                          {"recipe": recipe.to_dict(), "data": self.data.stores.summary(), "run": recorded})
+        data = self.data.stores.summary(self.data.train_indices)
+        write_json_atomic(out / "training_args.json", {"recipe": recipe.to_dict(), "data": data, "run": recorded})
         write_provenance(out, config=recipe.to_dict(), stage=STAGE, run=recorded, stores=self.data.stores.folders)
         complete_output(out)
 
     def choose_draft_vocabulary(self) -> DraftVocabulary | None:
-        """The draft vocabulary of recipe drafter.draft_vocab_size, chosen from the training stores
+        """The draft vocabulary of recipe drafter.draft_vocab_size, chosen from the samples that train
         (stages/train/draft_vocab.py) before the first step: training scores its rows of the head, the export ships
-        them. None where the stores use every id (the whole head is kept)."""
+        them. None where they use every id (the whole head is kept)."""
         from dflash_train.stages.train.draft_vocab import choose_draft_vocabulary
         from dflash_train.target import checkpoint_stop_token_ids, load_tokenizer, resolve_target
 
         path = resolve_target(self.target_name)
         stops = checkpoint_stop_token_ids(path, load_tokenizer(str(path)))
-        vocab = choose_draft_vocabulary(self.data.stores, self.recipe.drafter.draft_vocab_size, stops)
+        vocab = choose_draft_vocabulary(self.data.stores, self.data.train_indices,
+                                        self.recipe.drafter.draft_vocab_size, stops)
         V = self.drafter_config.vocab_size
         if self.main:
-            print(f"draft vocabulary: the training stores use all {V:,} ids: the whole head is kept"
+            print(f"draft vocabulary: the training samples use all {V:,} ids: the whole head is kept"
                   if vocab["size"] >= V else f"draft vocabulary: {vocab['size']:,} of the target's {V:,} ids, "
                   f"{vocab['answer_tokens_covered']:.1%} of the training answers' tokens", flush=True)
         return None if vocab["size"] >= V else vocab
