@@ -590,6 +590,21 @@ def test_data_summary_rows_drop_anything_that_could_be_text():
                     "\"org/drafter\", \"num_speculative_tokens\": 15, \"revision\": \"v2\"}'")
 
 
+def test_the_card_marks_a_replayed_store_and_the_trainer_says_how_many_of_its_samples_trained():
+    from dflash_train.stages.push.command import data_summary
+
+    store = {"num_samples": 4, "num_tokens": 40, "storage_dtype": "bf16", "ingest_report": None}
+    args = {"recipe": {}, "data": {"stores": [{"path": "/d/new", **store}, {"path": "/d/old", **store, "replay": True}],
+                                   "num_samples": 8, "num_tokens": 80, "replay_samples_trained": 3,
+                                   "replay_samples_total": 4}}
+    summary, _ = data_summary(args, None)
+    assert ["replay" in s for s in summary["stores"]] == [False, True]
+    assert summary["recorded"] == {"num_samples": 8, "num_tokens": 80, "replay_samples_trained": 3,
+                                   "replay_samples_total": 4}
+    old = {"recipe": {}, "data": {"stores": [{"path": "/d/new", **store}], "num_samples": 4, "num_tokens": 40}}
+    assert data_summary(old, None)[0]["stores"] == [{"name": "new", **store}]  # a run before replay reads as it did
+
+
 def test_nothing_uploaded_names_a_local_absolute_path(drafter_dir, tmp_path, tmp_path_factory):
     """The run's recipe, store summary, ingest report (with the raw production log's path), target name and eval
     settings name absolute local folders; none of them reaches an uploaded file."""

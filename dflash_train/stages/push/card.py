@@ -63,6 +63,7 @@ class StoreCounts(TypedDict, total=False):
     num_tokens: int
     storage_dtype: str
     ingest_report: IngestReport | None
+    replay: bool  # an earlier round's store, replayed (recipe data.replay_stores; the trainer's totals say how much)
 
 
 class DataCounts(TypedDict, total=False):
@@ -514,6 +515,7 @@ def _training_data(inp: CardInputs) -> str:
         elif isinstance(ingest, dict):
             rows += safe_summary_rows(ingest)
         title = f"Capture store `{store.get('name')}`" if len(stores) > 1 else "Data"
+        title += " (replayed from an earlier round)" if store.get("replay") is True else ""
         lines += [f"**{title}**", "", table(rows, ("", "")), ""]
         if sources:
             src_rows = [(s.get("name"), _counts(s.get("formats") or {}), s.get("read"), s.get("kept"),

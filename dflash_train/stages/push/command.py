@@ -162,7 +162,8 @@ def data_summary(training_args: TrainingArgs | None, recipe: StageConfig | None
     if stores:
         summary["stores"] = [{"name": Path(str(s.get("path", "store"))).name,
                               **{k: s.get(k) for k in ("num_samples", "num_tokens", "storage_dtype",
-                                                       "ingest_report")}}
+                                                       "ingest_report")},
+                              **({"replay": True} if s.get("replay") is True else {})}
                              for s in stores]
     totals = {k: v for k, v in recorded.items() if k != "stores"}
     if totals and len(stores) != 1:
