@@ -34,7 +34,7 @@ PROMPTS = ["Tell me about the sea.", "Write a poem about Paris.", "How do I add 
 
 @torch.no_grad()
 def capture_tiny_store(target, out: Path, num_samples: int = 4, response_len: int = 160, layer_ids=LAYERS,
-                       seed: int = 0, cycle_len: int = 16) -> Path:
+                       seed: int = 0, cycle_len: int = 16, id_prefix: str = "p") -> Path:
     """A capture from the tiny target with logged responses: each response walks one fixed random cycle of
     `cycle_len` tokens from a different start, and the target's tapped states for every position (HF hidden_states[i+1])
     come from one prefill over prompt + response, as `capture --responses logged` records them.
@@ -58,7 +58,7 @@ def capture_tiny_store(target, out: Path, num_samples: int = 4, response_len: in
             states = torch.cat([hidden[i + 1][0] for i in layer_ids], dim=-1).to(torch.bfloat16)
             loss_mask = torch.zeros(len(ids), dtype=torch.bool)
             loss_mask[len(prompt):] = True
-            w.add(ids, loss_mask, states, id=f"p{k}", weight=1)
+            w.add(ids, loss_mask, states, id=f"{id_prefix}{k}", weight=1)
     return out
 
 
@@ -792,3 +792,15 @@ def test_a_user_error_is_one_line_exit_2_and_accelerate_launch_turns_the_exit_in
                             str(REPO / "train.py"), str(recipe)], cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=120)
     assert quiet.returncode == 1 and quiet.stderr.strip() == line, quiet.stderr
+
+
+def test_a_run_with_a_replay_store_records_how_many_of_its_samples_trained(chain_store, tiny_target, tmp_path):
+    old = capture_tiny_store(tiny_target, tmp_path / "old", num_samples=3, seed=1, id_prefix="r")
+    recipe = write_recipe(tmp_path / "r.yaml", chain_store, tmp_path / "run", train={"max_steps": 1},
+                          data={"replay_stores": [str(old)], "replay_samples": 2})
+    proc = subprocess.run(direct_train_cmd(recipe), cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "WANDB_MODE": "disabled", "MASTER_PORT": str(_free_port())})
+    assert proc_ok(proc) and "on 6 samples" in proc.stdout
+    data = json.loads((tmp_path / "run" / "drafter" / "training_args.json").read_text())["data"]
+    assert [s["replay"] for s in data["stores"]] == [False, True]
+    assert (data["replay_samples_trained"], data["replay_samples_total"]) == (2, 3)
