@@ -206,8 +206,8 @@ def test_replay_samples_are_chosen_by_their_ids_bounded_and_never_held_out(tmp_p
         got = prepare_data(replay_recipe(stores, replay, eval_fraction=0.3, **data), 1)
         ids = got.stores.ids()
         return ([ids[i] for i in got.train_indices if i < got.stores.replay_start],
-                {ids[i] for i in got.train_indices if i >= got.stores.replay_start}, {s["id"] for s in got.eval_samples},
-                got)
+                {ids[i] for i in got.train_indices if i >= got.stores.replay_start},
+                {s["id"] for s in got.eval_samples}, got)
 
     train, chosen, eval_ids, data = trained([new], [r1, r2], replay_samples=5)
     assert set(train) == {f"n{k}" for k in range(20)} - held and len(chosen) == 5
