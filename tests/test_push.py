@@ -759,3 +759,33 @@ def test_the_card_names_a_draft_vocabulary_and_what_each_engine_drafts_with():
     assert "embedding not included, the draft vocabulary's LM head rows included" in cut
     whole = card()
     assert "Draft vocabulary" not in whole and "embedding and LM head not included" in whole
+
+
+def test_the_card_lists_the_refresh_rounds_given_and_a_malformed_history_is_one_line(drafter_dir, tmp_path, capsys):
+    """push --history (what `dflash-train refresh` writes): one row per round, in order, its keys the columns; a file
+    that is not such a history is one line naming it, before anything is written."""
+    rounds = [{"round": "1", "logs": "day1.jsonl.gz (sha256 0123456789ab)", "drift": "held: tau 2.10 against 2.05",
+               "released": "yes"},
+              {"round": "2", "logs": "day2.jsonl.gz (sha256 ba9876543210)", "drift": "moved down: tau 1.40 against 2.41",
+               "released": "yes"}]
+    history = tmp_path / "card_rounds.json"
+    history.write_text(json.dumps({"rounds": rounds}))
+    out = tmp_path / "out"
+    assert main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(out), "--history", str(history),
+                 "--eval-report", str(write_report(tmp_path / "eval", drafter_dir))]) == 0
+    card = (out / "README.md").read_text()
+    assert "## Refresh rounds" in card and "| round | logs | drift | released |" in card
+    assert card.index("| 1 | day1.jsonl.gz (sha256 0123456789ab) | held: tau 2.10 against 2.05 | yes |") < \
+        card.index("| 2 | day2.jsonl.gz (sha256 ba9876543210) | moved down: tau 1.40 against 2.41 | yes |")
+    plain = tmp_path / "plain"  # without --history: no such section
+    assert main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(plain), "--eval-report",
+                 str(tmp_path / "eval")]) == 0
+    assert "## Refresh rounds" not in (plain / "README.md").read_text()
+    capsys.readouterr()
+    for bad in ({"rounds": []}, {"rounds": [{"round": 1}]}, {"rounds": [{"a": "x"}, {"b": "y"}]}, {"other": 1}):
+        history.write_text(json.dumps(bad))
+        assert main(["push", str(drafter_dir), "--repo", REPO, "--dry-run", "--out", str(tmp_path / "bad"),
+                     "--history", str(history), "--eval-report", str(tmp_path / "eval")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.splitlines() == [err] and f"--history {history}" in err
+        assert not (tmp_path / "bad").exists()

@@ -97,6 +97,7 @@ class CardInputs:
     eval_provenance: Provenance | None = None
     push_provenance: Provenance | None = None
     plots: list[str] = field(default_factory=list)  # eval plot paths inside the pushed folder
+    history: list[dict[str, str]] | None = None  # push --history: the refresh rounds that led here, oldest first
 
 
 # ---- what a card may show -------------------------------------------------------------------------------------
@@ -566,6 +567,19 @@ def _provenance(inp: CardInputs) -> str:
     return "\n".join(["## Provenance", "", table(rows, ("", ""))])
 
 
+def _rounds(inp: CardInputs) -> str:
+    """The refresh rounds that led to this release (`dflash-train refresh`, push --history), oldest first: each
+    round's logs and new prompts, the serving drafter's drift, and the candidate against the drafter serving then."""
+    if not inp.history:
+        return ""
+    columns = tuple(inp.history[0])
+    return "\n".join(["## Refresh rounds", "",
+                      "Each round trained on one batch of new logs, warm-started from the drafter serving then, and "
+                      "was released only where it beat that drafter on the round's new held-out requests (tau "
+                      "ratio's 95% interval above 1) without losing on earlier rounds' (paired by prompt in vLLM).",
+                      "", table([tuple(row.get(c, "") for c in columns) for row in inp.history], columns)])
+
+
 def render_card(inp: CardInputs) -> str:
     front = yaml.safe_dump(metadata(inp), sort_keys=False, allow_unicode=True).strip()
     title = inp.repo_id.split("/")[-1]
@@ -576,9 +590,10 @@ def render_card(inp: CardInputs) -> str:
         _what_it_is(inp),
         _how_to_serve(inp),
         _evaluation(inp),
+        _rounds(inp),
         _training_data(inp),
         _hyperparameters(inp),
         _provenance(inp),
         "Made with dflash-train from the target's own responses to the service's traffic.",
     ]
-    return "\n\n".join(sections) + "\n"
+    return "\n\n".join(section for section in sections if section) + "\n"

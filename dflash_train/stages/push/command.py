@@ -103,6 +103,9 @@ class PushConfig:
     force: bool = option(False, help="push even if the gate refuses; the card says so")
     out: str | None = option(None, metavar="DIR", help="where the folder to upload is assembled "
                                                        "(default: push/<repo name>)")
+    history: str | None = option(None, metavar="FILE", help="the refresh rounds that led to this drafter, as "
+                                                            "`dflash-train refresh` writes them (JSON {\"rounds\": "
+                                                            "[one object of strings per round]}): the card lists them")
     retries: int = option(4, check=at_least(1), help="attempts per Hub call on transient errors")
     retry_wait: float = option(2.0, check=at_least(0), metavar="S",
                                help="first backoff wait in seconds, doubled after each failed attempt")
@@ -113,6 +116,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---- reading the inputs -------------------------------------------------------------------------------------
+
+
+def load_history(path: str | None) -> list[dict[str, str]] | None:
+    """push --history: a JSON object whose "rounds" is a list of objects of strings (one per refresh round, the same
+    keys in each: the card's table columns); anything else is one line naming the file."""
+    if path is None:
+        return None
+    rows = read_json(Path(path), "the refresh rounds (--history)").get("rounds")
+    if not isinstance(rows, list) or not rows or not all(
+            isinstance(r, dict) and r and all(isinstance(k, str) and isinstance(v, str) for k, v in r.items())
+            for r in rows):
+        raise UserError(f"--history {path}: its \"rounds\" is not a non-empty list of objects of strings (one per "
+                        f"round)")
+    if any(list(r) != list(rows[0]) for r in rows):
+        raise UserError(f"--history {path}: its rounds do not all have the same keys, in the same order")
+    return rows
 
 
 def load_report(path: str | None) -> tuple[EvalReport | None, Path | None]:
@@ -463,6 +482,7 @@ def run(namespace: argparse.Namespace) -> int:
     args = from_args(PushConfig, namespace)  # --repo and --revision checked first: nothing read or written yet
     drafter = read_drafter_folder(args.drafter)
     report, report_file = load_report(args.eval_report)
+    history = load_history(args.history)
     target = drafter.target or (report.target.to_dict() if report and report.target else None)
     if not isinstance(target, dict) or not target.get("base_model"):
         raise UserError(f"{Path(args.drafter) / 'config.json'} names no target (dflash_train.target.base_model): the "
@@ -496,7 +516,7 @@ def run(namespace: argparse.Namespace) -> int:
         license=str(license_ or DEFAULT_LICENSE), license_from_recipe=bool(license_), gate=gate, recipe=recipe,
         data=summary, generation=generation, report=report, run=(drafter.training_args or {}).get("run"),
         training_provenance=drafter.provenance, eval_provenance=eval_prov,
-        push_provenance=push_prov)
+        push_provenance=push_prov, history=history)
     out = Path(args.out) if args.out else default_out(args.repo)
     with claim_out(out):
         with writing(out):
