@@ -31,7 +31,7 @@ from dflash_train.model.configuration import HfConfig
 from dflash_train.provenance import StageConfig
 from dflash_train.target import TargetIdentity, TemplateKwargs
 
-SCHEMA_VERSION = "1.1"  # 1.1: RankRow.prompts
+SCHEMA_VERSION = "1.2"  # 1.1: RankRow.prompts; 1.2: VllmEval.baseline, baseline_sha256, against_baseline
 MAJOR = SCHEMA_VERSION.split(".")[0]  # the major version this module reads (and writes)
 
 Interval = list[float]  # [low, high]: the 95% bootstrap interval over prompts (evaluate.metrics.bootstrap_interval)
@@ -203,8 +203,8 @@ class ConcurrencyRow(Speed):
 
 @dataclass(frozen=True)
 class SpeculatorEntry(KRow):
-    """A speculator beside the drafter at its fastest K (prompt lookup, suffix decoding), with its concurrency
-    runs."""
+    """A speculator beside the drafter at its fastest K (prompt lookup, suffix decoding; the baseline drafter at the
+    one K it was timed at), with its concurrency runs."""
     concurrency: list[ConcurrencyRow] = field(default_factory=list)
     pays_up_to_concurrency: int | None = None
 
@@ -312,6 +312,11 @@ class VllmEval(Acceptance, Speed, Lossless):
     suffix: SpeculatorEntry | None = None  # vLLM's suffix decoding at its fastest K
     suffix_sweep: list[KRow] = field(default_factory=list)
     combined: CombinedEntry | None = None
+    # the baseline drafter (eval --baseline-drafter: the one serving now) at the drafter's first K, timed beside it on
+    # plain decoding's same runs; its lossless check counts its mismatches (no fp32 recheck: that is best_k's)
+    baseline: SpeculatorEntry | None = None
+    baseline_sha256: str | None = None  # the baseline drafter the engine read (checkpoint.drafter_identity)
+    against_baseline: Paired | None = None  # the drafter at the baseline's K against it, paired by prompt
     ranking: list[RankRow] = field(default_factory=list)  # fastest first at batch 1
     timing: SweepTiming | None = None
     per_prompt: list[TimedPrompt] = field(default_factory=list)  # best_k's

@@ -10,8 +10,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_train.eval_report import (CombinedEntry, ConstraintsSummary, KRow, Machine, SpeculatorEntry, SweepTiming,
-                                      VllmEval)
+from dflash_train.eval_report import (CombinedEntry, ConstraintsSummary, KRow, Machine, Paired, SpeculatorEntry,
+                                      SweepTiming, VllmEval)
 from dflash_train.spec_decode.lookup import COMBINED_SETTING, CombinedRule, parse_combined
 
 
@@ -75,7 +75,7 @@ def serving_tables(engine: VllmEval, machine: Machine | None) -> list[str]:
 
 def sweep_table(engine: VllmEval) -> str:
     """One row per K timed at batch 1: the drafter's (best_k in bold), then prompt lookup's and suffix decoding's,
-    then the combined speculator."""
+    then the combined speculator, then the baseline drafter."""
     by_k = lambda rows: sorted(rows, key=lambda r: r.k)  # noqa: E731
     labelled: list[tuple[str, KRow]] = [(f"**{r.k}**" if r.k == engine.best_k else fmt(r.k), r)
                                         for r in by_k(engine.sweep)]
@@ -83,6 +83,8 @@ def sweep_table(engine: VllmEval) -> str:
     labelled += [(f"{fmt(r.k)}, suffix decoding", r) for r in by_k(engine.suffix_sweep)]
     if combined := engine.combined:
         labelled.append((f"{fmt(combined.k)}, {combined_name(combined)}", combined))
+    if baseline := engine.baseline:
+        labelled.append((f"{fmt(baseline.k)}, baseline drafter", baseline))
     rows = [(label, with_interval(r.tau_steps, r.tau_steps_interval),
              f"{fmt(r.tokens_per_s_baseline)} / {fmt(r.tokens_per_s)}",
              with_interval(r.speedup, r.speedup_interval) + "×",
@@ -96,7 +98,8 @@ def sweep_table(engine: VllmEval) -> str:
 
 def best_k_line(engine: VllmEval, timing: SweepTiming) -> str:
     """The line under the K table: best_k, how often the resampled prompts pick it, the K the time budget left out;
-    prompt lookup and suffix decoding against the drafter, and how to serve the one of them that is faster."""
+    prompt lookup and suffix decoding against the drafter, and how to serve the one of them that is faster; the
+    combined speculator and the baseline drafter, each against the others paired by prompt."""
     best_k, share, skipped = engine.best_k, engine.best_k_share, timing.skipped_k
     line = (f"best_k = {fmt(best_k)}: the fastest at batch 1"
             + (f" (in {share:.0%} of the bootstrap resamples of the prompts)" if isinstance(share, float) else "")
@@ -118,6 +121,8 @@ def best_k_line(engine: VllmEval, timing: SweepTiming) -> str:
                  f"{fmt(suffix.speedup)}× at K = {fmt(suffix.k)}.")
     if engine.combined:
         line += " " + combined_line(engine.combined)
+    if engine.baseline:
+        line += " " + baseline_line(engine.baseline, engine.against_baseline)
     if (served := speculator_to_serve(engine)) is not None:  # what to serve: the fastest of them
         line += f" {served.name[0].upper()}{served.name[1:]} is the fastest here: " + (
             f"serve it with `--speculative-config '{json.dumps(served.config, separators=(',', ':'))}'` in "
@@ -154,11 +159,26 @@ def combined_line(combined: CombinedEntry) -> str:
             + (f"; of {fmt(total)} blocks " + ", ".join(f"{fmt(blocks[s])} came from {s}" for s in free)
                + (f", {fmt(unasked)} at steps that skipped the drafter's pass" if unasked else "")
                + f" ({kept})" if total and free else "")
-            + "".join(f"; against {'the ' * (name == 'drafter')}{name} at K = {fmt(vs.k)}, paired by "
-                      f"prompt: τ per prompt {with_interval(vs.tau_ratio, vs.tau_ratio_interval)}×, speedup "
-                      f"{with_interval(vs.speedup_ratio, vs.speedup_ratio_interval)}×"
+            + "".join(f"; {paired_words(('the ' if name == 'drafter' else '') + name, vs)}"
                       for name, vs in combined.against.items())
             + ".")
+
+
+def paired_words(other: str, vs: Paired) -> str:
+    """One speculator against `other` (its name in prose), paired by prompt (a `Paired`): the ratios of their τ per
+    prompt and of their speedups, each with its 95% interval."""
+    return (f"against {other} at K = {fmt(vs.k)}, paired by prompt: τ per prompt "
+            f"{with_interval(vs.tau_ratio, vs.tau_ratio_interval)}×, speedup "
+            f"{with_interval(vs.speedup_ratio, vs.speedup_ratio_interval)}×")
+
+
+def baseline_line(baseline: SpeculatorEntry, against: Paired | None) -> str:
+    """The baseline drafter (eval --baseline-drafter), timed the same way at the drafter's first K, and the drafter
+    there against it, paired by prompt (the entry's `against_baseline`)."""
+    return (f"The baseline drafter (`--baseline-drafter`), timed the same way on the same plain runs at K = "
+            f"{fmt(baseline.k)}: {fmt(baseline.speedup)}×, τ {fmt(baseline.tau_steps)}, "
+            f"{fmt(baseline.lossless_mismatches)} of {fmt(baseline.lossless_checked)} outputs differing from plain "
+            f"decoding" + (f"; the drafter {paired_words('it', against)}" if against else "") + ".")
 
 
 def host_drift_lines(engine: VllmEval) -> list[str]:
@@ -169,7 +189,8 @@ def host_drift_lines(engine: VllmEval) -> list[str]:
         return []
     rates = [v for v in timing.plain_tokens_per_s_decode.values() if isinstance(v, (int, float))]
     runs = ("the K's runs" + (" and prompt lookup's" if engine.ngram else "")
-            + (" and suffix decoding's" if engine.suffix else ""))
+            + (" and suffix decoding's" if engine.suffix else "")
+            + (" and the baseline drafter's" if engine.baseline else ""))
     return ["", f"**The machine's speed changed while it was measured**: plain decoding ran at "
                 f"{min(rates):.1f} to {max(rates):.1f} tokens/s (decode phase) over the reference pass and "
                 f"{runs}, {timing.host_drift:.0%} apart, on the same prompts at the same lengths. "
@@ -221,8 +242,9 @@ def beside_the_drafter(engine: VllmEval) -> list[tuple[str, SpeculatorEntry]]:
 
 
 def ranking_lines(engine: VllmEval) -> list[str]:
-    """The drafter, prompt lookup, suffix decoding and the combined speculator ranked at their own fastest K (the
-    entry's `ranking`), when more than one of them ran."""
+    """The drafter, the baseline drafter, prompt lookup, suffix decoding and the combined speculator ranked at their
+    own fastest K (the baseline drafter at the one K it was timed at; the entry's `ranking`), when more than one of
+    them ran."""
     if len(engine.ranking) < 2:
         return []
     rows = [(str(i), r.speculator, fmt(r.k), with_interval(r.tau_steps, r.tau_steps_interval),
@@ -230,23 +252,27 @@ def ranking_lines(engine: VllmEval) -> list[str]:
             for i, r in enumerate(engine.ranking, 1)]
     prompts = {r.prompts for r in engine.ranking}
     on = f"the same {prompts.pop()} prompts" if len(prompts) == 1 and None not in prompts else "the same prompts"
-    return ["", f"Ranked by speed one request at a time, each at its own fastest K, on {on}:", "",
+    at = "each at its own fastest K" + (" (the baseline drafter at the one K it was timed at)" if engine.baseline
+                                        else "")
+    return ["", f"Ranked by speed one request at a time, {at}, on {on}:", "",
             table(rows, ("Rank", "Speculator", "K", "τ", "Speedup", "Lossless mismatches"))]
 
 
 def concurrency_table(engine: VllmEval) -> list[str]:
-    """The eval's runs of several requests decoded together, the drafter's K and prompt lookup's (its `ngram`
-    entry) side by side at each concurrency, and how far each pays; [] where none ran."""
+    """The eval's runs of several requests decoded together, the drafter's K, prompt lookup's (its `ngram` entry)
+    and the baseline drafter's side by side at each concurrency, and how far each pays; [] where none ran."""
     if not any(r.requests != 1 for r in engine.concurrency):
         return []
     looked = engine.ngram.concurrency if engine.ngram else []
+    baseline = engine.baseline.concurrency if engine.baseline else []
     best = {(r.requests, r.k) for r in engine.concurrency_best}
     labelled = [(f"**{r.k}**" if (r.requests, r.k) in best else fmt(r.k), r) for r in engine.concurrency]
     labelled += [(f"{fmt(r.k)}, prompt lookup", r) for r in looked]
+    labelled += [(f"{fmt(r.k)}, baseline drafter", r) for r in baseline]
     rows = [(fmt(r.requests), label, f"{fmt(r.tokens_per_s_baseline)} / {fmt(r.tokens_per_s)}",
              f"{fmt(r.speedup)}×", f"{fmt(r.tokens_per_s_baseline_wall)} / {fmt(r.tokens_per_s_wall)}",
              f"{fmt(r.speedup_wall)}×")
-            for label, r in sorted(labelled, key=lambda lr: lr[1].requests)]  # stable: lookup last
+            for label, r in sorted(labelled, key=lambda lr: lr[1].requests)]  # stable: lookup, baseline last
     schedule = engine.per_batch_size_schedule
 
     def pays(who: str, paid: Any) -> str:
@@ -260,7 +286,8 @@ def concurrency_table(engine: VllmEval) -> list[str]:
             + (f" The fastest K per batch size as vLLM's `num_speculative_tokens_per_batch_size` (inclusive "
                f"batch-size ranges and their K, 0 = no drafts; derived from these runs, not itself timed): "
                f"`{json.dumps(schedule)}`." if schedule else "")
-            + (" " + pays("Prompt lookup", engine.ngram.pays_up_to_concurrency) if looked else "")]
+            + (" " + pays("Prompt lookup", engine.ngram.pays_up_to_concurrency) if looked else "")
+            + (" " + pays("The baseline drafter", engine.baseline.pays_up_to_concurrency) if baseline else "")]
 
 
 def table(rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> str:

@@ -21,6 +21,7 @@ from dflash_train.engine.args import serve_command
 from dflash_train.engine.install import vllm_version
 from dflash_train.engine.jobs import EngineOutput, engine_steps
 from dflash_train.engine.runner import engine_error
+from dflash_train.report_tables import fmt
 from dflash_train.eval_report import ConstraintsSummary
 from conftest import default_sigint
 from test_capture import teacher_forced
@@ -432,6 +433,90 @@ def test_a_free_limit_times_the_free_speculators_on_the_first_prompts_and_ranks_
     assert ranked["prompt lookup"].speedup == vllm.ngram.speedup
     assert ranked["prompt lookup"].tau_steps == vllm.ngram.tau_steps
     assert "each at its own fastest K, on the same 2 prompts:" in (out / "report.md").read_text()
+
+
+REPEATED = 725  # the engine target's greedy answer to PROMPTS[3] repeats this token five times
+
+
+@pytest.fixture(scope="module")
+def repeating_drafters(engine_target, tmp_path_factory) -> list[Path]:
+    """Two tiny drafters of the engine target saved as they ship, in seconds, that draft differently: one that
+    drafts REPEATED at every slot (its layers' output projections zeroed, a layer passes its input on: every masked
+    slot holds the mask token's embedding, and its final norm's weight turns that into REPEATED's embedding through
+    the target's tied LM head), accepted where the target repeats it; and an untrained one (block 3, 2 layers),
+    whose drafts the random target accepts nowhere."""
+    from test_spec_decode import tiny_drafter
+
+    from dflash_train.model.checkpoint import save_drafter
+    from dflash_train.target import load_target
+
+    target = load_target(str(engine_target), dtype=torch.float32)
+    root, paths = tmp_path_factory.mktemp("drafters"), []
+    for name, block, layers, seed in (("repeating", 4, 1, 0), ("untrained", 3, 2, 1)):
+        model, config = tiny_drafter(target, block_size=block, num_layers=layers, seed=seed)
+        if name == "repeating":
+            embeddings = target.model.get_input_embeddings().weight.detach()
+            mask = embeddings[config.mask_token_id]
+            with torch.no_grad():
+                for layer in model.layers:
+                    layer.self_attn.o_proj.weight.zero_()
+                    layer.mlp.down_proj.weight.zero_()
+                model.norm.weight.copy_(embeddings[REPEATED] / mask)  # the norm's own scale is one factor > 0
+        config.target = target.identity().to_dict()
+        paths.append(save_drafter(model, config, root / name))
+    return paths
+
+
+@needs_vllm
+def test_a_baseline_drafter_is_timed_beside_the_drafter_in_vllm_and_paired_by_prompt(
+        repeating_drafters, engine_target, prompts_file, tmp_path):
+    """`--baseline-drafter` in vLLM: the baseline drafter timed at the drafter's K on plain decoding's same runs,
+    its row in the report (per prompt, lossless), the drafter there against it paired by prompt (paired_against's
+    rule: the ratios of the summed per-prompt taus and of the speedups' sums), its sha256, its place in the ranking
+    and report.md's lines."""
+    from dflash_train.model.checkpoint import drafter_identity
+
+    repeating, untrained = repeating_drafters
+    out = tmp_path / "eval"
+    assert eval_cli("--engine", "vllm", "--drafter", repeating, "--baseline-drafter", untrained, "--target",
+                    engine_target, "--prompts", prompts_file, "--out", out, "--limit", "4", "--speculative-tokens",
+                    "2", "--concurrency", "2") == 0
+    vllm = eval_report.load(out).vllm
+    (mine,), base, against = vllm.sweep, vllm.baseline, vllm.against_baseline
+    assert base.k == mine.k == against.k == 2
+    assert base.engine_args == {"method": "dflash", "model": str(untrained), "num_speculative_tokens": 2}
+    assert vllm.baseline_sha256 == drafter_identity(untrained)["sha256"] != vllm.drafter_sha256
+    assert [p.id for p in base.per_prompt] == [p.id for p in mine.per_prompt] and len(mine.per_prompt) == 4
+    for row in (mine, base):  # lossless, over every prompt
+        assert row.lossless_checked == 4 and row.lossless_mismatches == 0
+    assert [p.plain_core_s for p in base.per_prompt] == [p.plain_core_s for p in mine.per_prompt]  # shared runs
+    assert {p.tau for p in base.per_prompt} == {1.0} and max(p.tau for p in mine.per_prompt) > 1  # REPEATED
+    assert against.prompts == 4
+    assert against.tau_ratio == pytest.approx(sum(p.tau for p in mine.per_prompt) / sum(p.tau for p in base.per_prompt))
+    speedup = [sum(p.plain_core_s for p in row.per_prompt) / sum(p.spec_core_s for p in row.per_prompt)
+               for row in (mine, base)]
+    assert against.speedup_ratio == pytest.approx(speedup[0] / speedup[1])
+    assert {r.speculator: r.k for r in vllm.ranking} == {"drafter": 2, "baseline drafter": 2}
+    assert "baseline drafter 2" in vllm.timing.plain_tokens_per_s_decode
+    md = (out / "report.md").read_text()
+    assert "| 2, baseline drafter |" in md
+    assert f"the drafter against it at K = 2, paired by prompt: τ per prompt {fmt(against.tau_ratio)} [" in md
+
+
+@needs_vllm
+def test_the_drafter_against_itself_as_the_baseline_is_a_tau_ratio_of_one(repeating_drafters, engine_target,
+                                                                          prompts_file, tmp_path):
+    """The same drafter folder as drafter and baseline drafter, greedy: the same drafts at every step in both
+    engines, so the same tau on every prompt (above 1 where the target repeats REPEATED) and a tau ratio of
+    exactly 1."""
+    (repeating, _), out = repeating_drafters, tmp_path / "eval"
+    assert eval_cli("--engine", "vllm", "--drafter", repeating, "--baseline-drafter", repeating, "--target",
+                    engine_target, "--prompts", prompts_file, "--out", out, "--limit", "4", "--speculative-tokens",
+                    "3", "--concurrency", "2") == 0
+    vllm = eval_report.load(out).vllm
+    taus = [p.tau for p in vllm.sweep[0].per_prompt]
+    assert [p.tau for p in vllm.baseline.per_prompt] == taus and max(taus) > 1
+    assert vllm.against_baseline.tau_ratio == 1.0 and vllm.baseline_sha256 == vllm.drafter_sha256
 
 
 @needs_vllm

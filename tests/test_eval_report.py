@@ -9,8 +9,8 @@ from conftest import REPO_ROOT
 
 from dflash_train import eval_report
 from dflash_train.errors import UserError
-from dflash_train.eval_report import (SCHEMA_VERSION, CombinedEntry, EvalReport, KRow, Mismatch, OwnLoop,
-                                      SourceCount, SweepTiming, TimedPrompt, VllmEval)
+from dflash_train.eval_report import (SCHEMA_VERSION, CombinedEntry, EvalReport, KRow, Mismatch, OwnLoop, Paired,
+                                      SourceCount, SpeculatorEntry, SweepTiming, TimedPrompt, VllmEval)
 
 RESULTS = sorted((REPO_ROOT / "results").rglob("report.json"))
 
@@ -23,6 +23,7 @@ def test_every_report_under_results_loads_through_the_schema():
         assert online is not None and online.tau_steps is not None, path
         assert 1 <= online.tau_steps <= report.block_size, path
         assert report.vllm is None or report.vllm.best_k in {row.k for row in report.vllm.sweep}, path
+        assert report.vllm is None or report.vllm.baseline is None, path  # written before it (schema 1.2)
         again = eval_report.from_json(json.loads(json.dumps(eval_report.to_json(report))), str(path))
         assert again == report, path  # what the schema writes, it reads back unchanged
 
@@ -32,8 +33,11 @@ def test_a_report_round_trips_through_json_with_its_records_typed(tmp_path):
     row = KRow(k=3, tau_steps=2.4, tau_steps_interval=[2.1, 2.6], per_prompt=[prompt],
                mismatches=[Mismatch(id="p0", index=4, plain_token=7, spec_token=8, fp32_spec_equals_plain=True)])
     combined = CombinedEntry(k=4, setting="k=4,confidence=0.6", sources={"lookup": SourceCount(blocks=3)})
+    baseline = SpeculatorEntry(k=3, tau_steps=2.0, per_prompt=[prompt], engine_args={"method": "dflash"})
     report = EvalReport(block_size=4, vllm=VllmEval(best_k=3, sweep=[row], combined=combined,
-                                                     timing=SweepTiming(skipped_k=[2])),
+                                                     timing=SweepTiming(skipped_k=[2]), baseline=baseline,
+                                                     baseline_sha256="0" * 64,
+                                                     against_baseline=Paired(prompts=1, k=3, tau_ratio=1.2)),
                         own=OwnLoop(tau_steps=2.2, tau_per_prompt=2.3))
     eval_report.dump(report, tmp_path / "report.json")
     written = json.loads((tmp_path / "report.json").read_text())
@@ -42,6 +46,7 @@ def test_a_report_round_trips_through_json_with_its_records_typed(tmp_path):
     assert back == report
     assert isinstance(back.vllm.sweep[0].per_prompt[0], TimedPrompt)
     assert back.vllm.combined.sources["lookup"].blocks == 3 and back.vllm.sweep[0].mismatches[0].index == 4
+    assert isinstance(back.vllm.baseline.per_prompt[0], TimedPrompt) and back.vllm.against_baseline.tau_ratio == 1.2
 
 
 def test_a_figure_over_nothing_is_written_as_null():

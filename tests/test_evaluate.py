@@ -859,6 +859,21 @@ def test_eval_refuses_a_step_cost_that_is_not_a_line(tmp_path, capsys, value):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("engine", ["vllm", "both"])
+def test_vllm_refuses_two_baseline_drafters_in_one_line(drafters, tmp_path, capsys, engine):
+    """vLLM times one baseline drafter beside the drafter (the project's loop takes several): two with --engine
+    vllm or both are refused in one line, before anything is loaded or written."""
+    from dflash_train.cli import main
+
+    assert main(["eval", "--engine", engine, "--drafter", str(drafters[0]), "--baseline-drafter", str(drafters[1]),
+                 "--baseline-drafter", str(drafters[0]), "--prompts", str(tmp_path / "p"), "--out",
+                 str(tmp_path / "out")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "--baseline-drafter: vLLM times one baseline drafter" in err[0], err
+    assert f"2 were given with --engine {engine}" in err[0] and "--engine own, takes several" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("value", ["nan", "-1", "inf", "2.5"])
 def test_eval_refuses_a_temperature_out_of_the_api_range(tmp_path, capsys, value):
     """`eval --temperature nan` decoded and called the run lossless."""

@@ -3,14 +3,14 @@
 
 Three modes. `batch` (capture): every request at once, continuous batching. `timed` (eval): the speedup protocol,
 after the job's capture sample (the demo's probe: capture's batch, then the timed runs, in one engine start),
-`_timed` below: plain decoding and the speculative engines (the drafter at its first K and every free speculator asked
-for) alive side by side in the child, each warmed up; prompt by prompt, plain decoding decodes it to its natural stop
-(the reference output and length, and plain decoding's timed run), then each speculator at that fixed length
-(`ignore_eos`: every side decodes the same number of tokens), in rotated order, at batch 1 and at the requested
-concurrencies; each
-run timed twice, by the engine core's timestamps (request arrival, first and last token) and by a stopwatch around the
-call. `check` (the eval's fp32 rerun of its mismatches): each prompt alone, plain and speculative at one K (the drafter,
-or the combined speculator where the job names its `combined` setting), once each to its natural stop, untimed.
+`_timed` below: plain decoding and the speculative engines (the drafter at its first K, and every free speculator and
+the baseline drafter asked for) alive side by side in the child, each warmed up; prompt by prompt, plain decoding
+decodes it to its natural stop (the reference output and length, and plain decoding's timed run), then each speculator
+at that fixed length (`ignore_eos`: every side decodes the same number of tokens), in rotated order, at batch 1 and at
+the requested concurrencies; each run timed twice, by the engine core's timestamps (request arrival, first and last
+token) and by a stopwatch around the call. `check` (the eval's fp32 rerun of its mismatches): each prompt alone, plain
+and speculative at one K (the drafter, or the combined speculator where the job names its `combined` setting), once each
+to its natural stop, untimed.
 Acceptance comes from vLLM's per-request speculative-decoding metrics (the accepted drafts of every verification step).
 The prompts are token ids rendered by the project (`target.render`), so the engine and the project's loop decode the
 very same prompts. A request the engine refuses when it is added (vLLM validates its sampling parameters and compiles
@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from dflash_train.engine.install import engine_environment_keys, vllm_version
-from dflash_train.engine.jobs import FREE_NAMES, EngineJob, EngineOutput, EngineRequest, at_length, sampling_params
+from dflash_train.engine.jobs import (DRAFTERS, FREE_NAMES, EngineJob, EngineOutput, EngineRequest, at_length,
+                                      sampling_params)
 from dflash_train.engine.runner import JOB_FILE, RESULT_FILE
 from dflash_train.spec_decode.combined import source_counts, suffix_answers
 from dflash_train.spec_decode.lookup import COMBINED_SETTING, CombinedRule, parse_combined
@@ -140,8 +141,8 @@ def _child(workdir: Path) -> None:
     from vllm import LLM
 
     def start(k: int | None, method: str = "dflash") -> tuple[Any, dict[str, Any], float]:
-        """An engine of plain decoding (k None) or with the drafter (or, method "ngram", prompt lookup) proposing
-        k tokens: (LLM, its kwargs, load s)."""
+        """An engine of plain decoding (k None) or with the drafter (or another speculator of EngineJob.free's
+        methods: llm_kwargs) proposing k tokens: (LLM, its kwargs, load s)."""
         kwargs = job.llm_kwargs(k, method)
         metrics = {"per_request_spec_decode_metrics": "detailed"} if k else {}
         if method == "combined":  # spec_decode.combined reads it at the engine's first drafting step
@@ -308,24 +309,25 @@ def _timed(job: EngineJob, plain: Any, start, generate, params: Callable[[Engine
     requests the plain engine or one of the group's refuses (`_screened`: left out of every run).
 
     1. The group: the drafter at the first K of `job.speculative_tokens` and each free speculator of `job.free`
-       (vLLM's prompt lookup "ngram", suffix decoding "suffix", or "combined": the drafter with the combined
-       speculator's plugin on, each output with its blocks by source), their engines started beside the plain one
-       and warmed up, as plain decoding is (one short request).
+       (vLLM's prompt lookup "ngram", suffix decoding "suffix", "combined": the drafter with the combined
+       speculator's plugin on, each output with its blocks by source, or "baseline": the baseline drafter), their
+       engines started beside the plain one and warmed up, as plain decoding is (one short request).
     2. Prompt by prompt, plain decoding decodes it alone to its natural stop (the reference; its first timed run), then
        each speculator at that length with `ignore_eos` (every side decodes the same number of tokens; greedy: the same
        tokens), the order of the speculators rotated from prompt to prompt; each further repeat of `repeats` times every
        side, plain decoding too, the order rotated from repeat to repeat (with one speculator: ABBA), so that a change
        of load on the machine hits every side alike. Plain decoding's run is shared by every speculator, and a free
-       speculator times only the first `job.free_limit` prompts where it is set. (Where every request already has its
-       timed length and `ignore_eos`, a `free_job`, there is no reference: plain decoding's first run is rotated with
-       the others, and no outputs are returned.) Each run comes `idle_s` after the last, after its engine's prefix cache
-       is emptied (no prompt is served from an earlier request's cache); then each concurrency c: the first c prompts
-       (cycled), decoded together, the same way. Every run is timed by the engine core (from the arrival of its first
-       request to its last token: `core_s`; from its first token to its last: `decode_s`) and by a stopwatch around the
-       call (`wall_s`). The group's engines are shut down after it.
+       speculator (not one of the DRAFTERS) times only the first `job.free_limit` prompts where it is set. (Where every
+       request already has its timed length and `ignore_eos`, a `free_job`, there is no reference: plain decoding's
+       first run is rotated with the others, and no outputs are returned.) Each run comes `idle_s` after the last, after
+       its engine's prefix cache is emptied (no prompt is served from an earlier request's cache); then each concurrency
+       c: the first c prompts (cycled), decoded together, the same way. Every run is timed by the engine core (from the
+       arrival of its first request to its last token: `core_s`; from its first token to its last: `decode_s`) and by a
+       stopwatch around the call (`wall_s`). The group's engines are shut down after it.
     3. Each further K of `job.speculative_tokens` in order, while the budget, counted from the child's start,
        still holds the most a drafter K has cost so far (its engine's start, its runs and plain decoding's beside
-       them): its engine alone beside the plain one, the same way."""
+       them): its engine alone beside the plain one, the same way. The free speculators' seconds are not counted
+       against the budget, the DRAFTERS' are (the baseline drafter's too: a drafter's timed runs)."""
     import gc
 
     group = [("dflash", k) for k in job.speculative_tokens[:1]] + [(method, k) for method, k in job.free]
@@ -346,7 +348,7 @@ def _timed(job: EngineJob, plain: Any, start, generate, params: Callable[[Engine
     _said(runs, started)
     skipped: list[int] = []
     most = max((r["seconds"] + r["plain_shared_s"] for r in runs if r["method"] == "dflash"), default=0.0)
-    free_s = sum(r["seconds"] for r in runs if r["method"] != "dflash")  # not the K sweep's budget
+    free_s = sum(r["seconds"] for r in runs if r["method"] not in DRAFTERS)  # not the K sweep's budget
     for k in job.speculative_tokens[1:]:
         if job.budget_s is not None and time.perf_counter() - started - free_s + most > job.budget_s:
             skipped.append(k)
@@ -374,10 +376,10 @@ def _timed_group(job: EngineJob, plain: Any, group: list[tuple[str, int]], opene
                  ) -> tuple[list[dict[str, Any]], list[EngineRequest]]:
     """Steps 1 to 3 of `_timed`: the speculative engines `opened` (LLM, its kwargs, load s), one per (method, K) of
     `group`, warm up; every prompt of `requests` is timed alone by plain decoding and by each of them (a free
-    speculator: the first `job.free_limit`), then each concurrency; the engines are shut down. With `natural` (a
-    list) plain decoding's first run of each prompt is its reference, to its natural stop, appended there, and the
-    others decode at its length; without, `requests` are at their lengths already. Returns each one's run (its
-    timings, each beside plain decoding's of the same request, its speculative outputs at batch 1, and its seconds:
+    speculator, not one of the DRAFTERS: the first `job.free_limit`), then each concurrency; the engines are shut down.
+    With `natural` (a list) plain decoding's first run of each prompt is its reference, to its natural stop, appended
+    there, and the others decode at its length; without, `requests` are at their lengths already. Returns each one's run
+    (its timings, each beside plain decoding's of the same request, its speculative outputs at batch 1, and its seconds:
     its engine's start, its runs and its share of plain decoding's beside them), and the requests at their lengths."""
     runs = [{"k": k, "method": method, "llm_kwargs": kwargs, "load_s": load_s, "outputs": [], "batch1": [],
              "concurrency": [], "seconds": load_s, "plain_shared_s": 0.0}
@@ -389,7 +391,7 @@ def _timed_group(job: EngineJob, plain: Any, group: list[tuple[str, int]], opene
     limit = len(requests) if job.free_limit is None else job.free_limit
     idle, fixed = idle_s(job.device), []
     every = range(len(runs))
-    batches = [(1, r, [i for i in every if runs[i]["method"] == "dflash" or at < limit])
+    batches = [(1, r, [i for i in every if runs[i]["method"] in DRAFTERS or at < limit])
                for at, r in enumerate(requests)]
     batches += [(c, None, list(every)) for c in job.concurrency]
     for parity, (n, request, timing) in enumerate(batches):

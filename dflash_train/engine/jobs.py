@@ -15,7 +15,11 @@ from dflash_train.spec_decode.lookup import PROMPT_LOOKUP
 
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the project's dtype names -> vLLM's
 LOOKUP_METHODS = ("ngram", "suffix")  # the engine's own model-free speculators, timed beside the drafter
-FREE_NAMES = {"ngram": "prompt lookup", "suffix": "suffix decoding", "combined": "the combined speculator"}  # in words
+FREE_NAMES = {"ngram": "prompt lookup", "suffix": "suffix decoding", "combined": "the combined speculator",
+              "baseline": "the baseline drafter"}  # EngineJob.free's methods in words
+# EngineJob.free's methods that are drafters (the drafter at another K, the baseline drafter): timed on every prompt
+# (never cut by free_limit), and their seconds count against the K sweep's budget, the model-free speculators' do not
+DRAFTERS = ("dflash", "baseline")
 GiB = 1 << 30
 # The KV-cache block of a job that records states on CPU (vLLM's CPU attention takes multiples of 32; its default is
 # 128). The prefix cache serves whole blocks only, so a request's tail re-run (`taps.tail_id`) computes its last
@@ -44,6 +48,9 @@ class EngineJob:
     stop_token_ids: list[int]
     dtype: str = "float32"  # vLLM's spelling: float32 | bfloat16 | float16
     drafter: str | None = None  # a DFlash drafter folder; None = plain decoding
+    # a second DFlash drafter folder, timed beside the drafter where `free` names it ("baseline"): the one it is
+    # compared with (eval --baseline-drafter: the one serving now)
+    baseline_drafter: str | None = None
     max_model_len: int = 2048
     mode: str = "batch"  # batch: all requests at once (capture) | timed: the eval's speedup protocol
     #                      (`child._timed`) | check: the lossless check alone (`child._check`)
@@ -68,12 +75,12 @@ class EngineJob:
     # timed mode: the free speculators timed beside the drafter's first K, sharing plain decoding's runs, whatever
     # the budget (a baseline asked for is measured): (method, K) each, "ngram" vLLM's prompt lookup
     # (lookup.PROMPT_LOOKUP), "suffix" its suffix decoding, "combined" the drafter with the combined speculator's
-    # block where `combined` picks it (spec_decode.combined), or "dflash" the drafter at another K (the demo's probe
-    # times two K on the same plain runs)
+    # block where `combined` picks it (spec_decode.combined), "dflash" the drafter at another K (the demo's probe
+    # times two K on the same plain runs), or "baseline" the baseline drafter (eval: at the drafter's first K)
     free: list[tuple[str, int]] = field(default_factory=list)
     # a lookup.CombinedRule setting: the combined speculator's, in timed mode ("combined" in `free`) and check mode
     combined: str | None = None
-    free_limit: int | None = None  # timed mode: the free speculators (not "dflash") time only the first N prompts
+    free_limit: int | None = None  # timed mode: the free speculators (not the DRAFTERS) time only the first N prompts
     # timed mode: requests decoded first, all at once on the plain engine as a capture decodes them (continuous
     # batching), untimed but for their wall time: the demo's probe measures capture and decoding in one child
     capture_sample: list[EngineRequest] = field(default_factory=list)
@@ -88,8 +95,9 @@ class EngineJob:
     def llm_kwargs(self, k: int | None = None, method: str = "dflash") -> dict[str, Any]:
         """The `vllm.LLM(...)` arguments (the same names as `vllm serve` flags) of plain decoding, or with the
         drafter as vLLM's dflash speculator proposing `k` tokens per step (method "ngram": vLLM's prompt lookup
-        instead; "combined": dflash's, the plugin turned on by the environment); the user's engine arguments
-        last. The plain engine records states where the job asks (`states_to`: capture, the probe's sample)."""
+        instead; "suffix": its suffix decoding; "baseline": dflash's with the baseline drafter; "combined": dflash's,
+        the plugin turned on by the environment); the user's engine arguments last. The plain engine records states
+        where the job asks (`states_to`: capture, the probe's sample)."""
         records = bool(self.states_to) and not k
         kwargs: dict[str, Any] = {"model": str(self.target), "dtype": self.dtype, "max_model_len": self.max_model_len,
                                   # eager where states are recorded: the hooks (`taps`) see no compiled graph
@@ -100,8 +108,8 @@ class EngineJob:
         elif k and method == "suffix":
             kwargs["speculative_config"] = {"method": "suffix", "num_speculative_tokens": k}
         elif k:
-            kwargs["speculative_config"] = {"method": "dflash", "model": str(self.drafter),
-                                            "num_speculative_tokens": k}
+            drafter = self.baseline_drafter if method == "baseline" else self.drafter
+            kwargs["speculative_config"] = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": k}
         if records and self.device == "cpu" and self.mode == "batch":  # a timed job's engines keep vLLM's block,
             kwargs["block_size"] = STATES_BLOCK_SIZE_CPU                 # the eval's (the probe's sample errs slow)
         if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & self.engine_args.keys():
@@ -111,21 +119,25 @@ class EngineJob:
 
 def kv_cache_bytes_for(job: EngineJob, plain: bool = False) -> int:
     """KV-cache memory for a job: a timed job needs its largest concurrency of sequences of max_model_len in the
-    target's and the drafter's layers (twice that, for vLLM's block rounding), its plain engine room for the
-    capture sample too; a batch run gets 2 GiB, which keeps a SmolLM2-sized target decoding dozens of sequences at
-    once. Sizing it to the job matters on CPU: vLLM allocates and touches the whole cache at start (2 GiB took about
-    10 s here)."""
+    target's and the drafter's layers (the larger drafter's, with a baseline drafter: an engine holds one of them; twice
+    that, for vLLM's block rounding), its plain engine room for the capture sample too; a batch run gets 2 GiB, which
+    keeps a SmolLM2-sized target decoding dozens of sequences at once. Sizing it to the job matters on CPU: vLLM
+    allocates and touches the whole cache at start (2 GiB took about 10 s here)."""
     if job.mode == "batch":
         return 2 * GiB
-    per_token = 0
-    for folder in [job.target] + ([job.drafter] if job.drafter else []):
-        cfg = json.loads((Path(folder) / "config.json").read_text())
-        cfg = cfg.get("text_config", cfg)
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-        per_token += 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4  # K and V, up to 4 bytes each
+    per_token = _kv_bytes_per_token(job.target) + max(
+        [_kv_bytes_per_token(folder) for folder in (job.drafter, job.baseline_drafter) if folder], default=0)
     k = max([*job.speculative_tokens, *(k for _, k in job.free)], default=0)
     return max(64 << 20, 2 * per_token * job.max_num_seqs(plain) * (job.max_model_len + 2 * k + 32))
+
+
+def _kv_bytes_per_token(folder: str) -> int:
+    """The KV cache a checkpoint folder's layers take per token: K and V, up to 4 bytes each."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4
 
 
 def at_length(request: EngineRequest, tokens: int) -> EngineRequest:

@@ -188,6 +188,10 @@ def check_options(cfg: EvalConfig) -> tuple[bool, bool]:
     if vllm_only and not in_engine:
         raise UserError(f"{vllm_only[0]} configures vLLM, and --engine {cfg.engine} does not run it: pass --engine "
                         f"vllm or both")
+    if in_engine and len(cfg.baseline_drafters) > 1:
+        raise UserError(f"--baseline-drafter: vLLM times one baseline drafter beside the drafter, and "
+                        f"{len(cfg.baseline_drafters)} were given with --engine {cfg.engine}: pass one (the project's "
+                        f"loop, --engine own, takes several)")
     if in_engine:
         from dflash_train.engine.install import check_vllm
         from dflash_train.spec_decode.suffix import suffix_problem

@@ -41,7 +41,9 @@ class EvalConfig:
     block_size: int | None = option(None, check=at_least(2),
                                     help="verify block size (default: the drafter's; at most the drafter's)")
     baseline_drafters: list[str] = option(default_factory=list, flag="--baseline-drafter", metavar="DIR",
-                                          help="another drafter folder to put in the same table (repeatable)")
+                                          help="another drafter folder to put in the same table (repeatable: the "
+                                               "project's loop takes several; vLLM times one, beside the "
+                                               "drafter's first K, paired by prompt)")
     store: str | None = option(None, help="a capture store of held-out samples for the offline estimate")
     template_kwargs: dict[str, Any] | None = option(None, metavar="JSON", help="chat template options as JSON "
                                                     "(default: the store's, as captured, else none)")

@@ -22,7 +22,8 @@ class EngineRunner:
     """Runs vLLM for the eval (`engine`: runner.run_engine, a process of its own each time, in workdir/tag) and keeps
     what each run refused; called, the prompts by id, each under its request's `constraints`, plain and with the
     drafter at the K given, and says what it runs. `first` and `source`: the sweep's first K and the estimate that
-    chose it, for that line."""
+    chose it, for that line. The first --baseline-drafter, where given, is timed beside the drafter's first K in the
+    timed run (the job's free "baseline"; EvalConfig's check allows one with vLLM)."""
     cfg: EvalConfig
     target: Target
     device: str
@@ -38,6 +39,11 @@ class EngineRunner:
     rechecked: dict[tuple[str | None, int, str], bool] = field(default_factory=dict)
     recheck_s: dict[str | None, float] = field(default_factory=dict)
 
+    @property
+    def baseline(self) -> str | None:
+        """The baseline drafter vLLM times beside the drafter: the first --baseline-drafter, if any."""
+        return self.cfg.baseline_drafters[0] if self.cfg.baseline_drafters else None
+
     def __call__(self, ids: dict[str, list[int]], dtype: str, tag: str, ks: list[int], concurrency: list[int],
                  budget_s: float | None, mode: str = "timed", combined: str | None = None
                  ) -> tuple[EngineJob, EngineResult]:
@@ -48,11 +54,12 @@ class EngineRunner:
                     for rid, p in ids.items()]
         job = EngineJob(target=str(self.target.path), requests=requests,
                         stop_token_ids=self.target.stop_token_ids(), dtype=VLLM_DTYPES[dtype],
-                        drafter=cfg.drafter, max_model_len=self.max_len, mode=mode, seed=cfg.seed,
+                        drafter=cfg.drafter, baseline_drafter=self.baseline, max_model_len=self.max_len, mode=mode,
+                        seed=cfg.seed,
                         device=torch.device(self.device).type, engine_args=cfg.engine_args,
                         speculative_tokens=ks, concurrency=concurrency, repeats=cfg.repeats, budget_s=budget_s,
-                        free=([("ngram", k) for k in cfg.ngram] + [("suffix", k) for k in cfg.suffix]
-                              if mode == "timed" else []), combined=combined,
+                        free=([("baseline", ks[0])] * bool(self.baseline) + [("ngram", k) for k in cfg.ngram]
+                              + [("suffix", k) for k in cfg.suffix] if mode == "timed" else []), combined=combined,
                         free_limit=cfg.free_limit if mode == "timed" else None)
         budget = f", {budget_s:.0f} s budget" if budget_s is not None and len(ks) > 1 else ""
         if self.first is not None and mode == "timed":
@@ -62,7 +69,8 @@ class EngineRunner:
                 f"the shortest that keeps tau by the {self.source}")
         if job.free:
             budget += "; beside the first, sharing plain decoding's runs: " + ", ".join(
-                f"{FREE_NAMES[method]} at K = {k}" for method, k in job.free)
+                f"{FREE_NAMES[method]}" + (f" {self.baseline}" if method == "baseline" else "") + f" at K = {k}"
+                for method, k in job.free)
         speculator = f"the combined speculator ({combined}) with drafter" if combined else "with drafter"
         print(f"engine: vLLM, plain and {speculator} {cfg.drafter} at K = {', '.join(map(str, ks))} "
               f"({len(ids.keys() - self.refused.keys())} prompts, concurrency 1"

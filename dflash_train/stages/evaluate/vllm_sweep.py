@@ -39,12 +39,13 @@ TIMING_PROTOCOL = ("warm engines (one short request each first), plain decoding 
                    "one process; each prompt decoded alone by plain decoding to its natural stop (the reference and "
                    "plain decoding's timed run), then by each speculator at that length with ignore_eos (the same "
                    "number of new tokens on every side), the speculators' order rotated from prompt to prompt; the "
-                   "drafter's first K and the free speculators share plain decoding's run, each further K and the "
-                   "combined speculator are timed beside a plain run of their own at that length, alternating which "
-                   "goes first; each request {idle} with its engine's prefix cache emptied (every timed prompt "
-                   "prefilled in full); timed by the engine core from the request's arrival to its last token (the "
-                   "decode phase alone: from its first token) and by a stopwatch around the whole request; "
-                   "concurrency c: the first c prompts (cycled) decoded together, timed the same way")
+                   "drafter's first K, the baseline drafter at that K and the free speculators share plain decoding's "
+                   "run, each further K and the combined speculator are timed beside a plain run of their own at that "
+                   "length, alternating which goes first; each request {idle} with its engine's prefix cache "
+                   "emptied (every timed prompt prefilled in full); timed by the engine core from the request's "
+                   "arrival to its last token (the decode phase alone: from its first token) and by a stopwatch "
+                   "around the whole request; concurrency c: the first c prompts (cycled) decoded together, timed the "
+                   "same way")
 
 
 SWEEP_FIRST_SLACK = 0.01  # the sweep's first K keeps the expected speed within 1% of the best, by the estimate
@@ -257,8 +258,9 @@ def per_batch_size_schedule(best: list[ConcurrencyRow]) -> list[list[int]] | Non
 
 def free_speculator(runs: list[dict[str, Any]], natural: dict[str, EngineOutput], greedy: bool
                     ) -> tuple[list[KRow], SpeculatorEntry | None]:
-    """The rows of one of the engine's model-free speculators (prompt lookup, suffix decoding), a row per K timed,
-    and its entry: the fastest K at batch 1, with every K's rows at each concurrency (None where none ran)."""
+    """The rows of one speculator timed beside the drafter (the engine's model-free prompt lookup and suffix
+    decoding, or the baseline drafter), a row per K timed (its lossless check: its mismatches counted), and its entry:
+    the fastest K at batch 1, with every K's rows at each concurrency (None where none ran)."""
     rows = [replace(k_row(r, natural, greedy), engine_args=r["llm_kwargs"]["speculative_config"]) for r in runs]
     if not rows:
         return rows, None
@@ -267,13 +269,14 @@ def free_speculator(runs: list[dict[str, Any]], natural: dict[str, EngineOutput]
                                  pays_up_to_concurrency=pays_up_to(best_per_concurrency(together)))
 
 
-def ranking(drafter: KRow, lookup: KRow | None, suffix: KRow | None, combined: CombinedEntry | None = None
-            ) -> list[RankRow]:
-    """The drafter, prompt lookup, suffix decoding and the combined speculator at each one's fastest K (the
-    combined one at combined_entry's), fastest first at batch 1 (by the engine's speedup over plain decoding on the
-    same prompts), with tau and the intervals: what to serve."""
-    named = [(name, row) for name, row in (("drafter", drafter), ("prompt lookup", lookup),
-                                           ("suffix decoding", suffix),
+def ranking(drafter: KRow, lookup: KRow | None, suffix: KRow | None, combined: CombinedEntry | None = None,
+            baseline: KRow | None = None) -> list[RankRow]:
+    """The drafter, the baseline drafter, prompt lookup, suffix decoding and the combined speculator at each one's
+    fastest K (the combined one at combined_entry's, the baseline drafter at the one K it was timed at), fastest first
+    at batch 1 (by the engine's speedup over plain decoding on the same prompts), with tau and the intervals: what to
+    serve."""
+    named = [(name, row) for name, row in (("drafter", drafter), ("baseline drafter", baseline),
+                                           ("prompt lookup", lookup), ("suffix decoding", suffix),
                                            (combined and parse_combined(combined.setting).name, combined)) if row]
     shared = set.intersection(*({p.id for p in row.per_prompt} for _, row in named))
     rows = [replace(on_prompts(row, shared), speculator=name) for name, row in named]
@@ -320,7 +323,10 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     ones, prompt by prompt). The fastest K at batch 1 is best_k: the entry's headline figures (what push's gate and
     the card read) are its own, and its mismatches in a low-precision dtype are rerun in fp32 through the engine.
     Plain decoding's own speed over the sweep (plain_rates) says whether the machine held still while it measured.
-    Every figure is over the prompts no engine run refused (`taken`), computed once the runs have ended (the
+    With --baseline-drafter (one: the command's check) the baseline drafter is timed at the first K beside the
+    drafter, on plain decoding's same runs (`baseline`, its mismatches counted; the fp32 recheck stays best_k's),
+    and the drafter's row at that K is paired with it by prompt (`against_baseline`: paired_against). Every figure
+    is over the prompts no engine run refused (`taken`), computed once the runs have ended (the
     combined speculator's rule and K from the figures before its run) and again where an fp32 recheck refused a
     prompt they held."""
     from dflash_train.model.checkpoint import drafter_identity
@@ -330,22 +336,25 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
     first, ks = sweep_plan(cfg, block_size, tau_by_k)
     max_len = max(len(ids) for ids in prompts.values()) + cfg.max_new_tokens + block_size
     run = EngineRunner(cfg, target, device, workdir, prompts, constraints or {}, max_len, first, source)
+    baseline_sha256 = check_baseline(run.baseline, ks[0])
     job, result = run(prompts, dtype_name, "timed", ks, cfg.concurrency, cfg.sweep_budget_s)
     natural, greedy = result.by_id(), cfg.temperature == 0
     drafted = [r for r in result.timed["runs"] if r.get("method", "dflash") == "dflash"]
-    free = {method: [r for r in result.timed["runs"] if r.get("method") == method] for method in LOOKUP_METHODS}
+    free = {method: [r for r in result.timed["runs"] if r.get("method") == method]
+            for method in (*LOOKUP_METHODS, "baseline")}
     seconds = result.load_s + result.wall_s
 
-    def rows() -> tuple[list[KRow], list[KRow], SpeculatorEntry | None, list[KRow], SpeculatorEntry | None]:
-        """The drafter's row per K, prompt lookup's and suffix decoding's rows and entries, each over the prompts no
-        engine run has refused so far (`taken`)."""
+    def rows() -> tuple[list[KRow], dict[str, tuple[list[KRow], SpeculatorEntry | None]]]:
+        """The drafter's row per K; prompt lookup's, suffix decoding's and the baseline drafter's rows and entries by
+        method ("ngram", "suffix", "baseline"); each over the prompts no engine run has refused so far (`taken`)."""
         return ([k_row(taken(r, run.refused), natural, greedy) for r in drafted],
-                *free_speculator([taken(r, run.refused) for r in free["ngram"]], natural, greedy),
-                *free_speculator([taken(r, run.refused) for r in free["suffix"]], natural, greedy))
+                {method: free_speculator([taken(r, run.refused) for r in timed], natural, greedy)
+                 for method, timed in free.items()})
 
     rule = combined_timed = None
     if cfg.combined:
-        sweep, _, lookup, _, suffix = rows()
+        sweep, beside = rows()
+        (_, lookup), (_, suffix) = beside["ngram"], beside["suffix"]
         best = fastest_at_batch_1(sweep)
         rule = combined_rule(cfg.combined, best, lookup)
         longest = max(best.k, rule.k, suffix.k if suffix and rule.suffix is not None else 0)
@@ -353,7 +362,9 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         seconds += seconds_combined
     while True:  # until no fp32 recheck refuses a prompt the figures hold
         known = len(run.refused)
-        sweep, lookup_rows, lookup, suffix_rows, suffix = rows()
+        sweep, beside = rows()
+        (lookup_rows, lookup), (suffix_rows, suffix), (baseline_rows, baseline) = (
+            beside["ngram"], beside["suffix"], beside["baseline"])
         best = fastest_at_batch_1(sweep)
         best_run = {r["k"]: r for r in drafted}[best.k]
         mismatches = lossless_at_best_k(run, best, best_run, natural, dtype_name)
@@ -364,6 +375,9 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         combined = replace(combined, against={
             name: paired_against(combined, other) for name, other in
             (("drafter", best), ("prompt lookup", lookup), ("suffix decoding", suffix)) if other})
+    # the drafter at the baseline drafter's K (its first, always timed) against it, paired by prompt
+    at_k = next((row for row in sweep if baseline and row.k == baseline.k), None)
+    against_baseline = paired_against(at_k, baseline) if at_k and baseline else None
     together = concurrency_rows(sweep, drafted)
     fastest = best_per_concurrency(together)
     return VllmEval(
@@ -377,10 +391,24 @@ def engine_eval(cfg: EvalConfig, target: Target, prompts: dict[str, list[int]], 
         load_s=LoadSeconds(plain=result.load_s, speculative=best_run["load_s"]), environment=result.environment,
         sweep=sweep, concurrency=together, concurrency_best=fastest, pays_up_to_concurrency=pays_up_to(fastest),
         per_batch_size_schedule=per_batch_size_schedule(fastest), ngram=lookup, ngram_sweep=lookup_rows,
-        suffix=suffix, suffix_sweep=suffix_rows, combined=combined, ranking=ranking(best, lookup, suffix, combined),
+        suffix=suffix, suffix_sweep=suffix_rows, combined=combined, baseline=baseline, baseline_sha256=baseline_sha256,
+        against_baseline=against_baseline, ranking=ranking(best, lookup, suffix, combined, baseline),
         timing=timing_entry(run, result, seconds, natural, sweep, lookup_rows, suffix_rows,
-                            [combined] if combined else []),
+                            [combined] if combined else [], baseline_rows),
         per_prompt=best.per_prompt)
+
+
+def check_baseline(folder: str | None, k: int) -> str | None:
+    """The baseline drafter's sha256 as the engine is about to read it (checkpoint.drafter_identity), after checking
+    that its block holds the K it is timed at (the drafter's first); None without one."""
+    from dflash_train.model.checkpoint import drafter_identity, read_config
+
+    if folder is None:
+        return None
+    if k > (room := read_config(folder).block_size - 1):
+        raise UserError(f"--baseline-drafter {folder}: its block holds K up to {room}, and vLLM times it at the "
+                        f"drafter's first K = {k}: pass --speculative-tokens with a first K of at most {room}")
+    return drafter_identity(Path(folder))["sha256"]
 
 
 def sweep_plan(cfg: EvalConfig, block_size: int, tau_by_k: list[float] | None) -> tuple[int | None, list[int]]:
@@ -515,15 +543,17 @@ def lossless_entry(best: KRow, mismatches: list[Mismatch], recheck_s: float | No
 
 def timing_entry(run: EngineRunner, result: EngineResult, seconds: float, natural: dict[str, EngineOutput],
                  sweep: list[KRow], lookup_rows: list[KRow], suffix_rows: list[KRow],
-                 combined_rows: list[CombinedEntry]) -> SweepTiming:
+                 combined_rows: list[CombinedEntry], baseline_rows: list[KRow] | None = None) -> SweepTiming:
     """How the sweep was timed (the entry's `timing`): the protocol, the K measured and those the budget left out,
     the first K and the estimate that chose it, plain decoding's own speed in the reference pass and in each row's
     runs and how far apart they are (host_drift; above HOST_DRIFT_LIMIT the machine's speed changed while it
     measured), the engine's seconds and the load average at the end."""
-    rates = plain_rates(natural, sweep + lookup_rows + suffix_rows + combined_rows)
+    baseline_rows = baseline_rows or []
+    rates = plain_rates(natural, sweep + lookup_rows + suffix_rows + combined_rows + baseline_rows)
     labels = ["reference", *(str(r.k) for r in sweep), *(f"prompt lookup {r.k}" for r in lookup_rows),
               *(f"suffix decoding {r.k}" for r in suffix_rows),
-              *(f"{parse_combined(r.setting).name} {r.k}" for r in combined_rows)]
+              *(f"{parse_combined(r.setting).name} {r.k}" for r in combined_rows),
+              *(f"baseline drafter {r.k}" for r in baseline_rows)]
     drift = host_drift(rates)
     idle = idle_s(torch.device(run.device).type)
     wait = (f"{idle:g} s after the last (the idle engine stops polling)" if idle else
