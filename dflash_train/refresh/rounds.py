@@ -181,6 +181,23 @@ class Ledger:
         self.rounds.append(rnd)
         self.save()
 
+    def record_figure(self, rnd: Round, name: str, value: dict[str, Any]) -> None:
+        """Record one of `rnd`'s measurements under `name` (its drift, a comparison with the serving drafter),
+        saved. A recorded round only: figures belong to a round whose prompts are known."""
+        self._recorded(rnd).figures = {**(rnd.figures or {}), name: value}
+        self.save()
+
+    def record_release(self, rnd: Round, release: dict[str, Any]) -> None:
+        """Record `rnd`'s release decision (released or kept, why, and where the release went), saved: the round is
+        done, and the same logs again find it so."""
+        self._recorded(rnd).release = dict(release)
+        self.save()
+
+    def _recorded(self, rnd: Round) -> Round:
+        if self.find(rnd.id) is not rnd:
+            raise ValueError(f"{rnd.name} is not a round of {self.path}: record its ingest first")
+        return rnd
+
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path, {"format": FORMAT, "split": asdict(self.split) if self.split else None,

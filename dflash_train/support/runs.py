@@ -195,15 +195,16 @@ def recorded_seconds(folder: Path) -> float | None:
 
 
 def run_stage(name: str, folder: Path, command: list[str], log: Log, env: dict[str, str] | None = None,
-              rerun: bool = False, verdict_exit: int | None = None) -> None:
+              rerun: bool = False, verdict_exit: int | None = None) -> int:
     """Run `command` unless `folder` is already complete (or always, with `rerun`: a quick stage whose output
     should reflect the latest inputs); stop the script with a clear message if it fails. `verdict_exit`: an exit
     status that gives the stage's verdict rather than a failure where the stage completed its folder in this run
-    (`push --dry-run` exits 2 where the gate would refuse the real push, its preview written)."""
+    (`push --dry-run` exits 2 where the gate would refuse the real push, its preview written). Returns the exit
+    status: 0, or `verdict_exit` where that was the verdict."""
     if not rerun and stage_decision(folder, command) == "skip":
         print(f"\n=== {name}: {folder} is complete, skipping (delete it to redo this stage)", flush=True)
         log.add(name, command, recorded_seconds(folder), skipped=True)
-        return
+        return 0
     print(f"\n=== {name}: {shlex.join(command)}", flush=True)
     start = time.perf_counter()
     started = time.time()
@@ -224,6 +225,7 @@ def run_stage(name: str, folder: Path, command: list[str], log: Log, env: dict[s
     log.add(name, command, seconds, skipped=False)
     print(f"=== {name}: done in {seconds:.0f} s" + (f" (exit {result.returncode}: its verdict, above)" if verdict
                                                      else ""), flush=True)
+    return result.returncode
 
 
 def capture_command(prompts: Path, store: Path, split: str, limit: int, max_prompt_tokens: int,
