@@ -1,10 +1,10 @@
 """`make refresh-demo`: two days of one service's logs, each a `dflash-train refresh` round, as an operator runs them.
 
-    python scripts/refresh_demo.py [--workdir .] [--capture-limit 240] [--train-s 360,420]
+    python scripts/refresh_demo.py [--workdir .] [--capture-limit 240] [--train-s 330,360]
 
 Day 1 (data/workloads/drift_day1.jsonl.gz) is the router under its schema; the drafter serving is the shipped general
-one. Day 2 (drift_day2.jsonl.gz) is mostly a second application gone live, the rewrite button, beside new router
-requests and some of day 1's again. Each day is one command:
+one. Day 2 (drift_day2.jsonl.gz) is mostly a second structured application gone live, a help desk's ticket triage under
+its own schema, beside new router requests and some of day 1's again. Each day is one command:
 
     dflash-train refresh data/workloads/drift_day1.jsonl.gz --serving drafters/smollm2-135m-instruct-general ...
     dflash-train refresh data/workloads/drift_day2.jsonl.gz --serving <day 1's release, or the general drafter> ...
@@ -39,9 +39,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default=".", help="where refresh/ and results/ go (default: the repo's root)")
     p.add_argument("--capture-limit", type=int, default=240, help="new training prompts each day captures")
-    p.add_argument("--train-s", type=int_list, default=[360, 420], metavar="S1,S2",
+    p.add_argument("--train-s", type=int_list, default=[330, 360], metavar="S1,S2",
                    help="each day's training budget in seconds (train.time_budget_s)")
     p.add_argument("--eval-limit", type=int, default=20, help="held-out requests of each traffic in each eval")
+    p.add_argument("--eval-dtype", default="fp32", choices=["auto", "bf16", "fp32"],
+                   help="the evals' dtype: fp32 checks losslessness in fp32 at once (in bf16 a near-tie can flip a "
+                        "token, and every prompt that differs is rerun in fp32: a minute an eval on a CPU)")
     p.add_argument("--extra", action="append", default=[], metavar="FLAG",
                    help="one more flag for every refresh command, repeatable (e.g. --extra=--eval-override=--dtype=fp32)")
     args = p.parse_args(argv)
@@ -54,7 +57,7 @@ def refresh_command(log: Path, serving: Path, out: Path, args: argparse.Namespac
     return [runs.PY, "-m", "dflash_train", "refresh", str(log), "--serving", str(serving), "--no-push",
             "--out", str(out), "--capture-limit", str(args.capture_limit), "--max-new-tokens", "128",
             "--eval-limit", str(args.eval_limit), "--train-override", f"train.time_budget_s={train_s}",
-            "--train-override", "eval.every=0", *args.extra]
+            "--train-override", "eval.every=0", f"--eval-override=--dtype={args.eval_dtype}", *args.extra]
 
 
 def run_day(name: str, command: list[str], days: list[dict]) -> None:

@@ -18,9 +18,9 @@ as such applications are served, and the application's `max_tokens`.
                      to be clear, polite and concise, keeping its meaning
   drift_day1.jsonl.gz, drift_day2.jsonl.gz   two days of one service's logs whose traffic moves (`make
                      refresh-demo`): day 1 the router under its schema (router_json's first 1,200 requests); day 2
-                     mostly a second application going live, the rewrite button (900 requests), beside 300 new router
-                     requests and 150 of day 1's again (seen prompts), in a seeded order. Cut from the files above
-                     (`write_drift_days`), not from ShareGPT
+                     mostly a second structured application going live, a help desk's ticket triage under its schema
+                     (900 requests of results/demo_unseen_triage/make_log.py's log), beside 300 new router requests
+                     and 150 of day 1's again (seen prompts), in a seeded order (`write_drift_days`)
 
 The logs hold the requests only (the applications do not log their users' responses), each line
 `{"id", "created", "request": {"model", "messages": [system, user], "temperature", "max_tokens"}}` (router_json:
@@ -124,12 +124,12 @@ def write(name: str, texts: list[str]) -> Path:
 
 DAY = 86_400
 DRIFT_DAY1 = 1200  # router_json requests on day 1
-DRIFT_DAY2 = {"rewrite": (1200, 2100), "router_json": (1200, 1500)}  # new requests on day 2, by workload: [from, to)
+DRIFT_DAY2 = {"triage": (0, 900), "router_json": (1200, 1500)}  # new requests on day 2, by workload: [from, to)
 DRIFT_REPEATS = 150  # day 1's first router_json requests, asked again on day 2
 
 
-def _lines(name: str) -> list[dict]:
-    with gzip.open(HERE / f"{name}.jsonl.gz", "rt", encoding="utf-8") as f:
+def _lines(path: Path) -> list[dict]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f]
 
 
@@ -140,10 +140,19 @@ def _write_lines(path: Path, lines: list[dict]) -> None:
 
 
 def write_drift_days() -> None:
-    """The two days of `make refresh-demo`, cut from the committed router_json and rewrite logs."""
-    router, rewrite = _lines("router_json"), _lines("rewrite")
+    """The two days of `make refresh-demo`, cut from the committed router_json log and the ticket triage log (its
+    script writes it from ShareGPT conversations 5,200 to 7,999: no input of the router's)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    router = _lines(HERE / "router_json.jsonl.gz")
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, str(HERE.parent.parent / "results" / "demo_unseen_triage" / "make_log.py"),
+                        f"{tmp}/triage.jsonl.gz"], check=True)
+        triage = _lines(Path(tmp) / "triage.jsonl.gz")
     _write_lines(HERE / "drift_day1.jsonl.gz", router[:DRIFT_DAY1])
-    day2 = [*rewrite[slice(*DRIFT_DAY2["rewrite"])], *router[slice(*DRIFT_DAY2["router_json"])],
+    day2 = [*triage[slice(*DRIFT_DAY2["triage"])], *router[slice(*DRIFT_DAY2["router_json"])],
             *router[:DRIFT_REPEATS]]
     random.Random(2).shuffle(day2)
     _write_lines(HERE / "drift_day2.jsonl.gz", [{**line, "id": f"day2-{i:05d}", "created": CREATED + DAY + 7 * i}
