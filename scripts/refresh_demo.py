@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the evals' dtype: fp32 checks losslessness in fp32 at once (in bf16 a near-tie can flip a "
                         "token, and every prompt that differs is rerun in fp32: a minute an eval on a CPU)")
     p.add_argument("--extra", action="append", default=[], metavar="FLAG",
-                   help="one more flag for every refresh command, repeatable (e.g. --extra=--eval-override=--dtype=fp32)")
+                   help="one more flag for every refresh command, repeatable (e.g. --extra=--eval-limit=10)")
     args = p.parse_args(argv)
     if len(args.train_s) != len(DAYS):
         p.error(f"--train-s: give one budget per day ({len(DAYS)})")
@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
                                   "scripts/refresh_demo.py"),
                       f"Started {time.strftime('%H:%M', time.localtime(started))}; the refresh folder: {out}.",
                       summary(ledger, days)])
-    runs.write_results(work / "results" / "refresh-demo", md, {"rounds": ledger["rounds"], "days": days,
-                                                               "settings": vars(args)}, [], runs.Log(), work)
+    rounds = [{**r, **{key: len(r[key]) for key in ("train", "eval", "seen")}} for r in ledger["rounds"]]  # counts
+    runs.write_results(work / "results" / "refresh-demo", md, {"rounds": rounds, "days": days, "settings": vars(args)},
+                       [], runs.Log(), work)
     return 0
 
 

@@ -650,3 +650,53 @@ def test_draft_vocab_pairs_each_prompts_speedup_by_either_clock():
     ratio, interval = bench_draft_vocab.against(job(1.5, 3.0), job(1.0, 2.0))
     assert ratio == pytest.approx(1.5) and interval == pytest.approx([1.5, 1.5])
     assert bench_draft_vocab.against(job(1.5, 3.0), job(2.0, 2.0), "wall_")[0] == pytest.approx(4.5 / 4)
+
+
+def test_the_refresh_demo_runs_each_day_as_one_refresh_command_and_tabulates_the_ledger():
+    import refresh_demo
+
+    args = refresh_demo.parse_args(["--train-s", "30,40", "--extra=--eval-limit=4"])
+    day1, day2 = (refresh_demo.refresh_command(log, Path("serving"), Path("out"), args, s)
+                  for log, s in zip(refresh_demo.DAYS, args.train_s))
+    assert day1[3:5] == ["refresh", str(refresh_demo.DAYS[0])] and "--no-push" in day1
+    assert "train.time_budget_s=30" in day1 and "train.time_budget_s=40" in day2
+    assert day1[-2:] == ["--eval-override=--dtype=fp32", "--eval-limit=4"]  # the extra flags last: they win
+    with pytest.raises(SystemExit):
+        refresh_demo.parse_args(["--train-s", "30"])
+    ledger = {"rounds": [{"number": 1, "logs": [{"name": "day1.jsonl.gz"}], "train": ["a", "b"], "eval": ["c"],
+                          "seen": [], "release": {"released": True, "folder": "round-001/release"},
+                          "figures": {"drift": {"verdict": "moved down", "tau": 1.5, "tau_interval": [1.3, 1.8],
+                                                "card_tau": 2.3},
+                                      "against serving (new)": {"traffic": "new", "tau_candidate": 2.0,
+                                                                "tau_serving": 1.5, "tau_ratio": 1.333,
+                                                                "tau_ratio_interval": [1.2, 1.5],
+                                                                "speedup_ratio": 1.25}}}]}
+    table = refresh_demo.summary(ledger, [{"day": "day 1", "seconds": 600.0}])
+    assert ("| 1 | day1.jsonl.gz | 2 / 1 / 0 | moved down: 1.500 [1.300, 1.800] vs card 2.300 | new: 2.000 vs 1.500, "
+            "x1.333 [1.200, 1.500], speed x1.250 | released |") in table
+    assert refresh_demo.serving_after(ledger, 1) == Path("round-001/release")
+    assert refresh_demo.serving_after(ledger, 2) is None
+
+
+def test_the_drift_days_are_the_router_then_mostly_triage_with_some_of_day_1_again():
+    import gzip
+
+    from conftest import REPO_ROOT
+
+    def lines(name):
+        with gzip.open(REPO_ROOT / "data" / "workloads" / name, "rt", encoding="utf-8") as f:
+            return [json.loads(line) for line in f]
+
+    def app(line):
+        return line["request"]["messages"][0]["content"].split(".")[0]
+
+    day1, day2 = lines("drift_day1.jsonl.gz"), lines("drift_day2.jsonl.gz")
+    assert len(day1) == 1200 and {app(line) for line in day1} == {"You are the request router of a chat assistant"}
+    apps = {}
+    for line in day2:
+        apps[app(line)] = apps.get(app(line), 0) + 1
+    assert apps == {"You are the triage assistant of a software company's help desk": 900,
+                    "You are the request router of a chat assistant": 450}
+    again = {json.dumps(line["request"], sort_keys=True) for line in day1}
+    # day 1's first 150 again, and a few new router requests whose message a day-1 user had sent too
+    assert 150 <= sum(json.dumps(line["request"], sort_keys=True) in again for line in day2) < 170

@@ -19,7 +19,7 @@ A round, stage by stage (each folder under round-NNN/):
                  bounded replay of earlier rounds' stores (`data.replay_stores`, at most --replay-fraction of the new
                  samples), so what the drafter knew is not forgotten
   eval-new       the candidate and the serving drafter side by side in one vLLM eval on the new held-out requests
-  eval-round-NNN the same on each earlier round's held-out requests
+  eval-round-NNN the same on each of the latest earlier rounds' held-out requests (--earlier-rounds)
   release        `decisions.decide`; where it releases, push (its own gate: lossless, min tau) with a card listing the
                  rounds: a new revision of --repo, or with --no-push the release folder alone, which serves the next
                  round as a folder
@@ -98,6 +98,9 @@ class RefreshConfig:
     speculative_tokens: int | None = option(None, check=integer_at_least(1), metavar="K",
                                             help="the K of every eval (default: the K the serving drafter's card "
                                                  "states, else its block's B - 1; at most either drafter's B - 1)")
+    earlier_rounds: int = option(3, check=integer_at_least(0), metavar="N",
+                                 help="the earlier traffic the candidate is judged on: the held-out requests of the "
+                                      "latest N earlier rounds (an eval each)")
     tolerance: float = option(decisions.TOLERANCE, check=in_range(0, 1),
                               help="the release's bound on the earlier traffic: the candidate's tau there at least "
                                    "(1 - tolerance) x the serving drafter's")
@@ -174,9 +177,10 @@ def refresh(logs: list[str], config: RefreshConfig) -> Round:
             return stopped(rnd, "train", f": the candidate is {candidate}")
         k = min(k, read_block_size(candidate) - 1)
         new = compare(config, ledger, rnd, "new", candidate, serving, prompts, k, folder / "eval-new", log)
+        judged = [r for r in ledger.rounds if r.number < rnd.number and r.eval
+                  and is_complete(out / r.name / "prompts")][-config.earlier_rounds:] if config.earlier_rounds else []
         earlier = [compare(config, ledger, rnd, r.name, candidate, serving, out / r.name / "prompts", k,
-                           folder / f"eval-{r.name}", log)
-                   for r in ledger.rounds if r.number < rnd.number and r.eval and is_complete(out / r.name / "prompts")]
+                           folder / f"eval-{r.name}", log) for r in judged]
         decision = decisions.decide(new, earlier, config.tolerance)
         print(f"\nrefresh: {rnd.name}: {decision.line()}", flush=True)
         release = {"released": False, "reasons": decision.reasons}
