@@ -484,6 +484,8 @@ def test_push_round_trip_through_loopback_hub(drafter_dir, tmp_path):
         assert result.returncode == 0, result.stderr
         assert f"pushed to {REPO}" in result.stdout and hub.repos[("model", REPO)].private
         head = hub.head(REPO)
+        pushed = json.loads((out / "pushed.json").read_text())  # beside the upload, not in it
+        assert pushed == {"repo": REPO, "revision": "main", "commit": head.oid, "url": pushed["url"]}
         assert hub.commit_count(REPO) == 2  # the repo's initial commit + exactly one upload commit
         assert head.title == "Upload DFlash drafter from run tiny-run"
         assert set(head.files) == {".gitattributes", "README.md", "config.json", "model.safetensors", "dflash.py",

@@ -32,7 +32,7 @@ from conftest import REPO_ROOT
 
 README = REPO_ROOT / "README.md"
 PACKAGE = REPO_ROOT / "dflash_train"
-MAX_LINES = 320
+MAX_LINES = 330  # 320 until the refresh section (issue 61): a guide, not a log
 FIRST_SCREEN_LINES = 40
 MAX_FIRST_SCREEN_FIGURES = 10
 MAX_SENTENCE_WORDS = 60

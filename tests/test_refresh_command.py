@@ -4,6 +4,10 @@ round measures the serving drafter's drift, captures, trains a candidate warm-st
 the serving drafter side by side in vLLM; the same logs again make no second round, and a round stopped or killed
 during or after any stage reruns to the same ledger."""
 
+import argparse
+import contextlib
+import dataclasses
+import io
 import json
 
 import pytest
@@ -51,7 +55,7 @@ def tiny(tmp_path_factory, engine_target):
         "data": {"max_length": 256}, "drafter": {"block_size": 4}, "objective": {"num_anchors": 8},
         "train": {"max_steps": 2, "micro_batch_size": 2, "device": "cpu", "cpu_threads": 1,
                   "deepspeed": str(REPO_ROOT / "recipes" / "deepspeed" / "zero2.json")},
-        "checkpoint": {"every": 1000}, "eval": {"every": 0, "at_end": False},
+        "checkpoint": {"every": 1000}, "eval": {"every": 0, "at_end": False}, "push": {"min_tau": 1.0},
         "logging": {"progress_bar": False, "wandb_mode": "disabled"}}))
     return ["--target", str(engine_target), "--recipe", str(recipe), "--max-new-tokens", "8", "--capture-limit",
             "6", "--batch-size", "6"]
@@ -155,31 +159,45 @@ def test_a_round_without_a_new_training_prompt_trains_nothing_and_says_so(tmp_pa
     assert sorted(p.name for p in (out / "round-002").iterdir()) == ["known_ids.txt", "prompts", "prompts.command.json"]
 
 
-def test_a_round_stopped_after_training_goes_on_and_a_candidate_no_better_than_the_serving_drafter_stays(
-        tmp_path, serving, tiny, capsys):
-    """A whole round on the tiny target, stopped after its training (as a kill would leave it) and rerun. The store
-    holds the round's training prompts tapped at the serving drafter's layers and the candidate starts from exactly
-    the drafter the ledger says was serving; the rerun skips every finished stage. Trained 0 steps, the candidate is
-    the serving drafter's weights, so side by side in vLLM on the new held-out requests its tau is the serving
-    drafter's exactly (ratio 1, paired by prompt): not better by its interval, it is not released, and the ledger
-    says why. The drift was measured first (the serving drafter has no card: unknown). The same logs again find
-    the round done and make no second one."""
-    out = tmp_path / "refresh"
-    argv = refresh_argv([write_log(tmp_path / "day1.jsonl", QUESTIONS[:30])], out, serving, tiny,
+@pytest.fixture(scope="module")
+def whole_round(tmp_path_factory, serving, tiny):
+    """A whole round on the tiny target, run as an operator would after a kill: stopped after its training (as a
+    kill would leave it), rerun to its end, then run a third time. The candidate is trained 0 steps, so it is the
+    serving drafter's weights. Returns the refresh folder, the command line and what each run printed."""
+    tmp = tmp_path_factory.mktemp("whole_round")
+    out = tmp / "refresh"
+    argv = refresh_argv([write_log(tmp / "day1.jsonl", QUESTIONS[:30])], out, serving, tiny,
                         "--train-override", "train.max_steps=0", "--eval-limit", "3", "--eval-max-new-tokens", "8")
-    assert cli_main([*argv, "--until", "train"]) == 0
-    assert "refresh: round-001 stops after its train (--until train)" in capsys.readouterr().out
-    (one,) = load(out).rounds
-    assert one.release is None and one.figures["drift"]["verdict"] == "unknown"
+    printed = []
+    for args in ([*argv, "--until", "train"], argv, argv):
+        with contextlib.redirect_stdout(io.StringIO()) as said:
+            assert cli_main(args) == 0
+        printed.append(said.getvalue())
+        if len(printed) == 1:
+            after_training = (load(out).rounds[0], ledger_text(out))
+    return out, argv, printed, after_training
+
+
+def test_a_round_stopped_after_training_goes_on_from_there(whole_round):
+    """The store holds the round's training prompts tapped at the serving drafter's layers and the candidate starts
+    from exactly the drafter the ledger says was serving; the rerun skips every finished stage."""
+    out, _, printed, (one, _) = whole_round
+    assert "refresh: round-001 stops after its train (--until train)" in printed[0]
+    assert one.release is None and one.figures["drift"]["verdict"] == "unknown"  # no card: unknown
     folder = out / "round-001"
     manifest = json.loads((folder / "store" / "manifest.json").read_text())
     assert manifest["target_layer_ids"] == [1, 3, 5] and manifest["num_samples"] == min(6, len(one.train))
     started = json.loads((folder / "run" / "drafter" / "config.json").read_text())["dflash_train"]["fine_tuned_from"]
     assert started["name"] == "app-dflash" and started["weights_sha256"] == one.serving["weights_sha256"]
+    assert printed[1].count("is complete, skipping") == 3 and "recorded in the ledger, skipping" in printed[1]
 
-    assert cli_main(argv) == 0
-    printed = capsys.readouterr().out
-    assert printed.count("is complete, skipping") == 3 and "recorded in the ledger, skipping" in printed
+
+def test_a_candidate_no_better_than_the_serving_drafter_is_not_released_and_the_same_logs_make_no_new_round(
+        whole_round):
+    """Side by side in vLLM on the new held-out requests the candidate's tau is the serving drafter's exactly
+    (ratio 1, paired by prompt): not better by its interval, it is not released, and the ledger says why. The same
+    logs again find the round done and make no second one."""
+    out, _, printed, _ = whole_round
     (one,) = load(out).rounds
     assert one.figures["drift"]["prompts"] >= 2
     new = one.figures["against serving (new)"]
@@ -187,9 +205,39 @@ def test_a_round_stopped_after_training_goes_on_and_a_candidate_no_better_than_t
     assert new["k"] == 3  # the serving drafter's block of 4 less one: its card states no K
     assert one.release["released"] is False
     assert any("not better by its interval" in reason for reason in one.release["reasons"])
-    assert "release: the serving drafter stays: new traffic: tau x1.000" in printed
-    assert not (folder / "release").exists()
-    ledger = ledger_text(out)
-    assert cli_main(argv) == 0
-    assert "refresh: round-001 is done (these logs made it): not released" in capsys.readouterr().out
-    assert ledger_text(out) == ledger and len(load(out).rounds) == 1
+    assert "release: the serving drafter stays: new traffic: tau x1.000" in printed[1]
+    assert not (out / "round-001" / "release").exists()
+    assert "refresh: round-001 is done (these logs made it): not released" in printed[2]
+    assert len(load(out).rounds) == 1
+
+
+def test_a_released_candidate_is_pushed_as_a_new_revision_whose_card_lists_the_rounds(whole_round, tmp_path,
+                                                                                       monkeypatch):
+    """The release itself, on the round's real candidate and eval, with the decision `decisions.decide` gives a
+    better candidate: push's gate passes it (the tiny recipe's push.min_tau 1.0, lossless), the loopback Hub gets one
+    commit whose card lists the round, and the release names that commit."""
+    from dflash_train.options import from_args
+    from dflash_train.refresh import command as refresh_command
+    from dflash_train.refresh.decisions import Decision
+    from dflash_train.support import runs
+    from dflash_train.support.hub_server import LoopbackHub
+
+    out, argv, _, _ = whole_round
+    ledger = load(out)
+    (one,) = ledger.rounds
+    parser = argparse.ArgumentParser()
+    refresh_command.add_arguments(parser)
+    config = dataclasses.replace(from_args(refresh_command.RefreshConfig, parser.parse_args(argv[1:])),
+                                 no_push=False, repo="tiny-org/app-dflash")
+    with LoopbackHub(tokens={"hf_test"}) as hub:
+        for key, value in {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": "hf_test",
+                           "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "0"}.items():
+            monkeypatch.setenv(key, value)
+        release = refresh_command.publish(config, ledger, one, out / one.name / "run" / "drafter", out / one.name,
+                                          Decision(True, ["new traffic: better by its interval"]), runs.Log())
+        assert release["released"] is True and release["repo"] == "tiny-org/app-dflash"
+        assert release["revision"] == hub.head("tiny-org/app-dflash").oid
+        assert hub.commit_count("tiny-org/app-dflash") == 2  # the repo's first commit and the release
+        card = hub.file_content("tiny-org/app-dflash", "README.md").decode()
+    assert "## Refresh rounds" in card and "| 1 | day1.jsonl (sha256 " in card
+    assert str(out) not in card

@@ -40,7 +40,7 @@ from dflash_train.prompts import write_ids
 from dflash_train.provenance import LOCK_FILE, PROVENANCE_FILE, OutputClaim, is_complete, read_json, write_json_atomic
 from dflash_train.refresh import decisions
 from dflash_train.refresh.rounds import LEDGER_FILE, Ledger, Round, SplitRule, hash_logs, ingested_ids, load
-from dflash_train.stages.push.command import repo_id_problem
+from dflash_train.stages.push.command import PUSHED_FILE, repo_id_problem
 from dflash_train.stages.capture.config import CaptureConfig
 from dflash_train.stages.ingest.config import IngestConfig
 from dflash_train.support import runs
@@ -276,9 +276,7 @@ def publish(config: RefreshConfig, ledger: Ledger, rnd: Round, candidate: Path, 
         return {"released": True, "reasons": decision.reasons, "folder": f"{rnd.name}/release"}
     runs.run_stage("release (push)", release, runs.push_command(candidate, repo, folder / "eval-new", release, args),
                    log, rerun=True)
-    from huggingface_hub import HfApi
-
-    commit = HfApi().model_info(repo).sha
+    commit = read_json(release / PUSHED_FILE, "what the release's push uploaded").get("commit")
     return {"released": True, "reasons": decision.reasons, "repo": repo, "revision": commit}
 
 

@@ -48,7 +48,8 @@ STAGE = "push"
 # what a Ctrl-C leaves (errors.run_as_command prints it)
 INTERRUPTED = ("the upload is one commit, so the Hub has all of this push or none of it; rerun the same command to "
                "push (it writes the folder again)")
-LOCAL_ONLY = [PROVENANCE_FILE, INCOMPLETE_MARKER, LOCK_FILE, "*.tmp"]  # written next to the upload, never uploaded
+PUSHED_FILE = "pushed.json"  # after an upload: the repo, branch and commit it made (refresh records the revision)
+LOCAL_ONLY = [PROVENANCE_FILE, PUSHED_FILE, INCOMPLETE_MARKER, LOCK_FILE, "*.tmp"]  # beside the upload, never in it
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 TRANSIENT_ERRORS = {"TransportError", "TimeoutException", "NetworkError", "ConnectError", "ReadError",
                     "WriteError", "RemoteProtocolError", "ConnectionError", "Timeout", "ReadTimeout"}
@@ -444,7 +445,7 @@ def rerun_command(args: PushConfig, out: Path) -> str:
     return shlex.join(cmd)
 
 
-def upload(out: Path, args: PushConfig, run_name: str, gate: Gate) -> str:
+def upload(out: Path, args: PushConfig, run_name: str, gate: Gate) -> tuple[str, str | None]:
     from huggingface_hub import HfApi, constants, get_token
 
     if constants.HF_HUB_OFFLINE:
@@ -475,7 +476,7 @@ def upload(out: Path, args: PushConfig, run_name: str, gate: Gate) -> str:
     except Exception as err:
         raise UserError(f"upload to {args.repo} failed: {describe(err, token)}. The folder {out} is complete "
                         f"and unchanged; rerun: {rerun_command(args, out)}") from None
-    return getattr(commit, "commit_url", None) or str(commit)
+    return getattr(commit, "commit_url", None) or str(commit), getattr(commit, "oid", None)
 
 
 def run(namespace: argparse.Namespace) -> int:
@@ -540,6 +541,8 @@ def _publish(out: Path, files: list[Path], args: PushConfig, run_name: str, gate
             raise UserError(f"dry run: a real push would be REFUSED: {verdict} (the preview is in {out}; pass "
                             f"--force to override)")
         return 0
-    url = upload(out, args, str(run_name), gate)
+    url, commit = upload(out, args, str(run_name), gate)
+    write_json_atomic(out / PUSHED_FILE, {"repo": args.repo, "revision": args.revision or "main", "commit": commit,
+                                          "url": url})
     print(f"pushed to {args.repo}" + (f"@{args.revision}" if args.revision else "") + f": {url}")
     return 0
