@@ -47,6 +47,7 @@ from dflash_train.support import runs
 
 STAGE = "refresh"
 KNOWN_IDS_FILE = "known_ids.txt"  # in a round's folder: the ids earlier rounds ingested (its --exclude-ids)
+HISTORY_FILE = "card_rounds.json"  # in a round's folder: the rounds its release's card lists (push --history)
 ROUND_FOLDER = re.compile(r"round-\d{3,}")
 EVAL_CONCURRENCY = 2  # the evals' one concurrency run beside batch 1 (eval takes at least one): two prompts together
 # what a Ctrl-C leaves (errors.run_as_command prints it)
@@ -278,9 +279,6 @@ def publish(config: RefreshConfig, ledger: Ledger, rnd: Round, candidate: Path, 
                    log, rerun=True)
     commit = read_json(release / PUSHED_FILE, "what the release's push uploaded").get("commit")
     return {"released": True, "reasons": decision.reasons, "repo": repo, "revision": commit}
-
-
-HISTORY_FILE = "card_rounds.json"
 
 
 def card_history(ledger: Ledger, rnd: Round, decision: decisions.Decision) -> list[dict[str, str]]:
