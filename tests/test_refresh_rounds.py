@@ -113,6 +113,21 @@ def test_a_round_enters_the_ledger_with_its_ingest_and_one_killed_before_leaves_
     assert [r.logs[0].name for r in load(tmp_path / "refresh").rounds] == ["day2.jsonl"]
 
 
+def test_a_rounds_figures_and_release_are_saved_and_a_released_round_is_found_done(tmp_path):
+    ledger = load(tmp_path / "refresh")
+    logs = hash_logs(logs_of(tmp_path, day1="1\n"))
+    one = ledger.begin(logs, SERVING, RULE)
+    with pytest.raises(ValueError, match="record its ingest first"):  # figures belong to a recorded round
+        ledger.record_figure(one, "drift", {"verdict": "held"})
+    ledger.record_ingest(one, [A], [B], [])
+    ledger.record_figure(one, "drift", {"verdict": "moved down", "tau": 1.5})
+    ledger.record_figure(one, "against serving (new)", {"tau_ratio": 1.3})
+    ledger.record_release(one, {"released": True, "reasons": ["new traffic: better"], "folder": "round-001/release"})
+    again = load(tmp_path / "refresh").begin(logs, SERVING, RULE)
+    assert again.figures == {"drift": {"verdict": "moved down", "tau": 1.5}, "against serving (new)": {"tau_ratio": 1.3}}
+    assert again.release == {"released": True, "reasons": ["new traffic: better"], "folder": "round-001/release"}
+
+
 def test_another_split_rule_or_serving_drafter_for_a_round_is_refused(tmp_path):
     ledger = load(tmp_path / "refresh")
     logs = hash_logs(logs_of(tmp_path, day1="1\n"))
