@@ -222,6 +222,8 @@ class Paired:
     """One speculator against another on the prompts both timed, paired by prompt (vllm_sweep.paired_against)."""
     prompts: int = 0
     k: int = 0  # the other's K
+    tau: float | None = None  # the mean of each paired prompt's tau, this side's
+    tau_other: float | None = None  # the same, the other's: tau_ratio is tau / tau_other
     tau_ratio: float | None = None
     tau_ratio_interval: Interval | None = None
     speedup_ratio: float | None = None

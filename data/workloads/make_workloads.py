@@ -115,9 +115,8 @@ def write(name: str, texts: list[str]) -> Path:
                             "temperature": 0, "max_tokens": max_tokens}}
         if response_format:
             line["request"]["response_format"] = response_format
-        lines.append(json.dumps(line, ensure_ascii=False) + "\n")
-    with open(out, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as f:
-        f.write("".join(lines).encode("utf-8"))  # mtime 0: the same bytes on every run
+        lines.append(line)
+    _write_lines(out, lines)
     print(f"{out}: {len(picked)} requests (of {len(pool)} eligible opening messages)")
     return out
 
@@ -134,9 +133,9 @@ def _lines(path: Path) -> list[dict]:
 
 
 def _write_lines(path: Path, lines: list[dict]) -> None:
+    """A log file of `lines`, one JSON object a line, gzipped with mtime 0: the same bytes on every run."""
     with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as f:
         f.write("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines).encode("utf-8"))
-    print(f"{path}: {len(lines)} requests")
 
 
 def write_drift_days() -> None:
@@ -152,11 +151,13 @@ def write_drift_days() -> None:
                         f"{tmp}/triage.jsonl.gz"], check=True)
         triage = _lines(Path(tmp) / "triage.jsonl.gz")
     _write_lines(HERE / "drift_day1.jsonl.gz", router[:DRIFT_DAY1])
+    print(f"{HERE / 'drift_day1.jsonl.gz'}: {DRIFT_DAY1} requests")
     day2 = [*triage[slice(*DRIFT_DAY2["triage"])], *router[slice(*DRIFT_DAY2["router_json"])],
             *router[:DRIFT_REPEATS]]
     random.Random(2).shuffle(day2)
     _write_lines(HERE / "drift_day2.jsonl.gz", [{**line, "id": f"day2-{i:05d}", "created": CREATED + DAY + 7 * i}
                                                 for i, line in enumerate(day2)])
+    print(f"{HERE / 'drift_day2.jsonl.gz'}: {len(day2)} requests")
 
 
 def main() -> None:

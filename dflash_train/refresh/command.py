@@ -321,9 +321,10 @@ def _against(c: dict[str, Any]) -> str:
 
 
 def read_block_size(drafter: Path) -> int:
-    from dflash_train.model.published import fetch_drafter, read_drafter
+    """A drafter folder's block size, from its config.json (checkpoint.read_config: no weights read)."""
+    from dflash_train.model.checkpoint import read_config
 
-    return int(read_drafter(fetch_drafter(str(drafter), None, what="the candidate")).config.block_size)
+    return int(read_config(drafter).block_size)
 
 
 def warm_start(config: RefreshConfig, serving: dict[str, Any]) -> list[str]:

@@ -113,15 +113,10 @@ def comparison(traffic: str, engine: VllmEval) -> Comparison:
     """The candidate (the eval's drafter) against the serving drafter (its baseline drafter) as one eval measured
     them: the pairing is the eval's (`VllmEval.against_baseline`)."""
     paired: Paired | None = engine.against_baseline
-    if paired is None or engine.baseline is None:
+    if paired is None:
         raise ValueError("the eval timed no baseline drafter beside the drafter")
-    row = next(r for r in engine.sweep if r.k == paired.k)
-    mine = {p.id: p.tau for p in row.per_prompt if p.tau is not None}
-    theirs = {p.id: p.tau for p in engine.baseline.per_prompt if p.tau is not None}
-    both = sorted(mine.keys() & theirs.keys())
     return Comparison(traffic=traffic, k=paired.k, prompts=paired.prompts,
-                      tau_candidate=sum(mine[i] for i in both) / len(both) if both else None,
-                      tau_serving=sum(theirs[i] for i in both) / len(both) if both else None,
+                      tau_candidate=paired.tau, tau_serving=paired.tau_other,
                       tau_ratio=paired.tau_ratio, tau_ratio_interval=paired.tau_ratio_interval,
                       speedup_ratio=paired.speedup_ratio, speedup_ratio_interval=paired.speedup_ratio_interval)
 

@@ -423,9 +423,9 @@ def sweep_plan(cfg: EvalConfig, block_size: int, tau_by_k: list[float] | None) -
 
 
 def paired_against(row: KRow, other: KRow) -> Paired:
-    """`row` against `other` on the prompts both timed (with a tau), paired by prompt: the ratio of their mean taus
-    and of their speedups over plain decoding (each a ratio of sums, engine core), each with its 95% bootstrap
-    interval over the same resampled prompts."""
+    """`row` against `other` on the prompts both timed (with a tau), paired by prompt: each side's mean tau, the
+    ratio of their mean taus and of their speedups over plain decoding (each a ratio of sums, engine core), each
+    with its 95% bootstrap interval over the same resampled prompts."""
     theirs = {p.id: p for p in other.per_prompt if p.tau is not None}
     pairs = [(p, theirs[p.id]) for p in row.per_prompt if p.id in theirs and p.tau is not None]
 
@@ -441,8 +441,11 @@ def paired_against(row: KRow, other: KRow) -> Paired:
         plain, spec = (lambda p: p.plain_core_s), (lambda p: p.spec_core_s)
         return (total(idx, 0, plain) / total(idx, 0, spec)) / (total(idx, 1, plain) / total(idx, 1, spec))
 
+    def mean_tau(side: int) -> float | None:
+        return total(everything, side, lambda p: p.tau) / len(pairs) if pairs else None
+
     everything = list(range(len(pairs)))
-    return Paired(prompts=len(pairs), k=other.k, tau_ratio=tau_ratio(everything),
+    return Paired(prompts=len(pairs), k=other.k, tau=mean_tau(0), tau_other=mean_tau(1), tau_ratio=tau_ratio(everything),
                   tau_ratio_interval=bootstrap_interval(tau_ratio, len(pairs)),
                   speedup_ratio=speedup_ratio(everything),
                   speedup_ratio_interval=bootstrap_interval(speedup_ratio, len(pairs)))
