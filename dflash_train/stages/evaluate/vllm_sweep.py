@@ -445,7 +445,8 @@ def paired_against(row: KRow, other: KRow) -> Paired:
         return total(everything, side, lambda p: p.tau) / len(pairs) if pairs else None
 
     everything = list(range(len(pairs)))
-    return Paired(prompts=len(pairs), k=other.k, tau=mean_tau(0), tau_other=mean_tau(1), tau_ratio=tau_ratio(everything),
+    return Paired(prompts=len(pairs), k=other.k, tau=mean_tau(0), tau_other=mean_tau(1),
+                  tau_ratio=tau_ratio(everything),
                   tau_ratio_interval=bootstrap_interval(tau_ratio, len(pairs)),
                   speedup_ratio=speedup_ratio(everything),
                   speedup_ratio_interval=bootstrap_interval(speedup_ratio, len(pairs)))
