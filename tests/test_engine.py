@@ -504,22 +504,6 @@ def test_a_baseline_drafter_is_timed_beside_the_drafter_in_vllm_and_paired_by_pr
 
 
 @needs_vllm
-def test_the_drafter_against_itself_as_the_baseline_is_a_tau_ratio_of_one(repeating_drafters, engine_target,
-                                                                          prompts_file, tmp_path):
-    """The same drafter folder as drafter and baseline drafter, greedy: the same drafts at every step in both
-    engines, so the same tau on every prompt (above 1 where the target repeats REPEATED) and a tau ratio of
-    exactly 1."""
-    (repeating, _), out = repeating_drafters, tmp_path / "eval"
-    assert eval_cli("--engine", "vllm", "--drafter", repeating, "--baseline-drafter", repeating, "--target",
-                    engine_target, "--prompts", prompts_file, "--out", out, "--limit", "4", "--speculative-tokens",
-                    "3", "--concurrency", "2") == 0
-    vllm = eval_report.load(out).vllm
-    taus = [p.tau for p in vllm.sweep[0].per_prompt]
-    assert [p.tau for p in vllm.baseline.per_prompt] == taus and max(taus) > 1
-    assert vllm.against_baseline.tau_ratio == 1.0 and vllm.baseline_sha256 == vllm.drafter_sha256
-
-
-@needs_vllm
 @pytest.mark.slow
 def test_the_lossless_check_alone_decodes_each_prompt_plain_and_speculative_to_its_stop(overfit_drafter,
                                                                                        engine_target, tmp_path):
