@@ -998,8 +998,12 @@ def test_a_killed_engine_capture_regenerates_only_the_answers_whose_states_it_lo
                                                                                     monkeypatch, capsys):
     """A capture killed after the engine streamed every answer and its states, while the store was written: the
     rerun keeps the answers whose states files are there, generates again those it lost (a states file, a streamed
-    line), never those stored, and stores what an uninterrupted capture stores; the states files go at the end."""
+    line), never those stored, and stores what an uninterrupted capture stores; the states files go at the end.
+    --store-topk: every position's top-k as `prefill_capture` computes it (fp32), kept and regenerated answers alike,
+    one row per token (the row past the final token the engine also records is not stored)."""
     from dflash_train.engine.taps import states_file
+    from dflash_train.states import prefill_capture
+    from dflash_train.target import load_target
     from dflash_train.stages.capture.responses import ENGINE_RESPONSES, engine_states_folder
     from dflash_train.store.reader import open_store
     from dflash_train.store.writer import StoreWriter
@@ -1015,7 +1019,7 @@ def test_a_killed_engine_capture_regenerates_only_the_answers_whose_states_it_lo
 
     monkeypatch.setattr(StoreWriter, "add", killed)
     args = ("--engine", "vllm", "--prompts", prompts_file, "--target", engine_target, "--out", out, "--batch-size", 2,
-            "--shard-size-mb", 0.01)  # a shard closes after each batch
+            "--shard-size-mb", 0.01, "--store-topk", 4)  # a shard closes after each batch
     assert capture_cli(*args) != 0
     monkeypatch.setattr(StoreWriter, "add", add)
     stored = [i for shard in json.loads((out / "journal-r000.json").read_text())["shards"] for i in shard["ids"]]
@@ -1036,28 +1040,13 @@ def test_a_killed_engine_capture_regenerates_only_the_answers_whose_states_it_lo
     reference = {s["id"]: s for s in open_store(engine_store)}
     resumed = open_store(out)
     assert sorted(resumed.ids) == sorted(reference)
+    target = load_target(str(engine_target), dtype=torch.float32)
     for sample in resumed:
         ref = reference[sample["id"]]
         assert sample["input_ids"].tolist() == ref["input_ids"].tolist()
         torch.testing.assert_close(sample["hidden_states"], ref["hidden_states"], rtol=1.6e-2, atol=1e-2)
-
-
-@needs_vllm
-@pytest.mark.slow
-def test_an_engine_capture_stores_the_topk_a_prefill_computes(engine_target, prompts_file, tmp_path):
-    """--store-topk through `capture --engine vllm`: every position's top-k as `prefill_capture` computes it (fp32),
-    one row per token (the row past the final token the engine also records is not stored)."""
-    from dflash_train.states import prefill_capture
-    from dflash_train.store.reader import open_store
-    from dflash_train.target import load_target
-
-    out = tmp_path / "topk"
-    assert capture_cli("--engine", "vllm", "--prompts", prompts_file, "--target", engine_target, "--out", out,
-                       "--store-topk", 4) == 0
-    target = load_target(str(engine_target), dtype=torch.float32)
-    for sample in open_store(out):
         ids = sample["input_ids"].tolist()
-        ref = prefill_capture(target.model, [ids], [int((~sample["loss_mask"]).sum())], LAYERS,
-                              target.tokenizer.pad_token_id, topk=4)[0]
-        assert torch.equal(sample["topk_ids"].int(), ref.topk_ids)
-        torch.testing.assert_close(sample["topk_logprobs"].float(), ref.topk_logprobs, rtol=0, atol=2e-2)
+        prefill = prefill_capture(target.model, [ids], [int((~sample["loss_mask"]).sum())], LAYERS,
+                                  target.tokenizer.pad_token_id, topk=4)[0]
+        assert torch.equal(sample["topk_ids"].int(), prefill.topk_ids)
+        torch.testing.assert_close(sample["topk_logprobs"].float(), prefill.topk_logprobs, rtol=0, atol=2e-2)
