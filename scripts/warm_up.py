@@ -38,11 +38,10 @@ def deepspeed_cpu_op() -> str:
 def vllm_engines(target: Path) -> str:
     """Start vLLM once on the target, plain and with the shipped general drafter, in the engine child the stages
     use, decoding a few tokens."""
+    from dflash_train.device import default_device
     from dflash_train.engine import install
     from dflash_train.engine.jobs import EngineJob, EngineRequest
     from dflash_train.engine.runner import run_engine
-
-    from dflash_train.device import default_device
 
     if install.vllm_version() is None:
         return "vLLM is not installed: nothing to warm"
@@ -57,10 +56,9 @@ def vllm_engines(target: Path) -> str:
 def main() -> int:
     from dflash_train.target import DEFAULT_TARGET, resolve_target
 
-    steps = (("target", lambda: f"{DEFAULT_TARGET} ready ({resolve_target(DEFAULT_TARGET).name})"),
-             ("DeepSpeed", deepspeed_cpu_op),
-             ("vLLM", lambda: vllm_engines(resolve_target(DEFAULT_TARGET))))
-    for name, step in steps:
+    steps = (lambda: f"the embedded target ready: {resolve_target(DEFAULT_TARGET).name}",
+             deepspeed_cpu_op, lambda: vllm_engines(resolve_target(DEFAULT_TARGET)))
+    for step in steps:
         t0 = time.perf_counter()
         said = step()
         print(f"warm-up: {said} ({time.perf_counter() - t0:.0f} s)", flush=True)

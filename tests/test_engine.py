@@ -1002,11 +1002,11 @@ def test_a_killed_engine_capture_regenerates_only_the_answers_whose_states_it_lo
     --store-topk: every position's top-k as `prefill_capture` computes it (fp32), kept and regenerated answers alike,
     one row per token (the row past the final token the engine also records is not stored)."""
     from dflash_train.engine.taps import states_file
-    from dflash_train.states import prefill_capture
-    from dflash_train.target import load_target
     from dflash_train.stages.capture.responses import ENGINE_RESPONSES, engine_states_folder
+    from dflash_train.states import prefill_capture
     from dflash_train.store.reader import open_store
     from dflash_train.store.writer import StoreWriter
+    from dflash_train.target import load_target
 
     out = tmp_path / "killed"
     add, calls = StoreWriter.add, []
