@@ -19,20 +19,18 @@ import tempfile
 import time
 from pathlib import Path
 
-GENERAL_DRAFTER = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m-instruct-general"
+from dflash_train.support.runs import REPO
+
+GENERAL_DRAFTER = REPO / "drafters" / "smollm2-135m-instruct-general"
 
 
 def deepspeed_cpu_op() -> str:
-    """Compile (or find compiled) DeepSpeed's shared-memory communication op where the accelerator is the CPU,
-    as its torch backend does when training starts."""
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
+    """Compile (or find compiled) the communication op DeepSpeed's torch backend builds when training starts: its
+    own `build_shm_op`, which builds the shared-memory op where the accelerator is the CPU, none elsewhere."""
+    from deepspeed.comm.torch import build_shm_op
 
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-        return f"DeepSpeed on {get_accelerator().device_name()}: no CPU communication op to build"
-    builder.load(verbose=False)
-    return f"DeepSpeed's {builder.NAME} op ready"
+    return "DeepSpeed's CPU communication op ready" if build_shm_op() is not None else \
+        "DeepSpeed: no CPU communication op on this accelerator"
 
 
 def vllm_engines(target: Path) -> str:
